@@ -1,0 +1,60 @@
+"""camp2p-overlap: FFN-side CAMP2P A2E/E2A multi-stream overlap for vLLM
+0.19.1 + afd-plugin, as a version-guarded, reversible patch layer.
+
+Importing this package imports no vLLM, afd-plugin or torch_npu module.
+"""
+
+from __future__ import annotations
+
+from camp2p_overlap.config import ConfigError, OverlapConfig, load_config
+from camp2p_overlap.patcher import (
+    ENGINE,
+    PatchRefused,
+    PatchReport,
+    TargetState,
+    TargetStatus,
+)
+from camp2p_overlap.plugin import register
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "OverlapConfig",
+    "PatchRefused",
+    "PatchReport",
+    "TargetState",
+    "TargetStatus",
+    "__version__",
+    "apply",
+    "is_applied",
+    "load_config",
+    "register",
+    "status",
+    "unpatch",
+]
+
+
+def apply(*, strict: bool | None = None) -> PatchReport:
+    """Arrange the wrapping of every target of the supported stack, if
+    ``VLLM_CAMP2P_MULTISTREAM`` is on. Idempotent and thread-safe; imports no
+    target module (post-import hooks wrap each when it is imported). Never
+    raises unless strict mode is on (``strict=True`` or
+    ``VLLM_CAMP2P_MULTISTREAM_STRICT=1``)."""
+    return ENGINE.apply(strict=strict)
+
+
+def unpatch(*, timeout: float = 30.0) -> bool:
+    """Restore every original object exactly. Steps already running wrapped
+    finish first (up to ``timeout`` seconds); new ones run the original.
+    Idempotent. Returns whether everything was removed."""
+    return ENGINE.unpatch(timeout=timeout)
+
+
+def is_applied() -> bool:
+    return ENGINE.is_applied()
+
+
+def status() -> PatchReport:
+    """Per target: not-imported-yet / wrapped / checked / refused, with why."""
+    return ENGINE.status()

@@ -1,0 +1,159 @@
+"""The environment, parsed once into one frozen, validated configuration.
+
+Every ``VLLM_CAMP2P_*`` variable the package reads is declared in
+:data:`ENV_VARS`; :func:`load_config` is the only place that reads them.
+A malformed value is a :class:`ConfigError` naming the variable and the
+value, never a silent default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+Backend = Literal["auto", "npu", "cuda", "cpu"]
+
+ENV_SWITCH = "VLLM_CAMP2P_MULTISTREAM"
+ENV_A2E = "VLLM_CAMP2P_MULTISTREAM_A2E"
+ENV_E2A = "VLLM_CAMP2P_MULTISTREAM_E2A"
+ENV_MIN_STAGES = "VLLM_CAMP2P_MULTISTREAM_MIN_STAGES"
+ENV_GRAPH = "VLLM_CAMP2P_MULTISTREAM_GRAPH"
+ENV_BACKEND = "VLLM_CAMP2P_MULTISTREAM_BACKEND"
+ENV_STRICT = "VLLM_CAMP2P_MULTISTREAM_STRICT"
+ENV_WATCHDOG = "VLLM_CAMP2P_MULTISTREAM_WATCHDOG_S"
+
+#: Every variable this package reads, with a one-line description. vLLM's
+#: environment registry is told about exactly these names (see plugin.py).
+ENV_VARS: dict[str, str] = {
+    ENV_SWITCH: "Master switch for FFN-side CAMP2P A2E/E2A multi-stream overlap.",
+    ENV_A2E: "Run A2E (receive from attention) on per-stage side streams.",
+    ENV_E2A: "Run E2A (send to attention) on per-stage side streams.",
+    ENV_MIN_STAGES: "Fewest micro-batch stages in a step for the overlap to engage.",
+    ENV_GRAPH: "Also engage inside graph capture (ACL graph / CUDA graph).",
+    ENV_BACKEND: "Stream backend: auto (from the runner's device), npu, cuda or cpu.",
+    ENV_STRICT: "Raise instead of logging when the patch layer refuses.",
+    ENV_WATCHDOG: "Seconds after which a step that has not finished logs a stall report.",
+}
+
+#: CAMP2P has one HCCL group per stage: afd, afd1, afd2.
+MAX_STAGES = 3
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+_BACKENDS: tuple[str, ...] = ("auto", "npu", "cuda", "cpu")
+
+
+class ConfigError(ValueError):
+    """An environment variable holds a value this package does not accept."""
+
+
+@dataclass(frozen=True)
+class OverlapConfig:
+    """What the environment asked for. Immutable; build a new one with
+    :meth:`with_overrides`."""
+
+    enabled: bool = False
+    a2e_on_side_stream: bool = True
+    e2a_on_side_stream: bool = True
+    min_stages: int = 2
+    graph: bool = False
+    backend: Backend = "auto"
+    strict: bool = False
+    watchdog_s: float | None = None
+    #: Variables that were set, as read (for logs and ``doctor``).
+    raw: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    def with_overrides(self, **changes: object) -> OverlapConfig:
+        """A copy with the given fields changed (used by tests and the bench)."""
+        cfg = replace(self, **changes)  # type: ignore[arg-type]
+        _check_ranges(cfg)
+        return cfg
+
+
+def _parse_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean; use one of 1/0, true/false, yes/no, on/off")
+
+
+def _parse_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw.strip(), 10)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def _parse_seconds(env: Mapping[str, str], name: str) -> float | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise ConfigError(f"{name}={raw!r} must be a positive, finite number of seconds")
+    return value
+
+
+def _parse_backend(env: Mapping[str, str], name: str) -> Backend:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return "auto"
+    value = raw.strip().lower()
+    if value not in _BACKENDS:
+        raise ConfigError(f"{name}={raw!r} is not one of {', '.join(_BACKENDS)}")
+    return value  # type: ignore[return-value]
+
+
+def _check_ranges(cfg: OverlapConfig) -> None:
+    if not 1 <= cfg.min_stages <= MAX_STAGES:
+        raise ConfigError(
+            f"{ENV_MIN_STAGES}={cfg.min_stages} is out of range 1..{MAX_STAGES} (CAMP2P has {MAX_STAGES} stage groups)"
+        )
+    if cfg.backend not in _BACKENDS:
+        raise ConfigError(f"{ENV_BACKEND}={cfg.backend!r} is not one of {', '.join(_BACKENDS)}")
+
+
+def load_config(env: Mapping[str, str] | None = None) -> OverlapConfig:
+    """Parse the environment (``os.environ`` by default) into a config.
+
+    Raises :class:`ConfigError` for any malformed value.
+    """
+    env = os.environ if env is None else env
+    cfg = OverlapConfig(
+        enabled=_parse_bool(env, ENV_SWITCH, False),
+        a2e_on_side_stream=_parse_bool(env, ENV_A2E, True),
+        e2a_on_side_stream=_parse_bool(env, ENV_E2A, True),
+        min_stages=_parse_int(env, ENV_MIN_STAGES, 2),
+        graph=_parse_bool(env, ENV_GRAPH, False),
+        backend=_parse_backend(env, ENV_BACKEND),
+        strict=_parse_bool(env, ENV_STRICT, False),
+        watchdog_s=_parse_seconds(env, ENV_WATCHDOG),
+        raw={k: env[k] for k in ENV_VARS if k in env},
+    )
+    _check_ranges(cfg)
+    return cfg
+
+
+def strict_requested(env: Mapping[str, str] | None = None) -> bool:
+    """Whether strict mode is asked for, tolerating a malformed switch elsewhere.
+
+    Used to decide whether a :class:`ConfigError` itself should raise.
+    """
+    env = os.environ if env is None else env
+    try:
+        return _parse_bool(env, ENV_STRICT, False)
+    except ConfigError:
+        return False

@@ -1,0 +1,70 @@
+"""A MoE-shaped FFN block doing real tensor work: a router, top-k routed
+experts (SiLU-gated MLPs) and a shared expert. Deterministic for a seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    hidden: int = 512
+    ffn: int = 1024
+    experts: int = 8
+    top_k: int = 2
+    shared_expert: bool = True
+
+
+class MoEFFN:
+    """One set of weights per layer group; ``layer_idx`` selects a group so
+    that layers differ without holding a full model in memory."""
+
+    def __init__(
+        self,
+        shape: MoEShape,
+        *,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        weight_groups: int = 4,
+    ) -> None:
+        self.shape = shape
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        h, f, e = shape.hidden, shape.ffn, shape.experts
+
+        def w(*dims: int, scale: float) -> torch.Tensor:
+            return (torch.randn(*dims, generator=g) * scale).to(device=device, dtype=dtype)
+
+        self.groups = []
+        for _ in range(weight_groups):
+            self.groups.append(
+                {
+                    "router": w(h, e, scale=h**-0.5),
+                    "gate_up": w(e, h, 2 * f, scale=h**-0.5),
+                    "down": w(e, f, h, scale=f**-0.5),
+                    "shared_gate_up": w(h, 2 * f, scale=h**-0.5),
+                    "shared_down": w(f, h, scale=f**-0.5),
+                }
+            )
+
+    def __call__(self, x: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        wts = self.groups[layer_idx % len(self.groups)]
+        logits = x @ wts["router"]
+        weights, experts = torch.topk(torch.softmax(logits, dim=-1), self.shape.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        routed = torch.zeros_like(x)
+        for e in range(self.shape.experts):
+            token_idx, slot = torch.nonzero(experts == e, as_tuple=True)
+            if token_idx.numel() == 0:
+                continue
+            xe = x.index_select(0, token_idx)
+            gate, up = (xe @ wts["gate_up"][e]).chunk(2, dim=-1)
+            ye = (torch.nn.functional.silu(gate) * up) @ wts["down"][e]
+            routed.index_add_(0, token_idx, ye * weights[token_idx, slot].unsqueeze(-1))
+        shared = None
+        if self.shape.shared_expert:
+            gate, up = (x @ wts["shared_gate_up"]).chunk(2, dim=-1)
+            shared = (torch.nn.functional.silu(gate) * up) @ wts["shared_down"]
+        return routed, shared

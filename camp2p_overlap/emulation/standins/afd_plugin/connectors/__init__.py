@@ -1,0 +1,1 @@
+"""Stand-in package (see camp2p_overlap.emulation.standins)."""

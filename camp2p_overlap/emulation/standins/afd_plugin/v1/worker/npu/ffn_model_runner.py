@@ -1,0 +1,123 @@
+"""Stand-in for ``afd_plugin.v1.worker.npu.ffn_model_runner``: the FFN
+runner with the contract's ``_ffn_forward`` loop shape and module helpers.
+
+Written from the contract (shared/contracts/afd-plugin-v0.19.1rc1-ffn.md);
+it keeps the order of calls and the signatures, not upstream's code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from ....connectors.metadata import AFDF2ATransferPayload
+
+_moe_layer_index: list[int | None] = [None]
+
+
+class NPUModelRunner:
+    """Stand-in base class (vLLM-Ascend's runner)."""
+
+
+@contextlib.contextmanager
+def ascend_forward_context(**kwargs: Any) -> Iterator[dict[str, Any]]:
+    yield {"dp_metadata": None, "additional_kwargs": {}, **kwargs}
+
+
+def _set_moe_layer_index(layer_idx: int) -> None:
+    _moe_layer_index[0] = layer_idx
+
+
+def _is_moe_layer(hf_config: Any, layer_idx: int) -> bool:
+    first_dense = int(getattr(hf_config, "first_k_dense_replace", 0) or 0)
+    freq = int(getattr(hf_config, "moe_layer_freq", 1) or 1)
+    return layer_idx >= first_dense and layer_idx % freq == 0
+
+
+def _ffn_layer_indices(runner):
+    num_layers = max(int(runner.num_layers or 0), 1)
+    if not runner.afd_config.compute_gate_on_attention:
+        return range(num_layers)
+    hf = runner.model_config.hf_config
+    return [i for i in range(num_layers) if _is_moe_layer(hf, i)]
+
+
+def _send_ffn_output(connector: Any, ffn_output: Any, context: Any, *, stage_idx: int) -> None:
+    if not isinstance(ffn_output, AFDF2ATransferPayload):
+        connector.send_ffn_output(ffn_output, context, ubatch_idx=stage_idx)
+        return
+    extra: dict[str, Any] = {"ubatch_idx": stage_idx}
+    if ffn_output.shared_output is not None:
+        extra["expand_x_shared"] = ffn_output.shared_output
+    connector.send_ffn_output(ffn_output.routed_output, context, **extra)
+
+
+class AFDNPUFFNModelRunner(NPUModelRunner):
+    def __init__(
+        self,
+        *,
+        connector: Any,
+        model: Any,
+        num_layers: int,
+        max_num_tokens: int,
+        afd_config: Any,
+        device: Any = "cpu",
+        model_config: Any = None,
+        vllm_config: Any = None,
+        use_aclgraph: bool = False,
+    ) -> None:
+        self.connector = connector
+        self.model = model
+        self.num_layers = num_layers
+        self.max_num_tokens = max_num_tokens
+        self.afd_config = afd_config
+        self.device = device
+        self.model_config = model_config
+        self.vllm_config = vllm_config
+        self.use_aclgraph = use_aclgraph
+
+    def execute_ffn_step(self, *, dp_metadata_list, is_graph_capturing=False, is_warmup=False):
+        return self.execute_model(
+            dp_metadata_list=dp_metadata_list,
+            is_graph_capturing=is_graph_capturing,
+            is_warmup=is_warmup,
+        )
+
+    def execute_model(
+        self,
+        scheduler_output=None,
+        intermediate_tensors=None,
+        *,
+        dp_metadata_list=None,
+        is_graph_capturing=False,
+        is_warmup=False,
+    ):
+        self._ffn_forward(dp_metadata_list=dp_metadata_list)
+
+    def _ffn_forward(
+        self,
+        *,
+        dp_metadata_list,
+        aclgraph_runtime_mode=None,
+        is_graph_capturing=False,
+        update_connector_state=True,
+    ):
+        if update_connector_state:
+            self.connector.control_plane.update_state_from_dp_metadata(dp_metadata_list)
+        stage_ids = sorted(int(k) for k in dp_metadata_list) or [0]
+        out = None
+        with ascend_forward_context(num_stages=max(len(dp_metadata_list), 1)) as ctx:
+            for layer_idx in _ffn_layer_indices(self):
+                for stage_idx in stage_ids:
+                    payload = self.connector.recv_attn_output(
+                        ubatch_idx=stage_idx, layer_idx=layer_idx, max_num_tokens=self.max_num_tokens
+                    )
+                    payload.context.metadata.layer_idx = layer_idx
+                    payload.context.metadata.stage_idx = stage_idx
+                    ctx["dp_metadata"] = dp_metadata_list[stage_idx] if dp_metadata_list else None
+                    ctx["additional_kwargs"]["afd_metadata"] = payload.context.metadata
+                    _set_moe_layer_index(layer_idx)
+                    out = self.model.compute_ffn_output(hidden_states=payload.hidden_states, layer_idx=layer_idx)
+                    _send_ffn_output(self.connector, out, payload.context, stage_idx=stage_idx)
+        return out

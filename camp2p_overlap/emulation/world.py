@@ -1,0 +1,318 @@
+"""An emulated CAMP2P world on one host: attention peers, a modeled link,
+a MoE FFN doing real tensor work, and the stand-in runner and connector.
+
+The attention peer of each stage keeps the real data dependencies: A2E of
+layer L is available only after E2A of the stage's previous layer arrived
+plus a modeled attention time, and its hidden states are computed from
+what that E2A delivered. A schedule that would deadlock on hardware (an A2E
+queued ahead of its group's E2A on one stream) therefore waits here too,
+until the op timeout (the stand-in for HCCL's) fires. Two ops of the same
+stage group running at once is a :class:`ProtocolError`, as it would corrupt
+the group's HCCL window on hardware.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from camp2p_overlap.emulation import standins
+from camp2p_overlap.emulation.moe import MoEFFN, MoEShape
+
+
+class PeerTimeoutError(TimeoutError):
+    """An emulated communication op waited longer than the op timeout."""
+
+
+class ProtocolError(RuntimeError):
+    """The emulated protocol was violated (group order, wrong layer)."""
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    latency_s: float = 100e-6
+    bandwidth_Bps: float = 2e9
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+
+@dataclass(frozen=True)
+class StageMeta:
+    """Per-stage DP metadata as the FFN side sees it (token count)."""
+
+    num_tokens: int
+
+
+@dataclass
+class _Peer:
+    stage: int
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    layers: tuple[int, ...] = ()
+    next_a2e: int = 0
+    ready_at: float | None = None
+    awaiting_e2a: int | None = None
+    last_out: torch.Tensor | None = None
+    busy: str | None = None
+    stopped: bool = False
+
+
+#: A fault hook: called as hook(kind, layer, stage) at the start of each
+#: emulated op ("a2e", "e2a"); it may raise, sleep, or stop the peer.
+FaultHook = Callable[[str, int, int], None]
+
+
+class EmulatedTransport:
+    """Plays the ``a2e``/``e2a`` custom ops and the attention ranks."""
+
+    def __init__(
+        self,
+        *,
+        hidden: int,
+        link: LinkModel = LinkModel(),
+        attn_s: float = 0.0,
+        op_timeout_s: float = 30.0,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        max_tokens: int = 4096,
+        base_pool: int = 4,
+    ) -> None:
+        self.hidden = hidden
+        self.link = link
+        self.attn_s = attn_s
+        self.op_timeout_s = op_timeout_s
+        self.dtype = dtype
+        self.peers: dict[int, _Peer] = {}
+        self.results: dict[tuple[int, int], torch.Tensor] = {}
+        self.step = 0
+        self.fault_hook: FaultHook | None = None
+        g = torch.Generator().manual_seed(seed + 7919)
+        self._base = [torch.randn(max_tokens, hidden, generator=g).to(dtype) for _ in range(base_pool)]
+        self._lock = threading.Lock()
+
+    # -- step control ----------------------------------------------------
+    def begin_step(self, step: int, layers: Sequence[int], stages: Sequence[int]) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            self.step = step
+            self.results = {}
+            self.peers = {s: _Peer(stage=s, layers=tuple(layers), ready_at=now + self.attn_s) for s in stages}
+
+    def stop_peer(self, stage: int) -> None:
+        """The attention rank of ``stage`` stops answering."""
+        p = self.peers[stage]
+        with p.cond:
+            p.stopped = True
+            p.cond.notify_all()
+
+    # -- ops -----------------------------------------------------------
+    def _enter(self, p: _Peer, what: str) -> None:
+        with p.cond:
+            if p.busy is not None:
+                raise ProtocolError(
+                    f"stage {p.stage}: {what} started while {p.busy} is still running on the same group"
+                )
+            p.busy = what
+
+    def _leave(self, p: _Peer) -> None:
+        with p.cond:
+            p.busy = None
+
+    def a2e(
+        self, *, group: str, stage: int, layer: int, num_tokens: int, max_num_tokens: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.peers[stage]
+        what = f"a2e(L{layer}) on {group}"
+        self._enter(p, what)
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook("a2e", layer, stage)
+            with p.cond:
+                if p.next_a2e >= len(p.layers) or p.layers[p.next_a2e] != layer:
+                    nxt = p.layers[p.next_a2e] if p.next_a2e < len(p.layers) else None
+                    raise ProtocolError(f"stage {stage}: a2e for layer {layer}, attention sends layer {nxt}")
+                deadline = time.perf_counter() + self.op_timeout_s
+                while True:
+                    now = time.perf_counter()
+                    if not p.stopped and p.ready_at is not None and now >= p.ready_at:
+                        break
+                    if now >= deadline:
+                        raise PeerTimeoutError(
+                            f"{what}: no data from attention after {self.op_timeout_s:.1f} s"
+                            + (" (peer stopped)" if p.stopped else " (waiting for this stage's e2a)")
+                        )
+                    wait = deadline - now
+                    if p.ready_at is not None and not p.stopped:
+                        wait = min(wait, p.ready_at - now)
+                    p.cond.wait(max(wait, 0.0))
+                last = p.last_out
+            n = int(num_tokens)
+            time.sleep(self.link.seconds(n * self.hidden * self._itemsize()))
+            base = self._base[(layer + self.step) % len(self._base)][:n]
+            hidden = base.clone() if last is None else base + 0.5 * torch.tanh(last[:n])
+            with p.cond:
+                p.next_a2e += 1
+                p.ready_at = None
+                p.awaiting_e2a = layer
+            return hidden, torch.tensor([n])
+        finally:
+            self._leave(p)
+
+    def e2a(
+        self,
+        *,
+        group: str,
+        stage: int,
+        layer: int,
+        routed: torch.Tensor,
+        shared: torch.Tensor | None,
+        atten_batch_size: torch.Tensor,
+    ) -> None:
+        p = self.peers[stage]
+        what = f"e2a(L{layer}) on {group}"
+        self._enter(p, what)
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook("e2a", layer, stage)
+            with p.cond:
+                if p.awaiting_e2a != layer:
+                    raise ProtocolError(
+                        f"stage {stage}: e2a for layer {layer}, attention expects layer {p.awaiting_e2a}"
+                    )
+            if int(atten_batch_size[0]) != routed.shape[0]:
+                raise ProtocolError(f"stage {stage}: e2a batch size does not match its a2e")
+            nbytes = routed.numel() * routed.element_size()
+            if shared is not None:
+                nbytes += shared.numel() * shared.element_size()
+            time.sleep(self.link.seconds(nbytes))
+            out = routed if shared is None else routed + shared
+            out = out.detach().clone()
+            with p.cond:
+                self.results[(layer, stage)] = out
+                p.last_out = out
+                p.awaiting_e2a = None
+                p.ready_at = time.perf_counter() + self.attn_s
+                p.cond.notify_all()
+        finally:
+            self._leave(p)
+
+    def _itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+class EmulatedModel:
+    """The FFN model: ``compute_ffn_output(hidden_states=, layer_idx=)``."""
+
+    def __init__(self, moe: MoEFFN, *, return_payload: bool = True, payload_cls: Any = None) -> None:
+        self.moe = moe
+        self.return_payload = return_payload and moe.shape.shared_expert
+        self.payload_cls = payload_cls
+
+    def compute_ffn_output(self, *, hidden_states: torch.Tensor, layer_idx: int) -> Any:
+        routed, shared = self.moe(hidden_states, layer_idx)
+        if self.return_payload and self.payload_cls is not None:
+            return self.payload_cls(routed_output=routed, shared_output=shared)
+        return routed if shared is None else routed + shared
+
+
+@dataclass
+class AfdConfig:
+    connector: str = "camp2p"
+    role: str = "ffn"
+    compute_gate_on_attention: bool = False
+
+
+@dataclass
+class HFConfig:
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+
+
+@dataclass
+class ModelConfig:
+    hf_config: HFConfig = field(default_factory=HFConfig)
+
+
+@dataclass(frozen=True)
+class WorldSpec:
+    layers: int = 8
+    stage_ids: tuple[int, ...] = (0, 1)
+    tokens: int = 128
+    shape: MoEShape = MoEShape()
+    link: LinkModel = LinkModel()
+    attn_s: float = 0.0
+    op_timeout_s: float = 30.0
+    seed: int = 0
+    compute_gate_on_attention: bool = False
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    return_payload: bool = True
+    device: str = "cpu"
+
+
+@dataclass
+class World:
+    spec: WorldSpec
+    runner: Any
+    connector: Any
+    transport: EmulatedTransport
+    modules: tuple[ModuleType, ModuleType, ModuleType]
+    steps_run: int = 0
+
+    def layer_list(self) -> list[int]:
+        return list(self.modules[0]._ffn_layer_indices(self.runner))
+
+    def dp_metadata(self, tokens: Mapping[int, int] | None = None) -> dict[int, StageMeta]:
+        return {s: StageMeta(int(tokens[s]) if tokens else self.spec.tokens) for s in self.spec.stage_ids}
+
+    def run_step(
+        self, tokens: Mapping[int, int] | None = None, **forward_kwargs: Any
+    ) -> dict[tuple[int, int], torch.Tensor]:
+        """One FFN step through the runner's ``execute_ffn_step``; returns
+        what attention received for each (layer, stage)."""
+        self.steps_run += 1
+        dp = self.dp_metadata(tokens)
+        self.transport.begin_step(self.steps_run, self.layer_list(), sorted(dp))
+        if forward_kwargs:
+            self.runner._ffn_forward(dp_metadata_list=dp, **forward_kwargs)
+        else:
+            self.runner.execute_ffn_step(dp_metadata_list=dp)
+        return dict(self.transport.results)
+
+
+def build_world(spec: WorldSpec = WorldSpec(), *, root: str = standins.REAL_ROOT) -> World:
+    """Import the stand-ins under ``root`` (installing the finder if needed)
+    and build a runner wired to an emulated transport."""
+    standins.install(root)
+    runner_mod, conn_mod, meta_mod = standins.import_standins(root)
+    max_tokens = max(spec.tokens, 1)
+    transport = EmulatedTransport(
+        hidden=spec.shape.hidden,
+        link=spec.link,
+        attn_s=spec.attn_s,
+        op_timeout_s=spec.op_timeout_s,
+        seed=spec.seed,
+        max_tokens=max_tokens,
+    )
+    connector = conn_mod.CAMP2pAFDConnector(transport, hidden_size=spec.shape.hidden)
+    model = EmulatedModel(
+        MoEFFN(spec.shape, seed=spec.seed, device=spec.device),
+        return_payload=spec.return_payload,
+        payload_cls=meta_mod.AFDF2ATransferPayload,
+    )
+    runner = runner_mod.AFDNPUFFNModelRunner(
+        connector=connector,
+        model=model,
+        num_layers=spec.layers,
+        max_num_tokens=max_tokens,
+        afd_config=AfdConfig(compute_gate_on_attention=spec.compute_gate_on_attention),
+        device=torch.device(spec.device),
+        model_config=ModelConfig(HFConfig(spec.first_k_dense_replace, spec.moe_layer_freq)),
+    )
+    return World(spec, runner, connector, transport, (runner_mod, conn_mod, meta_mod))

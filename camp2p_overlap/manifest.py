@@ -1,0 +1,207 @@
+"""Load the declarative patch manifests (``patches/*.toml``) and check live
+objects against them."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from importlib import resources
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+_KINDS = {
+    "POSITIONAL_ONLY": inspect.Parameter.POSITIONAL_ONLY,
+    "POSITIONAL_OR_KEYWORD": inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    "VAR_POSITIONAL": inspect.Parameter.VAR_POSITIONAL,
+    "KEYWORD_ONLY": inspect.Parameter.KEYWORD_ONLY,
+    "VAR_KEYWORD": inspect.Parameter.VAR_KEYWORD,
+}
+
+MANIFEST_PACKAGE = "camp2p_overlap.patches"
+DEFAULT_STACK = "vllm-0.19.1"
+
+
+class ManifestError(ValueError):
+    """A manifest file is malformed."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    kind: str
+    default: str | None = None  # repr() of the default; None = no default
+
+    def describe(self) -> str:
+        text = f"{self.name} ({self.kind})"
+        return text if self.default is None else f"{text} = {self.default}"
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    module: str
+    qualname: str
+    action: Literal["wrap", "read"]
+    wrapper: str | None
+    signature: tuple[ParamSpec, ...]
+    changes: str
+    why: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+    @property
+    def owner_path(self) -> tuple[str, ...]:
+        """The attribute path from the module to the owner (empty for a
+        module-level function)."""
+        return tuple(self.qualname.split(".")[:-1])
+
+    @property
+    def attribute(self) -> str:
+        return self.qualname.split(".")[-1]
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    name: str
+    targets: tuple[TargetSpec, ...]
+
+
+@dataclass(frozen=True)
+class StackManifest:
+    name: str
+    vllm: str
+    remove_when: str
+    modules: tuple[ModuleSpec, ...]
+    source: str
+
+    def targets(self) -> tuple[TargetSpec, ...]:
+        return tuple(t for m in self.modules for t in m.targets)
+
+    def module(self, name: str) -> ModuleSpec:
+        for m in self.modules:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def rebased(self, old_root: str, new_root: str) -> StackManifest:
+        """The same manifest with module names moved from package ``old_root``
+        to ``new_root`` (the benchmark uses this when a real afd_plugin is
+        installed, so its stand-ins never shadow the real package)."""
+
+        def move(name: str) -> str:
+            if name == old_root or name.startswith(old_root + "."):
+                return new_root + name[len(old_root) :]
+            return name
+
+        modules = tuple(
+            ModuleSpec(move(m.name), tuple(replace(t, module=move(t.module)) for t in m.targets)) for m in self.modules
+        )
+        return replace(self, modules=modules)
+
+
+def _require(table: dict[str, Any], key: str, where: str) -> Any:
+    if key not in table:
+        raise ManifestError(f"{where}: missing key {key!r}")
+    return table[key]
+
+
+def parse_manifest(text: str, source: str = "<string>") -> StackManifest:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ManifestError(f"{source}: {exc}") from exc
+    stack = _require(data, "stack", source)
+    modules: list[ModuleSpec] = []
+    for mod in _require(data, "module", source):
+        mname = _require(mod, "name", source)
+        targets: list[TargetSpec] = []
+        for tgt in _require(mod, "target", f"{source}: module {mname}"):
+            where = f"{source}: {mname}.{tgt.get('qualname', '?')}"
+            action = _require(tgt, "action", where)
+            if action not in ("wrap", "read"):
+                raise ManifestError(f"{where}: action must be 'wrap' or 'read', not {action!r}")
+            wrapper = tgt.get("wrapper")
+            if action == "wrap" and not wrapper:
+                raise ManifestError(f"{where}: a 'wrap' target needs a 'wrapper'")
+            params = []
+            for p in _require(tgt, "signature", where):
+                kind = _require(p, "kind", where)
+                if kind not in _KINDS:
+                    raise ManifestError(f"{where}: unknown parameter kind {kind!r}")
+                params.append(ParamSpec(_require(p, "name", where), kind, p.get("default")))
+            targets.append(
+                TargetSpec(
+                    module=mname,
+                    qualname=_require(tgt, "qualname", where),
+                    action=action,
+                    wrapper=wrapper,
+                    signature=tuple(params),
+                    changes=str(tgt.get("changes", "")).strip(),
+                    why=str(tgt.get("why", "")).strip(),
+                )
+            )
+        modules.append(ModuleSpec(mname, tuple(targets)))
+    return StackManifest(
+        name=_require(stack, "name", source),
+        vllm=_require(stack, "vllm", source),
+        remove_when=str(stack.get("remove_when", "")).strip(),
+        modules=tuple(modules),
+        source=source,
+    )
+
+
+def available_stacks() -> list[str]:
+    root = resources.files(MANIFEST_PACKAGE)
+    return sorted(p.name[: -len(".toml")] for p in root.iterdir() if p.name.endswith(".toml"))
+
+
+def load_manifest(stack: str = DEFAULT_STACK) -> StackManifest:
+    """Load the manifest of ``stack`` from the installed package."""
+    path = resources.files(MANIFEST_PACKAGE) / f"{stack}.toml"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ManifestError(
+            f"no manifest for stack {stack!r}; shipped: {', '.join(available_stacks()) or 'none'}"
+        ) from None
+    return parse_manifest(text, source=f"patches/{stack}.toml")
+
+
+def signature_of(obj: Callable[..., Any]) -> tuple[ParamSpec, ...]:
+    """The parameters of ``obj`` in manifest form."""
+    sig = inspect.signature(obj)
+    out = []
+    for p in sig.parameters.values():
+        default = None if p.default is inspect.Parameter.empty else repr(p.default)
+        out.append(ParamSpec(p.name, p.kind.name, default))
+    return tuple(out)
+
+
+def signature_difference(expected: tuple[ParamSpec, ...], actual: tuple[ParamSpec, ...]) -> str | None:
+    """A human sentence describing how ``actual`` differs from ``expected``,
+    or None when they match."""
+    if expected == actual:
+        return None
+    exp_names = [p.name for p in expected]
+    act_names = [p.name for p in actual]
+    missing = [n for n in exp_names if n not in act_names]
+    extra = [n for n in act_names if n not in exp_names]
+    parts = []
+    if missing:
+        parts.append(f"missing parameter(s) {', '.join(missing)}")
+    if extra:
+        parts.append(f"unexpected parameter(s) {', '.join(extra)}")
+    if not parts:
+        for e, a in zip(expected, actual, strict=True):
+            if e != a:
+                parts.append(f"parameter {e.describe()} is now {a.describe()}")
+        if exp_names != act_names and not parts:
+            parts.append(f"parameter order {act_names} differs from {exp_names}")
+    return "; ".join(parts) or "signature differs"

@@ -1,0 +1,56 @@
+"""The ``vllm.general_plugins`` entry point.
+
+vLLM calls :func:`register` once in every process it starts (front-end,
+engine core, each worker) and does NOT catch what a plugin function raises,
+so this never raises.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from camp2p_overlap._log import logger
+from camp2p_overlap.config import ENV_VARS
+
+#: The entry-point name (``VLLM_PLUGINS`` filters by exact name).
+ENTRY_POINT_NAME = "camp2p_overlap"
+
+
+def register_env_vars() -> list[str]:
+    """Make our ``VLLM_CAMP2P_*`` names known to vLLM's environment registry
+    in this process, so vLLM's unknown-variable check neither warns nor,
+    with ``--fail-on-environ-validation``, fails. Returns the names added.
+
+    Only touches ``vllm.envs`` when vLLM is already imported (it always is
+    when vLLM loads plugins)."""
+    envs = sys.modules.get("vllm.envs")
+    registry: Any = getattr(envs, "environment_variables", None) if envs else None
+    if not isinstance(registry, dict):
+        return []
+    import os
+
+    added = []
+    for name in ENV_VARS:
+        if name not in registry:
+            registry[name] = lambda name=name: os.environ.get(name)
+            added.append(name)
+    return added
+
+
+def register() -> None:
+    """Entry point: register our env names with vLLM, then ``apply()`` when
+    switched on. Never raises (unless strict mode asks for it)."""
+    from camp2p_overlap import apply
+    from camp2p_overlap.config import strict_requested
+
+    try:
+        register_env_vars()
+    except Exception:  # noqa: BLE001 - never break vLLM's start-up
+        logger.exception("camp2p-overlap: could not register environment variables with vLLM")
+    try:
+        apply()
+    except Exception:
+        if strict_requested():
+            raise
+        logger.exception("camp2p-overlap: apply() failed; vLLM continues unpatched")

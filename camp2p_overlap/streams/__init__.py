@@ -1,0 +1,79 @@
+"""Stream backends: ``cpu`` (worker threads), ``cuda`` and ``npu`` (torch
+streams and events), chosen from the runner's device."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any
+
+from camp2p_overlap.streams.base import DoneHandle, Event, OpHandle, Stream, StreamBackend
+from camp2p_overlap.streams.cpu import CpuBackend, StreamPoisonedError
+from camp2p_overlap.streams.device import DeviceUnavailableError, TorchDeviceBackend
+
+__all__ = [
+    "CpuBackend",
+    "DeviceUnavailableError",
+    "DoneHandle",
+    "Event",
+    "OpHandle",
+    "Stream",
+    "StreamBackend",
+    "StreamPoisonedError",
+    "TorchDeviceBackend",
+    "device_module",
+    "make_backend",
+    "resolve_backend_name",
+]
+
+
+class BackendUnavailable(RuntimeError):
+    """No backend can serve this runner; the message says why."""
+
+
+def device_module(kind: str) -> Any:
+    """``torch.cuda`` or ``torch.npu`` when usable, else raise
+    :class:`DeviceUnavailableError` saying why. Importing torch_npu is
+    attempted only for ``npu``."""
+    import torch
+
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceUnavailableError("torch.cuda reports no CUDA device")
+        return torch.cuda
+    if kind == "npu":
+        if importlib.util.find_spec("torch_npu") is None:
+            raise DeviceUnavailableError("torch_npu is not installed")
+        importlib.import_module("torch_npu")
+        npu = getattr(torch, "npu", None)
+        if npu is None or not npu.is_available():
+            raise DeviceUnavailableError("torch.npu reports no NPU device")
+        return npu
+    raise DeviceUnavailableError(f"no device module for {kind!r}")
+
+
+def resolve_backend_name(requested: str, device: Any) -> str:
+    """The backend for a runner on ``device`` under ``requested``
+    (``auto|npu|cuda|cpu``). ``auto`` follows the device type and never
+    chooses ``cpu``: a CPU device only gets the CPU backend when asked for."""
+    kind = getattr(device, "type", None) or (str(device).split(":")[0] if device is not None else None)
+    if requested != "auto":
+        if requested != "cpu" and kind is not None and kind != requested:
+            raise BackendUnavailable(f"backend {requested!r} was asked for but the runner's device is {kind!r}")
+        return requested
+    if kind in ("npu", "cuda"):
+        return kind
+    raise BackendUnavailable(
+        f"runner device {kind!r} has no device streams; the CPU backend runs only when "
+        "VLLM_CAMP2P_MULTISTREAM_BACKEND=cpu asks for it"
+    )
+
+
+def make_backend(name: str, device: Any = None) -> StreamBackend:
+    if name == "cpu":
+        return CpuBackend()
+    try:
+        mod = device_module(name)
+    except DeviceUnavailableError as exc:
+        raise BackendUnavailable(f"backend {name!r} unavailable: {exc}") from exc
+    return TorchDeviceBackend(name, mod, device)

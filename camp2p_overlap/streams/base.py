@@ -1,0 +1,113 @@
+"""The small stream/event interface the overlap session is written against.
+
+A *stream* runs work in the order it was submitted. An *event* is recorded
+on a stream and completes when the stream reaches it; another stream can be
+made to wait on it. The compute stream ``C`` is the caller's current stream.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Hashable
+from typing import Any, Protocol
+
+
+class Stream(Protocol):
+    name: str
+
+
+class Event(Protocol):
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class OpHandle(abc.ABC):
+    """What :meth:`StreamBackend.submit` returns: the op's Python result once
+    it has run (on device backends at once: the result holds tensors the
+    stream fills later), or its exception."""
+
+    start_ns: int | None = None
+    end_ns: int | None = None
+
+    @abc.abstractmethod
+    def result(self) -> Any: ...
+
+    @abc.abstractmethod
+    def done(self) -> bool: ...
+
+
+class DoneHandle(OpHandle):
+    """A handle for work that already ran on the host."""
+
+    __slots__ = ("_exc", "_value", "end_ns", "start_ns")
+
+    def __init__(
+        self,
+        value: Any = None,
+        exc: BaseException | None = None,
+        start_ns: int | None = None,
+        end_ns: int | None = None,
+    ) -> None:
+        self._value = value
+        self._exc = exc
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+
+    def result(self) -> Any:
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+    def done(self) -> bool:
+        return True
+
+
+class StreamBackend(abc.ABC):
+    """One implementation per device kind (``cpu``, ``cuda``, ``npu``)."""
+
+    name: str
+    #: True when ops run synchronously on the host thread that issues them
+    #: for the compute stream (CPU). Device backends enqueue instead.
+    host_synchronous: bool = False
+
+    @abc.abstractmethod
+    def compute_stream(self) -> Stream:
+        """The caller's current stream (C)."""
+
+    @abc.abstractmethod
+    def new_stream(self, name: str) -> Stream:
+        """A new side stream. Called outside graph capture and reused."""
+
+    @abc.abstractmethod
+    def submit(self, stream: Stream, fn: Callable[[], Any], label: str = "op") -> OpHandle:
+        """Run ``fn()`` as work of ``stream``; ``label`` names it in traces
+        and stall reports."""
+
+    @abc.abstractmethod
+    def record(self, stream: Stream, key: Hashable) -> Event:
+        """Record an event on ``stream``. ``key`` names it (kind, layer,
+        stage) so device backends can reuse one event object per key."""
+
+    @abc.abstractmethod
+    def wait(self, stream: Stream, event: Event) -> None:
+        """Make ``stream`` wait for ``event`` (never blocks the host on
+        device backends; on the CPU backend ``C`` is the host)."""
+
+    @abc.abstractmethod
+    def is_capturing(self) -> bool:
+        """Whether the current stream is capturing a graph."""
+
+    def begin_step(self, streams: list[Stream]) -> None:  # noqa: B027 - optional hook
+        """Called when a session opens (CPU: clear sticky errors)."""
+
+    def step_errors(self, streams: list[Stream]) -> list[BaseException]:
+        """Errors raised by side-stream work during the step, in order."""
+        return []
+
+    def synchronize(self, stream: Stream) -> None:  # noqa: B027 - optional hook
+        """Block the host until ``stream`` has finished its work (diagnostics,
+        tests, the benchmark; the session itself never calls it)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release threads or other resources held by streams."""

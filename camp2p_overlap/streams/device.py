@@ -1,0 +1,110 @@
+"""Device backends over a torch device module: ``torch.npu`` (torch_npu)
+and ``torch.cuda`` share the stream/event API shape, so one class serves both.
+
+Events are pooled by key (kind, layer, stage) and reused across steps: a
+wait captures the most recent record at the time it is enqueued, and the
+pool keeps graph capture from creating events step after step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from types import ModuleType
+from typing import Any
+
+from camp2p_overlap.streams.base import DoneHandle, OpHandle, StreamBackend
+
+
+class DeviceUnavailableError(RuntimeError):
+    """The torch device module for this backend is missing or has no device."""
+
+
+class TorchDeviceBackend(StreamBackend):
+    host_synchronous = False
+
+    def __init__(self, name: str, device_module: ModuleType, device: Any = None) -> None:
+        for attr in ("Stream", "Event", "stream", "current_stream"):
+            if not hasattr(device_module, attr):
+                raise DeviceUnavailableError(f"{device_module.__name__} has no {attr}")
+        self.name = name
+        self.mod = device_module
+        self.device = device
+        self._events: dict[Hashable, Any] = {}
+        #: When set, ops are bracketed with timing events for traces.
+        self.timing = False
+        self._timed: list[tuple[DoneHandle, Any, Any]] = []
+        self._origin: Any = None
+
+    def compute_stream(self) -> Any:
+        stream = self.mod.current_stream()
+        _name(stream, "C")
+        return stream
+
+    def new_stream(self, name: str) -> Any:
+        stream = self.mod.Stream(device=self.device) if self.device is not None else self.mod.Stream()
+        _name(stream, name)
+        return stream
+
+    def submit(self, stream: Any, fn: Callable[[], Any], label: str = "op") -> OpHandle:
+        start_ev = end_ev = None
+        with self.mod.stream(stream):
+            if self.timing:
+                start_ev = self.mod.Event(enable_timing=True)
+                start_ev.record(stream)
+            t0 = time.perf_counter_ns()
+            try:
+                value = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed back
+                return DoneHandle(exc=exc, start_ns=t0, end_ns=time.perf_counter_ns())
+            if self.timing:
+                end_ev = self.mod.Event(enable_timing=True)
+                end_ev.record(stream)
+        handle = DoneHandle(value, start_ns=t0, end_ns=time.perf_counter_ns())
+        if self.timing:
+            self._timed.append((handle, start_ev, end_ev))
+        return handle
+
+    def record(self, stream: Any, key: Hashable) -> Any:
+        event = self._events.get(key)
+        if event is None:
+            event = self._events[key] = self.mod.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def is_capturing(self) -> bool:
+        fn = getattr(self.mod, "is_current_stream_capturing", None)
+        return bool(fn()) if fn is not None else False
+
+    def synchronize(self, stream: Any) -> None:
+        stream.synchronize()
+
+    # -- device timing for traces ---------------------------------------
+    def start_timing(self) -> None:
+        """Begin bracketing ops with timing events; times are resolved by
+        :meth:`resolve_timing` after a synchronize."""
+        self.timing = True
+        self._timed.clear()
+        self._origin = self.mod.Event(enable_timing=True)
+        self._origin.record(self.mod.current_stream())
+        self._origin_ns = time.perf_counter_ns()
+
+    def resolve_timing(self) -> None:
+        """Rewrite each timed handle's start/end to device time (ns since
+        :meth:`start_timing`, offset to the host clock at that moment)."""
+        self.mod.synchronize()
+        for handle, start_ev, end_ev in self._timed:
+            handle.start_ns = self._origin_ns + int(self._origin.elapsed_time(start_ev) * 1e6)
+            handle.end_ns = self._origin_ns + int(self._origin.elapsed_time(end_ev) * 1e6)
+        self._timed.clear()
+        self.timing = False
+
+
+def _name(stream: Any, name: str) -> None:
+    try:
+        stream.name = name  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        pass

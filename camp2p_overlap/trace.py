@@ -1,0 +1,274 @@
+"""A trace of what ran where and when, and a checker that every edge of the
+design (``shared/design/overlap-dag.md``) held in it.
+
+A recorder is opt-in (:func:`recording`); with none active, the wrappers pay
+nothing for tracing. Times are ``time.perf_counter_ns()`` on the host (CPU
+backend: real op times), or device times resolved from timing events when a
+device backend was asked for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+
+OP_KINDS = ("a2e", "ffn", "e2a", "wait", "record", "step")
+
+
+@dataclass
+class TraceOp:
+    kind: str
+    layer: int | None
+    stage: int | None
+    stream: str
+    start_ns: int
+    end_ns: int
+    step: int
+    detail: str = ""
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+class TraceRecorder:
+    """Collects :class:`TraceOp` from every step while active."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ops: list[TraceOp] = []
+        self._steps = 0
+        #: Serial-path bookkeeping: per thread, per stage, when FFN started.
+        self._serial = threading.local()
+
+    def next_step(self) -> int:
+        with self._lock:
+            self._steps += 1
+            return self._steps
+
+    def add(self, op: TraceOp) -> None:
+        with self._lock:
+            self._ops.append(op)
+
+    def extend(self, ops: Iterable[TraceOp]) -> None:
+        with self._lock:
+            self._ops.extend(ops)
+
+    def ops(self, step: int | None = None) -> list[TraceOp]:
+        with self._lock:
+            ops = list(self._ops)
+        if step is not None:
+            ops = [o for o in ops if o.step == step]
+        return sorted(ops, key=lambda o: (o.start_ns, o.end_ns))
+
+    def steps(self) -> list[int]:
+        with self._lock:
+            return sorted({o.step for o in self._ops})
+
+    def clear(self) -> None:
+        with self._lock:
+            self._ops.clear()
+
+    # -- serial (not engaged) path --------------------------------------
+    def serial_state(self) -> dict[str, object]:
+        state = getattr(self._serial, "state", None)
+        if state is None:
+            state = self._serial.state = {"step": 0, "ffn_start": {}}
+        return state
+
+    def to_json(self) -> str:
+        return json.dumps([asdict(o) for o in self.ops()])
+
+
+_active_lock = threading.Lock()
+_active: TraceRecorder | None = None
+
+
+def current_recorder() -> TraceRecorder | None:
+    return _active
+
+
+@contextlib.contextmanager
+def recording(recorder: TraceRecorder | None = None) -> Iterator[TraceRecorder]:
+    """Record every step run inside the block (all threads)."""
+    global _active
+    rec = recorder or TraceRecorder()
+    with _active_lock:
+        previous, _active = _active, rec
+    try:
+        yield rec
+    finally:
+        with _active_lock:
+            _active = previous
+
+
+# ---------------------------------------------------------------------------
+# The edge checker
+# ---------------------------------------------------------------------------
+
+
+def side_stream_name(stage: int) -> str:
+    return f"K{stage}"
+
+
+@dataclass(frozen=True)
+class ExpectedSchedule:
+    """What a step was planned to do."""
+
+    layers: tuple[int, ...]
+    stages: tuple[int, ...]
+    a2e_side: bool
+    e2a_side: bool
+
+    def stream_for(self, kind: str, stage: int) -> str:
+        if kind == "a2e" and self.a2e_side:
+            return side_stream_name(stage)
+        if kind == "e2a" and self.e2a_side:
+            return side_stream_name(stage)
+        return "C"
+
+    @classmethod
+    def serial(cls, layers: Sequence[int], stages: Sequence[int]) -> ExpectedSchedule:
+        return cls(tuple(layers), tuple(stages), False, False)
+
+
+@dataclass
+class CheckResult:
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __str__(self) -> str:
+        return "all edges held" if self.ok else "\n".join(self.violations)
+
+
+def check_step(ops: Sequence[TraceOp], expected: ExpectedSchedule) -> CheckResult:
+    """Check that every edge of the design held in one step's trace."""
+    res = CheckResult()
+    bad = res.violations.append
+    by: dict[tuple[str, int | None, int | None], list[TraceOp]] = defaultdict(list)
+    for o in ops:
+        by[(o.kind, o.layer, o.stage)].append(o)
+    plan = [(L, s) for L in expected.layers for s in expected.stages]
+    planned = set(plan)
+
+    # Completeness, and nothing outside the plan (no A2E past the last layer).
+    for kind in ("a2e", "ffn", "e2a"):
+        for L, s in plan:
+            n = len(by.get((kind, L, s), []))
+            if n != 1:
+                bad(f"{kind}(L{L},s{s}) ran {n} times, expected once")
+        for o in ops:
+            if o.kind == kind and (o.layer, o.stage) not in planned:
+                bad(f"{kind}(L{o.layer},s{o.stage}) is outside the step's plan")
+
+    def one(kind: str, L: int, s: int) -> TraceOp | None:
+        found = by.get((kind, L, s))
+        return found[0] if found and len(found) == 1 else None
+
+    for L, s in plan:
+        a, f, e = one("a2e", L, s), one("ffn", L, s), one("e2a", L, s)
+        # Stream selection.
+        for o in (a, f, e):
+            if o is None:
+                continue
+            want = "C" if o.kind == "ffn" else expected.stream_for(o.kind, s)
+            if o.stream != want:
+                bad(f"{o.kind}(L{L},s{s}) ran on {o.stream}, expected {want}")
+        # Edge 3: FFN waits for its A2E. Edge 4: E2A waits for its FFN.
+        if a and f and f.start_ns < a.end_ns:
+            bad(f"ffn(L{L},s{s}) started {a.end_ns - f.start_ns} ns before its a2e ended")
+        if f and e and e.start_ns < f.end_ns:
+            bad(f"e2a(L{L},s{s}) started {f.end_ns - e.start_ns} ns before its ffn ended")
+
+    # Edge 5/6: per stage, the group's communication ops never overlap and
+    # keep the serial order a2e(L0) e2a(L0) a2e(L1) e2a(L1) ...
+    for s in expected.stages:
+        seq = [one(k, L, s) for L in expected.layers for k in ("a2e", "e2a")]
+        prev: TraceOp | None = None
+        for o in seq:
+            if o is None:
+                continue
+            if prev is not None and o.start_ns < prev.end_ns:
+                bad(f"group of stage {s}: {o.kind}(L{o.layer}) started before {prev.kind}(L{prev.layer}) ended")
+            prev = o
+        # No op of stage s on another stage's stream.
+        for o in ops:
+            if o.stage == s and o.stream.startswith("K") and o.stream != side_stream_name(s):
+                bad(f"{o.kind}(L{o.layer},s{s}) ran on another stage's stream {o.stream}")
+
+    # The compute stream runs the FFNs in loop order, one at a time.
+    ffns = [one("ffn", L, s) for L, s in plan]
+    prev = None
+    for o in ffns:
+        if o is None:
+            continue
+        if prev is not None and o.start_ns < prev.end_ns:
+            bad(f"ffn(L{o.layer},s{o.stage}) started before ffn(L{prev.layer},s{prev.stage}) ended")
+        prev = o
+
+    # Edges 1 and 7: everything inside the step (fork and join).
+    steps = [o for o in ops if o.kind == "step"]
+    if len(steps) != 1:
+        bad(f"expected one step span, found {len(steps)}")
+    else:
+        st = steps[0]
+        for o in ops:
+            if o.kind in ("a2e", "ffn", "e2a") and (o.start_ns < st.start_ns or o.end_ns > st.end_ns):
+                bad(f"{o.kind}(L{o.layer},s{o.stage}) ran outside the step (fork/join)")
+    return res
+
+
+def overlaps(a: TraceOp, b: TraceOp) -> bool:
+    """Whether two ops ran at the same time for some positive interval."""
+    return a.start_ns < b.end_ns and b.start_ns < a.end_ns
+
+
+def find(ops: Iterable[TraceOp], kind: str, layer: int, stage: int) -> TraceOp:
+    for o in ops:
+        if o.kind == kind and o.layer == layer and o.stage == stage:
+            return o
+    raise KeyError((kind, layer, stage))
+
+
+def to_chrome_trace(ops: Sequence[TraceOp], process: str = "camp2p-overlap", pid: int = 1) -> list[dict]:
+    """Chrome trace-event records (Perfetto / chrome://tracing), one track
+    (thread) per stream, named ``C``, ``K0``, ``K1`` ..."""
+    if not ops:
+        return []
+    origin = min(o.start_ns for o in ops)
+    streams = sorted({o.stream for o in ops}, key=lambda n: (n != "C", n))
+    tids = {name: i + 1 for i, name in enumerate(streams)}
+    events: list[dict] = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": process}}]
+    for name, tid in tids.items():
+        events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+    for o in ops:
+        if o.kind == "step":
+            label = f"step {o.step}"
+        elif o.layer is None:
+            label = o.kind
+        else:
+            label = f"{o.kind} L{o.layer} s{o.stage}"
+        events.append(
+            {
+                "name": label,
+                "cat": o.kind,
+                "ph": "X",
+                "pid": pid,
+                "tid": tids[o.stream],
+                "ts": (o.start_ns - origin) / 1000.0,
+                "dur": max(o.end_ns - o.start_ns, 0) / 1000.0,
+                "args": {"layer": o.layer, "stage": o.stage, "step": o.step, "detail": o.detail},
+            }
+        )
+    return events

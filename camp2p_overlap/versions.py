@@ -1,0 +1,60 @@
+"""Installed versions, read from distribution metadata without importing
+the distributions themselves (OpenTelemetry-style dependency check)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+
+from packaging.version import InvalidVersion, Version
+
+#: Distribution names as published.
+VLLM_DIST = "vllm"
+AFD_PLUGIN_DIST = "vllm-afd-plugin"
+
+
+def installed_version(dist: str) -> str | None:
+    """The installed version string of ``dist``, or None if it is absent."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class VersionCheck:
+    ok: bool
+    found: str | None
+    supported: str
+    reason: str
+
+
+def check_vllm(supported: str) -> VersionCheck:
+    """Accept exactly release ``supported`` (e.g. ``0.19.1``), with any local
+    label (vLLM-Ascend installs vLLM as ``0.19.1+empty``). Pre-, post- and dev
+    releases and every other version are refused, as is a missing vLLM or a
+    version string that does not parse."""
+    found = installed_version(VLLM_DIST)
+    return judge_vllm_version(found, supported)
+
+
+def judge_vllm_version(found: str | None, supported: str) -> VersionCheck:
+    if found is None:
+        return VersionCheck(False, None, supported, f"vLLM is not installed; camp2p-overlap supports vLLM {supported}")
+    try:
+        parsed = Version(found)
+    except InvalidVersion:
+        return VersionCheck(
+            False,
+            found,
+            supported,
+            f"vLLM version {found!r} does not parse; camp2p-overlap supports vLLM {supported}",
+        )
+    if parsed.public != Version(supported).public:
+        return VersionCheck(
+            False,
+            found,
+            supported,
+            f"vLLM {found} is installed; camp2p-overlap supports vLLM {supported} only",
+        )
+    return VersionCheck(True, found, supported, f"vLLM {found} matches supported {supported}")
