@@ -1,0 +1,69 @@
+"""Shared fixtures. Every test leaves the process as it found it: the patch
+engine unpatched, the stand-in finder removed, log-once memory cleared."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from camp2p_overlap._log import reset_log_once
+from camp2p_overlap.config import OverlapConfig
+from camp2p_overlap.emulation import standins
+from camp2p_overlap.patcher import ENGINE
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _clean_state() -> Iterator[None]:
+    import torch
+
+    torch.set_num_threads(1)
+    yield
+    ENGINE.unpatch(timeout=10)
+    standins.uninstall(standins.REAL_ROOT)
+    standins.uninstall(standins.ALIAS_ROOT)
+    reset_log_once()
+
+
+@pytest.fixture
+def cpu_config() -> OverlapConfig:
+    """Switched on, CPU backend, defaults otherwise."""
+    return OverlapConfig(enabled=True, backend="cpu")
+
+
+@pytest.fixture
+def make_world() -> Callable[..., object]:
+    """Build an emulated world with stand-ins at the real dotted paths."""
+    from camp2p_overlap.emulation.moe import MoEShape
+    from camp2p_overlap.emulation.world import WorldSpec, build_world
+
+    def _make(**kw: object) -> object:
+        kw.setdefault("shape", MoEShape(hidden=64, ffn=128, experts=4, top_k=2))
+        kw.setdefault("tokens", 16)
+        kw.setdefault("op_timeout_s", 10.0)
+        return build_world(WorldSpec(**kw))  # type: ignore[arg-type]
+
+    return _make
+
+
+def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter of this venv; returns the result
+    (stdout/stderr as text). The caller asserts on returncode/output."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CAMP2P")}
+    full_env.update(env or {})
+    full_env.setdefault("PYTHONPATH", str(REPO))
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=str(REPO),
+    )
