@@ -102,7 +102,7 @@ class PatchReport:
         return "\n".join([head, *rows])
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity
 class WrapRecord:
     module: str
     owner: Any
@@ -118,6 +118,11 @@ def _wrapt_version() -> str:
 
 def _is_class(obj: Any) -> bool:
     return isinstance(obj, type)
+
+
+def _initializing(module: ModuleType) -> bool:
+    """Whether ``module`` is in ``sys.modules`` but still executing."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
 class PatchEngine:
@@ -161,9 +166,13 @@ class PatchEngine:
             try:
                 cfg = config if config is not None else load_config()
             except ConfigError as exc:
-                self._reason = f"configuration error: {exc}"
                 if strict if strict is not None else strict_requested():
                     raise
+                if self.applied:
+                    logger.error("camp2p-overlap: apply() ignored (already applied): %s", exc)
+                    return self._report_locked()
+                self._reason = f"configuration error: {exc}"
+                self._status = {}
                 logger.error("camp2p-overlap: not applied: %s", exc)
                 return self._report_locked()
             strict = cfg.strict if strict is None else strict
@@ -172,6 +181,7 @@ class PatchEngine:
                     self._reason = "applied earlier; the switch is now off (call unpatch() to remove)"
                     return self._report_locked()
                 self._reason = "switched off (VLLM_CAMP2P_MULTISTREAM is not set to on)"
+                self._status = {}
                 logger.info("camp2p-overlap: %s; nothing patched (pid %d)", self._reason, os.getpid())
                 return self._report_locked(enabled=False)
             if self.applied:
@@ -188,11 +198,12 @@ class PatchEngine:
             self._vllm_version = vc.found
             if not vc.ok:
                 self.manifest = man
+                self.config = cfg
                 self._reason = f"refused: {vc.reason}"
                 self._status = {
                     t.id: TargetStatus(t.id, t.action, TargetState.REFUSED, vc.reason) for t in man.targets()
                 }
-                self._log_outcome(logging.WARNING)
+                self._log_final()
                 if strict:
                     raise PatchRefused(vc.reason)
                 return self._report_locked()
@@ -214,10 +225,10 @@ class PatchEngine:
                     self._hooks_pending.add(mspec.name)
                     wrapt.register_post_import_hook(self._on_import, mspec.name)
             report = self._report_locked()
+            self._log_final()
             if report.refused and strict:
                 self._unpatch_locked()
                 raise PatchRefused(str(report))
-            self._log_final()
             return report
 
     def unpatch(self, *, timeout: float = 30.0) -> bool:
@@ -227,7 +238,7 @@ class PatchEngine:
         me = threading.get_ident()
         with self._idle:
             if not self.applied and not self.records:
-                return True
+                return self._retry_stuck_locked()
             if self._active_steps.get(me):
                 logger.error(
                     "camp2p-overlap: unpatch() called from inside a running FFN step on "
@@ -244,6 +255,9 @@ class PatchEngine:
                         timeout,
                     )
                     return False
+                if not self.applied and not self.records:
+                    # Another thread finished the unpatch while this one waited.
+                    return self._retry_stuck_locked()
                 return self._unpatch_locked()
             finally:
                 self.unpatching = False
@@ -311,7 +325,18 @@ class PatchEngine:
         return None
 
     def is_ours(self, obj: Any) -> bool:
-        return id(obj) in self._our_handles
+        """Whether ``obj`` is a wrapper this engine installed (or a bound
+        form of one, as ``Cls.method`` returns it)."""
+        return self._handle_of(obj) is not None
+
+    def _handle_of(self, obj: Any) -> Any:
+        if id(obj) in self._our_handles:
+            return obj
+        if isinstance(obj, wrapt.BoundFunctionWrapper):
+            parent = getattr(obj, "_self_parent", None)
+            if parent is not None and id(parent) in self._our_handles:
+                return parent
+        return None
 
     # ------------------------------------------------------------------
     # internals (lock held)
@@ -324,10 +349,12 @@ class PatchEngine:
                 mspec = self.manifest.module(module.__name__)
             except KeyError:
                 return
-            self._patch_module(mspec, module)
+            # wrapt calls the hook at the end of the module's execution, while
+            # the import system still marks the module as initializing.
+            self._patch_module(mspec, module, from_hook=True)
+            self._log_final()
             if self.config.strict and any(self._status[t.id].state is TargetState.REFUSED for t in mspec.targets):
                 raise PatchRefused(str(self._report_locked()))
-            self._log_final()
 
     def _refuse_module(self, mspec: ModuleSpec, culprit: str, reason: str) -> None:
         for t in mspec.targets:
@@ -352,15 +379,24 @@ class PatchEngine:
             )
         return owner, vars(owner)[t.attribute]
 
-    def _patch_module(self, mspec: ModuleSpec, module: ModuleType) -> None:
+    def _patch_module(self, mspec: ModuleSpec, module: ModuleType, *, from_hook: bool = False) -> None:
         if self.records.get(mspec.name):
             if self.records[mspec.name][0].owner is self._live_owner(self.records[mspec.name][0], module):
                 return  # already wrapped (apply twice, or a fork child)
             # The module was reloaded: its classes are new objects.
             self._drop_records(mspec.name)
+        if not from_hook and _initializing(module):
+            # Another thread is still executing the module: its classes may not
+            # exist yet. Its post-import hook, or the next status check, wraps it.
+            for t in mspec.targets:
+                self._status[t.id] = TargetStatus(
+                    t.id, t.action, TargetState.NOT_IMPORTED, "module is still being imported"
+                )
+            return
         from camp2p_overlap.wrappers import WRAPPERS
 
         resolved: list[tuple[TargetSpec, Any, Any]] = []
+        adopted: list[WrapRecord] = []
         for t in mspec.targets:
             try:
                 owner, raw = self._resolve(t, module)
@@ -368,10 +404,20 @@ class PatchEngine:
                 self._refuse_module(mspec, t.id, f"missing: {exc}")
                 return
             func = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
-            if isinstance(func, wrapt.BaseObjectProxy):
-                if wrapt.find_wrapper(func, predicate=self.is_ours) is not None:
+            try:
+                ours = wrapt.find_wrapper(raw, predicate=self.is_ours)
+            except wrapt.WrapperChainTooDeepError as exc:
+                self._refuse_module(mspec, t.id, f"changed: {exc}")
+                return
+            if ours is not None:
+                # Our wrapper is still in the chain: an earlier unpatch could
+                # not remove it (a foreign, non-wrapt wrapper sits above it).
+                # Take it back instead of wrapping a second time.
+                rec = self._stuck_record(owner, t.attribute, self._handle_of(ours))
+                if rec is None:
                     self._refuse_module(mspec, t.id, "already carries a camp2p-overlap wrapper")
                     return
+                adopted.append(rec)
             if not callable(func):
                 self._refuse_module(mspec, t.id, f"changed: {type(raw).__name__} is not callable")
                 return
@@ -392,18 +438,35 @@ class PatchEngine:
             for t, owner, raw in resolved:
                 if t.action != "wrap":
                     continue
+                taken = next((r for r in adopted if r.owner is owner and r.attribute == t.attribute), None)
+                if taken is not None:
+                    taken.spec = t
+                    done.append(taken)
+                    continue
                 handle = wrapt.wrap_function_wrapper(owner, t.attribute, WRAPPERS[t.wrapper])
                 self._our_handles.add(id(handle))
                 done.append(WrapRecord(mspec.name, owner, t.attribute, raw, handle, t))
         except Exception as exc:  # noqa: BLE001 - rolled back and reported
             for rec in reversed(done):
-                self._unwrap(rec)
+                if rec in adopted:
+                    self.stuck.append(rec)  # was stuck before; stays so
+                else:
+                    self._unwrap(rec)
             self._refuse_module(mspec, t.id, f"wrapping failed: {type(exc).__name__}: {exc}")
             return
+        for rec in adopted:
+            if rec in self.stuck:
+                self.stuck.remove(rec)
         self.records[mspec.name] = done
         for t, _, _ in resolved:
             state = TargetState.WRAPPED if t.action == "wrap" else TargetState.CHECKED
             self._status[t.id] = TargetStatus(t.id, t.action, state, "")
+
+    def _stuck_record(self, owner: Any, attribute: str, handle: Any) -> WrapRecord | None:
+        for rec in self.stuck:
+            if rec.owner is owner and rec.attribute == attribute and rec.handle is handle:
+                return rec
+        return None
 
     def _live_owner(self, rec: WrapRecord, module: ModuleType) -> Any:
         owner: Any = module
@@ -421,44 +484,83 @@ class PatchEngine:
         for mspec in self.manifest.modules:
             recs = self.records.get(mspec.name)
             module = sys.modules.get(mspec.name)
-            if recs and module is not None and recs[0].owner is not self._live_owner(recs[0], module):
+            if module is None or _initializing(module):
+                continue
+            if recs and recs[0].owner is not self._live_owner(recs[0], module):
                 self._patch_module(mspec, module)
+            elif not recs and any(
+                self._status.get(t.id) is not None and self._status[t.id].state is TargetState.NOT_IMPORTED
+                for t in mspec.targets
+            ):
+                # Imported while apply() ran on another thread, before its hook existed.
+                self._patch_module(mspec, module)
+                self._log_final()
 
     def _drop_records(self, name: str) -> None:
         for rec in reversed(self.records.pop(name, [])):
             self._unwrap(rec)
 
     def _unwrap(self, rec: WrapRecord) -> bool:
+        """Remove one wrapper of ours, found through the registry only."""
         try:
             wrapt.unwrap_object(rec.owner, rec.attribute, rec.handle)
         except wrapt.WrapperNotFoundError:
+            current = vars(rec.owner).get(rec.attribute)
+            if current is not None and self._holds(current, rec.handle):
+                # A foreign wrapper captured a bound form of ours (e.g.
+                # ``orig = Cls.meth`` and a closure calling it).
+                return self._stuck(rec, "a foreign wrapper above it calls it through a bound method it captured")
             logger.warning(
                 "camp2p-overlap: %s.%s no longer carries our wrapper (replaced by a third party); left as it is",
                 rec.module,
                 rec.spec.qualname,
             )
         except wrapt.WrapperNotOutermostError as exc:
-            logger.error(
-                "camp2p-overlap: cannot remove our wrapper from %s.%s: %s; it stays installed "
-                "and passes every call straight through",
-                rec.module,
-                rec.spec.qualname,
-                exc,
-            )
-            self.stuck.append(rec)
-            return False
+            return self._stuck(rec, str(exc))
         self._our_handles.discard(id(rec.handle))
         return True
 
+    def _stuck(self, rec: WrapRecord, why: str) -> bool:
+        logger.error(
+            "camp2p-overlap: cannot remove our wrapper from %s.%s: %s; it stays installed "
+            "and passes every call straight through to the original",
+            rec.module,
+            rec.spec.qualname,
+            why,
+        )
+        if rec not in self.stuck:
+            self.stuck.append(rec)
+        return False
+
+    def _holds(self, obj: Any, handle: Any) -> bool:
+        """Whether ``handle`` (or a bound form of it) is in ``obj``'s chain."""
+        try:
+            return wrapt.find_wrapper(obj, predicate=lambda e: self._handle_of(e) is handle) is not None
+        except wrapt.WrapperChainTooDeepError:
+            return True  # cannot tell: assume it is still there
+
+    def _retry_stuck_locked(self) -> bool:
+        """Try again to remove wrappers an earlier unpatch could not (a
+        foreign, non-wrapt wrapper sat on top); True when none is left."""
+        if not self.stuck:
+            return True
+        stuck, self.stuck = self.stuck, []
+        for rec in stuck:
+            self._unwrap(rec)  # appends to self.stuck again when still blocked
+        return not self.stuck
+
     def _unpatch_locked(self) -> bool:
-        ok = True
+        ok = self._retry_stuck_locked()
         for name in reversed(list(self.records)):
             for rec in reversed(self.records[name]):
                 ok = self._unwrap(rec) and ok
         self.records.clear()
         self.applied = False
         self.generation += 1
-        self._status = {}
+        self._status = {
+            t.id: TargetStatus(t.id, t.action, TargetState.INACTIVE, "unpatched")
+            for t in (self.manifest.targets() if self.manifest else ())
+        }
         self._reason = "unpatched" if ok else "unpatched; some wrappers could not be removed (see log)"
         from camp2p_overlap import wrappers
 

@@ -21,6 +21,7 @@ session holds nothing.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -118,6 +119,7 @@ class _PendingOp:
     stage: int
     stream: str
     handle: OpHandle
+    seq: int = -1
 
 
 class OverlapSession:
@@ -171,7 +173,10 @@ class OverlapSession:
         self._e_done_c: dict[int, Any] = {}
         self._ops: list[_PendingOp] = []
         self._trace: list[TraceOp] = []
-        self._ffn_start: dict[StageLayer, int] = {}
+        self._ffn_start: dict[StageLayer, tuple[int, int]] = {}
+        #: Host issue order of every record, wait and op of the step (traces:
+        #: the checker rebuilds each stream's FIFO and the event graph from it).
+        self._seq = itertools.count()
         #: Issued (kind, layer, stage) for stall reports.
         self.issued: list[tuple[str, int, int]] = []
         self.t_open_ns = time.perf_counter_ns()
@@ -180,22 +185,24 @@ class OverlapSession:
     # ------------------------------------------------------------------
     # events
     def _record(self, stream: Stream, key: Hashable) -> Any:
+        seq = next(self._seq)
         ev = self.backend.record(stream, key)
         self._events[key] = ev
         if self.recorder is not None:
             now = time.perf_counter_ns()
-            self._trace.append(TraceOp("record", _l(key), _s(key), stream.name, now, now, self.step_id, repr(key)))
+            self._trace.append(TraceOp("record", _l(key), _s(key), stream.name, now, now, self.step_id, repr(key), seq))
         return ev
 
     def _wait(self, stream: Stream, key: Hashable) -> None:
         ev = self._events.get(key)
         if ev is None:
             raise SessionError(f"wait on event {key!r} that was not recorded in this step")
+        seq = next(self._seq)
         t0 = time.perf_counter_ns()
         self.backend.wait(stream, ev)
         if self.recorder is not None:
             self._trace.append(
-                TraceOp("wait", _l(key), _s(key), stream.name, t0, time.perf_counter_ns(), self.step_id, repr(key))
+                TraceOp("wait", _l(key), _s(key), stream.name, t0, time.perf_counter_ns(), self.step_id, repr(key), seq)
             )
 
     def _stamp(self) -> int:
@@ -215,10 +222,11 @@ class OverlapSession:
         kw = self.plan.recv_kwargs(layer, stage)
         fn = self._recv_fn
         k = self.K[stage]
+        seq = next(self._seq)
         h = self.backend.submit(k, lambda: fn(**kw), label=f"a2e L{layer} s{stage}")
         self._a_handle[(layer, stage)] = h
         self._a_kwargs[(layer, stage)] = kw
-        self._ops.append(_PendingOp("a2e", layer, stage, k.name, h))
+        self._ops.append(_PendingOp("a2e", layer, stage, k.name, h, seq))
         self.issued.append(("a2e", layer, stage))
         self._last_k[stage] = self._record(k, ("a", layer, stage))
 
@@ -252,17 +260,26 @@ class OverlapSession:
             # A2E on C: the group's previous E2A (on K_s) must be done first.
             if self.dir.e2a_side and s in self._e_done_c:
                 self._wait(self.C, self._e_done_c[s])
+                # That E2A failed (host-visible, CPU backend): raise it as the
+                # serial path would, instead of an A2E no peer will answer.
+                failed = self.backend.step_errors([self.K[s]])
+                if failed:
+                    raise failed[0]
+            seq = next(self._seq)
             h = self.backend.submit(self.C, lambda: wrapped(*args, **kwargs), label=f"a2e L{L} s{s}")
-            self._ops.append(_PendingOp("a2e", L, s, "C", h))
+            self._ops.append(_PendingOp("a2e", L, s, "C", h, seq))
             self.issued.append(("a2e", L, s))
-            payload = h.result()
+            try:
+                payload = h.result()
+            finally:
+                h.release()
         # C has now waited an event recorded on K_s after every earlier E2A
         # of this stage: their FFN outputs may be freed.
         self._f_refs[s].clear()
         self._consumed.add((L, s))
         self._inflight[(L, s)] = payload
         self._contexts[id(getattr(payload, "context", payload))] = (L, s)
-        self._ffn_start[(L, s)] = self._stamp()
+        self._ffn_start[(L, s)] = (self._stamp(), next(self._seq))
         return payload
 
     def _take_prefetched(self, L: int, s: int) -> Any:
@@ -275,6 +292,10 @@ class OverlapSession:
             if first:
                 raise first[0] from None
             raise
+        finally:
+            # The handle stays in self._ops for traces and stall reports; the
+            # payload must not: ownership is tracked in self._inflight.
+            h.release()
 
     def send(self, wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out, ctx = send_parts(args, kwargs)
@@ -290,14 +311,16 @@ class OverlapSession:
         L, s = key
         self._sent.add(key)
         t_end = self._stamp()
+        t_start, ffn_seq = self._ffn_start.pop((L, s), (t_end, -1))
         if self.recorder is not None:
-            self._trace.append(TraceOp("ffn", L, s, "C", self._ffn_start.pop((L, s), t_end), t_end, self.step_id))
+            self._trace.append(TraceOp("ffn", L, s, "C", t_start, t_end, self.step_id, "", ffn_seq))
         self._record(self.C, ("f", L, s))
         if self.dir.e2a_side:
             k = self.K[s]
             self._wait(k, ("f", L, s))
+            seq = next(self._seq)
             h = self.backend.submit(k, lambda: wrapped(*args, **kwargs), label=f"e2a L{L} s{s}")
-            self._ops.append(_PendingOp("e2a", L, s, k.name, h))
+            self._ops.append(_PendingOp("e2a", L, s, k.name, h, seq))
             self.issued.append(("e2a", L, s))
             self._last_k[s] = self._record(k, ("e", L, s))
             self._f_refs[s].append((out, args, kwargs))
@@ -305,8 +328,9 @@ class OverlapSession:
             if h.done():
                 h.result()  # a host-side failure surfaces here, as in the serial path
         else:
+            seq = next(self._seq)
             h = self.backend.submit(self.C, lambda: wrapped(*args, **kwargs), label=f"e2a L{L} s{s}")
-            self._ops.append(_PendingOp("e2a", L, s, "C", h))
+            self._ops.append(_PendingOp("e2a", L, s, "C", h, seq))
             self.issued.append(("e2a", L, s))
             h.result()
             self._e_done_c[s] = ("ec", L, s)
@@ -350,16 +374,36 @@ class OverlapSession:
                 "to hand over data that may belong to another layer"
             )
         else:
-            payload = wrapped(*args, **kwargs)
+            payload = self._run_on_c("a2e", got, wrapped, args, kwargs)
         key = (got[0], got[1])
         self._contexts[id(getattr(payload, "context", payload))] = key  # type: ignore[assignment]
+        self._ffn_start[key] = (self._stamp(), next(self._seq))  # type: ignore[index]
         return payload
+
+    def _run_on_c(
+        self, kind: str, key: Any, wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A connector call run as the serial path does, after a fallback;
+        traced like any other op."""
+        L, s = key if isinstance(key, tuple) else (None, None)
+        seq = next(self._seq)
+        h = self.backend.submit(self.C, lambda: wrapped(*args, **kwargs), label=f"{kind} L{L} s{s}")
+        self._ops.append(_PendingOp(kind, L, s, "C", h, seq))  # type: ignore[arg-type]
+        self.issued.append((kind, L, s))  # type: ignore[arg-type]
+        try:
+            return h.result()
+        finally:
+            h.release()
 
     def _send_on_c(self, wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], key: Any) -> Any:
         if key is not None:
             self._sent.add(key)
             self._inflight.pop(key, None)
-        return wrapped(*args, **kwargs)
+            t_end = self._stamp()
+            t_start, ffn_seq = self._ffn_start.pop(key, (t_end, -1))
+            if self.recorder is not None:
+                self._trace.append(TraceOp("ffn", key[0], key[1], "C", t_start, t_end, self.step_id, "", ffn_seq))
+        return self._run_on_c("e2a", key, wrapped, args, kwargs)
 
     # ------------------------------------------------------------------
     # join
@@ -423,15 +467,94 @@ class OverlapSession:
 
     def stall_report(self) -> str:
         """Which ops were issued and which recorded events have completed:
-        read-only (event queries), for the watchdog."""
-        lines = [f"step {self.step_id}: {self.pos}/{len(self.order)} receives handed to the loop"]
-        for key, ev in list(self._events.items()):
+        read-only (event queries, handle states; never a sync), for the
+        watchdog. May be called from another thread while the step runs.
+
+        Layout: the header; what the compute stream C is blocked on; per
+        stage (stream, HCCL group) every op issued in order with its state
+        (done / running for N s / queued / enqueued on the device, not
+        complete); the first unfinished op of each stage named as the
+        likely missing peer op; then the events (all of them when few,
+        else only the pending ones) and the unfinished ops."""
+        now = time.perf_counter_ns()
+        events = list(self._events.items())
+        evmap = dict(events)
+        ops = list(self._ops)
+        consumed = set(self._consumed)
+
+        def ev_state(key: Hashable) -> bool | str | None:
+            ev = evmap.get(key)
+            if ev is None:
+                return None
             try:
-                done = bool(ev.query())
+                return bool(ev.query())
             except Exception as exc:  # noqa: BLE001 - diagnostics only
-                done = f"query failed: {exc}"  # type: ignore[assignment]
+                return f"query failed: {exc}"
+
+        def op_state(o: _PendingOp) -> tuple[bool, str]:
+            h = o.handle
+            if not h.done():
+                if h.start_ns is None:
+                    return False, "queued"
+                return False, f"RUNNING for {(now - h.start_ns) / 1e9:.2f} s"
+            # Device backends return at once; the event after the op tells.
+            after = {"a2e": "a", "e2a": "e" if o.stream != "C" else "ec"}.get(o.kind, "")
+            st = ev_state((after, o.layer, o.stage))
+            if st is False:
+                return False, "enqueued, not complete on the device"
+            return True, "done"
+
+        lines = [f"step {self.step_id}: {self.pos}/{len(self.order)} receives handed to the loop"]
+        lines.append(
+            f"  open for {(now - self.t_open_ns) / 1e9:.2f} s; plan: layers {list(self.plan.layers)}, "
+            f"stages {list(self.plan.stages)}"
+        )
+        on_c: list[str] = []  # a C-side op in progress (one direction switched off)
+        if self.pos > 0 and self.order[self.pos - 1] not in consumed:
+            L, s = self.order[self.pos - 1]
+            lines.append(f"  compute stream C is blocked in receive (L{L},s{s}), waiting for a2e(L{L},s{s})")
+            if not self.dir.a2e_side:
+                on_c.append(f"a2e(L{L},s{s}) on C")
+        elif self.pos < len(self.order):
+            L, s = self.order[self.pos]
+            lines.append(f"  compute stream C is not waiting on a receive (FFN or E2A issue); next receive (L{L},s{s})")
+        if not self.dir.e2a_side:
+            sent_on_c = {(o.layer, o.stage) for o in ops if o.kind == "e2a"}
+            on_c += [f"e2a(L{L},s{s}) on C" for (L, s) in sorted(set(self._sent) - sent_on_c)]
+        culprits = [
+            f"  likely missing peer op: {what} (in progress on the compute stream): the attention peer has not answered"
+            for what in on_c
+        ]
+        for s in self.plan.stages:
+            group = _GROUPS[s] if 0 <= s < len(_GROUPS) else f"stage {s}"
+            mine = [o for o in ops if o.stage == s]
+            stream = self.K[s].name if s in self.K else "?"
+            lines.append(f"  stage {s} (stream {stream}, group {group}): {len(mine)} op(s) issued")
+            states = [op_state(o) for o in mine]
+            open_idx = [i for i, (finished, _) in enumerate(states) if not finished]
+            first_open = (mine[open_idx[0]], states[open_idx[0]][1]) if open_idx else None
+            # Keep long steps readable: the done ops before the last two
+            # preceding the first unfinished one are counted, not listed.
+            cut = max((open_idx[0] if open_idx else len(mine)) - 2, 0)
+            if cut:
+                lines.append(f"    ... {cut} earlier op(s) done")
+            for o, (_, text) in list(zip(mine, states, strict=True))[cut:]:
+                lines.append(f"    {o.kind}(L{o.layer},s{o.stage}) on {o.stream}: {text}")
+            if first_open is not None:
+                o, text = first_open
+                role = "answered (no data)" if o.kind == "a2e" else "acknowledged"
+                culprits.append(
+                    f"  likely missing peer op: {o.kind}(L{o.layer},s{o.stage}) on {o.stream} ({text}): "
+                    f"the attention peer of stage {s} (group {group}) has not {role}"
+                )
+        lines.extend(culprits or ["  every issued op has finished"])
+        shown = events if len(events) <= 32 else [(k, e) for k, e in events if ev_state(k) is not True]
+        if len(shown) < len(events):
+            lines.append(f"  events: {len(events) - len(shown)} done, listing the other {len(shown)}")
+        for key, _ev in shown:
+            done = ev_state(key)
             lines.append(f"  event {key!r}: {'done' if done is True else done or 'pending'}")
-        pending = [f"{o.kind}(L{o.layer},s{o.stage}) on {o.stream}" for o in list(self._ops) if not o.handle.done()]
+        pending = [f"{o.kind}(L{o.layer},s{o.stage}) on {o.stream}" for o in ops if not op_state(o)[0]]
         lines.append("  ops not finished: " + (", ".join(pending) or "none"))
         return "\n".join(lines)
 
@@ -442,9 +565,15 @@ class OverlapSession:
             h = o.handle
             if h.start_ns is None or h.end_ns is None:
                 continue
-            self._trace.append(TraceOp(o.kind, o.layer, o.stage, o.stream, h.start_ns, h.end_ns, self.step_id))
+            self._trace.append(
+                TraceOp(o.kind, o.layer, o.stage, o.stream, h.start_ns, h.end_ns, self.step_id, "", o.seq)
+            )
         self.recorder.extend(self._trace)
         self._trace = []
+
+
+#: CAMP2P's HCCL group of each stage id (for stall reports).
+_GROUPS = ("afd", "afd1", "afd2")
 
 
 def _l(key: Hashable) -> int | None:

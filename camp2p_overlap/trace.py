@@ -10,10 +10,11 @@ device backend was asked for them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 OP_KINDS = ("a2e", "ffn", "e2a", "wait", "record", "step")
@@ -29,6 +30,10 @@ class TraceOp:
     end_ns: int
     step: int
     detail: str = ""
+    #: Host issue order within the step (session ops, records and waits):
+    #: the order in which work was queued on its stream. -1 where unknown
+    #: (the serial path, where start times give the order).
+    seq: int = -1
 
     @property
     def duration_ns(self) -> int:
@@ -206,15 +211,30 @@ def check_step(ops: Sequence[TraceOp], expected: ExpectedSchedule) -> CheckResul
             if o.stage == s and o.stream.startswith("K") and o.stream != side_stream_name(s):
                 bad(f"{o.kind}(L{o.layer},s{s}) ran on another stage's stream {o.stream}")
 
-    # The compute stream runs the FFNs in loop order, one at a time.
-    ffns = [one("ffn", L, s) for L, s in plan]
+    # The compute stream runs its ops (every FFN, and A2E/E2A where that
+    # direction stays on C) one at a time, in the loop's order.
+    want_c = [
+        (k, L, s) for L, s in plan for k in ("a2e", "ffn", "e2a") if k == "ffn" or expected.stream_for(k, s) == "C"
+    ]
+    on_c = sorted(
+        (o for o in ops if o.kind in ("a2e", "ffn", "e2a") and o.stream == "C"), key=lambda o: (o.start_ns, o.end_ns)
+    )
+    got_c = [(o.kind, o.layer, o.stage) for o in on_c]
+    if got_c != want_c:
+        first = next(
+            (i for i, (g, w) in enumerate(zip(got_c, want_c, strict=False)) if g != w), min(len(got_c), len(want_c))
+        )
+        bad(
+            f"compute stream order differs from the loop order at position {first}: "
+            f"ran {got_c[first : first + 3]}, expected {want_c[first : first + 3]}"
+        )
     prev = None
-    for o in ffns:
-        if o is None:
-            continue
+    for o in on_c:
         if prev is not None and o.start_ns < prev.end_ns:
-            bad(f"ffn(L{o.layer},s{o.stage}) started before ffn(L{prev.layer},s{prev.stage}) ended")
+            bad(f"{o.kind}(L{o.layer},s{o.stage}) started on C before {prev.kind}(L{prev.layer},s{prev.stage}) ended")
         prev = o
+
+    _check_event_graph(ops, expected, plan, one, bad)
 
     # Edges 1 and 7: everything inside the step (fork and join).
     steps = [o for o in ops if o.kind == "step"]
@@ -226,6 +246,105 @@ def check_step(ops: Sequence[TraceOp], expected: ExpectedSchedule) -> CheckResul
             if o.kind in ("a2e", "ffn", "e2a") and (o.start_ns < st.start_ns or o.end_ns > st.end_ns):
                 bad(f"{o.kind}(L{o.layer},s{o.stage}) ran outside the step (fork/join)")
     return res
+
+
+def _check_event_graph(
+    ops: Sequence[TraceOp],
+    expected: ExpectedSchedule,
+    plan: list[tuple[int, int]],
+    one: Callable[[str, int, int], TraceOp | None],
+    bad: Callable[[str], None],
+) -> None:
+    """Rebuild what was queued on each stream, in issue order, and the event
+    edges (record -> wait) between streams, and check that every edge of the
+    design is a path in that graph: a proof by construction, independent of
+    how the timings happened to fall (on the CPU backend, C blocks on every
+    result anyway, so a missing wait would not show in the timings)."""
+    nodes = [o for o in ops if o.kind in ("a2e", "ffn", "e2a", "record", "wait")]
+    if not nodes:
+        return
+    if all(o.seq >= 0 for o in nodes):
+        order = sorted(range(len(nodes)), key=lambda i: nodes[i].seq)
+    else:  # serial path: host order
+        order = sorted(range(len(nodes)), key=lambda i: (nodes[i].start_ns, nodes[i].end_ns))
+    index = {id(nodes[i]): i for i in order}
+    rank = {i: r for r, i in enumerate(order)}
+    bound: dict[int, int] = {}  # wait -> the record it binds to
+    succ: dict[int, list[int]] = defaultdict(list)
+    per_stream: dict[str, list[int]] = defaultdict(list)
+    for i in order:
+        per_stream[nodes[i].stream].append(i)
+    for seq in per_stream.values():
+        for a, b in itertools.pairwise(seq):
+            succ[a].append(b)
+    # Events: a wait orders after the latest record of that event issued
+    # before it, in this step. Never a wait on an event not recorded.
+    latest: dict[str, int] = {}
+    recorded_on: dict[int, str] = {}
+    for i in order:
+        o = nodes[i]
+        if o.kind == "record":
+            latest[o.detail] = i
+            recorded_on[i] = o.stream
+        elif o.kind == "wait":
+            j = latest.get(o.detail)
+            if j is None:
+                bad(f"{o.stream} waits on event {o.detail} that was not recorded before in this step")
+                continue
+            if o.stream != "C" and recorded_on[j] not in ("C", o.stream):
+                bad(f"{o.stream} waits on event {o.detail} recorded on {recorded_on[j]}: an edge between stage streams")
+            succ[j].append(i)
+            bound[i] = j
+
+    reach_cache: dict[int, set[int]] = {}
+
+    def reach(a: int) -> set[int]:
+        got = reach_cache.get(a)
+        if got is None:
+            got, todo = {a}, [a]
+            while todo:
+                for b in succ[todo.pop()]:
+                    if b not in got:
+                        got.add(b)
+                        todo.append(b)
+            reach_cache[a] = got
+        return got
+
+    def before(x: TraceOp | None, y: TraceOp | None, what: str) -> None:
+        if x is None or y is None:
+            return
+        if index[id(y)] not in reach(index[id(x)]):
+            bad(
+                f"{what}: nothing orders {x.kind}(L{x.layer},s{x.stage}) on {x.stream} before "
+                f"{y.kind}(L{y.layer},s{y.stage}) on {y.stream}"
+            )
+
+    nxt = dict(itertools.pairwise(expected.layers))
+    for L, s in plan:
+        a, f, e = one("a2e", L, s), one("ffn", L, s), one("e2a", L, s)
+        before(a, f, "edge 3 (FFN waits its A2E)")
+        before(f, e, "edge 4 (E2A waits its FFN)")
+        if L in nxt:
+            before(e, one("a2e", nxt[L], s), "edge 5/6 (lookahead A2E after its group's E2A)")
+
+    c_ops = [i for i in per_stream.get("C", []) if nodes[i].kind in ("a2e", "ffn", "e2a")]
+    for name, seq in per_stream.items():
+        if name == "C":
+            continue
+        # Edge 1: a side stream starts by waiting on the compute stream.
+        head = nodes[seq[0]]
+        if head.kind != "wait" or seq[0] not in bound or recorded_on[bound[seq[0]]] != "C":
+            bad(f"edge 1 (fork): {name} starts with {head.kind} {head.detail}, not a wait on an event of C")
+        # Edge 7: everything queued on the side stream is ordered before a
+        # wait on C that follows every op of C.
+        last_c = c_ops[-1] if c_ops else None
+        joined = [
+            j
+            for j in reach(seq[-1])
+            if nodes[j].stream == "C" and nodes[j].kind == "wait" and (last_c is None or rank[j] > rank[last_c])
+        ]
+        if not joined:
+            bad(f"edge 7 (join): the work of {name} is not waited by C after the step's last op on C")
 
 
 def overlaps(a: TraceOp, b: TraceOp) -> bool:

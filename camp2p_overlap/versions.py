@@ -50,7 +50,9 @@ def judge_vllm_version(found: str | None, supported: str) -> VersionCheck:
             supported,
             f"vLLM version {found!r} does not parse; camp2p-overlap supports vLLM {supported}",
         )
-    if parsed.public != Version(supported).public:
+    # Compare releases as versions (0.19.1 == 0.19.1.0), ignoring only the
+    # local label; a pre-, post- or dev release differs from the release.
+    if Version(parsed.public) != Version(supported):
         return VersionCheck(
             False,
             found,

@@ -146,7 +146,10 @@ def ffn_forward(wrapped: Wrapped, instance: Any, args: tuple[Any, ...], kwargs: 
     if not engine.step_enter():
         return _serial_step(wrapped, args, kwargs, recorder)
     try:
-        decision = decide(engine, instance, kwargs)
+        try:
+            decision = decide(engine, instance, kwargs)
+        except Exception as exc:  # noqa: BLE001 - planning must never break the original call
+            decision = Decision(f"could not plan the step ({type(exc).__name__}: {exc})")
         streamset = None
         if decision.reason is None:
             try:

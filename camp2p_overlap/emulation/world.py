@@ -90,6 +90,10 @@ class EmulatedTransport:
         self.dtype = dtype
         self.peers: dict[int, _Peer] = {}
         self.results: dict[tuple[int, int], torch.Tensor] = {}
+        #: Per (layer, stage) of the current step: ns each A2E spent waiting
+        #: for its attention peer before the modeled link time (the benchmark
+        #: subtracts it to get the link part of a measured A2E).
+        self.peer_wait_ns: dict[tuple[int, int], int] = {}
         self.step = 0
         self.fault_hook: FaultHook | None = None
         g = torch.Generator().manual_seed(seed + 7919)
@@ -102,6 +106,7 @@ class EmulatedTransport:
         with self._lock:
             self.step = step
             self.results = {}
+            self.peer_wait_ns = {}
             self.peers = {s: _Peer(stage=s, layers=tuple(layers), ready_at=now + self.attn_s) for s in stages}
 
     def stop_peer(self, stage: int) -> None:
@@ -137,10 +142,12 @@ class EmulatedTransport:
                 if p.next_a2e >= len(p.layers) or p.layers[p.next_a2e] != layer:
                     nxt = p.layers[p.next_a2e] if p.next_a2e < len(p.layers) else None
                     raise ProtocolError(f"stage {stage}: a2e for layer {layer}, attention sends layer {nxt}")
+                waited_from = time.perf_counter_ns()
                 deadline = time.perf_counter() + self.op_timeout_s
                 while True:
                     now = time.perf_counter()
                     if not p.stopped and p.ready_at is not None and now >= p.ready_at:
+                        self.peer_wait_ns[(layer, stage)] = time.perf_counter_ns() - waited_from
                         break
                     if now >= deadline:
                         raise PeerTimeoutError(

@@ -36,6 +36,11 @@ class OpHandle(abc.ABC):
     @abc.abstractmethod
     def done(self) -> bool: ...
 
+    def release(self) -> None:  # noqa: B027 - optional hook
+        """Drop the op's result (keep its timing and done state): called once
+        the session has handed the result on, so a handle kept for traces and
+        stall reports does not keep the op's tensors alive."""
+
 
 class DoneHandle(OpHandle):
     """A handle for work that already ran on the host."""
@@ -61,6 +66,9 @@ class DoneHandle(OpHandle):
 
     def done(self) -> bool:
         return True
+
+    def release(self) -> None:
+        self._value = None
 
 
 class StreamBackend(abc.ABC):

@@ -78,6 +78,9 @@ class CpuHandle(OpHandle):
     def done(self) -> bool:
         return self._done.is_set()
 
+    def release(self) -> None:
+        self._value = None
+
 
 class HostStream:
     """The compute stream: whatever thread calls into the session."""
@@ -143,6 +146,9 @@ class WorkerStream:
                     self.current = f"wait {item[1]!r}"
                     item[1].synchronize()
             finally:
+                # Drop the item (its closure holds the op's arguments) before
+                # blocking on the next one.
+                del item
                 self.current = None
                 with self._idle:
                     self._pending -= 1

@@ -1,0 +1,315 @@
+"""``camp2p-overlap {bench,sweep,doctor}``."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+from camp2p_overlap.bench.runner import POLICIES, POLICY_HELP, SCENARIO_HELP, SCENARIOS, BenchParams
+
+BENCH_DESCRIPTION = """\
+Benchmark the FFN-side CAMP2P overlap on an emulated FFN rank: stand-ins of
+afd-plugin's runner and connector (at the real dotted path afd_plugin unless a
+real afd-plugin is installed), attention peers with real data dependencies,
+a modeled link, and a MoE FFN doing real tensor work. Each policy runs
+through the same patch engine and wrappers users get; policies are
+interleaved over repetitions in one process.
+
+policies:
+""" + "\n".join(f"  {name:<9} {text}" for name, text in POLICY_HELP.items())
+
+BENCH_EPILOG = """\
+what is reported:
+  per-layer time  a step's wall time / its number of FFN layers; median and
+                  p90 over every timed step of every repetition
+  speedup         median(serial) / median(policy)
+  f, a, e         measured on the serial run's trace (one traced step per
+                  repetition, upstream's loop through the pass-through
+                  wrappers): median FFN compute per (layer, stage), and per
+                  stage the median A2E (without the time it waited for its
+                  attention peer) and E2A
+  floor           per layer: max(S*f, max over stages of a_s + f + e_s + attn).
+                  S*f is the compute stream's work; a+f+e+attn is one stage
+                  group's dependency cycle (A2E, its FFN, E2A, then attention
+                  before the next A2E), which no schedule can shorten
+  eta             (T_serial - T_policy) / (T_serial - T_floor): the share of the
+                  hideable time hidden (1.0 = all of it)
+  outputs         every timed and traced step of every policy compared bitwise
+                  (torch.equal) with the serial run of the same step id
+  edges           the trace checker (camp2p_overlap.trace.check_step) on each
+                  policy's traced step (CPU only)
+
+--device cpu: the compute stream is the calling thread, side streams are the
+cpu backend's worker threads. --device cuda|npu: bf16 FFN matmuls on the
+device; A2E/E2A are device work of the modeled duration on the side streams
+(no attention peer is modeled there). Exit status: 0, or 1 when outputs
+differ, an edge is violated or an overlap policy did not engage (2+ stages).
+Absolute CPU times say nothing about an NPU; only the ratios carry over.
+--json schema: docs/benchmark.md.
+"""
+
+_DEFAULTS = BenchParams()
+
+#: (flag, field, type, help)
+_WORLD_FLAGS: list[tuple[str, str, Any, str]] = [
+    ("--layers", "layers", int, "FFN layers per step"),
+    ("--stages", "stages", int, "micro-batch stages per step, 1-3 (CAMP2P groups afd, afd1, afd2)"),
+    ("--tokens", "tokens", int, "tokens per stage"),
+    ("--hidden", "hidden", int, "hidden size"),
+    ("--ffn", "ffn", int, "expert intermediate size"),
+    ("--experts", "experts", int, "routed experts"),
+    ("--top-k", "top_k", int, "experts per token"),
+    ("--link-latency-us", "link_latency_us", float, "modeled link latency per op, microseconds"),
+    ("--link-gbps", "link_gbps", float, "modeled link bandwidth, Gbit/s"),
+    ("--attn-us", "attn_us", float, "modeled attention time between a stage's E2A and its next A2E, microseconds"),
+    ("--steps", "steps", int, "timed steps per policy and repetition"),
+    ("--warmup", "warmup", int, "warm-up steps per policy and repetition"),
+    ("--reps", "reps", int, "repetitions (policies interleaved in each)"),
+    ("--seed", "seed", int, "seed of weights and inputs"),
+    ("--threads", "threads", int, "torch.set_num_threads for the run (fixed so runs compare)"),
+]
+
+
+def _policies(text: str) -> tuple[str, ...]:
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = [p for p in names if p not in POLICIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown policy {', '.join(unknown)} (choose from {', '.join(POLICIES)})")
+    return names
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def _add_world_flags(p: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
+    shown = {f.name: getattr(_DEFAULTS, f.name) for f in fields(BenchParams)}
+    shown.update(defaults or {})
+    p.add_argument("--device", choices=("cpu", "cuda", "npu"), default=None, help="where to run (default cpu)")
+    p.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default=None,
+        help="a preset; flags given explicitly override it. "
+        + "; ".join(f"{k}: {v}" for k, v in SCENARIO_HELP.items()),
+    )
+    for flag, name, typ, text in _WORLD_FLAGS:
+        p.add_argument(flag, dest=name, type=typ, default=None, help=f"{text} (default {shown[name]})")
+    p.add_argument(
+        "--policies",
+        type=_policies,
+        default=None,
+        help=f"comma-separated, must include serial (default {','.join(shown['policies'])})",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (it is shown only on a terminal)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="camp2p-overlap",
+        description="FFN-side CAMP2P A2E/E2A multi-stream overlap for vLLM 0.19.1 + afd-plugin: tools.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{bench,sweep,doctor}")
+    sub.required = True
+
+    bench = sub.add_parser(
+        "bench",
+        help="serial vs e2a-only vs overlap on the emulated FFN rank",
+        description=BENCH_DESCRIPTION,
+        epilog=BENCH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_world_flags(bench)
+    bench.add_argument("--json", metavar="PATH", help="write the report as JSON (schema: docs/benchmark.md)")
+    bench.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="write one traced step per policy as Chrome trace-event JSON (Perfetto, chrome://tracing): "
+        "one process per policy, one track per stream (C, K0, K1, ...)",
+    )
+    bench.add_argument(
+        "--plot", metavar="PATH", help="write a PNG: timeline of one step per policy and per-layer time (matplotlib)"
+    )
+
+    from camp2p_overlap.bench.sweep import DEFAULT_RATIOS, DEFAULT_STAGE_COUNTS, DEFAULT_STAGE_RATIO, SWEEP_DEFAULTS
+
+    sweep = sub.add_parser(
+        "sweep",
+        help="per-layer time against communication/FFN ratio and against the number of stages",
+        description="Run the benchmark over a range of communication/FFN-compute ratios (set through the "
+        "modeled link bandwidth, after measuring f once) and over 1, 2 and 3 stages. Base world: the "
+        "ffn-bound scenario unless --scenario says otherwise, with "
+        + ", ".join(f"--{k} {v}" for k, v in SWEEP_DEFAULTS.items())
+        + "; explicit flags override.",
+        epilog="Absolute CPU times say nothing about an NPU; only the ratios carry over.",
+    )
+    _add_world_flags(sweep, {**SCENARIOS["ffn-bound"], **SWEEP_DEFAULTS})
+    sweep.add_argument(
+        "--ratios",
+        type=_floats,
+        default=DEFAULT_RATIOS,
+        help=f"target (a+e)/f values (default {','.join(f'{r:g}' for r in DEFAULT_RATIOS)})",
+    )
+    sweep.add_argument(
+        "--stage-counts",
+        type=_ints,
+        default=DEFAULT_STAGE_COUNTS,
+        help=f"stage counts to run (default {','.join(map(str, DEFAULT_STAGE_COUNTS))})",
+    )
+    sweep.add_argument(
+        "--stage-ratio",
+        type=float,
+        default=DEFAULT_STAGE_RATIO,
+        help=f"target (a+e)/f for the stage-count runs (default {DEFAULT_STAGE_RATIO:g})",
+    )
+    sweep.add_argument("--md", metavar="PATH", help="write the tables as Markdown")
+    sweep.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer time against ratio and stages")
+    sweep.add_argument("--json", metavar="PATH", help="write every point's full report as JSON")
+
+    doctor = sub.add_parser(
+        "doctor",
+        help="check a deployment box: versions, patch targets, backend, switches",
+        description="Report installed versions (vLLM, torch, torch_npu, wrapt, afd-plugin), the vLLM version "
+        "gate, every patch target of the manifest (imported: importable? defined? signature?), the stream "
+        "backend that would be used on this box's device, and every VLLM_CAMP2P_* switch as parsed.",
+        epilog="Exit status 0 when nothing would refuse, else 1. --json schema: docs/benchmark.md "
+        "(keys: schema, ok, problems, notes, stack, versions, vllm_check, targets[{target, module, qualname, "
+        "action, status (ok|import-error|missing|signature-mismatch|stand-in), detail}], device, device_detail, "
+        "backend{configured, resolved, reason}, config{ok, error, enabled, switches[{name, raw, field, value, "
+        "description}]}).",
+    )
+    doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
+    doctor.add_argument("--stack", default=None, help="manifest stack to check (default vllm-0.19.1)")
+    return parser
+
+
+def _explicit(args: argparse.Namespace) -> dict[str, Any]:
+    names = {f.name for f in fields(BenchParams)} - {"scenario"}
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"camp2p-overlap: error: {message}", file=sys.stderr)
+    return code
+
+
+def _device_check(device: str) -> str | None:
+    if device == "cpu":
+        return None
+    from camp2p_overlap.emulation.device_world import DeviceUnavailable, device_module
+
+    try:
+        device_module(device)
+    except DeviceUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from camp2p_overlap.bench.report import bench_table, problems, write_outputs
+    from camp2p_overlap.bench.runner import resolve_params, run_bench
+
+    try:
+        params = resolve_params(_explicit(args), args.scenario)
+    except ValueError as exc:
+        return _fail(str(exc))
+    why = _device_check(params.device)
+    if why:
+        return _fail(why)
+    if args.plot:
+        from camp2p_overlap.bench.plot import PlotUnavailable, _figure
+
+        try:
+            _figure(1, 1)
+        except PlotUnavailable as exc:
+            return _fail(str(exc))
+    run = run_bench(params, progress=not args.no_progress)
+    print(bench_table(run.report))
+    write_outputs(run, json_path=args.json, trace_path=args.trace)
+    if args.plot:
+        from camp2p_overlap.bench.plot import bench_plot
+
+        bench_plot(run.timelines, run.report, args.plot)
+    for what, path in (("JSON", args.json), ("trace", args.trace), ("plot", args.plot)):
+        if path:
+            print(f"{what}: {path}")
+    return 1 if problems(run.report) else 0
+
+
+def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from camp2p_overlap.bench.report import problems, write_json
+    from camp2p_overlap.bench.runner import resolve_params
+    from camp2p_overlap.bench.sweep import SWEEP_DEFAULTS, run_sweep, sweep_markdown
+
+    scenario = args.scenario or "ffn-bound"
+    try:
+        params = resolve_params({**SWEEP_DEFAULTS, **_explicit(args)}, scenario)
+        for s in args.stage_counts:
+            if not 1 <= s <= 3:
+                raise ValueError(f"--stage-counts: {s} is out of range 1..3")
+        if any(r <= 0 for r in args.ratios) or args.stage_ratio <= 0:
+            raise ValueError("ratios must be positive")
+    except ValueError as exc:
+        return _fail(str(exc))
+    why = _device_check(params.device)
+    if why:
+        return _fail(why)
+    if args.plot:
+        from camp2p_overlap.bench.plot import PlotUnavailable, _figure
+
+        try:
+            _figure(1, 1)
+        except PlotUnavailable as exc:
+            return _fail(str(exc))
+    result = run_sweep(
+        params,
+        ratios=args.ratios,
+        stage_counts=args.stage_counts,
+        stage_ratio=args.stage_ratio,
+        progress=not args.no_progress,
+    )
+    command = "camp2p-overlap " + " ".join(shlex.quote(a) for a in argv)
+    text = sweep_markdown(result, command)
+    print(text)
+    if args.md:
+        with open(args.md, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        print(f"Markdown: {args.md}")
+    if args.json:
+        write_json(args.json, result)
+        print(f"JSON: {args.json}")
+    if args.plot:
+        from camp2p_overlap.bench.plot import sweep_plot
+
+        sweep_plot(result, args.plot)
+        print(f"plot: {args.plot}")
+    failed = [p for pt in result["ratio_points"] + result["stage_points"] for p in problems(pt["report"])]
+    for p in failed:
+        print(f"FAILED: {p}")
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        return _bench(args)
+    if args.command == "sweep":
+        return _sweep(args, argv)
+    from camp2p_overlap.bench.doctor import main_doctor
+
+    return main_doctor(as_json=args.json, stack=args.stack)

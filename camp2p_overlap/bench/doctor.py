@@ -1,0 +1,290 @@
+"""``camp2p-overlap doctor``: what this box has and whether the patch layer
+would engage here.
+
+Reports, without raising:
+
+* installed versions of vLLM, torch, torch_npu, wrapt and afd-plugin (from
+  distribution metadata; nothing is imported for this);
+* the vLLM version gate (``versions.check_vllm``);
+* every target of the stack's manifest: whether its module imports (the
+  ImportError text when not), whether the attribute is defined where the
+  manifest says, and whether its signature matches. Importing the target
+  modules imports afd-plugin, vLLM and torch_npu, as a worker would;
+* the stream backend that would be used: the configured one resolved
+  against the device this box has (an NPU through torch_npu, else a CUDA
+  GPU, else none);
+* every ``VLLM_CAMP2P_*`` switch, as set and as parsed (a malformed value is
+  reported, not raised).
+
+Exit status 0 when nothing would refuse, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+from camp2p_overlap import config as cfgmod
+from camp2p_overlap.manifest import ManifestError, TargetSpec, load_manifest, signature_difference, signature_of
+from camp2p_overlap.versions import AFD_PLUGIN_DIST, VLLM_DIST, check_vllm, installed_version
+
+SCHEMA = "camp2p-overlap/doctor/v1"
+
+#: Display name -> distribution name.
+DISTRIBUTIONS = {
+    "vllm": VLLM_DIST,
+    "torch": "torch",
+    "torch_npu": "torch-npu",
+    "wrapt": "wrapt",
+    "afd-plugin": AFD_PLUGIN_DIST,
+    "camp2p-overlap": "camp2p-overlap",
+}
+
+#: Environment variable -> OverlapConfig field.
+SWITCH_FIELDS = {
+    cfgmod.ENV_SWITCH: "enabled",
+    cfgmod.ENV_A2E: "a2e_on_side_stream",
+    cfgmod.ENV_E2A: "e2a_on_side_stream",
+    cfgmod.ENV_MIN_STAGES: "min_stages",
+    cfgmod.ENV_GRAPH: "graph",
+    cfgmod.ENV_BACKEND: "backend",
+    cfgmod.ENV_STRICT: "strict",
+    cfgmod.ENV_WATCHDOG: "watchdog_s",
+}
+
+_STANDIN_DIR = Path(__file__).resolve().parent.parent / "emulation" / "standins"
+
+
+def _versions() -> dict[str, str | None]:
+    return {name: installed_version(dist) for name, dist in DISTRIBUTIONS.items()}
+
+
+def _is_standin(module: Any) -> bool:
+    try:
+        return Path(module.__file__).resolve().is_relative_to(_STANDIN_DIR)
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def check_target(t: TargetSpec) -> dict[str, Any]:
+    """Import the target's module and compare the target with the manifest."""
+    row: dict[str, Any] = {
+        "target": t.id,
+        "module": t.module,
+        "qualname": t.qualname,
+        "action": t.action,
+        "status": "ok",
+        "detail": "",
+    }
+    try:
+        module = importlib.import_module(t.module)
+    except Exception as exc:  # noqa: BLE001 - any import failure is reported, with its text
+        row.update(status="import-error", detail=f"{type(exc).__name__}: {exc}")
+        return row
+    if _is_standin(module):
+        row.update(status="stand-in", detail=f"{t.module} is camp2p-overlap's emulation stand-in, not afd-plugin")
+        return row
+    owner: Any = module
+    for part in t.owner_path:
+        owner = vars(owner).get(part) if hasattr(owner, "__dict__") else None
+        if owner is None:
+            row.update(status="missing", detail=f"{part!r} not found in {t.module}")
+            return row
+    if t.attribute not in vars(owner):
+        inherited = hasattr(owner, t.attribute)
+        row.update(
+            status="missing",
+            detail=f"{t.attribute!r} is not defined in {getattr(owner, '__qualname__', t.module)}"
+            + (" itself (only inherited)" if inherited else ""),
+        )
+        return row
+    raw = vars(owner)[t.attribute]
+    func = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+    try:
+        diff = signature_difference(t.signature, signature_of(func))
+    except (TypeError, ValueError) as exc:
+        diff = f"signature unreadable: {exc}"
+    if diff:
+        row.update(status="signature-mismatch", detail=diff)
+    return row
+
+
+def _device() -> tuple[str | None, str]:
+    """('npu' | 'cuda' | None, how it was found)."""
+    notes = []
+    if importlib.util.find_spec("torch_npu") is not None:
+        try:
+            import torch
+
+            importlib.import_module("torch_npu")
+            npu = getattr(torch, "npu", None)
+            if npu is not None and npu.is_available():
+                return "npu", f"torch_npu: {npu.device_count()} NPU(s)"
+            notes.append("torch_npu imports but torch.npu.is_available() is False")
+        except Exception as exc:  # noqa: BLE001 - reported
+            notes.append(f"importing torch_npu failed: {type(exc).__name__}: {exc}")
+    else:
+        notes.append("torch_npu is not installed")
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return "cuda", f"CUDA: {torch.cuda.device_count()} GPU(s)"
+        notes.append("torch.cuda.is_available() is False")
+    except Exception as exc:  # noqa: BLE001 - reported
+        notes.append(f"torch: {type(exc).__name__}: {exc}")
+    return None, "; ".join(notes)
+
+
+def _backend(configured: str, device: str | None) -> dict[str, Any]:
+    from camp2p_overlap.streams import BackendUnavailable, resolve_backend_name
+
+    if device is None and configured in ("auto", "npu", "cuda"):
+        return {
+            "configured": configured,
+            "resolved": None,
+            "reason": "none: this box has no NPU (torch_npu and a device) and no CUDA GPU",
+        }
+    try:
+        import torch
+
+        name = resolve_backend_name(configured, torch.device(device) if device else None)
+    except BackendUnavailable as exc:
+        return {"configured": configured, "resolved": None, "reason": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - reported
+        return {"configured": configured, "resolved": None, "reason": f"{type(exc).__name__}: {exc}"}
+    reason = f"{name} streams"
+    if name == "cpu":
+        reason = "cpu: worker-thread streams (emulation and tests only)"
+    return {"configured": configured, "resolved": name, "reason": reason}
+
+
+def _config(env: Any = None) -> tuple[dict[str, Any], str]:
+    """(config section, configured backend)."""
+    import os
+
+    env = os.environ if env is None else env
+    try:
+        cfg = cfgmod.load_config(env)
+        error = None
+    except cfgmod.ConfigError as exc:
+        cfg, error = None, str(exc)
+    switches = []
+    for name, fld in SWITCH_FIELDS.items():
+        value = getattr(cfg, fld) if cfg is not None else None
+        switches.append(
+            {
+                "name": name,
+                "raw": env.get(name),
+                "field": fld,
+                "value": value,
+                "description": cfgmod.ENV_VARS.get(name, ""),
+            }
+        )
+    section = {"ok": error is None, "error": error, "enabled": cfg.enabled if cfg else None, "switches": switches}
+    return section, (cfg.backend if cfg is not None else "auto")
+
+
+def diagnose(stack: str | None = None) -> dict[str, Any]:
+    """Everything the doctor reports, as a JSON-ready dict (schema in
+    ``docs/benchmark.md``)."""
+    problems: list[str] = []
+    notes: list[str] = []
+    versions = _versions()
+    try:
+        manifest = load_manifest(stack) if stack else load_manifest()
+    except ManifestError as exc:
+        return {
+            "schema": SCHEMA,
+            "ok": False,
+            "problems": [f"manifest: {exc}"],
+            "notes": [],
+            "stack": stack,
+            "versions": versions,
+            "vllm_check": None,
+            "targets": [],
+            "device": None,
+            "device_detail": "",
+            "backend": None,
+            "config": _config()[0],
+        }
+    vc = check_vllm(manifest.vllm)
+    if not vc.ok:
+        problems.append(f"vLLM version gate: {vc.reason}")
+    if versions["afd-plugin"] is None:
+        problems.append(f"afd-plugin is not installed (distribution {AFD_PLUGIN_DIST})")
+    targets = [check_target(t) for t in manifest.targets()]
+    for row in targets:
+        if row["status"] != "ok":
+            problems.append(f"target {row['target']}: {row['status']}: {row['detail']}")
+    config_section, configured = _config()
+    if not config_section["ok"]:
+        problems.append(f"configuration: {config_section['error']}")
+    elif not config_section["enabled"]:
+        notes.append(f"{cfgmod.ENV_SWITCH} is off: the patch layer would not apply (switch it on to use it)")
+    device, device_detail = _device()
+    backend = _backend(configured, device)
+    if backend["resolved"] is None:
+        problems.append(f"stream backend: {backend['reason']}")
+    elif backend["resolved"] == "cpu":
+        notes.append("the cpu backend is for the emulation and tests, not for a deployment")
+    return {
+        "schema": SCHEMA,
+        "ok": not problems,
+        "problems": problems,
+        "notes": notes,
+        "stack": manifest.name,
+        "versions": versions,
+        "vllm_check": {"ok": vc.ok, "found": vc.found, "supported": vc.supported, "reason": vc.reason},
+        "targets": targets,
+        "device": device,
+        "device_detail": device_detail,
+        "backend": backend,
+        "config": config_section,
+    }
+
+
+def doctor_text(d: dict[str, Any]) -> str:
+    lines = [f"camp2p-overlap doctor (stack {d['stack']})", "", "versions (installed distributions):"]
+    for name, version in d["versions"].items():
+        lines.append(f"  {name:<15} {version or 'not installed'}")
+    vc = d["vllm_check"]
+    if vc is not None:
+        lines += ["", f"vLLM version gate: {'ok' if vc['ok'] else 'REFUSED'}: {vc['reason']}"]
+    lines += ["", "patch targets (imported to check):"]
+    for row in d["targets"]:
+        mark = "ok" if row["status"] == "ok" else row["status"].upper()
+        lines.append(
+            f"  [{mark}] {row['target']} ({row['action']})" + (f"\n      {row['detail']}" if row["detail"] else "")
+        )
+    b = d["backend"]
+    lines += ["", f"device: {d['device'] or 'none'} ({d['device_detail']})"]
+    if b is not None:
+        lines.append(f"stream backend: configured {b['configured']} -> {b['resolved'] or 'none'} ({b['reason']})")
+    c = d["config"]
+    lines += ["", "switches" + ("" if c["ok"] else f" (CONFIGURATION ERROR: {c['error']})") + ":"]
+    for s in c["switches"]:
+        raw = "unset" if s["raw"] is None else repr(s["raw"])
+        value = "-" if s["value"] is None and not c["ok"] else repr(s["value"])
+        lines.append(f"  {s['name']:<36} {raw:<10} -> {s['field']} = {value}")
+    lines.append("")
+    for note in d["notes"]:
+        lines.append(f"note: {note}")
+    if d["ok"]:
+        lines.append("OK: nothing would refuse on this box.")
+    else:
+        lines.append(f"NOT READY: {len(d['problems'])} problem(s):")
+        lines += [f"  - {p}" for p in d["problems"]]
+    return "\n".join(lines)
+
+
+def main_doctor(*, as_json: bool, stack: str | None = None, out: Any = None) -> int:
+    import json
+
+    out = out or sys.stdout
+    d = diagnose(stack)
+    print(json.dumps(d, indent=2) if as_json else doctor_text(d), file=out)
+    return 0 if d["ok"] else 1

@@ -1,0 +1,132 @@
+"""PNG plots of a benchmark run and of a sweep (matplotlib, from the
+``bench`` extra; imported only when a plot is asked for). Uses matplotlib's
+object API with the Agg canvas, so the process-wide pyplot backend is left
+alone."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from camp2p_overlap.trace import TraceOp
+
+KIND_COLORS = {"a2e": "#4C72B0", "ffn": "#DD8452", "e2a": "#55A868", "wait": "#C7C7C7"}
+POLICY_COLORS = {"serial": "#8C8C8C", "e2a-only": "#4C72B0", "overlap": "#DD8452"}
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib is missing."""
+
+
+def _figure(width: float, height: float) -> Any:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise PlotUnavailable(
+            "--plot needs matplotlib, which is not installed: pip install 'camp2p-overlap[bench]'"
+        ) from exc
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _stream_order(name: str) -> tuple[int, str]:
+    return (0 if name == "C" else 1, name)
+
+
+def bench_plot(timelines: Mapping[str, Sequence[TraceOp]], report: Mapping[str, Any], path: str | Path) -> None:
+    """Top: one traced step per policy, one row per stream (A2E, FFN, E2A as
+    bars). Bottom: per-layer time per policy (median, p90 whisker) against
+    the floor."""
+    rows: list[tuple[str, str]] = []
+    for policy, ops in timelines.items():
+        streams = sorted({o.stream for o in ops if o.kind in ("a2e", "ffn", "e2a")}, key=_stream_order)
+        rows.extend((policy, s) for s in streams)
+    fig = _figure(11, 2.2 + 0.42 * max(len(rows), 1) + 3.0)
+    top, bottom = fig.subplots(2, 1, height_ratios=[max(len(rows), 1) * 0.42 + 0.8, 3.0])
+
+    ylabels = []
+    for y, (policy, stream) in enumerate(reversed(rows)):
+        ops = timelines[policy]
+        steps = [o for o in ops if o.kind == "step"]
+        origin = steps[0].start_ns if steps else min((o.start_ns for o in ops), default=0)
+        for kind in ("a2e", "ffn", "e2a"):
+            spans = [
+                ((o.start_ns - origin) / 1e6, max(o.duration_ns, 1) / 1e6)
+                for o in ops
+                if o.kind == kind and o.stream == stream
+            ]
+            if spans:
+                top.broken_barh(spans, (y - 0.35, 0.7), facecolors=KIND_COLORS[kind], edgecolors="white", linewidth=0.4)
+        ylabels.append(f"{policy}  {stream}")
+    top.set_yticks(range(len(ylabels)), ylabels)
+    top.set_xlabel("time since the step started (ms)")
+    top.set_title("one traced step per policy (rows: streams; C = compute, K_s = stage s)")
+    handles = [
+        top.bar(0, 0, color=color, label=kind.upper() if kind != "ffn" else "FFN")
+        for kind, color in KIND_COLORS.items()
+        if kind != "wait"
+    ]
+    top.legend(handles=handles, loc="upper right", fontsize="small")
+    top.set_ylim(-0.7, max(len(rows), 1) - 0.3)
+
+    names = [p["policy"] for p in report["policies"]]
+    med = [p["per_layer_us"]["median"] / 1000 for p in report["policies"]]
+    p90 = [p["per_layer_us"]["p90"] / 1000 for p in report["policies"]]
+    err = [[0] * len(med), [max(b - a, 0) for a, b in zip(med, p90, strict=True)]]
+    bars = bottom.bar(
+        names, med, yerr=err, capsize=4, color=[POLICY_COLORS.get(n, "#999999") for n in names], width=0.55
+    )
+    for bar, p in zip(bars, report["policies"], strict=True):
+        label = f"{p['speedup']:.2f}x" + (f"\neta {p['eta']:.2f}" if p["eta"] is not None else "")
+        bottom.annotate(
+            label,
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            xytext=(0, 3),
+            textcoords="offset points",
+            fontsize="small",
+        )
+    floor = report["measured"]["floor_per_layer_us"] / 1000
+    bottom.axhline(floor, color="black", linestyle="--", linewidth=1, label=f"floor {floor:.2f} ms")
+    bottom.set_ylabel("per-layer time (ms), median; whisker p90")
+    bottom.legend(loc="upper right", fontsize="small")
+    bottom.set_ylim(0, max([*p90, floor]) * 1.3)
+    title = f"camp2p-overlap bench ({report['device']}, {report['scenario'] or 'custom'})"
+    fig.suptitle(title)
+    fig.savefig(str(path), format="png", dpi=110)
+
+
+def sweep_plot(sweep: Mapping[str, Any], path: str | Path) -> None:
+    """Per-layer time against (a+e)/f and against the number of stages."""
+    fig = _figure(11, 4.2)
+    left, right = fig.subplots(1, 2)
+    for ax, key, xkey, xlabel in (
+        (left, "ratio_points", "measured_ratio", "measured (a+e)/f (communication / FFN compute)"),
+        (right, "stage_points", "stages", "stages (micro-batches) per step"),
+    ):
+        points: Sequence[Mapping[str, Any]] = sweep[key]
+        if not points:
+            ax.set_visible(False)
+            continue
+        xs = [pt[xkey] for pt in points]
+        policies = [p["policy"] for p in points[0]["report"]["policies"]]
+        for policy in policies:
+            ys = [
+                next(p for p in pt["report"]["policies"] if p["policy"] == policy)["per_layer_us"]["median"] / 1000
+                for pt in points
+            ]
+            ax.plot(xs, ys, marker="o", label=policy, color=POLICY_COLORS.get(policy))
+        floors = [pt["report"]["measured"]["floor_per_layer_us"] / 1000 for pt in points]
+        ax.plot(xs, floors, linestyle="--", color="black", linewidth=1, label="floor")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("per-layer time (ms), median")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize="small")
+        ax.grid(alpha=0.3)
+    right.set_xticks(sorted({pt["stages"] for pt in sweep["stage_points"]}) or [1])
+    fig.suptitle("camp2p-overlap sweep")
+    fig.savefig(str(path), format="png", dpi=110)

@@ -1,0 +1,148 @@
+"""Human-readable tables and the Chrome trace file of a benchmark run."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from camp2p_overlap.bench.runner import POLICIES, BenchRun
+from camp2p_overlap.trace import TraceOp, to_chrome_trace
+
+CPU_CAVEAT = (
+    "Absolute CPU times say nothing about an NPU: the emulated link and FFN are sized to a ratio. "
+    "Only the ratios (speedup, eta) carry over."
+)
+
+
+def fmt_time(us: float | None) -> str:
+    if us is None or (isinstance(us, float) and math.isnan(us)):
+        return "-"
+    if us >= 1000:
+        return f"{us / 1000:.2f} ms"
+    return f"{us:.0f} us"
+
+
+def _sides(policy: str) -> tuple[str, str]:
+    sides = POLICIES[policy] or (False, False)
+    return ("K_s" if sides[0] else "C", "K_s" if sides[1] else "C")
+
+
+def _edges(ok: bool | None) -> str:
+    return "not checked" if ok is None else ("ok" if ok else "VIOLATED")
+
+
+def problems(report: Mapping[str, Any]) -> list[str]:
+    """What makes a run fail (non-zero exit): outputs that differ from the
+    serial run, broken edges, or an overlap policy that did not engage
+    where it should have (2 or more stages)."""
+    out = []
+    for p in report["policies"]:
+        if not p["outputs_equal"]:
+            out.append(f"{p['policy']}: outputs differ from the serial run ({'; '.join(p['mismatches'][:3])})")
+        if p["edges_ok"] is False:
+            out.append(f"{p['policy']}: edge check failed ({'; '.join(p['edge_violations'][:3])})")
+        if p["policy"] != "serial" and not p["engaged"] and len(report["stages"]) >= 2:
+            out.append(f"{p['policy']}: the overlap did not engage (ran the serial path)")
+    return out
+
+
+def bench_table(report: Mapping[str, Any]) -> str:
+    """The benchmark's result as the text printed to stdout."""
+    prm = report["params"]
+    m = report["measured"]
+    S = len(report["stages"])
+    lines = [
+        f"camp2p-overlap bench: emulated CAMP2P FFN rank on {report['device']} "
+        f"(stream backend {report['backend']}, afd-plugin stand-ins at {report['stand_in_root']})",
+        f"{'scenario ' + report['scenario'] if report['scenario'] else 'no scenario preset'}: "
+        f"{report['ffn_layers']} FFN layers x {S} stage(s), {prm['tokens']} tokens per stage; "
+        f"MoE hidden {prm['hidden']}, ffn {prm['ffn']}, {prm['experts']} experts, top-{prm['top_k']}",
+        f"link {prm['link_latency_us']:g} us + {prm['link_gbps']:g} Gbit/s, attention {prm['attn_us']:g} us"
+        + (" (not modeled on a device)" if report["device"] != "cpu" else "")
+        + f"; {prm['reps']} reps x {prm['steps']} timed steps per policy (+{prm['warmup']} warm-up), "
+        f"torch threads {prm['threads']}",
+        "",
+        f"Measured on the serial run's trace (medians of {m['samples']} FFN ops; A2E without its attention wait):",
+        f"  f  FFN compute per (layer, stage)  {fmt_time(m['f_us'])}",
+        "  a  A2E  " + " | ".join(f"stage {s['stage']} {fmt_time(s['a_us'])}" for s in m["stages"]),
+        "  e  E2A  " + " | ".join(f"stage {s['stage']} {fmt_time(s['e_us'])}" for s in m["stages"]),
+    ]
+    ratio = m["comm_over_ffn"]
+    verdict = "FFN-bound" if m["ffn_bound"] else "not FFN-bound"
+    lines.append(
+        f"  (a+e)/f = {ratio * 100:.0f}%: {verdict} (FFN-bound: f > a+e, and S*f >= a+f+e+attn with S >= 2)"
+        if ratio is not None
+        else "  (a+e)/f = -"
+    )
+    ft = m["floor_terms"]
+    lines.append(
+        f"  floor per layer = max(S*f = {fmt_time(ft['stages_x_f_us'])}, "
+        f"max_s(a_s+f+e_s+attn) = {fmt_time(ft['group_cycle_us'])}) = {fmt_time(m['floor_per_layer_us'])}"
+    )
+    lines.append("")
+    header = (
+        f"{'policy':<10} {'A2E':<4} {'E2A':<4} {'per-layer median':>16} {'p90':>10} {'speedup':>8} "
+        f"{'eta':>6}  {'outputs == serial':<20} {'engaged':<8} {'edges'}"
+    )
+    lines += [header, "-" * len(header)]
+    for p in report["policies"]:
+        a2e, e2a = _sides(p["policy"])
+        eta = "-" if p["eta"] is None else f"{p['eta']:.2f}"
+        if p["policy"] == "serial":
+            outputs = "reference" + ("" if p["outputs_equal"] else " (reps DIFFER)")
+            engaged = "-"
+        else:
+            outputs = f"yes ({p['compared_steps']} steps)" if p["outputs_equal"] else "NO"
+            engaged = "yes" if p["engaged"] else "no"
+        lines.append(
+            f"{p['policy']:<10} {a2e:<4} {e2a:<4} {fmt_time(p['per_layer_us']['median']):>16} "
+            f"{fmt_time(p['per_layer_us']['p90']):>10} {p['speedup']:>7.2f}x {eta:>6}  {outputs:<20} "
+            f"{engaged:<8} {_edges(p['edges_ok'])}"
+        )
+    by = {p["policy"]: p for p in report["policies"]}
+    lines.append("")
+    if "overlap" in by and "e2a-only" in by:
+        ratio_oe = by["e2a-only"]["per_layer_us"]["median"] / by["overlap"]["per_layer_us"]["median"]
+        lines.append(f"overlap vs e2a-only: {ratio_oe:.2f}x per layer.")
+    lines.append(
+        "eta = (T_serial - T_policy) / (T_serial - T_floor): the share of the hideable time a policy hid "
+        "(1.0 = all of it)."
+    )
+    lines.append(CPU_CAVEAT)
+    for problem in problems(report):
+        lines.append(f"FAILED: {problem}")
+    return "\n".join(lines)
+
+
+def chrome_trace(timelines: Mapping[str, Sequence[TraceOp]], report: Mapping[str, Any]) -> dict[str, Any]:
+    """Chrome trace-event JSON (Perfetto, chrome://tracing): one process per
+    policy (pid 1, 2, ... in policy order), one thread per stream (``C``,
+    ``K0``, ``K1``, ...) named by ``thread_name`` metadata; one traced step
+    per policy, each starting at time 0."""
+    events: list[dict[str, Any]] = []
+    for pid, (policy, ops) in enumerate(timelines.items(), start=1):
+        events.extend(to_chrome_trace(list(ops), process=policy, pid=pid))
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "schema": report["schema"],
+            "device": report["device"],
+            "scenario": report["scenario"],
+            "policies": list(timelines),
+        },
+    }
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def write_outputs(run: BenchRun, *, json_path: str | None, trace_path: str | None) -> None:
+    if json_path:
+        write_json(json_path, run.report)
+    if trace_path:
+        write_json(trace_path, chrome_trace(run.timelines, run.report))

@@ -1,0 +1,526 @@
+"""The benchmark: serial vs upstream's E2A-only design vs this package's
+overlap, on the emulated CAMP2P FFN rank, through the very patch engine and
+wrappers users get.
+
+Per repetition, for each policy in turn (policies interleaved in one
+process): apply the engine with the policy's configuration (``serial``: the
+engine stays unpatched, i.e. upstream's code as it is today), run warm-up
+steps and the timed steps, then traced steps, then unpatch. ``serial`` traces
+every timed step id again with the engine applied but both directions
+switched off: the wrappers' pass-through path, i.e. upstream's loop with each
+A2E, FFN and E2A recorded on the compute stream. The other policies trace one
+step (for ``--trace``/``--plot`` and the edge checker).
+
+* per-layer time: a step's wall time / the step's number of FFN layers;
+  median and p90 over every timed step of every repetition;
+* speedup: median(serial) / median(policy);
+* f, a_s, e_s: medians over the serial traced steps (FFN per (layer, stage);
+  A2E per stage without the time it waited for its attention peer; E2A per
+  stage);
+* floor per layer: max(S * f, max over stages of a_s + f + e_s + attn). The
+  first term is the compute stream's work; the second is one stage group's
+  dependency cycle per layer (A2E, its FFN, E2A, then the attention peer
+  before the next A2E can arrive), which no schedule can shorten;
+* eta = (T_serial - T_policy) / (T_serial - T_floor): the share of the
+  hideable time a policy hid (1.0 = all of it);
+* outputs: every timed and traced step of every policy is compared bitwise
+  (``torch.equal``) with the serial run of the same step id (the emulated
+  attention inputs depend on the step id, which is set before each step).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+import torch
+
+import camp2p_overlap
+from camp2p_overlap.bench.engine import emulation_engine, release_site, standin_site
+from camp2p_overlap.config import MAX_STAGES, OverlapConfig
+from camp2p_overlap.emulation.moe import MoEShape
+from camp2p_overlap.emulation.world import LinkModel, WorldSpec, build_world
+from camp2p_overlap.trace import ExpectedSchedule, TraceOp, TraceRecorder, check_step, recording
+
+SCHEMA = "camp2p-overlap/bench/v1"
+
+#: policy -> (A2E on side streams, E2A on side streams); None = engine unpatched.
+POLICIES: dict[str, tuple[bool, bool] | None] = {
+    "serial": None,
+    "e2a-only": (False, True),
+    "overlap": (True, True),
+}
+
+POLICY_HELP = {
+    "serial": "engine unpatched: upstream's loop, everything on the compute stream (today)",
+    "e2a-only": "E2A on per-stage side streams, A2E on the compute stream (upstream PR #161's design)",
+    "overlap": "A2E and E2A on per-stage side streams with the receive lookahead (this package)",
+}
+
+
+@dataclass(frozen=True)
+class BenchParams:
+    """Every knob of one benchmark run (the command-line flags)."""
+
+    device: str = "cpu"
+    layers: int = 4
+    stages: int = 2
+    tokens: int = 128
+    hidden: int = 512
+    ffn: int = 1024
+    experts: int = 8
+    top_k: int = 2
+    link_latency_us: float = 200.0
+    link_gbps: float = 4.0
+    attn_us: float = 200.0
+    steps: int = 8
+    warmup: int = 2
+    reps: int = 3
+    seed: int = 0
+    threads: int = 1
+    policies: tuple[str, ...] = ("serial", "e2a-only", "overlap")
+    scenario: str | None = None
+
+    def link(self) -> LinkModel:
+        return LinkModel(latency_s=self.link_latency_us * 1e-6, bandwidth_Bps=self.link_gbps * 1e9 / 8)
+
+    def world_spec(self) -> WorldSpec:
+        return WorldSpec(
+            layers=self.layers,
+            stage_ids=tuple(range(self.stages)),
+            tokens=self.tokens,
+            shape=MoEShape(hidden=self.hidden, ffn=self.ffn, experts=self.experts, top_k=self.top_k),
+            link=self.link(),
+            attn_s=self.attn_us * 1e-6,
+            op_timeout_s=60.0,
+            seed=self.seed,
+            device="cpu",
+        )
+
+    def validate(self) -> None:
+        problems = []
+        if self.device not in ("cpu", "cuda", "npu"):
+            problems.append(f"--device {self.device!r} is not one of cpu, cuda, npu")
+        if not 1 <= self.stages <= MAX_STAGES:
+            problems.append(f"--stages {self.stages} is out of range 1..{MAX_STAGES} (CAMP2P has 3 stage groups)")
+        for name in ("layers", "tokens", "hidden", "ffn", "experts", "top_k", "steps", "reps", "threads"):
+            if getattr(self, name) < 1:
+                problems.append(f"--{name.replace('_', '-')} must be at least 1")
+        if self.top_k > self.experts:
+            problems.append(f"--top-k {self.top_k} is larger than --experts {self.experts}")
+        if self.warmup < 0:
+            problems.append("--warmup must not be negative")
+        if not (self.link_gbps > 0 and math.isfinite(self.link_gbps)):
+            problems.append("--link-gbps must be a positive number")
+        if not (self.link_latency_us >= 0 and math.isfinite(self.link_latency_us)):
+            problems.append("--link-latency-us must not be negative")
+        if not (self.attn_us >= 0 and math.isfinite(self.attn_us)):
+            problems.append("--attn-us must not be negative")
+        unknown = [p for p in self.policies if p not in POLICIES]
+        if unknown:
+            problems.append(f"unknown policy {', '.join(unknown)} (choose from {', '.join(POLICIES)})")
+        if "serial" not in self.policies:
+            problems.append("--policies must include serial (the reference for speedup, eta and outputs)")
+        if len(set(self.policies)) != len(self.policies):
+            problems.append("--policies names a policy twice")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+#: Presets; a flag given explicitly on the command line overrides its value.
+SCENARIOS: dict[str, dict[str, Any]] = {
+    # FFN compute-bound: per (layer, stage) the FFN takes longer than its A2E
+    # and E2A together, which are not negligible (on the reference 2-core CPU:
+    # f ~ 16 ms, a + e ~ 9 ms, i.e. about 55 % of f), and S * f exceeds one
+    # group's cycle a + f + e + attn, so the compute stream is the bottleneck.
+    "ffn-bound": {
+        "layers": 6,
+        "stages": 2,
+        "tokens": 128,
+        "hidden": 512,
+        "ffn": 1024,
+        "experts": 8,
+        "top_k": 2,
+        "link_latency_us": 500.0,
+        "link_gbps": 0.8,
+        "attn_us": 500.0,
+        "steps": 8,
+        "warmup": 2,
+        "reps": 3,
+    },
+}
+
+SCENARIO_HELP = {
+    "ffn-bound": "FFN compute-bound: f > a + e with communication about half of f, 2 stages, 6 layers",
+}
+
+
+def resolve_params(explicit: Mapping[str, Any], scenario: str | None = None) -> BenchParams:
+    """Defaults, then the scenario's preset, then every explicitly given value."""
+    if scenario is not None and scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r} (choose from {', '.join(SCENARIOS)})")
+    names = {f.name for f in fields(BenchParams)}
+    values: dict[str, Any] = dict(SCENARIOS.get(scenario, {})) if scenario else {}
+    for key, value in explicit.items():
+        if key not in names:
+            raise ValueError(f"unknown benchmark parameter {key!r}")
+        if value is not None:
+            values[key] = tuple(value) if key == "policies" else value
+    values["scenario"] = scenario
+    params = replace(BenchParams(), **values)
+    params.validate()
+    return params
+
+
+# ---------------------------------------------------------------------------
+# statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolation percentile (``q`` in 0..100)."""
+    if not values:
+        return float("nan")
+    data = sorted(values)
+    pos = (len(data) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def _us(seconds: float) -> float:
+    return round(seconds * 1e6, 3)
+
+
+# ---------------------------------------------------------------------------
+# worlds: CPU emulation, or the device emulation
+
+
+@dataclass
+class _Handle:
+    world: Any
+    backend: str
+    sync: Callable[[], None]
+    traced_step: Callable[[], tuple[list[TraceOp], dict[tuple[int, int], torch.Tensor], dict[tuple[int, int], int]]]
+    attn_modeled: bool
+    #: The CPU trace carries the session's event records and waits, which the
+    #: edge checker needs; the device trace has op timings only.
+    edges_checkable: bool
+
+
+def _cpu_handle(params: BenchParams, root: str) -> _Handle:
+    world = build_world(params.world_spec(), root=root)
+
+    def traced() -> tuple[list[TraceOp], dict[tuple[int, int], torch.Tensor], dict[tuple[int, int], int]]:
+        with recording(TraceRecorder()) as rec:
+            out = world.run_step()
+        return rec.ops(), out, dict(world.transport.peer_wait_ns)
+
+    return _Handle(world, "cpu", lambda: None, traced, attn_modeled=True, edges_checkable=True)
+
+
+def _device_handle(params: BenchParams, root: str) -> _Handle:
+    from camp2p_overlap.emulation.device_world import build_device_world
+
+    dw = build_device_world(replace(params.world_spec(), attn_s=0.0), params.device, root=root)
+    world = dw.world
+
+    def traced() -> tuple[list[TraceOp], dict[tuple[int, int], torch.Tensor], dict[tuple[int, int], int]]:
+        dw.timing.active = True
+        try:
+            start = dw.timing.begin()
+            out = world.run_step()
+            dw.timing.end("step", None, None, start, world.transport.step)
+        finally:
+            dw.timing.active = False
+        ops = dw.timing.resolve()
+        return ops, out, {}
+
+    return _Handle(world, params.device, dw.synchronize, traced, attn_modeled=False, edges_checkable=False)
+
+
+# ---------------------------------------------------------------------------
+# the run
+
+
+@dataclass
+class PolicyStats:
+    name: str
+    per_layer_s: list[float] = field(default_factory=list)
+    compared: int = 0
+    mismatches: list[str] = field(default_factory=list)
+    engaged: list[bool] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+    timeline: list[TraceOp] = field(default_factory=list)
+    #: Every traced step's ops and A2E peer waits (kept for ``serial`` only: f, a, e come from them).
+    traced: list[tuple[list[TraceOp], dict[tuple[int, int], int]]] = field(default_factory=list)
+
+
+@dataclass
+class BenchRun:
+    """What :func:`run_bench` returns: the JSON report and the last traced
+    step of each policy (for ``--trace`` and ``--plot``)."""
+
+    report: dict[str, Any]
+    timelines: dict[str, list[TraceOp]]
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool, desc: str) -> None:
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                self.bar = tqdm(total=total, file=sys.stderr, desc=desc, unit="step", leave=False)
+
+    def tick(self, policy: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(policy, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _config_for(policy: str, backend: str) -> OverlapConfig | None:
+    sides = POLICIES[policy]
+    if sides is None:
+        return None
+    return OverlapConfig(enabled=True, backend=backend, a2e_on_side_stream=sides[0], e2a_on_side_stream=sides[1])  # type: ignore[arg-type]
+
+
+def _compare(
+    out: Mapping[tuple[int, int], torch.Tensor], ref: Mapping[tuple[int, int], torch.Tensor], where: str
+) -> str | None:
+    if set(out) != set(ref):
+        return f"{where}: (layer, stage) keys differ"
+    for key in sorted(ref):
+        if not torch.equal(out[key], ref[key]):
+            return f"{where}: output of (layer {key[0]}, stage {key[1]}) differs"
+    return None
+
+
+def run_bench(params: BenchParams, *, progress: bool = False, progress_desc: str = "bench") -> BenchRun:
+    """Run the benchmark described by ``params`` (see the module docstring)."""
+    params.validate()
+    wall0 = time.perf_counter()
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(params.threads)
+    site = standin_site()
+    try:
+        handle = _cpu_handle(params, site.root) if params.device == "cpu" else _device_handle(params, site.root)
+        with emulation_engine() as engine:
+            stats = _run_policies(params, handle, engine, site.manifest, progress, progress_desc)
+        layers = tuple(handle.world.layer_list())
+        stages = tuple(handle.world.spec.stage_ids)
+    finally:
+        release_site(site)
+        torch.set_num_threads(previous_threads)
+    report = _report(params, handle, site.root, layers, stages, stats, time.perf_counter() - wall0)
+    return BenchRun(report, {name: s.timeline for name, s in stats.items()})
+
+
+def _run_policies(
+    params: BenchParams,
+    handle: _Handle,
+    engine: Any,
+    manifest: Any,
+    progress: bool,
+    desc: str,
+) -> dict[str, PolicyStats]:
+    world = handle.world
+    layers = tuple(world.layer_list())
+    stages = tuple(world.spec.stage_ids)
+    stats = {p: PolicyStats(p) for p in params.policies}
+    reference: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
+    timed_ids = range(params.warmup, params.warmup + params.steps)
+    per_rep = len(params.policies) * (params.warmup + params.steps + 1) + params.steps - 1
+    bar = _Progress(params.reps * per_rep, progress, desc)
+    order = ["serial", *[p for p in params.policies if p != "serial"]]
+    passthrough = OverlapConfig(
+        enabled=True,
+        backend=handle.backend,  # type: ignore[arg-type]
+        a2e_on_side_stream=False,
+        e2a_on_side_stream=False,
+    )
+    try:
+        for rep in range(params.reps):
+            for policy in order:
+                st = stats[policy]
+                cfg = _config_for(policy, handle.backend)
+                if cfg is not None:
+                    engine.apply(config=cfg, manifest=manifest, strict=True)
+                try:
+                    for sid in range(params.warmup):
+                        world.steps_run = sid
+                        world.run_step()
+                        handle.sync()
+                        bar.tick(policy)
+                    for sid in timed_ids:
+                        world.steps_run = sid
+                        t0 = time.perf_counter()
+                        out = world.run_step()
+                        handle.sync()
+                        st.per_layer_s.append((time.perf_counter() - t0) / len(layers))
+                        _check_output(st, reference, sid, out, rep)
+                        bar.tick(policy)
+                    if cfg is None:
+                        # Serial: trace every timed step id again through the
+                        # wrappers' pass-through path (upstream's loop; both
+                        # directions off), so f, a and e come from as many
+                        # samples, spread over the run, as the timings.
+                        engine.apply(config=passthrough, manifest=manifest, strict=True)
+                        traced_ids: Sequence[int] = timed_ids
+                    else:
+                        traced_ids = [timed_ids[-1]]
+                    for sid in traced_ids:
+                        world.steps_run = sid
+                        ops, out, waits = handle.traced_step()
+                        _check_output(st, reference, sid, out, rep)
+                        bar.tick(policy)
+                        if policy == "serial":
+                            st.traced.append((ops, waits))
+                finally:
+                    if not engine.unpatch(timeout=30.0):
+                        raise RuntimeError("the benchmark's patch engine could not unpatch; see the log")
+                if handle.edges_checkable:
+                    sides = POLICIES[policy] or (False, False)
+                    result = check_step(ops, ExpectedSchedule(layers, stages, sides[0], sides[1]))
+                    st.violations.extend(f"rep {rep}: {v}" for v in result.violations)
+                st.engaged.append(any(o.kind in ("a2e", "e2a") and o.stream != "C" for o in ops))
+                st.timeline = ops
+    finally:
+        bar.close()
+    return stats
+
+
+def _check_output(
+    st: PolicyStats,
+    reference: dict[int, dict[tuple[int, int], torch.Tensor]],
+    sid: int,
+    out: dict[tuple[int, int], torch.Tensor],
+    rep: int,
+) -> None:
+    if st.name == "serial" and sid not in reference:
+        reference[sid] = out
+        return
+    st.compared += 1
+    bad = _compare(out, reference[sid], f"rep {rep} step {sid}")
+    if bad:
+        st.mismatches.append(bad)
+
+
+def _measure(
+    samples: Iterable[tuple[list[TraceOp], dict[tuple[int, int], int]]],
+    stages: Sequence[int],
+    attn_s: float,
+) -> dict[str, Any]:
+    f_all: list[float] = []
+    a: dict[int, list[float]] = {s: [] for s in stages}
+    e: dict[int, list[float]] = {s: [] for s in stages}
+    for ops, waits in samples:
+        for o in ops:
+            if o.stream != "C" or o.stage not in a:
+                continue
+            if o.kind == "ffn":
+                f_all.append(o.duration_ns / 1e9)
+            elif o.kind == "a2e":
+                a[o.stage].append(max(o.duration_ns - waits.get((o.layer, o.stage), 0), 0) / 1e9)
+            elif o.kind == "e2a":
+                e[o.stage].append(o.duration_ns / 1e9)
+    f = statistics.median(f_all) if f_all else float("nan")
+    a_med = {s: statistics.median(v) if v else float("nan") for s, v in a.items()}
+    e_med = {s: statistics.median(v) if v else float("nan") for s, v in e.items()}
+    S = len(stages)
+    compute = S * f
+    chain = max(a_med[s] + f + e_med[s] + attn_s for s in stages)
+    comm = max(a_med[s] + e_med[s] for s in stages)
+    return {
+        "source": "serial traced steps (pass-through wrappers, both directions off: upstream's loop)",
+        "samples": len(f_all),
+        "f_us": _us(f),
+        "stages": [{"stage": s, "a_us": _us(a_med[s]), "e_us": _us(e_med[s])} for s in stages],
+        "attn_us": _us(attn_s),
+        "comm_over_ffn": round(comm / f, 4) if f > 0 else None,
+        "ffn_bound": bool(f > comm and compute >= chain and S >= 2),
+        "floor_per_layer_us": _us(max(compute, chain)),
+        "floor_terms": {"stages_x_f_us": _us(compute), "group_cycle_us": _us(chain)},
+    }
+
+
+def _report(
+    params: BenchParams,
+    handle: _Handle,
+    root: str,
+    layers: Sequence[int],
+    stages: Sequence[int],
+    stats: dict[str, PolicyStats],
+    wall_s: float,
+) -> dict[str, Any]:
+    attn_s = params.attn_us * 1e-6 if handle.attn_modeled else 0.0
+    measured = _measure(stats["serial"].traced, stages, attn_s)
+    t_serial = statistics.median(stats["serial"].per_layer_s)
+    t_floor = measured["floor_per_layer_us"] / 1e6
+    hideable = t_serial - t_floor
+    policies = []
+    for name in params.policies:
+        st = stats[name]
+        med = statistics.median(st.per_layer_s)
+        sides = POLICIES[name] or (False, False)
+        eta = None
+        if name != "serial" and hideable > 0.01 * t_serial:
+            eta = round((t_serial - med) / hideable, 4)
+        policies.append(
+            {
+                "policy": name,
+                "a2e_side_stream": sides[0],
+                "e2a_side_stream": sides[1],
+                "samples": len(st.per_layer_s),
+                "per_layer_us": {
+                    "median": _us(med),
+                    "p90": _us(percentile(st.per_layer_s, 90)),
+                    "min": _us(min(st.per_layer_s)),
+                    "mean": _us(statistics.fmean(st.per_layer_s)),
+                },
+                "speedup": round(t_serial / med, 4),
+                "eta": eta,
+                "outputs_equal": not st.mismatches,
+                "compared_steps": st.compared,
+                "mismatches": st.mismatches[:10],
+                "engaged": all(st.engaged) and bool(st.engaged),
+                "edges_checked": handle.edges_checkable,
+                "edges_ok": (not st.violations) if handle.edges_checkable else None,
+                "edge_violations": st.violations[:10],
+            }
+        )
+    return {
+        "schema": SCHEMA,
+        "version": camp2p_overlap.__version__,
+        "device": params.device,
+        "backend": handle.backend,
+        "scenario": params.scenario,
+        "stand_in_root": root,
+        "params": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(params).items()},
+        "ffn_layers": len(layers),
+        "stages": list(stages),
+        "measured": measured,
+        "policies": policies,
+        "outputs_equal": all(p["outputs_equal"] for p in policies),
+        "env": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "torch_threads": params.threads,
+            "cpu_count": os.cpu_count(),
+            "machine": platform.machine(),
+        },
+        "wall_s": round(wall_s, 3),
+    }

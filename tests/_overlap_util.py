@@ -1,0 +1,264 @@
+"""Helpers shared by the overlap tests (session, wrappers, streams, trace):
+run one emulated FFN step with a chosen schedule, compute the serial
+reference with the engine unpatched, bound anything that could hang."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from camp2p_overlap import wrappers
+from camp2p_overlap._log import logger as pkg_logger
+from camp2p_overlap.config import OverlapConfig
+from camp2p_overlap.emulation.moe import MoEShape
+from camp2p_overlap.emulation.world import StageMeta, World, WorldSpec, build_world
+from camp2p_overlap.patcher import ENGINE, PatchReport
+from camp2p_overlap.session import OverlapSession
+
+SHAPE = MoEShape(hidden=64, ffn=128, experts=4, top_k=2)
+Results = dict[tuple[int, int], torch.Tensor]
+
+
+def world(**kw: Any) -> World:
+    kw.setdefault("shape", SHAPE)
+    kw.setdefault("tokens", 16)
+    kw.setdefault("op_timeout_s", 10.0)
+    return build_world(WorldSpec(**kw))
+
+
+def apply_cpu(**overrides: Any) -> PatchReport:
+    """Apply (strict) switched on with the CPU backend plus ``overrides``."""
+    ENGINE.unpatch(timeout=10)
+    report = ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", **overrides))
+    assert report.engaged, str(report)
+    return report
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One step: the layer count, the stage ids and tokens per stage."""
+
+    layers: int
+    stages: tuple[int, ...]
+    tokens: tuple[int, ...]
+    step: int
+
+    def dp(self) -> dict[int, StageMeta]:
+        return {s: StageMeta(n) for s, n in zip(self.stages, self.tokens, strict=True)}
+
+
+def run_step(w: World, sched: Schedule | None = None, **forward_kwargs: Any) -> Results:
+    """One step of ``w`` as :meth:`World.run_step` does it, with the stage
+    ids, layer count, tokens and step number of ``sched``."""
+    if sched is None:
+        return w.run_step(**forward_kwargs)
+    w.runner.num_layers = sched.layers
+    w.steps_run = sched.step
+    dp = sched.dp()
+    w.transport.begin_step(sched.step, w.layer_list(), sorted(dp))
+    if forward_kwargs:
+        w.runner._ffn_forward(dp_metadata_list=dp, **forward_kwargs)
+    else:
+        w.runner.execute_ffn_step(dp_metadata_list=dp)
+    return dict(w.transport.results)
+
+
+def serial_results(w: World, scheds: Sequence[Schedule]) -> list[Results]:
+    """What the unpatched (upstream) code delivers for each schedule."""
+    assert not ENGINE.is_applied()
+    assert "_ffn_forward" in vars(type(w.runner)) and not hasattr(vars(type(w.runner))["_ffn_forward"], "__wrapped__")
+    return [run_step(w, s) for s in scheds]
+
+
+def assert_same(got: Results, want: Results) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"output of (layer, stage) {k} differs from the serial path"
+
+
+def bounded(fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+    """Run ``fn`` in a thread; re-raise what it raised; fail if it has not
+    returned after ``timeout`` seconds (a hang becomes a failure)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            box["error"] = exc
+
+    t = threading.Thread(target=target, name="bounded-step", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise AssertionError(f"step did not finish within {timeout} s (hang)")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def stream_sets() -> list[Any]:
+    with wrappers._sets_lock:
+        return [entry[1] for entry in wrappers._sets.values()]
+
+
+def assert_streams_idle(timeout: float = 5.0) -> None:
+    sets = stream_sets()
+    assert sets, "no stream set was created"
+    for sset in sets:
+        for s, stream in sset.streams.items():
+            assert stream.drain(timeout), f"side stream of stage {s} still busy after the step"
+            assert stream.alive
+
+
+def delay_hook(rng: random.Random, max_ms: float) -> Callable[[str, int, int], None]:
+    """A fault hook that sleeps a random 0..max_ms before each a2e/e2a."""
+    lock = threading.Lock()
+
+    def hook(kind: str, layer: int, stage: int) -> None:
+        with lock:
+            d = rng.uniform(0.0, max_ms) / 1000.0
+        time.sleep(d)
+
+    return hook
+
+
+def wrap_model(
+    w: World,
+    before: Callable[[int], None] | None = None,
+    after: Callable[[Any], None] | None = None,
+    *,
+    before_with_stage: Callable[[int, int], None] | None = None,
+):
+    """Wrap the world's ``compute_ffn_output`` (an instance attribute, so the
+    loop's ``self.model.compute_ffn_output`` finds it). ``before_with_stage``
+    gets (layer, stage): the stage is found from the received hidden states
+    (the transport's ``a2e`` is wrapped to remember which stage made them)."""
+    model = w.runner.model
+    original = type(model).compute_ffn_output.__get__(model)
+    stage_of: dict[int, int] = {}
+    if before_with_stage is not None:
+        transport = w.transport
+        a2e = type(transport).a2e.__get__(transport)
+
+        def a2e_tracking(**kw: Any) -> Any:
+            hidden, bs = a2e(**kw)
+            stage_of[id(hidden)] = kw["stage"]
+            return hidden, bs
+
+        transport.a2e = a2e_tracking  # type: ignore[method-assign]
+
+    def compute_ffn_output(*, hidden_states: torch.Tensor, layer_idx: int) -> Any:
+        if before_with_stage is not None:
+            before_with_stage(layer_idx, stage_of.pop(id(hidden_states), -1))
+        if before is not None:
+            before(layer_idx)
+        out = original(hidden_states=hidden_states, layer_idx=layer_idx)
+        if after is not None:
+            after(out)
+        return out
+
+    model.compute_ffn_output = compute_ffn_output
+    return original
+
+
+class SessionSpy:
+    """Replace ``wrappers.OverlapSession`` with a subclass that remembers
+    every session it builds (weakly unless ``keep``)."""
+
+    def __init__(self, monkeypatch: Any, base: type[OverlapSession] = OverlapSession, *, keep: bool = False) -> None:
+        import weakref
+
+        self.refs: list[weakref.ref[OverlapSession]] = []
+        self.kept: list[OverlapSession] = []
+        spy = self
+
+        class Recorded(base):  # type: ignore[misc, valid-type]
+            def __init__(self, **kw: Any) -> None:
+                super().__init__(**kw)
+                spy.refs.append(weakref.ref(self))
+                if keep:
+                    spy.kept.append(self)
+
+        monkeypatch.setattr(wrappers, "OverlapSession", Recorded)
+
+    @property
+    def count(self) -> int:
+        return len(self.refs)
+
+
+@contextmanager
+def captured_log(caplog: Any, level: int = logging.INFO) -> Iterator[Any]:
+    """caplog for the package logger even where vLLM's logging config made
+    the ``vllm`` logger stop propagating."""
+    chain = []
+    lg: logging.Logger | None = pkg_logger
+    while lg is not None:
+        chain.append((lg, lg.propagate))
+        lg.propagate = True
+        lg = lg.parent
+    try:
+        with caplog.at_level(level, logger=pkg_logger.name):
+            yield caplog
+    finally:
+        for lg, prop in chain:
+            lg.propagate = prop
+
+
+def messages(caplog: Any, contains: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if contains in r.getMessage()]
+
+
+def random_schedule(rng: random.Random, step: int, max_layers: int = 4, max_tokens: int = 16) -> Schedule:
+    stages = rng.choice([(0,), (0, 1), (0, 2), (1, 2), (0, 1, 2)])
+    layers = rng.randint(1, max_layers)
+    tokens = tuple(rng.randint(1, max_tokens) for _ in stages)
+    return Schedule(layers, stages, tokens, step)
+
+
+def spy_forward(runner_cls: type) -> list[dict[str, Any]]:
+    """Replace ``_ffn_forward`` in the class dict (before apply) by a function
+    of the same signature that records its arguments and calls the original."""
+    original = vars(runner_cls)["_ffn_forward"]
+    calls: list[dict[str, Any]] = []
+
+    def _ffn_forward(
+        self,
+        *,
+        dp_metadata_list,
+        aclgraph_runtime_mode=None,
+        is_graph_capturing=False,
+        update_connector_state=True,
+    ):
+        calls.append(
+            {
+                "self": self,
+                "dp_metadata_list": dp_metadata_list,
+                "aclgraph_runtime_mode": aclgraph_runtime_mode,
+                "is_graph_capturing": is_graph_capturing,
+                "update_connector_state": update_connector_state,
+                "session": wrappers.active_session(),
+            }
+        )
+        return original(
+            self,
+            dp_metadata_list=dp_metadata_list,
+            aclgraph_runtime_mode=aclgraph_runtime_mode,
+            is_graph_capturing=is_graph_capturing,
+            update_connector_state=update_connector_state,
+        )
+
+    runner_cls._ffn_forward = _ffn_forward
+    return calls
+
+
+def by_key(ops: Sequence[Any]) -> Mapping[tuple[str, int | None, int | None], Any]:
+    return {(o.kind, o.layer, o.stage): o for o in ops if o.kind in ("a2e", "ffn", "e2a")}

@@ -1,0 +1,188 @@
+"""The environment: every VLLM_CAMP2P_* variable parsed, every bad value a
+ConfigError naming the variable and the value; apply() reports it instead
+of raising unless strict."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import camp2p_overlap
+from camp2p_overlap import config
+from camp2p_overlap._log import logger
+from camp2p_overlap.config import (
+    ENV_A2E,
+    ENV_BACKEND,
+    ENV_E2A,
+    ENV_GRAPH,
+    ENV_MIN_STAGES,
+    ENV_STRICT,
+    ENV_SWITCH,
+    ENV_VARS,
+    ENV_WATCHDOG,
+    ConfigError,
+    OverlapConfig,
+    load_config,
+)
+from camp2p_overlap.patcher import ENGINE
+
+PACKAGE = Path(camp2p_overlap.__file__).resolve().parent
+
+
+def test_defaults_from_an_empty_environment() -> None:
+    cfg = load_config({})
+    assert cfg == OverlapConfig()
+    assert cfg.enabled is False and cfg.a2e_on_side_stream and cfg.e2a_on_side_stream
+    assert cfg.min_stages == 2 and cfg.graph is False and cfg.backend == "auto"
+    assert cfg.strict is False and cfg.watchdog_s is None and dict(cfg.raw) == {}
+
+
+def test_unrelated_variables_are_ignored() -> None:
+    assert load_config({"VLLM_OTHER": "x", "VLLM_CAMP2P_UNKNOWN_BUT_NOT_OURS": "x"}) == OverlapConfig()
+
+
+@pytest.mark.parametrize(("raw", "value"), [("1", True), ("TRUE", True), (" on ", True), ("Yes", True), ("0", False)])
+def test_booleans(raw: str, value: bool) -> None:
+    for name, field in ((ENV_SWITCH, "enabled"), (ENV_A2E, "a2e_on_side_stream"), (ENV_GRAPH, "graph")):
+        assert getattr(load_config({name: raw}), field) is value
+    assert load_config({ENV_E2A: raw}).e2a_on_side_stream is value
+    assert load_config({ENV_STRICT: raw}).strict is value
+    assert load_config({ENV_SWITCH: ""}).enabled is False  # empty: the default
+
+
+def test_every_field_from_the_environment() -> None:
+    env = {
+        ENV_SWITCH: "on",
+        ENV_A2E: "off",
+        ENV_E2A: "no",
+        ENV_MIN_STAGES: " 3 ",
+        ENV_GRAPH: "yes",
+        ENV_BACKEND: "CPU",
+        ENV_STRICT: "true",
+        ENV_WATCHDOG: "2.5",
+    }
+    cfg = load_config(env)
+    assert cfg == OverlapConfig(
+        enabled=True,
+        a2e_on_side_stream=False,
+        e2a_on_side_stream=False,
+        min_stages=3,
+        graph=True,
+        backend="cpu",
+        strict=True,
+        watchdog_s=2.5,
+    )
+    assert dict(cfg.raw) == env
+
+
+BAD = [
+    (ENV_SWITCH, "maybe"),
+    (ENV_SWITCH, "2"),
+    (ENV_A2E, "yes please"),
+    (ENV_E2A, "enable"),
+    (ENV_MIN_STAGES, "two"),
+    (ENV_MIN_STAGES, "2.0"),
+    (ENV_MIN_STAGES, "0"),
+    (ENV_MIN_STAGES, "4"),
+    (ENV_MIN_STAGES, "-1"),
+    (ENV_GRAPH, "nah"),
+    (ENV_BACKEND, "tpu"),
+    (ENV_BACKEND, "npu0"),
+    (ENV_STRICT, "sure"),
+    (ENV_WATCHDOG, "abc"),
+    (ENV_WATCHDOG, "0"),
+    (ENV_WATCHDOG, "-1"),
+    (ENV_WATCHDOG, "nan"),
+    (ENV_WATCHDOG, "inf"),
+]
+
+
+def test_bad_values_cover_every_variable() -> None:
+    assert {name for name, _ in BAD} == set(ENV_VARS)
+
+
+@pytest.mark.parametrize(("name", "raw"), BAD)
+def test_bad_value_is_a_config_error_naming_variable_and_value(name: str, raw: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config({ENV_SWITCH: "1", name: raw} if name != ENV_SWITCH else {name: raw})
+    msg = str(info.value)
+    assert name in msg
+    assert raw in msg
+
+
+def test_overrides_are_range_checked() -> None:
+    cfg = OverlapConfig(enabled=True)
+    assert cfg.with_overrides(min_stages=3).min_stages == 3
+    with pytest.raises(ConfigError, match=ENV_MIN_STAGES):
+        cfg.with_overrides(min_stages=0)
+    with pytest.raises(ConfigError, match=ENV_BACKEND):
+        cfg.with_overrides(backend="tpu")
+
+
+def test_every_variable_the_package_reads_is_declared() -> None:
+    used: set[str] = set()
+    for path in PACKAGE.rglob("*.py"):
+        used |= set(re.findall(r"VLLM_CAMP2P_[A-Z0-9_]*[A-Z0-9]", path.read_text(encoding="utf-8")))
+    assert used, "no VLLM_CAMP2P_ variable found in the package"
+    assert used <= set(ENV_VARS), used - set(ENV_VARS)
+    assert all(name.startswith("VLLM_CAMP2P_") and ENV_VARS[name] for name in ENV_VARS)
+
+
+# ---------------------------------------------------------------------------
+# apply() with a bad environment
+@pytest.fixture
+def errors() -> Iterator[list[logging.LogRecord]]:
+    records: list[logging.LogRecord] = []
+
+    class _H(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    h = _H(logging.ERROR)
+    logger.addHandler(h)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(h)
+
+
+@pytest.mark.parametrize(("name", "raw"), BAD)
+def test_apply_reports_a_bad_value_instead_of_raising(
+    monkeypatch: pytest.MonkeyPatch, errors: list[logging.LogRecord], name: str, raw: str
+) -> None:
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    monkeypatch.setenv(name, raw)
+    report = camp2p_overlap.apply()
+    assert not report.applied and not ENGINE.is_applied()
+    assert report.reason.startswith("configuration error") and name in report.reason and raw in report.reason
+    assert len(errors) == 1 and name in errors[0].getMessage()
+    # Strict by argument, or by the environment (unless the strict switch itself is the bad one).
+    with pytest.raises(ConfigError, match=re.escape(name)):
+        camp2p_overlap.apply(strict=True)
+    if name != ENV_STRICT:
+        monkeypatch.setenv(ENV_STRICT, "1")
+        with pytest.raises(ConfigError, match=re.escape(name)):
+            camp2p_overlap.apply()
+    assert not ENGINE.is_applied()
+
+
+def test_bad_value_after_apply_keeps_the_layer_applied(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    assert camp2p_overlap.apply().applied
+    monkeypatch.setenv(ENV_MIN_STAGES, "nine")
+    report = camp2p_overlap.apply()
+    assert report.applied and report.reason == "applied" and ENGINE.is_applied()
+
+
+def test_strict_requested_tolerates_other_bad_values() -> None:
+    assert config.strict_requested({ENV_STRICT: "1", ENV_BACKEND: "tpu"}) is True
+    assert config.strict_requested({ENV_STRICT: "bogus"}) is False
+    assert config.strict_requested({}) is False

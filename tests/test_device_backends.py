@@ -1,0 +1,223 @@
+"""The ``cuda`` and ``npu`` backends: they construct only where their torch
+device module is usable; the shared TorchDeviceBackend is exercised here
+through a host-synchronous stand-in device module, and on a real device by
+the gpu/npu-marked tests (which skip with a reason elsewhere)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import itertools
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from _overlap_util import Schedule, SessionSpy, apply_cpu, assert_same, bounded, run_step, serial_results, world
+
+from camp2p_overlap import trace, wrappers
+from camp2p_overlap.config import OverlapConfig
+from camp2p_overlap.patcher import ENGINE
+from camp2p_overlap.streams import (
+    BackendUnavailable,
+    DeviceUnavailableError,
+    TorchDeviceBackend,
+    device_module,
+    make_backend,
+)
+
+
+def _has_torch_npu() -> bool:
+    return importlib.util.find_spec("torch_npu") is not None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: the no-CUDA refusal cannot be shown")
+def test_cuda_backend_refuses_without_cuda() -> None:
+    with pytest.raises(DeviceUnavailableError, match="torch.cuda reports no CUDA device"):
+        device_module("cuda")
+    with pytest.raises(BackendUnavailable, match="backend 'cuda' unavailable: torch.cuda reports no CUDA device"):
+        make_backend("cuda", torch.device("cuda"))
+
+
+@pytest.mark.skipif(_has_torch_npu(), reason="torch_npu is installed: the refusal cannot be shown")
+def test_npu_backend_refuses_without_torch_npu() -> None:
+    with pytest.raises(BackendUnavailable, match="backend 'npu' unavailable: torch_npu is not installed"):
+        make_backend("npu")
+
+
+def test_unknown_device_kind_and_incomplete_modules_are_refused() -> None:
+    with pytest.raises(DeviceUnavailableError, match="no device module for 'xpu'"):
+        device_module("xpu")
+    incomplete = SimpleNamespace(__name__="fakedev", Stream=object, Event=object, stream=None)
+    with pytest.raises(DeviceUnavailableError, match="fakedev has no current_stream"):
+        TorchDeviceBackend("fake", incomplete)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------
+# A stand-in device module: the stream/event API shape of torch.cuda/torch.npu,
+# work runs on the host when enqueued (so the issue order must itself be a
+# legal protocol order), events carry the time they were last recorded.
+
+
+class FakeDevice:
+    def __init__(self) -> None:
+        self.__name__ = "fakedev"
+        self.clock = itertools.count(1)
+        self.events_created = 0
+        self.streams_created = 0
+        self.capturing = False
+        self.waits: list[tuple[str, Any, int]] = []
+        dev = self
+
+        class Stream:
+            def __init__(self, device: Any = None) -> None:
+                dev.streams_created += 1
+                self.label = "side"
+
+            def wait_event(self, event: Any) -> None:
+                assert event.t is not None, "wait on an event that was never recorded"
+                dev.waits.append((getattr(self, "name", "?"), event, event.t))
+
+            def synchronize(self) -> None:
+                pass
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                dev.events_created += 1
+                self.t: int | None = None
+
+            def record(self, stream: Any = None) -> None:
+                self.t = next(dev.clock)
+
+            def query(self) -> bool:
+                return True
+
+            def synchronize(self) -> None:
+                pass
+
+        self.Stream = Stream
+        self.Event = Event
+        self.current: list[Any] = [Stream()]  # the default (compute) stream
+
+    def current_stream(self) -> Any:
+        return self.current[-1]
+
+    @contextlib.contextmanager
+    def stream(self, s: Any) -> Iterator[None]:
+        self.current.append(s)
+        try:
+            yield
+        finally:
+            self.current.pop()
+
+    def is_current_stream_capturing(self) -> bool:
+        return self.capturing
+
+    def now(self) -> int:
+        return next(self.clock)
+
+
+@pytest.fixture
+def fake_device(monkeypatch: pytest.MonkeyPatch) -> FakeDevice:
+    dev = FakeDevice()
+    monkeypatch.setattr(wrappers, "resolve_backend_name", lambda requested, device: "fake")
+    monkeypatch.setattr(wrappers, "make_backend", lambda name, device=None: TorchDeviceBackend("fake", dev))
+    return dev
+
+
+def test_device_backend_schedule_equals_serial_and_reuses_events(
+    fake_device: FakeDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = world(layers=4, stage_ids=(0, 1, 2))
+    scheds = [Schedule(4, (0, 1, 2), (3 + i, 9, 16 - i), step=i + 1) for i in range(6)]
+    refs = serial_results(w, scheds)
+    apply_cpu()
+    sessions = SessionSpy(monkeypatch)
+    created_after_first = None
+    for i, (sched, ref) in enumerate(zip(scheds, refs, strict=True)):
+        step_start = fake_device.now()
+        fake_device.waits.clear()
+        with trace.recording() as rec:
+            assert_same(bounded(lambda sched=sched: run_step(w, sched)), ref)
+        # Every wait (on C and on each K_s) bound to a record made in this very step.
+        assert {name for name, _, _ in fake_device.waits} == {"C", "K0", "K1", "K2"}
+        assert all(t > step_start for _, _, t in fake_device.waits)
+        res = trace.check_step(rec.ops(rec.steps()[0]), trace.ExpectedSchedule((0, 1, 2, 3), (0, 1, 2), True, True))
+        assert res.ok, str(res)
+        if i == 0:
+            created_after_first = (fake_device.events_created, fake_device.streams_created)
+    # Streams (3, made once) and events (pooled by key) are reused across steps.
+    assert (fake_device.events_created, fake_device.streams_created) == created_after_first
+    assert fake_device.streams_created == 1 + 3  # the default stream and K0..K2
+    assert sessions.count == len(scheds)
+
+
+def test_device_capture_gates_unless_graph_mode(fake_device: FakeDevice, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = world(layers=2, stage_ids=(0, 1))
+    sched = Schedule(2, (0, 1), (5, 5), step=1)
+    (ref,) = serial_results(w, [sched])
+    apply_cpu()
+    sessions = SessionSpy(monkeypatch)
+    fake_device.capturing = True
+    assert_same(run_step(w, sched), ref)
+    assert sessions.count == 0
+    ENGINE.unpatch(timeout=10)
+    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", graph=True))
+    sessions = SessionSpy(monkeypatch)
+    assert_same(run_step(w, sched), ref)
+    assert sessions.count == 1
+
+
+# ---------------------------------------------------------------------------
+# Real devices (skip here)
+
+
+def _device_ready(kind: str) -> str | None:
+    if kind == "cuda":
+        return None if torch.cuda.is_available() else "no CUDA device (torch.cuda.is_available() is False)"
+    if not _has_torch_npu():
+        return "torch_npu is not installed"
+    try:
+        device_module("npu")
+    except DeviceUnavailableError as exc:
+        return str(exc)
+    return None
+
+
+def _on_device(w: Any, device: torch.device) -> None:
+    """Keep the emulated transport on the host but the FFN on ``device``:
+    A2E results are copied to the device on the op's stream, E2A inputs
+    back to the host on the op's stream."""
+    t = w.transport
+    a2e, e2a = type(t).a2e.__get__(t), type(t).e2a.__get__(t)
+
+    def a2e_dev(**kw: Any) -> Any:
+        hidden, bs = a2e(**kw)
+        return hidden.to(device), bs
+
+    def e2a_dev(*, routed: torch.Tensor, shared: torch.Tensor | None, **kw: Any) -> None:
+        return e2a(routed=routed.cpu(), shared=None if shared is None else shared.cpu(), **kw)
+
+    t.a2e, t.e2a = a2e_dev, e2a_dev  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(
+    "kind", [pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("npu", marks=pytest.mark.npu)]
+)
+def test_emulated_world_on_a_real_device(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    why = _device_ready(kind)
+    if why:
+        pytest.skip(why)
+    device = torch.device(kind, 0)
+    w = world(layers=6, stage_ids=(0, 1, 2), device=kind)
+    _on_device(w, device)
+    scheds = [Schedule(6, (0, 1, 2), (16, 9, 4), step=i + 1) for i in range(3)]
+    refs = serial_results(w, scheds)
+    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend=kind))
+    sessions = SessionSpy(monkeypatch)
+    for sched, ref in zip(scheds, refs, strict=True):
+        got = bounded(lambda sched=sched: run_step(w, sched), timeout=120)
+        device_module(kind).synchronize()
+        assert_same(got, ref)
+    assert sessions.count == len(scheds)

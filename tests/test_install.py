@@ -1,0 +1,99 @@
+"""The built wheel, installed into a fresh virtual environment: importing
+the package imports no vLLM / afd-plugin / torch_npu module, the manifest
+loads from the wheel, and the vLLM entry point is in its metadata."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+CHILD = r"""
+import importlib.metadata, json, sys
+import camp2p_overlap
+imported = sorted(m for m in sys.modules if m.split(".")[0] in ("vllm", "afd_plugin", "torch_npu"))
+from importlib import resources
+from camp2p_overlap.manifest import load_manifest
+man = load_manifest()
+dist = importlib.metadata.distribution("camp2p-overlap")
+print("OUT " + json.dumps({
+    "imported": imported,
+    "package": camp2p_overlap.__file__,
+    "manifest_dir": str(resources.files("camp2p_overlap.patches")),
+    "stack": man.name,
+    "targets": len(man.targets()),
+    "dist_files": [str(f) for f in (dist.files or [])],
+    "entry_points": [(e.group, e.name, e.value) for e in dist.entry_points],
+    "prefix": sys.prefix,
+}))
+"""
+
+
+def _run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, **kw)  # type: ignore[call-overload]
+    assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("install")
+    # Build from a copy so the build leaves nothing in the checkout.
+    src = tmp / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "LICENSE", "README.md"):
+        if (REPO / name).exists():
+            shutil.copy2(REPO / name, src / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    shutil.copytree(REPO / "camp2p_overlap", src / "camp2p_overlap", ignore=ignore)
+    shutil.copytree(REPO / "patches", src / "patches", ignore=ignore)
+    wheels = tmp / "wheels"
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(src)],
+        cwd=str(tmp),
+    )
+    (wheel,) = wheels.glob("camp2p_overlap-*.whl")
+
+    env_dir = tmp / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    py = env_dir / "bin" / "python"
+    site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
+    # The dependencies (wrapt, packaging, torch) come from this venv's site-packages,
+    # added as a plain path: its .pth files (our editable install) are not processed.
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n", encoding="utf-8")
+    _run(
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "-q", str(wheel)],
+        cwd=str(tmp),
+    )
+    clean_env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp)}
+    proc = _run([str(py), "-c", CHILD], cwd=str(tmp), env=clean_env)
+    out = json.loads(next(line[4:] for line in proc.stdout.splitlines() if line.startswith("OUT ")))
+    out["env_dir"] = str(env_dir)
+    return out
+
+
+def test_import_pulls_in_no_upstream_module(installed: dict) -> None:
+    assert installed["imported"] == []
+
+
+def test_the_installed_copy_is_the_wheel(installed: dict) -> None:
+    env_dir = Path(installed["env_dir"]).resolve()
+    assert Path(installed["prefix"]).resolve() == env_dir
+    assert Path(installed["package"]).resolve().is_relative_to(env_dir)
+
+
+def test_manifest_ships_inside_the_wheel(installed: dict) -> None:
+    assert Path(installed["manifest_dir"]).resolve().is_relative_to(Path(installed["env_dir"]).resolve())
+    assert "camp2p_overlap/patches/vllm-0.19.1.toml" in installed["dist_files"]
+    assert installed["stack"] == "vllm-0.19.1" and installed["targets"] == 4
+
+
+def test_entry_point_is_in_the_wheel_metadata(installed: dict) -> None:
+    assert ["vllm.general_plugins", "camp2p_overlap", "camp2p_overlap.plugin:register"] in installed["entry_points"]

@@ -1,0 +1,164 @@
+"""The shipped manifest, its parser and the signature comparison."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from camp2p_overlap.config import OverlapConfig
+from camp2p_overlap.emulation import standins
+from camp2p_overlap.manifest import (
+    DEFAULT_STACK,
+    ManifestError,
+    ParamSpec,
+    available_stacks,
+    load_manifest,
+    parse_manifest,
+    signature_difference,
+    signature_of,
+)
+from camp2p_overlap.patcher import PatchEngine, PatchRefused
+from camp2p_overlap.versions import judge_vllm_version
+from camp2p_overlap.wrappers import WRAPPERS
+
+
+def test_shipped_manifest_loads() -> None:
+    assert DEFAULT_STACK in available_stacks()
+    man = load_manifest()
+    assert man.name == DEFAULT_STACK and man.vllm == "0.19.1" and man.remove_when
+    assert [m.name for m in man.modules] == [
+        "afd_plugin.v1.worker.npu.ffn_model_runner",
+        "afd_plugin.connectors.npu.camp2p",
+    ]
+    ids = {t.id: t for t in man.targets()}
+    assert {i.rsplit(".", 1)[-1] for i in ids} == {
+        "_ffn_forward",
+        "_ffn_layer_indices",
+        "recv_attn_output",
+        "send_ffn_output",
+    }
+    for t in man.targets():
+        assert t.changes and t.why
+        if t.action == "wrap":
+            assert t.wrapper in WRAPPERS
+        else:
+            assert t.wrapper is None
+    read = ids["afd_plugin.v1.worker.npu.ffn_model_runner._ffn_layer_indices"]
+    assert read.action == "read" and read.owner_path == () and read.attribute == "_ffn_layer_indices"
+
+
+def test_manifest_signatures_match_the_stand_ins() -> None:
+    """The stand-ins keep the contract's shapes: the engine must accept them."""
+    standins.install()
+    for t in load_manifest().targets():
+        obj: object = importlib.import_module(t.module)
+        for part in t.qualname.split("."):
+            obj = vars(obj)[part]
+        assert signature_difference(t.signature, signature_of(obj)) is None, t.id  # type: ignore[arg-type]
+
+
+def test_unknown_stack_names_what_is_shipped() -> None:
+    with pytest.raises(ManifestError, match=DEFAULT_STACK):
+        load_manifest("vllm-9.9.9")
+
+
+GOOD = """
+[stack]
+name = "s"
+vllm = "1.0"
+
+[[module]]
+name = "m"
+
+[[module.target]]
+qualname = "C.f"
+action = "wrap"
+wrapper = "w"
+signature = [{ name = "self", kind = "POSITIONAL_OR_KEYWORD" }]
+"""
+
+
+def test_parse_a_minimal_manifest() -> None:
+    man = parse_manifest(GOOD)
+    (t,) = man.targets()
+    assert (t.module, t.qualname, t.owner_path, t.attribute) == ("m", "C.f", ("C",), "f")
+    assert t.signature == (ParamSpec("self", "POSITIONAL_OR_KEYWORD"),)
+    assert man.module("m").targets == (t,)
+    with pytest.raises(KeyError):
+        man.module("nope")
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (("[stack]", "[stak]"), "missing key 'stack'"),
+        (('vllm = "1.0"', ""), "missing key 'vllm'"),
+        (('action = "wrap"', 'action = "replace"'), "action must be"),
+        (('wrapper = "w"', ""), "needs a 'wrapper'"),
+        (('kind = "POSITIONAL_OR_KEYWORD"', 'kind = "POSITIONAL"'), "unknown parameter kind"),
+        (("signature = [", "sig = ["), "missing key 'signature'"),
+        (('name = "m"', 'name = "m'), "s.toml"),
+    ],
+)
+def test_malformed_manifests_are_manifest_errors(edit: tuple[str, str], match: str) -> None:
+    with pytest.raises(ManifestError, match=match):
+        parse_manifest(GOOD.replace(*edit), source="s.toml")
+
+
+def test_rebased_moves_only_the_root() -> None:
+    man = load_manifest().rebased("afd_plugin", "alias_root")
+    assert all(m.name.startswith("alias_root.") for m in man.modules)
+    assert all(t.module.startswith("alias_root.") for t in man.targets())
+    assert parse_manifest(GOOD).rebased("afd_plugin", "x").modules[0].name == "m"
+    lookalike = parse_manifest(GOOD.replace('name = "m"', 'name = "afd_pluginx.m"'))
+    assert lookalike.rebased("afd_plugin", "x").modules[0].name == "afd_pluginx.m"
+
+
+def _sig(fn: object) -> tuple[ParamSpec, ...]:
+    return signature_of(fn)  # type: ignore[arg-type]
+
+
+def test_signature_difference_explains() -> None:
+    def base(self, ubatch_idx=0, **kwargs): ...
+    def lost_kwargs(self, ubatch_idx=0): ...
+    def extra(self, ubatch_idx=0, stream=None, **kwargs): ...
+    def new_default(self, ubatch_idx=1, **kwargs): ...
+    def kw_only(self, *, ubatch_idx=0, **kwargs): ...
+    def reordered(ubatch_idx, self, **kwargs): ...
+
+    exp = _sig(base)
+    assert signature_difference(exp, _sig(base)) is None
+    assert signature_difference(exp, _sig(lost_kwargs)) == "missing parameter(s) kwargs"
+    assert signature_difference(exp, _sig(extra)) == "unexpected parameter(s) stream"
+    assert "ubatch_idx (POSITIONAL_OR_KEYWORD) = 0 is now ubatch_idx (POSITIONAL_OR_KEYWORD) = 1" in (
+        signature_difference(exp, _sig(new_default)) or ""
+    )
+    assert "is now ubatch_idx (KEYWORD_ONLY) = 0" in (signature_difference(exp, _sig(kw_only)) or "")
+    assert signature_difference(exp, _sig(reordered))
+
+
+def test_signature_of_ignores_annotations() -> None:
+    def annotated(self, x: int = 0, **kwargs: object) -> None: ...
+    def bare(self, x=0, **kwargs): ...
+
+    assert _sig(annotated) == _sig(bare)
+    assert [p.kind for p in _sig(annotated)] == ["POSITIONAL_OR_KEYWORD", "POSITIONAL_OR_KEYWORD", "VAR_KEYWORD"]
+
+
+# ---------------------------------------------------------------------------
+# the engine with a manifest it cannot load
+def test_unloadable_manifest_is_reported_not_raised() -> None:
+    def broken() -> object:
+        raise ManifestError("patches/x.toml: missing key 'stack'")
+
+    engine = PatchEngine(
+        manifest_loader=broken,  # type: ignore[arg-type]
+        version_check=lambda s: judge_vllm_version("0.19.1", s),
+    )
+    cfg = OverlapConfig(enabled=True, backend="cpu")
+    report = engine.apply(config=cfg)
+    assert not report.applied and "manifest error" in report.reason and "missing key" in report.reason
+    with pytest.raises(PatchRefused, match="manifest error"):
+        engine.apply(config=cfg, strict=True)
+    assert not engine.is_applied() and engine.unpatch() is True

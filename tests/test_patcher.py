@@ -1,0 +1,728 @@
+"""The patch engine in-process: one wrapper per target, exact restore,
+foreign wrappers, refusals, synthetic static/class/inherited targets,
+threads, status and the one log line."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import sys
+import textwrap
+import threading
+import types
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import wrapt
+
+from camp2p_overlap._log import logger
+from camp2p_overlap.config import OverlapConfig
+from camp2p_overlap.emulation import standins
+from camp2p_overlap.manifest import load_manifest, parse_manifest
+from camp2p_overlap.patcher import ENGINE, PatchRefused, TargetState
+from camp2p_overlap.trace import recording
+
+RUNNER = "afd_plugin.v1.worker.npu.ffn_model_runner"
+CONNECTOR = "afd_plugin.connectors.npu.camp2p"
+#: (module, class, attribute) of every 'wrap' target of the shipped manifest.
+WRAPPED = (
+    (RUNNER, "AFDNPUFFNModelRunner", "_ffn_forward"),
+    (CONNECTOR, "CAMP2pAFDConnector", "recv_attn_output"),
+    (CONNECTOR, "CAMP2pAFDConnector", "send_ffn_output"),
+)
+CFG = OverlapConfig(enabled=True, backend="cpu")
+
+
+def ours_in_chain(obj: Any) -> int:
+    """How many wrappers of ours are in ``obj``'s wrapper chain."""
+    return sum(1 for e in wrapt.wrapper_chain(obj) if ENGINE.is_ours(e))
+
+
+def classes() -> dict[str, type]:
+    runner = sys.modules[RUNNER].AFDNPUFFNModelRunner
+    conn = sys.modules[CONNECTOR].CAMP2pAFDConnector
+    return {"AFDNPUFFNModelRunner": runner, "CAMP2pAFDConnector": conn}
+
+
+def import_targets() -> dict[str, type]:
+    standins.install()
+    importlib.import_module(RUNNER)
+    importlib.import_module(CONNECTOR)
+    return classes()
+
+
+def assert_wrapped_once() -> None:
+    cls = classes()
+    for _, cname, attr in WRAPPED:
+        entry = vars(cls[cname])[attr]
+        assert ENGINE.is_ours(entry), f"{cname}.{attr} is not our wrapper: {entry!r}"
+        assert not ENGINE.is_ours(entry.__wrapped__), f"{cname}.{attr} is double wrapped"
+        assert ours_in_chain(entry) == 1
+        assert wrapt.find_wrapper(entry, predicate=ENGINE.is_ours) is entry
+
+
+def engine_states() -> dict[str, TargetState]:
+    return {t.target.rsplit(".", 1)[-1]: t.state for t in ENGINE.status().targets}
+
+
+def run_traced(world: Any) -> tuple[dict, set[str]]:
+    """One step from a fixed seed; returns what attention received and the
+    set of streams our wrappers recorded (empty: no wrapper of ours ran)."""
+    world.steps_run = 0
+    with recording() as rec:
+        out = world.run_step()
+    return out, {o.stream for o in rec.ops()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(autouse=True)
+def _forget_stuck() -> Iterator[None]:
+    """A failed test may leave a wrapper of ours stuck under a foreign one
+    on a stand-in class that is about to be thrown away."""
+    yield
+    ENGINE.unpatch(timeout=10)
+    ENGINE.stuck.clear()
+
+
+@pytest.fixture
+def world(make_world: Any) -> Any:
+    return make_world(layers=2, tokens=8, stage_ids=(0, 1))
+
+
+# ---------------------------------------------------------------------------
+# apply() imports nothing and waits for the import
+def test_apply_does_not_import_targets() -> None:
+    standins.install()
+    before = set(sys.modules)
+    report = ENGINE.apply(config=CFG)
+    assert report.applied and ENGINE.is_applied()
+    new = set(sys.modules) - before
+    assert not [m for m in new if m.startswith(("afd_plugin", "vllm", "torch_npu"))], new
+    assert RUNNER not in sys.modules and CONNECTOR not in sys.modules
+    assert set(engine_states().values()) == {TargetState.NOT_IMPORTED}
+    assert len(report.targets) == len(load_manifest().targets())
+    # The post-import hooks do the wrapping.
+    import_targets()
+    assert_wrapped_once()
+    states = engine_states()
+    assert states["_ffn_layer_indices"] is TargetState.CHECKED
+    assert {states[a] for _, _, a in WRAPPED} == {TargetState.WRAPPED}
+    assert ENGINE.status().engaged
+
+
+def test_status_not_imported_then_partial_then_complete() -> None:
+    standins.install()
+    ENGINE.apply(config=CFG)
+    importlib.import_module(RUNNER)
+    states = engine_states()
+    assert states["_ffn_forward"] is TargetState.WRAPPED
+    assert states["recv_attn_output"] is TargetState.NOT_IMPORTED
+    assert ENGINE.stack_complete() is not None and "recv_attn_output" in ENGINE.stack_complete()
+    assert not ENGINE.status().engaged
+    importlib.import_module(CONNECTOR)
+    assert ENGINE.stack_complete() is None
+    assert ENGINE.status().engaged
+    ENGINE.unpatch()
+    assert not ENGINE.is_applied()
+    assert set(engine_states().values()) == {TargetState.INACTIVE}
+
+
+# ---------------------------------------------------------------------------
+# one wrapper, exact restore
+def test_apply_twice_then_import_leaves_one_wrapper_and_restores_identity() -> None:
+    standins.install()
+    r1 = ENGINE.apply(config=CFG)
+    r2 = ENGINE.apply(config=CFG)
+    assert r1.applied and r2.applied
+    cls = import_targets()
+    ENGINE.apply(config=CFG)  # and once more after the import
+    assert_wrapped_once()
+    inner = {(c, a): vars(cls[c])[a].__wrapped__ for _, c, a in WRAPPED}
+    rest = {c: {k: v for k, v in vars(k_).items() if (c, k) not in inner} for c, k_ in cls.items()}
+    assert ENGINE.unpatch() is True
+    for (c, a), original in inner.items():
+        assert vars(cls[c])[a] is original
+        assert not ENGINE.is_ours(vars(cls[c])[a])
+    for c, entries in rest.items():
+        assert all(vars(cls[c])[k] is v for k, v in entries.items())
+        assert set(vars(cls[c])) == set(entries) | {a for (cc, a) in inner if cc == c}
+
+
+def test_import_then_apply_then_unpatch_restores_every_dict_entry_and_no_subclass_residue() -> None:
+    cls = import_targets()
+    sub = {name: type(f"Sub{name}", (c,), {}) for name, c in cls.items()}
+    snap = {name: dict(vars(c)) for name, c in cls.items()}
+    sub_snap = {name: dict(vars(c)) for name, c in sub.items()}
+    ENGINE.apply(config=CFG)
+    assert_wrapped_once()
+    for name, c in sub.items():
+        assert dict(vars(c)).keys() == sub_snap[name].keys()
+        assert {a for _, cn, a in WRAPPED if cn == name}.isdisjoint(vars(c))
+    assert ENGINE.unpatch() is True
+    for name, c in cls.items():
+        now = dict(vars(c))
+        assert now.keys() == snap[name].keys()
+        assert all(now[k] is v for k, v in snap[name].items()), name
+    for name, c in sub.items():
+        assert dict(vars(c)).keys() == sub_snap[name].keys()
+    assert ENGINE.stuck == []
+
+
+def test_unpatch_twice_and_before_apply_are_noops() -> None:
+    assert ENGINE.unpatch() is True
+    cls = import_targets()
+    snap = {n: dict(vars(c)) for n, c in cls.items()}
+    assert ENGINE.unpatch() is True
+    ENGINE.apply(config=CFG)
+    assert ENGINE.unpatch() is True
+    assert ENGINE.unpatch() is True
+    for n, c in cls.items():
+        assert all(vars(c)[k] is v for k, v in snap[n].items())
+
+
+def test_instance_created_before_apply_follows_patch_unpatch_repatch(world: Any) -> None:
+    conn_cls, runner_cls = type(world.connector), type(world.runner)
+    original = vars(conn_cls)["recv_attn_output"]
+    reference, streams = run_traced(world)
+    assert streams == set()  # nothing of ours ran
+    for _ in range(2):  # patch, unpatch, re-patch, unpatch
+        ENGINE.apply(config=CFG)
+        assert ENGINE.is_ours(vars(conn_cls)["recv_attn_output"])
+        assert ENGINE.is_ours(vars(runner_cls)["_ffn_forward"])
+        assert ENGINE.is_ours(world.connector.recv_attn_output)  # the bound form, through the instance
+        out, streams = run_traced(world)
+        assert same(out, reference)
+        assert {"K0", "K1"} <= streams  # the overlap engaged: side streams ran
+        assert ENGINE.unpatch() is True
+        assert vars(conn_cls)["recv_attn_output"] is original
+        assert not ENGINE.is_ours(world.connector.recv_attn_output)
+        out, streams = run_traced(world)
+        assert same(out, reference)
+        assert streams == set()
+
+
+# ---------------------------------------------------------------------------
+# foreign wrappers
+def test_third_party_wrapt_wrapper_on_top_survives_our_unpatch(world: Any) -> None:
+    conn_cls = type(world.connector)
+    reference, _ = run_traced(world)
+    ENGINE.apply(config=CFG)
+    ours = vars(conn_cls)["send_ffn_output"]
+    original = ours.__wrapped__
+    calls: list[Any] = []
+
+    def theirs(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        calls.append(instance)
+        return wrapped(*args, **kwargs)
+
+    handle = wrapt.wrap_function_wrapper(conn_cls, "send_ffn_output", theirs)
+    assert vars(conn_cls)["send_ffn_output"] is handle and handle.__wrapped__ is ours
+    assert ENGINE.unpatch() is True
+    assert ENGINE.stuck == []
+    assert vars(conn_cls)["send_ffn_output"] is handle  # theirs is still outermost
+    assert handle.__wrapped__ is original  # ours spliced out from under it
+    assert ours_in_chain(handle) == 0
+    out, streams = run_traced(world)
+    assert same(out, reference) and streams == set()
+    assert len(calls) == 2 * 2 and all(c is world.connector for c in calls)  # layers x stages
+    wrapt.unwrap_object(conn_cls, "send_ffn_output", handle)
+    assert vars(conn_cls)["send_ffn_output"] is original
+
+
+def test_third_party_wrapt_wrapper_below_ours_stays_after_unpatch() -> None:
+    cls = import_targets()["CAMP2pAFDConnector"]
+    original = vars(cls)["recv_attn_output"]
+    handle = wrapt.wrap_function_wrapper(cls, "recv_attn_output", lambda w, i, a, k: w(*a, **k))
+    try:
+        ENGINE.apply(config=CFG)
+        entry = vars(cls)["recv_attn_output"]
+        assert ENGINE.is_ours(entry) and entry.__wrapped__ is handle
+        assert ENGINE.unpatch() is True
+        assert vars(cls)["recv_attn_output"] is handle and handle.__wrapped__ is original
+    finally:
+        wrapt.unwrap_object(cls, "recv_attn_output", handle, missing_ok=True)
+
+
+@pytest.mark.parametrize("capture", ["handle", "class-attribute"])
+def test_non_wrapt_wrapper_on_top_is_a_clear_refusal_that_breaks_nothing(
+    world: Any, ourlog: list[logging.LogRecord], capture: str
+) -> None:
+    runner_cls = type(world.runner)
+    original = vars(runner_cls)["_ffn_forward"]
+    reference, _ = run_traced(world)
+    ENGINE.apply(config=CFG)
+    ours = vars(runner_cls)["_ffn_forward"]
+    # Two ways a third party captures what it wraps: the raw __dict__ entry,
+    # or ``Cls.method`` (a bound wrapt wrapper, not our handle itself).
+    inner = ours if capture == "handle" else runner_cls._ffn_forward
+    calls: list[int] = []
+
+    @functools.wraps(inner)
+    def foreign(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return inner(self, *args, **kwargs) if capture == "class-attribute" else inner.__get__(self)(*args, **kwargs)
+
+    runner_cls._ffn_forward = foreign
+    assert ENGINE.unpatch() is False
+    refusals = [r for r in ourlog if r.levelno >= logging.ERROR]
+    assert len(refusals) == 1
+    assert "cannot remove our wrapper" in refusals[0].getMessage()
+    assert "AFDNPUFFNModelRunner._ffn_forward" in refusals[0].getMessage()
+    assert [r.spec.qualname for r in ENGINE.stuck] == ["AFDNPUFFNModelRunner._ffn_forward"]
+    assert not ENGINE.is_applied()
+    assert vars(runner_cls)["_ffn_forward"] is foreign
+    # Still works: ours passes straight through (serial path, compute stream only).
+    out, streams = run_traced(world)
+    assert same(out, reference) and streams <= {"C"} and calls
+    # The other targets were removed.
+    assert not ENGINE.is_ours(vars(type(world.connector))["recv_attn_output"])
+
+    # Re-apply takes the stuck wrapper back instead of wrapping twice.
+    ENGINE.apply(config=CFG)
+    assert ours_in_chain(vars(runner_cls)["_ffn_forward"]) == 1
+    assert ENGINE.stuck == []
+    assert engine_states()["_ffn_forward"] is TargetState.WRAPPED
+    out, streams = run_traced(world)
+    assert same(out, reference) and {"K0", "K1"} <= streams
+
+    # Once the foreign wrapper is gone, unpatch restores the original exactly.
+    runner_cls._ffn_forward = ours
+    assert ENGINE.unpatch() is True
+    assert vars(runner_cls)["_ffn_forward"] is original
+    assert ENGINE.stuck == []
+
+
+def test_stuck_wrapper_is_removed_by_a_later_unpatch_once_unblocked(world: Any) -> None:
+    runner_cls = type(world.runner)
+    original = vars(runner_cls)["_ffn_forward"]
+    ENGINE.apply(config=CFG)
+    ours = vars(runner_cls)["_ffn_forward"]
+    runner_cls._ffn_forward = functools.wraps(ours)(lambda self, *a, **k: ours.__get__(self)(*a, **k))
+    assert ENGINE.unpatch() is False and len(ENGINE.stuck) == 1
+    runner_cls._ffn_forward = ours  # the third party went away
+    assert ENGINE.unpatch() is True
+    assert ENGINE.stuck == [] and vars(runner_cls)["_ffn_forward"] is original
+
+
+def test_attribute_replaced_wholesale_is_left_alone() -> None:
+    cls = import_targets()["CAMP2pAFDConnector"]
+    ENGINE.apply(config=CFG)
+
+    def replacement(self: Any, ffn_output: Any, context: Any, **kwargs: Any) -> None:
+        return None
+
+    cls.send_ffn_output = replacement
+    assert ENGINE.unpatch() is True
+    assert vars(cls)["send_ffn_output"] is replacement
+    assert ENGINE.stuck == []
+
+
+# ---------------------------------------------------------------------------
+# refusals: changed or missing targets leave the module untouched
+def _variant_module(name: str, old: str, new: str) -> types.ModuleType:
+    """Execute the stand-in source of ``name`` with one edit, registered
+    under the real name (parents come from the stand-in finder)."""
+    standins.install()
+    importlib.import_module(name.rsplit(".", 1)[0])
+    importlib.import_module("afd_plugin.connectors.metadata")
+    src_mod = standins._BASE.joinpath(*name.split(".")[1:]).with_suffix(".py")
+    text = src_mod.read_text(encoding="utf-8")
+    assert old in text, f"stand-in no longer contains {old!r}"
+    module = types.ModuleType(name)
+    module.__file__ = str(src_mod)
+    module.__package__ = name.rsplit(".", 1)[0]
+    sys.modules[name] = module
+    exec(compile(text.replace(old, new, 1), str(src_mod), "exec"), module.__dict__)
+    return module
+
+
+VARIANTS = {
+    "recv-lost-kwargs": (
+        CONNECTOR,
+        "def recv_attn_output(self, ubatch_idx: int = 0, **kwargs: Any)",
+        "def recv_attn_output(self, ubatch_idx: int = 0, layer_idx: int = 0, max_num_tokens: Any = None)",
+        "CAMP2pAFDConnector.recv_attn_output",
+        "missing parameter(s) kwargs",
+    ),
+    "ffn-forward-new-param": (
+        RUNNER,
+        "update_connector_state=True,\n    ):",
+        "update_connector_state=True,\n        stream_hint=None,\n    ):",
+        "AFDNPUFFNModelRunner._ffn_forward",
+        "unexpected parameter(s) stream_hint",
+    ),
+    "send-missing": (
+        CONNECTOR,
+        "def send_ffn_output(self, ffn_output: Any, context: Any, **kwargs: Any)",
+        "def _renamed_send(self, ffn_output: Any, context: Any, **kwargs: Any)",
+        "CAMP2pAFDConnector.send_ffn_output",
+        "missing",
+    ),
+    "layer-indices-default-changed": (
+        RUNNER,
+        "def _ffn_layer_indices(runner):",
+        "def _ffn_layer_indices(runner=None):",
+        "_ffn_layer_indices",
+        "parameter runner (POSITIONAL_OR_KEYWORD) is now runner (POSITIONAL_OR_KEYWORD) = None",
+    ),
+}
+
+
+@pytest.mark.parametrize("when", ["imported-before-apply", "imported-after-apply"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_changed_or_missing_target_refuses_that_module_only(variant: str, when: str) -> None:
+    modname, old, new, culprit, why = VARIANTS[variant]
+    other = CONNECTOR if modname == RUNNER else RUNNER
+    if when == "imported-after-apply":
+        standins.install()
+        ENGINE.apply(config=CFG)
+    module = _variant_module(modname, old, new)
+    snap = {n: dict(vars(c)) for n, c in vars(module).items() if isinstance(c, type) and c.__module__ == modname}
+    funcs = {n: f for n, f in vars(module).items() if callable(f)}
+    if when == "imported-before-apply":
+        report = ENGINE.apply(config=CFG)
+    else:
+        wrapt.notify_module_loaded(module)  # what the import system does for a real import
+        report = ENGINE.status()
+    try:
+        assert report.applied
+        refused = {t.target: t.reason for t in report.refused}
+        mod_targets = {t.id for t in load_manifest().module(modname).targets}
+        assert set(refused) == mod_targets  # the whole module, nothing else
+        assert why in refused[f"{modname}.{culprit}"]
+        assert "signature changed" in refused[f"{modname}.{culprit}"] or "missing" in refused[f"{modname}.{culprit}"]
+        assert all(culprit in r for t, r in refused.items() if t != f"{modname}.{culprit}")
+        for n, entries in snap.items():
+            now = vars(vars(module)[n])
+            assert now.keys() == entries.keys()
+            assert all(now[k] is v for k, v in entries.items()), n
+        assert all(vars(module)[n] is f for n, f in funcs.items())
+        assert ENGINE.stack_complete() is not None
+        # The other module is still wrapped when it is imported.
+        importlib.import_module(other)
+        other_states = {t.target: t.state for t in ENGINE.status().targets if t.target.startswith(other)}
+        assert set(other_states.values()) <= {TargetState.WRAPPED, TargetState.CHECKED}
+        assert culprit in str(ENGINE.status())
+    finally:
+        ENGINE.unpatch()
+        sys.modules.pop(modname, None)
+
+
+def test_strict_refusal_raises_and_leaves_nothing_wrapped() -> None:
+    module = _variant_module(CONNECTOR, *VARIANTS["recv-lost-kwargs"][1:3])
+    try:
+        runner_cls = import_targets()["AFDNPUFFNModelRunner"]
+        before = dict(vars(runner_cls))
+        with pytest.raises(PatchRefused, match="recv_attn_output"):
+            ENGINE.apply(config=CFG, strict=True)
+        assert not ENGINE.is_applied()
+        assert all(vars(runner_cls)[k] is v for k, v in before.items())
+        assert not ENGINE.is_ours(vars(module.CAMP2pAFDConnector)["send_ffn_output"])
+    finally:
+        sys.modules.pop(CONNECTOR, None)
+
+
+def test_missing_class_refuses_module() -> None:
+    standins.install()
+    ENGINE.apply(config=CFG)
+    module = types.ModuleType(CONNECTOR)
+    module.SomethingElse = type("SomethingElse", (), {})
+    sys.modules[CONNECTOR] = module
+    try:
+        wrapt.notify_module_loaded(module)
+        reasons = {t.target.rsplit(".", 1)[-1]: t.reason for t in ENGINE.status().refused}
+        assert set(reasons) == {"recv_attn_output", "send_ffn_output"}
+        assert "'CAMP2pAFDConnector' not found" in reasons["recv_attn_output"]
+    finally:
+        sys.modules.pop(CONNECTOR, None)
+
+
+# ---------------------------------------------------------------------------
+# synthetic targets: staticmethod, classmethod, inherited
+SYNTHETIC_SOURCE = """
+class Base:
+    def inherited(self, ubatch_idx=0, **kwargs):
+        return ("inherited", ubatch_idx)
+
+
+class Target(Base):
+    @staticmethod
+    def static(ubatch_idx=0, **kwargs):
+        return ("static", ubatch_idx)
+
+    @classmethod
+    def klass(cls, ubatch_idx=0, **kwargs):
+        return ("klass", cls.__name__, ubatch_idx)
+
+    def plain(self, ubatch_idx=0, **kwargs):
+        return ("plain", ubatch_idx)
+
+
+class Sub(Target):
+    pass
+"""
+
+_SIG = """signature = [
+  { name = "%s", kind = "POSITIONAL_OR_KEYWORD" },
+  { name = "ubatch_idx", kind = "POSITIONAL_OR_KEYWORD", default = "0" },
+  { name = "kwargs", kind = "VAR_KEYWORD" },
+]"""
+
+
+def synthetic_manifest(modname: str, members: list[tuple[str, str | None]]) -> Any:
+    """A stack with one module; ``members`` are (qualname, first param)."""
+    parts = [f'[stack]\nname = "synthetic"\nvllm = "0.19.1"\n\n[[module]]\nname = "{modname}"\n']
+    for qualname, first in members:
+        sig = (_SIG % first) if first else _SIG.replace('  { name = "%s", kind = "POSITIONAL_OR_KEYWORD" },\n', "")
+        parts.append(
+            f'[[module.target]]\nqualname = "{qualname}"\naction = "wrap"\nwrapper = "recv_attn_output"\n{sig}\n'
+        )
+    return parse_manifest("\n".join(parts), source="<synthetic>")
+
+
+@pytest.fixture
+def synthetic() -> Iterator[tuple[str, types.ModuleType]]:
+    name = f"camp2p_synthetic_{uuid.uuid4().hex[:8]}"
+    module = types.ModuleType(name)
+    exec(compile(textwrap.dedent(SYNTHETIC_SOURCE), f"<{name}>", "exec"), module.__dict__)
+    yield name, module
+    ENGINE.unpatch()
+    sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("when", ["imported-before-apply", "imported-after-apply"])
+def test_synthetic_static_and_class_methods_wrapped_and_restored_exactly(
+    synthetic: tuple[str, types.ModuleType], when: str
+) -> None:
+    name, module = synthetic
+    man = synthetic_manifest(name, [("Target.static", None), ("Target.klass", "cls"), ("Target.plain", "self")])
+    target, sub = module.Target, module.Sub
+    snap, sub_snap = dict(vars(target)), dict(vars(sub))
+    assert isinstance(snap["static"], staticmethod) and isinstance(snap["klass"], classmethod)
+    if when == "imported-before-apply":
+        sys.modules[name] = module
+        ENGINE.apply(config=CFG, manifest=man, strict=True)
+    else:
+        ENGINE.apply(config=CFG, manifest=man, strict=True)
+        assert {t.state for t in ENGINE.status().targets} == {TargetState.NOT_IMPORTED}
+        sys.modules[name] = module
+        wrapt.notify_module_loaded(module)
+    assert {t.state for t in ENGINE.status().targets} == {TargetState.WRAPPED}
+    for attr in ("static", "klass", "plain"):
+        entry = vars(target)[attr]
+        assert ENGINE.is_ours(entry) and ours_in_chain(entry) == 1
+        assert entry.__wrapped__ is snap[attr]  # the raw descriptor is what we wrapped
+    assert vars(sub).keys() == sub_snap.keys()  # nothing on the subclass
+    # Behaviour unchanged through every access path.
+    assert target.static(3) == ("static", 3) and target().static(ubatch_idx=4) == ("static", 4)
+    assert target.klass(5) == ("klass", "Target", 5) and sub.klass(6) == ("klass", "Sub", 6)
+    assert sub().klass(7) == ("klass", "Sub", 7) and sub().plain(8) == ("plain", 8)
+    assert ENGINE.unpatch() is True
+    assert dict(vars(target)).keys() == snap.keys()
+    assert all(vars(target)[k] is v for k, v in snap.items())
+    assert dict(vars(sub)) == sub_snap
+    assert target.static(1) == ("static", 1) and sub.klass(2) == ("klass", "Sub", 2)
+
+
+def test_synthetic_inherited_method_is_refused_and_module_untouched(synthetic: tuple[str, types.ModuleType]) -> None:
+    name, module = synthetic
+    man = synthetic_manifest(name, [("Target.static", None), ("Target.inherited", "self")])
+    snap, base_snap = dict(vars(module.Target)), dict(vars(module.Base))
+    sys.modules[name] = module
+    report = ENGINE.apply(config=CFG, manifest=man)
+    reasons = {t.target.rsplit(".", 1)[-1]: t.reason for t in report.refused}
+    assert set(reasons) == {"static", "inherited"}
+    assert "only inherited" in reasons["inherited"]
+    assert "Target.inherited" in reasons["static"]
+    assert dict(vars(module.Target)) == snap and all(vars(module.Target)[k] is v for k, v in snap.items())
+    assert dict(vars(module.Base)) == base_snap
+    assert ENGINE.records == {}
+
+
+# ---------------------------------------------------------------------------
+# threads
+def test_concurrent_apply_and_unpatch_leave_a_consistent_state(world: Any) -> None:
+    cls = classes()
+    originals = {(c, a): vars(cls[c])[a] for _, c, a in WRAPPED}
+    snap = {n: dict(vars(c)) for n, c in cls.items()}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(6)
+
+    def worker(i: int) -> None:
+        try:
+            barrier.wait(timeout=10)
+            for j in range(30):
+                if (i + j) % 3:
+                    ENGINE.apply(config=CFG)
+                else:
+                    ENGINE.unpatch(timeout=10)
+                ENGINE.status()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    for final in ("applied", "unpatched"):
+        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), "apply/unpatch threads hung"
+        assert errors == []
+        if final == "applied":
+            ENGINE.apply(config=CFG)
+        else:
+            ENGINE.unpatch()
+        if ENGINE.is_applied():
+            assert_wrapped_once()
+            assert ENGINE.status().engaged
+            _, streams = run_traced(world)
+            assert {"K0", "K1"} <= streams
+        else:
+            for (c, a), original in originals.items():
+                assert vars(cls[c])[a] is original
+            for n, c in cls.items():
+                assert all(vars(c)[k] is v for k, v in snap[n].items())
+        assert ENGINE.stuck == []
+        # Either way the layer is in one of the two whole states.
+        wrapped = [ENGINE.is_ours(vars(cls[c])[a]) for _, c, a in WRAPPED]
+        assert all(wrapped) == ENGINE.is_applied() and any(wrapped) == ENGINE.is_applied()
+
+
+def test_apply_while_another_thread_is_importing_the_target(tmp_path: Any, monkeypatch: Any) -> None:
+    """A module that is in sys.modules but still executing is not refused:
+    it is wrapped once its import finishes."""
+    name = f"camp2p_slow_{uuid.uuid4().hex[:8]}"
+    gate = f"{name}_gate"
+    ev_started, ev_go = threading.Event(), threading.Event()
+    gate_mod = types.ModuleType(gate)
+    gate_mod.started, gate_mod.go = ev_started, ev_go
+    sys.modules[gate] = gate_mod
+    (tmp_path / f"{name}.py").write_text(
+        textwrap.dedent(
+            f"""
+            import {gate} as _gate
+            _gate.started.set()
+            assert _gate.go.wait(20), "test did not release the import"
+
+            class Target:
+                def plain(self, ubatch_idx=0, **kwargs):
+                    return ubatch_idx
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    man = synthetic_manifest(name, [("Target.plain", "self")])
+    result: list[Any] = []
+    try:
+        for hook_first in (False, True):
+            result.clear()
+            ev_started.clear()
+            ev_go.clear()
+            sys.modules.pop(name, None)
+            if hook_first:  # a hook from an earlier apply() is pending
+                ENGINE.apply(config=CFG, manifest=man)
+                ENGINE.unpatch()
+            importer = threading.Thread(target=lambda: result.append(importlib.import_module(name)), daemon=True)
+            importer.start()
+            assert ev_started.wait(10)
+            report = ENGINE.apply(config=CFG, manifest=man)
+            assert report.refused == ()
+            assert {t.state for t in report.targets} == {TargetState.NOT_IMPORTED}
+            ev_go.set()
+            importer.join(10)
+            assert not importer.is_alive() and result
+            assert {t.state for t in ENGINE.status().targets} == {TargetState.WRAPPED}
+            assert ours_in_chain(vars(result[0].Target)["plain"]) == 1
+            assert ENGINE.unpatch() is True
+    finally:
+        ev_go.set()
+        ENGINE.unpatch()
+        sys.modules.pop(name, None)
+        sys.modules.pop(gate, None)
+
+
+# ---------------------------------------------------------------------------
+# the one log line
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def ourlog() -> Iterator[list[logging.LogRecord]]:
+    """Every record of the package logger, each once (whatever vLLM's
+    logging config does with propagation)."""
+    handler = _Collect()
+    old = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield handler.records
+    finally:
+        logger.setLevel(old)
+        logger.removeHandler(handler)
+
+
+def _outcome_lines(records: list[logging.LogRecord]) -> list[logging.LogRecord]:
+    return [r for r in records if "pid=" in r.getMessage()]
+
+
+def test_one_log_line_when_every_target_is_settled(ourlog: list[logging.LogRecord]) -> None:
+    import os
+
+    standins.install()
+    ENGINE.apply(config=CFG)
+    ENGINE.apply(config=CFG)
+    assert _outcome_lines(ourlog) == []  # nothing settled yet
+    importlib.import_module(RUNNER)
+    assert _outcome_lines(ourlog) == []  # one module still to come
+    importlib.import_module(CONNECTOR)
+    ENGINE.apply(config=CFG)
+    ENGINE.status()
+    lines = _outcome_lines(ourlog)
+    assert len(lines) == 1
+    msg = lines[0].getMessage()
+    assert lines[0].levelno == logging.INFO
+    assert f"pid={os.getpid()}" in msg
+    assert "vllm=0.19.1" in msg and f"wrapt={wrapt.__version__}" in msg
+    for _, cname, attr in WRAPPED:
+        assert f"{cname}.{attr}=wrapped" in msg
+    assert "_ffn_layer_indices=checked" in msg
+
+
+def test_one_log_line_on_refusal(ourlog: list[logging.LogRecord]) -> None:
+    _variant_module(CONNECTOR, *VARIANTS["recv-lost-kwargs"][1:3])
+    try:
+        ENGINE.apply(config=CFG)
+        importlib.import_module(RUNNER)
+        ENGINE.status()
+        lines = _outcome_lines(ourlog)
+        assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+        msg = lines[0].getMessage()
+        assert "CAMP2pAFDConnector.recv_attn_output=refused" in msg and "missing parameter(s) kwargs" in msg
+    finally:
+        sys.modules.pop(CONNECTOR, None)
+
+
+def test_report_serialises_every_target() -> None:
+    import_targets()
+    report = ENGINE.apply(config=CFG)
+    d = report.to_dict()
+    assert d["applied"] is True and d["engaged"] is True and d["stack"] == "vllm-0.19.1"
+    assert d["vllm_version"] == "0.19.1" and d["wrapt_version"] == wrapt.__version__
+    assert {t["state"] for t in d["targets"]} == {"wrapped", "checked"}
+    assert len(d["targets"]) == len(load_manifest().targets())
+    text = str(report)
+    assert all(t.target in text for t in report.targets)
+    assert f"pid={d['pid']}" in text
