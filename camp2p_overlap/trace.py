@@ -157,7 +157,17 @@ class CheckResult:
 
 
 def check_step(ops: Sequence[TraceOp], expected: ExpectedSchedule) -> CheckResult:
-    """Check that every edge of the design held in one step's trace."""
+    """Check that every edge of the design held in one step's trace.
+
+    Two kinds of evidence: the timings (each op started after what it
+    depends on ended; no two ops of one stage group at once; C ran one op at
+    a time in the loop's order; everything inside the step span), and the
+    event graph rebuilt from the issue order (``seq``) of every op, record
+    and wait: each dependency (edges 3, 4, 5/6) must be a path of stream
+    order and record->wait edges, each side stream must start with a wait on
+    C (fork) and end before a wait of C after its last op (join), no wait
+    may bind to an event not recorded earlier in the step, and no side
+    stream may wait on another stage's stream."""
     res = CheckResult()
     bad = res.violations.append
     by: dict[tuple[str, int | None, int | None], list[TraceOp]] = defaultdict(list)

@@ -39,6 +39,9 @@ def active_session() -> OverlapSession | None:
 # Stream sets: created once per runner (outside capture) and reused.
 _sets_lock = threading.Lock()
 _sets: dict[int, tuple[str, StreamSet]] = {}
+#: The runner finalizer of each entry of ``_sets``: detached when the set is
+#: closed otherwise, so a closed set is not kept alive until its runner dies.
+_finalizers: dict[int, weakref.finalize] = {}
 
 
 def _stream_set_for(runner: Any, backend_name: str) -> StreamSet:
@@ -49,9 +52,12 @@ def _stream_set_for(runner: Any, backend_name: str) -> StreamSet:
             return entry[1]
         if entry is not None:
             entry[1].close()
+            old = _finalizers.pop(key, None)
+            if old is not None:
+                old.detach()
         sset = StreamSet(make_backend(backend_name, getattr(runner, "device", None)), range(MAX_STAGES))
         _sets[key] = (backend_name, sset)
-    weakref.finalize(runner, _drop_stream_set, key, sset)
+        _finalizers[key] = weakref.finalize(runner, _drop_stream_set, key, sset)
     return sset
 
 
@@ -60,6 +66,7 @@ def _drop_stream_set(key: int, sset: StreamSet) -> None:
         entry = _sets.get(key)
         if entry is not None and entry[1] is sset:
             del _sets[key]
+            _finalizers.pop(key, None)
     sset.close()
 
 
@@ -68,6 +75,10 @@ def close_stream_sets() -> None:
     with _sets_lock:
         sets = [s for _, s in _sets.values()]
         _sets.clear()
+        finalizers = list(_finalizers.values())
+        _finalizers.clear()
+    for f in finalizers:
+        f.detach()
     for s in sets:
         s.close()
 

@@ -276,6 +276,10 @@ def run(args: argparse.Namespace) -> Summary:
                 if args.leak_bytes_per_step:
                     leak.append(os.urandom(args.leak_bytes_per_step))
                 if step % args.sample_every == 0 and i >= len(order):
+                    # A full collection also empties the interpreter's free
+                    # lists (tuples, dicts...), which otherwise fill up over
+                    # thousands of steps and look like a slow leak.
+                    gc.collect()
                     current, _peak = tracemalloc.get_traced_memory()
                     samples.append(Sample(step, current, rss_bytes(), threading.active_count()))
                 if args.progress and step % 1000 == 0:

@@ -34,9 +34,9 @@ def _has_torch_npu() -> bool:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: the no-CUDA refusal cannot be shown")
 def test_cuda_backend_refuses_without_cuda() -> None:
-    with pytest.raises(DeviceUnavailableError, match="torch.cuda reports no CUDA device"):
+    with pytest.raises(DeviceUnavailableError, match=r"torch\.cuda reports no CUDA device"):
         device_module("cuda")
-    with pytest.raises(BackendUnavailable, match="backend 'cuda' unavailable: torch.cuda reports no CUDA device"):
+    with pytest.raises(BackendUnavailable, match=r"backend 'cuda' unavailable: torch\.cuda reports no CUDA device"):
         make_backend("cuda", torch.device("cuda"))
 
 

@@ -4,6 +4,7 @@ step is correct. A deliberately wrong order deadlocks in the emulation."""
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
@@ -14,6 +15,8 @@ from _overlap_util import (
     assert_same,
     assert_streams_idle,
     bounded,
+    captured_log,
+    messages,
     run_step,
     serial_results,
     world,
@@ -23,6 +26,7 @@ from _overlap_util import (
 from camp2p_overlap.emulation.world import PeerTimeoutError
 from camp2p_overlap.session import OverlapSession, send_parts
 from camp2p_overlap.streams import CpuBackend, StreamPoisonedError
+
 
 class InjectedFault(RuntimeError):
     pass
@@ -109,7 +113,7 @@ def test_error_in_first_prefetch_of_another_stage_surfaces_at_its_receive() -> N
             raise InjectedFault("prologue a2e of stage 1")
 
     w.transport.fault_hook = hook
-    with pytest.raises(InjectedFault, match="^prologue a2e of stage 1$"):
+    with pytest.raises(InjectedFault, match=r"^prologue a2e of stage 1$"):
         bounded(lambda: run_step(w, sched))
     assert ffn_layers == [0]  # FFN(0, 0) ran, FFN(0, 1) never did
     w.transport.fault_hook = None
@@ -130,11 +134,28 @@ def test_model_error_surfaces_and_streams_join() -> None:
             raise ZeroDivisionError("model blew up at its 8th call")
 
     original = wrap_model(w, before=before)
-    with pytest.raises(ZeroDivisionError, match="^model blew up at its 8th call$"):
+    with pytest.raises(ZeroDivisionError, match=r"^model blew up at its 8th call$"):
         bounded(lambda: run_step(w, sched))
     assert_streams_idle()
     w.runner.model.compute_ffn_output = original
     assert_same(bounded(lambda: run_step(w, nxt)), ref)
+
+
+def test_a_silent_peer_is_reported_as_a_stall_then_times_out(caplog: pytest.LogCaptureFixture) -> None:
+    w = world(layers=3, stage_ids=(0, 1), op_timeout_s=1.0)
+    apply_cpu(watchdog_s=0.2)
+
+    def hook(kind: str, layer: int, stage: int) -> None:
+        if (kind, layer, stage) == ("a2e", 1, 1):
+            w.transport.stop_peer(1)  # attention rank of stage 1 stops answering
+
+    w.transport.fault_hook = hook
+    with captured_log(caplog, logging.WARNING), pytest.raises(PeerTimeoutError, match=r"\(peer stopped\)"):
+        bounded(lambda: run_step(w, Schedule(3, (0, 1), (8, 8), step=1)))
+    (report,) = messages(caplog, "has not finished after 0.2 s")
+    assert "ops not finished: a2e(L1,s1) on K1" in report
+    assert "event ('a', 1, 1): pending" in report
+    assert_streams_idle()
 
 
 # ---------------------------------------------------------------------------
@@ -201,9 +222,7 @@ def test_wrong_order_on_one_stream_deadlocks_driving_the_backend_directly() -> N
         backend.begin_step([k])
         a0 = backend.submit(k, lambda: t.a2e(group="afd", stage=0, layer=0, num_tokens=4))
         hidden, bs = a0.result()
-        backend.submit(
-            k, lambda: t.e2a(group="afd", stage=0, layer=0, routed=hidden, shared=None, atten_batch_size=bs)
-        )
+        backend.submit(k, lambda: t.e2a(group="afd", stage=0, layer=0, routed=hidden, shared=None, atten_batch_size=bs))
         a1 = backend.submit(k, lambda: t.a2e(group="afd", stage=0, layer=1, num_tokens=4))
         assert k.drain(timeout=10)
         assert a1.result()[0].shape == (4, w.spec.shape.hidden)

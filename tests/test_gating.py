@@ -3,7 +3,6 @@ no session is opened, and the reason is logged once per distinct reason."""
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field

@@ -49,26 +49,37 @@ from camp2p_overlap.streams import CpuBackend
 
 
 def test_two_stages_eight_layers_overlap_in_the_trace() -> None:
-    """Comm ops of 4 ms (link latency), FFN of 10 ms (real MoE compute padded
-    with a sleep): per stage, E2A + attention + A2E = 8 ms <= FFN, so in the
-    steady state A2E(L,1) runs under FFN(L,0) and E2A(L,0) under FFN(L,1)
-    with 4..6 ms of margin either side."""
-    w = world(layers=8, stage_ids=(0, 1), link=LinkModel(latency_s=4e-3, bandwidth_Bps=1e15), attn_s=0.0)
-    sched = Schedule(8, (0, 1), (16, 16), step=1)
-    (ref,) = serial_results(w, [sched])
-    wrap_model(w, after=lambda _out: time.sleep(0.010))
+    """Comm ops of 14 ms (link latency), FFN of 30 ms (real MoE compute padded
+    with a sleep): per stage, E2A + attention + A2E = 28 ms <= FFN, so in the
+    steady state A2E(L,1) runs under FFN(L,0) and E2A(L,0) under FFN(L,1),
+    with at least 14 ms of margin on each side of each pair. Every step must
+    be correct and pass the edge checker; the overlap must show in one of
+    three steps (a busy 2-core box may deschedule a thread for a few ms; a
+    schedule that serializes communication and compute never shows it)."""
+    w = world(layers=8, stage_ids=(0, 1), link=LinkModel(latency_s=14e-3, bandwidth_Bps=1e15), attn_s=0.0)
+    scheds = [Schedule(8, (0, 1), (16, 16), step=i + 1) for i in range(3)]
+    link, w.transport.link = w.transport.link, LinkModel(latency_s=0.0)  # outputs do not depend on timing
+    refs = serial_results(w, scheds)
+    w.transport.link = link
+    wrap_model(w, after=lambda _out: time.sleep(0.030))
     apply_cpu()
-    with trace.recording() as rec:
-        got = bounded(lambda: run_step(w, sched))
-    assert_same(got, ref)
-    ops = rec.ops(rec.steps()[0])
-    res = trace.check_step(ops, trace.ExpectedSchedule(tuple(range(8)), (0, 1), True, True))
-    assert res.ok, str(res)
-    op = by_key(ops)
-    for L in range(1, 8):
-        assert trace.overlaps(op["a2e", L, 1], op["ffn", L, 0]), f"A2E({L},1) did not overlap FFN({L},0)"
-        assert trace.overlaps(op["e2a", L, 0], op["ffn", L, 1]), f"E2A({L},0) did not overlap FFN({L},1)"
-        assert op["a2e", L, 1].stream == "K1" and op["e2a", L, 0].stream == "K0"
+    missed: list[str] = []
+    for sched, ref in zip(scheds, refs, strict=True):
+        with trace.recording() as rec:
+            got = bounded(lambda sched=sched: run_step(w, sched))
+        assert_same(got, ref)
+        ops = rec.ops(rec.steps()[0])
+        res = trace.check_step(ops, trace.ExpectedSchedule(tuple(range(8)), (0, 1), True, True))
+        assert res.ok, str(res)
+        op = by_key(ops)
+        for L in range(8):
+            assert op["a2e", L, 1].stream == "K1" and op["e2a", L, 0].stream == "K0"
+        missed = [
+            f"A2E({L},1)/FFN({L},0)" for L in range(1, 8) if not trace.overlaps(op["a2e", L, 1], op["ffn", L, 0])
+        ] + [f"E2A({L},0)/FFN({L},1)" for L in range(1, 8) if not trace.overlaps(op["e2a", L, 0], op["ffn", L, 1])]
+        if not missed:
+            break
+    assert not missed, f"no overlap in the last of three steps for {missed}"
 
 
 # ---------------------------------------------------------------------------
@@ -343,16 +354,25 @@ def test_ownership_inside_the_step(direction: str) -> None:
 
 def test_fifty_steps_reuse_streams_and_threads() -> None:
     w = world(layers=3, stage_ids=(0, 1, 2))
-    scheds = [Schedule(3, (0, 1, 2) if i % 3 else (0, 2), (1 + i % 16, 16 - i % 16, 8)[: 3 if i % 3 else 2], i + 1)
-              for i in range(50)]
+    scheds = [
+        Schedule(3, (0, 1, 2) if i % 3 else (0, 2), (1 + i % 16, 16 - i % 16, 8)[: 3 if i % 3 else 2], i + 1)
+        for i in range(50)
+    ]
     refs = serial_results(w, scheds)
     apply_cpu()
     assert_same(run_step(w, scheds[0]), refs[0])
     (sset,) = stream_sets()
-    threads = threading.active_count()
+    count = threading.active_count()
+
+    def ours() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("camp2p-overlap-stream-")}
+
+    threads = ours()
+    assert len(threads) == 3  # one worker per stage group, made once
     for sched, ref in zip(scheds[1:], refs[1:], strict=True):
         assert_same(run_step(w, sched), ref)
-        assert threading.active_count() == threads
+        assert ours() == threads
+        assert threading.active_count() <= count
     assert stream_sets() == [sset]
     assert all(s.alive for s in sset.streams.values())
     assert_streams_idle()

@@ -154,9 +154,7 @@ def test_event_graph_edges(good: Any) -> None:
     broken = list(ops)
     a, e = _idx(broken, "a2e", 1, 0), _idx(broken, "e2a", 0, 0)
     broken[a] = dataclasses.replace(broken[a], seq=broken[e].seq - 1)
-    assert "edge 5/6 (lookahead A2E after its group's E2A): nothing orders e2a(L0,s0)" in _violations(
-        broken, expected
-    )
+    assert "edge 5/6 (lookahead A2E after its group's E2A): nothing orders e2a(L0,s0)" in _violations(broken, expected)
 
 
 # ---------------------------------------------------------------------------

@@ -27,11 +27,12 @@ what is reported:
   per-layer time  a step's wall time / its number of FFN layers; median and
                   p90 over every timed step of every repetition
   speedup         median(serial) / median(policy)
-  f, a, e         measured on the serial run's trace (one traced step per
-                  repetition, upstream's loop through the pass-through
-                  wrappers): median FFN compute per (layer, stage), and per
-                  stage the median A2E (without the time it waited for its
-                  attention peer) and E2A
+  f, a, e         measured on the serial run's trace: every timed step id is
+                  run again, traced, through the wrappers' pass-through path
+                  (upstream's loop, both directions off). f: median FFN
+                  compute per (layer, stage); a_s, e_s: per stage, median
+                  A2E (without the time it waited for its attention peer)
+                  and E2A. attn is the modeled attention time (--attn-us)
   floor           per layer: max(S*f, max over stages of a_s + f + e_s + attn).
                   S*f is the compute stream's work; a+f+e+attn is one stage
                   group's dependency cycle (A2E, its FFN, E2A, then attention
@@ -50,6 +51,24 @@ device; A2E/E2A are device work of the modeled duration on the side streams
 differ, an edge is violated or an overlap policy did not engage (2+ stages).
 Absolute CPU times say nothing about an NPU; only the ratios carry over.
 --json schema: docs/benchmark.md.
+"""
+
+DOCTOR_EPILOG = """\
+exit status: 0 when nothing would refuse, else 1.
+
+--json schema (camp2p-overlap/doctor/v1; also in docs/benchmark.md):
+  schema        "camp2p-overlap/doctor/v1"
+  ok            true when problems is empty
+  problems      [str]: everything that would refuse or keep the overlap off
+  notes         [str]: worth knowing, not a problem (e.g. the switch is off)
+  stack         manifest stack checked, e.g. "vllm-0.19.1"
+  versions      {vllm, torch, torch_npu, wrapt, afd-plugin, camp2p-overlap}: str or null
+  vllm_check    {ok, found, supported, reason}
+  targets       [{target, module, qualname, action (wrap|read), status, detail}]
+                status: ok | import-error | missing | signature-mismatch | stand-in
+  device        "npu" | "cuda" | null;  device_detail: str
+  backend       {configured, resolved (npu|cuda|cpu|null), reason}
+  config        {ok, error (str|null), enabled, switches: [{name, raw, field, value, description}]}
 """
 
 _DEFAULTS = BenchParams()
@@ -154,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
         "modeled link bandwidth, after measuring f once) and over 1, 2 and 3 stages. Base world: the "
         "ffn-bound scenario unless --scenario says otherwise, with "
         + ", ".join(f"--{k} {v}" for k, v in SWEEP_DEFAULTS.items())
-        + "; explicit flags override.",
+        + "; explicit flags override. Each point sets the modeled link bandwidth itself (--link-gbps is "
+        "ignored; --link-latency-us caps each op's latency at 10%% of the target communication time).",
         epilog="Absolute CPU times say nothing about an NPU; only the ratios carry over.",
     )
     _add_world_flags(sweep, {**SCENARIOS["ffn-bound"], **SWEEP_DEFAULTS})
@@ -183,14 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser(
         "doctor",
         help="check a deployment box: versions, patch targets, backend, switches",
-        description="Report installed versions (vLLM, torch, torch_npu, wrapt, afd-plugin), the vLLM version "
-        "gate, every patch target of the manifest (imported: importable? defined? signature?), the stream "
-        "backend that would be used on this box's device, and every VLLM_CAMP2P_* switch as parsed.",
-        epilog="Exit status 0 when nothing would refuse, else 1. --json schema: docs/benchmark.md "
-        "(keys: schema, ok, problems, notes, stack, versions, vllm_check, targets[{target, module, qualname, "
-        "action, status (ok|import-error|missing|signature-mismatch|stand-in), detail}], device, device_detail, "
-        "backend{configured, resolved, reason}, config{ok, error, enabled, switches[{name, raw, field, value, "
-        "description}]}).",
+        description="Report installed versions (vLLM, torch, torch_npu, wrapt, afd-plugin; from distribution\n"
+        "metadata), the vLLM version gate, every patch target of the manifest (its module is imported:\n"
+        "importable? defined where the manifest says? same signature?), the stream backend that would be\n"
+        "used with this box's device, and every VLLM_CAMP2P_* switch as set and as parsed.",
+        epilog=DOCTOR_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
     doctor.add_argument("--stack", default=None, help="manifest stack to check (default vllm-0.19.1)")

@@ -1,0 +1,198 @@
+"""``camp2p-overlap doctor``: on this CPU machine (no afd-plugin, no NPU, no
+GPU) it says what is missing and exits non-zero; ``--json`` lists every
+manifest target with its status; stand-ins, missing attributes and changed
+signatures are told apart; a malformed switch is reported, not raised."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import types
+from collections.abc import Iterator
+
+import pytest
+import torch
+from conftest import run_python
+
+from camp2p_overlap import config as cfgmod
+from camp2p_overlap.bench import cli
+from camp2p_overlap.bench.doctor import check_target, diagnose
+from camp2p_overlap.emulation import standins
+from camp2p_overlap.manifest import load_manifest
+from camp2p_overlap.versions import installed_version
+
+STATUSES = {"ok", "import-error", "missing", "signature-mismatch", "stand-in"}
+DOCTOR = "import sys; from camp2p_overlap.cli import main; sys.exit(main({argv!r}))"
+
+
+def _no_afd_plugin() -> None:
+    if importlib.util.find_spec("afd_plugin") is not None:
+        pytest.skip("a real afd_plugin is importable here")
+
+
+def _has_device() -> bool:
+    return torch.cuda.is_available() or importlib.util.find_spec("torch_npu") is not None
+
+
+def test_doctor_says_what_is_missing_and_exits_non_zero() -> None:
+    _no_afd_plugin()
+    res = run_python(DOCTOR.format(argv=["doctor"]), timeout=120)
+    assert res.returncode == 1, res.stdout + res.stderr
+    out = res.stdout
+    assert "Traceback" not in res.stderr
+    assert "afd-plugin      not installed" in out
+    assert "afd-plugin is not installed (distribution vllm-afd-plugin)" in out
+    assert "No module named 'afd_plugin'" in out
+    assert "NOT READY" in out
+    for t in load_manifest().targets():
+        assert t.id in out
+    for name in cfgmod.ENV_VARS:
+        assert name in out
+    vllm = installed_version("vllm")
+    if vllm is not None and vllm.split("+")[0] == "0.19.1":
+        assert "vLLM version gate: ok" in out
+    else:
+        assert "vLLM version gate: REFUSED" in out
+    if not _has_device():
+        assert "device: none" in out
+        assert "configured auto -> none" in out
+
+
+def test_doctor_json_lists_every_manifest_target_with_its_status() -> None:
+    _no_afd_plugin()
+    res = run_python(DOCTOR.format(argv=["doctor", "--json"]), timeout=120)
+    assert res.returncode == 1, res.stderr
+    d = json.loads(res.stdout)
+    assert d["schema"] == "camp2p-overlap/doctor/v1"
+    assert set(d) == {
+        "schema",
+        "ok",
+        "problems",
+        "notes",
+        "stack",
+        "versions",
+        "vllm_check",
+        "targets",
+        "device",
+        "device_detail",
+        "backend",
+        "config",
+    }
+    assert d["ok"] is False and d["problems"]
+    assert d["stack"] == "vllm-0.19.1"
+    assert set(d["versions"]) == {"vllm", "torch", "torch_npu", "wrapt", "afd-plugin", "camp2p-overlap"}
+    assert d["versions"]["afd-plugin"] is None
+    assert d["versions"]["torch"] == installed_version("torch")
+    assert d["versions"]["wrapt"] == installed_version("wrapt")
+    assert set(d["vllm_check"]) == {"ok", "found", "supported", "reason"}
+    assert d["vllm_check"]["supported"] == "0.19.1"
+    manifest = load_manifest()
+    assert [t["target"] for t in d["targets"]] == [t.id for t in manifest.targets()]
+    for row, spec in zip(d["targets"], manifest.targets(), strict=True):
+        assert set(row) == {"target", "module", "qualname", "action", "status", "detail"}
+        assert row["module"] == spec.module and row["qualname"] == spec.qualname and row["action"] == spec.action
+        assert row["status"] == "import-error"
+        assert "afd_plugin" in row["detail"]
+    assert set(d["backend"]) == {"configured", "resolved", "reason"}
+    assert d["backend"]["configured"] == "auto"
+    if not _has_device():
+        assert d["device"] is None and d["backend"]["resolved"] is None
+    assert d["config"]["ok"] is True and d["config"]["error"] is None
+    switches = {s["name"]: s for s in d["config"]["switches"]}
+    assert set(switches) == set(cfgmod.ENV_VARS)
+    assert switches[cfgmod.ENV_SWITCH]["raw"] is None and switches[cfgmod.ENV_SWITCH]["value"] is False
+    assert switches[cfgmod.ENV_MIN_STAGES]["value"] == 2
+
+
+def test_doctor_reports_a_malformed_switch_without_raising() -> None:
+    res = run_python(
+        DOCTOR.format(argv=["doctor", "--json"]),
+        env={cfgmod.ENV_SWITCH: "maybe", cfgmod.ENV_MIN_STAGES: "3"},
+        timeout=120,
+    )
+    assert res.returncode == 1
+    assert "Traceback" not in res.stderr
+    d = json.loads(res.stdout)
+    assert d["config"]["ok"] is False
+    assert cfgmod.ENV_SWITCH in d["config"]["error"] and "'maybe'" in d["config"]["error"]
+    assert any(p.startswith("configuration:") for p in d["problems"])
+    raw = {s["name"]: s["raw"] for s in d["config"]["switches"]}
+    assert raw[cfgmod.ENV_SWITCH] == "maybe" and raw[cfgmod.ENV_MIN_STAGES] == "3"
+
+
+def test_doctor_shows_parsed_switches_and_the_cpu_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cfgmod.ENV_SWITCH, "on")
+    monkeypatch.setenv(cfgmod.ENV_BACKEND, "CPU")
+    monkeypatch.setenv(cfgmod.ENV_WATCHDOG, "2.5")
+    d = diagnose()
+    values = {s["name"]: s["value"] for s in d["config"]["switches"]}
+    assert values[cfgmod.ENV_SWITCH] is True
+    assert values[cfgmod.ENV_BACKEND] == "cpu"
+    assert values[cfgmod.ENV_WATCHDOG] == 2.5
+    assert d["config"]["enabled"] is True
+    assert d["backend"] == {
+        "configured": "cpu",
+        "resolved": "cpu",
+        "reason": "cpu: worker-thread streams (emulation and tests only)",
+    }
+    assert any("cpu backend is for the emulation" in n for n in d["notes"])
+
+
+def test_doctor_does_not_mistake_the_stand_ins_for_afd_plugin() -> None:
+    _no_afd_plugin()
+    standins.install(standins.REAL_ROOT)
+    d = diagnose()
+    assert [t["status"] for t in d["targets"]] == ["stand-in"] * len(load_manifest().targets())
+    assert d["ok"] is False
+
+
+@pytest.fixture
+def fake_module() -> Iterator[types.ModuleType]:
+    name = "camp2p_doctor_fake_runner"
+    mod = types.ModuleType(name)
+    mod.__file__ = __file__
+
+    class Base:
+        def inherited(self, x): ...
+
+    class AFDNPUFFNModelRunner(Base):
+        def _ffn_forward(
+            self, *, dp_metadata_list, aclgraph_runtime_mode=None, is_graph_capturing=False, update_connector_state=True
+        ): ...
+
+    class Changed:
+        def _ffn_forward(self, *, dp_metadata_list, is_graph_capturing=False): ...
+
+    mod.AFDNPUFFNModelRunner = AFDNPUFFNModelRunner
+    mod.Changed = Changed
+    sys.modules[name] = mod
+    yield mod
+    del sys.modules[name]
+
+
+def test_check_target_tells_ok_missing_and_changed_apart(fake_module: types.ModuleType) -> None:
+    from dataclasses import replace
+
+    spec = next(t for t in load_manifest().targets() if t.qualname == "AFDNPUFFNModelRunner._ffn_forward")
+    ok = check_target(replace(spec, module=fake_module.__name__))
+    assert ok["status"] == "ok" and ok["detail"] == ""
+    changed = check_target(replace(spec, module=fake_module.__name__, qualname="Changed._ffn_forward"))
+    assert changed["status"] == "signature-mismatch"
+    assert "aclgraph_runtime_mode" in changed["detail"]
+    gone = check_target(replace(spec, module=fake_module.__name__, qualname="Missing._ffn_forward"))
+    assert gone["status"] == "missing"
+    inherited = check_target(replace(spec, module=fake_module.__name__, qualname="AFDNPUFFNModelRunner.inherited"))
+    assert inherited["status"] == "missing" and "only inherited" in inherited["detail"]
+    broken = check_target(replace(spec, module="camp2p_doctor_no_such_module"))
+    assert broken["status"] == "import-error" and "camp2p_doctor_no_such_module" in broken["detail"]
+    assert {ok["status"], changed["status"], gone["status"], broken["status"]} <= STATUSES
+
+
+def test_doctor_help_documents_the_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["doctor", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for key in ("camp2p-overlap/doctor/v1", "problems", "targets", "signature-mismatch", "switches", "exit status"):
+        assert key in text

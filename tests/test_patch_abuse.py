@@ -1,0 +1,467 @@
+"""Abusing the patch layer: apply/unpatch storms while steps run, unpatch
+during and inside a step, module reloads and re-imports, and the entry
+point in forked and spawned children.
+
+The per-step criterion: every step runs either fully wrapped (the overlap
+engaged: every A2E/E2A of a stage ran on that stage's side-stream thread)
+or fully original (every A2E/E2A ran on the thread that called the step),
+never a mix, and its outputs are bitwise those of the serial path."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing as mp
+import os
+import random
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import wrapt
+
+from camp2p_overlap._log import logger
+from camp2p_overlap.config import OverlapConfig
+from camp2p_overlap.emulation import standins
+from camp2p_overlap.emulation.faults import run_step_bounded
+from camp2p_overlap.emulation.world import World
+from camp2p_overlap.patcher import ENGINE
+
+STEP_BOUND_S = 30.0
+CFG = OverlapConfig(enabled=True, backend="cpu")
+WRAPPED = (
+    ("v1.worker.npu.ffn_model_runner", "AFDNPUFFNModelRunner", "_ffn_forward"),
+    ("connectors.npu.camp2p", "CAMP2pAFDConnector", "recv_attn_output"),
+    ("connectors.npu.camp2p", "CAMP2pAFDConnector", "send_ffn_output"),
+)
+
+
+# ---------------------------------------------------------------------------
+# helpers
+class CommThreads:
+    """Records, per step number, on which thread each A2E/E2A ran (through
+    the transport's fault hook, which every emulated op calls first)."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.by_step: dict[int, list[tuple[str, int, str]]] = {}
+        self._lock = threading.Lock()
+        world.transport.fault_hook = self._hook
+
+    def _hook(self, kind: str, layer: int, stage: int) -> None:
+        with self._lock:
+            self.by_step.setdefault(self.world.transport.step, []).append(
+                (kind, stage, threading.current_thread().name)
+            )
+
+    def mode(self, step: int, caller: str) -> str:
+        ops = self.by_step.get(step, [])
+        if not ops:
+            return "none"
+        if all(t == caller for _, _, t in ops):
+            return "original"
+        if all(t == f"camp2p-overlap-stream-K{s}" for _, s, t in ops):
+            return "wrapped"
+        return f"MIX: {ops}"
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def logs() -> Iterator[_Capture]:
+    cap = _Capture()
+    old = logger.level
+    logger.addHandler(cap)
+    logger.setLevel(logging.DEBUG)
+    yield cap
+    logger.removeHandler(cap)
+    logger.setLevel(old)
+
+
+def _raw(root: str = standins.REAL_ROOT) -> dict[tuple[str, str], Any]:
+    out = {}
+    for mod, cls, attr in WRAPPED:
+        owner = getattr(importlib.import_module(f"{root}.{mod}"), cls)
+        out[(cls, attr)] = vars(owner)[attr]
+    return out
+
+
+def _our_wrappers(obj: Any) -> int:
+    """How many of our wrappers are in the chain of ``obj``."""
+    n = 0
+    while isinstance(obj, wrapt.BaseObjectProxy):
+        n += ENGINE.is_ours(obj)
+        obj = obj.__wrapped__
+    return n
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _serial_refs(world: World, steps: range) -> dict[int, dict]:
+    assert not ENGINE.is_applied()
+    refs = {}
+    for n in steps:
+        out = run_step_bounded(world, n, STEP_BOUND_S)
+        assert out.error is None and not out.hung
+        refs[n] = out.results
+    return refs
+
+
+class Gate:
+    """Blocks the E2A of one (layer, stage) on a side stream until opened."""
+
+    def __init__(self, world: World, layer: int = 0, stage: int = 0) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.layer, self.stage = layer, stage
+        world.transport.fault_hook = self._hook
+
+    def _hook(self, kind: str, layer: int, stage: int) -> None:
+        if kind == "e2a" and (layer, stage) == (self.layer, self.stage):
+            self.entered.set()
+            if not self.release.wait(STEP_BOUND_S):
+                raise TimeoutError("gate never opened")
+
+
+# ---------------------------------------------------------------------------
+def test_apply_unpatch_storm_while_steps_run(make_world) -> None:
+    """Four threads apply and unpatch at random while a fifth runs steps:
+    each step is fully wrapped or fully original, and bitwise correct."""
+    w = make_world(layers=3, stage_ids=(0, 2), tokens=8)
+    originals = _raw()
+    n_refs = 40
+    refs = _serial_refs(w, range(1, n_refs + 1))
+    comm = CommThreads(w)
+    stop = threading.Event()
+    unpatch_results: list[bool] = []
+    errors: list[str] = []
+    modes: dict[str, int] = {}
+
+    def storm(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            while not stop.is_set():
+                if rng.random() < 0.5:
+                    ENGINE.apply(config=CFG)
+                else:
+                    unpatch_results.append(ENGINE.unpatch(timeout=10))
+                time.sleep(rng.uniform(0, 0.004))
+        except BaseException:  # noqa: BLE001 - reported below
+            errors.append(traceback.format_exc())
+
+    def stepper() -> None:
+        try:
+            i = 0
+            while not stop.is_set():
+                n = 1 + i % n_refs
+                w.steps_run = n - 1
+                got = w.run_step()
+                mode = comm.mode(n, threading.current_thread().name)
+                comm.by_step.pop(n, None)
+                modes[mode] = modes.get(mode, 0) + 1
+                if mode.startswith("MIX") or mode == "none":
+                    errors.append(f"step {n}: {mode}")
+                if not _equal(got, refs[n]):
+                    errors.append(f"step {n} ({mode}): outputs differ from the serial path")
+                i += 1
+                both = modes.get("wrapped", 0) >= 10 and modes.get("original", 0) >= 10
+                if (i >= 150 and both) or i >= 3000 or errors:
+                    stop.set()
+        except BaseException:  # noqa: BLE001 - reported below
+            errors.append(traceback.format_exc())
+            stop.set()
+
+    threads = [threading.Thread(target=storm, args=(k,), name=f"storm-{k}") for k in range(4)]
+    threads.append(threading.Thread(target=stepper, name="stepper"))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    alive = [t.name for t in threads if t.is_alive()]
+    stop.set()
+    assert not alive, f"threads still running: {alive}"
+    assert not errors, "\n".join(errors[:5])
+    assert set(modes) == {"wrapped", "original"}, modes
+    assert modes["wrapped"] >= 10 and modes["original"] >= 10, modes
+    assert all(unpatch_results), "an unpatch() refused although every step is short"
+
+    # Whatever state the storm left: consistent. Applied means each target
+    # carries exactly one of our wrappers; after unpatch, the exact originals.
+    if ENGINE.is_applied():
+        assert ENGINE.status().engaged
+        for key, obj in _raw().items():
+            assert _our_wrappers(obj) == 1, key
+    assert ENGINE.unpatch(timeout=10)
+    assert _raw() == originals and all(_raw()[k] is originals[k] for k in originals)
+    assert not [t for t in threading.enumerate() if t.name.startswith("camp2p-overlap-stream-")]
+
+
+def test_unpatch_waits_for_the_active_step_and_new_steps_run_original(make_world) -> None:
+    w = make_world(layers=3, stage_ids=(0, 1), tokens=8)
+    other = make_world(layers=2, stage_ids=(0, 1), tokens=8, seed=5)
+    ref = _serial_refs(w, range(4, 5))[4]
+    ref_other = _serial_refs(other, range(6, 7))[6]
+    assert ENGINE.apply(config=CFG, strict=True).engaged
+    gate = Gate(w, layer=1, stage=0)
+    events: list[str] = []
+    box: dict[str, Any] = {}
+
+    def step() -> None:
+        box["step"] = run_step_bounded(w, 4, STEP_BOUND_S)
+        events.append("step done")
+
+    def unpatch() -> None:
+        box["unpatch"] = ENGINE.unpatch(timeout=20)
+        events.append("unpatch returned")
+
+    st = threading.Thread(target=step, name="stepper")
+    st.start()
+    assert gate.entered.wait(STEP_BOUND_S), "the step never reached the gate"
+    ut = threading.Thread(target=unpatch, name="unpatcher")
+    ut.start()
+    # While unpatch() waits for the step, a new step (another runner, another
+    # thread) runs the original code, with no side stream.
+    deadline = time.monotonic() + 10
+    while not ENGINE.unpatching and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert ENGINE.unpatching and ut.is_alive() and ENGINE.is_applied()
+    comm = CommThreads(other)
+    out_other = run_step_bounded(other, 6, STEP_BOUND_S)
+    assert out_other.error is None and _equal(out_other.results, ref_other)
+    assert comm.mode(6, "camp2p-test-step-6") == "original"
+    assert ut.is_alive() and events == [], "unpatch() returned while a wrapped step was still running"
+    gate.release.set()
+    st.join(STEP_BOUND_S)
+    ut.join(STEP_BOUND_S)
+    assert events == ["step done", "unpatch returned"]
+    assert box["unpatch"] is True and not ENGINE.is_applied()
+    assert box["step"].error is None and _equal(box["step"].results, ref)
+
+
+def test_unpatch_timeout_refuses_cleanly_and_leaves_the_layer_working(make_world, logs) -> None:
+    w = make_world(layers=3, stage_ids=(0, 1), tokens=8)
+    refs = _serial_refs(w, range(2, 4))
+    assert ENGINE.apply(config=CFG, strict=True).engaged
+    wrapped_before = _raw()
+    gate = Gate(w, layer=0, stage=1)
+    box: dict[str, Any] = {}
+    st = threading.Thread(target=lambda: box.setdefault("out", run_step_bounded(w, 2, STEP_BOUND_S)))
+    st.start()
+    assert gate.entered.wait(STEP_BOUND_S)
+    assert ENGINE.unpatch(timeout=0.2) is False
+    assert any("unpatch() refused: 1 step(s) still running after 0.2 s" in m for m in logs.messages), logs.messages
+    assert ENGINE.is_applied() and not ENGINE.unpatching
+    assert ENGINE.status().engaged
+    assert all(_raw()[k] is wrapped_before[k] for k in wrapped_before)
+    gate.release.set()
+    st.join(STEP_BOUND_S)
+    assert box["out"].error is None and _equal(box["out"].results, refs[2])
+    # The layer still engages on the next step.
+    comm = CommThreads(w)
+    nxt = run_step_bounded(w, 3, STEP_BOUND_S)
+    assert nxt.error is None and _equal(nxt.results, refs[3])
+    assert comm.mode(3, "camp2p-test-step-3") == "wrapped"
+    assert ENGINE.unpatch(timeout=10) is True
+
+
+@pytest.mark.parametrize("stages", [(0, 1), (1,)], ids=["overlap-step", "serial-gate-step"])
+def test_unpatch_from_inside_a_step_on_the_same_thread_refuses(make_world, logs, stages) -> None:
+    w = make_world(layers=3, stage_ids=stages, tokens=8)
+    ref = _serial_refs(w, range(5, 6))[5]
+    assert ENGINE.apply(config=CFG, strict=True).engaged
+    inner = w.runner.model
+    calls: list[bool] = []
+
+    class Model:
+        def compute_ffn_output(self, *, hidden_states: Any, layer_idx: int) -> Any:
+            if layer_idx == 1 and not calls:
+                calls.append(ENGINE.unpatch(timeout=1))
+            return inner.compute_ffn_output(hidden_states=hidden_states, layer_idx=layer_idx)
+
+    w.runner.model = Model()
+    comm = CommThreads(w)
+    out = run_step_bounded(w, 5, STEP_BOUND_S)
+    assert calls == [False]
+    assert any("called from inside a running FFN step on this thread; refused" in m for m in logs.messages)
+    assert out.error is None and _equal(out.results, ref)
+    assert comm.mode(5, "camp2p-test-step-5") == ("wrapped" if len(stages) > 1 else "original")
+    assert ENGINE.is_applied()
+    assert ENGINE.unpatch(timeout=10) is True
+
+
+def test_reload_of_the_runner_module(make_world) -> None:
+    """``importlib.reload`` makes a new runner class; hooks do not fire on a
+    reload. The new class stays unwrapped (its steps run the original, and
+    correctly) until the engine looks again (``status()``, or any wrapped
+    step's gate): then the new class is wrapped and the old class gets its
+    original back. Unpatch restores the new class exactly."""
+    w_old = make_world(layers=2, stage_ids=(0, 1), tokens=8)
+    refs = _serial_refs(w_old, range(1, 5))
+    runner_mod = w_old.modules[0]
+    old_cls = runner_mod.AFDNPUFFNModelRunner
+    old_raw = vars(old_cls)["_ffn_forward"]
+    assert ENGINE.apply(config=CFG, strict=True).engaged
+    assert _our_wrappers(vars(old_cls)["_ffn_forward"]) == 1
+
+    importlib.reload(runner_mod)
+    new_cls = runner_mod.AFDNPUFFNModelRunner
+    assert new_cls is not old_cls
+    new_raw = vars(new_cls)["_ffn_forward"]
+    assert _our_wrappers(new_raw) == 0  # not wrapped yet: no hook fires on reload
+
+    w_new = make_world(layers=2, stage_ids=(0, 1), tokens=8)
+    assert type(w_new.runner) is new_cls
+    comm = CommThreads(w_new)
+    out = run_step_bounded(w_new, 1, STEP_BOUND_S)
+    assert out.error is None and _equal(out.results, refs[1])
+    assert comm.mode(1, "camp2p-test-step-1") == "original"
+
+    report = ENGINE.status()  # the engine notices the reload
+    assert report.engaged
+    assert _our_wrappers(vars(new_cls)["_ffn_forward"]) == 1
+    assert vars(new_cls)["_ffn_forward"].__wrapped__ is new_raw
+    assert vars(old_cls)["_ffn_forward"] is old_raw  # the old class got its original back
+
+    out = run_step_bounded(w_new, 2, STEP_BOUND_S)
+    assert out.error is None and _equal(out.results, refs[2])
+    assert comm.mode(2, "camp2p-test-step-2") == "wrapped"
+    # An instance of the old class now runs the original code, correctly.
+    comm_old = CommThreads(w_old)
+    out = run_step_bounded(w_old, 3, STEP_BOUND_S)
+    assert out.error is None and _equal(out.results, refs[3])
+    assert comm_old.mode(3, "camp2p-test-step-3") == "original"
+
+    assert ENGINE.unpatch(timeout=10)
+    assert vars(new_cls)["_ffn_forward"] is new_raw
+    assert vars(old_cls)["_ffn_forward"] is old_raw
+
+
+def test_reimport_of_the_target_modules(make_world) -> None:
+    """The stand-ins dropped from ``sys.modules`` and imported again: fresh
+    module and class objects. The post-import hooks have fired already (wrapt
+    pops them), so the new classes are wrapped when the engine looks again;
+    a wrapped step of a new runner engages, and unpatch restores every class."""
+    w1 = make_world(layers=2, stage_ids=(0, 2), tokens=8)
+    refs = _serial_refs(w1, range(1, 3))
+    first_raw = _raw()
+    first_owners = {
+        (cls, attr): getattr(importlib.import_module(f"{standins.REAL_ROOT}.{mod}"), cls) for mod, cls, attr in WRAPPED
+    }
+    assert ENGINE.apply(config=CFG, strict=True).engaged
+    assert all(_our_wrappers(v) == 1 for v in _raw().values())
+    standins.uninstall(standins.REAL_ROOT)
+    w2 = make_world(layers=2, stage_ids=(0, 2), tokens=8)  # imports the stand-ins again
+    assert type(w2.runner) is not type(w1.runner)
+    fresh = _raw()
+    assert all(_our_wrappers(v) == 0 for v in fresh.values())  # no hook fired for the re-import
+    assert ENGINE.status().engaged
+    assert all(_our_wrappers(v) == 1 for v in _raw().values())
+    # The first import's classes got their exact originals back.
+    assert all(vars(first_owners[k])[k[1]] is first_raw[k] for k in first_raw)
+    comm = CommThreads(w2)
+    out = run_step_bounded(w2, 1, STEP_BOUND_S)
+    assert out.error is None and _equal(out.results, refs[1])
+    assert comm.mode(1, "camp2p-test-step-1") == "wrapped"
+    assert ENGINE.unpatch(timeout=10)
+    after = _raw()
+    assert all(after[k] is fresh[k] for k in fresh)
+
+
+# ---------------------------------------------------------------------------
+# the entry point in forked and spawned children
+def _child(q: Any, env: dict[str, str], ref: dict, step: int) -> None:
+    """Run in a child process: the entry point as vLLM calls it (twice: a
+    second call must change nothing), then count our wrappers per target and
+    run one step on a fresh runner."""
+    try:
+        os.environ.update(env)
+        torch.set_num_threads(1)
+        from camp2p_overlap import plugin
+        from camp2p_overlap.emulation.moe import MoEShape
+        from camp2p_overlap.emulation.world import WorldSpec, build_world
+        from camp2p_overlap.patcher import ENGINE as engine
+
+        inherited = engine.is_applied()
+        plugin.register()
+        plugin.register()
+        w = build_world(
+            WorldSpec(
+                layers=3,
+                stage_ids=(0, 1),
+                tokens=8,
+                shape=MoEShape(hidden=64, ffn=128, experts=4, top_k=2),
+                op_timeout_s=10.0,
+            )
+        )
+        counts = {}
+        for mod, cls, attr in WRAPPED:
+            owner = getattr(importlib.import_module(f"{standins.REAL_ROOT}.{mod}"), cls)
+            obj, n = vars(owner)[attr], 0
+            while isinstance(obj, wrapt.BaseObjectProxy):
+                n += engine.is_ours(obj)
+                obj = obj.__wrapped__
+            counts[f"{cls}.{attr}"] = n
+        threads: set[str] = set()
+        w.transport.fault_hook = lambda kind, layer, stage: threads.add(threading.current_thread().name)
+        w.steps_run = step - 1
+        got = w.run_step()
+        q.put(
+            {
+                "pid": os.getpid(),
+                "inherited_applied": inherited,
+                "engaged": engine.status().engaged,
+                "counts": counts,
+                "equal": _equal(got, ref),
+                "threads": sorted(threads),
+                "unpatched": engine.unpatch(timeout=10),
+            }
+        )
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        q.put({"error": traceback.format_exc()})
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_entry_point_in_forked_and_spawned_children_patches_exactly_once(make_world, method: str) -> None:
+    if method not in mp.get_all_start_methods():
+        pytest.skip(f"start method {method!r} is not available on this platform")
+    w = make_world(layers=3, stage_ids=(0, 1), tokens=8)
+    ref = _serial_refs(w, range(7, 8))[7]
+    # The parent is patched and has imported the targets (fork children inherit it).
+    assert ENGINE.apply(config=CFG, strict=True).engaged
+    env = {"VLLM_CAMP2P_MULTISTREAM": "1", "VLLM_CAMP2P_MULTISTREAM_BACKEND": "cpu"}
+    ctx = mp.get_context(method)
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(q, env, ref, 7), name=f"camp2p-{method}-child")
+    p.start()
+    try:
+        res = q.get(timeout=120)
+    finally:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+    assert "error" not in res, res.get("error")
+    assert res["pid"] != os.getpid()
+    assert res["inherited_applied"] is (method == "fork")
+    assert res["engaged"] is True
+    assert res["counts"] == {f"{c}.{a}": 1 for _, c, a in WRAPPED}, res["counts"]
+    assert res["equal"] is True
+    assert res["threads"] == ["camp2p-overlap-stream-K0", "camp2p-overlap-stream-K1"]
+    assert res["unpatched"] is True
+    assert p.exitcode == 0
+    # The parent is unaffected by what the child did.
+    assert ENGINE.status().engaged
+    assert all(_our_wrappers(v) == 1 for v in _raw().values())
