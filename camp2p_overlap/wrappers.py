@@ -4,6 +4,7 @@ key in :data:`WRAPPERS`), and the per-step decision whether to engage."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -44,21 +45,42 @@ _sets: dict[int, tuple[str, StreamSet]] = {}
 _finalizers: dict[int, weakref.finalize] = {}
 
 
-def _stream_set_for(runner: Any, backend_name: str) -> StreamSet:
+def _stream_set_for(runner: Any, backend_name: str) -> StreamSet | None:
+    """The runner's stream set, created on first use. Streams are created
+    only outside graph capture (Ascend graphs have a small stream budget):
+    None when the first engaged step would have to create them inside one."""
     key = id(runner)
     with _sets_lock:
         entry = _sets.get(key)
         if entry is not None and entry[0] == backend_name:
             return entry[1]
+        backend = make_backend(backend_name, getattr(runner, "device", None))
+        if backend.is_capturing():
+            return None
         if entry is not None:
             entry[1].close()
             old = _finalizers.pop(key, None)
             if old is not None:
                 old.detach()
-        sset = StreamSet(make_backend(backend_name, getattr(runner, "device", None)), range(MAX_STAGES))
+        sset = StreamSet(backend, range(MAX_STAGES))
         _sets[key] = (backend_name, sset)
         _finalizers[key] = weakref.finalize(runner, _drop_stream_set, key, sset)
     return sset
+
+
+def _forget_stream_sets_in_child() -> None:
+    """After fork: the parent's CPU stream threads do not exist in the child;
+    forget the sets (without joining threads that are not there)."""
+    global _sets_lock
+    _sets_lock = threading.Lock()
+    _sets.clear()
+    for f in _finalizers.values():
+        f.detach()
+    _finalizers.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_stream_sets_in_child)
 
 
 def _drop_stream_set(key: int, sset: StreamSet) -> None:
@@ -162,15 +184,23 @@ def ffn_forward(wrapped: Wrapped, instance: Any, args: tuple[Any, ...], kwargs: 
         except Exception as exc:  # noqa: BLE001 - planning must never break the original call
             decision = Decision(f"could not plan the step ({type(exc).__name__}: {exc})")
         streamset = None
+        graph_off = "inside graph capture and VLLM_CAMP2P_MULTISTREAM_GRAPH is off"
+        if decision.reason is None and kwargs.get("is_graph_capturing") and not engine.config.graph:
+            decision = Decision(graph_off)
         if decision.reason is None:
             try:
                 streamset = _stream_set_for(instance, decision.backend)  # type: ignore[arg-type]
             except BackendUnavailable as exc:
                 decision = Decision(str(exc))
+            else:
+                if streamset is None:
+                    decision = Decision(
+                        "graph capture before any eager overlap step on this runner; side streams "
+                        "are created only outside capture"
+                    )
         if decision.reason is None and streamset is not None:
-            capturing = bool(kwargs.get("is_graph_capturing")) or streamset.backend.is_capturing()
-            if capturing and not engine.config.graph:
-                decision = Decision("inside graph capture and VLLM_CAMP2P_MULTISTREAM_GRAPH is off")
+            if streamset.backend.is_capturing() and not engine.config.graph:
+                decision = Decision(graph_off)
         if decision.reason is not None or streamset is None:
             log_once(
                 logging.INFO,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import itertools
+import logging
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -164,9 +165,32 @@ def test_device_capture_gates_unless_graph_mode(fake_device: FakeDevice, monkeyp
     assert sessions.count == 0
     ENGINE.unpatch(timeout=10)
     ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", graph=True))
+    # An eager step first creates the side streams; the capture then reuses them.
+    fake_device.capturing = False
     sessions = SessionSpy(monkeypatch)
     assert_same(run_step(w, sched), ref)
-    assert sessions.count == 1
+    streams_before_capture = fake_device.streams_created
+    fake_device.capturing = True
+    assert_same(run_step(w, sched), ref)
+    assert sessions.count == 2
+    assert fake_device.streams_created == streams_before_capture
+
+
+def test_first_engaged_step_inside_capture_creates_no_streams(
+    fake_device: FakeDevice, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = world(layers=2, stage_ids=(0, 1))
+    sched = Schedule(2, (0, 1), (5, 5), step=1)
+    (ref,) = serial_results(w, [sched])
+    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", graph=True))
+    sessions = SessionSpy(monkeypatch)
+    streams_before = fake_device.streams_created
+    fake_device.capturing = True
+    with caplog.at_level(logging.INFO):
+        assert_same(run_step(w, sched), ref)
+    assert sessions.count == 0
+    assert fake_device.streams_created == streams_before
+    assert "side streams are created only outside capture" in caplog.text
 
 
 # ---------------------------------------------------------------------------

@@ -153,7 +153,8 @@ def test_a_silent_peer_is_reported_as_a_stall_then_times_out(caplog: pytest.LogC
     with captured_log(caplog, logging.WARNING), pytest.raises(PeerTimeoutError, match=r"\(peer stopped\)"):
         bounded(lambda: run_step(w, Schedule(3, (0, 1), (8, 8), step=1)))
     (report,) = messages(caplog, "has not finished after 0.2 s")
-    assert "ops not finished: a2e(L1,s1) on K1" in report
+    # It names the op that waits for the silent peer, and its pending event.
+    assert "a2e(L1,s1) on K1" in report
     assert "event ('a', 1, 1): pending" in report
     assert_streams_idle()
 
