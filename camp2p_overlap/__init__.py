@@ -56,5 +56,6 @@ def is_applied() -> bool:
 
 
 def status() -> PatchReport:
-    """Per target: not-imported-yet / wrapped / checked / refused, with why."""
+    """Per target: not-imported-yet / wrapped / checked / refused (with why),
+    or inactive after ``unpatch()``."""
     return ENGINE.status()

@@ -546,6 +546,38 @@ def test_synthetic_inherited_method_is_refused_and_module_untouched(synthetic: t
     assert ENGINE.records == {}
 
 
+def test_wrapping_failure_half_way_rolls_the_module_back(synthetic: tuple[str, types.ModuleType]) -> None:
+    name, module = synthetic
+
+    class ReadOnlySecond(type):
+        def __setattr__(cls, attr: str, value: Any) -> None:
+            if attr == "second":
+                raise TypeError("second is read-only")
+            super().__setattr__(attr, value)
+
+    def first(self, ubatch_idx=0, **kwargs):  # type: ignore[no-untyped-def]
+        return ("first", ubatch_idx)
+
+    def second(self, ubatch_idx=0, **kwargs):  # type: ignore[no-untyped-def]
+        return ("second", ubatch_idx)
+
+    module.Guarded = ReadOnlySecond("Guarded", (), {"first": first, "second": second})
+    snap = dict(vars(module.Guarded))
+    man = synthetic_manifest(name, [("Guarded.first", "self"), ("Guarded.second", "self")])
+    sys.modules[name] = module
+    report = ENGINE.apply(config=CFG, manifest=man)
+    reasons = {t.target.rsplit(".", 1)[-1]: t.reason for t in report.refused}
+    assert set(reasons) == {"first", "second"}
+    assert "wrapping failed: TypeError: second is read-only" in reasons["second"]
+    assert dict(vars(module.Guarded)).keys() == snap.keys()
+    assert all(vars(module.Guarded)[k] is v for k, v in snap.items())  # 'first' was unwrapped again
+    assert ENGINE.records == {} and ENGINE.stuck == []
+    with pytest.raises(PatchRefused, match="second is read-only"):
+        ENGINE.unpatch()
+        ENGINE.apply(config=CFG, manifest=man, strict=True)
+    assert vars(module.Guarded)["first"] is snap["first"]
+
+
 # ---------------------------------------------------------------------------
 # threads
 def test_concurrent_apply_and_unpatch_leave_a_consistent_state(world: Any) -> None:
