@@ -23,6 +23,9 @@ from importlib import resources
 from camp2p_overlap.manifest import load_manifest
 man = load_manifest()
 dist = importlib.metadata.distribution("camp2p-overlap")
+from camp2p_overlap.emulation import standins
+standins.install()
+runner_mod, conn_mod, _ = standins.import_standins()
 print("OUT " + json.dumps({
     "imported": imported,
     "package": camp2p_overlap.__file__,
@@ -32,6 +35,8 @@ print("OUT " + json.dumps({
     "dist_files": [str(f) for f in (dist.files or [])],
     "entry_points": [(e.group, e.name, e.value) for e in dist.entry_points],
     "prefix": sys.prefix,
+    "standin_classes": [runner_mod.AFDNPUFFNModelRunner.__name__, conn_mod.CAMP2pAFDConnector.__name__],
+    "standin_file": runner_mod.__file__,
 }))
 """
 
@@ -97,3 +102,11 @@ def test_manifest_ships_inside_the_wheel(installed: dict) -> None:
 
 def test_entry_point_is_in_the_wheel_metadata(installed: dict) -> None:
     assert ["vllm.general_plugins", "camp2p_overlap", "camp2p_overlap.plugin:register"] in installed["entry_points"]
+
+
+def test_standins_ship_inside_the_wheel(installed: dict) -> None:
+    # The benchmark (the main job) imports the stand-ins from the installed package.
+    assert installed["standin_classes"] == ["AFDNPUFFNModelRunner", "CAMP2pAFDConnector"]
+    assert Path(installed["standin_file"]).resolve().is_relative_to(Path(installed["env_dir"]).resolve())
+    wanted = "camp2p_overlap/emulation/standins/afd_plugin/v1/worker/npu/ffn_model_runner.py"
+    assert wanted in installed["dist_files"]
