@@ -199,3 +199,72 @@ def test_watchdog_only_reads_a_failing_step_fails_the_same_way(make_world, logs)
     assert type(errors[None]) is type(errors[0.1]) is PeerTimeoutError
     assert str(errors[None]) == str(errors[0.1])
     assert len(logs.stall_reports()) == 1
+
+
+def test_report_on_a_device_backend_reads_events_not_handles() -> None:
+    """On a device backend every op returns at once (the host enqueued it);
+    the report tells done from pending by the event recorded after each op,
+    never by a sync."""
+    from types import SimpleNamespace
+
+    from camp2p_overlap.session import OverlapSession, StepPlan, StreamSet
+    from camp2p_overlap.streams.base import DoneHandle, StreamBackend
+
+    class Event:
+        def __init__(self) -> None:
+            self.done = False
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            raise AssertionError("the stall report must not synchronize")
+
+    class Device(StreamBackend):
+        name = "fake-device"
+
+        def __init__(self) -> None:
+            self.events: list[Event] = []
+
+        def compute_stream(self) -> object:
+            return SimpleNamespace(name="C")
+
+        def new_stream(self, name: str) -> object:
+            return SimpleNamespace(name=name)
+
+        def submit(self, stream, fn, label="op"):
+            return DoneHandle(fn(), start_ns=0, end_ns=0)
+
+        def record(self, stream, key) -> Event:
+            ev = Event()
+            self.events.append(ev)
+            return ev
+
+        def wait(self, stream, event) -> None:
+            pass
+
+        def is_capturing(self) -> bool:
+            return False
+
+    dev = Device()
+    session = OverlapSession(
+        connector=object(),
+        plan=StepPlan((0, 1), (0, 2), {"max_num_tokens": 4}),
+        streamset=StreamSet(dev, range(3)),
+    )
+
+    def recv(**kw):
+        return SimpleNamespace(hidden_states=None, context=SimpleNamespace(key=(kw["layer_idx"], kw["ubatch_idx"])))
+
+    session.recv(recv, (), {"ubatch_idx": 0, "layer_idx": 0, "max_num_tokens": 4})
+    text = session.stall_report()
+    assert "a2e(L0,s0) on K0: enqueued, not complete on the device" in text
+    assert "a2e(L0,s2) on K2: enqueued, not complete on the device" in text
+    assert "likely missing peer op: a2e(L0,s2) on K2 (enqueued, not complete on the device)" in text
+    assert "ops not finished: a2e(L0,s0) on K0, a2e(L0,s2) on K2" in text
+    for ev in dev.events:
+        ev.done = True
+    text = session.stall_report()
+    assert "a2e(L0,s0) on K0: done" in text and "a2e(L0,s2) on K2: done" in text
+    assert "every issued op has finished" in text and "ops not finished: none" in text
+    session.close(raising=True)

@@ -79,11 +79,11 @@ def bench_plot(timelines: Mapping[str, Sequence[TraceOp]], report: Mapping[str, 
     bars = bottom.bar(
         names, med, yerr=err, capsize=4, color=[POLICY_COLORS.get(n, "#999999") for n in names], width=0.55
     )
-    for bar, p in zip(bars, report["policies"], strict=True):
+    for bar, p, top_y in zip(bars, report["policies"], p90, strict=True):
         label = f"{p['speedup']:.2f}x" + (f"\neta {p['eta']:.2f}" if p["eta"] is not None else "")
         bottom.annotate(
             label,
-            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            (bar.get_x() + bar.get_width() / 2, max(bar.get_height(), top_y)),
             ha="center",
             va="bottom",
             xytext=(0, 3),

@@ -71,9 +71,9 @@ def bench_table(report: Mapping[str, Any]) -> str:
         "  e  E2A  " + " | ".join(f"stage {s['stage']} {fmt_time(s['e_us'])}" for s in m["stages"]),
     ]
     ratio = m["comm_over_ffn"]
-    verdict = "FFN-bound" if m["ffn_bound"] else "not FFN-bound"
+    verdict = "FFN-bound" if m["ffn_bound"] else "not FFN-bound, which needs"
     lines.append(
-        f"  (a+e)/f = {ratio * 100:.0f}%: {verdict} (FFN-bound: f > a+e, and S*f >= a+f+e+attn with S >= 2)"
+        f"  (a+e)/f = {ratio * 100:.0f}%: {verdict} (f > a+e, and S*f >= a+f+e+attn with S >= 2)"
         if ratio is not None
         else "  (a+e)/f = -"
     )

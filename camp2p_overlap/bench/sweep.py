@@ -64,7 +64,7 @@ def run_sweep(
     def point(params: BenchParams, label: str) -> dict[str, Any]:
         nonlocal done
         done += 1
-        if log is not None and progress:
+        if log is not None and progress and log.isatty():
             print(f"[{done}/{total}] {label}", file=log, flush=True)
         return run_bench(params).report
 
