@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -152,6 +153,20 @@ class PatchEngine:
         self._active_steps: dict[int, int] = {}
         self._logged_generation = -1
         self._our_handles: set[int] = set()
+        if hasattr(os, "register_at_fork"):
+            ref = weakref.WeakMethod(self._after_fork_in_child)
+            os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
+
+    def _after_fork_in_child(self) -> None:
+        """Only the forking thread survives a fork: the steps other threads
+        were running are gone (unpatch must not wait for them), and a lock
+        one of them held would stay held forever."""
+        me = threading.get_ident()
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)
+        mine = self._active_steps.get(me)
+        self._active_steps = {me: mine} if mine else {}
+        self.unpatching = False
 
     # ------------------------------------------------------------------
     # public

@@ -54,3 +54,50 @@ def test_forked_child_gets_fresh_streams_and_correct_outputs() -> None:
     assert out.keys() == ref.keys()
     assert all(torch.equal(torch.tensor(out[k]), ref[k]) for k in ref)
     assert proc.exitcode == 0
+
+
+def _child_unpatch(q: mp.Queue) -> None:
+    from camp2p_overlap.patcher import ENGINE
+
+    try:
+        q.put((ENGINE.unpatch(timeout=5), ENGINE.is_applied()))
+    except BaseException as exc:  # noqa: BLE001
+        q.put(repr(exc))
+
+
+def test_fork_while_another_thread_runs_a_step_leaves_the_child_able_to_unpatch() -> None:
+    """The parent forks while a step is in flight on another thread (holding
+    its step count): the child has no such thread, so unpatch there must not
+    wait for it."""
+    import threading
+
+    from camp2p_overlap.patcher import ENGINE
+
+    w = world(layers=2, stage_ids=(0, 1), tokens=8)
+    apply_cpu()
+    inside = threading.Event()
+    release = threading.Event()
+    model = w.runner.model
+    real = model.compute_ffn_output
+
+    def slow(**kw: object) -> object:
+        inside.set()
+        release.wait(30)
+        return real(**kw)
+
+    model.compute_ffn_output = slow
+    t = threading.Thread(target=lambda: run_step(w, Schedule(2, (0, 1), (8, 8), step=1)))
+    t.start()
+    try:
+        assert inside.wait(30)
+        assert ENGINE._active_steps  # the step is counted in the parent
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        proc = ctx.Process(target=_child_unpatch, args=(q,))
+        proc.start()
+        got = q.get(timeout=60)
+        proc.join(timeout=30)
+    finally:
+        release.set()
+        t.join(30)
+    assert got == (True, False), got
