@@ -284,6 +284,19 @@ def test_outputs_flag_fails_when_the_overlap_changes_a_result(monkeypatch: pytes
     assert "FAILED: overlap: outputs differ" in bench_table(run.report)
 
 
+def test_with_a_real_afd_plugin_the_stand_ins_move_to_the_alias_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When afd_plugin is importable, the benchmark never shadows it: the
+    stand-ins live under ALIAS_ROOT and the manifest is rebased onto it."""
+    monkeypatch.setattr(standins, "real_afd_plugin_installed", lambda: True)
+    run = run_bench(resolve_params({**TINY_PARAMS, "reps": 1}))
+    r = run.report
+    assert r["stand_in_root"] == standins.ALIAS_ROOT
+    assert not any(name == "afd_plugin" or name.startswith("afd_plugin.") for name in sys.modules)
+    by = {p["policy"]: p for p in r["policies"]}
+    assert by["overlap"]["engaged"] is True and by["e2a-only"]["engaged"] is True
+    assert r["outputs_equal"] is True
+
+
 # ---------------------------------------------------------------------------
 # the engine swap
 
