@@ -237,6 +237,21 @@ def _device_check(device: str) -> str | None:
     return None
 
 
+def _preflight(device: str, plot: str | None) -> str | None:
+    """Why the run cannot start (device missing, matplotlib missing for
+    ``--plot``), checked before any work is done; None when it can."""
+    why = _device_check(device)
+    if why or not plot:
+        return why
+    from camp2p_overlap.bench.plot import PlotUnavailable, _figure
+
+    try:
+        _figure(1, 1)
+    except PlotUnavailable as exc:
+        return str(exc)
+    return None
+
+
 def _bench(args: argparse.Namespace) -> int:
     from camp2p_overlap.bench.report import bench_table, problems, write_outputs
     from camp2p_overlap.bench.runner import resolve_params, run_bench
@@ -245,16 +260,9 @@ def _bench(args: argparse.Namespace) -> int:
         params = resolve_params(_explicit(args), args.scenario)
     except ValueError as exc:
         return _fail(str(exc))
-    why = _device_check(params.device)
+    why = _preflight(params.device, args.plot)
     if why:
         return _fail(why)
-    if args.plot:
-        from camp2p_overlap.bench.plot import PlotUnavailable, _figure
-
-        try:
-            _figure(1, 1)
-        except PlotUnavailable as exc:
-            return _fail(str(exc))
     run = run_bench(params, progress=not args.no_progress)
     print(bench_table(run.report))
     write_outputs(run, json_path=args.json, trace_path=args.trace)
@@ -283,16 +291,9 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
             raise ValueError("ratios must be positive")
     except ValueError as exc:
         return _fail(str(exc))
-    why = _device_check(params.device)
+    why = _preflight(params.device, args.plot)
     if why:
         return _fail(why)
-    if args.plot:
-        from camp2p_overlap.bench.plot import PlotUnavailable, _figure
-
-        try:
-            _figure(1, 1)
-        except PlotUnavailable as exc:
-            return _fail(str(exc))
     result = run_sweep(
         params,
         ratios=args.ratios,

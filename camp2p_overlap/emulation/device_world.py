@@ -43,6 +43,7 @@ from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.world import (
     AfdConfig,
+    AttentionInputs,
     EmulatedModel,
     HFConfig,
     LinkModel,
@@ -260,10 +261,9 @@ class DeviceTransport:
         self._last: dict[int, torch.Tensor] = {}
         #: id() of each received hidden-states tensor of this step -> its stage (for timing labels).
         self.stage_of: dict[int, int] = {}
-        g = torch.Generator().manual_seed(seed + 7919)
-        self._base = [
-            torch.randn(max_tokens, hidden, generator=g).to(device=device, dtype=dtype) for _ in range(base_pool)
-        ]
+        self.inputs = AttentionInputs(
+            hidden=hidden, max_tokens=max_tokens, seed=seed, pool=base_pool, dtype=dtype, device=device
+        )
 
     def begin_step(self, step: int, layers: Sequence[int], stages: Sequence[int]) -> None:
         self.step = step
@@ -276,12 +276,8 @@ class DeviceTransport:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         start = self.timing.begin()
         n = int(num_tokens)
-        base = self._base[(layer + self.step) % len(self._base)][:n]
-        hidden = torch.empty((n, self.hidden), device=self.device, dtype=self.dtype)
-        hidden.copy_(base)  # the data moved
-        last = self._last.get(stage)
-        if last is not None:
-            hidden += 0.5 * torch.tanh(last[:n])
+        # Allocated on the current (side) stream: the data moved.
+        hidden = self.inputs.hidden(self.step, layer, n, self._last.get(stage))
         self.delay(self.link.seconds(n * self.hidden * hidden.element_size()))
         self.timing.end("a2e", layer, stage, start, self.step)
         self.stage_of[id(hidden)] = stage

@@ -108,8 +108,9 @@ def attention_main(spec: PairSpec, out: Path) -> int:
 
     torch.set_num_threads(1)
     groups = _init(spec, 0)
-    g = torch.Generator().manual_seed(spec.seed + 7919)
-    base = [torch.randn(spec.max_tokens, spec.hidden, generator=g) for _ in range(4)]
+    from camp2p_overlap.emulation.world import AttentionInputs
+
+    inputs = AttentionInputs(hidden=spec.hidden, max_tokens=spec.max_tokens, seed=spec.seed)
     got: dict[str, dict[tuple[int, int, int], torch.Tensor]] = {"overlap": {}, "serial": {}}
     errors: list[str] = []
 
@@ -117,8 +118,7 @@ def attention_main(spec: PairSpec, out: Path) -> int:
         try:
             last = None
             for layer in range(spec.layers):
-                b = base[(layer + step) % len(base)][:n]
-                hidden = b.clone() if last is None else b + 0.5 * torch.tanh(last)
+                hidden = inputs.hidden(step, layer, n, last)
                 dist.send(hidden.contiguous(), dst=1, group=groups[stage], tag=tag(layer, stage, KIND_HIDDEN))
                 routed = torch.empty(n, spec.hidden)
                 dist.recv(routed, src=1, group=groups[stage], tag=tag(layer, stage, KIND_ROUTED))

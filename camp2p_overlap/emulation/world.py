@@ -68,6 +68,32 @@ class _Peer:
 FaultHook = Callable[[str, int, int], None]
 
 
+class AttentionInputs:
+    """What the emulated attention ranks send: a small pool of deterministic
+    base activations (per seed), and for every layer after a stage's first,
+    the base plus a function of what that stage's previous E2A delivered, so
+    each layer's input depends on the previous layer's FFN output (a wrong
+    or reordered E2A changes every later input). Shared by the CPU, device
+    and two-process emulations so they all model the same data."""
+
+    def __init__(
+        self,
+        *,
+        hidden: int,
+        max_tokens: int,
+        seed: int = 0,
+        pool: int = 4,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        g = torch.Generator().manual_seed(seed + 7919)
+        self.base = [torch.randn(max_tokens, hidden, generator=g).to(device=device, dtype=dtype) for _ in range(pool)]
+
+    def hidden(self, step: int, layer: int, num_tokens: int, last: torch.Tensor | None) -> torch.Tensor:
+        base = self.base[(layer + step) % len(self.base)][:num_tokens]
+        return base.clone() if last is None else base + 0.5 * torch.tanh(last[:num_tokens])
+
+
 class EmulatedTransport:
     """Plays the ``a2e``/``e2a`` custom ops and the attention ranks."""
 
@@ -96,8 +122,7 @@ class EmulatedTransport:
         self.peer_wait_ns: dict[tuple[int, int], int] = {}
         self.step = 0
         self.fault_hook: FaultHook | None = None
-        g = torch.Generator().manual_seed(seed + 7919)
-        self._base = [torch.randn(max_tokens, hidden, generator=g).to(dtype) for _ in range(base_pool)]
+        self.inputs = AttentionInputs(hidden=hidden, max_tokens=max_tokens, seed=seed, pool=base_pool, dtype=dtype)
         self._lock = threading.Lock()
 
     # -- step control ----------------------------------------------------
@@ -161,8 +186,7 @@ class EmulatedTransport:
                 last = p.last_out
             n = int(num_tokens)
             time.sleep(self.link.seconds(n * self.hidden * self._itemsize()))
-            base = self._base[(layer + self.step) % len(self._base)][:n]
-            hidden = base.clone() if last is None else base + 0.5 * torch.tanh(last[:n])
+            hidden = self.inputs.hidden(self.step, layer, n, last)
             with p.cond:
                 p.next_a2e += 1
                 p.ready_at = None
