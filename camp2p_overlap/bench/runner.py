@@ -22,7 +22,9 @@ step (for ``--trace``/``--plot`` and the edge checker).
   dependency cycle per layer (A2E, its FFN, E2A, then the attention peer
   before the next A2E can arrive), which no schedule can shorten;
 * eta = (T_serial - T_policy) / (T_serial - T_floor): the share of the
-  hideable time a policy hid (1.0 = all of it);
+  hideable time a policy hid (1.0 = all of it); not given when the hideable
+  time is under ETA_MIN_HIDEABLE of T_serial (one stage, say), where the
+  ratio would only measure noise;
 * outputs: every timed and traced step of every policy is compared bitwise
   (``torch.equal``) with the serial run of the same step id (the emulated
   attention inputs depend on the step id, which is set before each step).
@@ -50,6 +52,8 @@ from camp2p_overlap.emulation.world import LinkModel, WorldSpec, build_world
 from camp2p_overlap.trace import ExpectedSchedule, TraceOp, TraceRecorder, check_step, recording
 
 SCHEMA = "camp2p-overlap/bench/v1"
+#: eta is reported only when T_serial - T_floor is at least this share of T_serial.
+ETA_MIN_HIDEABLE = 0.05
 
 #: policy -> (A2E on side streams, E2A on side streams); None = engine unpatched.
 POLICIES: dict[str, tuple[bool, bool] | None] = {
@@ -479,7 +483,7 @@ def _report(
         med = statistics.median(st.per_layer_s)
         sides = POLICIES[name] or (False, False)
         eta = None
-        if name != "serial" and hideable > 0.01 * t_serial:
+        if name != "serial" and hideable > ETA_MIN_HIDEABLE * t_serial:
             eta = round((t_serial - med) / hideable, 4)
         policies.append(
             {
