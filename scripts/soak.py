@@ -49,11 +49,10 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 import torch  # noqa: E402
 
 from camp2p_overlap import patcher  # noqa: E402
+from camp2p_overlap.bench.engine import standin_site  # noqa: E402
 from camp2p_overlap.config import OverlapConfig  # noqa: E402
-from camp2p_overlap.emulation import standins  # noqa: E402
 from camp2p_overlap.emulation.moe import MoEShape  # noqa: E402
 from camp2p_overlap.emulation.world import LinkModel, World, WorldSpec, build_world  # noqa: E402
-from camp2p_overlap.manifest import load_manifest  # noqa: E402
 from camp2p_overlap.trace import ExpectedSchedule, check_step, recording  # noqa: E402
 
 FFN_TARGET = "AFDNPUFFNModelRunner._ffn_forward"
@@ -223,12 +222,8 @@ class Summary:
 def run(args: argparse.Namespace) -> Summary:
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
-    if standins.real_afd_plugin_installed():
-        root = standins.ALIAS_ROOT
-        manifest = load_manifest().rebased(standins.REAL_ROOT, root)
-    else:
-        root = standins.REAL_ROOT
-        manifest = load_manifest()
+    site = standin_site()
+    root, manifest = site.root, site.manifest
     specs = world_specs(args.seed)
     worlds = [build_world(spec, root=root) for spec in specs]
     phase_len = max(args.steps // len(PHASES), 1)

@@ -3,6 +3,7 @@ engine unpatched, the stand-in finder removed, log-once memory cleared."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -30,6 +31,37 @@ def _clean_state() -> Iterator[None]:
     standins.uninstall(standins.REAL_ROOT)
     standins.uninstall(standins.ALIAS_ROOT)
     reset_log_once()
+
+
+class PackageLogs(logging.Handler):
+    """Every record of the package logger, wherever vLLM's logging config
+    (which importing vLLM turns on) would otherwise send them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    @property
+    def messages(self) -> list[str]:
+        return [r.getMessage() for r in self.records]
+
+
+@pytest.fixture
+def logs() -> Iterator[PackageLogs]:
+    from camp2p_overlap._log import logger
+
+    cap = PackageLogs()
+    old = logger.level
+    logger.addHandler(cap)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield cap
+    finally:
+        logger.removeHandler(cap)
+        logger.setLevel(old)
 
 
 @pytest.fixture

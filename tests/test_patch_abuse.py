@@ -10,21 +10,18 @@ never a mix, and its outputs are bitwise those of the serial path."""
 from __future__ import annotations
 
 import importlib
-import logging
 import multiprocessing as mp
 import os
 import random
 import threading
 import time
 import traceback
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import wrapt
 
-from camp2p_overlap._log import logger
 from camp2p_overlap.config import OverlapConfig
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.faults import run_step_bounded
@@ -67,26 +64,6 @@ class CommThreads:
         if all(t == f"camp2p-overlap-stream-K{s}" for _, s, t in ops):
             return "wrapped"
         return f"MIX: {ops}"
-
-
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def logs() -> Iterator[_Capture]:
-    cap = _Capture()
-    old = logger.level
-    logger.addHandler(cap)
-    logger.setLevel(logging.DEBUG)
-    yield cap
-    logger.removeHandler(cap)
-    logger.setLevel(old)
 
 
 def _raw(root: str = standins.REAL_ROOT) -> dict[tuple[str, str], Any]:

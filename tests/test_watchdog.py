@@ -5,14 +5,12 @@ ops issued, the ones finished and the one pending; the watchdog only reads
 
 from __future__ import annotations
 
-import logging
 import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
+from conftest import PackageLogs
 
-from camp2p_overlap._log import logger
 from camp2p_overlap.config import OverlapConfig
 from camp2p_overlap.emulation.faults import Fault, FaultPlan, run_step_bounded
 from camp2p_overlap.emulation.world import PeerTimeoutError
@@ -22,28 +20,8 @@ from camp2p_overlap.trace import ExpectedSchedule, check_step, recording
 STEP_BOUND_S = 30.0  # a step that takes longer than this is a hang
 
 
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def stall_reports(self) -> list[str]:
-        return [r.getMessage() for r in self.records if "has not finished after" in r.getMessage()]
-
-
-@pytest.fixture
-def logs() -> Iterator[_Capture]:
-    """Records of the package logger, wherever vLLM's logging config sends them."""
-    cap = _Capture()
-    old = logger.level
-    logger.addHandler(cap)
-    logger.setLevel(logging.DEBUG)
-    yield cap
-    logger.removeHandler(cap)
-    logger.setLevel(old)
+def stall_reports(cap: PackageLogs) -> list[str]:
+    return [m for m in cap.messages if "has not finished after" in m]
 
 
 def _wait_watchdogs_gone(timeout: float = 5.0) -> list[threading.Thread]:
@@ -74,7 +52,7 @@ def test_stopped_peer_a2e_is_reported_once_with_the_pending_op(make_world, logs)
         out = run_step_bounded(w, 5, STEP_BOUND_S)
     assert not out.hung
     assert isinstance(out.error, PeerTimeoutError)
-    reports = logs.stall_reports()
+    reports = stall_reports(logs)
     assert len(reports) == 1, reports  # once per step, although the step outlived the watchdog 4x
     text = reports[0]
     # The pending op, where it runs, and that it is the likely culprit.
@@ -100,7 +78,7 @@ def test_stopped_peer_e2a_reports_it_and_the_a2e_queued_behind_it(make_world, lo
         plan.arm()
         out = run_step_bounded(w, 3, STEP_BOUND_S)
     assert isinstance(out.error, PeerTimeoutError), out
-    (text,) = logs.stall_reports()
+    (text,) = stall_reports(logs)
     assert "e2a(L0,s0) on K0: RUNNING for" in text
     # The lookahead A2E of stage 0 waits behind it on the same stream (FIFO).
     assert "a2e(L1,s0) on K0: queued" in text
@@ -119,7 +97,7 @@ def test_a2e_on_the_compute_stream_is_named_when_it_stalls(make_world, logs) -> 
         plan.arm()
         out = run_step_bounded(w, 2, STEP_BOUND_S)
     assert isinstance(out.error, PeerTimeoutError), out
-    (text,) = logs.stall_reports()
+    (text,) = stall_reports(logs)
     assert "compute stream C is blocked in receive (L1,s0)" in text
     assert "likely missing peer op: a2e(L1,s0) on C" in text
 
@@ -132,7 +110,7 @@ def test_fast_steps_log_no_stall(make_world, logs) -> None:
         out = run_step_bounded(w, n, STEP_BOUND_S)
         assert out.error is None and not out.hung
         assert all(torch.equal(ref[n - 1][k], out.results[k]) for k in ref[n - 1])
-    assert logs.stall_reports() == []
+    assert stall_reports(logs) == []
     # Cancelled timers leave no thread behind.
     assert not _wait_watchdogs_gone()
 
@@ -171,7 +149,7 @@ def test_watchdog_only_reads_a_slow_step_has_the_same_outcome(make_world, logs, 
         (step,) = rec.steps()
         ops = rec.ops(step)
         assert check_step(ops, _expected(w)).ok
-        outcomes[watchdog] = (out.results, _shape(ops), len(logs.stall_reports()))
+        outcomes[watchdog] = (out.results, _shape(ops), len(stall_reports(logs)))
     (res_off, shape_off, n_off), (res_on, shape_on, n_on) = outcomes[None], outcomes[0.05]
     assert n_off == 0 and n_on == 1
     assert shape_on == shape_off
@@ -179,7 +157,7 @@ def test_watchdog_only_reads_a_slow_step_has_the_same_outcome(make_world, logs, 
     for k in ref:
         assert torch.equal(res_on[k], ref[k]) and torch.equal(res_off[k], ref[k])
     # The report of the slow step shows the delayed op running, not blamed on a peer.
-    text = logs.stall_reports()[0]
+    text = stall_reports(logs)[0]
     assert f"{fault.op}(L{fault.layer},s{fault.stage}) on K{fault.stage}: RUNNING" in text
 
 
@@ -198,7 +176,7 @@ def test_watchdog_only_reads_a_failing_step_fails_the_same_way(make_world, logs)
         assert all(torch.equal(ref_next[k], nxt.results[k]) for k in ref_next)
     assert type(errors[None]) is type(errors[0.1]) is PeerTimeoutError
     assert str(errors[None]) == str(errors[0.1])
-    assert len(logs.stall_reports()) == 1
+    assert len(stall_reports(logs)) == 1
 
 
 def test_report_on_a_device_backend_reads_events_not_handles() -> None:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from camp2p_overlap.emulation import standins
-from camp2p_overlap.emulation.moe import MoEShape
+from camp2p_overlap.emulation.moe import MoEShape, moe_weights
 from camp2p_overlap.emulation.world import (
     AfdConfig,
     AttentionInputs,
@@ -129,22 +129,7 @@ class DeviceFFN:
         weight_groups: int = 4,
     ) -> None:
         self.shape = shape
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        h, f, e = shape.hidden, shape.ffn, shape.experts
-
-        def w(*dims: int, scale: float) -> torch.Tensor:
-            return (torch.randn(*dims, generator=g) * scale).to(device=device, dtype=dtype)
-
-        self.groups = [
-            {
-                "router": w(h, e, scale=h**-0.5),
-                "gate_up": w(e, h, 2 * f, scale=h**-0.5),
-                "down": w(e, f, h, scale=f**-0.5),
-                "shared_gate_up": w(h, 2 * f, scale=h**-0.5),
-                "shared_down": w(f, h, scale=f**-0.5),
-            }
-            for _ in range(weight_groups)
-        ]
+        self.groups = moe_weights(shape, seed=seed, device=device, dtype=dtype, groups=weight_groups)
 
     def __call__(self, x: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         wts = self.groups[layer_idx % len(self.groups)]

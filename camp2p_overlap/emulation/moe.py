@@ -17,6 +17,35 @@ class MoEShape:
     shared_expert: bool = True
 
 
+def moe_weights(
+    shape: MoEShape,
+    *,
+    seed: int,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    groups: int = 4,
+) -> list[dict[str, torch.Tensor]]:
+    """Deterministic weights (drawn on the CPU for a seed, then moved) for
+    ``groups`` layer groups: router, per-expert gate/up and down, shared
+    expert."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    h, f, e = shape.hidden, shape.ffn, shape.experts
+
+    def w(*dims: int, scale: float) -> torch.Tensor:
+        return (torch.randn(*dims, generator=g) * scale).to(device=device, dtype=dtype)
+
+    return [
+        {
+            "router": w(h, e, scale=h**-0.5),
+            "gate_up": w(e, h, 2 * f, scale=h**-0.5),
+            "down": w(e, f, h, scale=f**-0.5),
+            "shared_gate_up": w(h, 2 * f, scale=h**-0.5),
+            "shared_down": w(f, h, scale=f**-0.5),
+        }
+        for _ in range(groups)
+    ]
+
+
 class MoEFFN:
     """One set of weights per layer group; ``layer_idx`` selects a group so
     that layers differ without holding a full model in memory."""
@@ -31,23 +60,7 @@ class MoEFFN:
         weight_groups: int = 4,
     ) -> None:
         self.shape = shape
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        h, f, e = shape.hidden, shape.ffn, shape.experts
-
-        def w(*dims: int, scale: float) -> torch.Tensor:
-            return (torch.randn(*dims, generator=g) * scale).to(device=device, dtype=dtype)
-
-        self.groups = []
-        for _ in range(weight_groups):
-            self.groups.append(
-                {
-                    "router": w(h, e, scale=h**-0.5),
-                    "gate_up": w(e, h, 2 * f, scale=h**-0.5),
-                    "down": w(e, f, h, scale=f**-0.5),
-                    "shared_gate_up": w(h, 2 * f, scale=h**-0.5),
-                    "shared_down": w(f, h, scale=f**-0.5),
-                }
-            )
+        self.groups = moe_weights(shape, seed=seed, device=device, dtype=dtype, groups=weight_groups)
 
     def __call__(self, x: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         wts = self.groups[layer_idx % len(self.groups)]
