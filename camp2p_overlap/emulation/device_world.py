@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from camp2p_overlap.emulation import standins
-from camp2p_overlap.emulation.moe import MoEShape, moe_weights
+from camp2p_overlap.emulation.moe import MoEFFN, MoEShape
 from camp2p_overlap.emulation.world import (
     AfdConfig,
     AttentionInputs,
@@ -114,22 +114,15 @@ class DeviceDelay:
             self._unit(units)
 
 
-class DeviceFFN:
+class DeviceFFN(MoEFFN):
     """A MoE block for the device: router, top-k weights applied densely
     (every expert runs on every token, weighted by its routing weight, 0
     outside the top-k), and a shared expert. No host synchronization."""
 
     def __init__(
-        self,
-        shape: MoEShape,
-        *,
-        seed: int,
-        device: torch.device,
-        dtype: torch.dtype = torch.bfloat16,
-        weight_groups: int = 4,
+        self, shape: MoEShape, *, seed: int, device: torch.device, dtype: torch.dtype = torch.bfloat16
     ) -> None:
-        self.shape = shape
-        self.groups = moe_weights(shape, seed=seed, device=device, dtype=dtype, groups=weight_groups)
+        super().__init__(shape, seed=seed, device=device, dtype=dtype)
 
     def __call__(self, x: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         wts = self.groups[layer_idx % len(self.groups)]
