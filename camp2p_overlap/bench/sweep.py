@@ -143,30 +143,34 @@ def sweep_markdown(sweep: Mapping[str, Any], command: str | None = None) -> str:
         f"{base['reps']} reps x {base['steps']} steps, device {base['device']}, torch threads {base['threads']}; "
         f"f calibrated at {fmt_time(sweep['f_calibration_us'])} per (layer, stage)."
     )
-    if sweep["ratio_points"]:
+    tables = (
+        (
+            "ratio_points",
+            "(a+e)/f target",
+            lambda pt: f"{pt['target_ratio']:g}",
+            lambda pts: f"Per-layer time against communication / FFN compute ({pts[0]['stages']} stages):",
+        ),
+        (
+            "stage_points",
+            "stages",
+            lambda pt: str(pt["stages"]),
+            lambda pts: f"Per-layer time against the number of stages ((a+e)/f target {pts[0]['target_ratio']:g}):",
+        ),
+    )
+    for key, first_col, first_cell, title in tables:
+        pts = sweep[key]
+        if not pts:
+            continue
         lines += [
             "",
-            f"Per-layer time against communication / FFN compute ({sweep['ratio_points'][0]['stages']} stages):",
+            title(pts),
             "",
-            "| (a+e)/f target | (a+e)/f measured | " + " | ".join(head) + " |",
+            f"| {first_col} | (a+e)/f measured | " + " | ".join(head) + " |",
             "|" + " --- |" * (len(head) + 2),
         ]
-        for pt in sweep["ratio_points"]:
+        for pt in pts:
             measured = "-" if pt["measured_ratio"] is None else f"{pt['measured_ratio']:.2f}"
-            row = [f"{pt['target_ratio']:g}", measured, *_cells(pt["report"], policies)]
-            lines.append("| " + " | ".join(row) + " |")
-    if sweep["stage_points"]:
-        lines += [
-            "",
-            "Per-layer time against the number of stages "
-            f"((a+e)/f target {sweep['stage_points'][0]['target_ratio']:g}):",
-            "",
-            "| stages | (a+e)/f measured | " + " | ".join(head) + " |",
-            "|" + " --- |" * (len(head) + 2),
-        ]
-        for pt in sweep["stage_points"]:
-            measured = "-" if pt["measured_ratio"] is None else f"{pt['measured_ratio']:.2f}"
-            row = [str(pt["stages"]), measured, *_cells(pt["report"], policies)]
+            row = [first_cell(pt), measured, *_cells(pt["report"], policies)]
             lines.append("| " + " | ".join(row) + " |")
     lines += [
         "",
