@@ -6,15 +6,15 @@ Importing this package imports no vLLM, afd-plugin or torch_npu module.
 
 from __future__ import annotations
 
-from camp2p_overlap.config import ConfigError, OverlapConfig, load_config
-from camp2p_overlap.patcher import (
+from camp2p_overlap.core.config import ConfigError, OverlapConfig, load_config
+from camp2p_overlap.core.engine import (
     ENGINE,
     PatchRefused,
     PatchReport,
     TargetState,
     TargetStatus,
 )
-from camp2p_overlap.plugin import register
+from camp2p_overlap.core.plugin import register
 
 __version__ = "0.1.0"
 

@@ -19,8 +19,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from camp2p_overlap.config import OverlapConfig, load_config
-from camp2p_overlap.patcher import ENGINE, PatchReport
+from camp2p_overlap.core.config import OverlapConfig, load_config
+from camp2p_overlap.core.engine import ENGINE, PatchReport
 
 
 @contextlib.contextmanager

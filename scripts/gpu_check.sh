@@ -135,7 +135,7 @@ pytest_s=$(($(date +%s) - t))
 
 # 3. the benchmark on the GPU, ffn-bound scenario
 t=$(date +%s)
-timeout -k 10 "$BENCH_LIMIT" "$PY" -m camp2p_overlap.cli bench --device cuda --scenario ffn-bound \
+timeout -k 10 "$BENCH_LIMIT" "$PY" -m camp2p_overlap.tools.cli bench --device cuda --scenario ffn-bound \
   --json "$OUT/bench_cuda.json" >"$OUT/bench_cuda.log" 2>&1
 bench_rc=$?
 bench_s=$(($(date +%s) - t))

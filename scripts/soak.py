@@ -48,12 +48,12 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 
 import torch  # noqa: E402
 
-from camp2p_overlap import patcher  # noqa: E402
-from camp2p_overlap.bench.engine import standin_site  # noqa: E402
-from camp2p_overlap.config import OverlapConfig  # noqa: E402
+from camp2p_overlap.core import engine as patcher  # noqa: E402
+from camp2p_overlap.core.config import OverlapConfig  # noqa: E402
+from camp2p_overlap.core.trace import ExpectedSchedule, check_step, recording  # noqa: E402
+from camp2p_overlap.emulation.engine import standin_site  # noqa: E402
 from camp2p_overlap.emulation.moe import MoEShape  # noqa: E402
 from camp2p_overlap.emulation.world import LinkModel, World, WorldSpec, build_world  # noqa: E402
-from camp2p_overlap.trace import ExpectedSchedule, check_step, recording  # noqa: E402
 
 FFN_TARGET = "AFDNPUFFNModelRunner._ffn_forward"
 #: (a2e on a side stream, e2a on a side stream) per phase, in turn.
@@ -175,7 +175,7 @@ def patched(cfg: OverlapConfig, manifest: Any) -> Iterator[tuple[Any, str]]:
             patcher.ENGINE.unpatch()
         return
     try:
-        from camp2p_overlap.bench.engine import emulation_engine
+        from camp2p_overlap.emulation.engine import emulation_engine
     except ImportError as exc:
         raise SystemExit(f"soak: the patch layer refused ({report.reason}) and no emulation engine: {exc}") from exc
     with emulation_engine() as engine:

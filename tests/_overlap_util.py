@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from camp2p_overlap import wrappers
-from camp2p_overlap._log import logger as pkg_logger
-from camp2p_overlap.config import OverlapConfig
+from camp2p_overlap.core import wrappers
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.engine import ENGINE, PatchReport
+from camp2p_overlap.core.log import logger as pkg_logger
+from camp2p_overlap.core.session import OverlapSession
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.world import StageMeta, World, WorldSpec, build_world
-from camp2p_overlap.patcher import ENGINE, PatchReport
-from camp2p_overlap.session import OverlapSession
 
 SHAPE = MoEShape(hidden=64, ffn=128, experts=4, top_k=2)
 Results = dict[tuple[int, int], torch.Tensor]

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from camp2p_overlap._log import reset_log_once
-from camp2p_overlap.config import OverlapConfig
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.engine import ENGINE
+from camp2p_overlap.core.log import reset_log_once
 from camp2p_overlap.emulation import standins
-from camp2p_overlap.patcher import ENGINE
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,7 +51,7 @@ class PackageLogs(logging.Handler):
 
 @pytest.fixture
 def logs() -> Iterator[PackageLogs]:
-    from camp2p_overlap._log import logger
+    from camp2p_overlap.core.log import logger
 
     cap = PackageLogs()
     old = logger.level

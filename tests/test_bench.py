@@ -14,14 +14,22 @@ import pytest
 import torch
 from conftest import run_python
 
-from camp2p_overlap import patcher, wrappers
-from camp2p_overlap.bench import cli
-from camp2p_overlap.bench.engine import emulated_version_check, emulation_engine
-from camp2p_overlap.bench.runner import ETA_MIN_HIDEABLE, POLICIES, SCENARIOS, BenchParams, resolve_params, run_bench
-from camp2p_overlap.config import OverlapConfig
+from camp2p_overlap.core import engine as patcher
+from camp2p_overlap.core import wrappers
+from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.emulation import standins
+from camp2p_overlap.emulation.engine import emulated_version_check, emulation_engine
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.world import EmulatedModel, LinkModel, WorldSpec, build_world
+from camp2p_overlap.tools import cli
+from camp2p_overlap.tools.bench.runner import (
+    ETA_MIN_HIDEABLE,
+    POLICIES,
+    SCENARIOS,
+    BenchParams,
+    resolve_params,
+    run_bench,
+)
 
 TINY = [
     "--layers", "2", "--tokens", "16", "--hidden", "64", "--ffn", "128", "--experts", "4", "--top-k", "2",
@@ -278,7 +286,7 @@ def test_outputs_flag_fails_when_the_overlap_changes_a_result(monkeypatch: pytes
     assert by["e2a-only"]["outputs_equal"] is True
     assert by["overlap"]["outputs_equal"] is False and by["overlap"]["mismatches"]
     assert run.report["outputs_equal"] is False
-    from camp2p_overlap.bench.report import bench_table, problems
+    from camp2p_overlap.tools.bench.report import bench_table, problems
 
     assert any("outputs differ" in p for p in problems(run.report))
     assert "FAILED: overlap: outputs differ" in bench_table(run.report)
@@ -436,7 +444,7 @@ def test_bench_in_a_fresh_interpreter(tmp_path: Path) -> None:
     out = tmp_path / "b.json"
     code = f"""
         import sys
-        from camp2p_overlap.cli import main
+        from camp2p_overlap.tools.cli import main
         sys.exit(main(["bench", *{TINY!r}, "--reps", "1", "--json", {str(out)!r}]))
     """
     res = run_python(code, timeout=120)

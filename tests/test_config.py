@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 import camp2p_overlap
-from camp2p_overlap import config
-from camp2p_overlap._log import logger
-from camp2p_overlap.config import (
+from camp2p_overlap.core import config
+from camp2p_overlap.core.config import (
     ENV_A2E,
     ENV_BACKEND,
     ENV_E2A,
@@ -28,7 +27,8 @@ from camp2p_overlap.config import (
     OverlapConfig,
     load_config,
 )
-from camp2p_overlap.patcher import ENGINE
+from camp2p_overlap.core.engine import ENGINE
+from camp2p_overlap.core.log import logger
 
 PACKAGE = Path(camp2p_overlap.__file__).resolve().parent
 

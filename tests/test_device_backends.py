@@ -17,10 +17,10 @@ import pytest
 import torch
 from _overlap_util import Schedule, SessionSpy, apply_cpu, assert_same, bounded, run_step, serial_results, world
 
-from camp2p_overlap import trace, wrappers
-from camp2p_overlap.config import OverlapConfig
-from camp2p_overlap.patcher import ENGINE
-from camp2p_overlap.streams import (
+from camp2p_overlap.core import trace, wrappers
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.engine import ENGINE
+from camp2p_overlap.core.streams import (
     BackendUnavailable,
     DeviceUnavailableError,
     TorchDeviceBackend,

@@ -15,15 +15,15 @@ import pytest
 import torch
 from conftest import run_python
 
-from camp2p_overlap import config as cfgmod
-from camp2p_overlap.bench import cli
-from camp2p_overlap.bench.doctor import check_target, diagnose
+from camp2p_overlap.core import config as cfgmod
+from camp2p_overlap.core.manifest import load_manifest
+from camp2p_overlap.core.versions import installed_version
 from camp2p_overlap.emulation import standins
-from camp2p_overlap.manifest import load_manifest
-from camp2p_overlap.versions import installed_version
+from camp2p_overlap.tools import cli
+from camp2p_overlap.tools.doctor import check_target, diagnose
 
 STATUSES = {"ok", "import-error", "missing", "signature-mismatch", "stand-in"}
-DOCTOR = "import sys; from camp2p_overlap.cli import main; sys.exit(main({argv!r}))"
+DOCTOR = "import sys; from camp2p_overlap.tools.cli import main; sys.exit(main({argv!r}))"
 
 
 def _no_afd_plugin() -> None:

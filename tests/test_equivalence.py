@@ -18,8 +18,8 @@ from _overlap_util import (
     wrap_model,
 )
 
-from camp2p_overlap import trace
-from camp2p_overlap.patcher import ENGINE
+from camp2p_overlap.core import trace
+from camp2p_overlap.core.engine import ENGINE
 
 N_SCHEDULES = 210
 MAX_DELAY_MS = 2.0

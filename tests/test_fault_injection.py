@@ -28,12 +28,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from camp2p_overlap import wrappers
-from camp2p_overlap.config import OverlapConfig
+from camp2p_overlap.core import wrappers
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.engine import ENGINE
+from camp2p_overlap.core.streams.cpu import WorkerStream
 from camp2p_overlap.emulation.faults import Action, Fault, FaultPlan, random_fault, run_step_bounded
 from camp2p_overlap.emulation.world import World
-from camp2p_overlap.patcher import ENGINE
-from camp2p_overlap.streams.cpu import WorkerStream
 
 STEP_BOUND_S = 20.0
 STAGE_SETS = [(0, 1), (0, 2), (1, 2), (0, 1, 2), (0, 1, 2), (1,)]

@@ -23,9 +23,9 @@ from _overlap_util import (
     wrap_model,
 )
 
+from camp2p_overlap.core.session import OverlapSession, send_parts
+from camp2p_overlap.core.streams import CpuBackend, StreamPoisonedError
 from camp2p_overlap.emulation.world import PeerTimeoutError
-from camp2p_overlap.session import OverlapSession, send_parts
-from camp2p_overlap.streams import CpuBackend, StreamPoisonedError
 
 
 class InjectedFault(RuntimeError):
@@ -183,7 +183,7 @@ class LookaheadBeforeE2A(OverlapSession):
 
 
 def test_lookahead_queued_before_its_e2a_deadlocks_until_the_op_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    from camp2p_overlap import wrappers
+    from camp2p_overlap.core import wrappers
 
     w = world(layers=3, stage_ids=(0, 1), op_timeout_s=0.5)
     apply_cpu()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from _overlap_util import Schedule, apply_cpu, run_step, serial_results, world
 
-from camp2p_overlap import wrappers
+from camp2p_overlap.core import wrappers
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="fork start method is Linux-only here")
 
@@ -57,7 +57,7 @@ def test_forked_child_gets_fresh_streams_and_correct_outputs() -> None:
 
 
 def _child_unpatch(q: mp.Queue) -> None:
-    from camp2p_overlap.patcher import ENGINE
+    from camp2p_overlap.core.engine import ENGINE
 
     try:
         q.put((ENGINE.unpatch(timeout=5), ENGINE.is_applied()))
@@ -71,7 +71,7 @@ def test_fork_while_another_thread_runs_a_step_leaves_the_child_able_to_unpatch(
     wait for it."""
     import threading
 
-    from camp2p_overlap.patcher import ENGINE
+    from camp2p_overlap.core.engine import ENGINE
 
     w = world(layers=2, stage_ids=(0, 1), tokens=8)
     apply_cpu()

@@ -22,10 +22,10 @@ from _overlap_util import (
     world,
 )
 
-from camp2p_overlap import trace
-from camp2p_overlap.config import OverlapConfig
+from camp2p_overlap.core import trace
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.engine import ENGINE
 from camp2p_overlap.emulation.world import World
-from camp2p_overlap.patcher import ENGINE
 
 GATE = "running the serial FFN path"
 SENTINEL = object()  # passed as aclgraph_runtime_mode: must reach the original as is

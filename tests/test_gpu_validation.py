@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from camp2p_overlap.config import OverlapConfig
+from camp2p_overlap.core.config import OverlapConfig
 
 REPO = Path(__file__).resolve().parent.parent
 NO_CUDA = "no CUDA device: torch.cuda.is_available() is False"
@@ -56,7 +56,7 @@ def _spec(**kw: Any) -> Any:
 
 @pytest.fixture
 def site() -> Iterator[Any]:
-    from camp2p_overlap.bench.engine import release_site, standin_site
+    from camp2p_overlap.emulation.engine import release_site, standin_site
 
     s = standin_site()
     yield s
@@ -67,7 +67,7 @@ def site() -> Iterator[Any]:
 def overlap_on(site: Any, **overrides: Any) -> Iterator[Any]:
     """The patch layer applied for the CUDA backend. The benchmark's engine
     is used so the check does not depend on which vLLM the GPU box has."""
-    from camp2p_overlap.bench.engine import emulation_engine
+    from camp2p_overlap.emulation.engine import emulation_engine
 
     with emulation_engine() as engine:
         cfg = OverlapConfig(enabled=True, backend="cuda", **overrides)
@@ -88,8 +88,8 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 def test_cuda_overlap_is_bitwise_serial_and_the_trace_overlaps(site: Any) -> None:
+    from camp2p_overlap.core.trace import overlaps
     from camp2p_overlap.emulation.device_world import build_device_world
-    from camp2p_overlap.trace import overlaps
 
     dw = build_device_world(_spec(), "cuda", root=site.root)
     _step(dw, 1)  # warm-up (kernels, allocator)
@@ -127,12 +127,12 @@ def test_cuda_overlap_is_bitwise_serial_and_the_trace_overlaps(site: Any) -> Non
 _CHILD = textwrap.dedent(
     """
     import sys, torch
-    from camp2p_overlap.bench.engine import emulation_engine, standin_site
-    from camp2p_overlap.config import OverlapConfig
+    from camp2p_overlap.emulation.engine import emulation_engine, standin_site
+    from camp2p_overlap.core.config import OverlapConfig
     from camp2p_overlap.emulation.device_world import build_device_world
     from camp2p_overlap.emulation.moe import MoEShape
     from camp2p_overlap.emulation.world import LinkModel, WorldSpec
-    from camp2p_overlap.session import OverlapSession
+    from camp2p_overlap.core.session import OverlapSession
 
     mode = sys.argv[1]
     site = standin_site()

@@ -20,7 +20,7 @@ import importlib.metadata, json, sys
 import camp2p_overlap
 imported = sorted(m for m in sys.modules if m.split(".")[0] in ("vllm", "afd_plugin", "torch_npu"))
 from importlib import resources
-from camp2p_overlap.manifest import load_manifest
+from camp2p_overlap.core.manifest import load_manifest
 man = load_manifest()
 dist = importlib.metadata.distribution("camp2p-overlap")
 from camp2p_overlap.emulation import standins
@@ -53,7 +53,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> dict:
     # Build from a copy so the build leaves nothing in the checkout.
     src = tmp / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "LICENSE", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "LICENSE", "README.md"):
         if (REPO / name).exists():
             shutil.copy2(REPO / name, src / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
@@ -101,7 +101,7 @@ def test_manifest_ships_inside_the_wheel(installed: dict) -> None:
 
 
 def test_entry_point_is_in_the_wheel_metadata(installed: dict) -> None:
-    assert ["vllm.general_plugins", "camp2p_overlap", "camp2p_overlap.plugin:register"] in installed["entry_points"]
+    assert ["vllm.general_plugins", "camp2p_overlap", "camp2p_overlap:register"] in installed["entry_points"]
 
 
 def test_standins_ship_inside_the_wheel(installed: dict) -> None:

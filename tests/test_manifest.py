@@ -6,9 +6,9 @@ import importlib
 
 import pytest
 
-from camp2p_overlap.config import OverlapConfig
-from camp2p_overlap.emulation import standins
-from camp2p_overlap.manifest import (
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.engine import PatchEngine, PatchRefused
+from camp2p_overlap.core.manifest import (
     DEFAULT_STACK,
     ManifestError,
     ParamSpec,
@@ -18,9 +18,9 @@ from camp2p_overlap.manifest import (
     signature_difference,
     signature_of,
 )
-from camp2p_overlap.patcher import PatchEngine, PatchRefused
-from camp2p_overlap.versions import judge_vllm_version
-from camp2p_overlap.wrappers import WRAPPERS
+from camp2p_overlap.core.versions import judge_vllm_version
+from camp2p_overlap.core.wrappers import WRAPPERS
+from camp2p_overlap.emulation import standins
 
 
 def test_shipped_manifest_loads() -> None:

@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 import torch
 
-from camp2p_overlap.config import OverlapConfig
-from camp2p_overlap.patcher import ENGINE, TargetState
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.engine import ENGINE, TargetState
 
 RUNNER_MOD = "afd_plugin.v1.worker.npu.ffn_model_runner"
 CONNECTOR_MOD = "afd_plugin.connectors.npu.camp2p"
@@ -215,8 +215,8 @@ def test_real_ffn_forward_loop_overlapped_equals_serial(monkeypatch: pytest.Monk
 
 
 def test_npu_backend_runs_the_emulated_world_bitwise_serial() -> None:
-    from camp2p_overlap.bench.engine import emulation_engine, release_site, standin_site
     from camp2p_overlap.emulation.device_world import build_device_world
+    from camp2p_overlap.emulation.engine import emulation_engine, release_site, standin_site
     from camp2p_overlap.emulation.moe import MoEShape
     from camp2p_overlap.emulation.world import WorldSpec
 

@@ -22,11 +22,11 @@ import pytest
 import torch
 import wrapt
 
-from camp2p_overlap.config import OverlapConfig
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.engine import ENGINE
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.faults import run_step_bounded
 from camp2p_overlap.emulation.world import World
-from camp2p_overlap.patcher import ENGINE
 
 STEP_BOUND_S = 30.0
 CFG = OverlapConfig(enabled=True, backend="cpu")
@@ -367,10 +367,10 @@ def _child(q: Any, env: dict[str, str], ref: dict, step: int) -> None:
     try:
         os.environ.update(env)
         torch.set_num_threads(1)
-        from camp2p_overlap import plugin
+        from camp2p_overlap.core import plugin
+        from camp2p_overlap.core.engine import ENGINE as engine
         from camp2p_overlap.emulation.moe import MoEShape
         from camp2p_overlap.emulation.world import WorldSpec, build_world
-        from camp2p_overlap.patcher import ENGINE as engine
 
         inherited = engine.is_applied()
         plugin.register()

@@ -15,7 +15,7 @@ CHILD = """
 import importlib, json, sys, types
 import wrapt
 import camp2p_overlap
-from camp2p_overlap.patcher import ENGINE
+from camp2p_overlap.core.engine import ENGINE
 from camp2p_overlap.emulation import standins
 
 RUNNER = "afd_plugin.v1.worker.npu.ffn_model_runner"
@@ -165,7 +165,7 @@ def test_fork_child_inherits_exactly_one_wrapper() -> None:
     code = """
     import importlib, os, sys, wrapt
     import camp2p_overlap
-    from camp2p_overlap.patcher import ENGINE
+    from camp2p_overlap.core.engine import ENGINE
     from camp2p_overlap.emulation import standins
     standins.install()
     camp2p_overlap.apply()

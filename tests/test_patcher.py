@@ -19,12 +19,12 @@ import pytest
 import torch
 import wrapt
 
-from camp2p_overlap._log import logger
-from camp2p_overlap.config import OverlapConfig
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.engine import ENGINE, PatchRefused, TargetState
+from camp2p_overlap.core.log import logger
+from camp2p_overlap.core.manifest import load_manifest, parse_manifest
+from camp2p_overlap.core.trace import recording
 from camp2p_overlap.emulation import standins
-from camp2p_overlap.manifest import load_manifest, parse_manifest
-from camp2p_overlap.patcher import ENGINE, PatchRefused, TargetState
-from camp2p_overlap.trace import recording
 
 RUNNER = "afd_plugin.v1.worker.npu.ffn_model_runner"
 CONNECTOR = "afd_plugin.connectors.npu.camp2p"

@@ -14,8 +14,8 @@ import pytest
 from conftest import REPO, run_python
 
 import camp2p_overlap
-from camp2p_overlap import plugin
-from camp2p_overlap.config import ENV_BACKEND, ENV_STRICT, ENV_SWITCH, ENV_VARS
+from camp2p_overlap.core import plugin
+from camp2p_overlap.core.config import ENV_BACKEND, ENV_STRICT, ENV_SWITCH, ENV_VARS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,10 +33,10 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 def test_entry_point_is_declared_and_installed() -> None:
     declared = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
     assert declared["project"]["entry-points"]["vllm.general_plugins"] == {
-        plugin.ENTRY_POINT_NAME: "camp2p_overlap.plugin:register"
+        plugin.ENTRY_POINT_NAME: "camp2p_overlap:register"
     }
     found = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "camp2p_overlap"]
-    assert len(found) == 1 and found[0].value == "camp2p_overlap.plugin:register"
+    assert len(found) == 1 and found[0].value == "camp2p_overlap:register"
     assert found[0].load() is plugin.register
 
 
@@ -136,7 +136,7 @@ def run_vllm(code: str, env: dict[str, str]) -> dict[str, Any]:
 def test_validate_environ_knows_our_names_only_after_register() -> None:
     out = run_vllm(
         """
-from camp2p_overlap.plugin import register
+from camp2p_overlap.core.plugin import register
 def check():
     try:
         envs.validate_environ(hard_fail=True)
@@ -158,7 +158,7 @@ print("OUT " + json.dumps({"before": before, "after": after, "value": envs.VLLM_
 LOADER = """
 vllm.plugins.load_general_plugins()
 vllm.plugins.load_general_plugins()  # once per process: the second call does nothing
-loaded = "camp2p_overlap.plugin" in sys.modules
+loaded = "camp2p_overlap.core.plugin" in sys.modules
 out = {"loaded": loaded, "known": "VLLM_CAMP2P_MULTISTREAM" in envs.environment_variables}
 if loaded:
     import camp2p_overlap

@@ -31,18 +31,18 @@ from _overlap_util import (
     wrap_model,
 )
 
-from camp2p_overlap import trace, wrappers
-from camp2p_overlap.config import OverlapConfig
-from camp2p_overlap.emulation.world import LinkModel, ProtocolError
-from camp2p_overlap.patcher import ENGINE
-from camp2p_overlap.session import (
+from camp2p_overlap.core import trace, wrappers
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.engine import ENGINE
+from camp2p_overlap.core.session import (
     Directions,
     OverlapSession,
     ScheduleMismatchError,
     StepPlan,
     StreamSet,
 )
-from camp2p_overlap.streams import CpuBackend
+from camp2p_overlap.core.streams import CpuBackend
+from camp2p_overlap.emulation.world import LinkModel, ProtocolError
 
 # ---------------------------------------------------------------------------
 # The overlap itself

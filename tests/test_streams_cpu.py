@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from camp2p_overlap.streams import CpuBackend, StreamPoisonedError, make_backend, resolve_backend_name
-from camp2p_overlap.streams.cpu import CpuEvent, WorkerStream
+from camp2p_overlap.core.streams import CpuBackend, StreamPoisonedError, make_backend, resolve_backend_name
+from camp2p_overlap.core.streams.cpu import CpuEvent, WorkerStream
 
 
 @pytest.fixture

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from conftest import REPO
 
-from camp2p_overlap.config import OverlapConfig
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.engine import ENGINE, PatchRefused
 from camp2p_overlap.emulation import standins
-from camp2p_overlap.patcher import ENGINE, PatchRefused
 from camp2p_overlap.testing import overlap_patched
 
 RUNNER = "afd_plugin.v1.worker.npu.ffn_model_runner"
@@ -88,7 +88,7 @@ def test_pytest_fixture_unpatches_after_a_failing_test(tmp_path: Path) -> None:
             """
             import importlib
             from camp2p_overlap.emulation import standins
-            from camp2p_overlap.patcher import ENGINE
+            from camp2p_overlap.core.engine import ENGINE
 
             pytest_plugins = ["camp2p_overlap.testing"]
             standins.install()

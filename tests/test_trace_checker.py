@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from _overlap_util import Schedule, apply_cpu, assert_same, run_step, serial_results, world
 
-from camp2p_overlap import trace
-from camp2p_overlap.session import OverlapSession
-from camp2p_overlap.trace import ExpectedSchedule, TraceOp
+from camp2p_overlap.core import trace
+from camp2p_overlap.core.session import OverlapSession
+from camp2p_overlap.core.trace import ExpectedSchedule, TraceOp
 
 LAYERS = (0, 1, 2)
 STAGES = (0, 1)
@@ -30,7 +30,7 @@ def _record(a2e: bool = True, e2a: bool = True) -> tuple[list[TraceOp], Expected
 @pytest.fixture(scope="module")
 def good() -> tuple[list[TraceOp], ExpectedSchedule]:
     ops, expected = _record()
-    from camp2p_overlap.patcher import ENGINE
+    from camp2p_overlap.core.engine import ENGINE
 
     ENGINE.unpatch(timeout=10)
     return ops, expected
@@ -184,7 +184,7 @@ class NoSideWaitOnFDone(OverlapSession):
     ],
 )
 def test_checker_fails_broken_sessions(monkeypatch: pytest.MonkeyPatch, broken: type, message: str) -> None:
-    from camp2p_overlap import wrappers
+    from camp2p_overlap.core import wrappers
 
     w = world(layers=3, stage_ids=STAGES)
     sched = Schedule(3, STAGES, (8, 8), step=1)

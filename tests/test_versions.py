@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from conftest import REPO, run_python
 
-from camp2p_overlap import versions
-from camp2p_overlap.config import OverlapConfig
+from camp2p_overlap.core import versions
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.engine import PatchEngine, PatchRefused, TargetState
+from camp2p_overlap.core.versions import check_vllm, judge_vllm_version
 from camp2p_overlap.emulation import standins
-from camp2p_overlap.patcher import PatchEngine, PatchRefused, TargetState
-from camp2p_overlap.versions import check_vllm, judge_vllm_version
 
 SUPPORTED = "0.19.1"
 ACCEPTED = ["0.19.1", "0.19.1+empty", "0.19.1+cpu.ascend", "0.19.1.0"]
@@ -106,7 +106,7 @@ def test_engine_accepts_the_release_with_a_local_label(found: str) -> None:
 CHILD = """
 import importlib, importlib.metadata, json, sys
 import camp2p_overlap
-from camp2p_overlap.patcher import ENGINE, PatchRefused
+from camp2p_overlap.core.engine import ENGINE, PatchRefused
 from camp2p_overlap.emulation import standins
 standins.install()
 conn = importlib.import_module("afd_plugin.connectors.npu.camp2p").CAMP2pAFDConnector

@@ -11,11 +11,11 @@ import pytest
 import torch
 from conftest import PackageLogs
 
-from camp2p_overlap.config import OverlapConfig
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.engine import ENGINE
+from camp2p_overlap.core.trace import ExpectedSchedule, check_step, recording
 from camp2p_overlap.emulation.faults import Fault, FaultPlan, run_step_bounded
 from camp2p_overlap.emulation.world import PeerTimeoutError
-from camp2p_overlap.patcher import ENGINE
-from camp2p_overlap.trace import ExpectedSchedule, check_step, recording
 
 STEP_BOUND_S = 30.0  # a step that takes longer than this is a hang
 
@@ -185,8 +185,8 @@ def test_report_on_a_device_backend_reads_events_not_handles() -> None:
     never by a sync."""
     from types import SimpleNamespace
 
-    from camp2p_overlap.session import OverlapSession, StepPlan, StreamSet
-    from camp2p_overlap.streams.base import DoneHandle, StreamBackend
+    from camp2p_overlap.core.session import OverlapSession, StepPlan, StreamSet
+    from camp2p_overlap.core.streams.base import DoneHandle, StreamBackend
 
     class Event:
         def __init__(self) -> None:

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from camp2p_overlap.core.trace import TraceOp
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.moe import MoEFFN, MoEShape
 from camp2p_overlap.emulation.world import (
@@ -51,7 +52,6 @@ from camp2p_overlap.emulation.world import (
     World,
     WorldSpec,
 )
-from camp2p_overlap.trace import TraceOp
 
 
 class DeviceUnavailable(RuntimeError):

@@ -10,7 +10,7 @@
 * Rank 1, the FFN process, is patched through the real entry-point path:
   with ``VLLM_CAMP2P_MULTISTREAM=1`` it calls vLLM's plugin loader
   (``vllm.plugins.load_general_plugins()``) when vLLM is importable, else
-  ``camp2p_overlap.plugin.register()`` as that loader would; then it
+  ``camp2p_overlap.core.plugin.register()`` as that loader would; then it
   imports the stand-in runner and connector (the post-import hooks wrap
   them) and runs ``execute_ffn_step`` per step. Its connector's transport
   receives (A2E) with ``dist.recv`` from rank 0 and sends (E2A) with
@@ -228,10 +228,10 @@ def load_plugins_like_vllm() -> str:
     try:
         import vllm.plugins as vp
     except Exception:  # noqa: BLE001 - no usable vLLM here
-        from camp2p_overlap import plugin
+        from camp2p_overlap.core import plugin
 
         plugin.register()
-        return "camp2p_overlap.plugin.register()"
+        return "camp2p_overlap.core.plugin.register()"
     vp.load_general_plugins()
     return "vllm.plugins.load_general_plugins()"
 
@@ -242,10 +242,10 @@ def ffn_main(spec: PairSpec, out: Path) -> int:
     torch.set_num_threads(1)
     how = load_plugins_like_vllm()
     import camp2p_overlap
+    from camp2p_overlap.core.trace import recording
     from camp2p_overlap.emulation import standins
     from camp2p_overlap.emulation.moe import MoEFFN, MoEShape
     from camp2p_overlap.emulation.world import AfdConfig, EmulatedModel, HFConfig, ModelConfig, StageMeta
-    from camp2p_overlap.trace import recording
 
     applied_at_start = camp2p_overlap.is_applied()
     standins.install(standins.REAL_ROOT)

@@ -27,9 +27,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from camp2p_overlap import config as cfgmod
-from camp2p_overlap.manifest import ManifestError, TargetSpec, load_manifest, signature_difference, signature_of
-from camp2p_overlap.versions import AFD_PLUGIN_DIST, VLLM_DIST, check_vllm, installed_version
+from camp2p_overlap.core import config as cfgmod
+from camp2p_overlap.core.manifest import ManifestError, TargetSpec, load_manifest, signature_difference, signature_of
+from camp2p_overlap.core.versions import AFD_PLUGIN_DIST, VLLM_DIST, check_vllm, installed_version
 
 SCHEMA = "camp2p-overlap/doctor/v1"
 
@@ -140,7 +140,7 @@ def _device() -> tuple[str | None, str]:
 
 
 def _backend(configured: str, device: str | None) -> dict[str, Any]:
-    from camp2p_overlap.streams import BackendUnavailable, resolve_backend_name
+    from camp2p_overlap.core.streams import BackendUnavailable, resolve_backend_name
 
     if device is None and configured in ("auto", "npu", "cuda"):
         return {

@@ -17,9 +17,9 @@ from typing import Any
 
 import wrapt
 
-from camp2p_overlap._log import logger
-from camp2p_overlap.config import ConfigError, OverlapConfig, load_config, strict_requested
-from camp2p_overlap.manifest import (
+from camp2p_overlap.core.config import ConfigError, OverlapConfig, load_config, strict_requested
+from camp2p_overlap.core.log import logger
+from camp2p_overlap.core.manifest import (
     ManifestError,
     ModuleSpec,
     StackManifest,
@@ -28,7 +28,7 @@ from camp2p_overlap.manifest import (
     signature_difference,
     signature_of,
 )
-from camp2p_overlap.versions import VersionCheck, check_vllm, installed_version
+from camp2p_overlap.core.versions import VersionCheck, check_vllm, installed_version
 
 
 class PatchRefused(RuntimeError):
@@ -408,7 +408,7 @@ class PatchEngine:
                     t.id, t.action, TargetState.NOT_IMPORTED, "module is still being imported"
                 )
             return
-        from camp2p_overlap.wrappers import WRAPPERS
+        from camp2p_overlap.core.wrappers import WRAPPERS
 
         resolved: list[tuple[TargetSpec, Any, Any]] = []
         adopted: list[WrapRecord] = []
@@ -577,7 +577,7 @@ class PatchEngine:
             for t in (self.manifest.targets() if self.manifest else ())
         }
         self._reason = "unpatched" if ok else "unpatched; some wrappers could not be removed (see log)"
-        from camp2p_overlap import wrappers
+        from camp2p_overlap.core import wrappers
 
         wrappers.close_stream_sets()
         logger.info("camp2p-overlap: %s (pid %d)", self._reason, os.getpid())

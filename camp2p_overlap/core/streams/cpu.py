@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from camp2p_overlap.streams.base import DoneHandle, OpHandle, Stream, StreamBackend
+from camp2p_overlap.core.streams.base import DoneHandle, OpHandle, Stream, StreamBackend
 
 
 class StreamPoisonedError(RuntimeError):

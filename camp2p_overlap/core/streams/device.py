@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable
 from types import ModuleType
 from typing import Any
 
-from camp2p_overlap.streams.base import DoneHandle, OpHandle, StreamBackend
+from camp2p_overlap.core.streams.base import DoneHandle, OpHandle, StreamBackend
 
 
 class DeviceUnavailableError(RuntimeError):

@@ -7,9 +7,9 @@ import importlib
 import importlib.util
 from typing import Any
 
-from camp2p_overlap.streams.base import DoneHandle, Event, OpHandle, Stream, StreamBackend
-from camp2p_overlap.streams.cpu import CpuBackend, StreamPoisonedError
-from camp2p_overlap.streams.device import DeviceUnavailableError, TorchDeviceBackend
+from camp2p_overlap.core.streams.base import DoneHandle, Event, OpHandle, Stream, StreamBackend
+from camp2p_overlap.core.streams.cpu import CpuBackend, StreamPoisonedError
+from camp2p_overlap.core.streams.device import DeviceUnavailableError, TorchDeviceBackend
 
 __all__ = [
     "CpuBackend",

@@ -12,10 +12,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from camp2p_overlap import patcher
-from camp2p_overlap._log import log_once, logger
-from camp2p_overlap.config import MAX_STAGES
-from camp2p_overlap.session import (
+from camp2p_overlap.core import engine as patcher
+from camp2p_overlap.core.config import MAX_STAGES
+from camp2p_overlap.core.log import log_once, logger
+from camp2p_overlap.core.session import (
     Directions,
     OverlapSession,
     StepPlan,
@@ -24,8 +24,8 @@ from camp2p_overlap.session import (
     send_parts,
     send_stage,
 )
-from camp2p_overlap.streams import BackendUnavailable, make_backend, resolve_backend_name
-from camp2p_overlap.trace import TraceOp, TraceRecorder, current_recorder
+from camp2p_overlap.core.streams import BackendUnavailable, make_backend, resolve_backend_name
+from camp2p_overlap.core.trace import TraceOp, TraceRecorder, current_recorder
 
 Wrapped = Callable[..., Any]
 

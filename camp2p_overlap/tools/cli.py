@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
-from camp2p_overlap.bench.runner import POLICIES, POLICY_HELP, SCENARIO_HELP, SCENARIOS, BenchParams
+from camp2p_overlap.tools.bench.runner import POLICIES, POLICY_HELP, SCENARIO_HELP, SCENARIOS, BenchParams
 
 BENCH_DESCRIPTION = """\
 Benchmark the FFN-side CAMP2P overlap on an emulated FFN rank: stand-ins of
@@ -41,7 +41,7 @@ what is reported:
                   hideable time hidden (1.0 = all of it)
   outputs         every timed and traced step of every policy compared bitwise
                   (torch.equal) with the serial run of the same step id
-  edges           the trace checker (camp2p_overlap.trace.check_step) on each
+  edges           the trace checker (camp2p_overlap.core.trace.check_step) on each
                   policy's traced step (CPU only)
 
 --device cpu: the compute stream is the calling thread, side streams are the
@@ -164,7 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", metavar="PATH", help="write a PNG: timeline of one step per policy and per-layer time (matplotlib)"
     )
 
-    from camp2p_overlap.bench.sweep import DEFAULT_RATIOS, DEFAULT_STAGE_COUNTS, DEFAULT_STAGE_RATIO, SWEEP_DEFAULTS
+    from camp2p_overlap.tools.bench.sweep import (
+        DEFAULT_RATIOS,
+        DEFAULT_STAGE_COUNTS,
+        DEFAULT_STAGE_RATIO,
+        SWEEP_DEFAULTS,
+    )
 
     sweep = sub.add_parser(
         "sweep",
@@ -243,7 +248,7 @@ def _preflight(device: str, plot: str | None) -> str | None:
     why = _device_check(device)
     if why or not plot:
         return why
-    from camp2p_overlap.bench.plot import PlotUnavailable, _figure
+    from camp2p_overlap.tools.bench.plot import PlotUnavailable, _figure
 
     try:
         _figure(1, 1)
@@ -253,8 +258,8 @@ def _preflight(device: str, plot: str | None) -> str | None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from camp2p_overlap.bench.report import bench_table, problems, write_outputs
-    from camp2p_overlap.bench.runner import resolve_params, run_bench
+    from camp2p_overlap.tools.bench.report import bench_table, problems, write_outputs
+    from camp2p_overlap.tools.bench.runner import resolve_params, run_bench
 
     try:
         params = resolve_params(_explicit(args), args.scenario)
@@ -267,7 +272,7 @@ def _bench(args: argparse.Namespace) -> int:
     print(bench_table(run.report))
     write_outputs(run, json_path=args.json, trace_path=args.trace)
     if args.plot:
-        from camp2p_overlap.bench.plot import bench_plot
+        from camp2p_overlap.tools.bench.plot import bench_plot
 
         bench_plot(run.timelines, run.report, args.plot)
     for what, path in (("JSON", args.json), ("trace", args.trace), ("plot", args.plot)):
@@ -277,9 +282,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from camp2p_overlap.bench.report import problems, write_json
-    from camp2p_overlap.bench.runner import resolve_params
-    from camp2p_overlap.bench.sweep import SWEEP_DEFAULTS, run_sweep, sweep_markdown
+    from camp2p_overlap.tools.bench.report import problems, write_json
+    from camp2p_overlap.tools.bench.runner import resolve_params
+    from camp2p_overlap.tools.bench.sweep import SWEEP_DEFAULTS, run_sweep, sweep_markdown
 
     scenario = args.scenario or "ffn-bound"
     try:
@@ -312,7 +317,7 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
         write_json(args.json, result)
         print(f"JSON: {args.json}")
     if args.plot:
-        from camp2p_overlap.bench.plot import sweep_plot
+        from camp2p_overlap.tools.bench.plot import sweep_plot
 
         sweep_plot(result, args.plot)
         print(f"plot: {args.plot}")
@@ -329,6 +334,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(args)
     if args.command == "sweep":
         return _sweep(args, argv)
-    from camp2p_overlap.bench.doctor import main_doctor
+    from camp2p_overlap.tools.doctor import main_doctor
 
     return main_doctor(as_json=args.json, stack=args.stack)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

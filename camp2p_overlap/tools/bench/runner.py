@@ -45,11 +45,11 @@ from typing import Any
 import torch
 
 import camp2p_overlap
-from camp2p_overlap.bench.engine import emulation_engine, release_site, standin_site
-from camp2p_overlap.config import MAX_STAGES, OverlapConfig
+from camp2p_overlap.core.config import MAX_STAGES, OverlapConfig
+from camp2p_overlap.core.trace import ExpectedSchedule, TraceOp, TraceRecorder, check_step, recording
+from camp2p_overlap.emulation.engine import emulation_engine, release_site, standin_site
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.world import LinkModel, WorldSpec, build_world
-from camp2p_overlap.trace import ExpectedSchedule, TraceOp, TraceRecorder, check_step, recording
 
 SCHEMA = "camp2p-overlap/bench/v1"
 #: eta is reported only when T_serial - T_floor is at least this share of T_serial.

@@ -29,10 +29,10 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from camp2p_overlap._log import logger
-from camp2p_overlap.streams.base import OpHandle, Stream, StreamBackend
-from camp2p_overlap.streams.cpu import StreamPoisonedError
-from camp2p_overlap.trace import ExpectedSchedule, TraceOp, TraceRecorder, side_stream_name
+from camp2p_overlap.core.log import logger
+from camp2p_overlap.core.streams.base import OpHandle, Stream, StreamBackend
+from camp2p_overlap.core.streams.cpu import StreamPoisonedError
+from camp2p_overlap.core.trace import ExpectedSchedule, TraceOp, TraceRecorder, side_stream_name
 
 StageLayer = tuple[int, int]
 

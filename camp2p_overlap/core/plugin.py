@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from camp2p_overlap._log import logger
-from camp2p_overlap.config import ENV_VARS
+from camp2p_overlap.core.config import ENV_VARS
+from camp2p_overlap.core.log import logger
 
 #: The entry-point name (``VLLM_PLUGINS`` filters by exact name).
 ENTRY_POINT_NAME = "camp2p_overlap"
@@ -42,7 +42,7 @@ def register() -> None:
     """Entry point: register our env names with vLLM, then ``apply()`` when
     switched on. Never raises (unless strict mode asks for it)."""
     from camp2p_overlap import apply
-    from camp2p_overlap.config import strict_requested
+    from camp2p_overlap.core.config import strict_requested
 
     try:
         register_env_vars()

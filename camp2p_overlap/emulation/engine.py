@@ -2,7 +2,7 @@
 test use only).
 
 The wrappers installed on the stand-ins read the process-wide engine
-``camp2p_overlap.patcher.ENGINE`` at call time, exactly as they do for users.
+``camp2p_overlap.core.engine.ENGINE`` at call time, exactly as they do for users.
 The global engine's version gate requires an installed vLLM 0.19.1, which a
 benchmark machine need not have. :func:`emulation_engine` therefore swaps
 ``patcher.ENGINE`` for an engine whose version gate accepts the emulated
@@ -23,10 +23,10 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from camp2p_overlap import patcher
+from camp2p_overlap.core import engine as patcher
+from camp2p_overlap.core.manifest import StackManifest, load_manifest
+from camp2p_overlap.core.versions import VersionCheck
 from camp2p_overlap.emulation import standins
-from camp2p_overlap.manifest import StackManifest, load_manifest
-from camp2p_overlap.versions import VersionCheck
 
 _swap_lock = threading.Lock()
 _swapped = False
@@ -40,7 +40,7 @@ def emulated_version_check(supported: str) -> VersionCheck:
 
 @contextlib.contextmanager
 def emulation_engine() -> Iterator[patcher.PatchEngine]:
-    """Make ``camp2p_overlap.patcher.ENGINE`` a fresh engine that accepts the
+    """Make ``camp2p_overlap.core.engine.ENGINE`` a fresh engine that accepts the
     emulated stack for the duration of the block; unpatch it and restore the
     global engine on every exit path.
 
