@@ -7,14 +7,10 @@ Importing this package imports no vLLM, afd-plugin or torch_npu module.
 from __future__ import annotations
 
 from camp2p_overlap.core.config import ConfigError, OverlapConfig, load_config
-from camp2p_overlap.core.engine import (
-    ENGINE,
-    PatchRefused,
-    PatchReport,
-    TargetState,
-    TargetStatus,
-)
+from camp2p_overlap.core.engine import PatchRefused
 from camp2p_overlap.core.plugin import register
+from camp2p_overlap.core.process import ENGINE
+from camp2p_overlap.core.report import PatchReport, TargetState, TargetStatus
 
 __version__ = "0.1.0"
 

@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from camp2p_overlap.core.config import OverlapConfig, load_config
-from camp2p_overlap.core.engine import ENGINE, PatchReport
+from camp2p_overlap.core.process import ENGINE
+from camp2p_overlap.core.report import PatchReport
 
 
 @contextlib.contextmanager

@@ -48,8 +48,8 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 
 import torch  # noqa: E402
 
-from camp2p_overlap.core import engine as patcher  # noqa: E402
 from camp2p_overlap.core.config import OverlapConfig  # noqa: E402
+from camp2p_overlap.core.process import ENGINE  # noqa: E402
 from camp2p_overlap.core.trace import ExpectedSchedule, check_step, recording  # noqa: E402
 from camp2p_overlap.emulation.engine import standin_site  # noqa: E402
 from camp2p_overlap.emulation.moe import MoEShape  # noqa: E402
@@ -164,15 +164,15 @@ def overlap_step(world: World, step: int, tokens: dict[int, int]) -> dict:
 
 @contextlib.contextmanager
 def patched(cfg: OverlapConfig, manifest: Any) -> Iterator[tuple[Any, str]]:
-    """Apply the patch layer with ``cfg``: through the global engine (the
+    """Apply the patch layer with ``cfg``: through the process engine (the
     real version gate) when it accepts this install, else through the
     benchmark's emulation engine (which accepts the emulated stack)."""
-    report = patcher.ENGINE.apply(config=cfg, manifest=manifest)
+    report = ENGINE.apply(config=cfg, manifest=manifest)
     if report.applied:
         try:
-            yield patcher.ENGINE, "global engine"
+            yield ENGINE, "process engine"
         finally:
-            patcher.ENGINE.unpatch()
+            ENGINE.unpatch()
         return
     try:
         from camp2p_overlap.emulation.engine import emulation_engine
@@ -182,7 +182,7 @@ def patched(cfg: OverlapConfig, manifest: Any) -> Iterator[tuple[Any, str]]:
         emulated = engine.apply(config=cfg, manifest=manifest)
         if not emulated.applied:
             raise SystemExit(f"soak: the emulation engine refused too: {emulated.reason}")
-        yield engine, f"emulation engine (the global engine refused: {report.reason})"
+        yield engine, f"emulation engine (the process engine refused: {report.reason})"
 
 
 def original_forward(engine: Any) -> Any:

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import wrapt
 
-from camp2p_overlap.core import wrappers
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.engine import ENGINE, PatchReport
 from camp2p_overlap.core.log import logger as pkg_logger
+from camp2p_overlap.core.process import ENGINE, RUNTIME
+from camp2p_overlap.core.report import PatchReport
 from camp2p_overlap.core.session import OverlapSession
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.world import StageMeta, World, WorldSpec, build_world
@@ -78,10 +79,23 @@ def serial_results(w: World, scheds: Sequence[Schedule]) -> list[Results]:
     return [run_step(w, s) for s in scheds]
 
 
-def assert_same(got: Results, want: Results) -> None:
-    assert sorted(got) == sorted(want)
+def assert_same(got: Mapping[Any, torch.Tensor], want: Mapping[Any, torch.Tensor], context: str = "") -> None:
+    """The one tensor-dict equality check of the suite: the same keys and,
+    for every key, ``torch.equal`` (same shape, bitwise equal values).
+    ``context`` (a run, a step) prefixes the failure text."""
+    pre = f"{context}: " if context else ""
+    assert sorted(got) == sorted(want), f"{pre}keys differ: got {sorted(got)}, want {sorted(want)}"
     for k in want:
-        assert torch.equal(got[k], want[k]), f"output of (layer, stage) {k} differs from the serial path"
+        assert torch.equal(got[k], want[k]), f"{pre}output of (layer, stage) {k} differs from the serial path"
+
+
+def count_our_wrappers(obj: Any, engine: Any = None) -> int:
+    """How many wrappers of ours (``engine``, default ``ENGINE``) are in the
+    wrapper chain of ``obj`` (``wrapt.wrapper_chain``: every ``__wrapped__``
+    link, wrapt proxies and ``functools.wraps`` functions alike). Code run
+    in a fresh interpreter inlines the same expression."""
+    engine = ENGINE if engine is None else engine
+    return sum(1 for e in wrapt.wrapper_chain(obj) if engine.is_ours(e))
 
 
 def bounded(fn: Callable[[], Any], timeout: float = 30.0) -> Any:
@@ -106,8 +120,7 @@ def bounded(fn: Callable[[], Any], timeout: float = 30.0) -> Any:
 
 
 def stream_sets() -> list[Any]:
-    with wrappers._sets_lock:
-        return [entry[1] for entry in wrappers._sets.values()]
+    return RUNTIME.streamsets.sets()
 
 
 def assert_streams_idle(timeout: float = 5.0) -> None:
@@ -171,8 +184,9 @@ def wrap_model(
 
 
 class SessionSpy:
-    """Replace ``wrappers.OverlapSession`` with a subclass that remembers
-    every session it builds (weakly unless ``keep``)."""
+    """Make the process runtime build sessions of a subclass that remembers
+    every session it builds (weakly unless ``keep``) and, for kept ones,
+    the ops it issued (``issued_ops``, taken when the session closes)."""
 
     def __init__(self, monkeypatch: Any, base: type[OverlapSession] = OverlapSession, *, keep: bool = False) -> None:
         import weakref
@@ -184,11 +198,17 @@ class SessionSpy:
         class Recorded(base):  # type: ignore[misc, valid-type]
             def __init__(self, **kw: Any) -> None:
                 super().__init__(**kw)
+                self.issued_ops: list[tuple[str, int | None, int | None]] = []
                 spy.refs.append(weakref.ref(self))
                 if keep:
                     spy.kept.append(self)
 
-        monkeypatch.setattr(wrappers, "OverlapSession", Recorded)
+            def close(self, *, raising: bool = False) -> None:
+                if keep and not self.closed:
+                    self.issued_ops = self.issued()
+                super().close(raising=raising)
+
+        monkeypatch.setattr(RUNTIME, "session_class", Recorded)
 
     @property
     def count(self) -> int:
@@ -198,7 +218,11 @@ class SessionSpy:
 @contextmanager
 def captured_log(caplog: Any, level: int = logging.INFO) -> Iterator[Any]:
     """caplog for the package logger even where vLLM's logging config made
-    the ``vllm`` logger stop propagating."""
+    the ``vllm`` logger stop propagating.
+
+    Deprecated: use the ``logs`` fixture of conftest.py (``logs.texts(...)``).
+    Kept only while tests/test_gating.py (edited elsewhere) still uses it,
+    together with :func:`messages`; delete both once it does not."""
     chain = []
     lg: logging.Logger | None = pkg_logger
     while lg is not None:
@@ -245,7 +269,7 @@ def spy_forward(runner_cls: type) -> list[dict[str, Any]]:
                 "aclgraph_runtime_mode": aclgraph_runtime_mode,
                 "is_graph_capturing": is_graph_capturing,
                 "update_connector_state": update_connector_state,
-                "session": wrappers.active_session(),
+                "session": RUNTIME.active_session(),
             }
         )
         return original(

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.engine import ENGINE
 from camp2p_overlap.core.log import reset_log_once
+from camp2p_overlap.core.process import ENGINE
 from camp2p_overlap.emulation import standins
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,6 +48,14 @@ class PackageLogs(logging.Handler):
     def messages(self) -> list[str]:
         return [r.getMessage() for r in self.records]
 
+    def matching(self, contains: str = "", level: int = logging.NOTSET) -> list[logging.LogRecord]:
+        """The records at ``level`` or above whose message contains ``contains``."""
+        return [r for r in self.records if r.levelno >= level and contains in r.getMessage()]
+
+    def texts(self, contains: str = "", level: int = logging.NOTSET) -> list[str]:
+        """The messages of :meth:`matching`."""
+        return [r.getMessage() for r in self.matching(contains, level)]
+
 
 @pytest.fixture
 def logs() -> Iterator[PackageLogs]:
@@ -62,6 +70,16 @@ def logs() -> Iterator[PackageLogs]:
     finally:
         logger.removeHandler(cap)
         logger.setLevel(old)
+
+
+@pytest.fixture
+def forget_stuck() -> Iterator[None]:
+    """A failed patch-engine test may leave a wrapper of ours stuck under a
+    foreign one on a stand-in class that is about to be thrown away: unpatch
+    and forget it (``pytestmark = pytest.mark.usefixtures("forget_stuck")``)."""
+    yield
+    ENGINE.unpatch(timeout=10)
+    ENGINE.installer.stuck.clear()
 
 
 @pytest.fixture

@@ -12,13 +12,17 @@ from typing import Any
 
 import pytest
 import torch
+from _overlap_util import assert_same
 from conftest import run_python
 
-from camp2p_overlap.core import engine as patcher
-from camp2p_overlap.core import wrappers
 from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.engine import PatchRefused
+from camp2p_overlap.core.manifest import load_manifest
+from camp2p_overlap.core.process import ENGINE, PatchLayer
+from camp2p_overlap.core.session import OverlapSession
+from camp2p_overlap.emulation import engine as emulation
 from camp2p_overlap.emulation import standins
-from camp2p_overlap.emulation.engine import emulated_version_check, emulation_engine
+from camp2p_overlap.emulation.engine import emulated_layer, emulated_version_check, emulation_engine
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.world import EmulatedModel, LinkModel, WorldSpec, build_world
 from camp2p_overlap.tools import cli
@@ -48,15 +52,20 @@ def bench_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One tiny benchmark run through ``main(argv)`` writing every output."""
     out = tmp_path_factory.mktemp("bench")
     paths = {"json": out / "b.json", "trace": out / "t.json", "plot": out / "p.png"}
-    global_engine = patcher.ENGINE
-    rc = cli.main(
-        ["bench", *TINY, "--json", str(paths["json"]), "--trace", str(paths["trace"]), "--plot", str(paths["plot"])]
-    )
+    layers: list[PatchLayer] = []
+    real_build = emulation.build_layer
+    emulation.build_layer = lambda **kw: layers.append(real_build(**kw)) or layers[-1]  # type: ignore[assignment]
+    try:
+        rc = cli.main(
+            ["bench", *TINY, "--json", str(paths["json"]), "--trace", str(paths["trace"]), "--plot", str(paths["plot"])]
+        )
+    finally:
+        emulation.build_layer = real_build  # type: ignore[assignment]
     return {
         "rc": rc,
         "paths": paths,
         "report": json.loads(paths["json"].read_text()),
-        "engine_restored": patcher.ENGINE is global_engine,
+        "layers": layers,
         "finder_left": [f for f in sys.meta_path if isinstance(f, standins.StandinFinder)],
     }
 
@@ -184,9 +193,15 @@ def test_outputs_equal_and_overlap_engaged(bench_files: dict[str, Any]) -> None:
 
 
 def test_bench_leaves_the_process_as_it_found_it(bench_files: dict[str, Any]) -> None:
-    assert bench_files["engine_restored"]
     assert bench_files["finder_left"] == []
-    assert not patcher.ENGINE.is_applied()
+    assert not ENGINE.is_applied() and len(ENGINE.installer.records) == 0
+    # Each policy of each repetition ran on an engine of its own, each
+    # unpatched with its streams closed afterwards.
+    layers = bench_files["layers"]
+    reps, policies = TINY_PARAMS.get("reps", 2), len(POLICIES)
+    assert len(layers) == reps * policies, (len(layers), reps, policies)
+    assert len({id(layer.engine) for layer in layers}) == len(layers)
+    assert all(not layer.engine.is_applied() and len(layer.runtime.streamsets) == 0 for layer in layers)
 
 
 def test_trace_is_chrome_trace_event_json_with_a_track_per_stream(bench_files: dict[str, Any]) -> None:
@@ -247,24 +262,23 @@ def test_overlap_outputs_equal_serial_outputs_independently() -> None:
         world.steps_run = sid
         serial[sid] = world.run_step()
     engaged: list[bool] = []
-    with emulation_engine() as engine:
-        engine.apply(config=OverlapConfig(enabled=True, backend="cpu"), strict=True)
-        original = wrappers._overlap_step
 
-        def spy(*args: Any, **kwargs: Any) -> Any:
+    class Counted(OverlapSession):
+        def __init__(self, **kw: Any) -> None:
+            super().__init__(**kw)
             engaged.append(True)
-            return original(*args, **kwargs)
 
-        wrappers._overlap_step = spy
-        try:
-            for sid in (5, 6):
-                world.steps_run = sid
-                out = world.run_step()
-                assert set(out) == set(serial[sid]) and len(out) == 3 * 2
-                for key in serial[sid]:
-                    assert torch.equal(out[key], serial[sid][key]), key
-        finally:
-            wrappers._overlap_step = original
+    layer = emulated_layer()
+    layer.runtime.session_class = Counted
+    layer.engine.apply(config=OverlapConfig(enabled=True, backend="cpu"), strict=True)
+    try:
+        for sid in (5, 6):
+            world.steps_run = sid
+            out = world.run_step()
+            assert len(out) == 3 * 2
+            assert_same(out, serial[sid], f"step {sid}")
+    finally:
+        assert layer.engine.unpatch(timeout=10)
     assert engaged == [True, True]
 
 
@@ -272,10 +286,14 @@ def test_outputs_flag_fails_when_the_overlap_changes_a_result(monkeypatch: pytes
     """Perturb the FFN only while an overlap session is active: the report
     must say the outputs differ, and the command must exit non-zero."""
     original = EmulatedModel.compute_ffn_output
+    layers: list[PatchLayer] = []
+    real_build = emulation.build_layer
+    monkeypatch.setattr(emulation, "build_layer", lambda **kw: layers.append(real_build(**kw)) or layers[-1])
 
     def perturbed(self: EmulatedModel, *, hidden_states: torch.Tensor, layer_idx: int) -> Any:
         out = original(self, hidden_states=hidden_states, layer_idx=layer_idx)
-        if wrappers.active_session() is not None and wrappers.active_session().dir.a2e_side:
+        sessions = [s for layer in layers if (s := layer.runtime.active_session()) is not None]
+        if sessions and sessions[0].dir.a2e_side:
             out.routed_output = out.routed_output + 1e-3
         return out
 
@@ -306,46 +324,50 @@ def test_with_a_real_afd_plugin_the_stand_ins_move_to_the_alias_root(monkeypatch
 
 
 # ---------------------------------------------------------------------------
-# the engine swap
+# engines of the emulation
 
 
-def test_emulation_engine_swaps_and_restores_the_global_engine() -> None:
-    global_engine = patcher.ENGINE
-    with emulation_engine() as engine:
-        assert patcher.ENGINE is engine and engine is not global_engine
-        with pytest.raises(RuntimeError, match="already active"):
-            with emulation_engine():
-                pass
-        assert patcher.ENGINE is engine
-    assert patcher.ENGINE is global_engine
+def test_emulation_engines_are_fresh_and_unpatched_on_the_way_out() -> None:
+    with emulation_engine() as engine, emulation_engine() as other:
+        assert engine is not ENGINE and other is not ENGINE and other is not engine
     with pytest.raises(ValueError, match="boom"):
         with emulation_engine() as engine:
             world = build_world(_tiny_spec())
             engine.apply(config=OverlapConfig(enabled=True, backend="cpu"), strict=True)
             assert engine.is_applied()
             raise ValueError("boom")
-    assert patcher.ENGINE is global_engine
     assert not engine.is_applied(), "the emulation engine is unpatched on the way out"
+    assert not ENGINE.is_applied()
     runner_cls = type(world.runner)
     assert not hasattr(vars(runner_cls)["_ffn_forward"], "__wrapped__")
 
 
-def test_emulation_engine_refuses_when_the_global_engine_is_applied(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_second_engine_refuses_targets_another_engine_wrapped() -> None:
+    """Two engines never stack wrappers on one class: the second refuses."""
+    world = build_world(_tiny_spec())
+    cfg = OverlapConfig(enabled=True, backend="cpu")
+    with emulation_engine() as first, emulation_engine() as second:
+        assert first.apply(config=cfg, strict=True).engaged
+        with pytest.raises(PatchRefused, match="another patch engine"):
+            second.apply(config=cfg, strict=True)
+        assert not second.is_applied() and first.status().engaged
+        assert first.is_ours(vars(type(world.runner))["_ffn_forward"])
+
+
+def test_emulation_engine_refuses_when_the_process_engine_is_applied(monkeypatch: pytest.MonkeyPatch) -> None:
     build_world(_tiny_spec())
-    other = patcher.PatchEngine(version_check=emulated_version_check)
-    monkeypatch.setattr(patcher, "ENGINE", other)
-    other.apply(config=OverlapConfig(enabled=True, backend="cpu"), strict=True)
+    monkeypatch.setattr(ENGINE, "_version_check", emulated_version_check)
+    ENGINE.apply(config=OverlapConfig(enabled=True, backend="cpu"), strict=True)
     try:
-        with pytest.raises(RuntimeError, match="global camp2p-overlap patch engine is applied"):
+        with pytest.raises(RuntimeError, match="process-wide camp2p-overlap patch layer is applied"):
             with emulation_engine():
                 pass
-        assert patcher.ENGINE is other
     finally:
-        other.unpatch(timeout=10)
+        ENGINE.unpatch(timeout=10)
 
 
 def test_emulated_version_check_accepts_without_consulting_vllm() -> None:
-    vc = emulated_version_check("0.19.1")
+    vc = emulated_version_check(load_manifest())
     assert vc.ok and vc.supported == "0.19.1" and vc.found == "emulated"
 
 

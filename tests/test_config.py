@@ -27,8 +27,8 @@ from camp2p_overlap.core.config import (
     OverlapConfig,
     load_config,
 )
-from camp2p_overlap.core.engine import ENGINE
 from camp2p_overlap.core.log import logger
+from camp2p_overlap.core.process import ENGINE
 
 PACKAGE = Path(camp2p_overlap.__file__).resolve().parent
 

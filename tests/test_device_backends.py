@@ -17,15 +17,15 @@ import pytest
 import torch
 from _overlap_util import Schedule, SessionSpy, apply_cpu, assert_same, bounded, run_step, serial_results, world
 
-from camp2p_overlap.core import trace, wrappers
+from camp2p_overlap.core import step_decision, trace
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.engine import ENGINE
+from camp2p_overlap.core.process import ENGINE
 from camp2p_overlap.core.streams import (
     BackendUnavailable,
-    DeviceUnavailableError,
     TorchDeviceBackend,
     device_module,
     make_backend,
+    streamset,
 )
 
 
@@ -35,7 +35,7 @@ def _has_torch_npu() -> bool:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: the no-CUDA refusal cannot be shown")
 def test_cuda_backend_refuses_without_cuda() -> None:
-    with pytest.raises(DeviceUnavailableError, match=r"torch\.cuda reports no CUDA device"):
+    with pytest.raises(BackendUnavailable, match=r"torch\.cuda reports no CUDA device"):
         device_module("cuda")
     with pytest.raises(BackendUnavailable, match=r"backend 'cuda' unavailable: torch\.cuda reports no CUDA device"):
         make_backend("cuda", torch.device("cuda"))
@@ -48,10 +48,10 @@ def test_npu_backend_refuses_without_torch_npu() -> None:
 
 
 def test_unknown_device_kind_and_incomplete_modules_are_refused() -> None:
-    with pytest.raises(DeviceUnavailableError, match="no device module for 'xpu'"):
+    with pytest.raises(BackendUnavailable, match="no device module for 'xpu'"):
         device_module("xpu")
     incomplete = SimpleNamespace(__name__="fakedev", Stream=object, Event=object, stream=None)
-    with pytest.raises(DeviceUnavailableError, match="fakedev has no current_stream"):
+    with pytest.raises(BackendUnavailable, match="fakedev has no current_stream"):
         TorchDeviceBackend("fake", incomplete)  # type: ignore[arg-type]
 
 
@@ -122,8 +122,8 @@ class FakeDevice:
 @pytest.fixture
 def fake_device(monkeypatch: pytest.MonkeyPatch) -> FakeDevice:
     dev = FakeDevice()
-    monkeypatch.setattr(wrappers, "resolve_backend_name", lambda requested, device: "fake")
-    monkeypatch.setattr(wrappers, "make_backend", lambda name, device=None: TorchDeviceBackend("fake", dev))
+    monkeypatch.setattr(step_decision, "resolve_backend_name", lambda requested, device: "fake")
+    monkeypatch.setattr(streamset, "make_backend", lambda name, device=None: TorchDeviceBackend("fake", dev))
     return dev
 
 
@@ -204,7 +204,7 @@ def _device_ready(kind: str) -> str | None:
         return "torch_npu is not installed"
     try:
         device_module("npu")
-    except DeviceUnavailableError as exc:
+    except BackendUnavailable as exc:
         return str(exc)
     return None
 

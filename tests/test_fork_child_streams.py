@@ -10,9 +10,9 @@ import sys
 
 import pytest
 import torch
-from _overlap_util import Schedule, apply_cpu, run_step, serial_results, world
+from _overlap_util import Schedule, apply_cpu, assert_same, run_step, serial_results, world
 
-from camp2p_overlap.core import wrappers
+from camp2p_overlap.core.process import RUNTIME
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="fork start method is Linux-only here")
 
@@ -22,9 +22,9 @@ _SCHED = Schedule(3, (0, 1), (8, 8), step=5)
 
 def _child(q: mp.Queue) -> None:  # runs in the forked child
     try:
-        sets_inherited = wrappers.stream_set_count()
+        sets_inherited = len(RUNTIME.streamsets)
         out = run_step(_W, _SCHED)
-        q.put((sets_inherited, wrappers.stream_set_count(), {k: v.tolist() for k, v in out.items()}))
+        q.put((sets_inherited, len(RUNTIME.streamsets), {k: v.tolist() for k, v in out.items()}))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         q.put(repr(exc))
 
@@ -34,8 +34,8 @@ def test_forked_child_gets_fresh_streams_and_correct_outputs() -> None:
     _W = world(layers=3, stage_ids=(0, 1), tokens=8)
     (ref,) = serial_results(_W, [_SCHED])
     apply_cpu()
-    assert all(torch.equal(a, b) for a, b in zip(run_step(_W, _SCHED).values(), ref.values(), strict=True))
-    assert wrappers.stream_set_count() == 1
+    assert_same(run_step(_W, _SCHED), ref)
+    assert len(RUNTIME.streamsets) == 1
 
     ctx = mp.get_context("fork")
     q = ctx.Queue()
@@ -51,13 +51,12 @@ def test_forked_child_gets_fresh_streams_and_correct_outputs() -> None:
     inherited, after, out = got
     assert inherited == 0  # the parent's sets (dead threads in the child) are forgotten
     assert after == 1
-    assert out.keys() == ref.keys()
-    assert all(torch.equal(torch.tensor(out[k]), ref[k]) for k in ref)
+    assert_same({k: torch.tensor(v) for k, v in out.items()}, ref)
     assert proc.exitcode == 0
 
 
 def _child_unpatch(q: mp.Queue) -> None:
-    from camp2p_overlap.core.engine import ENGINE
+    from camp2p_overlap.core.process import ENGINE
 
     try:
         q.put((ENGINE.unpatch(timeout=5), ENGINE.is_applied()))
@@ -71,7 +70,7 @@ def test_fork_while_another_thread_runs_a_step_leaves_the_child_able_to_unpatch(
     wait for it."""
     import threading
 
-    from camp2p_overlap.core.engine import ENGINE
+    from camp2p_overlap.core.process import ENGINE
 
     w = world(layers=2, stage_ids=(0, 1), tokens=8)
     apply_cpu()
@@ -90,7 +89,7 @@ def test_fork_while_another_thread_runs_a_step_leaves_the_child_able_to_unpatch(
     t.start()
     try:
         assert inside.wait(30)
-        assert ENGINE._active_steps  # the step is counted in the parent
+        assert ENGINE.gate.running() == 1  # the step is counted in the parent
         ctx = mp.get_context("fork")
         q = ctx.Queue()
         proc = ctx.Process(target=_child_unpatch, args=(q,))

@@ -1,5 +1,8 @@
 """Every reason to stay off: the original runs with the very same arguments,
-no session is opened, and the reason is logged once per distinct reason."""
+no session is opened, and the reason is logged once per distinct reason.
+``CASES`` holds 16 set-ups, each refused with its own reason: no two
+texts are equal or one a prefix of the other, and each logged reason
+starts with exactly one case's text."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from _overlap_util import (
 
 from camp2p_overlap.core import trace
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.engine import ENGINE
+from camp2p_overlap.core.process import ENGINE
 from camp2p_overlap.emulation.world import World
 
 GATE = "running the serial FFN path"
@@ -96,6 +99,16 @@ def _repeated_layers(w: World, mp: pytest.MonkeyPatch) -> None:
     mp.setattr(w.modules[0], "_ffn_layer_indices", lambda runner: [0, 1, 1])
 
 
+def _no_moe_layers(w: World, mp: pytest.MonkeyPatch) -> None:
+    # Gate on attention with the first 3 layers dense: none of the 3 layers runs on FFN.
+    mp.setattr(w.runner.afd_config, "compute_gate_on_attention", True)
+    mp.setattr(w.runner.model_config.hf_config, "first_k_dense_replace", 3)
+
+
+#: The stack's refusal names the first target that is not patched.
+STACK_INCOMPLETE = "not every target of the stack is patched (afd_plugin.connectors.npu.camp2p"
+
+
 def _no_cuda() -> str | None:
     return "CUDA is available here" if torch.cuda.is_available() else None
 
@@ -128,13 +141,25 @@ CASES: dict[str, Case] = {
         config={"a2e_on_side_stream": False, "e2a_on_side_stream": False},
     ),
     "connector-module-refused": Case(
-        "not every target of the stack is patched", before_apply=_change_connector_signature, strict=False
+        f"{STACK_INCOMPLETE}.CAMP2pAFDConnector.recv_attn_output is refused",
+        before_apply=_change_connector_signature,
+        strict=False,
     ),
     "connector-module-not-imported": Case(
-        "not every target of the stack is patched", before_apply=_connector_module_not_imported
+        f"{STACK_INCOMPLETE}.CAMP2pAFDConnector.recv_attn_output is not-imported-yet",
+        before_apply=_connector_module_not_imported,
     ),
     "repeated-layers": Case("layer list repeats a layer: [0, 1, 1]", after_apply=_repeated_layers, compare=False),
+    "no-ffn-layers": Case("the step has no FFN layers", after_apply=_no_moe_layers, compare=False),
 }
+
+
+def test_every_case_has_its_own_reason() -> None:
+    texts = [c.reason for c in CASES.values()]
+    assert len(texts) == 16
+    assert len(set(texts)) == len(texts)
+    # No text starts another, so a logged reason identifies one case.
+    assert not [(a, b) for a in texts for b in texts if a != b and b.startswith(a)]
 
 
 def _run(w: World, stages: tuple[int, ...], step: int, forward: dict[str, Any]) -> tuple[Any, Any]:
@@ -189,7 +214,8 @@ def test_gate_runs_the_original_with_the_same_arguments(
     assert sessions.count == 0
     logged = messages(caplog, GATE)
     assert len(logged) == 1, logged  # once, although two steps were gated
-    assert case.reason in logged[0]
+    reason = logged[0].split(f"{GATE}: ", 1)[1]
+    assert [n for n, c in CASES.items() if reason.startswith(c.reason)] == [name], logged[0]
     side = {o.stream for o in rec.ops()} - {"C"}
     assert not side
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 import torch
+from _overlap_util import assert_same
 
 from camp2p_overlap.core.config import OverlapConfig
 
@@ -83,10 +84,6 @@ def _step(dw: Any, n: int) -> dict:
     return out
 
 
-def _equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def test_cuda_overlap_is_bitwise_serial_and_the_trace_overlaps(site: Any) -> None:
     from camp2p_overlap.core.trace import overlaps
     from camp2p_overlap.emulation.device_world import build_device_world
@@ -104,7 +101,7 @@ def test_cuda_overlap_is_bitwise_serial_and_the_trace_overlaps(site: Any) -> Non
         ops = dw.timing.resolve()
         dw.timing.active = False
     for n in serial:
-        assert _equal(got[n], serial[n]), f"step {n}: overlap outputs differ from the serial path"
+        assert_same(got[n], serial[n], f"step {n}: overlap outputs differ from the serial path")
     assert len(got[2]) == 6 * len(STAGES)
 
     comm = [o for o in ops if o.kind in ("a2e", "e2a")]
@@ -235,7 +232,7 @@ def test_cuda_graph_capture_replays_the_eager_outputs(site: Any) -> None:
     with overlap_on(site, graph=True):
         # Eager warm-up: creates the side streams and events outside capture.
         for _ in range(2):
-            assert _equal(eager(5), serial)
+            assert_same(eager(5), serial)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # the usual warm-up on a side stream
@@ -252,9 +249,9 @@ def test_cuda_graph_capture_replays_the_eager_outputs(site: Any) -> None:
                 t.zero_()
             g.replay()
             torch.cuda.synchronize()
-            assert _equal(captured, serial), "graph replay differs from the eager step"
+            assert_same(captured, serial, "graph replay differs from the eager step")
         # Eager steps still work after capture, with the same outputs.
-        assert _equal(eager(5), serial)
+        assert_same(eager(5), serial)
 
 
 def test_cuda_graph_capture_fails_when_a_side_stream_is_not_joined() -> None:

@@ -7,7 +7,7 @@ import importlib
 import pytest
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.engine import PatchEngine, PatchRefused
+from camp2p_overlap.core.engine import PatchRefused
 from camp2p_overlap.core.manifest import (
     DEFAULT_STACK,
     ManifestError,
@@ -18,8 +18,9 @@ from camp2p_overlap.core.manifest import (
     signature_difference,
     signature_of,
 )
+from camp2p_overlap.core.process import ENGINE, RUNTIME, build_layer
 from camp2p_overlap.core.versions import judge_vllm_version
-from camp2p_overlap.core.wrappers import WRAPPERS
+from camp2p_overlap.core.wrappers import make_wrappers
 from camp2p_overlap.emulation import standins
 
 
@@ -38,10 +39,11 @@ def test_shipped_manifest_loads() -> None:
         "recv_attn_output",
         "send_ffn_output",
     }
+    wrappers = make_wrappers(ENGINE, runtime=RUNTIME)
     for t in man.targets():
         assert t.changes and t.why
         if t.action == "wrap":
-            assert t.wrapper in WRAPPERS
+            assert t.wrapper in wrappers
         else:
             assert t.wrapper is None
     read = ids["afd_plugin.v1.worker.npu.ffn_model_runner._ffn_layer_indices"]
@@ -152,10 +154,10 @@ def test_unloadable_manifest_is_reported_not_raised() -> None:
     def broken() -> object:
         raise ManifestError("patches/x.toml: missing key 'stack'")
 
-    engine = PatchEngine(
-        manifest_loader=broken,  # type: ignore[arg-type]
-        version_check=lambda s: judge_vllm_version("0.19.1", s),
-    )
+    engine = build_layer(
+        manifest_loader=broken,
+        version_check=lambda manifest: judge_vllm_version("0.19.1", manifest.vllm),
+    ).engine
     cfg = OverlapConfig(enabled=True, backend="cpu")
     report = engine.apply(config=cfg)
     assert not report.applied and "manifest error" in report.reason and "missing key" in report.reason

@@ -28,9 +28,11 @@ from typing import Any
 
 import pytest
 import torch
+from _overlap_util import assert_same
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.engine import ENGINE, TargetState
+from camp2p_overlap.core.process import ENGINE
+from camp2p_overlap.core.report import TargetState
 
 RUNNER_MOD = "afd_plugin.v1.worker.npu.ffn_model_runner"
 CONNECTOR_MOD = "afd_plugin.connectors.npu.camp2p"
@@ -208,8 +210,7 @@ def test_real_ffn_forward_loop_overlapped_equals_serial(monkeypatch: pytest.Monk
         # Before monkeypatch puts the real transfer methods back.
         assert ENGINE.unpatch(timeout=30)
     for n, _ in cases:
-        assert serial[n].keys() == got[n].keys()
-        assert all(torch.equal(serial[n][k], got[n][k]) for k in serial[n]), f"step {n} differs from serial"
+        assert_same(got[n], serial[n], f"step {n} differs from serial")
     comm_streams = {o.stream for o in ops if o.kind in ("a2e", "e2a")}
     assert comm_streams == {"K0", "K1", "K2"}, comm_streams
 
@@ -241,8 +242,7 @@ def test_npu_backend_runs_the_emulated_world_bitwise_serial() -> None:
             ops = dw.timing.resolve()
             dw.timing.active = False
         for n in serial:
-            assert serial[n].keys() == got[n].keys()
-            assert all(torch.equal(serial[n][k], got[n][k]) for k in serial[n]), f"step {n} differs"
+            assert_same(got[n], serial[n], f"step {n} differs")
         assert {o.stream for o in ops if o.kind in ("a2e", "e2a")} == {"K0", "K1", "K2"}
     finally:
         release_site(site)

@@ -21,8 +21,6 @@ from _overlap_util import (
     assert_streams_idle,
     bounded,
     by_key,
-    captured_log,
-    messages,
     run_step,
     serial_results,
     spy_forward,
@@ -30,18 +28,19 @@ from _overlap_util import (
     world,
     wrap_model,
 )
+from conftest import PackageLogs
 
-from camp2p_overlap.core import trace, wrappers
+from camp2p_overlap.core import camp2p, trace
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.engine import ENGINE
+from camp2p_overlap.core.process import ENGINE, RUNTIME
 from camp2p_overlap.core.session import (
     Directions,
     OverlapSession,
     ScheduleMismatchError,
     StepPlan,
-    StreamSet,
 )
 from camp2p_overlap.core.streams import CpuBackend
+from camp2p_overlap.core.streams.streamset import StreamSet
 from camp2p_overlap.emulation.world import LinkModel, ProtocolError
 
 # ---------------------------------------------------------------------------
@@ -137,8 +136,8 @@ def test_stream_selection(monkeypatch: pytest.MonkeyPatch, case: str, direction:
             assert o.stream == "C"
     # The lookahead follows the step's layer list, stage by stage.
     for s in stages:
-        assert [L for (k, L, st) in session.issued if k == "a2e" and st == s] == list(layers)
-        assert [L for (k, L, st) in session.issued if k == "e2a" and st == s] == list(layers)
+        assert [L for (k, L, st) in session.issued_ops if k == "a2e" and st == s] == list(layers)
+        assert [L for (k, L, st) in session.issued_ops if k == "e2a" and st == s] == list(layers)
     side = {o.stream for o in ops if o.kind in ("wait", "record")} - {"C"}
     assert side == {f"K{s}" for s in stages}  # no stream of an absent stage is touched
 
@@ -205,8 +204,8 @@ def test_transport_rejects_an_a2e_past_the_last_layer() -> None:
 class LookaheadPastTheEnd(OverlapSession):
     """Test-only broken schedule: issues an A2E after the last layer."""
 
-    def send(self, wrapped: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        out = super().send(wrapped, args, kwargs)
+    def send(self, call: Any, output: Any, context: Any, stage: int | None) -> Any:
+        out = super().send(call, output, context, stage)
         L, s = max(self._sent)
         if L == self.plan.layers[-1] and s == self.plan.stages[-1]:
             self._issue_a2e(L + 1, s)
@@ -221,9 +220,9 @@ def test_no_a2e_is_issued_past_the_last_layer(monkeypatch: pytest.MonkeyPatch) -
         bounded(lambda: run_step(w, Schedule(4, (0, 2), (8, 8), step=1)))
     a2e_layers = sorted(o.layer for o in rec.ops() if o.kind == "a2e")
     assert a2e_layers == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert max(L for k, L, _ in sessions.kept[0].issued if k == "a2e") == 3
+    assert max(L for k, L, _ in sessions.kept[0].issued_ops if k == "a2e") == 3
     # The guard matters: a session that does issue one fails the step.
-    monkeypatch.setattr(wrappers, "OverlapSession", LookaheadPastTheEnd)
+    monkeypatch.setattr(RUNTIME, "session_class", LookaheadPastTheEnd)
     with pytest.raises(ProtocolError, match="stage 2: a2e for layer 4, attention sends layer None"):
         bounded(lambda: run_step(w, Schedule(4, (0, 2), (8, 8), step=2)))
 
@@ -265,7 +264,7 @@ def test_nothing_the_step_allocated_stays_referenced(monkeypatch: pytest.MonkeyP
     assert len(refs) == 3 * 9
     alive = [r() for r in refs if r() is not None]
     assert not alive, f"{len(alive)} tensors of the step are still referenced"
-    assert wrappers.active_session() is None
+    assert RUNTIME.active_session() is None
     assert sessions.count == 1 and sessions.refs[0]() is None, "the session outlived its step"
 
 
@@ -322,16 +321,17 @@ def test_ownership_inside_the_step(direction: str) -> None:
             plan=StepPlan(layers, stages, {"max_num_tokens": 4}),
             streamset=sset,
             directions=Directions(a2e, e2a),
+            context_of=camp2p.context_of,
         )
         held_out: dict[int, weakref.ref[Any]] = {}
         for L in layers:
             for s in stages:
-                p = session.recv(recv, (), {"ubatch_idx": s, "layer_idx": L, "max_num_tokens": 4})
+                p = session.recv(recv, {"ubatch_idx": s, "layer_idx": L, "max_num_tokens": 4})
                 if s in held_out:  # (plain reference counting: no gc pass needed)
                     assert held_out.pop(s)() is None, "FFN output held past the next receive of its stage"
                 hidden = weakref.ref(p.hidden_states)
                 out = p.hidden_states * 2.0
-                session.send(send, (out, p.context), {"ubatch_idx": s})
+                session.send(lambda o=out, c=p.context, s=s: send(o, c, ubatch_idx=s), out, p.context, s)
                 wo = weakref.ref(out)
                 del p, out
                 if L != layers[-1] or e2a:
@@ -395,33 +395,32 @@ def _layer_lists(monkeypatch: pytest.MonkeyPatch, w: Any, loop: list[int], plan:
 
 
 def test_loop_runs_past_the_plan_falls_back_with_correct_outputs(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, logs: PackageLogs
 ) -> None:
     w = world(layers=4, stage_ids=(0, 1))
     sched = Schedule(4, (0, 1), (8, 8), step=1)
     (ref,) = serial_results(w, [sched])
     apply_cpu()
     _layer_lists(monkeypatch, w, loop=[0, 1, 2, 3], plan=[0, 1, 2])
-    with captured_log(caplog, logging.WARNING):
-        got = bounded(lambda: run_step(w, sched))
+    got = bounded(lambda: run_step(w, sched))
     assert_same(got, ref)
-    (msg,) = messages(caplog, "the session planned")
+    (msg,) = logs.texts("the session planned", logging.WARNING)
     assert "asked for (3, 0)" in msg and "planned None" in msg
     assert_streams_idle()
 
 
 def test_loop_skips_a_planned_layer_raises_schedule_mismatch(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, logs: PackageLogs
 ) -> None:
     w = world(layers=4, stage_ids=(0, 1))
     nxt = Schedule(4, (0, 1), (8, 8), step=2)
     (ref,) = serial_results(w, [nxt])
     apply_cpu()
     _layer_lists(monkeypatch, w, loop=[0, 2, 3], plan=[0, 1, 2, 3])
-    with captured_log(caplog, logging.WARNING), pytest.raises(ScheduleMismatchError) as info:
+    with pytest.raises(ScheduleMismatchError) as info:
         bounded(lambda: run_step(w, Schedule(4, (0, 1), (8, 8), step=1)))
     assert "receive for (layer 2, stage 0)" in str(info.value) and "[(1, 0)]" in str(info.value)
-    (msg,) = messages(caplog, "the session planned")
+    (msg,) = logs.texts("the session planned", logging.WARNING)
     assert "asked for (2, 0)" in msg and "planned (1, 0)" in msg
     assert_streams_idle()
     monkeypatch.undo()
@@ -429,7 +428,7 @@ def test_loop_skips_a_planned_layer_raises_schedule_mismatch(
 
 
 def test_max_num_tokens_changed_before_the_first_receive_falls_back(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, logs: PackageLogs
 ) -> None:
     w = world(layers=3, stage_ids=(0, 1))
     sched = Schedule(3, (0, 1), (8, 8), step=1)
@@ -443,14 +442,13 @@ def test_max_num_tokens_changed_before_the_first_receive_falls_back(
         w.runner.max_num_tokens = 12  # after the plan was made
 
     monkeypatch.setattr(plane, "update_state_from_dp_metadata", update)
-    with captured_log(caplog, logging.WARNING):
-        got = bounded(lambda: run_step(w, sched))
+    got = bounded(lambda: run_step(w, sched))
     assert_same(got, ref)
-    (msg,) = messages(caplog, "the session planned")
+    (msg,) = logs.texts("the session planned", logging.WARNING)
     assert "'max_num_tokens': 12" in msg and "planned (0, 0)" in msg
 
 
-def test_max_num_tokens_changed_mid_step_is_a_schedule_mismatch(caplog: pytest.LogCaptureFixture) -> None:
+def test_max_num_tokens_changed_mid_step_is_a_schedule_mismatch(logs: PackageLogs) -> None:
     w = world(layers=3, stage_ids=(0, 1))
     nxt = Schedule(3, (0, 1), (8, 8), step=2)
     (ref,) = serial_results(w, [nxt])
@@ -463,33 +461,37 @@ def test_max_num_tokens_changed_mid_step_is_a_schedule_mismatch(caplog: pytest.L
             w.runner.max_num_tokens = 12
 
     wrap_model(w, after=after)
-    with captured_log(caplog, logging.WARNING), pytest.raises(ScheduleMismatchError, match=r"\(layer 1, stage 1\)"):
+    with pytest.raises(ScheduleMismatchError, match=r"\(layer 1, stage 1\)"):
         bounded(lambda: run_step(w, Schedule(3, (0, 1), (8, 8), step=1)))
-    assert messages(caplog, "the session planned")
+    assert logs.texts("the session planned", logging.WARNING)
     assert_streams_idle()
     w.runner.max_num_tokens = 16
     n["calls"] = -(10**6)
     assert_same(bounded(lambda: run_step(w, nxt)), ref)
 
 
-def test_stage_order_change_mid_step_hands_over_the_prefetched_data(caplog: pytest.LogCaptureFixture) -> None:
+def test_stage_order_change_mid_step_hands_over_the_prefetched_data(logs: PackageLogs) -> None:
     """Session-level: the loop swaps the stage order of layer 1. The session
     falls back after draining and hands each (layer, stage) its own data."""
     recv, send, log = _fake_connector()
     sset = StreamSet(CpuBackend(), [0, 1])
     try:
         session = OverlapSession(
-            connector=object(), plan=StepPlan((0, 1, 2), (0, 1), {"max_num_tokens": 4}), streamset=sset
+            connector=object(),
+            plan=StepPlan((0, 1, 2), (0, 1), {"max_num_tokens": 4}),
+            streamset=sset,
+            context_of=camp2p.context_of,
         )
         order = [(0, 0), (0, 1), (1, 1), (1, 0), (2, 0), (2, 1)]
-        with captured_log(caplog, logging.WARNING):
-            for L, s in order:
-                p = session.recv(recv, (), {"ubatch_idx": s, "layer_idx": L, "max_num_tokens": 4})
-                assert torch.equal(p.hidden_states, torch.full((4, 8), float(L * 10 + s)))
-                session.send(send, (p.hidden_states, p.context), {"ubatch_idx": s})
-            session.close()
+        for L, s in order:
+            p = session.recv(recv, {"ubatch_idx": s, "layer_idx": L, "max_num_tokens": 4})
+            assert torch.equal(p.hidden_states, torch.full((4, 8), float(L * 10 + s)))
+            session.send(
+                lambda o=p.hidden_states, c=p.context, s=s: send(o, c, ubatch_idx=s), p.hidden_states, p.context, s
+            )
+        session.close()
         assert session.fallen_back
-        assert messages(caplog, "asked for (1, 1)")
+        assert logs.texts("asked for (1, 1)", logging.WARNING)
         # Each group kept the protocol order a2e, e2a, a2e, e2a ...
         for s in (0, 1):
             mine = [(k, L) for k, L, st in log if st == s]

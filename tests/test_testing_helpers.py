@@ -16,7 +16,8 @@ import pytest
 from conftest import REPO
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.engine import ENGINE, PatchRefused
+from camp2p_overlap.core.engine import PatchRefused
+from camp2p_overlap.core.process import ENGINE
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.testing import overlap_patched
 
@@ -88,7 +89,7 @@ def test_pytest_fixture_unpatches_after_a_failing_test(tmp_path: Path) -> None:
             """
             import importlib
             from camp2p_overlap.emulation import standins
-            from camp2p_overlap.core.engine import ENGINE
+            from camp2p_overlap.core.process import ENGINE
 
             pytest_plugins = ["camp2p_overlap.testing"]
             standins.install()

@@ -30,7 +30,7 @@ def _record(a2e: bool = True, e2a: bool = True) -> tuple[list[TraceOp], Expected
 @pytest.fixture(scope="module")
 def good() -> tuple[list[TraceOp], ExpectedSchedule]:
     ops, expected = _record()
-    from camp2p_overlap.core.engine import ENGINE
+    from camp2p_overlap.core.process import ENGINE
 
     ENGINE.unpatch(timeout=10)
     return ops, expected
@@ -184,13 +184,13 @@ class NoSideWaitOnFDone(OverlapSession):
     ],
 )
 def test_checker_fails_broken_sessions(monkeypatch: pytest.MonkeyPatch, broken: type, message: str) -> None:
-    from camp2p_overlap.core import wrappers
+    from camp2p_overlap.core.process import RUNTIME
 
     w = world(layers=3, stage_ids=STAGES)
     sched = Schedule(3, STAGES, (8, 8), step=1)
     (ref,) = serial_results(w, [sched])
     apply_cpu()
-    monkeypatch.setattr(wrappers, "OverlapSession", broken)
+    monkeypatch.setattr(RUNTIME, "session_class", broken)
     with trace.recording() as rec:
         got = run_step(w, sched)
     assert_same(got, ref)  # the outputs cannot tell ...

@@ -16,7 +16,9 @@ from conftest import REPO, run_python
 
 from camp2p_overlap.core import versions
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.engine import PatchEngine, PatchRefused, TargetState
+from camp2p_overlap.core.engine import PatchEngine, PatchRefused
+from camp2p_overlap.core.process import build_layer
+from camp2p_overlap.core.report import TargetState
 from camp2p_overlap.core.versions import check_vllm, judge_vllm_version
 from camp2p_overlap.emulation import standins
 
@@ -53,7 +55,7 @@ def test_check_vllm_reads_installed_metadata_without_importing_vllm(monkeypatch:
 
 
 def _engine_for(found: str | None) -> PatchEngine:
-    return PatchEngine(version_check=lambda supported: judge_vllm_version(found, supported))
+    return build_layer(version_check=lambda manifest: judge_vllm_version(found, manifest.vllm)).engine
 
 
 def _stand_in_dicts() -> tuple[dict[str, dict[str, Any]], tuple[type, type]]:
@@ -76,7 +78,7 @@ def test_engine_refuses_other_versions_and_wraps_nothing(found: str | None) -> N
         assert report.targets and {t.state for t in report.targets} == {TargetState.REFUSED}
         status = engine.status()
         assert status.reason == report.reason and not status.applied
-        assert engine.records == {}
+        assert engine.installer.records == {}
         for cls, snap in ((runner, snaps["runner"]), (conn, snaps["conn"])):
             assert all(vars(cls)[k] is v for k, v in snap.items()) and vars(cls).keys() == snap.keys()
         with pytest.raises(PatchRefused, match=SUPPORTED):
@@ -106,7 +108,8 @@ def test_engine_accepts_the_release_with_a_local_label(found: str) -> None:
 CHILD = """
 import importlib, importlib.metadata, json, sys
 import camp2p_overlap
-from camp2p_overlap.core.engine import ENGINE, PatchRefused
+from camp2p_overlap.core.engine import PatchRefused
+from camp2p_overlap.core.process import ENGINE
 from camp2p_overlap.emulation import standins
 standins.install()
 conn = importlib.import_module("afd_plugin.connectors.npu.camp2p").CAMP2pAFDConnector

@@ -8,11 +8,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
+from _overlap_util import assert_same
 from conftest import PackageLogs
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.engine import ENGINE
+from camp2p_overlap.core.process import ENGINE
 from camp2p_overlap.core.trace import ExpectedSchedule, check_step, recording
 from camp2p_overlap.emulation.faults import Fault, FaultPlan, run_step_bounded
 from camp2p_overlap.emulation.world import PeerTimeoutError
@@ -109,7 +109,7 @@ def test_fast_steps_log_no_stall(make_world, logs) -> None:
     for n in (1, 2, 3):
         out = run_step_bounded(w, n, STEP_BOUND_S)
         assert out.error is None and not out.hung
-        assert all(torch.equal(ref[n - 1][k], out.results[k]) for k in ref[n - 1])
+        assert_same(out.results, ref[n - 1])
     assert stall_reports(logs) == []
     # Cancelled timers leave no thread behind.
     assert not _wait_watchdogs_gone()
@@ -153,9 +153,8 @@ def test_watchdog_only_reads_a_slow_step_has_the_same_outcome(make_world, logs, 
     (res_off, shape_off, n_off), (res_on, shape_on, n_on) = outcomes[None], outcomes[0.05]
     assert n_off == 0 and n_on == 1
     assert shape_on == shape_off
-    assert res_on.keys() == res_off.keys() == ref.keys()
-    for k in ref:
-        assert torch.equal(res_on[k], ref[k]) and torch.equal(res_off[k], ref[k])
+    assert_same(res_on, ref)
+    assert_same(res_off, ref)
     # The report of the slow step shows the delayed op running, not blamed on a peer.
     text = stall_reports(logs)[0]
     assert f"{fault.op}(L{fault.layer},s{fault.stage}) on K{fault.stage}: RUNNING" in text
@@ -173,7 +172,7 @@ def test_watchdog_only_reads_a_failing_step_fails_the_same_way(make_world, logs)
         errors[watchdog] = out.error
         nxt = run_step_bounded(w, 9, STEP_BOUND_S)
         assert nxt.error is None
-        assert all(torch.equal(ref_next[k], nxt.results[k]) for k in ref_next)
+        assert_same(nxt.results, ref_next)
     assert type(errors[None]) is type(errors[0.1]) is PeerTimeoutError
     assert str(errors[None]) == str(errors[0.1])
     assert len(stall_reports(logs)) == 1
@@ -185,8 +184,10 @@ def test_report_on_a_device_backend_reads_events_not_handles() -> None:
     never by a sync."""
     from types import SimpleNamespace
 
-    from camp2p_overlap.core.session import OverlapSession, StepPlan, StreamSet
+    from camp2p_overlap.core.session import OverlapSession, StepPlan
     from camp2p_overlap.core.streams.base import DoneHandle, StreamBackend
+    from camp2p_overlap.core.streams.streamset import StreamSet
+    from camp2p_overlap.core.watchdog import stall_report
 
     class Event:
         def __init__(self) -> None:
@@ -234,15 +235,15 @@ def test_report_on_a_device_backend_reads_events_not_handles() -> None:
     def recv(**kw):
         return SimpleNamespace(hidden_states=None, context=SimpleNamespace(key=(kw["layer_idx"], kw["ubatch_idx"])))
 
-    session.recv(recv, (), {"ubatch_idx": 0, "layer_idx": 0, "max_num_tokens": 4})
-    text = session.stall_report()
+    session.recv(recv, {"ubatch_idx": 0, "layer_idx": 0, "max_num_tokens": 4})
+    text = stall_report(session.snapshot())
     assert "a2e(L0,s0) on K0: enqueued, not complete on the device" in text
     assert "a2e(L0,s2) on K2: enqueued, not complete on the device" in text
     assert "likely missing peer op: a2e(L0,s2) on K2 (enqueued, not complete on the device)" in text
     assert "ops not finished: a2e(L0,s0) on K0, a2e(L0,s2) on K2" in text
     for ev in dev.events:
         ev.done = True
-    text = session.stall_report()
+    text = stall_report(session.snapshot())
     assert "a2e(L0,s0) on K0: done" in text and "a2e(L0,s2) on K2: done" in text
     assert "every issued op has finished" in text and "ops not finished: none" in text
     session.close(raising=True)

@@ -80,6 +80,16 @@ class StackManifest:
     remove_when: str
     modules: tuple[ModuleSpec, ...]
     source: str
+    #: The afd-plugin distribution version (``vllm-afd-plugin``) the targets
+    #: were checked against; None when the stack does not pin one.
+    afd_plugin: str | None = None
+    #: Where that afd-plugin came from (branch and commit), for people.
+    afd_plugin_source: str = ""
+
+    def describe(self) -> str:
+        """``vLLM 0.19.1 with afd-plugin 0.19.1rc1 (stack vllm-0.19.1)``."""
+        afd = f" with afd-plugin {self.afd_plugin}" if self.afd_plugin else ""
+        return f"vLLM {self.vllm}{afd} (stack {self.name})"
 
     def targets(self) -> tuple[TargetSpec, ...]:
         return tuple(t for m in self.modules for t in m.targets)
@@ -148,12 +158,17 @@ def parse_manifest(text: str, source: str = "<string>") -> StackManifest:
                 )
             )
         modules.append(ModuleSpec(mname, tuple(targets)))
+    afd_plugin = stack.get("afd_plugin")
+    if afd_plugin is not None and not isinstance(afd_plugin, str):
+        raise ManifestError(f"{source}: [stack] afd_plugin must be a version string")
     return StackManifest(
         name=_require(stack, "name", source),
         vllm=_require(stack, "vllm", source),
         remove_when=str(stack.get("remove_when", "")).strip(),
         modules=tuple(modules),
         source=source,
+        afd_plugin=afd_plugin,
+        afd_plugin_source=str(stack.get("afd_plugin_source", "")).strip(),
     )
 
 
@@ -172,6 +187,20 @@ def load_manifest(stack: str = DEFAULT_STACK) -> StackManifest:
             f"no manifest for stack {stack!r}; shipped: {', '.join(available_stacks()) or 'none'}"
         ) from None
     return parse_manifest(text, source=f"patches/{stack}.toml")
+
+
+def load_manifests() -> tuple[StackManifest, ...]:
+    """Every shipped stack's manifest, in name order: the patch engine picks
+    the one whose pinned versions match what is installed."""
+    stacks = available_stacks()
+    if not stacks:
+        raise ManifestError(f"no manifest is shipped in {MANIFEST_PACKAGE}")
+    return tuple(load_manifest(name) for name in stacks)
+
+
+def supported_stacks(manifests: tuple[StackManifest, ...]) -> str:
+    """The supported stacks in one phrase, for refusals."""
+    return "; ".join(m.describe() for m in manifests)
 
 
 def signature_of(obj: Callable[..., Any]) -> tuple[ParamSpec, ...]:

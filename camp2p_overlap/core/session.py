@@ -1,10 +1,11 @@
-"""One FFN step's overlap schedule: the edges of ``overlap-dag.md`` driven
+"""One FFN step's overlap schedule: the edges of ``docs/design.md`` driven
 from the connector calls the upstream loop makes.
 
-The session knows nothing of afd-plugin types. It is told the step's plan
-(layer list and stage ids, the receive kwargs of each (layer, stage)), a
-stream backend and per-stage side streams, and is then fed the loop's
-``recv``/``send`` calls in order:
+The session knows nothing of afd-plugin: the wrappers hand it each receive
+as a function and its keyword arguments, and each send as a call, its
+output, its context and its stage (the CAMP2P adapter parses them). It is
+told the step's plan (layer list, stage ids, the receive kwargs of each
+(layer, stage)) and a stream set, and is then fed the loop's calls in order:
 
 * first ``recv``: fork (every K_s waits on C), then the prologue: A2E of the
   first layer for every stage on its K_s, each followed by ``a_done``;
@@ -23,16 +24,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from camp2p_overlap.core.log import logger
-from camp2p_overlap.core.streams.base import OpHandle, Stream, StreamBackend
-from camp2p_overlap.core.streams.cpu import StreamPoisonedError
-from camp2p_overlap.core.trace import ExpectedSchedule, TraceOp, TraceRecorder, side_stream_name
+from camp2p_overlap.core.streams.base import OpHandle, Stream, StreamPoisonedError
+from camp2p_overlap.core.streams.streamset import StreamSet
+from camp2p_overlap.core.trace import ExpectedSchedule, StepTrace, TraceRecorder
 
 StageLayer = tuple[int, int]
 
@@ -74,52 +74,37 @@ class Directions:
     e2a_side: bool = True
 
 
-class StreamSet:
-    """A backend and one side stream per stage id, created once (outside any
-    capture) and reused for every step of a runner."""
-
-    def __init__(self, backend: StreamBackend, stage_ids: Sequence[int]) -> None:
-        self.backend = backend
-        self.streams: dict[int, Stream] = {s: backend.new_stream(side_stream_name(s)) for s in stage_ids}
-        self.lock = threading.Lock()  # one step at a time per runner
-
-    def close(self) -> None:
-        self.backend.close()
-
-
-def normalize_recv(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """``recv_attn_output(self, ubatch_idx=0, **kwargs)`` call -> kwargs."""
-    out = dict(kwargs)
-    if args:
-        out["ubatch_idx"] = args[0]
-    out.setdefault("ubatch_idx", 0)
-    return out
-
-
-def send_parts(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
-    """``send_ffn_output(self, ffn_output, context, **kwargs)`` -> (output, context)."""
-    rest = list(args)
-    out = rest.pop(0) if rest else kwargs.get("ffn_output")
-    ctx = rest.pop(0) if rest else kwargs.get("context")
-    return out, ctx
-
-
-def send_stage(ctx: Any, kwargs: Mapping[str, Any]) -> int | None:
-    if "ubatch_idx" in kwargs:
-        return int(kwargs["ubatch_idx"])
-    meta = getattr(ctx, "metadata", None)
-    stage = getattr(meta, "stage_idx", None)
-    return None if stage is None else int(stage)
-
-
 @dataclass
-class _PendingOp:
+class IssuedOp:
+    """A connector op the session issued, in issue order."""
+
     kind: str
-    layer: int
-    stage: int
+    layer: int | None
+    stage: int | None
     stream: str
     handle: OpHandle
     seq: int = -1
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    """A copy of a session's progress, readable from another thread (the
+    watchdog): never a sync, only event queries and handle states."""
+
+    step_id: int
+    plan: StepPlan
+    directions: Directions
+    received: int
+    consumed: frozenset[StageLayer]
+    sent: frozenset[StageLayer]
+    ops: tuple[IssuedOp, ...]
+    events: tuple[tuple[Hashable, Any], ...]
+    side_streams: Mapping[int, str]
+    opened_ns: int
+
+
+def _identity(payload: Any) -> Any:
+    return payload
 
 
 class OverlapSession:
@@ -134,23 +119,24 @@ class OverlapSession:
         directions: Directions = Directions(),
         recorder: TraceRecorder | None = None,
         step_id: int = 0,
+        context_of: Callable[[Any], Any] = _identity,
     ) -> None:
         if not plan.layers or not plan.stages:
             raise SessionError("a step plan needs at least one layer and one stage")
         missing = [s for s in plan.stages if s not in streamset.streams]
         if missing:
             raise SessionError(f"no side stream for stage(s) {missing}")
+        #: The object whose calls this session serves (the runner's connector).
         self.connector = connector
         self.plan = plan
         self.order = plan.order()
-        self.set = streamset
         self.backend = streamset.backend
         self.C = self.backend.compute_stream()
         self.K = {s: streamset.streams[s] for s in plan.stages}
         self.dir = directions
-        self.recorder = recorder
         self.step_id = step_id
-        self.thread = threading.get_ident()
+        self._context_of = context_of
+        self._trace = StepTrace(recorder, step_id) if recorder is not None else None
 
         self.pos = 0  # index in self.order of the next expected receive
         self.forked = False
@@ -168,29 +154,24 @@ class OverlapSession:
         self._contexts: dict[int, StageLayer] = {}
         #: FFN outputs per stage, until C waits an event K_s recorded after their E2A.
         self._f_refs: dict[int, list[Any]] = {s: [] for s in plan.stages}
-        #: The last event recorded on K_s, or on C after a C-side E2A of stage s.
-        self._last_k: dict[int, Any] = {}
         self._e_done_c: dict[int, Any] = {}
-        self._ops: list[_PendingOp] = []
-        self._trace: list[TraceOp] = []
+        self._ops: list[IssuedOp] = []
         self._ffn_start: dict[StageLayer, tuple[int, int]] = {}
         #: Host issue order of every record, wait and op of the step (traces:
         #: the checker rebuilds each stream's FIFO and the event graph from it).
         self._seq = itertools.count()
-        #: Issued (kind, layer, stage) for stall reports.
-        self.issued: list[tuple[str, int, int]] = []
         self.t_open_ns = time.perf_counter_ns()
         self.backend.begin_step(list(self.K.values()))
 
     # ------------------------------------------------------------------
-    # events
+    # events and ops
     def _record(self, stream: Stream, key: Hashable) -> Any:
         seq = next(self._seq)
         ev = self.backend.record(stream, key)
         self._events[key] = ev
-        if self.recorder is not None:
+        if self._trace is not None:
             now = time.perf_counter_ns()
-            self._trace.append(TraceOp("record", _l(key), _s(key), stream.name, now, now, self.step_id, repr(key), seq))
+            self._trace.event("record", key, stream.name, now, now, seq)
         return ev
 
     def _wait(self, stream: Stream, key: Hashable) -> None:
@@ -200,58 +181,72 @@ class OverlapSession:
         seq = next(self._seq)
         t0 = time.perf_counter_ns()
         self.backend.wait(stream, ev)
-        if self.recorder is not None:
-            self._trace.append(
-                TraceOp("wait", _l(key), _s(key), stream.name, t0, time.perf_counter_ns(), self.step_id, repr(key), seq)
-            )
+        if self._trace is not None:
+            self._trace.event("wait", key, stream.name, t0, time.perf_counter_ns(), seq)
 
-    def _stamp(self) -> int:
-        return time.perf_counter_ns()
+    def _submit(
+        self, stream: Stream, kind: str, layer: int | None, stage: int | None, fn: Callable[[], Any]
+    ) -> OpHandle:
+        """Issue one connector op on ``stream``, remembered in issue order."""
+        seq = next(self._seq)
+        h = self.backend.submit(stream, fn, label=f"{kind} L{layer} s{stage}")
+        self._ops.append(IssuedOp(kind, layer, stage, stream.name, h, seq))
+        return h
+
+    def _run_on_c(self, kind: str, layer: int | None, stage: int | None, fn: Callable[[], Any]) -> Any:
+        h = self._submit(self.C, kind, layer, stage, fn)
+        try:
+            return h.result()
+        finally:
+            h.release()
+
+    def _ffn_started(self, key: StageLayer) -> None:
+        self._ffn_start[key] = (time.perf_counter_ns(), next(self._seq))
+
+    def _ffn_ended(self, key: StageLayer) -> None:
+        t_end = time.perf_counter_ns()
+        t_start, seq = self._ffn_start.pop(key, (t_end, -1))
+        if self._trace is not None:
+            self._trace.ffn(key[0], key[1], t_start, t_end, seq)
 
     # ------------------------------------------------------------------
     # fork / prologue / lookahead
     def _fork(self) -> None:
         self._record(self.C, ("fork",))
-        for s, k in self.K.items():
+        for k in self.K.values():
             self._wait(k, ("fork",))
-            self._last_k[s] = self._events[("fork",)]
         self.forked = True
 
     def _issue_a2e(self, layer: int, stage: int) -> None:
-        assert self._recv_fn is not None
-        kw = self.plan.recv_kwargs(layer, stage)
         fn = self._recv_fn
-        k = self.K[stage]
-        seq = next(self._seq)
-        h = self.backend.submit(k, lambda: fn(**kw), label=f"a2e L{layer} s{stage}")
-        self._a_handle[(layer, stage)] = h
+        assert fn is not None
+        kw = self.plan.recv_kwargs(layer, stage)
+        self._a_handle[(layer, stage)] = self._submit(self.K[stage], "a2e", layer, stage, lambda: fn(**kw))
         self._a_kwargs[(layer, stage)] = kw
-        self._ops.append(_PendingOp("a2e", layer, stage, k.name, h, seq))
-        self.issued.append(("a2e", layer, stage))
-        self._last_k[stage] = self._record(k, ("a", layer, stage))
-
-    def _prologue(self) -> None:
-        first = self.plan.layers[0]
-        for s in self.plan.stages:
-            self._issue_a2e(first, s)
+        self._record(self.K[stage], ("a", layer, stage))
 
     # ------------------------------------------------------------------
     # the connector calls
-    def recv(self, wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        kw = normalize_recv(args, kwargs)
+    def recv(self, fn: Callable[..., Any], kw: Mapping[str, Any], call: Callable[[], Any] | None = None) -> Any:
+        """A receive of the loop: ``fn(**kw)`` is the connector's receive
+        (used for prefetches); ``call`` runs the loop's call as it was made
+        (default: ``fn(**kw)``). ``kw`` holds ``layer_idx`` and ``ubatch_idx``."""
+        kw = dict(kw)
+        run = call if call is not None else (lambda: fn(**kw))
         got = (kw.get("layer_idx"), kw.get("ubatch_idx"))
         if self.fallen_back:
-            return self._recv_after_fallback(wrapped, args, kwargs, kw)
+            return self._recv_after_fallback(kw, got, run)
         expected = self.order[self.pos] if self.pos < len(self.order) else None
         if expected is None or got != expected or kw != self.plan.recv_kwargs(*expected):
             self._fall_back(expected, got, kw)
-            return self._recv_after_fallback(wrapped, args, kwargs, kw)
+            return self._recv_after_fallback(kw, got, run)
         L, s = expected
         if self.pos == 0:
-            self._recv_fn = wrapped
+            self._recv_fn = fn
             self._fork()
             if self.dir.a2e_side:
-                self._prologue()
+                for stage in self.plan.stages:  # the prologue
+                    self._issue_a2e(self.plan.layers[0], stage)
         self.pos += 1
         if self.dir.a2e_side:
             self._wait(self.C, ("a", L, s))
@@ -265,21 +260,14 @@ class OverlapSession:
                 failed = self.backend.step_errors([self.K[s]])
                 if failed:
                     raise failed[0]
-            seq = next(self._seq)
-            h = self.backend.submit(self.C, lambda: wrapped(*args, **kwargs), label=f"a2e L{L} s{s}")
-            self._ops.append(_PendingOp("a2e", L, s, "C", h, seq))
-            self.issued.append(("a2e", L, s))
-            try:
-                payload = h.result()
-            finally:
-                h.release()
+            payload = self._run_on_c("a2e", L, s, run)
         # C has now waited an event recorded on K_s after every earlier E2A
         # of this stage: their FFN outputs may be freed.
         self._f_refs[s].clear()
         self._consumed.add((L, s))
         self._inflight[(L, s)] = payload
-        self._contexts[id(getattr(payload, "context", payload))] = (L, s)
-        self._ffn_start[(L, s)] = (self._stamp(), next(self._seq))
+        self._contexts[id(self._context_of(payload))] = (L, s)
+        self._ffn_started((L, s))
         return payload
 
     def _take_prefetched(self, L: int, s: int) -> Any:
@@ -297,46 +285,34 @@ class OverlapSession:
             # payload must not: ownership is tracked in self._inflight.
             h.release()
 
-    def send(self, wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        out, ctx = send_parts(args, kwargs)
+    def send(self, call: Callable[[], Any], output: Any, context: Any, stage: int | None) -> None:
+        """A send of the loop: ``call`` runs it as the loop made it."""
         # Popped: the payload (and so its context) stays alive until its send,
         # so the id cannot be reused while it is mapped.
-        key = self._contexts.pop(id(ctx), None)
+        key = self._contexts.pop(id(context), None)
         if self.fallen_back:
-            return self._send_on_c(wrapped, args, kwargs, key)
-        stage = send_stage(ctx, kwargs)
+            return self._send_on_c(call, key)
         if key is None or key in self._sent or stage != key[1]:
-            self._fall_back(("send for a received (layer, stage)",), ("send", key, "stage", stage), kwargs)
-            return self._send_on_c(wrapped, args, kwargs, key)
+            self._fall_back(("send for a received (layer, stage)",), ("send", key, "stage", stage), {})
+            return self._send_on_c(call, key)
         L, s = key
         self._sent.add(key)
-        t_end = self._stamp()
-        t_start, ffn_seq = self._ffn_start.pop((L, s), (t_end, -1))
-        if self.recorder is not None:
-            self._trace.append(TraceOp("ffn", L, s, "C", t_start, t_end, self.step_id, "", ffn_seq))
+        self._ffn_ended(key)
         self._record(self.C, ("f", L, s))
         if self.dir.e2a_side:
             k = self.K[s]
             self._wait(k, ("f", L, s))
-            seq = next(self._seq)
-            h = self.backend.submit(k, lambda: wrapped(*args, **kwargs), label=f"e2a L{L} s{s}")
-            self._ops.append(_PendingOp("e2a", L, s, k.name, h, seq))
-            self.issued.append(("e2a", L, s))
-            self._last_k[s] = self._record(k, ("e", L, s))
-            self._f_refs[s].append((out, args, kwargs))
+            h = self._submit(k, "e2a", L, s, call)
+            self._record(k, ("e", L, s))
+            self._f_refs[s].append((output, context, call))
             self._inflight.pop(key, None)  # K_s has waited f_done(L, s)
             if h.done():
                 h.result()  # a host-side failure surfaces here, as in the serial path
+            self._e_done_c[s] = ("e", L, s)
         else:
-            seq = next(self._seq)
-            h = self.backend.submit(self.C, lambda: wrapped(*args, **kwargs), label=f"e2a L{L} s{s}")
-            self._ops.append(_PendingOp("e2a", L, s, "C", h, seq))
-            self.issued.append(("e2a", L, s))
-            h.result()
+            self._submit(self.C, "e2a", L, s, call).result()
             self._e_done_c[s] = ("ec", L, s)
             self._record(self.C, ("ec", L, s))
-        if self.dir.e2a_side:
-            self._e_done_c[s] = ("e", L, s)
         nxt = self.plan.next_layer(L)
         if nxt is not None and self.dir.a2e_side:
             if not self.dir.e2a_side:
@@ -360,10 +336,7 @@ class OverlapSession:
         self.fallen_back = True
         self._join()
 
-    def _recv_after_fallback(
-        self, wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], kw: dict[str, Any]
-    ) -> Any:
-        got = (kw.get("layer_idx"), kw.get("ubatch_idx"))
+    def _recv_after_fallback(self, kw: dict[str, Any], got: tuple[Any, Any], run: Callable[[], Any]) -> Any:
         if got in self._a_handle and self._a_kwargs.get(got) == kw:  # type: ignore[comparison-overlap]
             payload = self._take_prefetched(*got)  # type: ignore[arg-type]
         elif any(s == kw.get("ubatch_idx") for (_, s) in self._a_handle):
@@ -374,36 +347,18 @@ class OverlapSession:
                 "to hand over data that may belong to another layer"
             )
         else:
-            payload = self._run_on_c("a2e", got, wrapped, args, kwargs)
-        key = (got[0], got[1])
-        self._contexts[id(getattr(payload, "context", payload))] = key  # type: ignore[assignment]
-        self._ffn_start[key] = (self._stamp(), next(self._seq))  # type: ignore[index]
+            payload = self._run_on_c("a2e", got[0], got[1], run)
+        self._contexts[id(self._context_of(payload))] = got  # type: ignore[assignment]
+        self._ffn_started(got)  # type: ignore[arg-type]
         return payload
 
-    def _run_on_c(
-        self, kind: str, key: Any, wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """A connector call run as the serial path does, after a fallback;
-        traced like any other op."""
-        L, s = key if isinstance(key, tuple) else (None, None)
-        seq = next(self._seq)
-        h = self.backend.submit(self.C, lambda: wrapped(*args, **kwargs), label=f"{kind} L{L} s{s}")
-        self._ops.append(_PendingOp(kind, L, s, "C", h, seq))  # type: ignore[arg-type]
-        self.issued.append((kind, L, s))  # type: ignore[arg-type]
-        try:
-            return h.result()
-        finally:
-            h.release()
-
-    def _send_on_c(self, wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], key: Any) -> Any:
+    def _send_on_c(self, call: Callable[[], Any], key: StageLayer | None) -> Any:
         if key is not None:
             self._sent.add(key)
             self._inflight.pop(key, None)
-            t_end = self._stamp()
-            t_start, ffn_seq = self._ffn_start.pop(key, (t_end, -1))
-            if self.recorder is not None:
-                self._trace.append(TraceOp("ffn", key[0], key[1], "C", t_start, t_end, self.step_id, "", ffn_seq))
-        return self._run_on_c("e2a", key, wrapped, args, kwargs)
+            self._ffn_ended(key)
+        L, s = key if key is not None else (None, None)
+        return self._run_on_c("e2a", L, s, call)
 
     # ------------------------------------------------------------------
     # join
@@ -431,7 +386,8 @@ class OverlapSession:
         finally:
             errors = self.backend.step_errors(list(self.K.values()))
             unconsumed = [k for k in self._a_handle if k not in self._consumed]
-            self._emit_trace()
+            if self._trace is not None:
+                self._trace.emit((o.kind, o.layer, o.stage, o.stream, o.handle, o.seq) for o in self._ops)
             self._a_handle.clear()
             self._a_kwargs.clear()
             self._contexts.clear()
@@ -465,124 +421,21 @@ class OverlapSession:
     def expected_schedule(self) -> ExpectedSchedule:
         return ExpectedSchedule(self.plan.layers, self.plan.stages, self.dir.a2e_side, self.dir.e2a_side)
 
-    def stall_report(self) -> str:
-        """Which ops were issued and which recorded events have completed:
-        read-only (event queries, handle states; never a sync), for the
-        watchdog. May be called from another thread while the step runs.
+    def issued(self) -> list[tuple[str, int | None, int | None]]:
+        """``(kind, layer, stage)`` of every op issued so far, in issue order."""
+        return [(o.kind, o.layer, o.stage) for o in self._ops]
 
-        Layout: the header; what the compute stream C is blocked on; per
-        stage (stream, HCCL group) every op issued in order with its state
-        (done / running for N s / queued / enqueued on the device, not
-        complete); the first unfinished op of each stage named as the
-        likely missing peer op; then the events (all of them when few,
-        else only the pending ones) and the unfinished ops."""
-        now = time.perf_counter_ns()
-        events = list(self._events.items())
-        evmap = dict(events)
-        ops = list(self._ops)
-        consumed = set(self._consumed)
-
-        def ev_state(key: Hashable) -> bool | str | None:
-            ev = evmap.get(key)
-            if ev is None:
-                return None
-            try:
-                return bool(ev.query())
-            except Exception as exc:  # noqa: BLE001 - diagnostics only
-                return f"query failed: {exc}"
-
-        def op_state(o: _PendingOp) -> tuple[bool, str]:
-            h = o.handle
-            if not h.done():
-                if h.start_ns is None:
-                    return False, "queued"
-                return False, f"RUNNING for {(now - h.start_ns) / 1e9:.2f} s"
-            # Device backends return at once; the event after the op tells.
-            after = {"a2e": "a", "e2a": "e" if o.stream != "C" else "ec"}.get(o.kind, "")
-            st = ev_state((after, o.layer, o.stage))
-            if st is False:
-                return False, "enqueued, not complete on the device"
-            return True, "done"
-
-        lines = [f"step {self.step_id}: {self.pos}/{len(self.order)} receives handed to the loop"]
-        lines.append(
-            f"  open for {(now - self.t_open_ns) / 1e9:.2f} s; plan: layers {list(self.plan.layers)}, "
-            f"stages {list(self.plan.stages)}"
+    def snapshot(self) -> SessionSnapshot:
+        """The session's progress, copied; safe to take from another thread."""
+        return SessionSnapshot(
+            step_id=self.step_id,
+            plan=self.plan,
+            directions=self.dir,
+            received=self.pos,
+            consumed=frozenset(self._consumed),
+            sent=frozenset(self._sent),
+            ops=tuple(self._ops),
+            events=tuple(self._events.items()),
+            side_streams={s: k.name for s, k in self.K.items()},
+            opened_ns=self.t_open_ns,
         )
-        on_c: list[str] = []  # a C-side op in progress (one direction switched off)
-        if self.pos > 0 and self.order[self.pos - 1] not in consumed:
-            L, s = self.order[self.pos - 1]
-            lines.append(f"  compute stream C is blocked in receive (L{L},s{s}), waiting for a2e(L{L},s{s})")
-            if not self.dir.a2e_side:
-                on_c.append(f"a2e(L{L},s{s}) on C")
-        elif self.pos < len(self.order):
-            L, s = self.order[self.pos]
-            lines.append(f"  compute stream C is not waiting on a receive (FFN or E2A issue); next receive (L{L},s{s})")
-        if not self.dir.e2a_side:
-            sent_on_c = {(o.layer, o.stage) for o in ops if o.kind == "e2a"}
-            on_c += [f"e2a(L{L},s{s}) on C" for (L, s) in sorted(set(self._sent) - sent_on_c)]
-        culprits = [
-            f"  likely missing peer op: {what} (in progress on the compute stream): the attention peer has not answered"
-            for what in on_c
-        ]
-        for s in self.plan.stages:
-            group = _GROUPS[s] if 0 <= s < len(_GROUPS) else f"stage {s}"
-            mine = [o for o in ops if o.stage == s]
-            stream = self.K[s].name if s in self.K else "?"
-            lines.append(f"  stage {s} (stream {stream}, group {group}): {len(mine)} op(s) issued")
-            states = [op_state(o) for o in mine]
-            open_idx = [i for i, (finished, _) in enumerate(states) if not finished]
-            first_open = (mine[open_idx[0]], states[open_idx[0]][1]) if open_idx else None
-            # Keep long steps readable: the done ops before the last two
-            # preceding the first unfinished one are counted, not listed.
-            cut = max((open_idx[0] if open_idx else len(mine)) - 2, 0)
-            if cut:
-                lines.append(f"    ... {cut} earlier op(s) done")
-            for o, (_, text) in list(zip(mine, states, strict=True))[cut:]:
-                lines.append(f"    {o.kind}(L{o.layer},s{o.stage}) on {o.stream}: {text}")
-            if first_open is not None:
-                o, text = first_open
-                role = "answered (no data)" if o.kind == "a2e" else "acknowledged"
-                culprits.append(
-                    f"  likely missing peer op: {o.kind}(L{o.layer},s{o.stage}) on {o.stream} ({text}): "
-                    f"the attention peer of stage {s} (group {group}) has not {role}"
-                )
-        lines.extend(culprits or ["  every issued op has finished"])
-        shown = events if len(events) <= 32 else [(k, e) for k, e in events if ev_state(k) is not True]
-        if len(shown) < len(events):
-            lines.append(f"  events: {len(events) - len(shown)} done, listing the other {len(shown)}")
-        for key, _ev in shown:
-            done = ev_state(key)
-            lines.append(f"  event {key!r}: {'done' if done is True else done or 'pending'}")
-        pending = [f"{o.kind}(L{o.layer},s{o.stage}) on {o.stream}" for o in ops if not op_state(o)[0]]
-        lines.append("  ops not finished: " + (", ".join(pending) or "none"))
-        return "\n".join(lines)
-
-    def _emit_trace(self) -> None:
-        if self.recorder is None:
-            return
-        for o in self._ops:
-            h = o.handle
-            if h.start_ns is None or h.end_ns is None:
-                continue
-            self._trace.append(
-                TraceOp(o.kind, o.layer, o.stage, o.stream, h.start_ns, h.end_ns, self.step_id, "", o.seq)
-            )
-        self.recorder.extend(self._trace)
-        self._trace = []
-
-
-#: CAMP2P's HCCL group of each stage id (for stall reports).
-_GROUPS = ("afd", "afd1", "afd2")
-
-
-def _l(key: Hashable) -> int | None:
-    return key[1] if isinstance(key, tuple) and len(key) == 3 else None
-
-
-def _s(key: Hashable) -> int | None:
-    if isinstance(key, tuple) and len(key) == 3:
-        return key[2]
-    if isinstance(key, tuple) and len(key) == 2 and key[0] == "join":
-        return key[1]
-    return None

@@ -1,5 +1,5 @@
 """A trace of what ran where and when, and a checker that every edge of the
-design (``shared/design/overlap-dag.md``) held in it.
+design (``docs/design.md``, "Edges") held in it.
 
 A recorder is opt-in (:func:`recording`); with none active, the wrappers pay
 nothing for tracing. Times are ``time.perf_counter_ns()`` on the host (CPU
@@ -14,8 +14,9 @@ import itertools
 import json
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 OP_KINDS = ("a2e", "ffn", "e2a", "wait", "record", "step")
 
@@ -109,6 +110,39 @@ def recording(recorder: TraceRecorder | None = None) -> Iterator[TraceRecorder]:
     finally:
         with _active_lock:
             _active = previous
+
+
+class StepTrace:
+    """One engaged step's trace bookkeeping, kept apart from the schedule:
+    the session calls it only when a recorder is active."""
+
+    def __init__(self, recorder: TraceRecorder, step_id: int) -> None:
+        self.recorder = recorder
+        self.step_id = step_id
+        self._ops: list[TraceOp] = []
+
+    def event(self, kind: str, key: Hashable, stream: str, t0: int, t1: int, seq: int) -> None:
+        """A record or a wait of the event named ``key`` (``(kind, layer, stage)``)."""
+        layer = key[1] if isinstance(key, tuple) and len(key) == 3 else None
+        if isinstance(key, tuple) and len(key) == 3:
+            stage = key[2]
+        elif isinstance(key, tuple) and len(key) == 2 and key[0] == "join":
+            stage = key[1]
+        else:
+            stage = None
+        self._ops.append(TraceOp(kind, layer, stage, stream, t0, t1, self.step_id, repr(key), seq))  # type: ignore[arg-type]
+
+    def ffn(self, layer: int, stage: int, t0: int, t1: int, seq: int) -> None:
+        self._ops.append(TraceOp("ffn", layer, stage, "C", t0, t1, self.step_id, "", seq))
+
+    def emit(self, ops: Iterable[tuple[str, int | None, int | None, str, Any, int]]) -> None:
+        """Hand the step's trace to the recorder, with every op that ran:
+        ``(kind, layer, stage, stream, handle, seq)``."""
+        for kind, layer, stage, stream, h, seq in ops:
+            if h.start_ns is not None and h.end_ns is not None:
+                self._ops.append(TraceOp(kind, layer, stage, stream, h.start_ns, h.end_ns, self.step_id, "", seq))  # type: ignore[arg-type]
+        self.recorder.extend(self._ops)
+        self._ops = []
 
 
 # ---------------------------------------------------------------------------

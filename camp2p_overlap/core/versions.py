@@ -38,6 +38,40 @@ def check_vllm(supported: str) -> VersionCheck:
     return judge_vllm_version(found, supported)
 
 
+def same_release(found: str, supported: str) -> bool:
+    """Whether ``found`` is release ``supported`` up to a local label
+    (releases compared as versions: 0.19.1 == 0.19.1.0). False when either
+    does not parse."""
+    try:
+        return Version(Version(found).public) == Version(supported)
+    except InvalidVersion:
+        return False
+
+
+def check_stack(vllm: str, afd_plugin: str | None) -> VersionCheck:
+    """The version gate of one stack: vLLM must be release ``vllm``
+    (:func:`check_vllm`); where the afd-plugin distribution is installed and
+    the stack pins ``afd_plugin``, it must be that release too. An afd-plugin
+    used from a source tree without distribution metadata is left to the
+    per-target signature check."""
+    vc = check_vllm(vllm)
+    if not vc.ok or afd_plugin is None:
+        return vc
+    return judge_afd_plugin_version(vc, installed_version(AFD_PLUGIN_DIST), afd_plugin)
+
+
+def judge_afd_plugin_version(vllm_check: VersionCheck, found: str | None, supported: str) -> VersionCheck:
+    if found is None or same_release(found, supported):
+        return vllm_check
+    return VersionCheck(
+        False,
+        vllm_check.found,
+        vllm_check.supported,
+        f"afd-plugin ({AFD_PLUGIN_DIST}) {found} is installed next to vLLM {vllm_check.found}; "
+        f"camp2p-overlap supports afd-plugin {supported} with vLLM {vllm_check.supported}",
+    )
+
+
 def judge_vllm_version(found: str | None, supported: str) -> VersionCheck:
     if found is None:
         return VersionCheck(False, None, supported, f"vLLM is not installed; camp2p-overlap supports vLLM {supported}")
@@ -52,7 +86,7 @@ def judge_vllm_version(found: str | None, supported: str) -> VersionCheck:
         )
     # Compare releases as versions (0.19.1 == 0.19.1.0), ignoring only the
     # local label; a pre-, post- or dev release differs from the release.
-    if Version(parsed.public) != Version(supported):
+    if not same_release(str(parsed), supported):
         return VersionCheck(
             False,
             found,

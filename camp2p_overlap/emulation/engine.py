@@ -1,74 +1,51 @@
-"""The patch engine the benchmark drives the emulation with (benchmark and
-test use only).
-
-The wrappers installed on the stand-ins read the process-wide engine
-``camp2p_overlap.core.engine.ENGINE`` at call time, exactly as they do for users.
-The global engine's version gate requires an installed vLLM 0.19.1, which a
-benchmark machine need not have. :func:`emulation_engine` therefore swaps
-``patcher.ENGINE`` for an engine whose version gate accepts the emulated
-stack, and restores the global engine on every exit path. The user-facing
-behaviour of ``camp2p_overlap.apply()`` is unchanged: it keeps using the
-global engine object (``camp2p_overlap.ENGINE``).
-
-Swapping a module global is not safe while other threads of the process run
-FFN steps through the patch layer; it is meant for the benchmark's own
-process and for tests, never for a vLLM worker.
+"""Patch layers for the emulation (benchmark, soak and tests): each is a
+fresh engine with its own runtime whose version gate accepts the emulated
+stack (the stand-ins follow the supported stack's contract, whatever vLLM
+is installed), and where the stand-ins live for a run. Nothing here touches
+the process-wide layer behind ``camp2p_overlap.apply()``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from camp2p_overlap.core import engine as patcher
+from camp2p_overlap.core.engine import PatchEngine
 from camp2p_overlap.core.manifest import StackManifest, load_manifest
+from camp2p_overlap.core.process import ENGINE, PatchLayer, build_layer
 from camp2p_overlap.core.versions import VersionCheck
 from camp2p_overlap.emulation import standins
 
-_swap_lock = threading.Lock()
-_swapped = False
+
+def emulated_version_check(manifest: StackManifest) -> VersionCheck:
+    """The version gate of the emulated stack: always accepted, without
+    reading what vLLM or afd-plugin is installed."""
+    return VersionCheck(True, "emulated", manifest.vllm, f"emulated stack (stand-ins for {manifest.describe()})")
 
 
-def emulated_version_check(supported: str) -> VersionCheck:
-    """The version gate of the emulated stack: always accepted (the stand-ins
-    follow the contract of the supported stack, whatever vLLM is installed)."""
-    return VersionCheck(True, "emulated", supported, f"emulated stack (stand-ins for vLLM {supported})")
+def emulated_layer() -> PatchLayer:
+    """A fresh patch layer for the emulated stack. Refuses
+    (``RuntimeError``) while the process-wide layer is applied: its wrappers
+    would sit on the same stand-in classes."""
+    if ENGINE.is_applied():
+        raise RuntimeError(
+            "the process-wide camp2p-overlap patch layer is applied in this process; call "
+            "camp2p_overlap.unpatch() first (the benchmark drives its own engines)"
+        )
+    return build_layer(version_check=emulated_version_check)
 
 
 @contextlib.contextmanager
-def emulation_engine() -> Iterator[patcher.PatchEngine]:
-    """Make ``camp2p_overlap.core.engine.ENGINE`` a fresh engine that accepts the
-    emulated stack for the duration of the block; unpatch it and restore the
-    global engine on every exit path.
-
-    Refuses (``RuntimeError``) when the global engine is applied (its
-    wrappers would sit on the same stand-in classes) or when another
-    emulation engine is already active in this process."""
-    global _swapped
-    with _swap_lock:
-        if _swapped:
-            raise RuntimeError("an emulation engine is already active in this process")
-        previous = patcher.ENGINE
-        if previous.is_applied():
-            raise RuntimeError(
-                "the global camp2p-overlap patch engine is applied in this process; call "
-                "camp2p_overlap.unpatch() first (the benchmark drives its own engine)"
-            )
-        engine = patcher.PatchEngine(version_check=emulated_version_check)
-        patcher.ENGINE = engine
-        _swapped = True
+def emulation_engine() -> Iterator[PatchEngine]:
+    """A fresh emulated engine for the block, unpatched on every exit path."""
+    engine = emulated_layer().engine
     try:
         yield engine
     finally:
-        try:
-            engine.unpatch(timeout=30.0)
-        finally:
-            with _swap_lock:
-                patcher.ENGINE = previous
-                _swapped = False
+        if not engine.unpatch(timeout=30.0):
+            raise RuntimeError("an emulated patch engine could not unpatch; see the log")
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,21 @@ import importlib
 import importlib.util
 from typing import Any
 
-from camp2p_overlap.core.streams.base import DoneHandle, Event, OpHandle, Stream, StreamBackend
-from camp2p_overlap.core.streams.cpu import CpuBackend, StreamPoisonedError
-from camp2p_overlap.core.streams.device import DeviceUnavailableError, TorchDeviceBackend
+from camp2p_overlap.core.streams.base import (
+    BackendUnavailable,
+    DoneHandle,
+    Event,
+    OpHandle,
+    Stream,
+    StreamBackend,
+    StreamPoisonedError,
+)
+from camp2p_overlap.core.streams.cpu import CpuBackend
+from camp2p_overlap.core.streams.device import TorchDeviceBackend
 
 __all__ = [
+    "BackendUnavailable",
     "CpuBackend",
-    "DeviceUnavailableError",
     "DoneHandle",
     "Event",
     "OpHandle",
@@ -27,29 +35,25 @@ __all__ = [
 ]
 
 
-class BackendUnavailable(RuntimeError):
-    """No backend can serve this runner; the message says why."""
-
-
 def device_module(kind: str) -> Any:
     """``torch.cuda`` or ``torch.npu`` when usable, else raise
-    :class:`DeviceUnavailableError` saying why. Importing torch_npu is
-    attempted only for ``npu``."""
+    :class:`BackendUnavailable` saying why. Importing torch_npu is attempted
+    only for ``npu``."""
     import torch
 
     if kind == "cuda":
         if not torch.cuda.is_available():
-            raise DeviceUnavailableError("torch.cuda reports no CUDA device")
+            raise BackendUnavailable("torch.cuda reports no CUDA device")
         return torch.cuda
     if kind == "npu":
         if importlib.util.find_spec("torch_npu") is None:
-            raise DeviceUnavailableError("torch_npu is not installed")
+            raise BackendUnavailable("torch_npu is not installed")
         importlib.import_module("torch_npu")
         npu = getattr(torch, "npu", None)
         if npu is None or not npu.is_available():
-            raise DeviceUnavailableError("torch.npu reports no NPU device")
+            raise BackendUnavailable("torch.npu reports no NPU device")
         return npu
-    raise DeviceUnavailableError(f"no device module for {kind!r}")
+    raise BackendUnavailable(f"no device module for {kind!r}")
 
 
 def resolve_backend_name(requested: str, device: Any) -> str:
@@ -74,6 +78,6 @@ def make_backend(name: str, device: Any = None) -> StreamBackend:
         return CpuBackend()
     try:
         mod = device_module(name)
-    except DeviceUnavailableError as exc:
+    except BackendUnavailable as exc:
         raise BackendUnavailable(f"backend {name!r} unavailable: {exc}") from exc
     return TorchDeviceBackend(name, mod, device)

@@ -12,6 +12,18 @@ from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 
+class BackendUnavailable(RuntimeError):
+    """No stream backend can serve this runner (a device module missing, no
+    device, a backend asked for that does not fit the runner's device); the
+    message says why. Every backend raises this one type."""
+
+
+class StreamPoisonedError(RuntimeError):
+    """An op skipped because an earlier op on the same side stream failed
+    (the stream stays poisoned until the next step begins). Every backend
+    reports skipped work with this one type."""
+
+
 class Stream(Protocol):
     name: str
 
@@ -75,9 +87,6 @@ class StreamBackend(abc.ABC):
     """One implementation per device kind (``cpu``, ``cuda``, ``npu``)."""
 
     name: str
-    #: True when ops run synchronously on the host thread that issues them
-    #: for the compute stream (CPU). Device backends enqueue instead.
-    host_synchronous: bool = False
 
     @abc.abstractmethod
     def compute_stream(self) -> Stream:

@@ -19,11 +19,7 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from camp2p_overlap.core.streams.base import DoneHandle, OpHandle, Stream, StreamBackend
-
-
-class StreamPoisonedError(RuntimeError):
-    """Work skipped because an earlier op on the same stream failed."""
+from camp2p_overlap.core.streams.base import DoneHandle, OpHandle, Stream, StreamBackend, StreamPoisonedError
 
 
 class CpuEvent:
@@ -183,7 +179,6 @@ class WorkerStream:
 
 class CpuBackend(StreamBackend):
     name = "cpu"
-    host_synchronous = True
 
     def __init__(self) -> None:
         self._host = HostStream()

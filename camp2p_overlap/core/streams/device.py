@@ -13,20 +13,14 @@ from collections.abc import Callable, Hashable
 from types import ModuleType
 from typing import Any
 
-from camp2p_overlap.core.streams.base import DoneHandle, OpHandle, StreamBackend
-
-
-class DeviceUnavailableError(RuntimeError):
-    """The torch device module for this backend is missing or has no device."""
+from camp2p_overlap.core.streams.base import BackendUnavailable, DoneHandle, OpHandle, StreamBackend
 
 
 class TorchDeviceBackend(StreamBackend):
-    host_synchronous = False
-
     def __init__(self, name: str, device_module: ModuleType, device: Any = None) -> None:
         for attr in ("Stream", "Event", "stream", "current_stream"):
             if not hasattr(device_module, attr):
-                raise DeviceUnavailableError(f"{device_module.__name__} has no {attr}")
+                raise BackendUnavailable(f"{device_module.__name__} has no {attr}")
         self.name = name
         self.mod = device_module
         self.device = device

@@ -47,7 +47,7 @@ import torch
 import camp2p_overlap
 from camp2p_overlap.core.config import MAX_STAGES, OverlapConfig
 from camp2p_overlap.core.trace import ExpectedSchedule, TraceOp, TraceRecorder, check_step, recording
-from camp2p_overlap.emulation.engine import emulation_engine, release_site, standin_site
+from camp2p_overlap.emulation.engine import emulated_layer, release_site, standin_site
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.world import LinkModel, WorldSpec, build_world
 
@@ -322,8 +322,7 @@ def run_bench(params: BenchParams, *, progress: bool = False, progress_desc: str
     site = standin_site()
     try:
         handle = _cpu_handle(params, site.root) if params.device == "cpu" else _device_handle(params, site.root)
-        with emulation_engine() as engine:
-            stats = _run_policies(params, handle, engine, site.manifest, progress, progress_desc)
+        stats = _run_policies(params, handle, site.manifest, progress, progress_desc)
         layers = tuple(handle.world.layer_list())
         stages = tuple(handle.world.spec.stage_ids)
     finally:
@@ -336,7 +335,6 @@ def run_bench(params: BenchParams, *, progress: bool = False, progress_desc: str
 def _run_policies(
     params: BenchParams,
     handle: _Handle,
-    engine: Any,
     manifest: Any,
     progress: bool,
     desc: str,
@@ -360,6 +358,7 @@ def _run_policies(
         for rep in range(params.reps):
             for policy in order:
                 st = stats[policy]
+                engine = emulated_layer().engine  # each policy run gets its own engine
                 cfg = _config_for(policy, handle.backend)
                 if cfg is not None:
                     engine.apply(config=cfg, manifest=manifest, strict=True)

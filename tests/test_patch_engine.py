@@ -1,6 +1,10 @@
-"""The patch engine in-process: one wrapper per target, exact restore,
-foreign wrappers, refusals, synthetic static/class/inherited targets,
-threads, status and the one log line."""
+"""The patch engine in-process, one thread: apply() imports nothing and
+waits for the import, one wrapper per target, exact restore, foreign
+wrappers, refusals of changed or missing targets, synthetic
+static/class/inherited targets, status, the one log line and the report.
+
+Orders in fresh interpreters, threads, reloads, forked and spawned
+children and unpatch during a step: test_patch_orders.py."""
 
 from __future__ import annotations
 
@@ -9,86 +13,37 @@ import importlib
 import logging
 import sys
 import textwrap
-import threading
 import types
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 import wrapt
+from _overlap_util import assert_same, count_our_wrappers
+from _patch_util import (
+    CFG,
+    CONNECTOR,
+    RUNNER,
+    WRAPPED,
+    assert_wrapped_once,
+    import_targets,
+    run_traced,
+    synthetic_manifest,
+)
+from conftest import PackageLogs
 
-from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.engine import ENGINE, PatchRefused, TargetState
-from camp2p_overlap.core.log import logger
-from camp2p_overlap.core.manifest import load_manifest, parse_manifest
-from camp2p_overlap.core.trace import recording
+from camp2p_overlap.core.engine import PatchRefused
+from camp2p_overlap.core.manifest import load_manifest
+from camp2p_overlap.core.process import ENGINE
+from camp2p_overlap.core.report import TargetState
 from camp2p_overlap.emulation import standins
 
-RUNNER = "afd_plugin.v1.worker.npu.ffn_model_runner"
-CONNECTOR = "afd_plugin.connectors.npu.camp2p"
-#: (module, class, attribute) of every 'wrap' target of the shipped manifest.
-WRAPPED = (
-    (RUNNER, "AFDNPUFFNModelRunner", "_ffn_forward"),
-    (CONNECTOR, "CAMP2pAFDConnector", "recv_attn_output"),
-    (CONNECTOR, "CAMP2pAFDConnector", "send_ffn_output"),
-)
-CFG = OverlapConfig(enabled=True, backend="cpu")
-
-
-def ours_in_chain(obj: Any) -> int:
-    """How many wrappers of ours are in ``obj``'s wrapper chain."""
-    return sum(1 for e in wrapt.wrapper_chain(obj) if ENGINE.is_ours(e))
-
-
-def classes() -> dict[str, type]:
-    runner = sys.modules[RUNNER].AFDNPUFFNModelRunner
-    conn = sys.modules[CONNECTOR].CAMP2pAFDConnector
-    return {"AFDNPUFFNModelRunner": runner, "CAMP2pAFDConnector": conn}
-
-
-def import_targets() -> dict[str, type]:
-    standins.install()
-    importlib.import_module(RUNNER)
-    importlib.import_module(CONNECTOR)
-    return classes()
-
-
-def assert_wrapped_once() -> None:
-    cls = classes()
-    for _, cname, attr in WRAPPED:
-        entry = vars(cls[cname])[attr]
-        assert ENGINE.is_ours(entry), f"{cname}.{attr} is not our wrapper: {entry!r}"
-        assert not ENGINE.is_ours(entry.__wrapped__), f"{cname}.{attr} is double wrapped"
-        assert ours_in_chain(entry) == 1
-        assert wrapt.find_wrapper(entry, predicate=ENGINE.is_ours) is entry
+pytestmark = pytest.mark.usefixtures("forget_stuck")
 
 
 def engine_states() -> dict[str, TargetState]:
     return {t.target.rsplit(".", 1)[-1]: t.state for t in ENGINE.status().targets}
-
-
-def run_traced(world: Any) -> tuple[dict, set[str]]:
-    """One step from a fixed seed; returns what attention received and the
-    set of streams our wrappers recorded (empty: no wrapper of ours ran)."""
-    world.steps_run = 0
-    with recording() as rec:
-        out = world.run_step()
-    return out, {o.stream for o in rec.ops()}
-
-
-def same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-@pytest.fixture(autouse=True)
-def _forget_stuck() -> Iterator[None]:
-    """A failed test may leave a wrapper of ours stuck under a foreign one
-    on a stand-in class that is about to be thrown away."""
-    yield
-    ENGINE.unpatch(timeout=10)
-    ENGINE.stuck.clear()
 
 
 @pytest.fixture
@@ -172,7 +127,7 @@ def test_import_then_apply_then_unpatch_restores_every_dict_entry_and_no_subclas
         assert all(now[k] is v for k, v in snap[name].items()), name
     for name, c in sub.items():
         assert dict(vars(c)).keys() == sub_snap[name].keys()
-    assert ENGINE.stuck == []
+    assert ENGINE.installer.stuck == []
 
 
 def test_unpatch_twice_and_before_apply_are_noops() -> None:
@@ -198,13 +153,13 @@ def test_instance_created_before_apply_follows_patch_unpatch_repatch(world: Any)
         assert ENGINE.is_ours(vars(runner_cls)["_ffn_forward"])
         assert ENGINE.is_ours(world.connector.recv_attn_output)  # the bound form, through the instance
         out, streams = run_traced(world)
-        assert same(out, reference)
+        assert_same(out, reference)
         assert {"K0", "K1"} <= streams  # the overlap engaged: side streams ran
         assert ENGINE.unpatch() is True
         assert vars(conn_cls)["recv_attn_output"] is original
         assert not ENGINE.is_ours(world.connector.recv_attn_output)
         out, streams = run_traced(world)
-        assert same(out, reference)
+        assert_same(out, reference)
         assert streams == set()
 
 
@@ -225,12 +180,13 @@ def test_third_party_wrapt_wrapper_on_top_survives_our_unpatch(world: Any) -> No
     handle = wrapt.wrap_function_wrapper(conn_cls, "send_ffn_output", theirs)
     assert vars(conn_cls)["send_ffn_output"] is handle and handle.__wrapped__ is ours
     assert ENGINE.unpatch() is True
-    assert ENGINE.stuck == []
+    assert ENGINE.installer.stuck == []
     assert vars(conn_cls)["send_ffn_output"] is handle  # theirs is still outermost
     assert handle.__wrapped__ is original  # ours spliced out from under it
-    assert ours_in_chain(handle) == 0
+    assert count_our_wrappers(handle) == 0
     out, streams = run_traced(world)
-    assert same(out, reference) and streams == set()
+    assert_same(out, reference)
+    assert streams == set()
     assert len(calls) == 2 * 2 and all(c is world.connector for c in calls)  # layers x stages
     wrapt.unwrap_object(conn_cls, "send_ffn_output", handle)
     assert vars(conn_cls)["send_ffn_output"] is original
@@ -252,7 +208,7 @@ def test_third_party_wrapt_wrapper_below_ours_stays_after_unpatch() -> None:
 
 @pytest.mark.parametrize("capture", ["handle", "class-attribute"])
 def test_non_wrapt_wrapper_on_top_is_a_clear_refusal_that_breaks_nothing(
-    world: Any, ourlog: list[logging.LogRecord], capture: str
+    world: Any, logs: PackageLogs, capture: str
 ) -> None:
     runner_cls = type(world.runner)
     original = vars(runner_cls)["_ffn_forward"]
@@ -271,32 +227,34 @@ def test_non_wrapt_wrapper_on_top_is_a_clear_refusal_that_breaks_nothing(
 
     runner_cls._ffn_forward = foreign
     assert ENGINE.unpatch() is False
-    refusals = [r for r in ourlog if r.levelno >= logging.ERROR]
+    refusals = logs.matching(level=logging.ERROR)
     assert len(refusals) == 1
     assert "cannot remove our wrapper" in refusals[0].getMessage()
     assert "AFDNPUFFNModelRunner._ffn_forward" in refusals[0].getMessage()
-    assert [r.spec.qualname for r in ENGINE.stuck] == ["AFDNPUFFNModelRunner._ffn_forward"]
+    assert [r.spec.qualname for r in ENGINE.installer.stuck] == ["AFDNPUFFNModelRunner._ffn_forward"]
     assert not ENGINE.is_applied()
     assert vars(runner_cls)["_ffn_forward"] is foreign
     # Still works: ours passes straight through (serial path, compute stream only).
     out, streams = run_traced(world)
-    assert same(out, reference) and streams <= {"C"} and calls
+    assert_same(out, reference)
+    assert streams <= {"C"} and calls
     # The other targets were removed.
     assert not ENGINE.is_ours(vars(type(world.connector))["recv_attn_output"])
 
     # Re-apply takes the stuck wrapper back instead of wrapping twice.
     ENGINE.apply(config=CFG)
-    assert ours_in_chain(vars(runner_cls)["_ffn_forward"]) == 1
-    assert ENGINE.stuck == []
+    assert count_our_wrappers(vars(runner_cls)["_ffn_forward"]) == 1
+    assert ENGINE.installer.stuck == []
     assert engine_states()["_ffn_forward"] is TargetState.WRAPPED
     out, streams = run_traced(world)
-    assert same(out, reference) and {"K0", "K1"} <= streams
+    assert_same(out, reference)
+    assert {"K0", "K1"} <= streams
 
     # Once the foreign wrapper is gone, unpatch restores the original exactly.
     runner_cls._ffn_forward = ours
     assert ENGINE.unpatch() is True
     assert vars(runner_cls)["_ffn_forward"] is original
-    assert ENGINE.stuck == []
+    assert ENGINE.installer.stuck == []
 
 
 def test_stuck_wrapper_is_removed_by_a_later_unpatch_once_unblocked(world: Any) -> None:
@@ -305,10 +263,10 @@ def test_stuck_wrapper_is_removed_by_a_later_unpatch_once_unblocked(world: Any) 
     ENGINE.apply(config=CFG)
     ours = vars(runner_cls)["_ffn_forward"]
     runner_cls._ffn_forward = functools.wraps(ours)(lambda self, *a, **k: ours.__get__(self)(*a, **k))
-    assert ENGINE.unpatch() is False and len(ENGINE.stuck) == 1
+    assert ENGINE.unpatch() is False and len(ENGINE.installer.stuck) == 1
     runner_cls._ffn_forward = ours  # the third party went away
     assert ENGINE.unpatch() is True
-    assert ENGINE.stuck == [] and vars(runner_cls)["_ffn_forward"] is original
+    assert ENGINE.installer.stuck == [] and vars(runner_cls)["_ffn_forward"] is original
 
 
 def test_attribute_replaced_wholesale_is_left_alone() -> None:
@@ -321,7 +279,7 @@ def test_attribute_replaced_wholesale_is_left_alone() -> None:
     cls.send_ffn_output = replacement
     assert ENGINE.unpatch() is True
     assert vars(cls)["send_ffn_output"] is replacement
-    assert ENGINE.stuck == []
+    assert ENGINE.installer.stuck == []
 
 
 # ---------------------------------------------------------------------------
@@ -469,23 +427,6 @@ class Sub(Target):
     pass
 """
 
-_SIG = """signature = [
-  { name = "%s", kind = "POSITIONAL_OR_KEYWORD" },
-  { name = "ubatch_idx", kind = "POSITIONAL_OR_KEYWORD", default = "0" },
-  { name = "kwargs", kind = "VAR_KEYWORD" },
-]"""
-
-
-def synthetic_manifest(modname: str, members: list[tuple[str, str | None]]) -> Any:
-    """A stack with one module; ``members`` are (qualname, first param)."""
-    parts = [f'[stack]\nname = "synthetic"\nvllm = "0.19.1"\n\n[[module]]\nname = "{modname}"\n']
-    for qualname, first in members:
-        sig = (_SIG % first) if first else _SIG.replace('  { name = "%s", kind = "POSITIONAL_OR_KEYWORD" },\n', "")
-        parts.append(
-            f'[[module.target]]\nqualname = "{qualname}"\naction = "wrap"\nwrapper = "recv_attn_output"\n{sig}\n'
-        )
-    return parse_manifest("\n".join(parts), source="<synthetic>")
-
 
 @pytest.fixture
 def synthetic() -> Iterator[tuple[str, types.ModuleType]]:
@@ -517,7 +458,7 @@ def test_synthetic_static_and_class_methods_wrapped_and_restored_exactly(
     assert {t.state for t in ENGINE.status().targets} == {TargetState.WRAPPED}
     for attr in ("static", "klass", "plain"):
         entry = vars(target)[attr]
-        assert ENGINE.is_ours(entry) and ours_in_chain(entry) == 1
+        assert ENGINE.is_ours(entry) and count_our_wrappers(entry) == 1
         assert entry.__wrapped__ is snap[attr]  # the raw descriptor is what we wrapped
     assert vars(sub).keys() == sub_snap.keys()  # nothing on the subclass
     # Behaviour unchanged through every access path.
@@ -543,7 +484,7 @@ def test_synthetic_inherited_method_is_refused_and_module_untouched(synthetic: t
     assert "Target.inherited" in reasons["static"]
     assert dict(vars(module.Target)) == snap and all(vars(module.Target)[k] is v for k, v in snap.items())
     assert dict(vars(module.Base)) == base_snap
-    assert ENGINE.records == {}
+    assert ENGINE.installer.records == {}
 
 
 def test_wrapping_failure_half_way_rolls_the_module_back(synthetic: tuple[str, types.ModuleType]) -> None:
@@ -571,7 +512,7 @@ def test_wrapping_failure_half_way_rolls_the_module_back(synthetic: tuple[str, t
     assert "wrapping failed: TypeError: second is read-only" in reasons["second"]
     assert dict(vars(module.Guarded)).keys() == snap.keys()
     assert all(vars(module.Guarded)[k] is v for k, v in snap.items())  # 'first' was unwrapped again
-    assert ENGINE.records == {} and ENGINE.stuck == []
+    assert ENGINE.installer.records == {} and ENGINE.installer.stuck == []
     with pytest.raises(PatchRefused, match="second is read-only"):
         ENGINE.unpatch()
         ENGINE.apply(config=CFG, manifest=man, strict=True)
@@ -579,150 +520,20 @@ def test_wrapping_failure_half_way_rolls_the_module_back(synthetic: tuple[str, t
 
 
 # ---------------------------------------------------------------------------
-# threads
-def test_concurrent_apply_and_unpatch_leave_a_consistent_state(world: Any) -> None:
-    cls = classes()
-    originals = {(c, a): vars(cls[c])[a] for _, c, a in WRAPPED}
-    snap = {n: dict(vars(c)) for n, c in cls.items()}
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(6)
-
-    def worker(i: int) -> None:
-        try:
-            barrier.wait(timeout=10)
-            for j in range(30):
-                if (i + j) % 3:
-                    ENGINE.apply(config=CFG)
-                else:
-                    ENGINE.unpatch(timeout=10)
-                ENGINE.status()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    for final in ("applied", "unpatched"):
-        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert not any(t.is_alive() for t in threads), "apply/unpatch threads hung"
-        assert errors == []
-        if final == "applied":
-            ENGINE.apply(config=CFG)
-        else:
-            ENGINE.unpatch()
-        if ENGINE.is_applied():
-            assert_wrapped_once()
-            assert ENGINE.status().engaged
-            _, streams = run_traced(world)
-            assert {"K0", "K1"} <= streams
-        else:
-            for (c, a), original in originals.items():
-                assert vars(cls[c])[a] is original
-            for n, c in cls.items():
-                assert all(vars(c)[k] is v for k, v in snap[n].items())
-        assert ENGINE.stuck == []
-        # Either way the layer is in one of the two whole states.
-        wrapped = [ENGINE.is_ours(vars(cls[c])[a]) for _, c, a in WRAPPED]
-        assert all(wrapped) == ENGINE.is_applied() and any(wrapped) == ENGINE.is_applied()
-
-
-def test_apply_while_another_thread_is_importing_the_target(tmp_path: Any, monkeypatch: Any) -> None:
-    """A module that is in sys.modules but still executing is not refused:
-    it is wrapped once its import finishes."""
-    name = f"camp2p_slow_{uuid.uuid4().hex[:8]}"
-    gate = f"{name}_gate"
-    ev_started, ev_go = threading.Event(), threading.Event()
-    gate_mod = types.ModuleType(gate)
-    gate_mod.started, gate_mod.go = ev_started, ev_go
-    sys.modules[gate] = gate_mod
-    (tmp_path / f"{name}.py").write_text(
-        textwrap.dedent(
-            f"""
-            import {gate} as _gate
-            _gate.started.set()
-            assert _gate.go.wait(20), "test did not release the import"
-
-            class Target:
-                def plain(self, ubatch_idx=0, **kwargs):
-                    return ubatch_idx
-            """
-        )
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    man = synthetic_manifest(name, [("Target.plain", "self")])
-    result: list[Any] = []
-    try:
-        for hook_first in (False, True):
-            result.clear()
-            ev_started.clear()
-            ev_go.clear()
-            sys.modules.pop(name, None)
-            if hook_first:  # a hook from an earlier apply() is pending
-                ENGINE.apply(config=CFG, manifest=man)
-                ENGINE.unpatch()
-            importer = threading.Thread(target=lambda: result.append(importlib.import_module(name)), daemon=True)
-            importer.start()
-            assert ev_started.wait(10)
-            report = ENGINE.apply(config=CFG, manifest=man)
-            assert report.refused == ()
-            assert {t.state for t in report.targets} == {TargetState.NOT_IMPORTED}
-            ev_go.set()
-            importer.join(10)
-            assert not importer.is_alive() and result
-            assert {t.state for t in ENGINE.status().targets} == {TargetState.WRAPPED}
-            assert ours_in_chain(vars(result[0].Target)["plain"]) == 1
-            assert ENGINE.unpatch() is True
-    finally:
-        ev_go.set()
-        ENGINE.unpatch()
-        sys.modules.pop(name, None)
-        sys.modules.pop(gate, None)
-
-
-# ---------------------------------------------------------------------------
-# the one log line
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@pytest.fixture
-def ourlog() -> Iterator[list[logging.LogRecord]]:
-    """Every record of the package logger, each once (whatever vLLM's
-    logging config does with propagation)."""
-    handler = _Collect()
-    old = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
-        yield handler.records
-    finally:
-        logger.setLevel(old)
-        logger.removeHandler(handler)
-
-
-def _outcome_lines(records: list[logging.LogRecord]) -> list[logging.LogRecord]:
-    return [r for r in records if "pid=" in r.getMessage()]
-
-
-def test_one_log_line_when_every_target_is_settled(ourlog: list[logging.LogRecord]) -> None:
+# the one log line and the report
+def test_one_log_line_when_every_target_is_settled(logs: PackageLogs) -> None:
     import os
 
     standins.install()
     ENGINE.apply(config=CFG)
     ENGINE.apply(config=CFG)
-    assert _outcome_lines(ourlog) == []  # nothing settled yet
+    assert logs.matching("pid=") == []  # nothing settled yet
     importlib.import_module(RUNNER)
-    assert _outcome_lines(ourlog) == []  # one module still to come
+    assert logs.matching("pid=") == []  # one module still to come
     importlib.import_module(CONNECTOR)
     ENGINE.apply(config=CFG)
     ENGINE.status()
-    lines = _outcome_lines(ourlog)
+    lines = logs.matching("pid=")
     assert len(lines) == 1
     msg = lines[0].getMessage()
     assert lines[0].levelno == logging.INFO
@@ -733,13 +544,13 @@ def test_one_log_line_when_every_target_is_settled(ourlog: list[logging.LogRecor
     assert "_ffn_layer_indices=checked" in msg
 
 
-def test_one_log_line_on_refusal(ourlog: list[logging.LogRecord]) -> None:
+def test_one_log_line_on_refusal(logs: PackageLogs) -> None:
     _variant_module(CONNECTOR, *VARIANTS["recv-lost-kwargs"][1:3])
     try:
         ENGINE.apply(config=CFG)
         importlib.import_module(RUNNER)
         ENGINE.status()
-        lines = _outcome_lines(ourlog)
+        lines = logs.matching("pid=")
         assert len(lines) == 1 and lines[0].levelno == logging.WARNING
         msg = lines[0].getMessage()
         assert "CAMP2pAFDConnector.recv_attn_output=refused" in msg and "missing parameter(s) kwargs" in msg

@@ -1,0 +1,312 @@
+"""The installer: resolves each target of a module, checks its signature
+against the manifest, wraps the module's targets all-or-nothing, and
+removes exactly what it installed. It keeps the registry of every wrap and
+unwraps only from it; a wrapper of ours that a foreign, non-wrapt wrapper
+covers cannot be removed and is kept as *stuck* until it can."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import wrapt
+
+from camp2p_overlap.core.log import logger
+from camp2p_overlap.core.manifest import ModuleSpec, StackManifest, TargetSpec, signature_difference, signature_of
+from camp2p_overlap.core.report import TargetState, TargetStatus
+
+Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
+
+#: Set on every wrapper function a camp2p-overlap wrapper factory builds, so
+#: an installer recognises wrappers of another engine in the same process.
+MARK = "__camp2p_overlap_wrapper__"
+
+
+@dataclass(eq=False)  # compared by identity
+class WrapRecord:
+    module: str
+    owner: Any
+    attribute: str
+    original: Any  # the raw __dict__ entry before wrapping
+    handle: Any  # the wrapt FunctionWrapper we installed
+    spec: TargetSpec
+
+
+class ModuleRefused(Exception):
+    """One target of a module cannot be wrapped: the whole module is left alone."""
+
+    def __init__(self, culprit: str, reason: str) -> None:
+        super().__init__(f"{culprit}: {reason}")
+        self.culprit = culprit
+        self.reason = reason
+
+    def statuses(self, mspec: ModuleSpec) -> dict[str, TargetStatus]:
+        return {
+            t.id: TargetStatus(
+                t.id,
+                t.action,
+                TargetState.REFUSED,
+                self.reason if t.id == self.culprit else f"module refused because {self.culprit}: {self.reason}",
+            )
+            for t in mspec.targets
+        }
+
+
+def live_owner(module: ModuleType, t: TargetSpec) -> Any:
+    """The object that holds ``t`` in ``module`` now (None when gone)."""
+    owner: Any = module
+    for part in t.owner_path:
+        owner = vars(owner).get(part)
+        if owner is None:
+            return None
+    return owner
+
+
+def live_target(manifest: StackManifest | None, qualname: str) -> Any:
+    """A target's live object by qualname (a class attribute or a module
+    function), or None while its module is not imported."""
+    for t in manifest.targets() if manifest is not None else ():
+        if t.qualname == qualname:
+            module = sys.modules.get(t.module)
+            owner = live_owner(module, t) if module is not None else None
+            return None if owner is None else vars(owner).get(t.attribute)
+    return None
+
+
+def _resolve(t: TargetSpec, module: ModuleType) -> tuple[Any, Any]:
+    """(owner, raw ``__dict__`` entry); raises ``LookupError``/``TypeError`` saying why."""
+    owner: Any = module
+    for part in t.owner_path:
+        if part not in vars(owner):
+            raise LookupError(f"{part!r} not found in {getattr(owner, '__name__', owner)!r}")
+        owner = vars(owner)[part]
+    if t.owner_path and not isinstance(owner, type):
+        raise TypeError(f"{'.'.join(t.owner_path)} is not a class")
+    if t.attribute not in vars(owner):
+        where = "class" if isinstance(owner, type) else "module"
+        inherited = hasattr(owner, t.attribute)
+        raise LookupError(
+            f"{t.attribute!r} is not defined in {where} {getattr(owner, '__qualname__', owner.__name__)}"
+            + (" itself (only inherited)" if inherited else "")
+        )
+    return owner, vars(owner)[t.attribute]
+
+
+def _is_marked(obj: Any) -> bool:
+    return bool(getattr(getattr(obj, "_self_wrapper", None), MARK, False))
+
+
+class Installer:
+    """Owns every wrap of one engine. Callers hold the engine's lock."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, list[WrapRecord]] = {}
+        self.stuck: list[WrapRecord] = []
+        self._handles: set[int] = set()
+
+    # -- recognising our wrappers ---------------------------------------
+    def handle_of(self, obj: Any) -> Any:
+        """Our wrapper behind ``obj`` (itself, or the parent of its bound form), or None."""
+        if id(obj) in self._handles:
+            return obj
+        if isinstance(obj, wrapt.BoundFunctionWrapper):
+            parent = getattr(obj, "_self_parent", None)
+            if parent is not None and id(parent) in self._handles:
+                return parent
+        return None
+
+    def is_ours(self, obj: Any) -> bool:
+        return self.handle_of(obj) is not None
+
+    def owner_of(self, qualname: str) -> Any:
+        """The owner object (class or module) of a wrapped target."""
+        for recs in list(self.records.values()):
+            for r in recs:
+                if r.spec.qualname == qualname:
+                    return r.owner
+        return None
+
+    # -- install --------------------------------------------------------
+    def installed(self, module_name: str) -> bool:
+        return bool(self.records.get(module_name))
+
+    def is_current(self, mspec: ModuleSpec, module: ModuleType) -> bool:
+        """Whether the module's wraps sit on the classes it holds now (False
+        after a reload replaced them)."""
+        recs = self.records.get(mspec.name)
+        return bool(recs) and recs[0].owner is live_owner(module, recs[0].spec)
+
+    def reloaded(self, manifest: StackManifest | None) -> list[ModuleSpec]:
+        """The installed modules of ``manifest`` whose classes a reload replaced."""
+        out = []
+        for mspec in manifest.modules if manifest is not None else ():
+            module = sys.modules.get(mspec.name)
+            if self.installed(mspec.name) and module is not None and not self.is_current(mspec, module):
+                out.append(mspec)
+        return out
+
+    def install(
+        self, mspec: ModuleSpec, module: ModuleType, wrappers: Mapping[str, Wrapper]
+    ) -> dict[str, TargetStatus]:
+        """Wrap every 'wrap' target of ``module`` and check every 'read'
+        target, or nothing at all. Returns each target's status."""
+        if self.records.get(mspec.name):
+            if self.is_current(mspec, module):
+                return self._settled(mspec)  # already wrapped (apply twice, or a fork child)
+            self._drop(mspec.name)  # reloaded: its classes are new objects
+        try:
+            resolved, adopted = self._check(mspec, module, wrappers)
+            done = self._wrap_all(mspec, resolved, adopted, wrappers)
+        except ModuleRefused as refusal:
+            return refusal.statuses(mspec)
+        for rec in adopted:
+            if rec in self.stuck:
+                self.stuck.remove(rec)
+        self.records[mspec.name] = done
+        return self._settled(mspec)
+
+    @staticmethod
+    def _settled(mspec: ModuleSpec) -> dict[str, TargetStatus]:
+        return {
+            t.id: TargetStatus(t.id, t.action, TargetState.WRAPPED if t.action == "wrap" else TargetState.CHECKED)
+            for t in mspec.targets
+        }
+
+    def _check(
+        self, mspec: ModuleSpec, module: ModuleType, wrappers: Mapping[str, Wrapper]
+    ) -> tuple[list[tuple[TargetSpec, Any, Any]], list[WrapRecord]]:
+        resolved: list[tuple[TargetSpec, Any, Any]] = []
+        adopted: list[WrapRecord] = []
+        for t in mspec.targets:
+            try:
+                owner, raw = _resolve(t, module)
+            except (LookupError, TypeError) as exc:
+                raise ModuleRefused(t.id, f"missing: {exc}") from None
+            func = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+            try:
+                ours = wrapt.find_wrapper(raw, predicate=self.is_ours)
+                foreign_camp2p = ours is None and wrapt.find_wrapper(raw, predicate=_is_marked) is not None
+            except wrapt.WrapperChainTooDeepError as exc:
+                raise ModuleRefused(t.id, f"changed: {exc}") from None
+            if foreign_camp2p:
+                raise ModuleRefused(t.id, "already carries a camp2p-overlap wrapper of another patch engine")
+            if ours is not None:
+                # Our wrapper is still in the chain: an earlier unpatch could
+                # not remove it. Take it back instead of wrapping a second time.
+                rec = self._stuck_record(owner, t.attribute, self.handle_of(ours))
+                if rec is None:
+                    raise ModuleRefused(t.id, "already carries a camp2p-overlap wrapper")
+                adopted.append(rec)
+            if not callable(func):
+                raise ModuleRefused(t.id, f"changed: {type(raw).__name__} is not callable")
+            try:
+                diff = signature_difference(t.signature, signature_of(func))
+            except (TypeError, ValueError) as exc:
+                diff = f"signature unreadable: {exc}"
+            if diff:
+                raise ModuleRefused(t.id, f"signature changed: {diff}")
+            if t.action == "wrap" and t.wrapper not in wrappers:
+                raise ModuleRefused(t.id, f"no wrapper named {t.wrapper!r}")
+            resolved.append((t, owner, raw))
+        return resolved, adopted
+
+    def _wrap_all(
+        self,
+        mspec: ModuleSpec,
+        resolved: list[tuple[TargetSpec, Any, Any]],
+        adopted: list[WrapRecord],
+        wrappers: Mapping[str, Wrapper],
+    ) -> list[WrapRecord]:
+        done: list[WrapRecord] = []
+        t = mspec.targets[0]
+        try:
+            for t, owner, raw in resolved:
+                if t.action != "wrap":
+                    continue
+                taken = next((r for r in adopted if r.owner is owner and r.attribute == t.attribute), None)
+                if taken is not None:
+                    taken.spec = t
+                    done.append(taken)
+                    continue
+                handle = wrapt.wrap_function_wrapper(owner, t.attribute, wrappers[t.wrapper])  # type: ignore[index]
+                self._handles.add(id(handle))
+                done.append(WrapRecord(mspec.name, owner, t.attribute, raw, handle, t))
+        except Exception as exc:  # noqa: BLE001 - rolled back and reported
+            for rec in reversed(done):
+                if rec in adopted:
+                    continue  # was stuck before; stays so
+                self._unwrap(rec)
+            raise ModuleRefused(t.id, f"wrapping failed: {type(exc).__name__}: {exc}") from None
+        return done
+
+    def _stuck_record(self, owner: Any, attribute: str, handle: Any) -> WrapRecord | None:
+        for rec in self.stuck:
+            if rec.owner is owner and rec.attribute == attribute and rec.handle is handle:
+                return rec
+        return None
+
+    # -- uninstall ------------------------------------------------------
+    def uninstall_all(self) -> bool:
+        """Remove every wrapper of ours; True when none is left anywhere."""
+        ok = self.retry_stuck()
+        for name in reversed(list(self.records)):
+            for rec in reversed(self.records[name]):
+                ok = self._unwrap(rec) and ok
+        self.records.clear()
+        return ok
+
+    def retry_stuck(self) -> bool:
+        """Try again to remove wrappers an earlier unpatch could not (a
+        foreign, non-wrapt wrapper sat on top); True when none is left."""
+        if not self.stuck:
+            return True
+        stuck, self.stuck = self.stuck, []
+        for rec in stuck:
+            self._unwrap(rec)  # appends to self.stuck again when still blocked
+        return not self.stuck
+
+    def _drop(self, name: str) -> None:
+        for rec in reversed(self.records.pop(name, [])):
+            self._unwrap(rec)
+
+    def _unwrap(self, rec: WrapRecord) -> bool:
+        """Remove one wrapper of ours, found through the registry only."""
+        try:
+            wrapt.unwrap_object(rec.owner, rec.attribute, rec.handle)
+        except wrapt.WrapperNotFoundError:
+            current = vars(rec.owner).get(rec.attribute)
+            if current is not None and self._holds(current, rec.handle):
+                # A foreign wrapper captured a bound form of ours (e.g.
+                # ``orig = Cls.meth`` and a closure calling it).
+                return self._stuck(rec, "a foreign wrapper above it calls it through a bound method it captured")
+            logger.warning(
+                "camp2p-overlap: %s.%s no longer carries our wrapper (replaced by a third party); left as it is",
+                rec.module,
+                rec.spec.qualname,
+            )
+        except wrapt.WrapperNotOutermostError as exc:
+            return self._stuck(rec, str(exc))
+        self._handles.discard(id(rec.handle))
+        return True
+
+    def _stuck(self, rec: WrapRecord, why: str) -> bool:
+        logger.error(
+            "camp2p-overlap: cannot remove our wrapper from %s.%s: %s; it stays installed "
+            "and passes every call straight through to the original",
+            rec.module,
+            rec.spec.qualname,
+            why,
+        )
+        if rec not in self.stuck:
+            self.stuck.append(rec)
+        return False
+
+    def _holds(self, obj: Any, handle: Any) -> bool:
+        """Whether ``handle`` (or a bound form of it) is in ``obj``'s chain."""
+        try:
+            return wrapt.find_wrapper(obj, predicate=lambda e: self.handle_of(e) is handle) is not None
+        except wrapt.WrapperChainTooDeepError:
+            return True  # cannot tell: assume it is still there

@@ -1,0 +1,39 @@
+"""Which shipped stack serves this process: the first manifest whose
+pinned versions (vLLM, and afd-plugin where its distribution is installed)
+match what is installed. A mismatch names the installed and the supported
+versions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from camp2p_overlap.core.manifest import ManifestError, StackManifest, supported_stacks
+from camp2p_overlap.core.versions import VersionCheck, check_stack
+
+
+def stack_version_check(manifest: StackManifest) -> VersionCheck:
+    """The installed versions against one stack's pins."""
+    return check_stack(manifest.vllm, manifest.afd_plugin)
+
+
+def select_stack(
+    stacks: Sequence[StackManifest],
+    version_check: Callable[[StackManifest], VersionCheck] = stack_version_check,
+) -> tuple[StackManifest, VersionCheck]:
+    """The first stack whose check passes, with that check. Otherwise a
+    failed check: that of the stack pinning the installed vLLM when there is
+    one (its afd-plugin differs), else of the first stack; with several
+    stacks its reason names them all."""
+    if not stacks:
+        raise ManifestError("no stack manifest to choose from")
+    checks = [(m, version_check(m)) for m in stacks]
+    for m, vc in checks:
+        if vc.ok:
+            return m, vc
+    m, vc = next(((m, vc) for m, vc in checks if vc.found and vc.reason.startswith("afd-plugin")), checks[0])
+    if len(stacks) == 1:
+        return m, vc
+    installed = vc.reason.split(";")[0]
+    return m, VersionCheck(
+        False, vc.found, vc.supported, f"{installed}; camp2p-overlap supports {supported_stacks(tuple(stacks))}"
+    )

@@ -1,0 +1,76 @@
+"""The per-step decision: whether one call of the runner's ``_ffn_forward``
+engages the overlap, and with what plan; else the reason it runs serially."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from camp2p_overlap.core import camp2p
+from camp2p_overlap.core.config import MAX_STAGES
+from camp2p_overlap.core.installer import live_target
+from camp2p_overlap.core.session import Directions, StepPlan
+from camp2p_overlap.core.streams import BackendUnavailable, resolve_backend_name
+
+if TYPE_CHECKING:
+    from camp2p_overlap.core.engine import PatchEngine
+
+GRAPH_OFF = "inside graph capture and VLLM_CAMP2P_MULTISTREAM_GRAPH is off"
+
+
+@dataclass(frozen=True)
+class Decision:
+    reason: str | None  # None: engage
+    plan: StepPlan | None = None
+    backend: str | None = None
+    directions: Directions = Directions()
+
+
+def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], *, in_session: bool) -> Decision:
+    """The decision for this call; ``in_session``: a step is already active
+    on this thread (a re-entrant call)."""
+    cfg = engine.config
+    if not cfg.enabled:
+        return Decision("switched off")
+    if in_session:
+        return Decision("re-entrant FFN forward inside an active step")
+    incomplete = engine.stack_complete()
+    if incomplete:
+        return Decision(f"not every target of the stack is patched ({incomplete})")
+    connector = getattr(runner, "connector", None)
+    connector_class = engine.installer.owner_of(camp2p.CONNECTOR_TARGET)
+    if connector_class is None or not isinstance(connector, connector_class):
+        return Decision(f"connector is {type(connector).__name__}, not CAMP2pAFDConnector")
+    role = getattr(getattr(runner, "afd_config", None), "role", None)
+    if role != "ffn":
+        return Decision(f"AFD role is {role!r}, not 'ffn'")
+    if "dp_metadata_list" not in kwargs:
+        return Decision("_ffn_forward called without dp_metadata_list")
+    try:
+        stages, num_stages = camp2p.stage_ids(kwargs["dp_metadata_list"])
+    except (TypeError, ValueError) as exc:
+        return Decision(f"stage ids of dp_metadata_list are not integers ({exc})")
+    if num_stages < cfg.min_stages:
+        return Decision(f"{num_stages} stage(s), fewer than the minimum {cfg.min_stages}")
+    if num_stages > MAX_STAGES or any(not 0 <= s < MAX_STAGES for s in stages):
+        groups = ", ".join(camp2p.GROUPS)
+        return Decision(f"stage ids {stages} do not fit CAMP2P's {MAX_STAGES} stage groups ({groups})")
+    if not (cfg.a2e_on_side_stream or cfg.e2a_on_side_stream):
+        return Decision("both directions are switched off (A2E=0 and E2A=0)")
+    try:
+        backend = resolve_backend_name(cfg.backend, getattr(runner, "device", None))
+    except BackendUnavailable as exc:
+        return Decision(str(exc))
+    layer_fn = live_target(engine.manifest, camp2p.LAYER_INDICES_TARGET)
+    if layer_fn is None:
+        return Decision("_ffn_layer_indices is not available")
+    layers = tuple(int(L) for L in layer_fn(runner))
+    if not layers:
+        return Decision("the step has no FFN layers")
+    if len(set(layers)) != len(layers):
+        return Decision(f"layer list repeats a layer: {list(layers)}")
+    if kwargs.get("is_graph_capturing") and not cfg.graph:
+        return Decision(GRAPH_OFF)
+    plan = StepPlan(layers, tuple(stages), {"max_num_tokens": getattr(runner, "max_num_tokens", None)})
+    return Decision(None, plan, backend, Directions(cfg.a2e_on_side_stream, cfg.e2a_on_side_stream))
