@@ -110,3 +110,22 @@ def test_standins_ship_inside_the_wheel(installed: dict) -> None:
     assert Path(installed["standin_file"]).resolve().is_relative_to(Path(installed["env_dir"]).resolve())
     wanted = "camp2p_overlap/emulation/standins/afd_plugin/v1/worker/npu/ffn_model_runner.py"
     assert wanted in installed["dist_files"]
+
+
+def test_nothing_shipped_or_documented_points_outside_the_project() -> None:
+    """Shipped code, docs, manifests and tests cite the project's own
+    ``docs/``; the steering folder ``shared/`` does not exist for users."""
+    roots = [REPO / "camp2p_overlap", REPO / "docs", REPO / "patches", REPO / "tests", REPO / "scripts"]
+    files = [p for root in roots for p in root.rglob("*") if p.suffix in (".py", ".md", ".toml", ".sh")]
+    files += [REPO / "README.md", REPO / "CHANGELOG.md", REPO / "pyproject.toml"]
+    needles = ("shared/design", "shared/contracts", "shared/seed", "../shared")
+    this = Path(__file__).resolve()
+    hits = [
+        f"{p.relative_to(REPO)}: {n}"
+        for p in files
+        if p.resolve() != this
+        for n in needles
+        if n in p.read_text(encoding="utf-8")
+    ]
+    assert len(files) > 50
+    assert hits == []

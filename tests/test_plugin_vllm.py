@@ -16,6 +16,7 @@ from conftest import REPO, run_python
 import camp2p_overlap
 from camp2p_overlap.core import plugin
 from camp2p_overlap.core.config import ENV_BACKEND, ENV_STRICT, ENV_SWITCH, ENV_VARS
+from camp2p_overlap.core.process import ENGINE
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -71,7 +72,7 @@ def test_register_never_raises_when_apply_breaks(clean_env: pytest.MonkeyPatch) 
         raise RuntimeError("engine exploded")
 
     clean_env.setenv(ENV_SWITCH, "1")
-    clean_env.setattr(camp2p_overlap, "apply", boom)
+    clean_env.setattr(ENGINE, "apply", boom)
     plugin.register()  # logged, swallowed
     clean_env.setenv(ENV_STRICT, "1")
     with pytest.raises(RuntimeError, match="engine exploded"):

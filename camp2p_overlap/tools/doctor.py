@@ -5,7 +5,8 @@ Reports, without raising:
 
 * installed versions of vLLM, torch, torch_npu, wrapt and afd-plugin (from
   distribution metadata; nothing is imported for this);
-* the vLLM version gate (``versions.check_vllm``);
+* which shipped stack fits the installed versions and why
+  (``stack_select.select_stack``: vLLM, and afd-plugin where installed);
 * every target of the stack's manifest: whether its module imports (the
   ImportError text when not), whether the attribute is defined where the
   manifest says, and whether its signature matches. Importing the target
@@ -28,8 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from camp2p_overlap.core import config as cfgmod
-from camp2p_overlap.core.manifest import ManifestError, TargetSpec, load_manifest, signature_difference, signature_of
-from camp2p_overlap.core.versions import AFD_PLUGIN_DIST, VLLM_DIST, check_vllm, installed_version
+from camp2p_overlap.core.manifest import (
+    ManifestError,
+    TargetSpec,
+    load_manifest,
+    load_manifests,
+    signature_difference,
+    signature_of,
+)
+from camp2p_overlap.core.stack_select import select_stack
+from camp2p_overlap.core.versions import AFD_PLUGIN_DIST, VLLM_DIST, installed_version
 
 SCHEMA = "camp2p-overlap/doctor/v1"
 
@@ -195,7 +204,7 @@ def diagnose(stack: str | None = None) -> dict[str, Any]:
     notes: list[str] = []
     versions = _versions()
     try:
-        manifest = load_manifest(stack) if stack else load_manifest()
+        manifest, vc = select_stack((load_manifest(stack),) if stack else load_manifests())
     except ManifestError as exc:
         return {
             "schema": SCHEMA,
@@ -211,7 +220,6 @@ def diagnose(stack: str | None = None) -> dict[str, Any]:
             "backend": None,
             "config": _config()[0],
         }
-    vc = check_vllm(manifest.vllm)
     if not vc.ok:
         problems.append(f"vLLM version gate: {vc.reason}")
     if versions["afd-plugin"] is None:

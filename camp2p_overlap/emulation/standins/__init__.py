@@ -3,7 +3,8 @@ the real dotted paths (``afd_plugin.…``) through :func:`install`.
 
 afd-plugin, vLLM-Ascend and torch_npu cannot be installed off an Ascend box,
 so tests and the benchmark import these instead. They keep exactly the
-shapes of ``shared/contracts/afd-plugin-v0.19.1rc1-ffn.md``. Each import
+shapes described in the project's ``docs/design.md`` ("The upstream
+interface we wrap"). Each import
 executes the stand-in file under the requested name, so every install gives
 fresh module and class objects, and wrapt's post-import hooks fire as for a
 real import. The finder sits at the end of ``sys.meta_path`` and never

@@ -1,7 +1,7 @@
 """Stand-in for ``afd_plugin.v1.worker.npu.ffn_model_runner``: the FFN
 runner with the contract's ``_ffn_forward`` loop shape and module helpers.
 
-Written from the contract (shared/contracts/afd-plugin-v0.19.1rc1-ffn.md);
+Written from the upstream interface described in docs/design.md;
 it keeps the order of calls and the signatures, not upstream's code.
 """
 
