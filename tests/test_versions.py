@@ -175,3 +175,74 @@ def test_fresh_process_with_fake_installed_vllm(tmp_path: Path, version: str, ok
         assert out["states"] == ["refused"]
         assert version in out["reason"] and SUPPORTED in out["reason"]
         assert out["strict"].startswith("PatchRefused: ") and SUPPORTED in out["strict"]
+
+
+# ---------------------------------------------------------------------------
+# Stack selection: the manifest whose pinned versions are installed.
+def _stack(name: str, vllm: str, afd: str | None) -> Any:
+    from dataclasses import replace
+
+    from camp2p_overlap.core.manifest import load_manifest
+
+    return replace(load_manifest(), name=name, vllm=vllm, afd_plugin=afd)
+
+
+def _checker(vllm_found: str | None, afd_found: str | None) -> Any:
+    def check(m: Any) -> versions.VersionCheck:
+        vc = judge_vllm_version(vllm_found, m.vllm)
+        if not vc.ok or m.afd_plugin is None:
+            return vc
+        return versions.judge_afd_plugin_version(vc, afd_found, m.afd_plugin)
+
+    return check
+
+
+def test_selection_picks_the_stack_whose_versions_are_installed() -> None:
+    from camp2p_overlap.core.stack_select import select_stack
+
+    a, b = _stack("vllm-0.19.1", "0.19.1", "0.19.1rc1"), _stack("vllm-0.26.0", "0.26.0", None)
+    assert select_stack((a, b), _checker("0.19.1+empty", "0.19.1rc1"))[0] is a
+    assert select_stack((a, b), _checker("0.26.0", "0.19.1rc1"))[0] is b  # b pins no afd-plugin
+    assert select_stack((a, b), _checker("0.19.1", None))[0] is a  # afd-plugin without metadata: not judged
+
+
+def test_selection_refusal_names_installed_and_every_supported_stack() -> None:
+    from camp2p_overlap.core.stack_select import select_stack
+
+    a, b = _stack("vllm-0.19.1", "0.19.1", "0.19.1rc1"), _stack("vllm-0.26.0", "0.26.0", "0.26.0")
+    man, vc = select_stack((a, b), _checker("0.20.0", None))
+    assert not vc.ok and man is a
+    assert vc.reason.startswith("vLLM 0.20.0 is installed")
+    assert "vLLM 0.19.1 with afd-plugin 0.19.1rc1 (stack vllm-0.19.1)" in vc.reason
+    assert "vLLM 0.26.0 with afd-plugin 0.26.0 (stack vllm-0.26.0)" in vc.reason
+    # vLLM fits a stack, its afd-plugin does not: that stack's refusal, naming both.
+    man, vc = select_stack((a, b), _checker("0.26.0", "0.19.1rc1"))
+    assert not vc.ok and man is b
+    assert "afd-plugin (vllm-afd-plugin) 0.19.1rc1 is installed next to vLLM 0.26.0" in vc.reason
+    assert "stack vllm-0.19.1" in vc.reason and "stack vllm-0.26.0" in vc.reason
+
+
+@pytest.mark.parametrize(("afd", "ok"), [("0.19.1rc1", True), ("0.19.1rc1+d20260801", True), ("0.19.1rc2", False)])
+def test_shipped_stack_pins_afd_plugin_where_installed(afd: str, ok: bool) -> None:
+    from camp2p_overlap.core.manifest import load_manifests
+    from camp2p_overlap.core.stack_select import select_stack
+
+    (man, vc) = select_stack(load_manifests(), _checker("0.19.1", afd))
+    assert man.afd_plugin == "0.19.1rc1" and vc.ok is ok
+    if not ok:
+        assert f"afd-plugin (vllm-afd-plugin) {afd} is installed" in vc.reason and "0.19.1rc1" in vc.reason
+
+
+def test_fresh_process_refuses_another_installed_afd_plugin(tmp_path: Path) -> None:
+    """A fake vllm-afd-plugin 0.26.0 next to vLLM 0.19.1: refused, logged
+    with both versions, nothing wrapped."""
+    site = _fake_vllm(tmp_path / "site", "0.19.1")
+    dist = site / "vllm_afd_plugin-0.26.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-afd-plugin\nVersion: 0.26.0\n", encoding="utf-8")
+    proc = run_python(CHILD, env={"VLLM_CAMP2P_MULTISTREAM": "1", "PYTHONPATH": f"{site}:{REPO}"}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(next(line[4:] for line in proc.stdout.splitlines() if line.startswith("OUT ")))
+    assert out["applied"] is False and out["untouched"] is True and out["states"] == ["refused"]
+    assert "afd-plugin (vllm-afd-plugin) 0.26.0 is installed next to vLLM 0.19.1" in out["reason"]
+    assert out["strict"].startswith("PatchRefused: afd-plugin")
