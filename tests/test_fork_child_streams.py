@@ -51,6 +51,7 @@ def test_forked_child_gets_fresh_streams_and_correct_outputs() -> None:
     inherited, after, out = got
     assert inherited == 0  # the parent's sets (dead threads in the child) are forgotten
     assert after == 1
+    assert out.keys() == ref.keys()
     assert_same({k: torch.tensor(v) for k, v in out.items()}, ref)
     assert proc.exitcode == 0
 

@@ -210,6 +210,7 @@ def test_real_ffn_forward_loop_overlapped_equals_serial(monkeypatch: pytest.Monk
         # Before monkeypatch puts the real transfer methods back.
         assert ENGINE.unpatch(timeout=30)
     for n, _ in cases:
+        assert serial[n].keys() == got[n].keys()
         assert_same(got[n], serial[n], f"step {n} differs from serial")
     comm_streams = {o.stream for o in ops if o.kind in ("a2e", "e2a")}
     assert comm_streams == {"K0", "K1", "K2"}, comm_streams
@@ -242,6 +243,7 @@ def test_npu_backend_runs_the_emulated_world_bitwise_serial() -> None:
             ops = dw.timing.resolve()
             dw.timing.active = False
         for n in serial:
+            assert serial[n].keys() == got[n].keys()
             assert_same(got[n], serial[n], f"step {n} differs")
         assert {o.stream for o in ops if o.kind in ("a2e", "e2a")} == {"K0", "K1", "K2"}
     finally:

@@ -153,6 +153,7 @@ def test_watchdog_only_reads_a_slow_step_has_the_same_outcome(make_world, logs, 
     (res_off, shape_off, n_off), (res_on, shape_on, n_on) = outcomes[None], outcomes[0.05]
     assert n_off == 0 and n_on == 1
     assert shape_on == shape_off
+    assert res_on.keys() == res_off.keys() == ref.keys()
     assert_same(res_on, ref)
     assert_same(res_off, ref)
     # The report of the slow step shows the delayed op running, not blamed on a peer.
