@@ -186,7 +186,7 @@ def patched(cfg: OverlapConfig, manifest: Any) -> Iterator[tuple[Any, str]]:
 
 
 def original_forward(engine: Any) -> Any:
-    for recs in engine.records.values():
+    for recs in engine.installer.records.values():
         for r in recs:
             if r.spec.qualname == FFN_TARGET:
                 return r.original

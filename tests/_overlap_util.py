@@ -4,12 +4,10 @@ reference with the engine unpatched, bound anything that could hang."""
 
 from __future__ import annotations
 
-import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +15,6 @@ import torch
 import wrapt
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.log import logger as pkg_logger
 from camp2p_overlap.core.process import ENGINE, RUNTIME
 from camp2p_overlap.core.report import PatchReport
 from camp2p_overlap.core.session import OverlapSession
@@ -213,32 +210,6 @@ class SessionSpy:
     @property
     def count(self) -> int:
         return len(self.refs)
-
-
-@contextmanager
-def captured_log(caplog: Any, level: int = logging.INFO) -> Iterator[Any]:
-    """caplog for the package logger even where vLLM's logging config made
-    the ``vllm`` logger stop propagating.
-
-    Deprecated: use the ``logs`` fixture of conftest.py (``logs.texts(...)``).
-    Kept only while tests/test_gating.py (edited elsewhere) still uses it,
-    together with :func:`messages`; delete both once it does not."""
-    chain = []
-    lg: logging.Logger | None = pkg_logger
-    while lg is not None:
-        chain.append((lg, lg.propagate))
-        lg.propagate = True
-        lg = lg.parent
-    try:
-        with caplog.at_level(level, logger=pkg_logger.name):
-            yield caplog
-    finally:
-        for lg, prop in chain:
-            lg.propagate = prop
-
-
-def messages(caplog: Any, contains: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if contains in r.getMessage()]
 
 
 def random_schedule(rng: random.Random, step: int, max_layers: int = 4, max_tokens: int = 16) -> Schedule:

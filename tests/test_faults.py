@@ -50,7 +50,7 @@ from conftest import PackageLogs
 
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.process import ENGINE
-from camp2p_overlap.core.session import OverlapSession, send_parts
+from camp2p_overlap.core.session import OverlapSession
 from camp2p_overlap.core.streams import CpuBackend, StreamPoisonedError
 from camp2p_overlap.core.streams.cpu import WorkerStream
 from camp2p_overlap.emulation.faults import Action, Fault, FaultPlan, random_fault, run_step_bounded
@@ -369,14 +369,13 @@ class LookaheadBeforeE2A(OverlapSession):
     """Test-only broken schedule: queues the lookahead A2E of a stage on
     K_s ahead of that stage's E2A."""
 
-    def send(self, wrapped: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        _, ctx = send_parts(args, kwargs)
-        key = self._contexts.get(id(ctx))
+    def send(self, call: Any, output: Any, context: Any, stage: int | None) -> Any:
+        key = self._contexts.get(id(context))
         if key is not None:
             nxt = self.plan.next_layer(key[0])
             if nxt is not None:
                 self._issue_a2e(nxt, key[1])
-        return super().send(wrapped, args, kwargs)
+        return super().send(call, output, context, stage)
 
     def _issue_a2e(self, layer: int, stage: int) -> None:
         if (layer, stage) in self._a_handle:
@@ -385,13 +384,13 @@ class LookaheadBeforeE2A(OverlapSession):
 
 
 def test_lookahead_queued_before_its_e2a_deadlocks_until_the_op_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    from camp2p_overlap.core import wrappers
+    from camp2p_overlap.core.process import RUNTIME
 
     w = world(layers=3, stage_ids=(0, 1), op_timeout_s=0.5)
     apply_cpu()
     # Control: the real order completes with the same short timeout.
     run_step(w, Schedule(3, (0, 1), (8, 8), step=1))
-    monkeypatch.setattr(wrappers, "OverlapSession", LookaheadBeforeE2A)
+    monkeypatch.setattr(RUNTIME, "session_class", LookaheadBeforeE2A)
     with pytest.raises(PeerTimeoutError, match=r"a2e\(L1\) on afd: no data from attention after 0.5 s"):
         bounded(lambda: run_step(w, Schedule(3, (0, 1), (8, 8), step=2)), timeout=30)
     assert_streams_idle()

@@ -18,12 +18,11 @@ from _overlap_util import (
     SessionSpy,
     assert_same,
     bounded,
-    captured_log,
-    messages,
     serial_results,
     spy_forward,
     world,
 )
+from conftest import PackageLogs
 
 from camp2p_overlap.core import trace
 from camp2p_overlap.core.config import OverlapConfig
@@ -173,7 +172,7 @@ def _run(w: World, stages: tuple[int, ...], step: int, forward: dict[str, Any]) 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_gate_runs_the_original_with_the_same_arguments(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, name: str
+    monkeypatch: pytest.MonkeyPatch, logs: PackageLogs, name: str
 ) -> None:
     case = CASES[name]
     if case.skip_if is not None and (why := case.skip_if()):
@@ -190,7 +189,7 @@ def test_gate_runs_the_original_with_the_same_arguments(
     if case.after_apply is not None:
         case.after_apply(w, monkeypatch)
     sessions = SessionSpy(monkeypatch)
-    with captured_log(caplog), trace.recording() as rec:
+    with trace.recording() as rec:
         for step in (1, 2):
             if case.error is not None:
                 with pytest.raises(case.error):
@@ -212,7 +211,7 @@ def test_gate_runs_the_original_with_the_same_arguments(
                     assert call[key] is case.forward[key]
     assert len(calls) == 2
     assert sessions.count == 0
-    logged = messages(caplog, GATE)
+    logged = logs.texts(GATE)
     assert len(logged) == 1, logged  # once, although two steps were gated
     reason = logged[0].split(f"{GATE}: ", 1)[1]
     assert [n for n, c in CASES.items() if reason.startswith(c.reason)] == [name], logged[0]
@@ -220,16 +219,15 @@ def test_gate_runs_the_original_with_the_same_arguments(
     assert not side
 
 
-def test_each_distinct_reason_is_logged_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_each_distinct_reason_is_logged_once(monkeypatch: pytest.MonkeyPatch, logs: PackageLogs) -> None:
     w = world(layers=2, stage_ids=(0, 1, 2))
     ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", min_stages=3))
-    with captured_log(caplog):
-        _run(w, (0, 1), 1, {})
-        _run(w, (0,), 2, {})
-        _run(w, (0, 1), 3, {})
-        _run(w, (0,), 4, {})
-        _run(w, (0, 2), 5, {})  # the same reason text as (0, 1)
-    logged = messages(caplog, GATE)
+    _run(w, (0, 1), 1, {})
+    _run(w, (0,), 2, {})
+    _run(w, (0, 1), 3, {})
+    _run(w, (0,), 4, {})
+    _run(w, (0, 2), 5, {})  # the same reason text as (0, 1)
+    logged = logs.texts(GATE)
     assert len(logged) == 2
     assert "2 stage(s), fewer than the minimum 3" in logged[0]
     assert "1 stage(s), fewer than the minimum 3" in logged[1]
@@ -250,7 +248,7 @@ def test_graph_capture_engages_with_the_graph_switch(monkeypatch: pytest.MonkeyP
     assert res.ok, str(res)
 
 
-def test_reentrant_forward_runs_the_original(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_reentrant_forward_runs_the_original(monkeypatch: pytest.MonkeyPatch, logs: PackageLogs) -> None:
     outer = world(layers=3, stage_ids=(0, 1))
     inner = world(layers=2, stage_ids=(0, 1), seed=5)
     (ref_outer,) = serial_results(outer, [Schedule(3, (0, 1), (6, 6), 1)])
@@ -268,19 +266,18 @@ def test_reentrant_forward_runs_the_original(monkeypatch: pytest.MonkeyPatch, ca
         return original(hidden_states=hidden_states, layer_idx=layer_idx)
 
     model.compute_ffn_output = compute_ffn_output
-    with captured_log(caplog):
-        got, dp = bounded(lambda: _run(outer, (0, 1), 1, {}))
+    got, dp = bounded(lambda: _run(outer, (0, 1), 1, {}))
     assert_same(got, ref_outer)
     assert_same(inner_out["results"], ref_inner)
     assert sessions.count == 1  # the outer step only
     assert [c["self"] for c in calls] == [outer.runner, inner.runner]
     assert calls[0]["dp_metadata_list"] is dp and calls[1]["dp_metadata_list"] is inner_out["dp"]
     assert calls[0]["session"] is not None and calls[1]["session"] is calls[0]["session"]
-    (msg,) = messages(caplog, GATE)
+    (msg,) = logs.texts(GATE)
     assert "re-entrant FFN forward inside an active step" in msg
 
 
-def test_planning_error_runs_the_original(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_planning_error_runs_the_original(monkeypatch: pytest.MonkeyPatch, logs: PackageLogs) -> None:
     """A failure while planning (here the layer list holds a non-integer)
     never breaks the call: the original runs (and fails or not on its own)."""
     w = world(layers=2, stage_ids=(0, 1))
@@ -293,8 +290,7 @@ def test_planning_error_runs_the_original(monkeypatch: pytest.MonkeyPatch, caplo
         return ["zero", "one"] if plan_calls["n"] == 2 else real(runner)
 
     monkeypatch.setattr(w.modules[0], "_ffn_layer_indices", layers)
-    with captured_log(caplog):
-        got, _ = _run(w, (0, 1), 1, {})
+    got, _ = _run(w, (0, 1), 1, {})
     assert len(got) == 4
-    (msg,) = messages(caplog, GATE)
+    (msg,) = logs.texts(GATE)
     assert "could not plan the step (ValueError" in msg

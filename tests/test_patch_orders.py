@@ -435,6 +435,14 @@ def test_apply_while_another_thread_is_importing_the_target(tmp_path: Any, monke
             ev_go.set()
             importer.join(10)
             assert not importer.is_alive() and result
+            if not hook_first:
+                # No hook saw the import. status() only reads (and says so);
+                # refresh() is the explicit step that wraps the module.
+                seen = ENGINE.status().targets
+                assert {t.state for t in seen} == {TargetState.NOT_IMPORTED}
+                assert all("imported while apply() ran" in t.reason for t in seen)
+                assert count_our_wrappers(vars(result[0].Target)["plain"]) == 0
+                ENGINE.refresh()
             assert {t.state for t in ENGINE.status().targets} == {TargetState.WRAPPED}
             assert count_our_wrappers(vars(result[0].Target)["plain"]) == 1
             assert ENGINE.unpatch() is True
@@ -678,9 +686,10 @@ def test_unpatch_from_inside_a_step_on_the_same_thread_refuses(make_world, logs,
 def test_reload_of_the_runner_module(make_world) -> None:
     """``importlib.reload`` makes a new runner class; hooks do not fire on a
     reload. The new class stays unwrapped (its steps run the original, and
-    correctly) until the engine looks again (``status()``, or any wrapped
-    step's gate): then the new class is wrapped and the old class gets its
-    original back. Unpatch restores the new class exactly."""
+    correctly) until the engine's explicit ``refresh()`` (which ``apply()``
+    and every wrapped step take; ``status()`` only reports the reload): then
+    the new class is wrapped and the old class gets its original back.
+    Unpatch restores the new class exactly."""
     w_old = make_world(layers=2, stage_ids=(0, 1), tokens=8)
     refs = _serial_refs(w_old, range(1, 5))
     runner_mod = w_old.modules[0]
@@ -703,7 +712,11 @@ def test_reload_of_the_runner_module(make_world) -> None:
     assert_same(out.results, refs[1])
     assert comm.mode(1, "camp2p-test-step-1") == "original"
 
-    report = ENGINE.status()  # the engine notices the reload
+    stale = ENGINE.status()  # status() reports the reload, and only reads
+    assert not stale.engaged and "module reloaded since it was wrapped" in str(stale)
+    assert count_our_wrappers(vars(new_cls)["_ffn_forward"]) == 0
+    ENGINE.refresh()  # the explicit step (apply() and every wrapped step take it too)
+    report = ENGINE.status()
     assert report.engaged
     assert count_our_wrappers(vars(new_cls)["_ffn_forward"]) == 1
     assert vars(new_cls)["_ffn_forward"].__wrapped__ is new_raw
@@ -741,7 +754,9 @@ def test_reimport_of_the_target_modules(make_world) -> None:
     assert type(w2.runner) is not type(w1.runner)
     fresh = raw_targets()
     assert all(count_our_wrappers(v) == 0 for v in fresh.values())  # no hook fired for the re-import
-    assert ENGINE.status().engaged
+    assert not ENGINE.status().engaged  # status() sees it and changes nothing
+    assert all(count_our_wrappers(v) == 0 for v in fresh.values())
+    assert ENGINE.apply(config=CFG, strict=True).engaged  # apply() on an applied engine refreshes
     assert all(count_our_wrappers(v) == 1 for v in raw_targets().values())
     # The first import's classes got their exact originals back.
     assert all(vars(first_owners[k])[k[1]] is first_raw[k] for k in first_raw)

@@ -32,6 +32,7 @@ from camp2p_overlap.core.step_gate import StepGate
 from camp2p_overlap.core.versions import VersionCheck
 
 RELOADED = "module reloaded since it was wrapped; the next wrapped step or apply() wraps it"
+IMPORTED_UNSEEN = "module imported while apply() ran; the next wrapped step or apply() wraps it"
 
 
 class PatchRefused(RuntimeError):
@@ -66,7 +67,8 @@ class PatchEngine:
         self.manifest: StackManifest | None = None
         self._wrappers: Mapping[str, Wrapper] = {}
         self.board = StatusBoard()
-        self._hooked: set[str] = set()
+        #: Modules with a post-import hook not fired yet (a hook fires once).
+        self._hooks_pending: set[str] = set()
         self._vllm_version: str | None = None
         if hasattr(os, "register_at_fork"):  # a lock held by a thread that is gone would stay held
             ref = weakref.WeakMethod(self._new_lock)
@@ -114,8 +116,8 @@ class PatchEngine:
                 module = sys.modules.get(mspec.name)
                 if module is not None:
                     self._install(mspec, module)
-                elif mspec.name not in self._hooked:  # hooks cannot be removed: one per module, ever
-                    self._hooked.add(mspec.name)
+                elif mspec.name not in self._hooks_pending:  # a hook cannot be removed: one pending per module
+                    self._hooks_pending.add(mspec.name)
                     wrapt.register_post_import_hook(self._on_import, mspec.name)
             self.board.log_when_settled(self.report())
             report = self.report()
@@ -196,6 +198,13 @@ class PatchEngine:
         targets = dict(self.board.targets)
         for mspec in self.installer.reloaded(self.manifest) if self.applied else ():
             targets.update(statuses(mspec.targets, TargetState.NOT_IMPORTED, RELOADED))
+        for mspec in self.manifest.modules if self.applied and self.manifest else ():
+            module = sys.modules.get(mspec.name)
+            unseen = not self.installer.installed(mspec.name) and self.board.any_in(
+                mspec.targets, TargetState.NOT_IMPORTED
+            )
+            if unseen and module is not None and not _initializing(module):
+                targets.update(statuses(mspec.targets, TargetState.NOT_IMPORTED, IMPORTED_UNSEEN))
         return PatchReport(
             enabled=self.config.enabled if enabled is None else enabled,
             applied=self.applied,
@@ -209,6 +218,7 @@ class PatchEngine:
     # -- internals (lock held) ---------------------------------------------
     def _on_import(self, module: ModuleType) -> None:
         with self._lock:
+            self._hooks_pending.discard(module.__name__)
             if not self.applied or self.manifest is None:
                 return  # unpatched since the hook was registered
             try:
