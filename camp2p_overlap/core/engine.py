@@ -23,25 +23,17 @@ from typing import Any
 import wrapt
 
 from camp2p_overlap.core.config import ConfigError, OverlapConfig, load_config, strict_requested
-from camp2p_overlap.core.installer import Installer, Wrapper
+from camp2p_overlap.core.installer import Installer, Wrapper, initializing
 from camp2p_overlap.core.log import logger
 from camp2p_overlap.core.manifest import ManifestError, ModuleSpec, StackManifest, load_manifests
-from camp2p_overlap.core.report import READY, PatchReport, StatusBoard, TargetState, statuses, wrapt_version
+from camp2p_overlap.core.report import PatchReport, StatusBoard, TargetState, statuses, wrapt_version
 from camp2p_overlap.core.stack_select import select_stack, stack_version_check
 from camp2p_overlap.core.step_gate import StepGate
 from camp2p_overlap.core.versions import VersionCheck
 
-RELOADED = "module reloaded since it was wrapped; the next wrapped step or apply() wraps it"
-IMPORTED_UNSEEN = "module imported while apply() ran; the next wrapped step or apply() wraps it"
-
 
 class PatchRefused(RuntimeError):
     """Raised instead of logging when strict mode is on."""
-
-
-def _initializing(module: ModuleType) -> bool:
-    """Whether ``module`` is in ``sys.modules`` but still executing."""
-    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
 class PatchEngine:
@@ -87,7 +79,14 @@ class PatchEngine:
             except ConfigError as exc:
                 if strict if strict is not None else strict_requested():
                     raise
-                return self._refuse_config(exc)
+                if not self.applied:
+                    self.board.settle(f"configuration error: {exc}", {})
+                logger.error(
+                    "camp2p-overlap: %s: %s",
+                    "apply() ignored (already applied)" if self.applied else "not applied",
+                    exc,
+                )
+                return self.report()
             strict = cfg.strict if strict is None else strict
             if self.applied:
                 if not cfg.enabled:
@@ -163,13 +162,11 @@ class PatchEngine:
         with self._lock:
             if not self.applied or self.manifest is None:
                 return
-            for mspec in self.manifest.modules:
-                module = sys.modules.get(mspec.name)
-                if module is None or _initializing(module) or self.installer.is_current(mspec, module):
-                    continue
-                if self.installer.installed(mspec.name) or self.board.any_in(mspec.targets, TargetState.NOT_IMPORTED):
-                    self._install(mspec, module)
-            self.board.log_when_settled(self.report())
+            missed = self.installer.needing_install(self.manifest, self._waiting)
+            for mspec, module, _ in missed:
+                self._install(mspec, module)
+            if missed:
+                self.board.log_when_settled(self.report())
 
     # -- reading -----------------------------------------------------------
     def is_applied(self) -> bool:
@@ -188,23 +185,15 @@ class PatchEngine:
 
     def stack_complete(self) -> str | None:
         """None when every target is wrapped/checked, else why not."""
-        with self._lock:
-            for st in self.report().targets:
-                if st.state not in READY:
-                    return f"{st.target} is {st.state.value}" + (f": {st.reason}" if st.reason else "")
-            return None if self.board.targets else "no targets"
+        with self._lock:  # per step: no report object, no metadata lookup
+            for mspec, _, why in self.installer.needing_install(self.manifest, self._waiting) if self.applied else ():
+                return f"{mspec.targets[0].id} is {TargetState.NOT_IMPORTED.value}: {why}"
+            return PatchReport.unready_of(self.board.targets.values())
 
     def report(self, *, enabled: bool | None = None) -> PatchReport:
         targets = dict(self.board.targets)
-        for mspec in self.installer.reloaded(self.manifest) if self.applied else ():
-            targets.update(statuses(mspec.targets, TargetState.NOT_IMPORTED, RELOADED))
-        for mspec in self.manifest.modules if self.applied and self.manifest else ():
-            module = sys.modules.get(mspec.name)
-            unseen = not self.installer.installed(mspec.name) and self.board.any_in(
-                mspec.targets, TargetState.NOT_IMPORTED
-            )
-            if unseen and module is not None and not _initializing(module):
-                targets.update(statuses(mspec.targets, TargetState.NOT_IMPORTED, IMPORTED_UNSEEN))
+        for mspec, _, why in self.installer.needing_install(self.manifest, self._waiting) if self.applied else ():
+            targets.update(statuses(mspec.targets, TargetState.NOT_IMPORTED, why))
         return PatchReport(
             enabled=self.config.enabled if enabled is None else enabled,
             applied=self.applied,
@@ -233,12 +222,15 @@ class PatchEngine:
                 raise PatchRefused(str(self.report()))
 
     def _install(self, mspec: ModuleSpec, module: ModuleType, *, from_hook: bool = False) -> None:
-        if not from_hook and _initializing(module):
+        if not from_hook and initializing(module):
             # Another thread still executes the module: its classes may not
             # exist yet. Its post-import hook, or refresh(), wraps it.
             self.board.update(statuses(mspec.targets, TargetState.NOT_IMPORTED, "module is still being imported"))
             return
         self.board.update(self.installer.install(mspec, module, self._wrappers))
+
+    def _waiting(self, mspec: ModuleSpec) -> bool:
+        return self.board.any_in(mspec.targets, TargetState.NOT_IMPORTED)
 
     def _remove(self) -> bool:
         ok = self.installer.uninstall_all()
@@ -251,14 +243,6 @@ class PatchEngine:
         self._on_unpatch()
         logger.info("camp2p-overlap: %s (pid %d)", self.board.reason, os.getpid())
         return ok
-
-    def _refuse_config(self, exc: ConfigError) -> PatchReport:
-        if self.applied:
-            logger.error("camp2p-overlap: apply() ignored (already applied): %s", exc)
-            return self.report()
-        self.board.settle(f"configuration error: {exc}", {})
-        logger.error("camp2p-overlap: not applied: %s", exc)
-        return self.report()
 
     def _refusal(self, strict: bool, cause: BaseException | None = None) -> PatchReport:
         if self.board.targets:

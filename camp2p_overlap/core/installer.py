@@ -55,6 +55,15 @@ class ModuleRefused(Exception):
         }
 
 
+RELOADED = "module reloaded since it was wrapped; the next wrapped step or apply() wraps it"
+IMPORTED_UNSEEN = "module imported while apply() ran; the next wrapped step or apply() wraps it"
+
+
+def initializing(module: ModuleType) -> bool:
+    """Whether ``module`` is in ``sys.modules`` but still executing."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
 def live_owner(module: ModuleType, t: TargetSpec) -> Any:
     """The object that holds ``t`` in ``module`` now (None when gone)."""
     owner: Any = module
@@ -139,13 +148,22 @@ class Installer:
         recs = self.records.get(mspec.name)
         return bool(recs) and recs[0].owner is live_owner(module, recs[0].spec)
 
-    def reloaded(self, manifest: StackManifest | None) -> list[ModuleSpec]:
-        """The installed modules of ``manifest`` whose classes a reload replaced."""
+    def needing_install(
+        self, manifest: StackManifest | None, waiting: Callable[[ModuleSpec], bool]
+    ) -> list[tuple[ModuleSpec, ModuleType, str]]:
+        """Imported target modules no hook wrapped, with why: reloaded since
+        they were wrapped (their classes are new objects), or imported while
+        they were ``waiting`` for their hook (on another thread, mid-apply)."""
         out = []
         for mspec in manifest.modules if manifest is not None else ():
             module = sys.modules.get(mspec.name)
-            if self.installed(mspec.name) and module is not None and not self.is_current(mspec, module):
-                out.append(mspec)
+            if module is None or initializing(module):
+                continue
+            if self.installed(mspec.name):
+                if not self.is_current(mspec, module):
+                    out.append((mspec, module, RELOADED))
+            elif waiting(mspec):
+                out.append((mspec, module, IMPORTED_UNSEEN))
         return out
 
     def install(

@@ -3,6 +3,7 @@ objects against them."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from collections.abc import Callable
@@ -56,7 +57,7 @@ class TargetSpec:
     def id(self) -> str:
         return f"{self.module}.{self.qualname}"
 
-    @property
+    @functools.cached_property
     def owner_path(self) -> tuple[str, ...]:
         """The attribute path from the module to the owner (empty for a
         module-level function)."""

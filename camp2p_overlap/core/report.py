@@ -4,6 +4,7 @@ report ``apply()``/``status()`` return, and the one log line per process."""
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -67,6 +68,17 @@ class PatchReport:
         """Applied, and every target is wrapped or checked."""
         return self.applied and all(t.state in READY for t in self.targets)
 
+    @staticmethod
+    def unready_of(targets: Iterable[TargetStatus]) -> str | None:
+        """Why not every target is wrapped or checked (the first one that is
+        not), or None when all are."""
+        seen = False
+        for t in targets:
+            seen = True
+            if t.state not in READY:
+                return f"{t.target} is {t.state.value}" + (f": {t.reason}" if t.reason else "")
+        return None if seen else "no targets"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "enabled": self.enabled,
@@ -97,6 +109,7 @@ class PatchReport:
         return "\n".join([head, *rows])
 
 
+@functools.cache
 def wrapt_version() -> str:
     return installed_version("wrapt") or getattr(wrapt, "__version__", "?")
 
