@@ -6,10 +6,12 @@ Importing this package imports no vLLM, afd-plugin or torch_npu module.
 
 from __future__ import annotations
 
+from typing import Any
+
 from camp2p_overlap.core.config import ConfigError, OverlapConfig, load_config
 from camp2p_overlap.core.engine import PatchRefused
 from camp2p_overlap.core.plugin import register
-from camp2p_overlap.core.process import ENGINE
+from camp2p_overlap.core.process import ENGINE, RUNTIME
 from camp2p_overlap.core.report import PatchReport, TargetState, TargetStatus
 
 __version__ = "0.1.0"
@@ -26,6 +28,7 @@ __all__ = [
     "is_applied",
     "load_config",
     "register",
+    "stats",
     "status",
     "unpatch",
 ]
@@ -55,3 +58,12 @@ def status() -> PatchReport:
     """Per target: not-imported-yet / wrapped / checked / refused (with why),
     or inactive after ``unpatch()``."""
     return ENGINE.status()
+
+
+def stats() -> dict[str, Any]:
+    """This process's FFN steps as a JSON-able dict: ``steps`` per path
+    (``overlap``, ``parity``, ``reorder``, ``serial``), ``serial_reasons``
+    (reason -> steps), and ``buckets``: per runner and shape bucket the
+    adaptive decision, the overlap and serial medians in ms and the sample
+    counts. The shape is documented in the README ("Reading stats()")."""
+    return RUNTIME.stats()

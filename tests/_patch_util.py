@@ -25,7 +25,7 @@ WRAPPED = (
     (CONNECTOR, "CAMP2pAFDConnector", "recv_attn_output"),
     (CONNECTOR, "CAMP2pAFDConnector", "send_ffn_output"),
 )
-CFG = OverlapConfig(enabled=True, backend="cpu")
+CFG = OverlapConfig(enabled=True, backend="cpu", adaptive=False)
 
 
 def classes() -> dict[str, type]:

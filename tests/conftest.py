@@ -85,7 +85,7 @@ def forget_stuck() -> Iterator[None]:
 @pytest.fixture
 def cpu_config() -> OverlapConfig:
     """Switched on, CPU backend, defaults otherwise."""
-    return OverlapConfig(enabled=True, backend="cpu")
+    return OverlapConfig(enabled=True, backend="cpu", adaptive=False)
 
 
 @pytest.fixture

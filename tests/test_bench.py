@@ -270,7 +270,7 @@ def test_overlap_outputs_equal_serial_outputs_independently() -> None:
 
     layer = emulated_layer()
     layer.runtime.session_class = Counted
-    layer.engine.apply(config=OverlapConfig(enabled=True, backend="cpu"), strict=True)
+    layer.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True)
     try:
         for sid in (5, 6):
             world.steps_run = sid
@@ -333,7 +333,7 @@ def test_emulation_engines_are_fresh_and_unpatched_on_the_way_out() -> None:
     with pytest.raises(ValueError, match="boom"):
         with emulation_engine() as engine:
             world = build_world(_tiny_spec())
-            engine.apply(config=OverlapConfig(enabled=True, backend="cpu"), strict=True)
+            engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True)
             assert engine.is_applied()
             raise ValueError("boom")
     assert not engine.is_applied(), "the emulation engine is unpatched on the way out"
@@ -345,7 +345,7 @@ def test_emulation_engines_are_fresh_and_unpatched_on_the_way_out() -> None:
 def test_a_second_engine_refuses_targets_another_engine_wrapped() -> None:
     """Two engines never stack wrappers on one class: the second refuses."""
     world = build_world(_tiny_spec())
-    cfg = OverlapConfig(enabled=True, backend="cpu")
+    cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False)
     with emulation_engine() as first, emulation_engine() as second:
         assert first.apply(config=cfg, strict=True).engaged
         with pytest.raises(PatchRefused, match="another patch engine"):
@@ -357,7 +357,7 @@ def test_a_second_engine_refuses_targets_another_engine_wrapped() -> None:
 def test_emulation_engine_refuses_when_the_process_engine_is_applied(monkeypatch: pytest.MonkeyPatch) -> None:
     build_world(_tiny_spec())
     monkeypatch.setattr(ENGINE, "_version_check", emulated_version_check)
-    ENGINE.apply(config=OverlapConfig(enabled=True, backend="cpu"), strict=True)
+    ENGINE.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True)
     try:
         with pytest.raises(RuntimeError, match="process-wide camp2p-overlap patch layer is applied"):
             with emulation_engine():

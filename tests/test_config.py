@@ -15,10 +15,12 @@ import camp2p_overlap
 from camp2p_overlap.core import config
 from camp2p_overlap.core.config import (
     ENV_A2E,
+    ENV_ADAPTIVE,
     ENV_BACKEND,
     ENV_E2A,
     ENV_GRAPH,
     ENV_MIN_STAGES,
+    ENV_REPROBE,
     ENV_STRICT,
     ENV_SWITCH,
     ENV_VARS,
@@ -64,6 +66,8 @@ def test_every_field_from_the_environment() -> None:
         ENV_BACKEND: "CPU",
         ENV_STRICT: "true",
         ENV_WATCHDOG: "2.5",
+        ENV_ADAPTIVE: "Off",
+        ENV_REPROBE: " 128",
     }
     cfg = load_config(env)
     assert cfg == OverlapConfig(
@@ -75,6 +79,8 @@ def test_every_field_from_the_environment() -> None:
         backend="cpu",
         strict=True,
         watchdog_s=2.5,
+        adaptive=False,
+        reprobe_every=128,
     )
     assert dict(cfg.raw) == env
 
@@ -98,6 +104,11 @@ BAD = [
     (ENV_WATCHDOG, "-1"),
     (ENV_WATCHDOG, "nan"),
     (ENV_WATCHDOG, "inf"),
+    (ENV_ADAPTIVE, "auto"),
+    (ENV_REPROBE, "sixty-four"),
+    (ENV_REPROBE, "1"),
+    (ENV_REPROBE, "0"),
+    (ENV_REPROBE, "2000000"),
 ]
 
 

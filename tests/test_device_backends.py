@@ -164,7 +164,7 @@ def test_device_capture_gates_unless_graph_mode(fake_device: FakeDevice, monkeyp
     assert_same(run_step(w, sched), ref)
     assert sessions.count == 0
     ENGINE.unpatch(timeout=10)
-    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", graph=True))
+    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
     # An eager step first creates the side streams; the capture then reuses them.
     fake_device.capturing = False
     sessions = SessionSpy(monkeypatch)
@@ -182,7 +182,7 @@ def test_first_engaged_step_inside_capture_creates_no_streams(
     w = world(layers=2, stage_ids=(0, 1))
     sched = Schedule(2, (0, 1), (5, 5), step=1)
     (ref,) = serial_results(w, [sched])
-    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", graph=True))
+    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
     sessions = SessionSpy(monkeypatch)
     streams_before = fake_device.streams_created
     fake_device.capturing = True
@@ -238,7 +238,7 @@ def test_emulated_world_on_a_real_device(monkeypatch: pytest.MonkeyPatch, kind: 
     _on_device(w, device)
     scheds = [Schedule(6, (0, 1, 2), (16, 9, 4), step=i + 1) for i in range(3)]
     refs = serial_results(w, scheds)
-    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend=kind))
+    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend=kind, adaptive=False))
     sessions = SessionSpy(monkeypatch)
     for sched, ref in zip(scheds, refs, strict=True):
         got = bounded(lambda sched=sched: run_step(w, sched), timeout=120)

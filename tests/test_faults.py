@@ -276,7 +276,7 @@ class Runner:
         before = set(threading.enumerate())
         assert not _stream_threads(), f"{run}: stream threads alive before apply: {_stream_threads()}"
         a2e_side, e2a_side = run.directions
-        cfg = OverlapConfig(enabled=True, backend="cpu", a2e_on_side_stream=a2e_side, e2a_on_side_stream=e2a_side)
+        cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False, a2e_on_side_stream=a2e_side, e2a_on_side_stream=e2a_side)
         assert ENGINE.apply(config=cfg, strict=True).applied
         try:
             with FaultPlan(w, [fault]) as plan:
@@ -349,7 +349,7 @@ def test_the_harness_catches_a_hang() -> None:
     """The bound is real: a delay longer than the bound is reported as hung
     (so a deadlocked overlap would fail a run rather than block the suite)."""
     w = world(layers=1, stage_ids=(0, 1), tokens=4)
-    assert ENGINE.apply(config=OverlapConfig(enabled=True, backend="cpu"), strict=True).applied
+    assert ENGINE.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True).applied
     with FaultPlan(w, [Fault("delay", "e2a", 0, 1, delay_s=1.5)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 1, 0.2)

@@ -184,7 +184,7 @@ def test_gate_runs_the_original_with_the_same_arguments(
     calls = spy_forward(type(w.runner))
     if case.before_apply is not None:
         case.before_apply(w, monkeypatch)
-    cfg = OverlapConfig(enabled=True, backend="cpu").with_overrides(**case.config)
+    cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False).with_overrides(**case.config)
     ENGINE.apply(strict=case.strict, config=cfg)
     if case.after_apply is not None:
         case.after_apply(w, monkeypatch)
@@ -221,7 +221,7 @@ def test_gate_runs_the_original_with_the_same_arguments(
 
 def test_each_distinct_reason_is_logged_once(monkeypatch: pytest.MonkeyPatch, logs: PackageLogs) -> None:
     w = world(layers=2, stage_ids=(0, 1, 2))
-    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", min_stages=3))
+    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, min_stages=3))
     _run(w, (0, 1), 1, {})
     _run(w, (0,), 2, {})
     _run(w, (0, 1), 3, {})
@@ -237,7 +237,7 @@ def test_graph_capture_engages_with_the_graph_switch(monkeypatch: pytest.MonkeyP
     w = world(layers=3, stage_ids=(0, 1))
     (ref,) = serial_results(w, [Schedule(3, (0, 1), (6, 6), 1)])
     calls = spy_forward(type(w.runner))
-    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", graph=True))
+    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
     sessions = SessionSpy(monkeypatch)
     with trace.recording() as rec:
         got, dp = _run(w, (0, 1), 1, {"is_graph_capturing": True})
@@ -254,7 +254,7 @@ def test_reentrant_forward_runs_the_original(monkeypatch: pytest.MonkeyPatch, lo
     (ref_outer,) = serial_results(outer, [Schedule(3, (0, 1), (6, 6), 1)])
     (ref_inner,) = serial_results(inner, [Schedule(2, (0, 1), (6, 6), 7)])
     calls = spy_forward(type(outer.runner))
-    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu"))
+    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False))
     sessions = SessionSpy(monkeypatch)
     model = outer.runner.model
     original = type(model).compute_ffn_output.__get__(model)
@@ -281,7 +281,7 @@ def test_planning_error_runs_the_original(monkeypatch: pytest.MonkeyPatch, logs:
     """A failure while planning (here the layer list holds a non-integer)
     never breaks the call: the original runs (and fails or not on its own)."""
     w = world(layers=2, stage_ids=(0, 1))
-    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu"))
+    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False))
     plan_calls = {"n": 0}
     real = w.modules[0]._ffn_layer_indices
 

@@ -158,7 +158,7 @@ def test_unloadable_manifest_is_reported_not_raised() -> None:
         manifest_loader=broken,
         version_check=lambda manifest: judge_vllm_version("0.19.1", manifest.vllm),
     ).engine
-    cfg = OverlapConfig(enabled=True, backend="cpu")
+    cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False)
     report = engine.apply(config=cfg)
     assert not report.applied and "manifest error" in report.reason and "missing key" in report.reason
     with pytest.raises(PatchRefused, match="manifest error"):

@@ -59,8 +59,8 @@ def test_context_manager_unpatches_when_the_body_raises() -> None:
 
 
 def test_context_manager_uses_the_given_config_over_an_earlier_apply() -> None:
-    ENGINE.apply(config=OverlapConfig(enabled=True, backend="cpu", min_stages=2))
-    cfg = OverlapConfig(enabled=True, backend="cpu", min_stages=1, graph=True)
+    ENGINE.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, min_stages=2))
+    cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False, min_stages=1, graph=True)
     with overlap_patched(cfg) as report:
         assert report.applied and ENGINE.config == cfg
     assert not ENGINE.is_applied()

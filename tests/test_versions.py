@@ -25,7 +25,7 @@ from camp2p_overlap.emulation import standins
 SUPPORTED = "0.19.1"
 ACCEPTED = ["0.19.1", "0.19.1+empty", "0.19.1+cpu.ascend", "0.19.1.0"]
 REFUSED = ["0.19.0", "0.20.0", "0.19.1rc1", "0.19.1.post1", "0.19.1.dev0", "0.19.10", "1!0.19.1", "garbage", ""]
-CFG = OverlapConfig(enabled=True, backend="cpu")
+CFG = OverlapConfig(enabled=True, backend="cpu", adaptive=False)
 
 
 @pytest.mark.parametrize("found", ACCEPTED)

@@ -40,7 +40,7 @@ def _serial(world, step: int) -> dict:
 
 def _apply(**overrides: object) -> None:
     ENGINE.unpatch()
-    report = ENGINE.apply(config=OverlapConfig(enabled=True, backend="cpu", **overrides), strict=True)
+    report = ENGINE.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, **overrides), strict=True)
     assert report.applied
 
 

@@ -27,6 +27,28 @@ def stage_ids(dp_metadata_list: Any) -> tuple[list[int], int]:
     return sorted(int(k) for k in dp_metadata_list), max(len(dp_metadata_list), 1)
 
 
+def max_stage_tokens(dp_metadata_list: Any) -> int:
+    """The largest token count of the step's stages, from what the DP
+    metadata carries: ``num_tokens`` (the emulation), or the sum of vLLM's
+    ``num_tokens_across_dp_cpu`` (every attention rank's tokens for the
+    stage; CAMP2P splits them over the FFN ranks, so it is proportional to
+    what this rank receives). 0 when none of that is there."""
+    best = 0
+    for meta in (dp_metadata_list or {}).values():
+        count = getattr(meta, "num_tokens", None)
+        if count is None:
+            across = getattr(meta, "num_tokens_across_dp_cpu", None)
+            try:
+                count = int(across.sum()) if across is not None else 0
+            except (TypeError, ValueError, AttributeError):
+                count = 0
+        try:
+            best = max(best, int(count))
+        except (TypeError, ValueError):
+            continue
+    return best
+
+
 def recv_kwargs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """``recv_attn_output(self, ubatch_idx=0, **kwargs)`` call -> its kwargs."""
     out = dict(kwargs)

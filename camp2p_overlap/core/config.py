@@ -23,6 +23,8 @@ ENV_GRAPH = "VLLM_CAMP2P_MULTISTREAM_GRAPH"
 ENV_BACKEND = "VLLM_CAMP2P_MULTISTREAM_BACKEND"
 ENV_STRICT = "VLLM_CAMP2P_MULTISTREAM_STRICT"
 ENV_WATCHDOG = "VLLM_CAMP2P_MULTISTREAM_WATCHDOG_S"
+ENV_ADAPTIVE = "VLLM_CAMP2P_MULTISTREAM_ADAPTIVE"
+ENV_REPROBE = "VLLM_CAMP2P_MULTISTREAM_REPROBE_EVERY"
 
 #: Every variable this package reads, with a one-line description. vLLM's
 #: environment registry is told about exactly these names (see plugin.py).
@@ -35,10 +37,14 @@ ENV_VARS: dict[str, str] = {
     ENV_BACKEND: "Stream backend: auto (from the runner's device), npu, cuda or cpu.",
     ENV_STRICT: "Raise instead of logging when the patch layer refuses.",
     ENV_WATCHDOG: "Seconds after which a step that has not finished logs a stall report.",
+    ENV_ADAPTIVE: "Measure overlapped and serial steps per shape and engage only where the overlap is faster.",
+    ENV_REPROBE: "With adaptive engage: run one step of the path not chosen every this many steps of a shape.",
 }
 
 #: CAMP2P has one HCCL group per stage: afd, afd1, afd2.
 MAX_STAGES = 3
+#: Bounds of the re-probe interval (steps of one shape bucket).
+MIN_REPROBE, MAX_REPROBE = 2, 1_000_000
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -62,6 +68,8 @@ class OverlapConfig:
     backend: Backend = "auto"
     strict: bool = False
     watchdog_s: float | None = None
+    adaptive: bool = True
+    reprobe_every: int = 64
     #: Variables that were set, as read (for logs and ``doctor``).
     raw: Mapping[str, str] = field(default_factory=dict, compare=False)
 
@@ -122,6 +130,8 @@ def _check_ranges(cfg: OverlapConfig) -> None:
         raise ConfigError(
             f"{ENV_MIN_STAGES}={cfg.min_stages} is out of range 1..{MAX_STAGES} (CAMP2P has {MAX_STAGES} stage groups)"
         )
+    if not MIN_REPROBE <= cfg.reprobe_every <= MAX_REPROBE:
+        raise ConfigError(f"{ENV_REPROBE}={cfg.reprobe_every} is out of range {MIN_REPROBE}..{MAX_REPROBE}")
     if cfg.backend not in _BACKENDS:
         raise ConfigError(f"{ENV_BACKEND}={cfg.backend!r} is not one of {', '.join(_BACKENDS)}")
 
@@ -141,6 +151,8 @@ def load_config(env: Mapping[str, str] | None = None) -> OverlapConfig:
         backend=_parse_backend(env, ENV_BACKEND),
         strict=_parse_bool(env, ENV_STRICT, False),
         watchdog_s=_parse_seconds(env, ENV_WATCHDOG),
+        adaptive=_parse_bool(env, ENV_ADAPTIVE, True),
+        reprobe_every=_parse_int(env, ENV_REPROBE, 64),
         raw={k: env[k] for k in ENV_VARS if k in env},
     )
     _check_ranges(cfg)

@@ -1,22 +1,76 @@
 """What the wrappers of one patch engine share at run time: the side
-streams of each runner, the session active on each thread, and the session
-class (tests substitute a recording subclass). The engine closes it on
-unpatch through its on-unpatch hook."""
+streams of each runner, the session active on each thread, the session
+class (tests substitute a recording subclass), the adaptive-engage state,
+the step timings not yet read, and the step counters. The engine closes the
+side streams on unpatch through its on-unpatch hook; what was learned and
+counted survives an unpatch."""
 
 from __future__ import annotations
 
+import itertools
 import threading
+import weakref
+from collections import deque
+from typing import Any
 
+from camp2p_overlap.core.adaptive import AdaptiveEngage, BucketKey, Mode
 from camp2p_overlap.core.config import MAX_STAGES
 from camp2p_overlap.core.session import OverlapSession
+from camp2p_overlap.core.step_stats import StepCounters
+from camp2p_overlap.core.streams.base import StreamBackend
 from camp2p_overlap.core.streams.streamset import StreamSetRegistry
+
+#: Step timings waiting for their device events, at most (older ones are dropped).
+MAX_PENDING_TIMINGS = 64
 
 
 class OverlapRuntime:
     def __init__(self) -> None:
         self.streamsets = StreamSetRegistry(range(MAX_STAGES))
         self.session_class: type[OverlapSession] = OverlapSession
+        self.adaptive = AdaptiveEngage()
+        self.counters = StepCounters()
         self._local = threading.local()
+        self._pending: deque[tuple[BucketKey, Mode, StreamBackend, Any]] = deque()
+        self._pending_lock = threading.Lock()
+        self._runner_names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self._runner_ids = itertools.count()
+
+    def runner_name(self, runner: Any) -> str:
+        """A short, stable name for a runner in bucket keys and stats."""
+        try:
+            name = self._runner_names.get(runner)
+            if name is None:
+                name = self._runner_names[runner] = f"{type(runner).__name__}#{next(self._runner_ids)}"
+            return name
+        except TypeError:  # not weak-referenceable
+            return f"{type(runner).__name__}@{id(runner):x}"
+
+    def timed(self, key: BucketKey, mode: Mode, backend: StreamBackend, token: Any) -> None:
+        """A step's timing, to be read when its events have completed."""
+        with self._pending_lock:
+            self._pending.append((key, mode, backend, token))
+            while len(self._pending) > MAX_PENDING_TIMINGS:
+                self._pending.popleft()
+        self.collect()
+
+    def collect(self) -> None:
+        """Read every step timing that is ready (never waits) into the
+        adaptive state, oldest first; stop at the first not ready."""
+        while True:
+            with self._pending_lock:
+                if not self._pending:
+                    return
+                key, mode, backend, token = self._pending[0]
+                seconds = backend.elapsed(token)
+                if seconds is None:
+                    return
+                self._pending.popleft()
+            self.adaptive.record(key, mode, seconds)
+
+    def stats(self) -> dict[str, Any]:
+        """The counters and every adaptive bucket (the ``stats()`` shape)."""
+        return {**self.counters.to_dict(), "buckets": self.adaptive.snapshot()}
 
     def active_session(self) -> OverlapSession | None:
         """The session of the step running on this thread, if any."""

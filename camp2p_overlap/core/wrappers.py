@@ -16,9 +16,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from camp2p_overlap.core import camp2p
+from camp2p_overlap.core.adaptive import BucketKey, pow2_ceil
 from camp2p_overlap.core.installer import MARK, Wrapper
 from camp2p_overlap.core.log import log_once
 from camp2p_overlap.core.runtime import OverlapRuntime
@@ -32,6 +34,10 @@ if TYPE_CHECKING:
     from camp2p_overlap.core.engine import PatchEngine
 
 Wrapped = Callable[..., Any]
+
+NOT_APPLIED = "the layer is not applied (or is being removed)"
+SERIAL_PROBE = "adaptive: serial probe step"
+SERIAL_FASTER = "adaptive: serial is faster for this shape"
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
 
@@ -56,18 +62,63 @@ def ffn_forward_factory(engine: PatchEngine, runtime: OverlapRuntime) -> Wrapper
     def ffn_forward(wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
         recorder = current_recorder()
         if not gate.enter():
+            runtime.counters.serial(NOT_APPLIED)
             return _serial_step(wrapped, args, kwargs, recorder)
         try:
             engine.refresh()  # a reloaded target module is wrapped again here
             decision, streamset = _engage(engine, runtime, instance, kwargs)
             if decision.reason is not None or streamset is None:
+                runtime.counters.serial(decision.reason or "no side streams")
                 log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", decision.reason)
                 return _serial_step(wrapped, args, kwargs, recorder)
-            return _overlap_step(engine, runtime, wrapped, instance, args, kwargs, decision, streamset, recorder)
+            capturing = bool(kwargs.get("is_graph_capturing")) or streamset.backend.is_capturing()
+            if not engine.config.adaptive or capturing:  # capture follows the static setting
+                runtime.counters.overlap()
+                return _overlap_step(engine, runtime, wrapped, instance, args, kwargs, decision, streamset, recorder)
+            return _adaptive_step(engine, runtime, wrapped, instance, args, kwargs, decision, streamset, recorder)
         finally:
             gate.exit()
 
     return ffn_forward
+
+
+def _adaptive_step(
+    engine: PatchEngine,
+    runtime: OverlapRuntime,
+    wrapped: Wrapped,
+    runner: Any,
+    args: Args,
+    kwargs: Kwargs,
+    decision: Decision,
+    streamset: StreamSet,
+    recorder: TraceRecorder | None,
+) -> Any:
+    """An engageable eager step: the bucket's path (overlap, or the original
+    as decided or as a probe), timed without blocking the host."""
+    plan = decision.plan
+    assert plan is not None
+    key = BucketKey(
+        runtime.runner_name(runner),
+        len(plan.stages),
+        len(plan.layers),
+        pow2_ceil(camp2p.max_stage_tokens(kwargs.get("dp_metadata_list"))),
+    )
+    adaptive = runtime.adaptive
+    if adaptive.settings.reprobe_every != engine.config.reprobe_every:
+        adaptive.settings = replace(adaptive.settings, reprobe_every=engine.config.reprobe_every)
+    runtime.collect()
+    mode, probe = adaptive.choose(key)
+    backend = streamset.backend
+    token = backend.timing_start()
+    if mode == "overlap":
+        runtime.counters.overlap()
+        result = _overlap_step(engine, runtime, wrapped, runner, args, kwargs, decision, streamset, recorder)
+    else:
+        runtime.counters.serial(SERIAL_PROBE if probe else SERIAL_FASTER)
+        result = _serial_step(wrapped, args, kwargs, recorder)
+    backend.timing_stop(token)  # a step that raised is not timed
+    runtime.timed(key, mode, backend, token)
+    return result
 
 
 def _engage(

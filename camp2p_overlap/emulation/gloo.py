@@ -350,6 +350,9 @@ def run_pair(
         {
             "VLLM_CAMP2P_MULTISTREAM": "1",
             "VLLM_CAMP2P_MULTISTREAM_BACKEND": "cpu",
+            # Every multi-stage step overlapped: the pair checks that path
+            # across processes (adaptive engage would mix in serial steps).
+            "VLLM_CAMP2P_MULTISTREAM_ADAPTIVE": "0",
             "VLLM_PLUGINS": "camp2p_overlap",
         }
     )

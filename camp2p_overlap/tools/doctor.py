@@ -62,6 +62,8 @@ SWITCH_FIELDS = {
     cfgmod.ENV_BACKEND: "backend",
     cfgmod.ENV_STRICT: "strict",
     cfgmod.ENV_WATCHDOG: "watchdog_s",
+    cfgmod.ENV_ADAPTIVE: "adaptive",
+    cfgmod.ENV_REPROBE: "reprobe_every",
 }
 
 _STANDIN_DIR = Path(__file__).resolve().parent.parent / "emulation" / "standins"

@@ -8,6 +8,7 @@ made to wait on it. The compute stream ``C`` is the caller's current stream.
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
@@ -128,3 +129,17 @@ class StreamBackend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release threads or other resources held by streams."""
+
+    # -- step timing for adaptive engage: never blocks the host -------------
+    def timing_start(self) -> Any:
+        """Start timing a step on the compute stream; returns a token.
+        Here: the host clock (a backend whose compute stream is the host)."""
+        return [time.perf_counter(), None]
+
+    def timing_stop(self, token: Any) -> None:
+        """The step's work has been issued (and, here, joined)."""
+        token[1] = time.perf_counter()
+
+    def elapsed(self, token: Any) -> float | None:
+        """The step's time in seconds once known, else None (ask again later)."""
+        return None if token[1] is None else token[1] - token[0]

@@ -28,6 +28,8 @@ class TorchDeviceBackend(StreamBackend):
         #: When set, ops are bracketed with timing events for traces.
         self.timing = False
         self._timed: list[tuple[DoneHandle, Any, Any]] = []
+        #: Free (start, end) timing-event pairs for step timing.
+        self._step_events: list[tuple[Any, Any]] = []
         self._origin: Any = None
 
     def compute_stream(self) -> Any:
@@ -75,6 +77,29 @@ class TorchDeviceBackend(StreamBackend):
 
     def synchronize(self, stream: Any) -> None:
         stream.synchronize()
+
+    # -- step timing for adaptive engage ---------------------------------
+    def timing_start(self) -> Any:
+        """Record a timing event on the compute stream (pooled events)."""
+        start, end = self._step_events.pop() if self._step_events else self._new_timing_pair()
+        start.record(self.mod.current_stream())
+        return (start, end)
+
+    def timing_stop(self, token: Any) -> None:
+        token[1].record(self.mod.current_stream())
+
+    def elapsed(self, token: Any) -> float | None:
+        """Read a step's events once the end event has completed (``query()``,
+        never a synchronize); the events go back to the pool."""
+        start, end = token
+        if not end.query():
+            return None
+        seconds = start.elapsed_time(end) / 1e3
+        self._step_events.append((start, end))
+        return seconds
+
+    def _new_timing_pair(self) -> tuple[Any, Any]:
+        return self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True)
 
     # -- device timing for traces ---------------------------------------
     def start_timing(self) -> None:

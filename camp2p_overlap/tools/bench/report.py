@@ -30,6 +30,10 @@ def _sides(policy: str) -> tuple[str, str]:
     return ("K_s" if sides[0] else "C", "K_s" if sides[1] else "C")
 
 
+def _ci(interval: Sequence[float] | None) -> str:
+    return "" if not interval else f" [{interval[0]:.2f}, {interval[1]:.2f}]"
+
+
 def _edges(ok: bool | None) -> str:
     return "not checked" if ok is None else ("ok" if ok else "VIOLATED")
 
@@ -44,7 +48,8 @@ def problems(report: Mapping[str, Any]) -> list[str]:
             out.append(f"{p['policy']}: outputs differ from the serial run ({'; '.join(p['mismatches'][:3])})")
         if p["edges_ok"] is False:
             out.append(f"{p['policy']}: edge check failed ({'; '.join(p['edge_violations'][:3])})")
-        if p["policy"] != "serial" and not p["engaged"] and len(report["stages"]) >= 2:
+        fixed = not p.get("adaptive", False)  # adaptive engage may rightly choose the serial path
+        if p["policy"] != "serial" and fixed and not p["engaged"] and len(report["stages"]) >= 2:
             out.append(f"{p['policy']}: the overlap did not engage (ran the serial path)")
     return out
 
@@ -84,29 +89,42 @@ def bench_table(report: Mapping[str, Any]) -> str:
     )
     lines.append("")
     header = (
-        f"{'policy':<10} {'A2E':<4} {'E2A':<4} {'per-layer median':>16} {'p90':>10} {'speedup':>8} "
-        f"{'eta':>6}  {'outputs == serial':<20} {'engaged':<8} {'edges'}"
+        f"{'policy':<13} {'A2E':<4} {'E2A':<4} {'per-layer median':>16} {'p90':>10} "
+        f"{'speedup [95% CI]':>20} {'eta [95% CI]':>19}  {'outputs == serial':<20} {'engaged':<14} {'edges'}"
     )
     lines += [header, "-" * len(header)]
+    noisy = []
     for p in report["policies"]:
         a2e, e2a = _sides(p["policy"])
-        eta = "-" if p["eta"] is None else f"{p['eta']:.2f}"
+        speedup = f"{p['speedup']:.2f}x" + _ci(p.get("speedup_ci95"))
+        eta = "-" if p["eta"] is None else f"{p['eta']:.2f}" + _ci(p.get("eta_ci95"))
+        if p.get("noisy"):
+            eta += "*"
+            noisy.append(p)
         if p["policy"] == "serial":
             outputs = "reference" + ("" if p["outputs_equal"] else " (reps DIFFER)")
             engaged = "-"
         else:
             outputs = f"yes ({p['compared_steps']} steps)" if p["outputs_equal"] else "NO"
-            engaged = "yes" if p["engaged"] else "no"
+            engaged = ("yes" if p["engaged"] else "no") + (" (adaptive)" if p.get("adaptive") else "")
         lines.append(
-            f"{p['policy']:<10} {a2e:<4} {e2a:<4} {fmt_time(p['per_layer_us']['median']):>16} "
-            f"{fmt_time(p['per_layer_us']['p90']):>10} {p['speedup']:>7.2f}x {eta:>6}  {outputs:<20} "
-            f"{engaged:<8} {_edges(p['edges_ok'])}"
+            f"{p['policy']:<13} {a2e:<4} {e2a:<4} {fmt_time(p['per_layer_us']['median']):>16} "
+            f"{fmt_time(p['per_layer_us']['p90']):>10} {speedup:>20} {eta:>19}  {outputs:<20} "
+            f"{engaged:<14} {_edges(p['edges_ok'])}"
+        )
+    for p in noisy:
+        lines.append(
+            f"* {p['policy']}: noisy, not a result: {'; '.join(p['noise'])}. "
+            "Run more --steps or --reps on an otherwise idle machine."
         )
     by = {p["policy"]: p for p in report["policies"]}
     lines.append("")
     if "overlap" in by and "e2a-only" in by:
         ratio_oe = by["e2a-only"]["per_layer_us"]["median"] / by["overlap"]["per_layer_us"]["median"]
         lines.append(f"overlap vs e2a-only: {ratio_oe:.2f}x per layer.")
+    if "overlap" in by and "overlap-fixed" in by:
+        ratio_af = by["overlap-fixed"]["per_layer_us"]["median"] / by["overlap"]["per_layer_us"]["median"]
+        lines.append(f"overlap (adaptive) vs overlap-fixed: {ratio_af:.2f}x per layer.")
     lines.append(
         "eta = (T_serial - T_policy) / (T_serial - T_floor): the share of the hideable time a policy hid "
         "(1.0 = all of it)."

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -60,13 +61,25 @@ POLICIES: dict[str, tuple[bool, bool] | None] = {
     "serial": None,
     "e2a-only": (False, True),
     "overlap": (True, True),
+    "overlap-fixed": (True, True),
 }
+
+#: Policies that run with adaptive engage on (what users get by default);
+#: every other policy engages whenever the gate allows.
+ADAPTIVE_POLICIES = frozenset({"overlap"})
 
 POLICY_HELP = {
     "serial": "engine unpatched: upstream's loop, everything on the compute stream (today)",
     "e2a-only": "E2A on per-stage side streams, A2E on the compute stream (upstream PR #161's design)",
-    "overlap": "A2E and E2A on per-stage side streams with the receive lookahead (this package)",
+    "overlap": "this package as users get it: A2E and E2A on per-stage side streams with the receive "
+    "lookahead, engaged only where it measured faster than serial (adaptive engage on)",
+    "overlap-fixed": "the same overlap engaged on every step the gate allows (adaptive engage off)",
 }
+
+#: Bootstrap resamples for the 95% intervals of speedup and eta.
+BOOTSTRAP_RESAMPLES = 400
+#: An interval wider than this either side of its estimate is reported as noisy.
+NOISY_HALF_WIDTH = 0.1
 
 
 @dataclass(frozen=True)
@@ -89,7 +102,7 @@ class BenchParams:
     reps: int = 3
     seed: int = 0
     threads: int = 1
-    policies: tuple[str, ...] = ("serial", "e2a-only", "overlap")
+    policies: tuple[str, ...] = ("serial", "e2a-only", "overlap", "overlap-fixed")
     scenario: str | None = None
 
     def link(self) -> LinkModel:
@@ -299,7 +312,13 @@ def _config_for(policy: str, backend: str) -> OverlapConfig | None:
     sides = POLICIES[policy]
     if sides is None:
         return None
-    return OverlapConfig(enabled=True, backend=backend, a2e_on_side_stream=sides[0], e2a_on_side_stream=sides[1])  # type: ignore[arg-type]
+    return OverlapConfig(
+        enabled=True,
+        backend=backend,  # type: ignore[arg-type]
+        a2e_on_side_stream=sides[0],
+        e2a_on_side_stream=sides[1],
+        adaptive=policy in ADAPTIVE_POLICIES,
+    )
 
 
 def _compare(
@@ -353,12 +372,16 @@ def _run_policies(
         backend=handle.backend,  # type: ignore[arg-type]
         a2e_on_side_stream=False,
         e2a_on_side_stream=False,
+        adaptive=False,
     )
+    # One engine per policy, kept over the repetitions (what adaptive engage
+    # learned carries over, as in a serving process), applied per repetition.
+    engines = {p: emulated_layer().engine for p in order}
     try:
         for rep in range(params.reps):
             for policy in order:
                 st = stats[policy]
-                engine = emulated_layer().engine  # each policy run gets its own engine
+                engine = engines[policy]
                 cfg = _config_for(policy, handle.backend)
                 if cfg is not None:
                     engine.apply(config=cfg, manifest=manifest, strict=True)
@@ -395,13 +418,14 @@ def _run_policies(
                 finally:
                     if not engine.unpatch(timeout=30.0):
                         raise RuntimeError("the benchmark's patch engine could not unpatch; see the log")
+                engaged = any(o.kind in ("a2e", "e2a") and o.stream != "C" for o in ops)
                 if handle.edges_checkable:
                     sides = POLICIES[policy] or (False, False)
-                    if len(stages) < passthrough.min_stages:
-                        sides = (False, False)  # the gate runs the serial path: nothing to overlap with
+                    if len(stages) < passthrough.min_stages or (policy in ADAPTIVE_POLICIES and not engaged):
+                        sides = (False, False)  # the serial path ran (the gate, or adaptive engage's choice)
                     result = check_step(ops, ExpectedSchedule(layers, stages, sides[0], sides[1]))
                     st.violations.extend(f"rep {rep}: {v}" for v in result.violations)
-                st.engaged.append(any(o.kind in ("a2e", "e2a") and o.stream != "C" for o in ops))
+                st.engaged.append(engaged)
                 st.timeline = ops
     finally:
         bar.close()
@@ -424,34 +448,57 @@ def _check_output(
         st.mismatches.append(bad)
 
 
-def _measure(
-    samples: Iterable[tuple[list[TraceOp], dict[tuple[int, int], int]]],
-    stages: Sequence[int],
-    attn_s: float,
-) -> dict[str, Any]:
-    f_all: list[float] = []
-    a: dict[int, list[float]] = {s: [] for s in stages}
-    e: dict[int, list[float]] = {s: [] for s in stages}
+StepTerms = tuple[list[float], dict[int, list[float]], dict[int, list[float]]]
+
+
+def _step_terms(
+    samples: Iterable[tuple[list[TraceOp], dict[tuple[int, int], int]]], stages: Sequence[int]
+) -> list[StepTerms]:
+    """Per traced serial step: its FFN times, and its A2E (without the wait
+    for the attention peer) and E2A times per stage, in seconds."""
+    out = []
     for ops, waits in samples:
+        f: list[float] = []
+        a: dict[int, list[float]] = {s: [] for s in stages}
+        e: dict[int, list[float]] = {s: [] for s in stages}
         for o in ops:
             if o.stream != "C" or o.stage not in a:
                 continue
             if o.kind == "ffn":
-                f_all.append(o.duration_ns / 1e9)
+                f.append(o.duration_ns / 1e9)
             elif o.kind == "a2e":
                 a[o.stage].append(max(o.duration_ns - waits.get((o.layer, o.stage), 0), 0) / 1e9)
             elif o.kind == "e2a":
                 e[o.stage].append(o.duration_ns / 1e9)
-    f = statistics.median(f_all) if f_all else float("nan")
-    a_med = {s: statistics.median(v) if v else float("nan") for s, v in a.items()}
-    e_med = {s: statistics.median(v) if v else float("nan") for s, v in e.items()}
+        out.append((f, a, e))
+    return out
+
+
+def _medians(terms: Sequence[StepTerms], stages: Sequence[int]) -> tuple[float, dict[int, float], dict[int, float]]:
+    def med(values: list[float]) -> float:
+        return statistics.median(values) if values else float("nan")
+
+    f = med([x for t in terms for x in t[0]])
+    a = {s: med([x for t in terms for x in t[1][s]]) for s in stages}
+    e = {s: med([x for t in terms for x in t[2][s]]) for s in stages}
+    return f, a, e
+
+
+def _floor_s(terms: Sequence[StepTerms], stages: Sequence[int], attn_s: float) -> float:
+    f, a, e = _medians(terms, stages)
+    return max(len(stages) * f, max(a[s] + f + e[s] + attn_s for s in stages))
+
+
+def _measure(terms: Sequence[StepTerms], stages: Sequence[int], attn_s: float) -> dict[str, Any]:
+    f, a_med, e_med = _medians(terms, stages)
     S = len(stages)
     compute = S * f
     chain = max(a_med[s] + f + e_med[s] + attn_s for s in stages)
     comm = max(a_med[s] + e_med[s] for s in stages)
     return {
-        "source": "serial traced steps (pass-through wrappers, both directions off: upstream's loop)",
-        "samples": len(f_all),
+        "source": "serial traced steps of every repetition (pass-through wrappers, both directions off: "
+        "upstream's loop), interleaved with the policies' timed steps",
+        "samples": sum(len(t[0]) for t in terms),
         "f_us": _us(f),
         "stages": [{"stage": s, "a_us": _us(a_med[s]), "e_us": _us(e_med[s])} for s in stages],
         "attn_us": _us(attn_s),
@@ -460,6 +507,53 @@ def _measure(
         "floor_per_layer_us": _us(max(compute, chain)),
         "floor_terms": {"stages_x_f_us": _us(compute), "group_cycle_us": _us(chain)},
     }
+
+
+def _eta(t_serial: float, t_policy: float, t_floor: float) -> float | None:
+    hideable = t_serial - t_floor
+    return (t_serial - t_policy) / hideable if hideable > ETA_MIN_HIDEABLE * t_serial else None
+
+
+def _interval(values: Sequence[float]) -> list[float] | None:
+    if len(values) < 20:
+        return None
+    ordered = sorted(values)
+    return [round(percentile(ordered, 2.5), 4), round(percentile(ordered, 97.5), 4)]
+
+
+def _bootstrap(
+    serial: Sequence[float],
+    policy: Sequence[float],
+    terms: Sequence[StepTerms],
+    stages: Sequence[int],
+    attn_s: float,
+    rng: random.Random,
+) -> tuple[list[float] | None, list[float] | None]:
+    """95% percentile intervals of speedup and eta: serial and policy step
+    times and the traced serial steps (for the floor) resampled with
+    replacement, each statistic recomputed per resample."""
+    speedups: list[float] = []
+    etas: list[float] = []
+    for _ in range(BOOTSTRAP_RESAMPLES):
+        ts = statistics.median(rng.choices(serial, k=len(serial)))
+        tp = statistics.median(rng.choices(policy, k=len(policy)))
+        speedups.append(ts / tp)
+        if terms:
+            eta = _eta(ts, tp, _floor_s(rng.choices(terms, k=len(terms)), stages, attn_s))
+            if eta is not None:
+                etas.append(eta)
+    return _interval(speedups), (_interval(etas) if len(etas) >= BOOTSTRAP_RESAMPLES // 2 else None)
+
+
+def _noise(speedup: float, ci: list[float] | None, eta: float | None, eta_ci: list[float] | None) -> list[str]:
+    """Why a policy's figures are noise rather than facts (empty: they are not)."""
+    out = []
+    if eta is not None and eta > 1:
+        out.append(f"eta {eta:.2f} is above 1, which no schedule can reach")
+    for name, value, interval in (("speedup", speedup, ci), ("eta", eta, eta_ci)):
+        if value is not None and interval is not None and (interval[1] - interval[0]) / 2 > NOISY_HALF_WIDTH:
+            out.append(f"the 95% interval of {name} is wider than +/-{NOISY_HALF_WIDTH:g}")
+    return out
 
 
 def _report(
@@ -472,18 +566,25 @@ def _report(
     wall_s: float,
 ) -> dict[str, Any]:
     attn_s = params.attn_us * 1e-6 if handle.attn_modeled else 0.0
-    measured = _measure(stats["serial"].traced, stages, attn_s)
-    t_serial = statistics.median(stats["serial"].per_layer_s)
+    terms = _step_terms(stats["serial"].traced, stages)
+    measured = _measure(terms, stages, attn_s)
+    serial_s = stats["serial"].per_layer_s
+    t_serial = statistics.median(serial_s)
     t_floor = measured["floor_per_layer_us"] / 1e6
-    hideable = t_serial - t_floor
+    rng = random.Random(params.seed)
     policies = []
     for name in params.policies:
         st = stats[name]
         med = statistics.median(st.per_layer_s)
         sides = POLICIES[name] or (False, False)
-        eta = None
-        if name != "serial" and hideable > ETA_MIN_HIDEABLE * t_serial:
-            eta = round((t_serial - med) / hideable, 4)
+        eta = speedup_ci = eta_ci = None
+        if name != "serial":
+            raw_eta = _eta(t_serial, med, t_floor)
+            eta = None if raw_eta is None else round(raw_eta, 4)
+            speedup_ci, eta_ci = _bootstrap(serial_s, st.per_layer_s, terms, stages, attn_s, rng)
+            if eta is None:
+                eta_ci = None
+        noise = _noise(t_serial / med, speedup_ci, eta, eta_ci) if name != "serial" else []
         policies.append(
             {
                 "policy": name,
@@ -496,8 +597,13 @@ def _report(
                     "min": _us(min(st.per_layer_s)),
                     "mean": _us(statistics.fmean(st.per_layer_s)),
                 },
+                "adaptive": name in ADAPTIVE_POLICIES,
                 "speedup": round(t_serial / med, 4),
+                "speedup_ci95": speedup_ci,
                 "eta": eta,
+                "eta_ci95": eta_ci,
+                "noisy": bool(noise),
+                "noise": noise,
                 "outputs_equal": not st.mismatches,
                 "compared_steps": st.compared,
                 "mismatches": st.mismatches[:10],

@@ -1,0 +1,220 @@
+"""Adaptive engage: per runner and shape bucket, measure overlapped steps
+and serial probe steps, and engage the overlap only where it pays.
+
+Pure logic, fed step times by the wrappers (``record``) and asked which
+path a step takes (``choose``); deterministic for given times. Per bucket:
+
+* learning: the steps alternate overlap and serial (a serial step runs the
+  original path, bitwise equal). The first time of each path is dropped
+  (first-use costs: side streams, allocator). Once each path has
+  ``min_samples`` kept times the bucket decides: overlap when its median
+  beats serial's by ``engage_margin``, else serial. With the defaults the
+  first decision comes at the bucket's 6th step on the CPU backend (times
+  read after the join) and at its 7th on a device (times read a step later).
+* decided: every ``reprobe_every`` steps one step runs the other path (a
+  probe). A probe that beats the decided path's recent median by
+  ``switch_margin`` is confirmed by up to ``confirm`` probes in a row; the
+  decision switches only when their median still beats it (hysteresis).
+  Otherwise the probe round ends and the decision stays.
+
+Each decision is logged once, when it changes, with its figures.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from camp2p_overlap.core.log import logger
+
+Mode = Literal["overlap", "serial"]
+MODES: tuple[Mode, Mode] = ("overlap", "serial")
+
+
+def other(mode: Mode) -> Mode:
+    return "serial" if mode == "overlap" else "overlap"
+
+
+def pow2_ceil(n: int) -> int:
+    """``n`` rounded up to a power of two (0 for 0: unknown)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class BucketKey:
+    """A runner and a step shape: steps of one bucket take comparable time.
+
+    ``tokens`` is the largest token count of the step's stages rounded up
+    to a power of two (0 when the metadata carries none)."""
+
+    runner: str
+    stages: int
+    layers: int
+    tokens: int
+
+    def label(self) -> str:
+        return f"{self.runner}/stages={self.stages}/layers={self.layers}/tokens<={self.tokens}"
+
+
+@dataclass(frozen=True)
+class AdaptiveSettings:
+    reprobe_every: int = 64
+    min_samples: int = 2
+    window: int = 16
+    engage_margin: float = 0.02
+    switch_margin: float = 0.05
+    confirm: int = 3
+
+
+@dataclass
+class _Bucket:
+    key: BucketKey
+    window: int
+    decision: Mode | None = None
+    steps: int = 0
+    since_probe: int = 0
+    issued: dict[str, int] = field(default_factory=lambda: {m: 0 for m in MODES})
+    recorded: dict[str, int] = field(default_factory=lambda: {m: 0 for m in MODES})
+    times: dict[str, deque[float]] = field(default_factory=dict)
+    probe_times: list[float] = field(default_factory=list)
+    probes_left: int = 0
+    changes: int = 0
+
+    def __post_init__(self) -> None:
+        self.times = {m: deque(maxlen=self.window) for m in MODES}
+
+    def median(self, mode: str) -> float | None:
+        return statistics.median(self.times[mode]) if self.times[mode] else None
+
+
+class AdaptiveEngage:
+    """Per-bucket overlap-or-serial decisions of one runtime. Thread-safe."""
+
+    def __init__(self, settings: AdaptiveSettings | None = None) -> None:
+        #: Read at every call; replace it to change the settings.
+        self.settings = settings or AdaptiveSettings()
+        self._lock = threading.Lock()
+        self._buckets: dict[BucketKey, _Bucket] = {}
+
+    def choose(self, key: BucketKey) -> tuple[Mode, bool]:
+        """The path this step of bucket ``key`` takes, and whether it is a
+        probe (a step run to measure, not the bucket's decision)."""
+        cfg = self.settings
+        with self._lock:
+            b = self._buckets.get(key)
+            if b is None:
+                b = self._buckets[key] = _Bucket(key, cfg.window)
+            b.steps += 1
+            if b.decision is None:
+                mode: Mode = "overlap" if b.issued["overlap"] <= b.issued["serial"] else "serial"
+                probe = True
+            elif b.probes_left > 0:
+                b.probes_left -= 1
+                mode, probe = other(b.decision), True
+            else:
+                b.since_probe += 1
+                if b.since_probe >= cfg.reprobe_every:
+                    b.since_probe = 0
+                    mode, probe = other(b.decision), True
+                else:
+                    mode, probe = b.decision, False
+            b.issued[mode] += 1
+            return mode, probe
+
+    def record(self, key: BucketKey, mode: Mode, seconds: float) -> None:
+        """The measured time of one step of ``key`` that ran ``mode``."""
+        cfg = self.settings
+        with self._lock:
+            b = self._buckets.get(key)
+            if b is None:
+                return
+            b.recorded[mode] += 1
+            if b.recorded[mode] == 1:
+                return  # the first of each path pays first-use costs
+            if b.decision is None:
+                b.times[mode].append(seconds)
+                if all(len(b.times[m]) >= cfg.min_samples for m in MODES):
+                    o, s = b.median("overlap"), b.median("serial")
+                    assert o is not None and s is not None
+                    self._decide(b, "overlap" if o <= s * (1 - cfg.engage_margin) else "serial", "first decision")
+                return
+            if mode == b.decision:
+                b.times[mode].append(seconds)
+                return
+            self._judge_probe(b, mode, seconds, cfg)
+
+    def _judge_probe(self, b: _Bucket, mode: Mode, seconds: float, cfg: AdaptiveSettings) -> None:
+        b.probe_times.append(seconds)
+        current = b.median(b.decision)  # type: ignore[arg-type]
+        probe = statistics.median(b.probe_times)
+        if current is None or probe > current * (1 - cfg.switch_margin):
+            b.probe_times.clear()  # not better: the probe round ends, the decision stays
+            b.probes_left = 0
+            b.times[mode].append(seconds)
+            return
+        if len(b.probe_times) < cfg.confirm:
+            b.probes_left = max(b.probes_left, 1)  # confirm before switching
+            return
+        b.times[mode].clear()
+        b.times[mode].extend(b.probe_times)
+        b.probe_times.clear()
+        b.probes_left = 0
+        self._decide(b, mode, f"{cfg.confirm} probes beat it by more than {cfg.switch_margin:.0%}")
+
+    def _decide(self, b: _Bucket, mode: Mode, why: str) -> None:
+        if mode == b.decision:
+            return
+        previous, b.decision = b.decision, mode
+        b.changes += 1
+        b.since_probe = 0
+        o, s = b.median("overlap"), b.median("serial")
+        logger.info(
+            "camp2p-overlap: adaptive: %s -> %s (%s; was %s): overlap median %s over %d steps, "
+            "serial median %s over %d steps",
+            b.key.label(),
+            mode,
+            why,
+            previous or "learning",
+            _ms(o),
+            len(b.times["overlap"]),
+            _ms(s),
+            len(b.times["serial"]),
+        )
+
+    def decision(self, key: BucketKey) -> Mode | None:
+        with self._lock:
+            b = self._buckets.get(key)
+            return None if b is None else b.decision
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Every bucket: key, decision, medians in ms and sample counts."""
+        with self._lock:
+            out = []
+            for b in self._buckets.values():
+                o, s = b.median("overlap"), b.median("serial")
+                out.append(
+                    {
+                        "key": {
+                            "runner": b.key.runner,
+                            "stages": b.key.stages,
+                            "layers": b.key.layers,
+                            "tokens": b.key.tokens,
+                        },
+                        "label": b.key.label(),
+                        "decision": b.decision or "learning",
+                        "overlap_median_ms": None if o is None else round(o * 1e3, 4),
+                        "serial_median_ms": None if s is None else round(s * 1e3, 4),
+                        "overlap_samples": len(b.times["overlap"]),
+                        "serial_samples": len(b.times["serial"]),
+                        "steps": b.steps,
+                        "changes": b.changes,
+                    }
+                )
+            return out
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3f} ms"

@@ -1,0 +1,33 @@
+"""Per-process step counters: how many FFN steps ran each path, and why
+the serial ones did. ``camp2p_overlap.stats()`` reports them; their shape
+is documented in the README ("Reading stats()") and kept stable for
+exporters."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+#: The paths a step can take. ``parity`` and ``reorder`` are rollout modes
+#: still to come; they stay 0 until then.
+PATHS = ("overlap", "parity", "reorder", "serial")
+
+
+class StepCounters:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._steps = dict.fromkeys(PATHS, 0)
+        self._serial_reasons: dict[str, int] = {}
+
+    def overlap(self) -> None:
+        with self._lock:
+            self._steps["overlap"] += 1
+
+    def serial(self, reason: str) -> None:
+        with self._lock:
+            self._steps["serial"] += 1
+            self._serial_reasons[reason] = self._serial_reasons.get(reason, 0) + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {"steps": dict(self._steps), "serial_reasons": dict(self._serial_reasons)}

@@ -1,0 +1,340 @@
+"""Adaptive engage: decisions from injected step times (deterministic),
+hysteresis, re-probes and bucket isolation; the switch and its bad values;
+``stats()``; bitwise-equal outputs across a run that switches paths; and no
+synchronize on the device path."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from typing import Any
+
+import pytest
+from _overlap_util import Schedule, apply_cpu, assert_same, bounded, run_step, serial_results, world
+from conftest import PackageLogs
+
+import camp2p_overlap
+from camp2p_overlap.core.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey, pow2_ceil
+from camp2p_overlap.core.config import ENV_ADAPTIVE, ENV_REPROBE, ConfigError, load_config
+from camp2p_overlap.core.process import ENGINE, RUNTIME
+from camp2p_overlap.core.streams.device import TorchDeviceBackend
+
+KEY = BucketKey("runner#0", 2, 6, 128)
+OTHER = BucketKey("runner#0", 2, 6, 256)
+
+
+def drive(engine: AdaptiveEngage, key: BucketKey, times: dict[str, float], steps: int) -> list[tuple[str, bool]]:
+    """Run ``steps`` steps of ``key`` where each path takes ``times[path]``;
+    returns the (path, probe) sequence."""
+    seq = []
+    for _ in range(steps):
+        mode, probe = engine.choose(key)
+        seq.append((mode, probe))
+        engine.record(key, mode, times[mode])
+    return seq
+
+
+# ---------------------------------------------------------------------------
+# the decision logic, with injected times
+def test_learning_alternates_and_decides_by_the_sixth_step() -> None:
+    a = AdaptiveEngage()
+    seq = drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 6)
+    assert [m for m, _ in seq] == ["overlap", "serial"] * 3
+    assert all(probe for _, probe in seq)  # learning steps measure
+    assert a.decision(KEY) == "overlap"
+    (snap,) = a.snapshot()
+    # the first time of each path is dropped (first-use costs)
+    assert snap["overlap_samples"] == 2 and snap["serial_samples"] == 2
+    assert snap["overlap_median_ms"] == pytest.approx(10.0) and snap["serial_median_ms"] == pytest.approx(15.0)
+
+
+def test_first_decision_with_times_read_one_step_late_comes_by_the_seventh_step() -> None:
+    """On a device the time of step k is read at step k+1."""
+    a = AdaptiveEngage()
+    times = {"overlap": 0.010, "serial": 0.015}
+    last: tuple[BucketKey, str] | None = None
+    decided_at = None
+    for step in range(1, 9):
+        if last is not None:
+            a.record(last[0], last[1], times[last[1]])  # type: ignore[arg-type]
+        if a.decision(KEY) is not None:
+            decided_at = step
+            break
+        mode, _ = a.choose(KEY)
+        last = (KEY, mode)
+    assert a.decision(KEY) == "overlap" and decided_at == 7  # steps 1-6 learn, step 7 runs the decision
+
+
+def test_overlap_must_win_by_the_engage_margin() -> None:
+    a = AdaptiveEngage()
+    drive(a, KEY, {"overlap": 0.0099, "serial": 0.0100}, 6)  # 1% better: not worth it
+    assert a.decision(KEY) == "serial"
+    b = AdaptiveEngage()
+    drive(b, KEY, {"overlap": 0.0097, "serial": 0.0100}, 6)  # 3% better
+    assert b.decision(KEY) == "overlap"
+
+
+def test_reprobe_every_n_steps_and_the_decision_holds_when_the_probe_loses() -> None:
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=8))
+    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 6)
+    seq = drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 32)
+    probes = [i for i, (m, p) in enumerate(seq) if p]
+    assert probes == [7, 15, 23, 31]
+    assert all(seq[i][0] == "serial" for i in probes)
+    assert all(m == "overlap" for i, (m, _) in enumerate(seq) if i not in probes)
+    assert a.decision(KEY) == "overlap"
+
+
+def test_a_change_of_load_switches_only_after_confirming_probes(logs: PackageLogs) -> None:
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
+    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 6)
+    assert a.decision(KEY) == "overlap"
+    # The load changes: overlap now costs 20 ms, serial 15 ms. Overlap's own
+    # window still says 10 ms for a while, then the probes confirm.
+    seq = drive(a, KEY, {"overlap": 0.020, "serial": 0.015}, 40)
+    assert a.decision(KEY) == "serial"
+    first_serial_decided = next(i for i, (m, p) in enumerate(seq) if m == "serial" and not p)
+    probes_before = [i for i, (m, p) in enumerate(seq[:first_serial_decided]) if p]
+    assert len(probes_before) >= 3  # one probe round of 3 confirmed it
+    changes = logs.texts("adaptive:")
+    assert len(changes) == 2  # the first decision and the switch, each logged once
+    assert "-> serial" in changes[1] and "overlap median" in changes[1] and "serial median" in changes[1]
+
+
+def test_hysteresis_keeps_the_decision_inside_the_band() -> None:
+    """Overlap 2.5% better than serial: engaged; a later load where serial is
+    3% better does not switch (inside the 5% band), 10% better does."""
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
+    drive(a, KEY, {"overlap": 0.00975, "serial": 0.0100}, 6)
+    assert a.decision(KEY) == "overlap"
+    drive(a, KEY, {"overlap": 0.0100, "serial": 0.0097}, 64)
+    assert a.decision(KEY) == "overlap"
+    drive(a, KEY, {"overlap": 0.0100, "serial": 0.0088}, 64)
+    assert a.decision(KEY) == "serial"
+
+
+def test_a_single_lucky_probe_does_not_switch() -> None:
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
+    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 6)
+    seq = []
+    for i in range(12):
+        mode, probe = a.choose(KEY)
+        seq.append(mode)
+        lucky = probe and i == 3  # the first probe is very fast, the next ones are not
+        a.record(KEY, mode, 0.005 if lucky else (0.010 if mode == "overlap" else 0.015))
+    assert a.decision(KEY) == "overlap"
+
+
+def test_buckets_are_isolated() -> None:
+    a = AdaptiveEngage()
+    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 6)
+    drive(a, OTHER, {"overlap": 0.020, "serial": 0.015}, 6)
+    assert a.decision(KEY) == "overlap" and a.decision(OTHER) == "serial"
+    by_label = {b["label"]: b for b in a.snapshot()}
+    assert by_label[KEY.label()]["steps"] == 6 and by_label[OTHER.label()]["steps"] == 6
+
+
+def test_pow2_bucket_rounding() -> None:
+    assert [pow2_ceil(n) for n in (0, 1, 2, 3, 5, 8, 9, 128, 129)] == [0, 1, 2, 4, 8, 8, 16, 128, 256]
+
+
+# ---------------------------------------------------------------------------
+# the switch
+def test_adaptive_is_on_by_default_and_parsed() -> None:
+    assert load_config({}).adaptive is True and load_config({}).reprobe_every == 64
+    assert load_config({ENV_ADAPTIVE: "0"}).adaptive is False
+    assert load_config({ENV_ADAPTIVE: "on", ENV_REPROBE: "16"}).reprobe_every == 16
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({ENV_ADAPTIVE: "sometimes"}, "VLLM_CAMP2P_MULTISTREAM_ADAPTIVE='sometimes' is not a boolean"),
+        ({ENV_REPROBE: "often"}, "VLLM_CAMP2P_MULTISTREAM_REPROBE_EVERY='often' is not an integer"),
+        ({ENV_REPROBE: "1"}, "VLLM_CAMP2P_MULTISTREAM_REPROBE_EVERY=1 is out of range 2..1000000"),
+    ],
+)
+def test_bad_adaptive_values_are_errors(env: dict[str, str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(env)
+
+
+def test_the_names_are_registered_with_vllm() -> None:
+    from camp2p_overlap.core.config import ENV_VARS
+
+    assert ENV_ADAPTIVE in ENV_VARS and ENV_REPROBE in ENV_VARS
+
+
+# ---------------------------------------------------------------------------
+# end to end on the emulation
+def test_outputs_stay_bitwise_equal_across_switches_and_stats_count_them(logs: PackageLogs) -> None:
+    """Adaptive on, re-probing every 2 steps: a 2-stage bucket alternates and
+    switches paths; every step's outputs equal the serial path's; stats()
+    counts each path and reason and shows the bucket."""
+    w = world(layers=3, stage_ids=(0, 1), tokens=8)
+    scheds = [Schedule(3, (0, 1), (8, 8), step=i + 1) for i in range(14)]
+    one_stage = Schedule(3, (0,), (8,), step=99)
+    refs = serial_results(w, [*scheds, one_stage])
+    before = camp2p_overlap.stats()
+    apply_cpu(adaptive=True, reprobe_every=2)
+    paths = []
+    for sched, ref in zip(scheds, refs, strict=False):
+        n = camp2p_overlap.stats()["steps"]["overlap"]
+        assert_same(bounded(lambda s=sched: run_step(w, s)), ref)
+        paths.append("overlap" if camp2p_overlap.stats()["steps"]["overlap"] > n else "serial")
+    assert_same(bounded(lambda: run_step(w, one_stage)), refs[-1])
+    assert "overlap" in paths and "serial" in paths
+    assert any(a != b for a, b in itertools.pairwise(paths))  # it switched back and forth
+    after = camp2p_overlap.stats()
+    json.dumps(after)  # JSON-able
+    steps = {k: after["steps"][k] - before["steps"].get(k, 0) for k in after["steps"]}
+    assert steps["overlap"] == paths.count("overlap")
+    assert steps["serial"] == paths.count("serial") + 1
+    assert steps["parity"] == 0 and steps["reorder"] == 0
+    reasons = after["serial_reasons"]
+    assert reasons.get("adaptive: serial probe step", 0) >= 2
+    assert any("fewer than the minimum 2" in r for r in reasons)
+    (bucket,) = [b for b in after["buckets"] if b["key"]["stages"] == 2 and b["key"]["layers"] == 3]
+    assert bucket["key"]["tokens"] == 8 and bucket["decision"] in ("overlap", "serial")
+    assert bucket["overlap_samples"] >= 2 and bucket["serial_samples"] >= 2
+    assert bucket["overlap_median_ms"] > 0 and bucket["serial_median_ms"] > 0
+    assert logs.texts("adaptive: ")  # the decision was logged
+
+
+def test_adaptive_off_engages_every_allowed_step() -> None:
+    w = world(layers=2, stage_ids=(0, 1), tokens=8)
+    before = camp2p_overlap.stats()["steps"]["overlap"]
+    apply_cpu(adaptive=False)
+    for i in range(6):
+        run_step(w, Schedule(2, (0, 1), (8, 8), step=i + 1))
+    assert camp2p_overlap.stats()["steps"]["overlap"] - before == 6
+
+
+def test_graph_capture_uses_the_static_setting() -> None:
+    """Inside capture the adaptive decision does not apply: an allowed step
+    engages even when the bucket decided serial."""
+    w = world(layers=2, stage_ids=(0, 1), tokens=8)
+    apply_cpu(adaptive=True, graph=True)
+    key_calls: list[Any] = []
+    real_choose = RUNTIME.adaptive.choose
+    RUNTIME.adaptive.choose = lambda key: key_calls.append(key) or ("serial", False)  # type: ignore[method-assign]
+    try:
+        before = camp2p_overlap.stats()["steps"]["overlap"]
+        run_step(w, Schedule(2, (0, 1), (8, 8), step=1), is_graph_capturing=True)
+        assert camp2p_overlap.stats()["steps"]["overlap"] == before + 1 and key_calls == []
+        run_step(w, Schedule(2, (0, 1), (8, 8), step=2))  # eager: the bucket's path
+        assert camp2p_overlap.stats()["steps"]["overlap"] == before + 1 and len(key_calls) == 1
+    finally:
+        RUNTIME.adaptive.choose = real_choose  # type: ignore[method-assign]
+    assert ENGINE.is_applied()
+
+
+# ---------------------------------------------------------------------------
+# the device timing path never synchronizes
+class _Ev:
+    def __init__(self, log: list[str], clock: list[float]) -> None:
+        self.log, self.clock, self.t, self.done = log, clock, None, False
+
+    def record(self, stream: Any = None) -> None:
+        self.log.append("record")
+        self.t = self.clock[0]
+
+    def query(self) -> bool:
+        self.log.append("query")
+        return self.done
+
+    def elapsed_time(self, end: _Ev) -> float:
+        return (end.t - self.t) * 1e3  # type: ignore[operator]
+
+    def synchronize(self) -> None:
+        raise AssertionError("a step must never synchronize")
+
+
+class _FakeDevice:
+    """A device module whose every synchronize fails the test."""
+
+    __name__ = "fakedev"
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.clock = [0.0]
+        self.events: list[_Ev] = []
+
+    def Event(self, enable_timing: bool = False) -> _Ev:
+        ev = _Ev(self.log, self.clock)
+        self.events.append(ev)
+        return ev
+
+    class Stream:
+        def __init__(self, device: Any = None) -> None:
+            self.name = "s"
+
+    def stream(self, s: Any) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def current_stream(self) -> Any:
+        return self.Stream()
+
+    def synchronize(self) -> None:
+        raise AssertionError("a step must never synchronize")
+
+
+def test_device_step_timing_reads_events_later_and_never_synchronizes() -> None:
+    dev = _FakeDevice()
+    backend = TorchDeviceBackend("fake", dev)  # type: ignore[arg-type]
+    token = backend.timing_start()
+    dev.clock[0] = 0.025
+    backend.timing_stop(token)
+    assert backend.elapsed(token) is None  # not complete yet: ask again later
+    for ev in dev.events:
+        ev.done = True
+    assert backend.elapsed(token) == pytest.approx(0.025)
+    assert "query" in dev.log and len(dev.events) == 2
+    again = backend.timing_start()  # the pair went back to the pool
+    assert len(dev.events) == 2 and again == token
+
+
+def test_runtime_collect_reads_only_completed_timings_in_order() -> None:
+    dev = _FakeDevice()
+    backend = TorchDeviceBackend("fake", dev)  # type: ignore[arg-type]
+    a = RUNTIME.adaptive
+    key = BucketKey("collect-test", 2, 2, 8)
+    recorded: list[tuple[str, float]] = []
+    real = a.record
+    a.record = lambda k, m, s: recorded.append((m, round(s, 3))) if k == key else real(k, m, s)  # type: ignore[method-assign]
+    try:
+        tokens = []
+        for i, mode in enumerate(("overlap", "serial")):
+            t = backend.timing_start()
+            dev.clock[0] += 0.010 * (i + 1)
+            backend.timing_stop(t)
+            tokens.append(t)
+            RUNTIME.timed(key, mode, backend, t)  # type: ignore[arg-type]
+        assert recorded == []  # nothing completed: nothing read, nothing waited for
+        tokens[1][1].done = tokens[1][0].done = True
+        RUNTIME.collect()
+        assert recorded == []  # the older one is not done: order is kept
+        tokens[0][1].done = tokens[0][0].done = True
+        RUNTIME.collect()
+        assert recorded == [("overlap", 0.01), ("serial", 0.02)]
+    finally:
+        a.record = real  # type: ignore[method-assign]
+    assert all(entry != "synchronize" for entry in dev.log)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_adaptive_state() -> Any:
+    """Each test learns from scratch (the process runtime keeps what it learned)."""
+    RUNTIME.adaptive = AdaptiveEngage()
+    yield
+    RUNTIME.adaptive = AdaptiveEngage()
+
+
+def test_logs_at_info_name_the_bucket(logs: PackageLogs) -> None:
+    a = AdaptiveEngage()
+    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 6)
+    (line,) = logs.texts("adaptive:", logging.INFO)
+    assert KEY.label() in line and "-> overlap" in line and "was learning" in line
