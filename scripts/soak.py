@@ -239,7 +239,9 @@ def run(args: argparse.Namespace) -> Summary:
     stream_end = 0
     for p, (a2e_side, e2a_side) in enumerate(PHASES):
         n_phase = phase_len if p < len(PHASES) - 1 else args.steps - phase_len * (len(PHASES) - 1)
-        cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False, a2e_on_side_stream=a2e_side, e2a_on_side_stream=e2a_side)
+        cfg = OverlapConfig(
+            enabled=True, backend="cpu", adaptive=False, a2e_on_side_stream=a2e_side, e2a_on_side_stream=e2a_side
+        )
         with patched(cfg, manifest) as (engine, engine_name):
             original = original_forward(engine)
             order = list(range(len(worlds)))

@@ -36,7 +36,7 @@ def apply_cpu(**overrides: Any) -> PatchReport:
     """Apply (strict) switched on with the CPU backend plus ``overrides``."""
     ENGINE.unpatch(timeout=10)
     overrides.setdefault("adaptive", False)  # the schedule tests want every allowed step engaged
-    report = ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, **overrides))
+    report = ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", **overrides))
     assert report.engaged, str(report)
     return report
 

@@ -276,7 +276,9 @@ class Runner:
         before = set(threading.enumerate())
         assert not _stream_threads(), f"{run}: stream threads alive before apply: {_stream_threads()}"
         a2e_side, e2a_side = run.directions
-        cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False, a2e_on_side_stream=a2e_side, e2a_on_side_stream=e2a_side)
+        cfg = OverlapConfig(
+            enabled=True, backend="cpu", adaptive=False, a2e_on_side_stream=a2e_side, e2a_on_side_stream=e2a_side
+        )
         assert ENGINE.apply(config=cfg, strict=True).applied
         try:
             with FaultPlan(w, [fault]) as plan:
