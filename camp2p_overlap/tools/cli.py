@@ -115,6 +115,15 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
+def _ints_or_none(text: str) -> tuple[int, ...]:
+    if text.strip().lower() in ("", "none"):
+        return ()
+    values = _ints(text)
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be at least 1")
+    return values
+
+
 def _add_world_flags(p: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
     shown = {f.name: getattr(_DEFAULTS, f.name) for f in fields(BenchParams)}
     shown.update(defaults or {})
@@ -168,14 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
         DEFAULT_RATIOS,
         DEFAULT_STAGE_COUNTS,
         DEFAULT_STAGE_RATIO,
+        DEFAULT_WORK_TOKENS,
         SWEEP_DEFAULTS,
     )
 
     sweep = sub.add_parser(
         "sweep",
-        help="per-layer time against communication/FFN ratio and against the number of stages",
+        help="per-layer time against communication/FFN ratio, the number of stages and the work size",
         description="Run the benchmark over a range of communication/FFN-compute ratios (set through the "
-        "modeled link bandwidth, after measuring f once) and over 1, 2 and 3 stages. Base world: the "
+        "modeled link bandwidth, after measuring f once), over 1, 2 and 3 stages, and over the tokens per "
+        "stage (serial, adaptive overlap and fixed overlap side by side, with the preset's link). Base world: the "
         "ffn-bound scenario unless --scenario says otherwise, with "
         + ", ".join(f"--{k} {v}" for k, v in SWEEP_DEFAULTS.items())
         + "; explicit flags override. Each point sets the modeled link bandwidth itself (--link-gbps is "
@@ -200,6 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_STAGE_RATIO,
         help=f"target (a+e)/f for the stage-count runs (default {DEFAULT_STAGE_RATIO:g})",
+    )
+    sweep.add_argument(
+        "--work-tokens",
+        type=_ints_or_none,
+        default=DEFAULT_WORK_TOKENS,
+        help="tokens per stage of the work-size points; 'none' skips them "
+        f"(default {','.join(map(str, DEFAULT_WORK_TOKENS))})",
     )
     sweep.add_argument("--md", metavar="PATH", help="write the tables as Markdown")
     sweep.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer time against ratio and stages")
@@ -304,6 +322,7 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
         ratios=args.ratios,
         stage_counts=args.stage_counts,
         stage_ratio=args.stage_ratio,
+        work_tokens=args.work_tokens,
         progress=not args.no_progress,
     )
     command = "camp2p-overlap " + " ".join(shlex.quote(a) for a in argv)
@@ -321,7 +340,8 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         sweep_plot(result, args.plot)
         print(f"plot: {args.plot}")
-    failed = [p for pt in result["ratio_points"] + result["stage_points"] for p in problems(pt["report"])]
+    points = result["ratio_points"] + result["stage_points"] + result["work_points"]
+    failed = [p for pt in points for p in problems(pt["report"])]
     for p in failed:
         print(f"FAILED: {p}")
     return 1 if failed else 0

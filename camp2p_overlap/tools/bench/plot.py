@@ -12,7 +12,7 @@ from typing import Any
 from camp2p_overlap.core.trace import TraceOp
 
 KIND_COLORS = {"a2e": "#4C72B0", "ffn": "#DD8452", "e2a": "#55A868", "wait": "#C7C7C7"}
-POLICY_COLORS = {"serial": "#8C8C8C", "e2a-only": "#4C72B0", "overlap": "#DD8452"}
+POLICY_COLORS = {"serial": "#8C8C8C", "e2a-only": "#4C72B0", "overlap": "#DD8452", "overlap-fixed": "#55A868"}
 
 
 class PlotUnavailable(RuntimeError):
@@ -102,8 +102,10 @@ def bench_plot(timelines: Mapping[str, Sequence[TraceOp]], report: Mapping[str, 
 
 def sweep_plot(sweep: Mapping[str, Any], path: str | Path) -> None:
     """Per-layer time against (a+e)/f and against the number of stages."""
-    fig = _figure(11, 4.2)
-    left, right = fig.subplots(1, 2)
+    work = sweep.get("work_points") or []
+    fig = _figure(16.5 if work else 11, 4.2)
+    axes = fig.subplots(1, 3 if work else 2)
+    left, right = axes[0], axes[1]
     for ax, key, xkey, xlabel in (
         (left, "ratio_points", "measured_ratio", "measured (a+e)/f (communication / FFN compute)"),
         (right, "stage_points", "stages", "stages (micro-batches) per step"),
@@ -128,5 +130,24 @@ def sweep_plot(sweep: Mapping[str, Any], path: str | Path) -> None:
         ax.legend(fontsize="small")
         ax.grid(alpha=0.3)
     right.set_xticks(sorted({pt["stages"] for pt in sweep["stage_points"]}) or [1])
+    if work:
+        _work_panel(axes[2], work)
     fig.suptitle("camp2p-overlap sweep")
     fig.savefig(str(path), format="png", dpi=110)
+
+
+def _work_panel(ax: Any, points: Sequence[Mapping[str, Any]]) -> None:
+    """Speedup over serial against tokens per stage: fixed and adaptive overlap."""
+    xs = [pt["tokens"] for pt in points]
+    for policy in ("overlap", "overlap-fixed"):
+        ys = [next((p["speedup"] for p in pt["report"]["policies"] if p["policy"] == policy), None) for pt in points]
+        if any(y is not None for y in ys):
+            label = "overlap (adaptive)" if policy == "overlap" else policy
+            ax.plot(xs, ys, marker="o", label=label, color=POLICY_COLORS.get(policy))
+    ax.axhline(1.0, color="black", linewidth=1, label="serial")
+    ax.axhline(0.95, color="grey", linewidth=1, linestyle=":", label="0.95x (goal for adaptive)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per stage (work per layer and stage)")
+    ax.set_ylabel("speedup over serial (median per-layer time)")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)

@@ -1,5 +1,7 @@
 """``camp2p-overlap sweep``: per-layer time of each policy against the ratio
-of communication to FFN compute, and against the number of stages.
+of communication to FFN compute, against the number of stages, and against
+the work per (layer, stage) (tokens per stage, from 1 up to the preset's),
+where fixed and adaptive overlap run side by side so the crossover shows.
 
 The ratio is set through the modeled link: the FFN time f is measured once
 (a short serial run of the same world), then for each target ratio r the
@@ -22,6 +24,14 @@ from camp2p_overlap.tools.bench.runner import BenchParams, run_bench
 DEFAULT_RATIOS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
 DEFAULT_STAGE_COUNTS = (1, 2, 3)
 DEFAULT_STAGE_RATIO = 0.5
+#: Tokens per stage of the work-size points (the preset's link and shape).
+DEFAULT_WORK_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+WORK_POLICIES = ("serial", "overlap", "overlap-fixed")
+#: The work-size points run at least the benchmark's own step counts: adaptive
+#: engage learns in a bucket's first 6 steps, which should not dominate.
+WORK_MIN_RUN = {"steps": 8, "warmup": 2, "reps": 3}
+#: The goal for adaptive engage: never below this share of serial's speed.
+ADAPTIVE_FLOOR = 0.95
 #: Smaller runs than the benchmark's own, on top of the scenario preset.
 SWEEP_DEFAULTS: dict[str, Any] = {"layers": 4, "steps": 5, "warmup": 1, "reps": 2}
 
@@ -51,14 +61,16 @@ def run_sweep(
     ratios: Sequence[float] = DEFAULT_RATIOS,
     stage_counts: Sequence[int] = DEFAULT_STAGE_COUNTS,
     stage_ratio: float = DEFAULT_STAGE_RATIO,
+    work_tokens: Sequence[int] = DEFAULT_WORK_TOKENS,
     progress: bool = False,
     log: Any = sys.stderr,
 ) -> dict[str, Any]:
     """Run every point; returns ``{"base", "f_calibration_us", "ratio_points",
-    "stage_points", "wall_s"}`` with each point's full benchmark report."""
+    "stage_points", "work_points", "wall_s"}`` with each point's full
+    benchmark report."""
     t0 = time.perf_counter()
-    f_s = _calibrate_f(base)
-    total = len(ratios) + len(stage_counts)
+    f_s = _calibrate_f(base) if (ratios or stage_counts) else float("nan")
+    total = len(ratios) + len(stage_counts) + len(work_tokens)
     done = 0
 
     def point(params: BenchParams, label: str) -> dict[str, Any]:
@@ -94,12 +106,32 @@ def run_sweep(
                 "report": report,
             }
         )
+    work_points = []
+    for tokens in work_tokens:
+        params = replace(
+            base,
+            tokens=tokens,
+            policies=WORK_POLICIES,
+            steps=max(base.steps, WORK_MIN_RUN["steps"]),
+            warmup=max(base.warmup, WORK_MIN_RUN["warmup"]),
+            reps=max(base.reps, WORK_MIN_RUN["reps"]),
+        )
+        report = point(params, f"{tokens} tokens per stage")
+        work_points.append(
+            {
+                "tokens": tokens,
+                "measured_ratio": report["measured"]["comm_over_ffn"],
+                "stages": base.stages,
+                "report": report,
+            }
+        )
     return {
         "schema": "camp2p-overlap/sweep/v1",
         "base": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(base).items()},
-        "f_calibration_us": round(f_s * 1e6, 3),
+        "f_calibration_us": None if f_s != f_s else round(f_s * 1e6, 3),
         "ratio_points": ratio_points,
         "stage_points": stage_points,
+        "work_points": work_points,
         "wall_s": round(time.perf_counter() - t0, 3),
     }
 
@@ -127,12 +159,20 @@ def _cells(report: Mapping[str, Any], policies: Sequence[str]) -> list[str]:
     return cells
 
 
+def adaptive_worst(sweep: Mapping[str, Any]) -> tuple[float, str] | None:
+    """The lowest speedup of adaptive ``overlap`` over serial at any point, and where."""
+    worst = None
+    for key in ("ratio_points", "stage_points", "work_points"):
+        for pt in sweep.get(key, ()):
+            p = _policy(pt["report"], "overlap")
+            if p is not None and (worst is None or p["speedup"] < worst[0]):
+                where = f"{pt['tokens']} tokens" if key == "work_points" else f"{pt['stages']} stages"
+                worst = (p["speedup"], f"{key.split('_')[0]} point, {where}")
+    return worst
+
+
 def sweep_markdown(sweep: Mapping[str, Any], command: str | None = None) -> str:
     """The sweep as Markdown tables."""
-    points = sweep["ratio_points"] or sweep["stage_points"]
-    policies = [p["policy"] for p in points[0]["report"]["policies"]] if points else []
-    others = [p for p in policies if p != "serial"]
-    head = [f"{p} per layer" for p in policies] + ["floor"] + [f"{p} speedup / eta" for p in others] + ["outputs equal"]
     base = sweep["base"]
     lines = []
     if command:
@@ -141,7 +181,11 @@ def sweep_markdown(sweep: Mapping[str, Any], command: str | None = None) -> str:
         f"Base: {base['layers']} FFN layers, {base['tokens']} tokens per stage, MoE hidden {base['hidden']}, "
         f"ffn {base['ffn']}, {base['experts']} experts, top-{base['top_k']}, attention {base['attn_us']:g} us, "
         f"{base['reps']} reps x {base['steps']} steps, device {base['device']}, torch threads {base['threads']}; "
-        f"f calibrated at {fmt_time(sweep['f_calibration_us'])} per (layer, stage)."
+        + (
+            f"f calibrated at {fmt_time(sweep['f_calibration_us'])} per (layer, stage)."
+            if sweep.get("f_calibration_us")
+            else "no ratio or stage points."
+        )
     )
     tables = (
         (
@@ -156,11 +200,24 @@ def sweep_markdown(sweep: Mapping[str, Any], command: str | None = None) -> str:
             lambda pt: str(pt["stages"]),
             lambda pts: f"Per-layer time against the number of stages ((a+e)/f target {pts[0]['target_ratio']:g}):",
         ),
+        (
+            "work_points",
+            "tokens per stage",
+            lambda pt: str(pt["tokens"]),
+            lambda pts: (
+                f"Per-layer time against the work per (layer, stage), fixed and adaptive overlap side by side "
+                f"({pts[0]['stages']} stages, the preset's link):"
+            ),
+        ),
     )
     for key, first_col, first_cell, title in tables:
-        pts = sweep[key]
+        pts = sweep.get(key) or []
         if not pts:
             continue
+        policies = [p["policy"] for p in pts[0]["report"]["policies"]]
+        others = [p for p in policies if p != "serial"]
+        head = [f"{p} per layer" for p in policies] + ["floor"] + [f"{p} speedup / eta" for p in others]
+        head.append("outputs equal")
         lines += [
             "",
             title(pts),
@@ -172,8 +229,15 @@ def sweep_markdown(sweep: Mapping[str, Any], command: str | None = None) -> str:
             measured = "-" if pt["measured_ratio"] is None else f"{pt['measured_ratio']:.2f}"
             row = [first_cell(pt), measured, *_cells(pt["report"], policies)]
             lines.append("| " + " | ".join(row) + " |")
+    worst = adaptive_worst(sweep)
+    lines.append("")
+    if worst is not None:
+        verdict = "meets" if worst[0] >= ADAPTIVE_FLOOR else "MISSES"
+        lines.append(
+            f"Adaptive `overlap` at its slowest: {worst[0]:.2f}x of serial ({worst[1]}); "
+            f"it {verdict} the goal of at least {ADAPTIVE_FLOOR:.2f}x at every point."
+        )
     lines += [
-        "",
         "With 1 stage there is nothing to overlap with: the patch layer does not engage (minimum 2 stages) "
         "and every policy runs the serial path.",
         CPU_CAVEAT,
