@@ -69,6 +69,8 @@ class FakeDevice:
         self.streams_created = 0
         self.capturing = False
         self.waits: list[tuple[str, Any, int]] = []
+        self.syncs = 0
+        self.queries = 0
         dev = self
 
         class Stream:
@@ -81,7 +83,7 @@ class FakeDevice:
                 dev.waits.append((getattr(self, "name", "?"), event, event.t))
 
             def synchronize(self) -> None:
-                pass
+                dev.syncs += 1
 
         class Event:
             def __init__(self, enable_timing: bool = False) -> None:
@@ -92,10 +94,14 @@ class FakeDevice:
                 self.t = next(dev.clock)
 
             def query(self) -> bool:
+                dev.queries += 1
                 return True
 
             def synchronize(self) -> None:
-                pass
+                dev.syncs += 1
+
+            def elapsed_time(self, end: Any) -> float:
+                return float(end.t - self.t)  # clock ticks as "ms"
 
         self.Stream = Stream
         self.Event = Event
@@ -117,6 +123,9 @@ class FakeDevice:
 
     def now(self) -> int:
         return next(self.clock)
+
+    def synchronize(self) -> None:
+        self.syncs += 1
 
 
 @pytest.fixture
@@ -245,3 +254,25 @@ def test_emulated_world_on_a_real_device(monkeypatch: pytest.MonkeyPatch, kind: 
         device_module(kind).synchronize()
         assert_same(got, ref)
     assert sessions.count == len(scheds)
+
+
+def test_adaptive_device_steps_read_events_and_never_synchronize(fake_device: FakeDevice) -> None:
+    """Adaptive engage on a device backend: step times come from timing
+    events queried later; no step synchronizes anything; outputs stay equal
+    across the learning steps that switch between overlap and serial."""
+    import camp2p_overlap
+
+    w = world(layers=3, stage_ids=(0, 1))
+    scheds = [Schedule(3, (0, 1), (8, 8), step=i + 1) for i in range(10)]
+    refs = serial_results(w, scheds)
+    apply_cpu(adaptive=True)
+    before = camp2p_overlap.stats()["steps"]
+    for sched, ref in zip(scheds, refs, strict=True):
+        assert_same(bounded(lambda sched=sched: run_step(w, sched)), ref)
+    after = camp2p_overlap.stats()
+    ran = {k: after["steps"][k] - before[k] for k in ("overlap", "serial")}
+    assert ran["overlap"] >= 3 and ran["serial"] >= 3 and sum(ran.values()) == len(scheds)
+    assert fake_device.syncs == 0, "a step synchronized"
+    assert fake_device.queries >= 6  # the step times were read with query()
+    (bucket,) = [b for b in after["buckets"] if b["key"]["layers"] == 3 and b["key"]["tokens"] == 8]
+    assert bucket["decision"] in ("overlap", "serial") and bucket["overlap_samples"] >= 2

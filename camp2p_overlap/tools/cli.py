@@ -177,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         DEFAULT_RATIOS,
         DEFAULT_STAGE_COUNTS,
         DEFAULT_STAGE_RATIO,
+        DEFAULT_WORK_HIDDEN,
         DEFAULT_WORK_TOKENS,
         SWEEP_DEFAULTS,
     )
@@ -218,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_WORK_TOKENS,
         help="tokens per stage of the work-size points; 'none' skips them "
         f"(default {','.join(map(str, DEFAULT_WORK_TOKENS))})",
+    )
+    sweep.add_argument(
+        "--work-hidden",
+        type=_ints_or_none,
+        default=DEFAULT_WORK_HIDDEN,
+        help=f"MoE hidden sizes of the work-size points (default {','.join(map(str, DEFAULT_WORK_HIDDEN))})",
     )
     sweep.add_argument("--md", metavar="PATH", help="write the tables as Markdown")
     sweep.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer time against ratio and stages")
@@ -323,6 +330,7 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
         stage_counts=args.stage_counts,
         stage_ratio=args.stage_ratio,
         work_tokens=args.work_tokens,
+        work_hidden=args.work_hidden,
         progress=not args.no_progress,
     )
     command = "camp2p-overlap " + " ".join(shlex.quote(a) for a in argv)

@@ -138,12 +138,16 @@ def sweep_plot(sweep: Mapping[str, Any], path: str | Path) -> None:
 
 def _work_panel(ax: Any, points: Sequence[Mapping[str, Any]]) -> None:
     """Speedup over serial against tokens per stage: fixed and adaptive overlap."""
-    xs = [pt["tokens"] for pt in points]
-    for policy in ("overlap", "overlap-fixed"):
-        ys = [next((p["speedup"] for p in pt["report"]["policies"] if p["policy"] == policy), None) for pt in points]
-        if any(y is not None for y in ys):
-            label = "overlap (adaptive)" if policy == "overlap" else policy
-            ax.plot(xs, ys, marker="o", label=label, color=POLICY_COLORS.get(policy))
+    for hidden, style in zip(sorted({pt["hidden"] for pt in points}), ("-", "--", ":", "-."), strict=False):
+        series = [pt for pt in points if pt["hidden"] == hidden]
+        xs = [pt["tokens"] for pt in series]
+        for policy in ("overlap", "overlap-fixed"):
+            ys = [
+                next((p["speedup"] for p in pt["report"]["policies"] if p["policy"] == policy), None) for pt in series
+            ]
+            if any(y is not None for y in ys):
+                label = f"{'overlap (adaptive)' if policy == 'overlap' else policy}, hidden {hidden}"
+                ax.plot(xs, ys, marker="o", linestyle=style, label=label, color=POLICY_COLORS.get(policy))
     ax.axhline(1.0, color="black", linewidth=1, label="serial")
     ax.axhline(0.95, color="grey", linewidth=1, linestyle=":", label="0.95x (goal for adaptive)")
     ax.set_xscale("log", base=2)

@@ -24,8 +24,12 @@ from camp2p_overlap.tools.bench.runner import BenchParams, run_bench
 DEFAULT_RATIOS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
 DEFAULT_STAGE_COUNTS = (1, 2, 3)
 DEFAULT_STAGE_RATIO = 0.5
-#: Tokens per stage of the work-size points (the preset's link and shape).
+#: Tokens per stage of the work-size points, for each hidden size: the
+#: preset's MoE and link bandwidth, with no link latency and no attention
+#: time, so that the work per (layer, stage), compute and transfer alike,
+#: grows with the tokens and the side streams' fixed costs show at the low end.
 DEFAULT_WORK_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+DEFAULT_WORK_HIDDEN = (16, 512)
 WORK_POLICIES = ("serial", "overlap", "overlap-fixed")
 #: The work-size points run at least the benchmark's own step counts: adaptive
 #: engage learns in a bucket's first 6 steps, which should not dominate.
@@ -62,6 +66,7 @@ def run_sweep(
     stage_counts: Sequence[int] = DEFAULT_STAGE_COUNTS,
     stage_ratio: float = DEFAULT_STAGE_RATIO,
     work_tokens: Sequence[int] = DEFAULT_WORK_TOKENS,
+    work_hidden: Sequence[int] = DEFAULT_WORK_HIDDEN,
     progress: bool = False,
     log: Any = sys.stderr,
 ) -> dict[str, Any]:
@@ -70,7 +75,7 @@ def run_sweep(
     benchmark report."""
     t0 = time.perf_counter()
     f_s = _calibrate_f(base) if (ratios or stage_counts) else float("nan")
-    total = len(ratios) + len(stage_counts) + len(work_tokens)
+    total = len(ratios) + len(stage_counts) + len(work_tokens) * len(work_hidden)
     done = 0
 
     def point(params: BenchParams, label: str) -> dict[str, Any]:
@@ -107,19 +112,23 @@ def run_sweep(
             }
         )
     work_points = []
-    for tokens in work_tokens:
+    for hidden, tokens in ((h, t) for h in work_hidden for t in work_tokens):
         params = replace(
             base,
             tokens=tokens,
+            hidden=hidden,
+            link_latency_us=0.0,
+            attn_us=0.0,
             policies=WORK_POLICIES,
             steps=max(base.steps, WORK_MIN_RUN["steps"]),
             warmup=max(base.warmup, WORK_MIN_RUN["warmup"]),
             reps=max(base.reps, WORK_MIN_RUN["reps"]),
         )
-        report = point(params, f"{tokens} tokens per stage")
+        report = point(params, f"{tokens} tokens per stage, hidden {hidden}")
         work_points.append(
             {
                 "tokens": tokens,
+                "hidden": hidden,
                 "measured_ratio": report["measured"]["comm_over_ffn"],
                 "stages": base.stages,
                 "report": report,
@@ -166,7 +175,11 @@ def adaptive_worst(sweep: Mapping[str, Any]) -> tuple[float, str] | None:
         for pt in sweep.get(key, ()):
             p = _policy(pt["report"], "overlap")
             if p is not None and (worst is None or p["speedup"] < worst[0]):
-                where = f"{pt['tokens']} tokens" if key == "work_points" else f"{pt['stages']} stages"
+                where = (
+                    f"{pt['tokens']} tokens, hidden {pt['hidden']}"
+                    if key == "work_points"
+                    else f"{pt['stages']} stages"
+                )
                 worst = (p["speedup"], f"{key.split('_')[0]} point, {where}")
     return worst
 
@@ -202,11 +215,11 @@ def sweep_markdown(sweep: Mapping[str, Any], command: str | None = None) -> str:
         ),
         (
             "work_points",
-            "tokens per stage",
-            lambda pt: str(pt["tokens"]),
+            "hidden / tokens per stage",
+            lambda pt: f"{pt['hidden']} / {pt['tokens']}",
             lambda pts: (
                 f"Per-layer time against the work per (layer, stage), fixed and adaptive overlap side by side "
-                f"({pts[0]['stages']} stages, the preset's link):"
+                f"({pts[0]['stages']} stages; the preset's MoE and link bandwidth, no link latency, no attention time):"
             ),
         ),
     )
