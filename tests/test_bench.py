@@ -458,17 +458,27 @@ def test_help_documents_the_metrics(capsys: pytest.CaptureFixture[str]) -> None:
 def test_sweep_writes_markdown_plot_and_json(tmp_path: Path) -> None:
     md, png, js = tmp_path / "s.md", tmp_path / "s.png", tmp_path / "s.json"
     args = ["sweep", *TINY, "--reps", "1", "--ratios", "0.5,2", "--stage-counts", "1,2"]
-    rc = cli.main([*args, "--md", str(md), "--plot", str(png), "--json", str(js)])
+    work = ["--work-tokens", "1,4", "--work-hidden", "16"]
+    rc = cli.main([*args, *work, "--md", str(md), "--plot", str(png), "--json", str(js)])
     assert rc == 0
     text = md.read_text()
-    assert "communication / FFN compute" in text and "number of stages" in text
+    assert "communication / FFN compute" in text and "number of stages" in text and "work per (layer, stage)" in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
-    assert len(rows) == 2 + 2 + 2  # two headers, 2 ratio rows, 2 stage rows
+    assert len(rows) == 3 + 2 + 2 + 2  # three headers, 2 ratio rows, 2 stage rows, 2 work rows
+    assert [r.split(" | ")[0] for r in rows[-2:]] == ["| 16 / 1", "| 16 / 4"]
+    assert "overlap-fixed speedup / eta" in rows[-3] and "e2a-only" not in rows[-3]
+    assert "Adaptive `overlap` at its slowest:" in text
     assert "only the ratios" in text.lower()
     assert png.read_bytes()[:8] == PNG_SIGNATURE
     data = json.loads(js.read_text())
     assert [p["target_ratio"] for p in data["ratio_points"]] == [0.5, 2.0]
     assert [p["stages"] for p in data["stage_points"]] == [1, 2]
+    assert [(p["hidden"], p["tokens"]) for p in data["work_points"]] == [(16, 1), (16, 4)]
+    for p in data["work_points"]:
+        r = p["report"]
+        assert [q["policy"] for q in r["policies"]] == ["serial", "overlap", "overlap-fixed"]
+        assert r["params"]["link_latency_us"] == 0 and r["params"]["attn_us"] == 0 and r["params"]["steps"] >= 8
+        assert r["outputs_equal"] is True
     one_stage = data["stage_points"][0]["report"]
     assert all(p["outputs_equal"] for p in one_stage["policies"])
     assert not any(p["engaged"] for p in one_stage["policies"]), "one stage: nothing to overlap, serial path"
