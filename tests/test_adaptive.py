@@ -37,19 +37,21 @@ def drive(engine: AdaptiveEngage, key: BucketKey, times: dict[str, float], steps
 
 # ---------------------------------------------------------------------------
 # the decision logic, with injected times
-def test_learning_alternates_and_decides_by_the_sixth_step() -> None:
+def test_learning_alternates_and_decides_at_the_seventh_step() -> None:
     a = AdaptiveEngage()
     seq = drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 6)
-    assert [m for m, _ in seq] == ["overlap", "serial"] * 3
+    assert a.decision(KEY) is None  # not yet: 2 overlap times kept, 3 serial
+    seq += drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 1)
+    assert [m for m, _ in seq] == ["overlap", "serial"] * 3 + ["overlap"]
     assert all(probe for _, probe in seq)  # learning steps measure
     assert a.decision(KEY) == "overlap"
     (snap,) = a.snapshot()
-    # the first time of each path is dropped (first-use costs)
-    assert snap["overlap_samples"] == 2 and snap["serial_samples"] == 2
+    # the first overlap time is dropped (first-use costs)
+    assert snap["overlap_samples"] == 3 and snap["serial_samples"] == 3
     assert snap["overlap_median_ms"] == pytest.approx(10.0) and snap["serial_median_ms"] == pytest.approx(15.0)
 
 
-def test_first_decision_with_times_read_one_step_late_comes_by_the_seventh_step() -> None:
+def test_first_decision_with_times_read_one_step_late_comes_by_the_eighth_step() -> None:
     """On a device the time of step k is read at step k+1."""
     a = AdaptiveEngage()
     times = {"overlap": 0.010, "serial": 0.015}
@@ -63,21 +65,22 @@ def test_first_decision_with_times_read_one_step_late_comes_by_the_seventh_step(
             break
         mode, _ = a.choose(KEY)
         last = (KEY, mode)
-    assert a.decision(KEY) == "overlap" and decided_at == 7  # steps 1-6 learn, step 7 runs the decision
+    assert a.decision(KEY) == "overlap" and decided_at == 8  # steps 1-7 learn, step 8 runs the decision
 
 
 def test_overlap_must_win_by_the_engage_margin() -> None:
     a = AdaptiveEngage()
-    drive(a, KEY, {"overlap": 0.0099, "serial": 0.0100}, 6)  # 1% better: not worth it
+    drive(a, KEY, {"overlap": 0.0097, "serial": 0.0100}, 7)  # 3% better: not worth it
     assert a.decision(KEY) == "serial"
     b = AdaptiveEngage()
-    drive(b, KEY, {"overlap": 0.0097, "serial": 0.0100}, 6)  # 3% better
+    drive(b, KEY, {"overlap": 0.0094, "serial": 0.0100}, 7)  # 6% better
     assert b.decision(KEY) == "overlap"
 
 
 def test_reprobe_every_n_steps_and_the_decision_holds_when_the_probe_loses() -> None:
     a = AdaptiveEngage(AdaptiveSettings(reprobe_every=8))
-    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 6)
+    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
+    assert a.decision(KEY) == "overlap"
     seq = drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 32)
     probes = [i for i, (m, p) in enumerate(seq) if p]
     assert probes == [7, 15, 23, 31]
@@ -88,7 +91,7 @@ def test_reprobe_every_n_steps_and_the_decision_holds_when_the_probe_loses() -> 
 
 def test_a_change_of_load_switches_only_after_confirming_probes(logs: PackageLogs) -> None:
     a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
-    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 6)
+    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
     assert a.decision(KEY) == "overlap"
     # The load changes: overlap now costs 20 ms, serial 15 ms. Overlap's own
     # window still says 10 ms for a while, then the probes confirm.
@@ -103,20 +106,20 @@ def test_a_change_of_load_switches_only_after_confirming_probes(logs: PackageLog
 
 
 def test_hysteresis_keeps_the_decision_inside_the_band() -> None:
-    """Overlap 2.5% better than serial: engaged; a later load where serial is
-    3% better does not switch (inside the 5% band), 10% better does."""
+    """Overlap 6% better than serial: engaged; a later load where serial is
+    3% better does not switch (inside the 5% band), 12% better does."""
     a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
-    drive(a, KEY, {"overlap": 0.00975, "serial": 0.0100}, 6)
+    drive(a, KEY, {"overlap": 0.0094, "serial": 0.0100}, 7)
     assert a.decision(KEY) == "overlap"
     drive(a, KEY, {"overlap": 0.0100, "serial": 0.0097}, 64)
     assert a.decision(KEY) == "overlap"
-    drive(a, KEY, {"overlap": 0.0100, "serial": 0.0088}, 64)
+    drive(a, KEY, {"overlap": 0.0100, "serial": 0.0088}, 64)  # 12% better
     assert a.decision(KEY) == "serial"
 
 
 def test_a_single_lucky_probe_does_not_switch() -> None:
     a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
-    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 6)
+    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
     seq = []
     for i in range(12):
         mode, probe = a.choose(KEY)
@@ -128,11 +131,11 @@ def test_a_single_lucky_probe_does_not_switch() -> None:
 
 def test_buckets_are_isolated() -> None:
     a = AdaptiveEngage()
-    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 6)
-    drive(a, OTHER, {"overlap": 0.020, "serial": 0.015}, 6)
+    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
+    drive(a, OTHER, {"overlap": 0.020, "serial": 0.015}, 7)
     assert a.decision(KEY) == "overlap" and a.decision(OTHER) == "serial"
     by_label = {b["label"]: b for b in a.snapshot()}
-    assert by_label[KEY.label()]["steps"] == 6 and by_label[OTHER.label()]["steps"] == 6
+    assert by_label[KEY.label()]["steps"] == 7 and by_label[OTHER.label()]["steps"] == 7
 
 
 def test_pow2_bucket_rounding() -> None:
@@ -335,6 +338,6 @@ def _fresh_adaptive_state() -> Any:
 
 def test_logs_at_info_name_the_bucket(logs: PackageLogs) -> None:
     a = AdaptiveEngage()
-    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 6)
+    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
     (line,) = logs.texts("adaptive:", logging.INFO)
     assert KEY.label() in line and "-> overlap" in line and "was learning" in line

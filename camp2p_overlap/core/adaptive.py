@@ -5,12 +5,12 @@ Pure logic, fed step times by the wrappers (``record``) and asked which
 path a step takes (``choose``); deterministic for given times. Per bucket:
 
 * learning: the steps alternate overlap and serial (a serial step runs the
-  original path, bitwise equal). The first time of each path is dropped
-  (first-use costs: side streams, allocator). Once each path has
+  original path, bitwise equal). The first overlap time is dropped
+  (first-use costs: side streams, events, allocator). Once each path has
   ``min_samples`` kept times the bucket decides: overlap when its median
   beats serial's by ``engage_margin``, else serial. With the defaults the
-  first decision comes at the bucket's 6th step on the CPU backend (times
-  read after the join) and at its 7th on a device (times read a step later).
+  first decision comes at the bucket's 7th step on the CPU backend (times
+  read after the join) and at its 8th on a device (times read a step later).
 * decided: every ``reprobe_every`` steps one step runs the other path (a
   probe). A probe that beats the decided path's recent median by
   ``switch_margin`` is confirmed by up to ``confirm`` probes in a row; the
@@ -62,9 +62,9 @@ class BucketKey:
 @dataclass(frozen=True)
 class AdaptiveSettings:
     reprobe_every: int = 64
-    min_samples: int = 2
+    min_samples: int = 3
     window: int = 16
-    engage_margin: float = 0.02
+    engage_margin: float = 0.05
     switch_margin: float = 0.05
     confirm: int = 3
 
@@ -132,8 +132,8 @@ class AdaptiveEngage:
             if b is None:
                 return
             b.recorded[mode] += 1
-            if b.recorded[mode] == 1:
-                return  # the first of each path pays first-use costs
+            if mode == "overlap" and b.recorded[mode] == 1:
+                return  # the first overlap step pays first-use costs
             if b.decision is None:
                 b.times[mode].append(seconds)
                 if all(len(b.times[m]) >= cfg.min_samples for m in MODES):

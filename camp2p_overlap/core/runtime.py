@@ -30,7 +30,8 @@ class OverlapRuntime:
         self.session_class: type[OverlapSession] = OverlapSession
         self.adaptive = AdaptiveEngage()
         self.counters = StepCounters()
-        self._local = threading.local()
+        #: Per thread: ``session``, the step's session while one runs.
+        self.local = threading.local()
         self._pending: deque[tuple[BucketKey, Mode, StreamBackend, Any]] = deque()
         self._pending_lock = threading.Lock()
         self._runner_names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
@@ -74,10 +75,10 @@ class OverlapRuntime:
 
     def active_session(self) -> OverlapSession | None:
         """The session of the step running on this thread, if any."""
-        return getattr(self._local, "session", None)
+        return getattr(self.local, "session", None)
 
     def set_session(self, session: OverlapSession | None) -> None:
-        self._local.session = session
+        self.local.session = session
 
     def close(self) -> None:
         """Release every runner's side streams (CPU worker threads)."""

@@ -206,8 +206,10 @@ def _serial_step(wrapped: Wrapped, args: Args, kwargs: Kwargs, recorder: TraceRe
 # ---------------------------------------------------------------------------
 # the CAMP2P connector
 def recv_attn_output_factory(runtime: OverlapRuntime) -> Wrapper:
+    local = runtime.local  # the pass-through path costs one attribute read
+
     def recv_attn_output(wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
-        session = runtime.active_session()
+        session = getattr(local, "session", None)
         if session is not None and session.connector is instance:
             return session.recv(wrapped, camp2p.recv_kwargs(args, kwargs), lambda: wrapped(*args, **kwargs))
         recorder = current_recorder()
@@ -219,8 +221,10 @@ def recv_attn_output_factory(runtime: OverlapRuntime) -> Wrapper:
 
 
 def send_ffn_output_factory(runtime: OverlapRuntime) -> Wrapper:
+    local = runtime.local
+
     def send_ffn_output(wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
-        session = runtime.active_session()
+        session = getattr(local, "session", None)
         if session is not None and session.connector is instance:
             output, context = camp2p.send_parts(args, kwargs)
             stage = camp2p.send_stage(context, kwargs)

@@ -32,7 +32,7 @@ DEFAULT_WORK_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_WORK_HIDDEN = (16, 512)
 WORK_POLICIES = ("serial", "overlap", "overlap-fixed")
 #: The work-size points run at least the benchmark's own step counts: adaptive
-#: engage learns in a bucket's first 6 steps, which should not dominate.
+#: engage learns in a bucket's first 7 steps, which should not dominate.
 WORK_MIN_RUN = {"steps": 8, "warmup": 2, "reps": 3}
 #: The goal for adaptive engage: never below this share of serial's speed.
 ADAPTIVE_FLOOR = 0.95
