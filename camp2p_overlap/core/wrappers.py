@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from camp2p_overlap.core import camp2p
@@ -71,30 +71,36 @@ def ffn_forward_factory(engine: PatchEngine, runtime: OverlapRuntime) -> Wrapper
                 runtime.counters.serial(decision.reason or "no side streams")
                 log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", decision.reason)
                 return _serial_step(wrapped, args, kwargs, recorder)
+            call = _Call(engine, runtime, wrapped, instance, args, kwargs, recorder)
             capturing = bool(kwargs.get("is_graph_capturing")) or streamset.backend.is_capturing()
             if not engine.config.adaptive or capturing:  # capture follows the static setting
                 runtime.counters.overlap()
-                return _overlap_step(engine, runtime, wrapped, instance, args, kwargs, decision, streamset, recorder)
-            return _adaptive_step(engine, runtime, wrapped, instance, args, kwargs, decision, streamset, recorder)
+                return _overlap_step(call, decision, streamset)
+            return _adaptive_step(call, decision, streamset)
         finally:
             gate.exit()
 
     return ffn_forward
 
 
-def _adaptive_step(
-    engine: PatchEngine,
-    runtime: OverlapRuntime,
-    wrapped: Wrapped,
-    runner: Any,
-    args: Args,
-    kwargs: Kwargs,
-    decision: Decision,
-    streamset: StreamSet,
-    recorder: TraceRecorder | None,
-) -> Any:
+@dataclass(frozen=True)
+class _Call:
+    """One call of the wrapped ``_ffn_forward``, with the engine and runtime
+    its wrapper is bound to."""
+
+    engine: PatchEngine
+    runtime: OverlapRuntime
+    wrapped: Wrapped
+    runner: Any
+    args: Args
+    kwargs: Kwargs
+    recorder: TraceRecorder | None
+
+
+def _adaptive_step(call: _Call, decision: Decision, streamset: StreamSet) -> Any:
     """An engageable eager step: the bucket's path (overlap, or the original
     as decided or as a probe), timed without blocking the host."""
+    engine, runtime, runner, kwargs = call.engine, call.runtime, call.runner, call.kwargs
     plan = decision.plan
     assert plan is not None
     key = BucketKey(
@@ -112,10 +118,10 @@ def _adaptive_step(
     token = backend.timing_start()
     if mode == "overlap":
         runtime.counters.overlap()
-        result = _overlap_step(engine, runtime, wrapped, runner, args, kwargs, decision, streamset, recorder)
+        result = _overlap_step(call, decision, streamset)
     else:
         runtime.counters.serial(SERIAL_PROBE if probe else SERIAL_FASTER)
-        result = _serial_step(wrapped, args, kwargs, recorder)
+        result = _serial_step(call.wrapped, call.args, kwargs, call.recorder)
     backend.timing_stop(token)  # a step that raised is not timed
     runtime.timed(key, mode, backend, token)
     return result
@@ -145,21 +151,12 @@ def _engage(
     return decision, streamset
 
 
-def _overlap_step(
-    engine: PatchEngine,
-    runtime: OverlapRuntime,
-    wrapped: Wrapped,
-    runner: Any,
-    args: Args,
-    kwargs: Kwargs,
-    decision: Decision,
-    streamset: StreamSet,
-    recorder: TraceRecorder | None,
-) -> Any:
+def _overlap_step(call: _Call, decision: Decision, streamset: StreamSet) -> Any:
+    runtime, recorder = call.runtime, call.recorder
     step_id = recorder.next_step() if recorder is not None else 0
     with streamset.lock:
         session = runtime.session_class(
-            connector=runner.connector,
+            connector=call.runner.connector,
             plan=decision.plan,  # type: ignore[arg-type]
             streamset=streamset,
             directions=decision.directions,
@@ -167,12 +164,12 @@ def _overlap_step(
             step_id=step_id,
             context_of=camp2p.context_of,
         )
-        watchdog = start_watchdog(engine.config.watchdog_s, session.snapshot, step_id)
+        watchdog = start_watchdog(call.engine.config.watchdog_s, session.snapshot, step_id)
         t0 = time.perf_counter_ns()
         try:
             runtime.set_session(session)
             try:
-                result = wrapped(*args, **kwargs)
+                result = call.wrapped(*call.args, **call.kwargs)
             except BaseException:
                 runtime.set_session(None)
                 session.close(raising=True)
