@@ -30,10 +30,8 @@ def select_stack(
     for m, vc in checks:
         if vc.ok:
             return m, vc
-    m, vc = next(((m, vc) for m, vc in checks if vc.found and vc.reason.startswith("afd-plugin")), checks[0])
+    m, vc = next(((m, vc) for m, vc in checks if vc.vllm_ok), checks[0])
     if len(stacks) == 1:
         return m, vc
-    installed = vc.reason.split(";")[0]
-    return m, VersionCheck(
-        False, vc.found, vc.supported, f"{installed}; camp2p-overlap supports {supported_stacks(tuple(stacks))}"
-    )
+    why = f"{vc.installed}; camp2p-overlap supports {supported_stacks(tuple(stacks))}"
+    return m, VersionCheck(False, vc.found, vc.supported, why, vc.installed, vc.vllm_ok)

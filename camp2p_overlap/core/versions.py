@@ -27,6 +27,12 @@ class VersionCheck:
     found: str | None
     supported: str
     reason: str
+    #: What was found, as the first half of ``reason`` (for refusals that
+    #: name several supported stacks).
+    installed: str = ""
+    #: Whether the installed vLLM is the stack's release (True when only the
+    #: afd-plugin release differs).
+    vllm_ok: bool = False
 
 
 def check_vllm(supported: str) -> VersionCheck:
@@ -63,34 +69,29 @@ def check_stack(vllm: str, afd_plugin: str | None) -> VersionCheck:
 def judge_afd_plugin_version(vllm_check: VersionCheck, found: str | None, supported: str) -> VersionCheck:
     if found is None or same_release(found, supported):
         return vllm_check
+    installed = f"afd-plugin ({AFD_PLUGIN_DIST}) {found} is installed next to vLLM {vllm_check.found}"
     return VersionCheck(
         False,
         vllm_check.found,
         vllm_check.supported,
-        f"afd-plugin ({AFD_PLUGIN_DIST}) {found} is installed next to vLLM {vllm_check.found}; "
-        f"camp2p-overlap supports afd-plugin {supported} with vLLM {vllm_check.supported}",
+        f"{installed}; camp2p-overlap supports afd-plugin {supported} with vLLM {vllm_check.supported}",
+        installed,
+        vllm_ok=True,
     )
 
 
 def judge_vllm_version(found: str | None, supported: str) -> VersionCheck:
+    def refused(installed: str, supports: str) -> VersionCheck:
+        return VersionCheck(False, found, supported, f"{installed}; camp2p-overlap supports {supports}", installed)
+
     if found is None:
-        return VersionCheck(False, None, supported, f"vLLM is not installed; camp2p-overlap supports vLLM {supported}")
+        return refused("vLLM is not installed", f"vLLM {supported}")
     try:
         parsed = Version(found)
     except InvalidVersion:
-        return VersionCheck(
-            False,
-            found,
-            supported,
-            f"vLLM version {found!r} does not parse; camp2p-overlap supports vLLM {supported}",
-        )
+        return refused(f"vLLM version {found!r} does not parse", f"vLLM {supported}")
     # Compare releases as versions (0.19.1 == 0.19.1.0), ignoring only the
     # local label; a pre-, post- or dev release differs from the release.
     if not same_release(str(parsed), supported):
-        return VersionCheck(
-            False,
-            found,
-            supported,
-            f"vLLM {found} is installed; camp2p-overlap supports vLLM {supported} only",
-        )
-    return VersionCheck(True, found, supported, f"vLLM {found} matches supported {supported}")
+        return refused(f"vLLM {found} is installed", f"vLLM {supported} only")
+    return VersionCheck(True, found, supported, f"vLLM {found} matches supported {supported}", vllm_ok=True)

@@ -67,8 +67,8 @@ def ffn_forward_factory(engine: PatchEngine, runtime: OverlapRuntime) -> Wrapper
         try:
             engine.refresh()  # a reloaded target module is wrapped again here
             decision, streamset = _engage(engine, runtime, instance, kwargs)
-            if decision.reason is not None or streamset is None:
-                runtime.counters.serial(decision.reason or "no side streams")
+            if streamset is None:  # _engage gives a reason whenever it gives no streams
+                runtime.counters.serial(str(decision.reason))
                 log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", decision.reason)
                 return _serial_step(wrapped, args, kwargs, recorder)
             call = _Call(engine, runtime, wrapped, instance, args, kwargs, recorder)

@@ -484,16 +484,21 @@ def _medians(terms: Sequence[StepTerms], stages: Sequence[int]) -> tuple[float, 
     return f, a, e
 
 
+def _floor_terms(
+    f: float, a: Mapping[int, float], e: Mapping[int, float], stages: Sequence[int], attn_s: float
+) -> tuple[float, float]:
+    """(S·f, the longest stage group cycle a_s + f + e_s + attn): the floor is their max."""
+    return len(stages) * f, max(a[s] + f + e[s] + attn_s for s in stages)
+
+
 def _floor_s(terms: Sequence[StepTerms], stages: Sequence[int], attn_s: float) -> float:
-    f, a, e = _medians(terms, stages)
-    return max(len(stages) * f, max(a[s] + f + e[s] + attn_s for s in stages))
+    return max(_floor_terms(*_medians(terms, stages), stages, attn_s))
 
 
 def _measure(terms: Sequence[StepTerms], stages: Sequence[int], attn_s: float) -> dict[str, Any]:
     f, a_med, e_med = _medians(terms, stages)
     S = len(stages)
-    compute = S * f
-    chain = max(a_med[s] + f + e_med[s] + attn_s for s in stages)
+    compute, chain = _floor_terms(f, a_med, e_med, stages, attn_s)
     comm = max(a_med[s] + e_med[s] for s in stages)
     return {
         "source": "serial traced steps of every repetition (pass-through wrappers, both directions off: "
