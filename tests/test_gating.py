@@ -1,6 +1,6 @@
 """Every reason to stay off: the original runs with the very same arguments,
 no session is opened, and the reason is logged once per distinct reason.
-``CASES`` holds 16 set-ups, each refused with its own reason: no two
+``CASES`` holds 19 set-ups, each refused with its own reason: no two
 texts are equal or one a prefix of the other, and each logged reason
 starts with exactly one case's text."""
 
@@ -104,6 +104,17 @@ def _no_moe_layers(w: World, mp: pytest.MonkeyPatch) -> None:
     mp.setattr(w.runner.model_config.hf_config, "first_k_dense_replace", 3)
 
 
+def _num_ubatches(w: World, mp: pytest.MonkeyPatch, n: int) -> None:
+    """The connector's group fields as the real connector fills them for ``n`` micro-batches."""
+    mp.setattr(w.connector, "hccl_comm_name2", "afd1" if n > 1 else w.connector.hccl_comm_name)
+    mp.setattr(w.connector, "hccl_comm_name3", "afd2" if n > 2 else "")
+
+
+def _uninitialized(w: World, mp: pytest.MonkeyPatch) -> None:
+    for name in ("hccl_comm_name", "hccl_comm_name2", "hccl_comm_name3"):
+        mp.setattr(w.connector, name, "")
+
+
 #: The stack's refusal names the first target that is not patched.
 STACK_INCOMPLETE = "not every target of the stack is patched (afd_plugin.connectors.npu.camp2p"
 
@@ -118,10 +129,23 @@ CASES: dict[str, Case] = {
     "role-attention": Case("AFD role is 'attention', not 'ffn'", after_apply=_attention_role),
     "one-stage": Case("1 stage(s), fewer than the minimum 2", stages=(0,)),
     "min-stages-3": Case("2 stage(s), fewer than the minimum 3", config={"min_stages": 3}),
-    "four-stages": Case(
-        "stage ids [0, 1, 2, 3] do not fit CAMP2P's 3 stage groups", stages=(0, 1, 2, 3), error=IndexError
+    # Upstream's connector maps stage 3 to its first group: the serial path runs.
+    "four-stages": Case("stage ids [0, 1, 2, 3] do not fit CAMP2P's 3 stage groups", stages=(0, 1, 2, 3)),
+    "stage-id-3": Case("stage ids [0, 3] do not fit CAMP2P's 3 stage groups", stages=(0, 3)),
+    # num_ubatches=1: stage 1 falls back to the first group, as upstream's connector does.
+    "aliased-groups": Case(
+        "HCCL group check: stages 0, 1 share HCCL group 'afd'", before_apply=lambda w, mp: _num_ubatches(w, mp, 1)
     ),
-    "stage-id-3": Case("stage ids [0, 3] do not fit CAMP2P's 3 stage groups", stages=(0, 3), error=IndexError),
+    # num_ubatches=2: stage 2 has no group; upstream's connector raises on its first A2E.
+    "missing-group": Case(
+        "HCCL group check: stage 2 has no third HCCL group",
+        stages=(0, 1, 2),
+        before_apply=lambda w, mp: _num_ubatches(w, mp, 2),
+        error=RuntimeError,
+    ),
+    "uninitialized-connector": Case(
+        "HCCL group check: stage 0: hccl_comm_name is empty", after_apply=_uninitialized, compare=False
+    ),
     "graph-capture": Case(
         "inside graph capture and VLLM_CAMP2P_MULTISTREAM_GRAPH is off", forward={"is_graph_capturing": True}
     ),
@@ -155,7 +179,7 @@ CASES: dict[str, Case] = {
 
 def test_every_case_has_its_own_reason() -> None:
     texts = [c.reason for c in CASES.values()]
-    assert len(texts) == 16
+    assert len(texts) == 19
     assert len(set(texts)) == len(texts)
     # No text starts another, so a logged reason identifies one case.
     assert not [(a, b) for a in texts for b in texts if a != b and b.startswith(a)]

@@ -12,12 +12,87 @@ from typing import Any
 CONNECTOR_TARGET = "CAMP2pAFDConnector.recv_attn_output"
 #: The runner's layer list, read (never wrapped) to plan the lookahead.
 LAYER_INDICES_TARGET = "_ffn_layer_indices"
-#: CAMP2P's HCCL group of each stage id.
+#: CAMP2P's HCCL group of each stage id (the process-group names the
+#: connector creates, one per micro-batch: ``afd``, ``afd1``, ``afd2``).
 GROUPS = ("afd", "afd1", "afd2")
+#: The connector attributes holding the HCCL communicator names of its
+#: first, second and third group (empty when the group was not created).
+COMM_NAME_FIELDS = ("hccl_comm_name", "hccl_comm_name2", "hccl_comm_name3")
+
+
+class GroupError(ValueError):
+    """A stage has no HCCL group the connector would use."""
 
 
 def group_of(stage: int) -> str:
     return GROUPS[stage] if 0 <= stage < len(GROUPS) else f"stage {stage}"
+
+
+def comm_names_for(num_ubatches: int) -> tuple[str, str, str]:
+    """The three communicator-name fields as the connector fills them for
+    ``num_ubatches`` (group names stand in for the HCCL names, which only
+    exist at run time): the first group always; the second field repeats
+    the first when there is one micro-batch; the third is empty below three."""
+    n = max(1, int(num_ubatches))
+    return GROUPS[0], GROUPS[1] if n > 1 else GROUPS[0], GROUPS[2] if n > 2 else ""
+
+
+def resolve_group(stage: int, names: tuple[str, str, str]) -> str:
+    """The communicator the connector's A2E/E2A of ``stage`` use, by its
+    rule: stage 1 takes the second name, else the first; stage 2 needs the
+    third; any other non-negative stage takes the first. Raises
+    :class:`GroupError` where the connector would fail."""
+    first, second, third = names
+    if stage < 0:
+        raise GroupError(f"stage {stage} is negative")
+    if stage == 1:
+        name = second or first
+    elif stage == 2:
+        if not third:
+            raise GroupError("stage 2 has no third HCCL group (hccl_comm_name3 is empty: num_ubatches < 3)")
+        name = third
+    else:
+        name = first
+    if not name:
+        raise GroupError(f"stage {stage}: hccl_comm_name is empty (the connector is not initialized)")
+    return name
+
+
+def connector_comm_names(connector: Any) -> tuple[str, str, str]:
+    """The connector's three communicator-name fields. Raises
+    :class:`GroupError` when it lacks them."""
+    missing = [f for f in COMM_NAME_FIELDS if not hasattr(connector, f)]
+    if missing:
+        raise GroupError(f"{type(connector).__name__} has no {', '.join(missing)}")
+    return tuple(str(getattr(connector, f) or "") for f in COMM_NAME_FIELDS)  # type: ignore[return-value]
+
+
+def stage_groups(names: tuple[str, str, str], stages: Any) -> dict[int, str]:
+    """Stage id -> communicator name, for every stage. Raises :class:`GroupError`."""
+    return {int(s): resolve_group(int(s), names) for s in stages}
+
+
+def shared_groups(groups: Mapping[int, str]) -> dict[str, list[int]]:
+    """Communicator name -> its stages, for every name used by more than one stage."""
+    by_group: dict[str, list[int]] = {}
+    for s, g in sorted(groups.items()):
+        by_group.setdefault(g, []).append(s)
+    return {g: ss for g, ss in by_group.items() if len(ss) > 1}
+
+
+def group_problem(connector: Any, stages: Any) -> tuple[str | None, dict[int, str]]:
+    """(why the step must not engage, or None; stage -> group). One side
+    stream per HCCL group: two stages on one group would put two streams on
+    one group's window, whose A2E and E2A share a handshake counter."""
+    try:
+        groups = stage_groups(connector_comm_names(connector), stages)
+    except GroupError as exc:
+        return f"HCCL group check: {exc}", {}
+    shared = shared_groups(groups)
+    if shared:
+        what = "; ".join(f"stages {', '.join(map(str, ss))} share HCCL group {g!r}" for g, ss in shared.items())
+        return f"HCCL group check: {what} (one side stream per group is required; is num_ubatches too small?)", groups
+    return None, groups
 
 
 def stage_ids(dp_metadata_list: Any) -> tuple[list[int], int]:

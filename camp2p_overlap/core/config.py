@@ -14,6 +14,10 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 Backend = Literal["auto", "npu", "cuda", "cpu"]
+#: The rollout modes: ``overlap`` (side streams), ``reorder`` (the overlap's
+#: issue order on the compute stream only), ``parity`` (the session engaged,
+#: every op on the compute stream in upstream's order). See docs/design.md.
+Mode = Literal["overlap", "reorder", "parity"]
 
 ENV_SWITCH = "VLLM_CAMP2P_MULTISTREAM"
 ENV_A2E = "VLLM_CAMP2P_MULTISTREAM_A2E"
@@ -25,6 +29,9 @@ ENV_STRICT = "VLLM_CAMP2P_MULTISTREAM_STRICT"
 ENV_WATCHDOG = "VLLM_CAMP2P_MULTISTREAM_WATCHDOG_S"
 ENV_ADAPTIVE = "VLLM_CAMP2P_MULTISTREAM_ADAPTIVE"
 ENV_REPROBE = "VLLM_CAMP2P_MULTISTREAM_REPROBE_EVERY"
+ENV_MODE = "VLLM_CAMP2P_MULTISTREAM_MODE"
+ENV_METRICS_PORT = "VLLM_CAMP2P_MULTISTREAM_METRICS_PORT"
+ENV_SUMMARY = "VLLM_CAMP2P_MULTISTREAM_SUMMARY_S"
 
 #: Every variable this package reads, with a one-line description. vLLM's
 #: environment registry is told about exactly these names (see plugin.py).
@@ -39,6 +46,9 @@ ENV_VARS: dict[str, str] = {
     ENV_WATCHDOG: "Seconds after which a step that has not finished logs a stall report.",
     ENV_ADAPTIVE: "Measure overlapped and serial steps per shape and engage only where the overlap is faster.",
     ENV_REPROBE: "With adaptive engage: run one step of the path not chosen every this many steps of a shape.",
+    ENV_MODE: "Rollout mode: overlap (default), reorder (overlap issue order, one stream) or parity (upstream order).",
+    ENV_METRICS_PORT: "Opt-in: serve this process's step metrics over HTTP on this port (0: any free port).",
+    ENV_SUMMARY: "Seconds between one-line step summaries in the log (0: none).",
 }
 
 #: CAMP2P has one HCCL group per stage: afd, afd1, afd2.
@@ -49,6 +59,9 @@ MIN_REPROBE, MAX_REPROBE = 2, 1_000_000
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 _BACKENDS: tuple[str, ...] = ("auto", "npu", "cuda", "cpu")
+MODES: tuple[str, ...] = ("overlap", "reorder", "parity")
+#: Default seconds between the periodic one-line summaries.
+DEFAULT_SUMMARY_S = 60.0
 
 
 class ConfigError(ValueError):
@@ -70,6 +83,11 @@ class OverlapConfig:
     watchdog_s: float | None = None
     adaptive: bool = True
     reprobe_every: int = 64
+    mode: Mode = "overlap"
+    #: Port of the opt-in per-process metrics endpoint (None: off; 0: any free port).
+    metrics_port: int | None = None
+    #: Seconds between one-line summaries in the log (0: none).
+    summary_s: float = DEFAULT_SUMMARY_S
     #: Variables that were set, as read (for logs and ``doctor``).
     raw: Mapping[str, str] = field(default_factory=dict, compare=False)
 
@@ -125,6 +143,39 @@ def _parse_backend(env: Mapping[str, str], name: str) -> Backend:
     return value  # type: ignore[return-value]
 
 
+def _parse_mode(env: Mapping[str, str], name: str) -> Mode:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return "overlap"
+    value = raw.strip().lower()
+    if value not in MODES:
+        raise ConfigError(f"{name}={raw!r} is not one of {', '.join(MODES)}")
+    return value  # type: ignore[return-value]
+
+
+def _parse_port(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(raw.strip(), 10)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a TCP port number") from None
+
+
+def _parse_summary(env: Mapping[str, str], name: str) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_SUMMARY_S
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
+    if not value >= 0 or value == float("inf"):
+        raise ConfigError(f"{name}={raw!r} must be 0 (off) or a positive, finite number of seconds")
+    return value
+
+
 def _check_ranges(cfg: OverlapConfig) -> None:
     if not 1 <= cfg.min_stages <= MAX_STAGES:
         raise ConfigError(
@@ -134,6 +185,10 @@ def _check_ranges(cfg: OverlapConfig) -> None:
         raise ConfigError(f"{ENV_REPROBE}={cfg.reprobe_every} is out of range {MIN_REPROBE}..{MAX_REPROBE}")
     if cfg.backend not in _BACKENDS:
         raise ConfigError(f"{ENV_BACKEND}={cfg.backend!r} is not one of {', '.join(_BACKENDS)}")
+    if cfg.mode not in MODES:
+        raise ConfigError(f"{ENV_MODE}={cfg.mode!r} is not one of {', '.join(MODES)}")
+    if cfg.metrics_port is not None and not 0 <= cfg.metrics_port <= 65535:
+        raise ConfigError(f"{ENV_METRICS_PORT}={cfg.metrics_port} is out of range 0..65535")
 
 
 def load_config(env: Mapping[str, str] | None = None) -> OverlapConfig:
@@ -153,6 +208,9 @@ def load_config(env: Mapping[str, str] | None = None) -> OverlapConfig:
         watchdog_s=_parse_seconds(env, ENV_WATCHDOG),
         adaptive=_parse_bool(env, ENV_ADAPTIVE, True),
         reprobe_every=_parse_int(env, ENV_REPROBE, 64),
+        mode=_parse_mode(env, ENV_MODE),
+        metrics_port=_parse_port(env, ENV_METRICS_PORT),
+        summary_s=_parse_summary(env, ENV_SUMMARY),
         raw={k: env[k] for k in ENV_VARS if k in env},
     )
     _check_ranges(cfg)

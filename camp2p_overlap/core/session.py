@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from camp2p_overlap.core.log import logger
-from camp2p_overlap.core.streams.base import OpHandle, Stream, StreamPoisonedError
+from camp2p_overlap.core.streams.base import DoneHandle, OpHandle, Stream, StreamPoisonedError
 from camp2p_overlap.core.streams.streamset import StreamSet
 from camp2p_overlap.core.trace import ExpectedSchedule, StepTrace, TraceRecorder
 
@@ -101,6 +101,19 @@ class SessionSnapshot:
     events: tuple[tuple[Hashable, Any], ...]
     side_streams: Mapping[int, str]
     opened_ns: int
+
+
+class _Running(OpHandle):
+    """The handle of an op being submitted (while the host runs it)."""
+
+    def __init__(self) -> None:
+        self.start_ns = time.perf_counter_ns()
+
+    def result(self) -> Any:
+        raise SessionError("the op is still being submitted")
+
+    def done(self) -> bool:
+        return False
 
 
 def _identity(payload: Any) -> Any:
@@ -189,9 +202,16 @@ class OverlapSession:
     ) -> OpHandle:
         """Issue one connector op on ``stream``, remembered in issue order."""
         seq = next(self._seq)
-        h = self.backend.submit(stream, fn, label=f"{kind} L{layer} s{stage}")
-        self._ops.append(IssuedOp(kind, layer, stage, stream.name, h, seq))
-        return h
+        # Listed before it is submitted: an op the host runs (compute stream)
+        # shows as running in a stall report while it blocks.
+        op = IssuedOp(kind, layer, stage, stream.name, _Running(), seq)
+        self._ops.append(op)
+        try:
+            op.handle = self.backend.submit(stream, fn, label=f"{kind} L{layer} s{stage}")
+        except BaseException as exc:
+            op.handle = DoneHandle(exc=exc, start_ns=op.handle.start_ns, end_ns=time.perf_counter_ns())
+            raise
+        return op.handle
 
     def _run_on_c(self, kind: str, layer: int | None, stage: int | None, fn: Callable[[], Any]) -> Any:
         h = self._submit(self.C, kind, layer, stage, fn)

@@ -4,12 +4,13 @@ engages the overlap, and with what plan; else the reason it runs serially."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from camp2p_overlap.core import camp2p
 from camp2p_overlap.core.config import MAX_STAGES
 from camp2p_overlap.core.installer import live_target
+from camp2p_overlap.core.rollout import mode_directions
 from camp2p_overlap.core.session import Directions, StepPlan
 from camp2p_overlap.core.streams import BackendUnavailable, resolve_backend_name
 
@@ -25,6 +26,10 @@ class Decision:
     plan: StepPlan | None = None
     backend: str | None = None
     directions: Directions = Directions()
+    #: The rollout mode the step engages in (VLLM_CAMP2P_MULTISTREAM_MODE).
+    mode: str = "overlap"
+    #: Stage id -> the HCCL communicator the connector uses for it.
+    groups: Mapping[int, str] = field(default_factory=dict)
 
 
 def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], *, in_session: bool) -> Decision:
@@ -56,7 +61,10 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], *, in_se
     if num_stages > MAX_STAGES or any(not 0 <= s < MAX_STAGES for s in stages):
         groups = ", ".join(camp2p.GROUPS)
         return Decision(f"stage ids {stages} do not fit CAMP2P's {MAX_STAGES} stage groups ({groups})")
-    if not (cfg.a2e_on_side_stream or cfg.e2a_on_side_stream):
+    problem, groups = camp2p.group_problem(connector, stages)
+    if problem is not None:
+        return Decision(problem)
+    if cfg.mode == "overlap" and not (cfg.a2e_on_side_stream or cfg.e2a_on_side_stream):
         return Decision("both directions are switched off (A2E=0 and E2A=0)")
     try:
         backend = resolve_backend_name(cfg.backend, getattr(runner, "device", None))
@@ -73,4 +81,4 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], *, in_se
     if kwargs.get("is_graph_capturing") and not cfg.graph:
         return Decision(GRAPH_OFF)
     plan = StepPlan(layers, tuple(stages), {"max_num_tokens": getattr(runner, "max_num_tokens", None)})
-    return Decision(None, plan, backend, Directions(cfg.a2e_on_side_stream, cfg.e2a_on_side_stream))
+    return Decision(None, plan, backend, mode_directions(cfg), cfg.mode, groups)

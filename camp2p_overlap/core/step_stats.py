@@ -8,9 +8,11 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-#: The paths a step can take. ``parity`` and ``reorder`` are rollout modes
-#: still to come; they stay 0 until then.
+#: The paths a step can take: an engaged step counts under its rollout mode
+#: (``overlap``, ``parity``, ``reorder``; see VLLM_CAMP2P_MULTISTREAM_MODE),
+#: any other under ``serial`` with its reason.
 PATHS = ("overlap", "parity", "reorder", "serial")
+ENGAGED = ("overlap", "parity", "reorder")
 
 
 class StepCounters:
@@ -20,8 +22,14 @@ class StepCounters:
         self._serial_reasons: dict[str, int] = {}
 
     def overlap(self) -> None:
+        self.engaged("overlap")
+
+    def engaged(self, mode: str) -> None:
+        """An engaged step of rollout ``mode``."""
+        if mode not in ENGAGED:
+            raise ValueError(f"{mode!r} is not an engaged path ({', '.join(ENGAGED)})")
         with self._lock:
-            self._steps["overlap"] += 1
+            self._steps[mode] += 1
 
     def serial(self, reason: str) -> None:
         with self._lock:

@@ -23,6 +23,7 @@ from camp2p_overlap.core import camp2p
 from camp2p_overlap.core.adaptive import BucketKey, pow2_ceil
 from camp2p_overlap.core.installer import MARK, Wrapper
 from camp2p_overlap.core.log import log_once
+from camp2p_overlap.core.rollout import streams_for
 from camp2p_overlap.core.runtime import OverlapRuntime
 from camp2p_overlap.core.step_decision import GRAPH_OFF, Decision, decide
 from camp2p_overlap.core.streams import BackendUnavailable
@@ -73,8 +74,9 @@ def ffn_forward_factory(engine: PatchEngine, runtime: OverlapRuntime) -> Wrapper
                 return _serial_step(wrapped, args, kwargs, recorder)
             call = _Call(engine, runtime, wrapped, instance, args, kwargs, recorder)
             capturing = bool(kwargs.get("is_graph_capturing")) or streamset.backend.is_capturing()
-            if not engine.config.adaptive or capturing:  # capture follows the static setting
-                runtime.counters.overlap()
+            # capture follows the static setting; parity/reorder steps always engage
+            if not engine.config.adaptive or capturing or decision.mode != "overlap":
+                runtime.counters.engaged(decision.mode)
                 return _overlap_step(call, decision, streamset)
             return _adaptive_step(call, decision, streamset)
         finally:
@@ -158,7 +160,7 @@ def _overlap_step(call: _Call, decision: Decision, streamset: StreamSet) -> Any:
         session = runtime.session_class(
             connector=call.runner.connector,
             plan=decision.plan,  # type: ignore[arg-type]
-            streamset=streamset,
+            streamset=streams_for(decision.mode, streamset),
             directions=decision.directions,
             recorder=recorder,
             step_id=step_id,

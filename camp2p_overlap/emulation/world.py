@@ -122,6 +122,8 @@ class EmulatedTransport:
         self.peer_wait_ns: dict[tuple[int, int], int] = {}
         self.step = 0
         self.fault_hook: FaultHook | None = None
+        #: group -> the op running on it: two at once on one group is a ProtocolError.
+        self._group_busy: dict[str, str] = {}
         self.inputs = AttentionInputs(hidden=hidden, max_tokens=max_tokens, seed=seed, pool=base_pool, dtype=dtype)
         self._lock = threading.Lock()
 
@@ -142,24 +144,31 @@ class EmulatedTransport:
             p.cond.notify_all()
 
     # -- ops -----------------------------------------------------------
-    def _enter(self, p: _Peer, what: str) -> None:
+    def _enter(self, p: _Peer, what: str, group: str) -> None:
         with p.cond:
             if p.busy is not None:
                 raise ProtocolError(
                     f"stage {p.stage}: {what} started while {p.busy} is still running on the same group"
                 )
+            with self._lock:
+                other = self._group_busy.get(group)
+                if other is not None:
+                    raise ProtocolError(f"stage {p.stage}: {what} started while {other} is still running on {group}")
+                self._group_busy[group] = what
             p.busy = what
 
-    def _leave(self, p: _Peer) -> None:
+    def _leave(self, p: _Peer, group: str) -> None:
         with p.cond:
             p.busy = None
+            with self._lock:
+                self._group_busy.pop(group, None)
 
     def a2e(
         self, *, group: str, stage: int, layer: int, num_tokens: int, max_num_tokens: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.peers[stage]
         what = f"a2e(L{layer}) on {group}"
-        self._enter(p, what)
+        self._enter(p, what, group)
         try:
             if self.fault_hook is not None:
                 self.fault_hook("a2e", layer, stage)
@@ -193,7 +202,7 @@ class EmulatedTransport:
                 p.awaiting_e2a = layer
             return hidden, torch.tensor([n])
         finally:
-            self._leave(p)
+            self._leave(p, group)
 
     def e2a(
         self,
@@ -207,7 +216,7 @@ class EmulatedTransport:
     ) -> None:
         p = self.peers[stage]
         what = f"e2a(L{layer}) on {group}"
-        self._enter(p, what)
+        self._enter(p, what, group)
         try:
             if self.fault_hook is not None:
                 self.fault_hook("e2a", layer, stage)
@@ -231,7 +240,7 @@ class EmulatedTransport:
                 p.ready_at = time.perf_counter() + self.attn_s
                 p.cond.notify_all()
         finally:
-            self._leave(p)
+            self._leave(p, group)
 
     def _itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
@@ -285,6 +294,9 @@ class WorldSpec:
     moe_layer_freq: int = 1
     return_payload: bool = True
     device: str = "cpu"
+    #: The connector's micro-batch count: its HCCL groups (below 3, stages
+    #: fall back as the real connector's do; 1 aliases stages 0 and 1).
+    num_ubatches: int = 3
 
 
 @dataclass
@@ -331,7 +343,7 @@ def build_world(spec: WorldSpec = WorldSpec(), *, root: str = standins.REAL_ROOT
         seed=spec.seed,
         max_tokens=max_tokens,
     )
-    connector = conn_mod.CAMP2pAFDConnector(transport, hidden_size=spec.shape.hidden)
+    connector = conn_mod.CAMP2pAFDConnector(transport, hidden_size=spec.shape.hidden, num_ubatches=spec.num_ubatches)
     model = EmulatedModel(
         MoEFFN(spec.shape, seed=spec.seed, device=spec.device),
         return_payload=spec.return_payload,

@@ -34,12 +34,29 @@ class _ControlPlane:
 
 
 def _get_group_ep(ubatch_idx: int, name1: str, name2: str, name3: str) -> str:
-    return (name1, name2, name3)[ubatch_idx]
+    # The real connector's rule: stage 1 falls back to the first group when
+    # there is no second; stage 2 has no fallback; other stages take the first.
+    if ubatch_idx == 1:
+        return name2 or name1
+    if ubatch_idx == 2:
+        if not name3:
+            raise RuntimeError("CAMP2P ubatch 2 requires a third HCCL group")
+        return name3
+    if ubatch_idx < 0:
+        raise RuntimeError(f"CAMP2P ubatch index must be non-negative: {ubatch_idx}")
+    return name1
 
 
 class CAMP2pAFDConnector(AFDConnectorBase):
-    def __init__(self, transport: Any = None, *, hidden_size: int = 0) -> None:
+    def __init__(self, transport: Any = None, *, hidden_size: int = 0, num_ubatches: int = 3) -> None:
         self.transport = transport
+        # One HCCL group per micro-batch, named as the real connector's
+        # process groups are (the real fields hold HCCL communicator names).
+        n = max(1, int(num_ubatches))
+        self.num_ubatches = n
+        self.hccl_comm_name = "afd"
+        self.hccl_comm_name2 = "afd1" if n > 1 else self.hccl_comm_name
+        self.hccl_comm_name3 = "afd2" if n > 2 else ""
         self.hidden_size = hidden_size
         self.dp_metadata_list: Any = None
         self.control_plane = _ControlPlane(self)
@@ -54,7 +71,7 @@ class CAMP2pAFDConnector(AFDConnectorBase):
     def recv_attn_output(self, ubatch_idx: int = 0, **kwargs: Any) -> AFDA2FTransferPayload:
         layer_idx = kwargs["layer_idx"]
         max_num_tokens = kwargs.get("max_num_tokens")
-        group = _get_group_ep(ubatch_idx, "afd", "afd1", "afd2")
+        group = _get_group_ep(ubatch_idx, self.hccl_comm_name, self.hccl_comm_name2, self.hccl_comm_name3)
         hidden, atten_batch_size = self.transport.a2e(
             group=group,
             stage=ubatch_idx,
@@ -70,7 +87,7 @@ class CAMP2pAFDConnector(AFDConnectorBase):
 
     def send_ffn_output(self, ffn_output: Any, context: Any, **kwargs: Any) -> None:
         ubatch_idx = kwargs.get("ubatch_idx", context.metadata.stage_idx)
-        group = _get_group_ep(ubatch_idx, "afd", "afd1", "afd2")
+        group = _get_group_ep(ubatch_idx, self.hccl_comm_name, self.hccl_comm_name2, self.hccl_comm_name3)
         self.transport.e2a(
             group=group,
             stage=ubatch_idx,
