@@ -103,9 +103,16 @@ def stall_report(snap: SessionSnapshot) -> str:
     if not snap.directions.e2a_side:
         sent_on_c = {(o.layer, o.stage) for o in snap.ops if o.kind == "e2a"}
         on_c += [f"e2a(L{L},s{s}) on C" for (L, s) in sorted(set(snap.sent) - sent_on_c)]
+    # Ops the host runs on C (one direction switched off, parity, reorder)
+    # are listed while they run: the stage lines name them.
+    running_c = [o for o in snap.ops if o.stream == "C" and not st.op(o)[0]]
+    for o in running_c:
+        lines.append(f"  compute stream C is blocked in {o.kind}(L{o.layer},s{o.stage}), issued on the compute stream")
+    listed = {f"{o.kind}(L{o.layer},s{o.stage}) on C" for o in running_c}
     culprits = [
         f"  likely missing peer op: {what} (in progress on the compute stream): the attention peer has not answered"
         for what in on_c
+        if what not in listed
     ]
     for s in snap.plan.stages:
         lines += _stage_lines(snap, st, s, culprits)
