@@ -6,6 +6,7 @@ exporters."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 #: The paths a step can take: an engaged step counts under its rollout mode
@@ -20,6 +21,15 @@ class StepCounters:
         self._lock = threading.Lock()
         self._steps = dict.fromkeys(PATHS, 0)
         self._serial_reasons: dict[str, int] = {}
+        #: Called once, after the first step is counted (the process-wide
+        #: layer starts its metrics and summary there: only processes that
+        #: run FFN steps report).
+        self.on_first_step: Callable[[], None] | None = None
+
+    def _first(self) -> None:
+        hook, self.on_first_step = self.on_first_step, None
+        if hook is not None:
+            hook()
 
     def overlap(self) -> None:
         self.engaged("overlap")
@@ -30,11 +40,15 @@ class StepCounters:
             raise ValueError(f"{mode!r} is not an engaged path ({', '.join(ENGAGED)})")
         with self._lock:
             self._steps[mode] += 1
+        if self.on_first_step is not None:
+            self._first()
 
     def serial(self, reason: str) -> None:
         with self._lock:
             self._steps["serial"] += 1
             self._serial_reasons[reason] = self._serial_reasons.get(reason, 0) + 1
+        if self.on_first_step is not None:
+            self._first()
 
     def to_dict(self) -> dict[str, Any]:
         with self._lock:

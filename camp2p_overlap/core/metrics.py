@@ -1,0 +1,263 @@
+"""The step counters of ``camp2p_overlap.stats()`` as Prometheus metrics,
+named as vLLM names its own (``vllm:`` prefix, snake case, counters with
+``_total``), plus a periodic one-line summary in the log.
+
+How they reach a scrape (docs/design.md, "Metrics"):
+
+* vLLM 0.19.1 serves ``/metrics`` from its API server process, from the
+  default registry, or, when ``PROMETHEUS_MULTIPROC_DIR`` is set (vLLM sets
+  it itself for ``--api-server-count`` > 1; a user may set it), from a
+  ``MultiProcessCollector`` over that directory. Worker processes inherit
+  the variable; prometheus_client then writes every counter a worker
+  creates into that directory, and vLLM's ``/metrics`` sums them over the
+  processes. The reporter thread keeps our counters there up to date.
+* Otherwise a worker's registry never reaches vLLM's ``/metrics`` (the
+  engine core sends vLLM's own stats to the front-end over its output
+  queue, which has no room for ours). Then
+  ``VLLM_CAMP2P_MULTISTREAM_METRICS_PORT`` opts in to a per-process HTTP
+  endpoint serving this process's metrics.
+
+The counters are synced from :meth:`OverlapRuntime.stats` (never from the
+step's hot path): on every scrape of our endpoint and every reporter tick.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from camp2p_overlap.core.log import logger
+from camp2p_overlap.core.step_stats import PATHS
+
+PREFIX = "vllm:camp2p_overlap_"
+STEPS = PREFIX + "steps"
+SERIAL_STEPS = PREFIX + "serial_steps"
+MODE_INFO = PREFIX + "mode_info"
+#: Distinct serial reasons exported as their own label value; later ones
+#: are counted under ``other`` (bounded label cardinality).
+MAX_REASONS = 32
+OTHER_REASON = "other"
+#: Seconds between syncs into PROMETHEUS_MULTIPROC_DIR.
+MULTIPROC_SYNC_S = 5.0
+
+StatsFn = Callable[[], Mapping[str, Any]]
+
+
+def multiproc_dir() -> str | None:
+    """The directory vLLM's ``/metrics`` gathers multi-process metrics from, if set."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+class StepMetrics:
+    """Prometheus counters mirroring one runtime's step counters, in a
+    registry of their own (served by the per-process endpoint; written to
+    the multi-process directory as well when one is set)."""
+
+    def __init__(self, stats: StatsFn, *, mode: str = "overlap", rung: str = "overlap") -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self._stats = stats
+        self._lock = threading.Lock()
+        self._seen_steps: dict[str, int] = {}
+        self._seen_reasons: dict[str, int] = {}
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_SyncFirst(self))  # registered first: collected first
+        self.steps = Counter(
+            STEPS,
+            "FFN steps by the path they took: overlap, parity, reorder (engaged, by rollout mode) or serial.",
+            labelnames=["path"],
+            registry=self.registry,
+        )
+        self.serial_steps = Counter(
+            SERIAL_STEPS,
+            f"FFN steps that ran the serial path, by reason (after {MAX_REASONS} distinct reasons: '{OTHER_REASON}').",
+            labelnames=["reason"],
+            registry=self.registry,
+        )
+        self.mode_info = Gauge(
+            MODE_INFO,
+            "1 for the rollout mode and ladder rung this process runs with.",
+            labelnames=["mode", "rung"],
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
+        self.mode_info.labels(mode=mode, rung=rung).set(1)
+        for path in PATHS:
+            self.steps.labels(path=path)  # every path exported, 0 until used
+
+    def sync(self) -> None:
+        """Add to each counter what the runtime counted since the last sync."""
+        snap = self._stats()
+        with self._lock:
+            for path, count in snap.get("steps", {}).items():
+                delta = int(count) - self._seen_steps.get(path, 0)
+                if delta > 0:
+                    self.steps.labels(path=path).inc(delta)
+                    self._seen_steps[path] = int(count)
+            exported = {r for r in self._seen_reasons if r != OTHER_REASON}
+            for reason, count in snap.get("serial_reasons", {}).items():
+                delta = int(count) - self._seen_reasons.get(reason, 0)
+                if delta <= 0:
+                    continue
+                self._seen_reasons[reason] = int(count)
+                if reason not in exported and len(exported) >= MAX_REASONS:
+                    label = OTHER_REASON
+                else:
+                    label = reason
+                    exported.add(reason)
+                self.serial_steps.labels(reason=label).inc(delta)
+
+
+class _SyncFirst:
+    """A collector with no metrics of its own: syncs the counters when a
+    scrape starts, so the endpoint serves what ``stats()`` says now."""
+
+    def __init__(self, metrics: StepMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> list[Any]:
+        try:
+            self._metrics.sync()
+        except Exception:  # noqa: BLE001 - a scrape must not fail on our account
+            logger.exception("camp2p-overlap: could not sync the step metrics")
+        return []
+
+    def describe(self) -> list[Any]:
+        return []
+
+
+def summary_line(snap: Mapping[str, Any], previous: Mapping[str, int] | None = None) -> str:
+    """One line: steps per path (with the change since ``previous``) and
+    the most frequent serial reason."""
+    steps = snap.get("steps", {})
+    parts = []
+    for path in PATHS:
+        n = int(steps.get(path, 0))
+        grew = n - int((previous or {}).get(path, 0))
+        parts.append(f"{path}={n}" + (f" (+{grew})" if previous is not None and grew else ""))
+    text = "camp2p-overlap steps: " + " ".join(parts)
+    reasons = snap.get("serial_reasons", {})
+    if reasons:
+        top = max(reasons.items(), key=lambda kv: kv[1])
+        text += f"; top serial reason ({top[1]}): {top[0]}"
+    return text
+
+
+class Reporter:
+    """The per-process reporting: the metrics, the opt-in endpoint and the
+    daemon thread that syncs them into the multi-process directory and logs
+    the one-line summary when the counts changed."""
+
+    def __init__(
+        self,
+        stats: StatsFn,
+        *,
+        port: int | None,
+        summary_s: float,
+        mode: str = "overlap",
+        rung: str = "overlap",
+        addr: str = "0.0.0.0",  # noqa: S104 - an opt-in metrics endpoint is meant to be scraped
+    ) -> None:
+        self._stats = stats
+        self.metrics = StepMetrics(stats, mode=mode, rung=rung)
+        self.summary_s = summary_s
+        self.server: Any = None
+        self.port: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last: dict[str, int] | None = None
+        if port is not None:
+            self._serve(port, addr)
+        tick = self._tick_s()
+        if tick is not None:
+            self._thread = threading.Thread(target=self._run, args=(tick,), name="camp2p-overlap-reporter", daemon=True)
+            self._thread.start()
+
+    def _tick_s(self) -> float | None:
+        ticks = [t for t in (self.summary_s, MULTIPROC_SYNC_S if multiproc_dir() else 0.0) if t > 0]
+        return min(ticks) if ticks else None
+
+    def _serve(self, port: int, addr: str) -> None:
+        from prometheus_client import start_http_server
+
+        try:
+            self.server, _ = start_http_server(port, addr=addr, registry=self.metrics.registry)
+        except OSError as exc:
+            logger.warning("camp2p-overlap: metrics endpoint not started: cannot listen on %s:%d (%s)", addr, port, exc)
+            return
+        self.port = int(self.server.server_port)
+        logger.info("camp2p-overlap: serving this process's step metrics on http://%s:%d/metrics", addr, self.port)
+
+    def _run(self, tick: float) -> None:
+        since_summary = 0.0
+        while not self._stop.wait(tick):
+            since_summary += tick
+            try:
+                if multiproc_dir():
+                    self.metrics.sync()
+                if self.summary_s > 0 and since_summary >= self.summary_s:
+                    since_summary = 0.0
+                    self.log_summary()
+            except Exception:  # noqa: BLE001 - reporting never breaks the worker
+                logger.exception("camp2p-overlap: step reporting failed")
+
+    def log_summary(self) -> bool:
+        """Log the one-line summary if the counts changed since the last one."""
+        snap = self._stats()
+        steps = {k: int(v) for k, v in snap.get("steps", {}).items()}
+        if steps == self._last:
+            return False
+        logger.log(logging.INFO, "%s", summary_line(snap, self._last))
+        self._last = steps
+        return True
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+
+_lock = threading.Lock()
+_reporter: Reporter | None = None
+
+
+def start_reporting(stats: StatsFn, *, port: int | None, summary_s: float, mode: str, rung: str) -> Reporter | None:
+    """The process's reporter, started once (later calls return it). Never
+    raises: a reporter that cannot start is logged and skipped."""
+    global _reporter
+    with _lock:
+        if _reporter is not None:
+            return _reporter
+        try:
+            _reporter = Reporter(stats, port=port, summary_s=summary_s, mode=mode, rung=rung)
+        except Exception:  # noqa: BLE001 - never break vLLM's start-up
+            logger.exception("camp2p-overlap: step metrics not started")
+            return None
+        return _reporter
+
+
+def stop_reporting() -> None:
+    """Stop the process's reporter (tests; a later start makes a new one)."""
+    global _reporter
+    with _lock:
+        reporter, _reporter = _reporter, None
+    if reporter is not None:
+        reporter.close()
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of the parent's threads: start afresh there."""
+    global _reporter, _lock
+    _lock = threading.Lock()
+    _reporter = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
