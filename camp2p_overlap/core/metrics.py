@@ -159,7 +159,7 @@ class Reporter:
         summary_s: float,
         mode: str = "overlap",
         rung: str = "overlap",
-        addr: str = "0.0.0.0",  # noqa: S104 - an opt-in metrics endpoint is meant to be scraped
+        addr: str = "0.0.0.0",  # an opt-in endpoint, scraped from other hosts
     ) -> None:
         self._stats = stats
         self.metrics = StepMetrics(stats, mode=mode, rung=rung)
