@@ -19,9 +19,12 @@ from camp2p_overlap.core.config import (
     ENV_BACKEND,
     ENV_E2A,
     ENV_GRAPH,
+    ENV_METRICS_PORT,
     ENV_MIN_STAGES,
+    ENV_MODE,
     ENV_REPROBE,
     ENV_STRICT,
+    ENV_SUMMARY,
     ENV_SWITCH,
     ENV_VARS,
     ENV_WATCHDOG,
@@ -68,6 +71,9 @@ def test_every_field_from_the_environment() -> None:
         ENV_WATCHDOG: "2.5",
         ENV_ADAPTIVE: "Off",
         ENV_REPROBE: " 128",
+        ENV_MODE: "Reorder",
+        ENV_METRICS_PORT: "9400",
+        ENV_SUMMARY: "15",
     }
     cfg = load_config(env)
     assert cfg == OverlapConfig(
@@ -81,6 +87,9 @@ def test_every_field_from_the_environment() -> None:
         watchdog_s=2.5,
         adaptive=False,
         reprobe_every=128,
+        mode="reorder",
+        metrics_port=9400,
+        summary_s=15.0,
     )
     assert dict(cfg.raw) == env
 
@@ -109,6 +118,14 @@ BAD = [
     (ENV_REPROBE, "1"),
     (ENV_REPROBE, "0"),
     (ENV_REPROBE, "2000000"),
+    (ENV_MODE, "fast"),
+    (ENV_MODE, "serial"),
+    (ENV_METRICS_PORT, "http"),
+    (ENV_METRICS_PORT, "65536"),
+    (ENV_METRICS_PORT, "-1"),
+    (ENV_SUMMARY, "often"),
+    (ENV_SUMMARY, "-1"),
+    (ENV_SUMMARY, "nan"),
 ]
 
 

@@ -78,6 +78,7 @@ def test_doctor_json_lists_every_manifest_target_with_its_status() -> None:
         "device_detail",
         "backend",
         "config",
+        "deployment",
     }
     assert d["ok"] is False and d["problems"]
     assert d["stack"] == "vllm-0.19.1"

@@ -68,7 +68,10 @@ exit status: 0 when nothing would refuse, else 1.
                 status: ok | import-error | missing | signature-mismatch | stand-in
   device        "npu" | "cuda" | null;  device_detail: str
   backend       {configured, resolved (npu|cuda|cpu|null), reason}
-  config        {ok, error (str|null), enabled, switches: [{name, raw, field, value, description}]}
+  config        {ok, error (str|null), enabled, mode, rung, switches: [{name, raw, field, value, description}]}
+  deployment    null without --config; else {source, connector, role, num_ubatches, num_ubatches_from,
+                stages: [{stage, group, in_use, error, shares_group_with}], aliased: {group: [stage]},
+                extra: {core_num, ffn_core_num, attn_core_num, aiv_num}, mode, rung, problems, notes}
 """
 
 _DEFAULTS = BenchParams()
@@ -242,6 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
     doctor.add_argument("--stack", default=None, help="manifest stack to check (default vllm-0.19.1)")
+    doctor.add_argument(
+        "--config",
+        dest="deployment",
+        default=None,
+        metavar="FILE|JSON",
+        help="the deployment's vLLM config (YAML/JSON file given to vllm serve --config) or a JSON string: "
+        "report the AFD connector, num_ubatches, stage->HCCL group map, aiv_num/ffn_core_num",
+    )
     return parser
 
 
@@ -364,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _sweep(args, argv)
     from camp2p_overlap.tools.doctor import main_doctor
 
-    return main_doctor(as_json=args.json, stack=args.stack)
+    return main_doctor(as_json=args.json, stack=args.stack, deployment=args.deployment)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -15,7 +15,9 @@ Reports, without raising:
   against the device this box has (an NPU through torch_npu, else a CUDA
   GPU, else none);
 * every ``VLLM_CAMP2P_*`` switch, as set and as parsed (a malformed value is
-  reported, not raised).
+  reported, not raised), and the rollout mode and ladder rung they set;
+* with ``--config``: the deployment's connector settings as the CAMP2P
+  connector will see them (``tools/deployment.py``).
 
 Exit status 0 when nothing would refuse, 1 otherwise.
 """
@@ -37,8 +39,10 @@ from camp2p_overlap.core.manifest import (
     signature_difference,
     signature_of,
 )
+from camp2p_overlap.core.rollout import LADDER, rung
 from camp2p_overlap.core.stack_select import select_stack
 from camp2p_overlap.core.versions import AFD_PLUGIN_DIST, VLLM_DIST, installed_version
+from camp2p_overlap.tools.deployment import deployment_text, read_deployment
 
 SCHEMA = "camp2p-overlap/doctor/v1"
 
@@ -64,6 +68,9 @@ SWITCH_FIELDS = {
     cfgmod.ENV_WATCHDOG: "watchdog_s",
     cfgmod.ENV_ADAPTIVE: "adaptive",
     cfgmod.ENV_REPROBE: "reprobe_every",
+    cfgmod.ENV_MODE: "mode",
+    cfgmod.ENV_METRICS_PORT: "metrics_port",
+    cfgmod.ENV_SUMMARY: "summary_s",
 }
 
 _STANDIN_DIR = Path(__file__).resolve().parent.parent / "emulation" / "standins"
@@ -195,11 +202,25 @@ def _config(env: Any = None) -> tuple[dict[str, Any], str]:
                 "description": cfgmod.ENV_VARS.get(name, ""),
             }
         )
-    section = {"ok": error is None, "error": error, "enabled": cfg.enabled if cfg else None, "switches": switches}
+    section = {
+        "ok": error is None,
+        "error": error,
+        "enabled": cfg.enabled if cfg else None,
+        "mode": cfg.mode if cfg else None,
+        "rung": rung(cfg) if cfg else None,
+        "switches": switches,
+    }
     return section, (cfg.backend if cfg is not None else "auto")
 
 
-def diagnose(stack: str | None = None) -> dict[str, Any]:
+def _loaded_config() -> cfgmod.OverlapConfig | None:
+    try:
+        return cfgmod.load_config()
+    except cfgmod.ConfigError:
+        return None
+
+
+def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[str, Any]:
     """Everything the doctor reports, as a JSON-ready dict (schema in
     ``docs/benchmark.md``)."""
     problems: list[str] = []
@@ -221,6 +242,7 @@ def diagnose(stack: str | None = None) -> dict[str, Any]:
             "device_detail": "",
             "backend": None,
             "config": _config()[0],
+            "deployment": read_deployment(deployment, _loaded_config()) if deployment else None,
         }
     if not vc.ok:
         problems.append(f"vLLM version gate: {vc.reason}")
@@ -241,6 +263,12 @@ def diagnose(stack: str | None = None) -> dict[str, Any]:
         problems.append(f"stream backend: {backend['reason']}")
     elif backend["resolved"] == "cpu":
         notes.append("the cpu backend is for the emulation and tests, not for a deployment")
+    deploy = None
+    if deployment:
+        deploy = read_deployment(deployment, _loaded_config())
+        problems += [f"deployment: {p}" for p in deploy["problems"]]
+        if versions["afd-plugin"] is None:
+            notes.append("afd-plugin is not installed: the deployment was read from the config alone")
     return {
         "schema": SCHEMA,
         "ok": not problems,
@@ -254,6 +282,7 @@ def diagnose(stack: str | None = None) -> dict[str, Any]:
         "device_detail": device_detail,
         "backend": backend,
         "config": config_section,
+        "deployment": deploy,
     }
 
 
@@ -280,6 +309,10 @@ def doctor_text(d: dict[str, Any]) -> str:
         raw = "unset" if s["raw"] is None else repr(s["raw"])
         value = "-" if s["value"] is None and not c["ok"] else repr(s["value"])
         lines.append(f"  {s['name']:<36} {raw:<10} -> {s['field']} = {value}")
+    if c["ok"]:
+        lines.append(f"  rollout: mode {c['mode']}, rung {c['rung']} (ladder: {' -> '.join(LADDER)})")
+    if d.get("deployment") is not None:
+        lines += deployment_text(d["deployment"])
     lines.append("")
     for note in d["notes"]:
         lines.append(f"note: {note}")
@@ -291,10 +324,10 @@ def doctor_text(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main_doctor(*, as_json: bool, stack: str | None = None, out: Any = None) -> int:
+def main_doctor(*, as_json: bool, stack: str | None = None, deployment: str | None = None, out: Any = None) -> int:
     import json
 
     out = out or sys.stdout
-    d = diagnose(stack)
+    d = diagnose(stack, deployment)
     print(json.dumps(d, indent=2) if as_json else doctor_text(d), file=out)
     return 0 if d["ok"] else 1
