@@ -213,13 +213,6 @@ class SessionSpy:
         return len(self.refs)
 
 
-def random_schedule(rng: random.Random, step: int, max_layers: int = 4, max_tokens: int = 16) -> Schedule:
-    stages = rng.choice([(0,), (0, 1), (0, 2), (1, 2), (0, 1, 2)])
-    layers = rng.randint(1, max_layers)
-    tokens = tuple(rng.randint(1, max_tokens) for _ in stages)
-    return Schedule(layers, stages, tokens, step)
-
-
 def spy_forward(runner_cls: type) -> list[dict[str, Any]]:
     """Replace ``_ffn_forward`` in the class dict (before apply) by a function
     of the same signature that records its arguments and calls the original."""

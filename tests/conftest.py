@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.log import reset_log_once
@@ -19,6 +20,17 @@ from camp2p_overlap.core.process import ENGINE
 from camp2p_overlap.emulation import standins
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Hypothesis profiles (HYPOTHESIS_PROFILE, default "ci"). Every example runs
+# real emulated steps, so "ci" keeps the budget small and the draw fixed
+# (derandomized: the same examples on every run, no example database), to
+# bound the suite's time; "dev" explores fresh examples; "thorough" is for a
+# long run before a release (with ``-m slow``).
+_COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow], "print_blob": True}
+settings.register_profile("ci", max_examples=50, derandomize=True, database=None, **_COMMON)
+settings.register_profile("dev", max_examples=100, **_COMMON)
+settings.register_profile("thorough", max_examples=500, **_COMMON)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True)

@@ -5,10 +5,11 @@ surface to the caller unchanged, never hang, leave every side stream idle,
 and the next step is correct; a silent peer is reported as a stall, then
 times out. A deliberately wrong order deadlocks in the emulation.
 
-Seeded fault injection: hundreds of seeded runs, each with one fault (an
-exception, a delay, or an attention peer that stops answering) at a random
-(layer, stage) and op kind (A2E, FFN, E2A), random stage sets and
-directions. Every run must:
+Property-based fault injection (hypothesis, ``tests/_strategies.py``): runs
+each with one fault (an exception, a delay, or an attention peer that stops
+answering) at a drawn (layer, stage) and op kind (A2E, FFN, E2A), drawn
+stage sets, directions and rollout modes; a failure shrinks to a minimal
+run. Every run must:
 
 * end within a bound (a hang fails the run instead of blocking the suite);
 * give outputs bitwise equal to the serial path (delays) or surface the
@@ -26,11 +27,11 @@ where the error happens, never what the caller sees.
 
 from __future__ import annotations
 
+import itertools
 import logging
-import random
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -46,14 +47,17 @@ from _overlap_util import (
     world,
     wrap_model,
 )
+from _strategies import DIRECTIONS, OP_KINDS, FaultRun, fault_runs, schedules, tokens_for
 from conftest import PackageLogs
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.process import ENGINE
 from camp2p_overlap.core.session import OverlapSession
 from camp2p_overlap.core.streams import CpuBackend, StreamPoisonedError
 from camp2p_overlap.core.streams.cpu import WorkerStream
-from camp2p_overlap.emulation.faults import Action, Fault, FaultPlan, random_fault, run_step_bounded
+from camp2p_overlap.emulation.faults import Fault, FaultPlan, InjectedIOError, run_step_bounded
 from camp2p_overlap.emulation.world import PeerTimeoutError, World
 
 # ---------------------------------------------------------------------------
@@ -64,30 +68,46 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def _fault_points(rng: random.Random, n: int) -> list[dict[str, Any]]:
-    points = []
-    for i in range(n):
-        stages = rng.choice([(0, 1), (0, 2), (1, 2), (0, 1, 2)])
-        layers = rng.randint(1, 4)
-        where = rng.choice(["a2e", "ffn", "e2a"])
-        points.append(
-            {
-                "sched": Schedule(layers, stages, tuple(rng.randint(1, 16) for _ in stages), step=2 * i + 1),
-                "next": Schedule(layers, stages, tuple(rng.randint(1, 16) for _ in stages), step=2 * i + 2),
-                "where": where,
-                "layer": rng.randrange(layers),
-                "stage": rng.choice(stages),
-                "dirs": rng.choice([(True, True), (False, True), (True, False)]),
-            }
-        )
-    return points
+#: Distinct step numbers across examples (the peers send per-step data).
+_STEP_NUMBERS = itertools.count(1)
+POINT: dict[str, Any] = {
+    "sched": Schedule(3, (0, 1, 2), (5, 9, 3), step=1),
+    "next": Schedule(3, (0, 1, 2), (4, 7, 2), step=2),
+    "layer": 1,
+    "stage": 1,
+}
 
 
-def test_injected_errors_surface_unchanged_and_the_next_step_is_correct() -> None:
-    rng = random.Random(1234)
-    points = _fault_points(rng, 36)
-    w = world(layers=4, stage_ids=(0, 1, 2), op_timeout_s=5.0)
-    refs = serial_results(w, [p["next"] for p in points])
+@st.composite
+def fault_points(draw: st.DrawFn) -> dict[str, Any]:
+    """An error at a drawn op of a drawn step, then a clean step of the same shape."""
+    sched = draw(schedules(multi=True))
+    return {
+        "sched": sched,
+        "next": Schedule(sched.layers, sched.stages, draw(tokens_for(sched.stages)), step=sched.step + 1),
+        "where": draw(st.sampled_from(OP_KINDS)),
+        "layer": draw(st.integers(0, sched.layers - 1)),
+        "stage": draw(st.sampled_from(sched.stages)),
+        "dirs": draw(st.sampled_from(DIRECTIONS)),
+    }
+
+
+@pytest.fixture
+def error_world() -> World:
+    return world(layers=4, stage_ids=(0, 1, 2), op_timeout_s=5.0)
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=settings().max_examples // 2)
+@given(p=fault_points())
+@example(p={**POINT, "where": "a2e", "dirs": (True, True)})
+@example(p={**POINT, "where": "ffn", "dirs": (False, True)})
+@example(p={**POINT, "where": "e2a", "dirs": (True, False)})
+def test_injected_errors_surface_unchanged_and_the_next_step_is_correct(error_world: World, p: dict[str, Any]) -> None:
+    w = error_world
+    steps = itertools.count(2 * next(_STEP_NUMBERS) + 1)
+    p = {**p, "sched": replace(p["sched"], step=next(steps)), "next": replace(p["next"], step=next(steps))}
+    ENGINE.unpatch(timeout=10)
+    (ref,) = serial_results(w, [p["next"]])
     raised: dict[str, Any] = {}
     target: dict[str, Any] = {}
 
@@ -102,12 +122,10 @@ def test_injected_errors_surface_unchanged_and_the_next_step_is_correct() -> Non
         ffn_calls.append((layer, stage))
         hook("ffn", layer, stage)
 
-    wrap_model(w, before_with_stage=before_ffn)
+    original = wrap_model(w, before_with_stage=before_ffn)
     w.transport.fault_hook = hook
-    dirs_seen = set()
-    for p in points:
+    try:
         a2e, e2a = p["dirs"]
-        dirs_seen.add(p["dirs"])
         apply_cpu(a2e_on_side_stream=a2e, e2a_on_side_stream=e2a)
         target.clear()
         target.update(where=p["where"], layer=p["layer"], stage=p["stage"])
@@ -126,9 +144,14 @@ def test_injected_errors_surface_unchanged_and_the_next_step_is_correct() -> Non
             order = [(L, s) for L in range(sched.layers) for s in sorted(sched.stages)]
             assert ffn_calls == order[: order.index((p["layer"], p["stage"]))]
         target.clear()
-        assert_same(bounded(lambda p=p: run_step(w, p["next"]), timeout=30), refs[points.index(p)])
+        assert_same(bounded(lambda p=p: run_step(w, p["next"]), timeout=30), ref)
         assert_streams_idle(timeout=5)
-    assert len(dirs_seen) == 3
+    finally:
+        ENGINE.unpatch(timeout=10)
+        w.transport.fault_hook = None
+        vars(w.transport).pop("a2e", None)  # the examples share the world: undo wrap_model
+        vars(w.runner.model).pop("compute_ffn_output", None)
+        assert w.runner.model.compute_ffn_output == original
 
 
 def test_error_in_first_prefetch_of_another_stage_surfaces_at_its_receive() -> None:
@@ -192,36 +215,9 @@ def test_a_silent_peer_is_reported_as_a_stall_then_times_out(logs: PackageLogs) 
 
 
 # ---------------------------------------------------------------------------
-# Seeded fault injection: one random fault per run, many seeds.
+# Property-based fault injection: one drawn fault per run.
 
 STEP_BOUND_S = 20.0
-STAGE_SETS = [(0, 1), (0, 2), (1, 2), (0, 1, 2), (0, 1, 2), (1,)]
-DIRECTIONS = [(True, True), (True, True), (True, False), (False, True)]
-
-
-@dataclass
-class Run:
-    seed: int
-    fault: Fault
-    layers: int
-    stages: tuple[int, ...]
-    directions: tuple[bool, bool]
-    tokens: dict[int, int]
-
-    def __str__(self) -> str:
-        return (
-            f"seed {self.seed}: {self.fault.describe()}, layers {self.layers}, stages {self.stages}, "
-            f"a2e/e2a side {self.directions}, tokens {self.tokens}"
-        )
-
-
-def _draw(seed: int, action: Action) -> Run:
-    rng = random.Random(seed)
-    layers = rng.randint(1, 4)
-    stages = rng.choice(STAGE_SETS)
-    fault = random_fault(rng, range(layers), stages, actions=[action])
-    tokens = {s: rng.randint(1, 16) for s in stages}
-    return Run(seed, fault, layers, stages, rng.choice(DIRECTIONS), tokens)
 
 
 def _camp2p_threads() -> list[threading.Thread]:
@@ -242,11 +238,11 @@ class Runner:
         self.op_timeout_s = op_timeout_s
         self.worlds: dict[tuple[int, tuple[int, ...]], World] = {}
 
-    def world(self, run: Run) -> World:
+    def world(self, run: FaultRun) -> World:
         key = (run.layers, run.stages)
         if key not in self.worlds:
             self.worlds[key] = self.make_world(
-                layers=run.layers, stage_ids=run.stages, tokens=16, op_timeout_s=self.op_timeout_s, seed=run.seed
+                layers=run.layers, stage_ids=run.stages, tokens=16, op_timeout_s=self.op_timeout_s
             )
         return self.worlds[key]
 
@@ -255,10 +251,12 @@ class Runner:
         assert not out.hung, f"step {n} did not finish within {STEP_BOUND_S} s"
         return out
 
-    def check(self, run: Run, *, serial_too: bool) -> None:
+    def check(self, run: FaultRun, *, serial_too: bool = True) -> None:
         w = self.world(run)
         fault = run.fault
-        a, b = 2 * run.seed + 11, 2 * run.seed + 12  # step numbers: peers send per-step data
+        n = next(_STEP_NUMBERS)
+        a, b = 2 * n + 11, 2 * n + 12  # step numbers: peers send per-step data
+        ENGINE.unpatch(timeout=10)  # a failed example may have left it applied
         assert not ENGINE.is_applied()
         ref_a = self.step(w, a, run.tokens)
         ref_b = self.step(w, b, run.tokens)
@@ -277,7 +275,12 @@ class Runner:
         assert not _stream_threads(), f"{run}: stream threads alive before apply: {_stream_threads()}"
         a2e_side, e2a_side = run.directions
         cfg = OverlapConfig(
-            enabled=True, backend="cpu", adaptive=False, a2e_on_side_stream=a2e_side, e2a_on_side_stream=e2a_side
+            enabled=True,
+            backend="cpu",
+            adaptive=False,
+            a2e_on_side_stream=a2e_side,
+            e2a_on_side_stream=e2a_side,
+            mode=run.mode,  # type: ignore[arg-type]
         )
         assert ENGINE.apply(config=cfg, strict=True).applied
         try:
@@ -310,41 +313,68 @@ class Runner:
         assert after == before, f"{run}: threads differ: new {after - before}, gone {before - after}"
 
 
-def _suite(
-    make_world: Callable[..., World], action: Action, seeds: range, op_timeout_s: float, serial_every: int = 1
-) -> dict[str, int]:
-    runner = Runner(make_world, op_timeout_s)
-    seen: dict[str, int] = {}
-    for i, seed in enumerate(seeds):
-        run = _draw(seed, action)
-        runner.check(run, serial_too=i % serial_every == 0)
-        key = f"{run.fault.op}/{'overlap' if len(run.stages) > 1 else 'serial-gate'}"
-        seen[key] = seen.get(key, 0) + 1
-    return seen
+@pytest.fixture
+def runners() -> dict[float, Runner]:
+    """One runner (and its worlds) per op timeout; the examples of a test share them."""
+    return {}
 
 
-def test_injected_exceptions_surface_with_their_type() -> None:
-    seen = _suite(world, "raise", range(0, 160), op_timeout_s=10.0)
-    # The draw covered every op kind on the overlap path.
-    assert {"a2e/overlap", "ffn/overlap", "e2a/overlap"} <= seen.keys(), seen
+def _runner(runners: dict[float, Runner], op_timeout_s: float) -> Runner:
+    if op_timeout_s not in runners:
+        runners[op_timeout_s] = Runner(world, op_timeout_s)
+    return runners[op_timeout_s]
 
 
-def test_injected_delays_keep_outputs_bitwise_equal() -> None:
-    seen = _suite(world, "delay", range(1000, 1100), op_timeout_s=10.0)
-    assert {"a2e/overlap", "ffn/overlap", "e2a/overlap"} <= seen.keys(), seen
+SHARED = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-def test_stopped_peers_time_out_and_leave_nothing_behind() -> None:
-    seen = _suite(world, "stop", range(2000, 2024), op_timeout_s=0.3, serial_every=4)
-    assert {"a2e/overlap", "e2a/overlap"} <= seen.keys(), seen
+def _run(action: str, **kw: Any) -> FaultRun:
+    """An explicit example: a fault on the overlap path (all three stages)."""
+    base: dict[str, Any] = {
+        "layers": 3,
+        "stages": (0, 1, 2),
+        "directions": (True, True),
+        "mode": "overlap",
+        "tokens": {0: 5, 1: 9, 2: 3},
+    }
+    fault = kw.pop("fault")
+    return FaultRun(fault=fault, **{**base, **kw})
+
+
+@SHARED
+@given(run=fault_runs("raise"))
+@example(run=_run("raise", fault=Fault("raise", "a2e", 1, 1)))
+@example(run=_run("raise", fault=Fault("raise", "ffn", 2, 0, exc_type=InjectedIOError)))
+@example(run=_run("raise", fault=Fault("raise", "e2a", 0, 2), directions=(True, False)))
+@example(run=_run("raise", fault=Fault("raise", "a2e", 2, 1), mode="reorder"))
+@example(run=_run("raise", fault=Fault("raise", "e2a", 1, 0), mode="parity"))
+def test_injected_exceptions_surface_with_their_type(runners: dict[float, Runner], run: FaultRun) -> None:
+    _runner(runners, 10.0).check(run)
+
+
+@SHARED
+@given(run=fault_runs("delay"))
+@example(run=_run("delay", fault=Fault("delay", "a2e", 1, 1, delay_s=0.01)))
+@example(run=_run("delay", fault=Fault("delay", "ffn", 0, 2, delay_s=0.01)))
+@example(run=_run("delay", fault=Fault("delay", "e2a", 2, 0, delay_s=0.01), mode="reorder"))
+def test_injected_delays_keep_outputs_bitwise_equal(runners: dict[float, Runner], run: FaultRun) -> None:
+    _runner(runners, 10.0).check(run)
+
+
+@settings(SHARED, max_examples=max(settings().max_examples // 4, 4))
+@given(run=fault_runs("stop"))
+@example(run=_run("stop", fault=Fault("stop", "a2e", 1, 1)))
+@example(run=_run("stop", fault=Fault("stop", "e2a", 0, 2)))
+@example(run=_run("stop", fault=Fault("stop", "a2e", 1, 0), mode="reorder"))
+def test_stopped_peers_time_out_and_leave_nothing_behind(runners: dict[float, Runner], run: FaultRun) -> None:
+    _runner(runners, 0.3).check(run)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("action", ["raise", "delay", "stop"])
-def test_fault_injection_many_seeds(action: Action) -> None:
-    n = {"raise": 400, "delay": 200, "stop": 40}[action]
-    base = {"raise": 10_000, "delay": 20_000, "stop": 30_000}[action]
-    _suite(world, action, range(base, base + n), op_timeout_s=0.3 if action == "stop" else 10.0, serial_every=3)
+@settings(SHARED, max_examples=settings().max_examples * 4)
+@given(run=st.sampled_from(["raise", "delay", "stop"]).flatmap(fault_runs))
+def test_fault_injection_many_examples(runners: dict[float, Runner], run: FaultRun) -> None:
+    _runner(runners, 0.3 if run.fault.action == "stop" else 10.0).check(run)
 
 
 def test_the_harness_catches_a_hang() -> None:

@@ -84,9 +84,19 @@ class StepMetrics:
             registry=self.registry,
             multiprocess_mode="livemax",
         )
-        self.mode_info.labels(mode=mode, rung=rung).set(1)
+        self._mode: tuple[str, str] | None = None
+        self.set_mode(mode, rung)
         for path in PATHS:
             self.steps.labels(path=path)  # every path exported, 0 until used
+
+    def set_mode(self, mode: str, rung: str) -> None:
+        """The mode gauge: 1 for ``(mode, rung)``, 0 for the one before."""
+        if self._mode == (mode, rung):
+            return
+        if self._mode is not None:
+            self.mode_info.labels(mode=self._mode[0], rung=self._mode[1]).set(0)
+        self.mode_info.labels(mode=mode, rung=rung).set(1)
+        self._mode = (mode, rung)
 
     def sync(self) -> None:
         """Add to each counter what the runtime counted since the last sync."""
@@ -160,9 +170,11 @@ class Reporter:
         mode: str = "overlap",
         rung: str = "overlap",
         addr: str = "0.0.0.0",  # an opt-in endpoint, scraped from other hosts
+        metrics: StepMetrics | None = None,
     ) -> None:
         self._stats = stats
-        self.metrics = StepMetrics(stats, mode=mode, rung=rung)
+        self.metrics = metrics if metrics is not None else StepMetrics(stats, mode=mode, rung=rung)
+        self.metrics.set_mode(mode, rung)
         self.summary_s = summary_s
         self.server: Any = None
         self.port: int | None = None
@@ -226,25 +238,32 @@ class Reporter:
 
 _lock = threading.Lock()
 _reporter: Reporter | None = None
+#: The process's counters, made once: they outlive a reporter (a second set
+#: in one process would count twice into PROMETHEUS_MULTIPROC_DIR).
+_metrics: StepMetrics | None = None
 
 
 def start_reporting(stats: StatsFn, *, port: int | None, summary_s: float, mode: str, rung: str) -> Reporter | None:
-    """The process's reporter, started once (later calls return it). Never
-    raises: a reporter that cannot start is logged and skipped."""
-    global _reporter
+    """The process's reporter, started once (later calls return it until
+    :func:`stop_reporting`). Never raises: a reporter that cannot start is
+    logged and skipped."""
+    global _reporter, _metrics
     with _lock:
         if _reporter is not None:
             return _reporter
         try:
-            _reporter = Reporter(stats, port=port, summary_s=summary_s, mode=mode, rung=rung)
-        except Exception:  # noqa: BLE001 - never break vLLM's start-up
+            if _metrics is None:
+                _metrics = StepMetrics(stats, mode=mode, rung=rung)
+            _reporter = Reporter(stats, port=port, summary_s=summary_s, mode=mode, rung=rung, metrics=_metrics)
+        except Exception:  # noqa: BLE001 - never break a step
             logger.exception("camp2p-overlap: step metrics not started")
             return None
         return _reporter
 
 
 def stop_reporting() -> None:
-    """Stop the process's reporter (tests; a later start makes a new one)."""
+    """Stop the process's reporter thread and endpoint (on unpatch); the
+    counters stay, and a later start serves them again."""
     global _reporter
     with _lock:
         reporter, _reporter = _reporter, None
@@ -253,10 +272,12 @@ def stop_reporting() -> None:
 
 
 def _forget_in_child() -> None:
-    """A forked child has none of the parent's threads: start afresh there."""
-    global _reporter, _lock
+    """A forked child has none of the parent's threads: start afresh there
+    (its counters are its own: prometheus_client keys them by pid)."""
+    global _reporter, _lock, _metrics
     _lock = threading.Lock()
     _reporter = None
+    _metrics = None
 
 
 if hasattr(os, "register_at_fork"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,21 +25,35 @@ class PatchLayer:
     runtime: OverlapRuntime
 
 
-def build_layer(**engine_options: Any) -> PatchLayer:
+def build_layer(*, on_unpatch: Callable[[], None] | None = None, **engine_options: Any) -> PatchLayer:
     """A fresh engine (``engine_options``: ``manifest_loader``,
     ``version_check``) with its own runtime: its wrappers, stream sets and
-    sessions are its own, and ``unpatch()`` closes them."""
+    sessions are its own, and ``unpatch()`` closes them (then calls
+    ``on_unpatch``)."""
     runtime = OverlapRuntime()
+
+    def closed() -> None:
+        runtime.close()
+        if on_unpatch is not None:
+            on_unpatch()
+
     engine = PatchEngine(
         wrapper_factory=functools.partial(make_wrappers, runtime=runtime),
-        on_unpatch=runtime.close,
+        on_unpatch=closed,
         **engine_options,
     )
     return PatchLayer(engine, runtime)
 
 
+def _stop_reporting() -> None:
+    """On unpatch: the reporter's thread and endpoint end (nothing is counted
+    any more); the next step after a new apply starts them again."""
+    metrics.stop_reporting()
+    RUNTIME.counters.on_first_step = _start_reporting
+
+
 #: The process-wide layer behind ``camp2p_overlap.apply()``/``unpatch()``/``status()``.
-PROCESS = build_layer()
+PROCESS = build_layer(on_unpatch=_stop_reporting)
 ENGINE = PROCESS.engine
 RUNTIME = PROCESS.runtime
 

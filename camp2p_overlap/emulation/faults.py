@@ -26,7 +26,6 @@ Used by ``tests/test_faults.py``, ``tests/test_watchdog.py`` and
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -223,29 +222,6 @@ class _FaultyModel:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
-
-
-def random_fault(
-    rng: random.Random,
-    layers: Sequence[int],
-    stages: Sequence[int],
-    *,
-    actions: Sequence[Action] = ACTIONS,
-    ops: Sequence[OpKind] = OP_KINDS,
-    delay_range_s: tuple[float, float] = (0.001, 0.02),
-    exc_types: Sequence[type[BaseException]] = (InjectedFault, InjectedIOError),
-) -> Fault:
-    """A fault at a random (layer, stage) and op, drawn from ``rng``."""
-    action = rng.choice(list(actions))
-    choices = [o for o in ops if not (action == "stop" and o == "ffn")]
-    op = rng.choice(choices)
-    layer = rng.choice(list(layers))
-    stage = rng.choice(list(stages))
-    if action == "delay":
-        return Fault("delay", op, layer, stage, delay_s=rng.uniform(*delay_range_s))
-    if action == "raise":
-        return Fault("raise", op, layer, stage, exc_type=rng.choice(list(exc_types)))
-    return Fault("stop", op, layer, stage)
 
 
 @dataclass
