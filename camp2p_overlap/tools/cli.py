@@ -47,7 +47,8 @@ what is reported:
 --device cpu: the compute stream is the calling thread, side streams are the
 cpu backend's worker threads. --device cuda|npu: bf16 FFN matmuls on the
 device; A2E/E2A are device work of the modeled duration on the side streams
-(no attention peer is modeled there). Exit status: 0, or 1 when outputs
+(a CUDA kernel that waits for the attention peer on the device, then spins the
+link time). Exit status: 0, or 1 when outputs
 differ, an edge is violated or an overlap policy did not engage (2+ stages).
 Absolute CPU times say nothing about an NPU; only the ratios carry over.
 --json schema: docs/benchmark.md.
@@ -90,6 +91,14 @@ _WORLD_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--reps", "reps", int, "repetitions (policies interleaved in each)"),
     ("--seed", "seed", int, "seed of weights and inputs"),
     ("--threads", "threads", int, "torch.set_num_threads for the run (fixed so runs compare)"),
+    (
+        "--comm-cores",
+        "comm_cores",
+        int,
+        "cores each emulated A2E/E2A keeps busy while it waits for its peer and moves data, as CAM's kernels "
+        "spin on aiv_num vector cores: CPU threads busy-waiting (cpu), SMs held by the comm kernel (cuda); "
+        "0: communication takes no compute",
+    ),
 ]
 
 
