@@ -66,7 +66,6 @@ from camp2p_overlap.emulation.world import (
     WorldSpec,
 )
 
-
 __all__ = [
     "CommKernels",
     "DeviceDelay",
@@ -150,7 +149,8 @@ class DeviceDelay:
         self._unit(n // 4)  # warm-up
         self.mod.synchronize()
         prev = self._measure(n)
-        for self.rounds in range(1, self.MAX_ROUNDS + 1):
+        for rounds in range(1, self.MAX_ROUNDS + 1):
+            self.rounds = rounds
             cur = self._measure(n)
             if abs(cur - prev) <= self.SETTLE * prev:
                 self.settled = True

@@ -6,7 +6,7 @@ import argparse
 import shlex
 import sys
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from camp2p_overlap.tools.bench.runner import POLICIES, POLICY_HELP, SCENARIO_HELP, SCENARIOS, BenchParams
@@ -133,6 +133,15 @@ def _ints_or_none(text: str) -> tuple[int, ...]:
     return values
 
 
+def _ints_or_zero(text: str) -> tuple[int, ...]:
+    if text.strip().lower() in ("", "none"):
+        return ()
+    values = _ints(text)
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be 0 or more")
+    return values
+
+
 def _add_world_flags(p: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
     shown = {f.name: getattr(_DEFAULTS, f.name) for f in fields(BenchParams)}
     shown.update(defaults or {})
@@ -183,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     from camp2p_overlap.tools.bench.sweep import (
+        DEFAULT_COMM_CORES,
         DEFAULT_RATIOS,
         DEFAULT_STAGE_COUNTS,
         DEFAULT_STAGE_RATIO,
@@ -195,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
         "sweep",
         help="per-layer time against communication/FFN ratio, the number of stages and the work size",
         description="Run the benchmark over a range of communication/FFN-compute ratios (set through the "
-        "modeled link bandwidth, after measuring f once), over 1, 2 and 3 stages, and over the tokens per "
+        "modeled link bandwidth, after measuring f once), over 1, 2 and 3 stages, over the cores each "
+        "communication op keeps busy (--comm-cores), and over the tokens per "
         "stage (serial, adaptive overlap and fixed overlap side by side, with the preset's link). Base world: the "
         "ffn-bound scenario unless --scenario says otherwise, with "
         + ", ".join(f"--{k} {v}" for k, v in SWEEP_DEFAULTS.items())
@@ -234,6 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_ints_or_none,
         default=DEFAULT_WORK_HIDDEN,
         help=f"MoE hidden sizes of the work-size points (default {','.join(map(str, DEFAULT_WORK_HIDDEN))})",
+    )
+    sweep.add_argument(
+        "--comm-core-points",
+        type=_ints_or_zero,
+        default=None,
+        help="--comm-cores values of the contention points, at the stage ratio; 'none' skips them (default "
+        + "; ".join(f"{dev}: {','.join(map(str, v)) or 'none'}" for dev, v in DEFAULT_COMM_CORES.items())
+        + ")",
     )
     sweep.add_argument("--md", metavar="PATH", help="write the tables as Markdown")
     sweep.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer time against ratio and stages")
@@ -326,6 +345,8 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
         for s in args.stage_counts:
             if not 1 <= s <= 3:
                 raise ValueError(f"--stage-counts: {s} is out of range 1..3")
+        for n in args.comm_core_points or ():
+            replace(params, comm_cores=n).validate()
         if any(r <= 0 for r in args.ratios) or args.stage_ratio <= 0:
             raise ValueError("ratios must be positive")
     except ValueError as exc:
@@ -340,6 +361,7 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
         stage_ratio=args.stage_ratio,
         work_tokens=args.work_tokens,
         work_hidden=args.work_hidden,
+        comm_cores=args.comm_core_points,
         progress=not args.no_progress,
     )
     command = "camp2p-overlap " + " ".join(shlex.quote(a) for a in argv)
@@ -357,7 +379,7 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         sweep_plot(result, args.plot)
         print(f"plot: {args.plot}")
-    points = result["ratio_points"] + result["stage_points"] + result["work_points"]
+    points = result["ratio_points"] + result["stage_points"] + result["comm_core_points"] + result["work_points"]
     failed = [p for pt in points for p in problems(pt["report"])]
     for p in failed:
         print(f"FAILED: {p}")

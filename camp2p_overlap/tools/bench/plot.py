@@ -101,16 +101,22 @@ def bench_plot(timelines: Mapping[str, Sequence[TraceOp]], report: Mapping[str, 
 
 
 def sweep_plot(sweep: Mapping[str, Any], path: str | Path) -> None:
-    """Per-layer time against (a+e)/f and against the number of stages."""
+    """Per-layer time against (a+e)/f, the number of stages and the comm
+    cores; speedup against the work size."""
     work = sweep.get("work_points") or []
-    fig = _figure(16.5 if work else 11, 4.2)
-    axes = fig.subplots(1, 3 if work else 2)
+    contention = sweep.get("comm_core_points") or []
+    panels = 2 + bool(contention) + bool(work)
+    fig = _figure(5.5 * panels, 4.2)
+    axes = fig.subplots(1, panels)
     left, right = axes[0], axes[1]
-    for ax, key, xkey, xlabel in (
+    lines = [
         (left, "ratio_points", "measured_ratio", "measured (a+e)/f (communication / FFN compute)"),
         (right, "stage_points", "stages", "stages (micro-batches) per step"),
-    ):
-        points: Sequence[Mapping[str, Any]] = sweep[key]
+    ]
+    if contention:
+        lines.append((axes[2], "comm_core_points", "comm_cores", "cores each comm op keeps busy (--comm-cores)"))
+    for ax, key, xkey, xlabel in lines:
+        points: Sequence[Mapping[str, Any]] = sweep.get(key) or []
         if not points:
             ax.set_visible(False)
             continue
@@ -131,7 +137,7 @@ def sweep_plot(sweep: Mapping[str, Any], path: str | Path) -> None:
         ax.grid(alpha=0.3)
     right.set_xticks(sorted({pt["stages"] for pt in sweep["stage_points"]}) or [1])
     if work:
-        _work_panel(axes[2], work)
+        _work_panel(axes[-1], work)
     fig.suptitle("camp2p-overlap sweep")
     fig.savefig(str(path), format="png", dpi=110)
 
