@@ -1,0 +1,178 @@
+"""The device bench's attention peer (``emulation/device_comm.py``), run on
+the host through a stand-in device module and the kernel's host reference:
+a stage's next A2E completes only after its previous E2A plus the attention
+time, the wait is reported per (layer, stage), outputs stay bitwise those
+of the serial path, and the peer-cycle check fails on a schedule that breaks
+the cycle (a peer that answers before it is asked) and on an A2E queued
+ahead of the E2A it needs (which times out on the device instead of
+hanging). The CUDA kernel itself runs in ``tests/test_gpu_validation.py``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from _host_device import HostDevice, use_host_device
+from _overlap_util import assert_same
+
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.peer_cycle import check_peer_cycle
+from camp2p_overlap.core.session import OverlapSession
+from camp2p_overlap.core.trace import TraceOp
+from camp2p_overlap.emulation.device_comm import KERNEL_SOURCE, DevicePeerTimeout, HostCommKernels
+from camp2p_overlap.emulation.device_world import build_device_world
+from camp2p_overlap.emulation.engine import emulation_engine, release_site, standin_site
+from camp2p_overlap.emulation.moe import MoEShape
+from camp2p_overlap.emulation.world import LinkModel, WorldSpec
+
+ATTN_S = 3e-3
+LINK = LinkModel(latency_s=100e-6, bandwidth_Bps=50e9)
+LAYERS = (0, 1, 2)
+STAGES = (0, 1)
+
+
+@pytest.fixture
+def site() -> Iterator[Any]:
+    s = standin_site()
+    yield s
+    release_site(s)
+
+
+def _world(site: Any, dev: HostDevice, kernels: HostCommKernels | None = None, **kw: Any) -> Any:
+    spec = WorldSpec(
+        layers=len(LAYERS),
+        stage_ids=STAGES,
+        tokens=8,
+        shape=MoEShape(hidden=32, ffn=64, experts=2, top_k=1),
+        link=LINK,
+        attn_s=kw.pop("attn_s", ATTN_S),
+        op_timeout_s=kw.pop("op_timeout_s", 5.0),
+    )
+    return build_device_world(
+        spec,
+        "cuda",
+        root=site.root,
+        module=dev,  # type: ignore[arg-type]
+        kernels=kernels or HostCommKernels(3),
+        device=torch.device("cpu"),
+    )
+
+
+def _traced(dw: Any, step: int) -> tuple[list[TraceOp], dict]:
+    dw.world.steps_run = step - 1
+    dw.timing.active = True
+    try:
+        start = dw.timing.begin()
+        out = dw.world.run_step()
+        dw.timing.end("step", None, None, start, dw.transport.step)
+    finally:
+        dw.timing.active = False
+    ops = dw.timing.resolve()
+    dw.synchronize()
+    return ops, out
+
+
+@contextlib.contextmanager
+def _overlap(site: Any) -> Iterator[None]:
+    with emulation_engine() as engine:
+        cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False)
+        assert engine.apply(config=cfg, manifest=site.manifest, strict=True).engaged
+        yield
+
+
+def test_the_peer_cycle_holds_serial_and_overlapped(site: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    dev = HostDevice()
+    use_host_device(monkeypatch, dev)
+    dw = _world(site, dev)
+    serial_ops, serial = _traced(dw, 1)
+    waits = dw.transport.peer_wait_ns
+    assert set(waits) == {(L, s) for L in LAYERS for s in STAGES}
+    assert all(w >= 0 for w in waits.values())
+    # Serial: the first stage's A2E of each layer waits out most of the attention time.
+    assert max(waits.values()) >= ATTN_S * 1e9 * 0.5
+    res = check_peer_cycle(serial_ops, LAYERS, STAGES, int(ATTN_S * 1e9))
+    assert res.ok, str(res)
+    with _overlap(site):
+        ops, got = _traced(dw, 1)
+    assert_same(got, serial)
+    assert {o.stream for o in ops if o.kind in ("a2e", "e2a")} == {"K0", "K1"}
+    res = check_peer_cycle(ops, LAYERS, STAGES, int(ATTN_S * 1e9))
+    assert res.ok, str(res)
+    # The device kernels' own clock agrees: each A2E ended after its E2A + attn.
+    rec = {(k, L, s): (t0, t1) for k, L, s, t0, t1 in dw.transport.device_ops()}
+    for s in STAGES:
+        for prev, nxt in zip(LAYERS, LAYERS[1:], strict=False):
+            assert rec[("a2e", nxt, s)][1] >= rec[("e2a", prev, s)][1] + ATTN_S * 1e9
+
+
+class _EagerPeer(HostCommKernels):
+    """A broken peer model: A2E answers without waiting for attention."""
+
+    def op(self, st: torch.Tensor, rec: torch.Tensor, **kw: Any) -> None:
+        kw["attn_ns"] = 0.0
+        super().op(st, rec, **kw)
+
+
+def test_the_cycle_check_fails_when_the_peer_answers_early(site: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    dev = HostDevice()
+    use_host_device(monkeypatch, dev)
+    dw = _world(site, dev, kernels=_EagerPeer(3))
+    with _overlap(site):
+        ops, _ = _traced(dw, 1)
+    res = check_peer_cycle(ops, LAYERS, STAGES, int(ATTN_S * 1e9))
+    assert not res.ok
+    assert any("the peer answered before it was asked" in v for v in res.violations)
+
+
+def test_an_a2e_queued_before_its_e2a_times_out_on_the_device(site: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A schedule that deadlocks on hardware: the lookahead A2E issued on K_s
+    before the E2A it needs. The device kernel gives up after the op timeout
+    and the step's synchronize raises instead of hanging."""
+    dev = HostDevice()
+    use_host_device(monkeypatch, dev)
+    dw = _world(site, dev, op_timeout_s=0.05)
+    orig_send = OverlapSession.send
+
+    def send_a2e_first(self: OverlapSession, call: Any, output: Any, context: Any, stage: Any) -> None:
+        key = self._contexts.get(id(context))
+        if key is not None and self.plan.next_layer(key[0]) is not None:
+            nxt = self.plan.next_layer(key[0])
+            self._issue_a2e(nxt, key[1])  # the lookahead, ahead of its E2A
+            real_issue = self._issue_a2e
+            self._issue_a2e = lambda layer, s: None  # type: ignore[method-assign]
+            try:
+                return orig_send(self, call, output, context, stage)
+            finally:
+                self._issue_a2e = real_issue  # type: ignore[method-assign]
+        return orig_send(self, call, output, context, stage)
+
+    monkeypatch.setattr(OverlapSession, "send", send_a2e_first)
+    with _overlap(site), pytest.raises(DevicePeerTimeout, match="waited more than 0.05 s on the device"):
+        _traced(dw, 1)
+
+
+def test_check_peer_cycle_on_hand_made_traces() -> None:
+    def op(kind: str, layer: int, stage: int, t0: int, t1: int) -> TraceOp:
+        return TraceOp(kind, layer, stage, f"K{stage}", t0, t1, 1)
+
+    good = [op("a2e", 0, 0, 0, 10), op("e2a", 0, 0, 20, 30), op("a2e", 1, 0, 31, 130), op("e2a", 1, 0, 140, 150)]
+    assert check_peer_cycle(good, (0, 1), (0,), 100, tolerance_ns=0).ok
+    early = [*good[:2], op("a2e", 1, 0, 31, 90), good[3]]
+    res = check_peer_cycle(early, (0, 1), (0,), 100, tolerance_ns=0)
+    assert [v for v in res.violations if "before e2a(L0) plus the attention time" in v]
+    before = [*good[:2], op("a2e", 1, 0, 5, 200), good[3]]
+    res = check_peer_cycle(before, (0, 1), (0,), 100, tolerance_ns=0)
+    assert any("started before e2a(L0) did" in v for v in res.violations)
+    res = check_peer_cycle(good[:2], (0, 1), (0,), 100)
+    assert any("missing a2e" in v for v in res.violations)
+
+
+def test_the_cuda_kernel_spins_on_wall_time_and_holds_shared_memory() -> None:
+    """What can be checked of the CUDA source without a GPU: it spins on the
+    device wall clock, never on _sleep cycles, and its only exits are the
+    peer's data, the op timeout and the link time."""
+    assert "%%globaltimer" in KERNEL_SOURCE and "_sleep" not in KERNEL_SOURCE
+    assert "timeout_ns" in KERNEL_SOURCE and "atomicAdd" in KERNEL_SOURCE
