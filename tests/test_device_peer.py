@@ -10,6 +10,7 @@ hanging). The CUDA kernel itself runs in ``tests/test_gpu_validation.py``."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -104,7 +105,7 @@ def test_the_peer_cycle_holds_serial_and_overlapped(site: Any, monkeypatch: pyte
     # The device kernels' own clock agrees: each A2E ended after its E2A + attn.
     rec = {(k, L, s): (t0, t1) for k, L, s, t0, t1 in dw.transport.device_ops()}
     for s in STAGES:
-        for prev, nxt in zip(LAYERS, LAYERS[1:], strict=False):
+        for prev, nxt in itertools.pairwise(LAYERS):
             assert rec[("a2e", nxt, s)][1] >= rec[("e2a", prev, s)][1] + ATTN_S * 1e9
 
 
@@ -150,7 +151,7 @@ def test_an_a2e_queued_before_its_e2a_times_out_on_the_device(site: Any, monkeyp
         return orig_send(self, call, output, context, stage)
 
     monkeypatch.setattr(OverlapSession, "send", send_a2e_first)
-    with _overlap(site), pytest.raises(DevicePeerTimeout, match="waited more than 0.05 s on the device"):
+    with _overlap(site), pytest.raises(DevicePeerTimeout, match=r"waited more than 0\.05 s on the device"):
         _traced(dw, 1)
 
 
