@@ -31,6 +31,7 @@ device world through a host stand-in of a device module.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from typing import Any
 
@@ -50,10 +51,15 @@ __device__ __forceinline__ unsigned long long camp2p_now() {
 
 extern "C" __global__ void camp2p_comm(long long* st, long long* rec, int mode, int stage, int want_seq,
                                        int set_seq, double attn_ns, double link_ns, double timeout_ns,
-                                       int nstages) {
+                                       int nstages, int record_sm) {
     // Dynamic shared memory (the launch's size) is held by the block until
     // it exits; it is never touched.
     if (threadIdx.x != 0) return;
+    if (record_sm) {  // tests: which SM each block runs on
+        unsigned int sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        rec[3 + blockIdx.x] = (long long)sm;
+    }
     volatile long long* v = st;
     unsigned long long t0 = camp2p_now();
     if (mode == 0) {  // step begins: every stage's peer starts its attention now
@@ -99,6 +105,10 @@ extern "C" __global__ void camp2p_comm(long long* st, long long* rec, int mode, 
     }
 }
 """
+
+
+#: Compiled kernels per (device index, shared memory): one NVRTC compile per process.
+_COMPILED: dict[tuple[int, int], Any] = {}
 
 
 class DevicePeerTimeout(TimeoutError):
@@ -154,19 +164,56 @@ class NvrtcCommKernels(CommKernels):
         self.blocks = max(1, comm_cores)
         # A block asking for all the shared memory one block may have cannot
         # share its SM with another block that needs shared memory.
-        optin = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        optin = int(getattr(props, "shared_memory_per_block_optin", 0) or 0) or _driver_attribute(index, 97)
+        per_sm = int(getattr(props, "shared_memory_per_multiprocessor", 0) or 0) or _driver_attribute(index, 81)
+        if comm_cores > 0 and not (optin and per_sm and 2 * optin > per_sm):
+            raise ValueError(
+                f"--comm-cores {comm_cores}: cannot hold whole SMs on this GPU (shared memory per block opt-in "
+                f"{optin} B, per SM {per_sm} B: one block must take more than half of an SM)"
+            )
         self.shared = optin if comm_cores > 0 else 0
         self.threads = 32
         self._launch = self._build()
+        self.selftest()
+
+    def selftest(self) -> None:
+        """Run the peer cycle once on stage 0 and read it back: an E2A, then
+        an A2E that must end no earlier than the E2A's end plus attention
+        plus link. Raises RuntimeError if the kernel does not behave (the
+        caller then falls back and reports why)."""
+        st = torch.zeros(SLOTS_PER_STAGE * self.stages + 1, dtype=torch.int64, device="cuda")
+        rec = torch.zeros((2, 3), dtype=torch.int64, device="cuda")
+        attn, link = 50_000.0, 20_000.0
+        self.begin(st, rec[0])
+        self.op(st, rec[0], stage=0, want_seq=-1, set_seq=1, attn_ns=0.0, link_ns=link, timeout_ns=1e9)
+        self.op(st, rec[1], stage=0, want_seq=1, set_seq=-1, attn_ns=attn, link_ns=link, timeout_ns=1e9)
+        torch.cuda.synchronize()
+        got_st, got_rec = st.tolist(), rec.tolist()
+        e_end, a_end = got_rec[0][2], got_rec[1][2]
+        problems = []
+        if got_st[0] != 1 or got_st[1] != e_end:
+            problems.append(f"E2A did not publish its sequence/time: state {got_st}, e2a {got_rec[0]}")
+        if got_st[-1] != 0:
+            problems.append("the A2E timed out")
+        if a_end < e_end + attn + link:
+            problems.append(f"A2E ended {a_end - e_end} ns after its E2A, less than attention + link")
+        if got_rec[0][2] - got_rec[0][1] < link:
+            problems.append("the E2A spun less than its link time")
+        if problems:
+            raise RuntimeError("comm kernel self-test failed: " + "; ".join(problems))
 
     def _build(self) -> Any:
         errors = []
         compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
         if compile_kernel is not None:
             try:
-                kernel = compile_kernel(KERNEL_SOURCE, KERNEL_NAME)
+                key = (torch.cuda.current_device(), self.shared)
+                kernel = _COMPILED.get(key)
+                if kernel is None:
+                    kernel = _COMPILED[key] = compile_kernel(KERNEL_SOURCE, KERNEL_NAME)
                 if self.shared >= 48 * 1024:
-                    kernel.set_shared_memory_config(self.shared)
+                    _allow_shared(kernel, self.shared)
                 self.kind = "nvrtc (torch.cuda._compile_kernel)"
 
                 def launch(args: list[Any]) -> None:
@@ -201,7 +248,7 @@ class NvrtcCommKernels(CommKernels):
         raise RuntimeError("cannot build the emulated comm kernel: " + "; ".join(errors))
 
     def begin(self, st: torch.Tensor, rec: torch.Tensor) -> None:
-        self._launch([st, rec, 0, 0, -1, -1, 0.0, 0.0, 0.0, self.stages])
+        self._launch([st, rec, 0, 0, -1, -1, 0.0, 0.0, 0.0, self.stages, 0])
 
     def op(
         self,
@@ -214,10 +261,46 @@ class NvrtcCommKernels(CommKernels):
         attn_ns: float,
         link_ns: float,
         timeout_ns: float,
+        record_sm: bool = False,
     ) -> None:
-        self._launch(
-            [st, rec, 1, stage, want_seq, set_seq, float(attn_ns), float(link_ns), float(timeout_ns), self.stages]
-        )
+        """One A2E (``want_seq >= 0``) or E2A (``set_seq >= 0``) on the
+        current stream. ``record_sm`` (tests): ``rec`` has ``3 + blocks``
+        slots and each block writes the SM it ran on after the first three."""
+        args = [st, rec, 1, stage, want_seq, set_seq, float(attn_ns), float(link_ns), float(timeout_ns)]
+        self._launch([*args, self.stages, int(record_sm)])
+
+
+def _driver_attribute(device_index: int, attribute: int) -> int:
+    """``cuDeviceGetAttribute`` through the driver library (0 if unavailable):
+    97 is the shared memory a block may opt in to, 81 the shared memory per SM
+    (some torch builds do not expose the first in device properties)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        dev, value = ctypes.c_int(), ctypes.c_int()
+        if lib.cuDeviceGet(ctypes.byref(dev), device_index) != 0:
+            return 0
+        if lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, dev) != 0:
+            return 0
+        return int(value.value)
+    except (OSError, AttributeError):
+        return 0
+
+
+def _allow_shared(kernel: Any, nbytes: int) -> None:
+    """Let ``kernel`` launch with ``nbytes`` of dynamic shared memory (above
+    the 48 KiB default): torch's own setter where it knows the device's
+    limit, else the driver call it makes, done here."""
+    try:
+        kernel.set_shared_memory_config(nbytes)
+        return
+    except (AttributeError, RuntimeError):
+        pass
+    lib = ctypes.CDLL("libcuda.so.1")
+    max_dynamic_shared_size = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    rc = lib.cuFuncSetAttribute(kernel.func, max_dynamic_shared_size, nbytes)
+    if rc != 0:
+        raise RuntimeError(f"cuFuncSetAttribute(max dynamic shared memory = {nbytes}) failed with {rc}")
+    kernel._max_shared_mem_bytes = nbytes
 
 
 class HostCommKernels(CommKernels):
