@@ -47,7 +47,7 @@ class OverheadParams:
     #: Timed steps per block (each shape and path, per round).
     steps: int = 100
     warmup: int = 10
-    rounds: int = 5
+    rounds: int = 10
     #: Busy wait added to every no-op receive (a cost outside our code).
     delay_us: float = 0.0
 
