@@ -21,7 +21,7 @@ DELAY_US = 400.0
 
 
 def _small(**changes: Any) -> OverheadParams:
-    return OverheadParams(layers=(4,), stages=(2,), steps=12, warmup=2, rounds=2, **changes)
+    return OverheadParams(layers=(4,), stages=(2,), steps=20, warmup=2, rounds=3, **changes)
 
 
 def test_a_delay_outside_our_code_is_subtracted() -> None:
@@ -29,8 +29,10 @@ def test_a_delay_outside_our_code_is_subtracted() -> None:
     (shape,) = result["shapes"]
     # The unpatched loop pays the delay in every receive ...
     assert shape["unpatched_us_per_layer_stage"] >= DELAY_US
-    # ... and so does every patched step: it is not counted as ours.
-    assert result["engaged_us_per_layer_stage"]["median"] < DELAY_US / 2
+    # ... and so does every patched step: it is not counted as ours (were it
+    # counted, the figures would exceed DELAY_US per (layer, stage), and
+    # DELAY_US * 8 / 17 per wrapped call; the margins absorb a busy machine).
+    assert result["engaged_us_per_layer_stage"]["median"] < DELAY_US * 0.75
     assert result["passthrough_us_per_call"]["median"] < DELAY_US / 4
 
 
