@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -172,3 +174,37 @@ def test_manifests_load_from_a_checkout_that_is_not_installed() -> None:
     res = run_python(textwrap.dedent(code), timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split()[0] == "vllm-0.19.1"
+
+
+def _script_cli_parts() -> dict[str, list[str]]:
+    """The camp2p-overlap command lines of the script's parts, as written
+    there (continuation lines joined, ``$OUT/x`` kept as ``x``)."""
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    parts = {}
+    for line in text.splitlines():
+        m = re.search(r'"\$\{CLI\[@\]\}" (bench|sweep|overhead) (.*)$', line)
+        if m:
+            args = shlex.split(m.group(2))
+            args = [re.sub(r"^\$\{(\w+):-([^}]*)\}$", r"\2", a).replace("$OUT/", "") for a in args]
+            parts[m.group(1)] = [m.group(1), *args]
+    return parts
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device is here: the script runs for real")
+def test_the_scripts_command_lines_pass_validation_and_stop_only_for_the_device(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every tool the script runs on cuda takes its flags here: without a GPU
+    it stops at the device check (exit 2, "needs a CUDA GPU"), never at a
+    parameter; overhead needs no device and is covered by its own tests."""
+    from camp2p_overlap.tools import cli
+
+    parts = _script_cli_parts()
+    assert set(parts) == {"bench", "sweep", "overhead"}, parts
+    for name in ("bench", "sweep"):
+        argv = parts[name]
+        assert argv[argv.index("--device") + 1] == "cuda"
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "--device cuda needs a CUDA GPU" in err, (argv, err)
+    assert parts["overhead"][1:] == ["--json", "overhead.json"]

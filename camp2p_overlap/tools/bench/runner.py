@@ -56,8 +56,9 @@ from camp2p_overlap.emulation.world import LinkModel, WorldSpec, build_world
 SCHEMA = "camp2p-overlap/bench/v1"
 #: Slack of the peer-cycle check (clock and timing-event granularity), ns.
 PEER_TOLERANCE_NS = 5_000
-#: The most cores (CPU threads, CUDA SMs) one emulated comm op may hold.
-MAX_COMM_CORES = 64
+#: The most cores one emulated comm op may hold: CPU threads, device SMs
+#: (the device kernel also checks the GPU's own SM count).
+MAX_COMM_CORES = {"cpu": 64, "cuda": 1024, "npu": 1024}
 #: eta is reported only when T_serial - T_floor is at least this share of T_serial.
 ETA_MIN_HIDEABLE = 0.05
 
@@ -141,8 +142,9 @@ class BenchParams:
             problems.append(f"--top-k {self.top_k} is larger than --experts {self.experts}")
         if self.warmup < 0:
             problems.append("--warmup must not be negative")
-        if not 0 <= self.comm_cores <= MAX_COMM_CORES:
-            problems.append(f"--comm-cores {self.comm_cores} is out of range 0..{MAX_COMM_CORES}")
+        most = MAX_COMM_CORES.get(self.device, 0)
+        if not 0 <= self.comm_cores <= most:
+            problems.append(f"--comm-cores {self.comm_cores} is out of range 0..{most} on {self.device}")
         if not (self.link_gbps > 0 and math.isfinite(self.link_gbps)):
             problems.append("--link-gbps must be a positive number")
         if not (self.link_latency_us >= 0 and math.isfinite(self.link_latency_us)):
