@@ -174,8 +174,8 @@ class NvrtcCommKernels(CommKernels):
             )
         self.shared = optin if comm_cores > 0 else 0
         self.threads = 32
-        self._launch = self._build()
-        self.selftest()
+        self._launch: Any = None
+        self._build()
 
     def selftest(self) -> None:
         """Run the peer cycle once on stage 0 and read it back: an E2A, then
@@ -203,49 +203,61 @@ class NvrtcCommKernels(CommKernels):
         if problems:
             raise RuntimeError("comm kernel self-test failed: " + "; ".join(problems))
 
-    def _build(self) -> Any:
+    def _build(self) -> None:
+        """Take the first way of launching the kernel that builds and passes
+        :meth:`selftest`: torch's NVRTC wrapper, then CuPy's."""
         errors = []
-        compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
-        if compile_kernel is not None:
+        for kind, make in (
+            ("nvrtc (torch.cuda._compile_kernel)", self._torch_launcher),
+            ("nvrtc (cupy.RawKernel)", self._cupy_launcher),
+        ):
             try:
-                key = (torch.cuda.current_device(), self.shared)
-                kernel = _COMPILED.get(key)
-                if kernel is None:
-                    kernel = _COMPILED[key] = compile_kernel(KERNEL_SOURCE, KERNEL_NAME)
-                if self.shared >= 48 * 1024:
-                    _allow_shared(kernel, self.shared)
-                self.kind = "nvrtc (torch.cuda._compile_kernel)"
-
-                def launch(args: list[Any]) -> None:
-                    kernel(grid=(self.blocks, 1, 1), block=(self.threads, 1, 1), args=args, shared_mem=self.shared)
-
-                return launch
+                self._launch = make()
+                self.selftest()
             except Exception as exc:  # noqa: BLE001 - try the next way, report all
-                errors.append(f"torch.cuda._compile_kernel: {type(exc).__name__}: {exc}")
-        try:
-            import cupy  # type: ignore[import-not-found]
-
-            kernel = cupy.RawKernel(KERNEL_SOURCE, KERNEL_NAME)
-            if self.shared >= 48 * 1024:
-                kernel.max_dynamic_shared_size_bytes = self.shared
-            self.kind = "nvrtc (cupy.RawKernel)"
-            import numpy as np
-
-            def launch(args: list[Any]) -> None:
-                stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-                conv = [
-                    np.uint64(a.data_ptr())
-                    if isinstance(a, torch.Tensor)
-                    else (np.int32(a) if isinstance(a, int) else np.float64(a))
-                    for a in args
-                ]
-                with stream:
-                    kernel((self.blocks,), (self.threads,), tuple(conv), shared_mem=self.shared)
-
-            return launch
-        except Exception as exc:  # noqa: BLE001
-            errors.append(f"cupy: {type(exc).__name__}: {exc}")
+                errors.append(f"{kind}: {type(exc).__name__}: {exc}")
+                continue
+            self.kind = kind
+            return
         raise RuntimeError("cannot build the emulated comm kernel: " + "; ".join(errors))
+
+    def _torch_launcher(self) -> Any:
+        compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
+        if compile_kernel is None:
+            raise RuntimeError(f"torch {torch.__version__} has no torch.cuda._compile_kernel")
+        key = (torch.cuda.current_device(), self.shared)
+        kernel = _COMPILED.get(key)
+        if kernel is None:
+            kernel = compile_kernel(KERNEL_SOURCE, KERNEL_NAME)
+            if self.shared >= 48 * 1024:
+                _allow_shared(kernel, self.shared)
+            _COMPILED[key] = kernel
+
+        def launch(args: list[Any]) -> None:
+            kernel(grid=(self.blocks, 1, 1), block=(self.threads, 1, 1), args=args, shared_mem=self.shared)
+
+        return launch
+
+    def _cupy_launcher(self) -> Any:
+        import cupy  # type: ignore[import-not-found]
+        import numpy as np
+
+        kernel = cupy.RawKernel(KERNEL_SOURCE, KERNEL_NAME)
+        if self.shared >= 48 * 1024:
+            kernel.max_dynamic_shared_size_bytes = self.shared
+
+        def launch(args: list[Any]) -> None:
+            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+            conv = [
+                np.uint64(a.data_ptr())
+                if isinstance(a, torch.Tensor)
+                else (np.int32(a) if isinstance(a, int) else np.float64(a))
+                for a in args
+            ]
+            with stream:
+                kernel((self.blocks,), (self.threads,), tuple(conv), shared_mem=self.shared)
+
+        return launch
 
     def begin(self, st: torch.Tensor, rec: torch.Tensor) -> None:
         self._launch([st, rec, 0, 0, -1, -1, 0.0, 0.0, 0.0, self.stages, 0])

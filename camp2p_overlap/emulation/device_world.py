@@ -473,8 +473,8 @@ def comm_kernels(
     if kind == "cuda":
         try:
             return NvrtcCommKernels(stages, comm_cores, device), None
-        except ValueError:
-            raise
+        except ValueError as exc:  # --comm-cores this GPU cannot give
+            raise DeviceUnavailable(str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - reported, then the fallback
             why = str(exc)
     else:

@@ -348,7 +348,12 @@ def _bench(args: argparse.Namespace) -> int:
     why = _preflight(params.device, args.plot)
     if why:
         return _fail(why)
-    run = run_bench(params, progress=not args.no_progress)
+    from camp2p_overlap.emulation.device_world import DeviceUnavailable
+
+    try:
+        run = run_bench(params, progress=not args.no_progress)
+    except DeviceUnavailable as exc:
+        return _fail(str(exc))
     print(bench_table(run.report))
     write_outputs(run, json_path=args.json, trace_path=args.trace)
     if args.plot:
@@ -364,7 +369,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from camp2p_overlap.tools.bench.report import problems, write_json
     from camp2p_overlap.tools.bench.runner import resolve_params
-    from camp2p_overlap.tools.bench.sweep import SWEEP_DEFAULTS, run_sweep, sweep_markdown
+    from camp2p_overlap.tools.bench.sweep import SWEEP_DEFAULTS, sweep_markdown
 
     scenario = args.scenario or "ffn-bound"
     try:
@@ -381,16 +386,12 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
     why = _preflight(params.device, args.plot)
     if why:
         return _fail(why)
-    result = run_sweep(
-        params,
-        ratios=args.ratios,
-        stage_counts=args.stage_counts,
-        stage_ratio=args.stage_ratio,
-        work_tokens=args.work_tokens,
-        work_hidden=args.work_hidden,
-        comm_cores=args.comm_core_points,
-        progress=not args.no_progress,
-    )
+    from camp2p_overlap.emulation.device_world import DeviceUnavailable
+
+    try:
+        result = _run_sweep(args, params)
+    except DeviceUnavailable as exc:
+        return _fail(str(exc))
     command = "camp2p-overlap " + " ".join(shlex.quote(a) for a in argv)
     text = sweep_markdown(result, command)
     print(text)
@@ -434,6 +435,21 @@ def _overhead(args: argparse.Namespace) -> int:
         write_json(args.json, result)
         print(f"JSON: {args.json}")
     return 0
+
+
+def _run_sweep(args: argparse.Namespace, params: Any) -> dict[str, Any]:
+    from camp2p_overlap.tools.bench.sweep import run_sweep
+
+    return run_sweep(
+        params,
+        ratios=args.ratios,
+        stage_counts=args.stage_counts,
+        stage_ratio=args.stage_ratio,
+        work_tokens=args.work_tokens,
+        work_hidden=args.work_hidden,
+        comm_cores=args.comm_core_points,
+        progress=not args.no_progress,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
