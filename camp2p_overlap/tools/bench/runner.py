@@ -245,6 +245,9 @@ class _Handle:
     #: How the emulated comm ops take time (sleep, busy cores, the device kernel).
     comm_model: str = ""
     close: Callable[[], None] = lambda: None
+    #: After a step and its sync, outside the timed span: raise if the device
+    #: peer model reports an A2E that gave up waiting.
+    check: Callable[[], None] = lambda: None
 
 
 def _cpu_handle(params: BenchParams, root: str) -> _Handle:
@@ -284,7 +287,7 @@ def _device_handle(params: BenchParams, root: str) -> _Handle:
 
     cores = dw.kernels.comm_cores
     model = f"{dw.kernels.kind}" + (f", {cores} SM(s) held per op" if cores else ", 1 block, no shared memory")
-    return _Handle(world, params.device, dw.synchronize, traced, peer, False, model)
+    return _Handle(world, params.device, dw.mod.synchronize, traced, peer, False, model, check=dw.transport.check)
 
 
 # ---------------------------------------------------------------------------
@@ -421,6 +424,7 @@ def _run_policies(
                         world.steps_run = sid
                         world.run_step()
                         handle.sync()
+                        handle.check()
                         bar.tick(policy)
                     for sid in timed_ids:
                         world.steps_run = sid
@@ -428,6 +432,7 @@ def _run_policies(
                         out = world.run_step()
                         handle.sync()
                         st.per_layer_s.append((time.perf_counter() - t0) / len(layers))
+                        handle.check()
                         _check_output(st, reference, sid, out, rep)
                         bar.tick(policy)
                     if cfg is None:
