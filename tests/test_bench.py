@@ -516,3 +516,16 @@ def test_bench_on_cuda(tmp_path: Path) -> None:
     by = {p["policy"]: p for p in r["policies"]}
     assert by["overlap-fixed"]["engaged"] is True
     assert r["outputs_equal"] is True
+
+
+@pytest.mark.gpu
+def test_bench_on_cuda_with_contention_models_the_peer(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out = tmp_path / "b.json"
+    assert cli.main(["bench", "--device", "cuda", *TINY, "--comm-cores", "4", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["attn_modeled"] is True and r["comm_model"].startswith("nvrtc"), r["comm_model"]
+    assert "4 SM(s) held per op" in r["comm_model"]
+    assert r["outputs_equal"] is True
+    assert all(p["peer_cycle_ok"] is True for p in r["policies"])

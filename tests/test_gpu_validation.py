@@ -94,6 +94,7 @@ def overlap_on(site: Any, **overrides: Any) -> Iterator[Any]:
     is used so the check does not depend on which vLLM the GPU box has."""
     from camp2p_overlap.emulation.engine import emulation_engine
 
+    overrides.setdefault("adaptive", False)  # every step overlapped: the checks need the overlap to run
     with emulation_engine() as engine:
         cfg = OverlapConfig(enabled=True, backend="cuda", **overrides)
         report = engine.apply(config=cfg, manifest=site.manifest, strict=True)
@@ -226,8 +227,8 @@ _CHILD = textwrap.dedent(
 
     graph = mode == "graph-ab"
     with emulation_engine() as engine:
-        report = engine.apply(config=OverlapConfig(enabled=True, backend="cuda", graph=graph), manifest=site.manifest,
-                              strict=True)
+        report = engine.apply(config=OverlapConfig(enabled=True, backend="cuda", graph=graph, adaptive=False),
+                              manifest=site.manifest, strict=True)
         assert report.engaged, str(report)
         dw.world.steps_run = 0
         if mode == "graph-ab":
@@ -457,13 +458,15 @@ def test_cuda_tensor_ownership_without_record_stream(
     site: Any, monkeypatch: pytest.MonkeyPatch, drop_refs: bool
 ) -> None:
     """FFN outputs are allocated on C and read by E2A on K_s. Each E2A is held
-    back on K_s (a long device wait before it reads), so that if the session
-    let go of an FFN output before C waited for that E2A, the caching
-    allocator would hand its block to the next FFN on C, which overwrites it
-    first (``zeros_like`` of the same size). With the session's ownership the
-    outputs stay bitwise; the control drops the references and must differ."""
+    back on K_s (a long device wait before it reads), and before every FFN
+    the free blocks of the outputs' size on C are taken from the caching
+    allocator, filled with NaN and given back: if the session let go of an
+    FFN output before C waited for that E2A, its block would be among them
+    (and the next FFN's own buffers) before the E2A read it. With the
+    session's ownership the outputs stay bitwise; the control drops the
+    references and must differ, so the check can fail."""
     from camp2p_overlap.core.session import OverlapSession
-    from camp2p_overlap.emulation.device_world import DeviceTransport, build_device_world
+    from camp2p_overlap.emulation.device_world import DeviceTransport, TimedModel, build_device_world
     from camp2p_overlap.emulation.world import LinkModel
 
     spec = _spec(layers=3, stage_ids=STAGES, attn_s=0.0, link=LinkModel(latency_s=5e-6, bandwidth_Bps=1e12))
@@ -484,6 +487,16 @@ def test_cuda_tensor_ownership_without_record_stream(
         return orig_e2a(self, **kw)
 
     monkeypatch.setattr(DeviceTransport, "e2a", late_e2a)
+    orig_ffn = TimedModel.compute_ffn_output
+
+    def ffn_after_poisoning_free_blocks(self: Any, *, hidden_states: torch.Tensor, layer_idx: int) -> Any:
+        # Through the caching allocator: take every free block of the FFN
+        # outputs' size on C, fill it with NaN, give it back.
+        junk = [torch.full_like(hidden_states, float("nan")) for _ in range(8)]
+        del junk
+        return orig_ffn(self, hidden_states=hidden_states, layer_idx=layer_idx)
+
+    monkeypatch.setattr(TimedModel, "compute_ffn_output", ffn_after_poisoning_free_blocks)
     if drop_refs:
         orig_send = OverlapSession.send
 
