@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -210,3 +211,107 @@ def test_the_device_bench_runs_the_peer_model_end_to_end(monkeypatch: pytest.Mon
         assert p["edges_checked"] is False
     # a excludes the peer wait read back from the device: well under the attention time.
     assert all(s["a_us"] < 1000.0 for s in report["measured"]["stages"]), report["measured"]
+
+
+class _FakeCompiledKernel:
+    """Stands in for what ``torch.cuda._compile_kernel`` returns, to check on
+    the host what the launcher hands the kernel: the arguments in the order
+    and types of the CUDA signature (``st, rec, mode, stage, want_seq,
+    set_seq, attn_ns, link_ns, timeout_ns, nstages, record_sm``), the grid
+    and the shared memory. It carries out that signature's meaning on the
+    host at launch (a reading of the CUDA source, independent of
+    :class:`HostCommKernels`); ``swap`` swaps two arguments to show that the
+    self-test catches a kernel fed the wrong ones. This checks the host side
+    only: the CUDA kernel itself runs in the gpu tests."""
+
+    def __init__(self, swap: bool = False) -> None:
+        self.swap = swap
+        self.launches: list[tuple[tuple[int, int, int], int, list[Any]]] = []
+        self.shared_config = 0
+
+    def set_shared_memory_config(self, nbytes: int) -> None:
+        self.shared_config = nbytes
+
+    def __call__(self, grid: Any, block: Any, args: list[Any], shared_mem: int = 0, stream: Any = None) -> None:
+        import time as _time
+
+        self.launches.append((grid, shared_mem, list(args)))
+        st, rec, mode, stage, want, setq, attn, link, timeout, nst, record_sm = args
+        assert isinstance(st, torch.Tensor) and isinstance(rec, torch.Tensor)
+        assert all(type(x) is int for x in (mode, stage, want, setq, nst, record_sm)), args
+        assert all(type(x) is float for x in (attn, link, timeout)), args
+        if self.swap:
+            want, setq = setq, want
+        t0 = _time.perf_counter_ns()
+        if mode == 0:
+            for s in range(nst):
+                st[2 * s + 1], st[2 * s] = t0, 0
+            st[2 * nst] = 0
+            return
+        ready = t0
+        if want >= 0:
+            ok = False
+            while _time.perf_counter_ns() - t0 < timeout:
+                if int(st[2 * stage]) >= want and _time.perf_counter_ns() >= int(st[2 * stage + 1]) + attn:
+                    ok = True
+                    break
+            ready = _time.perf_counter_ns()
+            if not ok:
+                st[2 * nst] += 1
+        while _time.perf_counter_ns() - ready < link:
+            pass
+        end = _time.perf_counter_ns()
+        rec[0], rec[1], rec[2] = t0, ready, end
+        if setq >= 0:
+            st[2 * stage + 1], st[2 * stage] = end, setq
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, kernel: _FakeCompiledKernel) -> None:
+    from types import SimpleNamespace
+
+    from camp2p_overlap.emulation import device_comm
+
+    props = SimpleNamespace(
+        multi_processor_count=132, shared_memory_per_block_optin=232448, shared_memory_per_multiprocessor=233472
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", lambda source, name, **kw: kernel, raising=False)
+    monkeypatch.setattr(device_comm, "_COMPILED", {})
+
+
+def test_the_nvrtc_launcher_packs_the_kernel_signature(site: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from camp2p_overlap.emulation.device_comm import NvrtcCommKernels
+
+    kernel = _FakeCompiledKernel()
+    _fake_cuda(monkeypatch, kernel)
+    k = NvrtcCommKernels(3, 4, torch.device("cpu"))  # its self-test runs through the launcher
+    assert k.kind == "nvrtc (torch.cuda._compile_kernel)"
+    assert kernel.shared_config == 232448
+    assert {(grid, shared) for grid, shared, _ in kernel.launches} == {((4, 1, 1), 232448)}
+    # The world through this launcher, on the host stand-in device: the cycle holds.
+    dev = HostDevice()
+    use_host_device(monkeypatch, dev)
+    dw = _world(site, dev, kernels=k)
+    with _overlap(site):
+        ops, _ = _traced(dw, 1)
+    assert check_peer_cycle(ops, LAYERS, STAGES, int(ATTN_S * 1e9)).ok
+    assert NvrtcCommKernels(3, 0, torch.device("cpu")).shared == 0  # no contention: no shared memory asked
+
+
+def test_the_self_test_rejects_a_kernel_fed_the_wrong_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    from camp2p_overlap.emulation.device_comm import NvrtcCommKernels
+
+    _fake_cuda(monkeypatch, _FakeCompiledKernel(swap=True))
+    monkeypatch.setitem(sys.modules, "cupy", None)  # no second way either
+    with pytest.raises(RuntimeError, match="comm kernel self-test failed"):
+        NvrtcCommKernels(3, 0, torch.device("cpu"))
+
+
+def test_comm_cores_a_gpu_cannot_give_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from camp2p_overlap.emulation.device_comm import NvrtcCommKernels
+
+    _fake_cuda(monkeypatch, _FakeCompiledKernel())
+    with pytest.raises(ValueError, match="the GPU has 132 SMs"):
+        NvrtcCommKernels(3, 132, torch.device("cpu"))

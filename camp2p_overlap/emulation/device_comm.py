@@ -156,6 +156,7 @@ class NvrtcCommKernels(CommKernels):
 
     def __init__(self, stages: int, comm_cores: int, device: torch.device) -> None:
         super().__init__(stages, comm_cores)
+        self.device = device
         props = torch.cuda.get_device_properties(device)
         sms = int(props.multi_processor_count)
         if comm_cores >= sms:
@@ -182,8 +183,8 @@ class NvrtcCommKernels(CommKernels):
         an A2E that must end no earlier than the E2A's end plus attention
         plus link. Raises RuntimeError if the kernel does not behave (the
         caller then falls back and reports why)."""
-        st = torch.zeros(SLOTS_PER_STAGE * self.stages + 1, dtype=torch.int64, device="cuda")
-        rec = torch.zeros((2, 3), dtype=torch.int64, device="cuda")
+        st = torch.zeros(SLOTS_PER_STAGE * self.stages + 1, dtype=torch.int64, device=self.device)
+        rec = torch.zeros((2, 3), dtype=torch.int64, device=self.device)
         attn, link = 50_000.0, 20_000.0
         self.begin(st, rec[0])
         self.op(st, rec[0], stage=0, want_seq=-1, set_seq=1, attn_ns=0.0, link_ns=link, timeout_ns=1e9)
