@@ -234,3 +234,43 @@ def test_the_gpu_test_files_collect_without_what_the_gpu_box_lacks() -> None:
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "error" not in res.stdout.lower().split("collected")[-1], res.stdout[-3000:]
     assert "test_cuda_tensor_ownership_without_record_stream" in res.stdout
+
+
+def test_the_parts_run_within_the_budget_and_the_summary_reads_them(tmp_path: Path) -> None:
+    """The script past its device check, on this CPU machine: a start-up hook
+    of the throwaway environment makes ``torch.cuda.is_available()`` answer
+    True, so every part runs and the cuda ones fail fast (there is no CUDA).
+    What is checked is the plumbing: each part ran under its limit, the
+    summary read the JUnit counts of the gpu test files, the exit codes and
+    the overhead figures (that command needs no device and passes)."""
+    py = _venv(tmp_path / "venv", see_this_env=True)
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    Path(site, "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('CAMP2P_TEST_PRETEND_CUDA'):\n"
+        "    import torch\n"
+        "    torch.cuda.is_available = lambda: True\n"
+    )
+    os.environ["CAMP2P_TEST_PRETEND_CUDA"] = "1"
+    try:
+        rc, s, out = _run(tmp_path, python=py, gpu=True)
+    finally:
+        del os.environ["CAMP2P_TEST_PRETEND_CUDA"]
+    assert rc == 1 and s["status"] == "failed", s
+    parts = s["parts"]
+    assert parts["pytest"]["files"] == 3
+    counts = parts["pytest"]["counts"]
+    assert counts["tests"] >= 10 and counts["failures"] + counts["errors"] >= 1, counts
+    assert parts["pytest"]["not_passed"], parts["pytest"]
+    assert parts["bench"]["rc"] not in (0, None) and parts["sweep"]["rc"] not in (0, None), parts
+    assert parts["overhead"]["rc"] == 0, (out / "tools.log").read_text()[-3000:]
+    assert set(parts["overhead"]["result"]) >= {"engaged_us_per_layer_stage", "passthrough_us_per_call"}
+    for name in ("pytest", "bench", "sweep", "overhead"):
+        assert parts[name]["seconds"] <= parts[name]["limit_s"] + 10, parts[name]
+    assert "parts not passed: pytest" in s["reason"]
+    assert s["seconds"] <= s["budget_s"] + 15
