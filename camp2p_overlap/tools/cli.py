@@ -44,13 +44,18 @@ what is reported:
                   (torch.equal) with the serial run of the same step id
   edges           the trace checker (camp2p_overlap.core.trace.check_step) on each
                   policy's traced step (CPU only)
+  peer cycle      on every traced step, each stage's next A2E completed no
+                  earlier than its previous E2A plus the attention time
+                  (camp2p_overlap.core.peer_cycle.check_peer_cycle)
 
 --device cpu: the compute stream is the calling thread, side streams are the
 cpu backend's worker threads. --device cuda|npu: bf16 FFN matmuls on the
-device; A2E/E2A are device work of the modeled duration on the side streams
-(a CUDA kernel that waits for the attention peer on the device, then spins the
-link time). Exit status: 0, or 1 when outputs
-differ, an edge is violated or an overlap policy did not engage (2+ stages).
+device; on CUDA each A2E/E2A is an emulated CAM kernel that waits for the
+attention peer on the device, then spins the link time on the device clock
+(npu, or no NVRTC: calibrated device work, no peer). --comm-cores N: each
+communication op keeps N cores (cpu) or SMs (cuda) busy. Exit status: 0, or 1
+when outputs differ, an edge or the peer cycle is violated or an overlap
+policy did not engage (2+ stages).
 Absolute CPU times say nothing about an NPU; only the ratios carry over.
 --json schema: docs/benchmark.md.
 """
