@@ -164,7 +164,7 @@ def test_check_peer_cycle_on_hand_made_traces() -> None:
     assert check_peer_cycle(good, (0, 1), (0,), 100, tolerance_ns=0).ok
     early = [*good[:2], op("a2e", 1, 0, 31, 90), good[3]]
     res = check_peer_cycle(early, (0, 1), (0,), 100, tolerance_ns=0)
-    assert [v for v in res.violations if "before e2a(L0) plus the attention time" in v]
+    assert [v for v in res.violations if "before e2a(L0) started plus the attention time" in v]
     before = [*good[:2], op("a2e", 1, 0, 5, 200), good[3]]
     res = check_peer_cycle(before, (0, 1), (0,), 100, tolerance_ns=0)
     assert any("started before e2a(L0) did" in v for v in res.violations)

@@ -27,11 +27,15 @@ def check_peer_cycle(
     tolerance_ns: int = 2_000,
 ) -> CheckResult:
     """Check, for every stage and consecutive layers ``L -> L'`` of the
-    step, that ``a2e(L')`` ended no earlier than ``e2a(L)`` ended plus the
-    attention time (less ``tolerance_ns`` for clock and event granularity),
-    and that it did not start before ``e2a(L)`` started (the E2A must have
-    been issued to the peer first). Ops of ``ops`` outside the step's layers
-    and stages are ignored; a missing op is reported."""
+    step, that ``a2e(L')`` did not start before ``e2a(L)`` did (the E2A must
+    have been issued to the peer first) and ended no earlier than ``e2a(L)``
+    started plus the attention time (less ``tolerance_ns`` for clock and
+    event granularity). The E2A's data reached the peer somewhere inside the
+    E2A's span; its start is the bound a trace proves on any backend (a host
+    thread may be descheduled between delivering and recording its end), so
+    a peer that answers before it was asked plus attention is always caught
+    once the attention time exceeds the E2A's own span. Ops outside the
+    step's layers and stages are ignored; a missing op is reported."""
     res = CheckResult()
     bad = res.violations.append
     by: dict[tuple[str, int | None, int | None], list[TraceOp]] = {}
@@ -48,10 +52,10 @@ def check_peer_cycle(
             e_op, a_op = e[0], a[0]
             if a_op.start_ns < e_op.start_ns:
                 bad(f"stage {s}: a2e(L{nxt}) started before e2a(L{prev}) did")
-            early = e_op.end_ns + attn_ns - tolerance_ns - a_op.end_ns
+            early = e_op.start_ns + attn_ns - tolerance_ns - a_op.end_ns
             if early > 0:
                 bad(
-                    f"stage {s}: a2e(L{nxt}) completed {early + tolerance_ns} ns before e2a(L{prev}) "
+                    f"stage {s}: a2e(L{nxt}) completed {early + tolerance_ns} ns before e2a(L{prev}) started "
                     f"plus the attention time ({attn_ns} ns): the peer answered before it was asked"
                 )
     return res

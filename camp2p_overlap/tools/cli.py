@@ -45,7 +45,7 @@ what is reported:
   edges           the trace checker (camp2p_overlap.core.trace.check_step) on each
                   policy's traced step (CPU only)
   peer cycle      on every traced step, each stage's next A2E completed no
-                  earlier than its previous E2A plus the attention time
+                  earlier than its previous E2A started plus the attention time
                   (camp2p_overlap.core.peer_cycle.check_peer_cycle)
 
 --device cpu: the compute stream is the calling thread, side streams are the

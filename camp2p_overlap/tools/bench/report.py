@@ -130,7 +130,7 @@ def bench_table(report: Mapping[str, Any]) -> str:
         held = all(p["peer_cycle_ok"] for p in checked)
         steps = sum(p["peer_cycle_checked_steps"] for p in checked)
         lines.append(
-            f"attention peer's cycle (a stage's next A2E completes after its E2A + attn): "
+            f"attention peer's cycle (a stage's next A2E completes after its E2A's start + attn): "
             f"{'held' if held else 'BROKEN'} on {steps} traced steps."
         )
     else:
