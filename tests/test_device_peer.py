@@ -315,3 +315,64 @@ def test_comm_cores_a_gpu_cannot_give_are_refused(monkeypatch: pytest.MonkeyPatc
     _fake_cuda(monkeypatch, _FakeCompiledKernel())
     with pytest.raises(ValueError, match="the GPU has 132 SMs"):
         NvrtcCommKernels(3, 132, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("drop_refs", [False, True], ids=["session", "control-refs-dropped"])
+def test_ffn_outputs_stay_referenced_until_c_waited_their_e2a(
+    site: Any, monkeypatch: pytest.MonkeyPatch, drop_refs: bool
+) -> None:
+    """The ownership rule that replaces ``record_stream``, as reference
+    lifetimes (what decides when the caching allocator may hand a block out
+    again): an FFN output, allocated on C and read by E2A on K_s, is still
+    referenced when a later FFN of the same layer starts (C has not yet waited
+    an event K_s recorded after that E2A), is let go at the stage's next
+    receive, and nothing is left after the step. The control drops the
+    session's references and must show the output gone too early. On CUDA the
+    same rule is tested through the allocator itself (gpu tests)."""
+    import weakref
+
+    from camp2p_overlap.emulation.device_world import TimedModel
+
+    dev = HostDevice()
+    use_host_device(monkeypatch, dev)
+    spec_stages = (0, 1, 2)
+    spec = WorldSpec(
+        layers=2, stage_ids=spec_stages, tokens=8, shape=MoEShape(hidden=32, ffn=64, experts=2, top_k=1),
+        link=LINK, attn_s=0.0, op_timeout_s=5.0,
+    )  # fmt: skip
+    dw = build_device_world(
+        spec, "cuda", root=site.root, module=dev, kernels=HostCommKernels(3), device=torch.device("cpu")
+    )  # type: ignore[arg-type]
+    outs: dict[tuple[int, int], Any] = {}
+    alive_at: dict[tuple[int, int], set[tuple[int, int]]] = {}
+    orig = TimedModel.compute_ffn_output
+
+    def spy(self: Any, *, hidden_states: torch.Tensor, layer_idx: int) -> Any:
+        stage = self.transport.stage_of[id(hidden_states)]
+        alive_at[(layer_idx, stage)] = {k for k, ref in outs.items() if ref() is not None}
+        out = orig(self, hidden_states=hidden_states, layer_idx=layer_idx)
+        outs[(layer_idx, stage)] = weakref.ref(out.routed_output)
+        return out
+
+    monkeypatch.setattr(TimedModel, "compute_ffn_output", spy)
+    if drop_refs:
+        orig_send = OverlapSession.send
+
+        def send_and_forget(self: Any, call: Any, output: Any, context: Any, stage: Any) -> None:
+            orig_send(self, call, output, context, stage)
+            for refs in self._f_refs.values():
+                refs.clear()
+
+        monkeypatch.setattr(OverlapSession, "send", send_and_forget)
+    with _overlap(site):
+        dw.world.steps_run = 0
+        dw.world.run_step()
+    assert set(alive_at) == {(L, s) for L in (0, 1) for s in spec_stages}
+    if drop_refs:
+        assert (0, 0) not in alive_at[(0, 2)], "the control still held the output: the check cannot fail"
+        return
+    # FFN(0,2) starts: E2A(0,0) has not been waited by C yet: its input is held.
+    assert {(0, 0), (0, 1)} <= alive_at[(0, 2)], alive_at[(0, 2)]
+    # FFN(1,0) starts after C waited a_done(1,0), recorded on K_0 after E2A(0,0): released.
+    assert (0, 0) not in alive_at[(1, 0)], alive_at[(1, 0)]
+    assert all(ref() is None for ref in outs.values()), "the step ended holding FFN outputs"
