@@ -16,7 +16,7 @@
 #   1. pytest -m gpu on the test files with gpu-marked tests (bitwise, device trace, the attention peer on the
 #      device, SMs held by comm kernels, the stream sanitizer, tensor ownership,
 #      CUDA graph capture incl. VLLM_CAMP2P_MULTISTREAM_GRAPH=1)   limit 240 s
-#   2. camp2p-overlap bench --device cuda --scenario ffn-bound --comm-cores 8  limit 60 s
+#   2. camp2p-overlap bench --device cuda --scenario gpu-ffn-bound --comm-cores 8  limit 60 s
 #   3. camp2p-overlap sweep --device cuda (ratios, --comm-cores points)       limit 110 s
 #   4. camp2p-overlap overhead --json $OUT/overhead.json                      limit 40 s
 # Files under $OUT (8, the most a device run hands back):
@@ -281,11 +281,11 @@ mapfile -t gpu_files < <(grep -l -E 'mark\.gpu' tests/test_*.py)
 R[pytest.files]=${#gpu_files[@]}
 run_part pytest "${PYTEST_LIMIT:-240}" "$OUT/pytest_gpu.log" "$PY" -m pytest "${pytest_args[@]}" "${gpu_files[@]}"
 CLI=("$PY" -m camp2p_overlap.tools.cli)
-run_part bench "${BENCH_LIMIT:-60}" "$OUT/tools.log" "${CLI[@]}" bench --device cuda --scenario ffn-bound \
+run_part bench "${BENCH_LIMIT:-60}" "$OUT/tools.log" "${CLI[@]}" bench --device cuda --scenario gpu-ffn-bound \
   --comm-cores "${BENCH_COMM_CORES:-8}" --no-progress --json "$OUT/bench_cuda.json"
-run_part sweep "${SWEEP_LIMIT:-110}" "$OUT/tools.log" "${CLI[@]}" sweep --device cuda --layers 4 --steps 4 \
-  --warmup 1 --reps 2 --ratios 0.5,1.5 --stage-counts 2 --comm-core-points 0,8,32,96 --work-tokens none \
-  --no-progress --json "$OUT/sweep_cuda.json"
+run_part sweep "${SWEEP_LIMIT:-110}" "$OUT/tools.log" "${CLI[@]}" sweep --device cuda --scenario gpu-ffn-bound \
+  --layers 4 --steps 4 --warmup 1 --reps 2 --ratios 0.5,1.5 --stage-counts 2 --comm-core-points 0,8,32,96 \
+  --work-tokens none --no-progress --json "$OUT/sweep_cuda.json"
 run_part overhead "${OVERHEAD_LIMIT:-40}" "$OUT/tools.log" "${CLI[@]}" overhead --json "$OUT/overhead.json"
 
 failed=()

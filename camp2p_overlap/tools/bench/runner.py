@@ -185,8 +185,31 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
 }
 
+SCENARIOS["gpu-ffn-bound"] = {
+    # The same intent sized for a datacenter GPU, by estimate (never measured
+    # here: no GPU was lent): dense bf16 MoE of about 58 GFLOP per (layer,
+    # stage), which on an H200 should take a few hundred microseconds, against
+    # about 0.1 ms of A2E and 0.15 ms of E2A and 50 us of attention. The
+    # report's measured verdict (ffn_bound) says whether it is FFN-bound there.
+    "layers": 6,
+    "stages": 2,
+    "tokens": 512,
+    "hidden": 1024,
+    "ffn": 2048,
+    "experts": 8,
+    "top_k": 2,
+    "link_latency_us": 50.0,
+    "link_gbps": 200.0,
+    "attn_us": 50.0,
+    "steps": 8,
+    "warmup": 2,
+    "reps": 3,
+}
+
 SCENARIO_HELP = {
     "ffn-bound": "FFN compute-bound: f > a + e with communication about half of f, 2 stages, 6 layers",
+    "gpu-ffn-bound": "the same sized for a datacenter GPU (--device cuda) by estimate; the report's measured "
+    "verdict says whether it is FFN-bound there",
 }
 
 
