@@ -35,7 +35,6 @@ from typing import Any
 
 from camp2p_overlap.core.streams.base import DoneHandle, OpHandle, Stream, StreamBackend, StreamPoisonedError
 
-
 #: Execution order across every stream of every CPU backend: taken when a
 #: stream starts an item (an op, a record, a wait). ``next()`` on a count is
 #: atomic under the GIL.
