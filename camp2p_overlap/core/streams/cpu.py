@@ -171,6 +171,8 @@ class WorkerStream:
         self.current: str | None = None  # what the worker is doing now (watchdog)
         #: Where records and waits performed are logged (None: not logging).
         self.log: list[StreamLogEntry] | None = None
+        #: Kernels launched by the op now running (this thread's launch() target).
+        self._kernels: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._run, name=f"camp2p-overlap-stream-{name}", daemon=True)
         self._thread.start()
 
@@ -196,6 +198,7 @@ class WorkerStream:
 
     # -- worker side ---------------------------------------------------
     def _run(self) -> None:
+        _launching.kernels = self._kernels
         while True:
             item = self._queue.get()
             kind = item[0]
@@ -231,23 +234,22 @@ class WorkerStream:
         self.current = label
         handle.order = next(_order)
         handle.start_ns = time.perf_counter_ns()
-        kernels: list[Callable[[], None]] = []
-        _launching.kernels = kernels
+        kernels = self._kernels  # what fn() launches (see launch())
         try:
             value = fn()
         except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+            kernels.clear()
             return self._failed(handle, exc)
-        finally:
-            _launching.kernels = None
         handle._publish(value)  # out now; its kernels fill it below
-        try:
-            for kernel in kernels:
+        if kernels:
+            try:
                 self.current = f"{label} (kernel)"
-                kernel()
-        except BaseException as exc:  # noqa: BLE001 - an asynchronous error, as on a device
-            return self._failed(handle, exc)
-        finally:
-            del kernels
+                for kernel in kernels:
+                    kernel()
+            except BaseException as exc:  # noqa: BLE001 - an asynchronous error, as on a device
+                return self._failed(handle, exc)
+            finally:
+                kernels.clear()
         handle.end_ns = time.perf_counter_ns()
         handle._finish(value=value)
 
