@@ -271,10 +271,11 @@ def check_step(ops: Sequence[TraceOp], expected: ExpectedSchedule, *, source: st
     (what the streams performed, in execution order, each wait bound to the
     event it waited on and satisfied only after that event fired),
     ``"session"`` (what the session asked for, in issue order, a wait bound
-    to the latest record of its name), or ``"auto"``: the backend's where
-    the trace has them."""
-    if source not in ("auto", "backend", "session"):
-        raise ValueError(f"source must be auto, backend or session, not {source!r}")
+    to the latest record of its name), ``"device"`` (a profiler's kernel
+    timeline, ``core/device_timeline.py``: device times only, no event
+    graph), or ``"auto"``: the backend's where the trace has them."""
+    if source not in ("auto", "backend", "session", "device"):
+        raise ValueError(f"source must be auto, backend, session or device, not {source!r}")
     if source == "auto":
         source = "backend" if any(o.source == "backend" for o in ops) else "session"
     res = CheckResult()
@@ -353,7 +354,8 @@ def check_step(ops: Sequence[TraceOp], expected: ExpectedSchedule, *, source: st
             bad(f"{o.kind}(L{o.layer},s{o.stage}) started on C before {prev.kind}(L{prev.layer},s{prev.stage}) ended")
         prev = o
 
-    _check_event_graph(ops, expected, plan, one, bad, source)
+    if source != "device":
+        _check_event_graph(ops, expected, plan, one, bad, source)
 
     # Edges 1 and 7: everything inside the step (fork and join).
     steps = [o for o in ops if o.kind == "step"]
@@ -510,6 +512,8 @@ def to_chrome_trace(ops: Sequence[TraceOp], process: str = "camp2p-overlap", pid
     for o in ops:
         if o.kind == "step":
             label = f"step {o.step}"
+        elif o.kind == "kernel":
+            label = o.detail or o.kind
         elif o.layer is None:
             label = o.kind
         else:
