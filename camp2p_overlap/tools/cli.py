@@ -42,7 +42,7 @@ what is reported:
   outputs         every timed and traced step of every policy compared bitwise
                   (torch.equal) with the serial run of the same step id
   edges           the trace checker (camp2p_overlap.core.trace.check_step) on each
-                  policy's traced step (CPU only)
+                  policy's traced step (CPU; on a device see --profile-trace)
 
 --device cpu: the compute stream is the calling thread, side streams are the
 cpu backend's worker threads. --device cuda|npu: bf16 FFN matmuls on the
