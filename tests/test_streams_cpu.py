@@ -251,3 +251,15 @@ def test_the_stream_log_holds_what_each_stream_performed(backend: CpuBackend) ->
     assert {e.event for e in log if e.key == ("a", 0, 0)} == {a.seq}  # bound to the event itself
     backend.wait(c, backend.record(k0, ("x",)))
     assert backend.stop_log() == []  # closed: nothing more is logged
+
+
+def test_a_log_left_open_is_closed_by_the_next_step(backend: CpuBackend) -> None:
+    k = backend.new_stream("K0")
+    c = backend.compute_stream()
+    backend.start_log()
+    backend.begin_step([k])  # the step that opened it: kept
+    backend.wait(c, backend.record(c, ("a",)))
+    backend.begin_step([k])  # a later step that did not open it (the first never closed)
+    backend.wait(c, backend.record(c, ("b",)))
+    assert backend.stop_log() == []
+    assert k.log is None

@@ -288,6 +288,9 @@ class CpuBackend(StreamBackend):
         self._lock = threading.Lock()
         #: The open stream log (records and waits performed), or None.
         self._log: list[StreamLogEntry] | None = None
+        #: Set by start_log, cleared by the next begin_step: a log still open
+        #: at a step that did not start it is a step that never closed.
+        self._log_fresh = False
 
     def compute_stream(self) -> HostStream:
         return self._host
@@ -331,6 +334,7 @@ class CpuBackend(StreamBackend):
         log: list[StreamLogEntry] = []
         with self._lock:
             self._log = log
+            self._log_fresh = True
             for s in self._streams:
                 s.log = log
         return True
@@ -348,6 +352,9 @@ class CpuBackend(StreamBackend):
         return False
 
     def begin_step(self, streams: list[Stream]) -> None:
+        if self._log is not None and not self._log_fresh:
+            self.stop_log()  # left open by a step that never closed: stop it growing
+        self._log_fresh = False
         for s in streams:
             if isinstance(s, WorkerStream):
                 s.poisoned = None
