@@ -1,7 +1,9 @@
 """Per-stream device timelines from a profiler trace (Kineto's Chrome
-trace-event JSON from ``torch.profiler`` on CUDA; the same shape from
-``torch_npu.profiler``), turned into the :class:`~camp2p_overlap.core.trace.TraceOp`
-the edge checker reads.
+trace-event JSON from ``torch.profiler`` on CUDA), turned into the
+:class:`~camp2p_overlap.core.trace.TraceOp` the edge checker reads.
+``torch_npu.profiler``'s ``trace_view.json`` is read the same way where its
+device tasks carry a ``Stream Id`` and are tied to their launch by a
+host-to-device flow event; that reading has not yet met a real NPU trace.
 
 What the trace must hold (the device backend writes it while its
 ``annotate`` is on, see ``streams/device.py``; the profiling tool adds the
