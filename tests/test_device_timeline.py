@@ -290,6 +290,23 @@ def test_host_ranges_from_torch_profiler_on_cpu(tmp_path: Any) -> None:
     assert tl.activities == []  # no device activity on CPU
 
 
+def test_capture_profiles_and_reads_back_the_trace() -> None:
+    """The tool's capture path (torch.profiler, Chrome trace export, load):
+    on CPU the CUDA activity is switched off, the host ranges remain."""
+    import warnings
+
+    def work() -> int:
+        with profile.profiler_range("camp2p:e2a L1 s0"):
+            torch.ones(8).mul_(2)
+        return 7
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "CUDA is not available, disabling CUDA profiling"
+        result, raw = profile.capture("cuda", work)
+    assert result == 7
+    assert [r.name for r in parse(raw).ranges] == ["e2a L1 s0"]
+
+
 def test_profile_trace_is_refused_on_cpu(tmp_path: Any) -> None:
     from camp2p_overlap.tools.cli import main
 
