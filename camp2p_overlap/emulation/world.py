@@ -90,8 +90,14 @@ class AttentionInputs:
         g = torch.Generator().manual_seed(seed + 7919)
         self.base = [torch.randn(max_tokens, hidden, generator=g).to(device=device, dtype=dtype) for _ in range(pool)]
 
-    def hidden(self, step: int, layer: int, num_tokens: int, last: torch.Tensor | None) -> torch.Tensor:
+    def hidden(
+        self, step: int, layer: int, num_tokens: int, last: torch.Tensor | None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The hidden states attention sends; written into ``out`` when given
+        (the same values, bit for bit)."""
         base = self.base[(layer + step) % len(self.base)][:num_tokens]
+        if out is not None:
+            return out.copy_(base) if last is None else torch.add(base, 0.5 * torch.tanh(last[:num_tokens]), out=out)
         return base.clone() if last is None else base + 0.5 * torch.tanh(last[:num_tokens])
 
 
@@ -197,7 +203,7 @@ class EmulatedTransport:
                     p.cond.wait(max(wait, 0.0))
                 last = p.last_out
             time.sleep(self.link.seconds(n * self.hidden * self._itemsize()))
-            out.copy_(self.inputs.hidden(self.step, layer, n, last))
+            self.inputs.hidden(self.step, layer, n, last, out=out)
             with p.cond:
                 p.next_a2e += 1
                 p.ready_at = None
