@@ -54,8 +54,17 @@ def test_real_traces_pass_for_every_direction_setting() -> None:
         ops, expected = _record(a2e, e2a)
         res = trace.check_step(ops, expected)
         assert res.ok, str(res)
+        assert any(o.source == "backend" for o in ops)  # ... read from what the streams performed
+        session = trace.check_step(ops, expected, source="session")
+        assert session.ok, str(session)  # and the session's record agrees
         # The same trace is not a serial trace: the checker tells them apart.
         assert not trace.check_step(ops, ExpectedSchedule.serial(LAYERS, STAGES)).ok
+
+
+def test_unknown_source_is_refused(good: Any) -> None:
+    ops, expected = good
+    with pytest.raises(ValueError, match="source must be auto, backend, session or device"):
+        trace.check_step(ops, expected, source="host")
 
 
 def test_missing_duplicated_and_unplanned_ops(good: Any) -> None:
