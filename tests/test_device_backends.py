@@ -29,7 +29,7 @@ from _overlap_util import (
 
 from camp2p_overlap.core import step_decision, trace
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.process import ENGINE
+from camp2p_overlap.core.process import ENGINE, RUNTIME
 from camp2p_overlap.core.streams import (
     BackendUnavailable,
     TorchDeviceBackend,
@@ -143,6 +143,8 @@ def fake_device(monkeypatch: pytest.MonkeyPatch) -> FakeDevice:
     dev = FakeDevice()
     monkeypatch.setattr(step_decision, "resolve_backend_name", lambda requested, device: "fake")
     monkeypatch.setattr(streamset, "make_backend", lambda name, device=None: TorchDeviceBackend("fake", dev))
+    # The registry binds its backend factory when built: give the process-wide one the fake.
+    monkeypatch.setattr(RUNTIME.streamsets, "_make", lambda name, device=None: TorchDeviceBackend("fake", dev))
     return dev
 
 
