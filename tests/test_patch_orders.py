@@ -599,6 +599,7 @@ def test_unpatch_waits_for_the_active_step_and_new_steps_run_original(make_world
 
     def unpatch() -> None:
         box["unpatch"] = ENGINE.unpatch(timeout=20)
+        box["running_when_unpatch_returned"] = ENGINE.gate.running()
         events.append("unpatch returned")
 
     st = threading.Thread(target=step, name="stepper")
@@ -626,6 +627,7 @@ def test_unpatch_waits_for_the_active_step_and_new_steps_run_original(make_world
     # threads (unpatch may return between the wrapper's exit and the step
     # thread's append), not of the layer.
     assert sorted(events) == ["step done", "unpatch returned"]
+    assert box["running_when_unpatch_returned"] == 0, "unpatch() returned while a wrapped step was running"
     assert box["unpatch"] is True and not ENGINE.is_applied()
     assert box["step"].error is None
     assert_same(box["step"].results, ref)
