@@ -12,7 +12,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings
+
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:
+    settings = None  # type: ignore[assignment]
 
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.log import reset_log_once
@@ -26,11 +30,13 @@ REPO = Path(__file__).resolve().parent.parent
 # (derandomized: the same examples on every run, no example database), to
 # bound the suite's time; "dev" explores fresh examples; "thorough" is for a
 # long run before a release (with ``-m slow``).
-_COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow], "print_blob": True}
-settings.register_profile("ci", max_examples=50, derandomize=True, database=None, **_COMMON)
-settings.register_profile("dev", max_examples=100, **_COMMON)
-settings.register_profile("thorough", max_examples=500, **_COMMON)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+# (The GPU box runs only the gpu-marked files, without hypothesis.)
+if settings is not None:
+    _COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow], "print_blob": True}
+    settings.register_profile("ci", max_examples=50, derandomize=True, database=None, **_COMMON)
+    settings.register_profile("dev", max_examples=100, **_COMMON)
+    settings.register_profile("thorough", max_examples=500, **_COMMON)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True)

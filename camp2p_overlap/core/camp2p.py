@@ -5,6 +5,7 @@ stage. The session and the engine know none of this."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -85,7 +86,17 @@ def group_problem(connector: Any, stages: Any) -> tuple[str | None, dict[int, st
     stream per HCCL group: two stages on one group would put two streams on
     one group's window, whose A2E and E2A share a handshake counter."""
     try:
-        groups = stage_groups(connector_comm_names(connector), stages)
+        names = connector_comm_names(connector)
+    except GroupError as exc:
+        return f"HCCL group check: {exc}", {}
+    return _check_groups(names, tuple(stages))
+
+
+@functools.lru_cache(maxsize=64)
+def _check_groups(names: tuple[str, str, str], stages: tuple[int, ...]) -> tuple[str | None, dict[int, str]]:
+    """:func:`group_problem` for given names and stages (the same every step)."""
+    try:
+        groups = stage_groups(names, stages)
     except GroupError as exc:
         return f"HCCL group check: {exc}", {}
     shared = shared_groups(groups)

@@ -90,11 +90,13 @@ class StepMetrics:
             self.steps.labels(path=path)  # every path exported, 0 until used
 
     def set_mode(self, mode: str, rung: str) -> None:
-        """The mode gauge: 1 for ``(mode, rung)``, 0 for the one before."""
+        """The mode gauge: 1 for ``(mode, rung)``; the one before is set to 0
+        (what a multi-process directory keeps) and removed."""
         if self._mode == (mode, rung):
             return
         if self._mode is not None:
             self.mode_info.labels(mode=self._mode[0], rung=self._mode[1]).set(0)
+            self.mode_info.remove(*self._mode)
         self.mode_info.labels(mode=mode, rung=rung).set(1)
         self._mode = (mode, rung)
 

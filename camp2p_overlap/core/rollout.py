@@ -16,6 +16,7 @@ directions on the compute stream, ``reorder`` the session with both on
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,12 +31,17 @@ LADDER = ("parity", "reorder", "e2a-only", "overlap")
 
 def mode_directions(cfg: OverlapConfig) -> Directions:
     """The session's directions for ``cfg.mode``; the direction switches
-    apply to ``overlap`` only."""
+    apply to ``overlap`` only. One shared object per combination."""
     if cfg.mode == "parity":
-        return Directions(a2e_side=False, e2a_side=False)
+        return _directions(False, False)
     if cfg.mode == "reorder":
-        return Directions(a2e_side=True, e2a_side=True)
-    return Directions(cfg.a2e_on_side_stream, cfg.e2a_on_side_stream)
+        return _directions(True, True)
+    return _directions(cfg.a2e_on_side_stream, cfg.e2a_on_side_stream)
+
+
+@functools.lru_cache(maxsize=4)
+def _directions(a2e_side: bool, e2a_side: bool) -> Directions:
+    return Directions(a2e_side, e2a_side)
 
 
 def rung(cfg: OverlapConfig) -> str:

@@ -9,6 +9,12 @@ queued ahead of its group's E2A on one stream) therefore waits here too,
 until the op timeout (the stand-in for HCCL's) fires. Two ops of the same
 stage group running at once is a :class:`ProtocolError`, as it would corrupt
 the group's HCCL window on hardware.
+
+Communication time (the link, and an A2E's wait for its peer) is slept by
+default, taking no compute. With ``WorldSpec.comm_cores = N`` it is spent
+busy on N cores instead (:mod:`camp2p_overlap.emulation.contention`), as
+CAM's kernels spin on their vector cores, so a lookahead A2E that waits a
+whole attention time keeps those cores from the FFN.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from typing import Any
 
 import torch
 
+from camp2p_overlap.core.streams.cpu import launch
 from camp2p_overlap.emulation import standins
+from camp2p_overlap.emulation.contention import CoreSpinner
 from camp2p_overlap.emulation.moe import MoEFFN, MoEShape
 
 
@@ -89,8 +97,14 @@ class AttentionInputs:
         g = torch.Generator().manual_seed(seed + 7919)
         self.base = [torch.randn(max_tokens, hidden, generator=g).to(device=device, dtype=dtype) for _ in range(pool)]
 
-    def hidden(self, step: int, layer: int, num_tokens: int, last: torch.Tensor | None) -> torch.Tensor:
+    def hidden(
+        self, step: int, layer: int, num_tokens: int, last: torch.Tensor | None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The hidden states attention sends; written into ``out`` when given
+        (the same values, bit for bit)."""
         base = self.base[(layer + step) % len(self.base)][:num_tokens]
+        if out is not None:
+            return out.copy_(base) if last is None else torch.add(base, 0.5 * torch.tanh(last[:num_tokens]), out=out)
         return base.clone() if last is None else base + 0.5 * torch.tanh(last[:num_tokens])
 
 
@@ -108,9 +122,14 @@ class EmulatedTransport:
         dtype: torch.dtype = torch.float32,
         max_tokens: int = 4096,
         base_pool: int = 4,
+        comm_cores: int = 0,
     ) -> None:
         self.hidden = hidden
         self.link = link
+        #: ``comm_cores`` 0: link and peer waits sleep (take no compute);
+        #: N >= 1: they busy-wait on N cores (:mod:`emulation.contention`),
+        #: as CAM's kernels spin on their vector cores.
+        self.spinner = CoreSpinner(comm_cores)
         self.attn_s = attn_s
         self.op_timeout_s = op_timeout_s
         self.dtype = dtype
@@ -166,6 +185,17 @@ class EmulatedTransport:
     def a2e(
         self, *, group: str, stage: int, layer: int, num_tokens: int, max_num_tokens: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like the ``a2e`` custom op: allocate the receive buffer and launch
+        the kernel that fills it (on a CPU side stream it runs after this
+        returns; on the compute stream at once). The buffer starts as NaN,
+        the pattern a debug allocator leaves: a reader that did not wait for
+        the kernel sees it, and its output cannot equal the serial run's."""
+        n = int(num_tokens)
+        hidden = torch.full((n, self.hidden), float("nan"), dtype=self.dtype)
+        launch(lambda: self._a2e_kernel(group, stage, layer, n, hidden))
+        return hidden, torch.tensor([n])
+
+    def _a2e_kernel(self, group: str, stage: int, layer: int, n: int, out: torch.Tensor) -> None:
         p = self.peers[stage]
         what = f"a2e(L{layer}) on {group}"
         self._enter(p, what, group)
@@ -178,6 +208,13 @@ class EmulatedTransport:
                     raise ProtocolError(f"stage {stage}: a2e for layer {layer}, attention sends layer {nxt}")
                 waited_from = time.perf_counter_ns()
                 deadline = time.perf_counter() + self.op_timeout_s
+            if self.spinner.spins:
+                # The kernel spins on its cores while it waits for the peer.
+                self.spinner.until(
+                    lambda: not p.stopped and p.ready_at is not None and time.perf_counter() >= p.ready_at,
+                    hard_deadline=deadline,
+                )
+            with p.cond:
                 while True:
                     now = time.perf_counter()
                     if not p.stopped and p.ready_at is not None and now >= p.ready_at:
@@ -193,20 +230,31 @@ class EmulatedTransport:
                         wait = min(wait, p.ready_at - now)
                     p.cond.wait(max(wait, 0.0))
                 last = p.last_out
-            n = int(num_tokens)
-            time.sleep(self.link.seconds(n * self.hidden * self._itemsize()))
-            hidden = self.inputs.hidden(self.step, layer, n, last)
+            self.spinner.wait(self.link.seconds(n * self.hidden * self._itemsize()))
+            self.inputs.hidden(self.step, layer, n, last, out=out)
             with p.cond:
                 p.next_a2e += 1
                 p.ready_at = None
                 p.awaiting_e2a = layer
-            return hidden, torch.tensor([n])
         finally:
             self._leave(p, group)
 
     def e2a(
         self,
         *,
+        group: str,
+        stage: int,
+        layer: int,
+        routed: torch.Tensor,
+        shared: torch.Tensor | None,
+        atten_batch_size: torch.Tensor,
+    ) -> None:
+        """Like the ``e2a`` custom op: launch the kernel that reads the FFN
+        output and delivers it (on a side stream, after this returns)."""
+        launch(lambda: self._e2a_kernel(group, stage, layer, routed, shared, atten_batch_size))
+
+    def _e2a_kernel(
+        self,
         group: str,
         stage: int,
         layer: int,
@@ -230,7 +278,7 @@ class EmulatedTransport:
             nbytes = routed.numel() * routed.element_size()
             if shared is not None:
                 nbytes += shared.numel() * shared.element_size()
-            time.sleep(self.link.seconds(nbytes))
+            self.spinner.wait(self.link.seconds(nbytes))
             out = routed if shared is None else routed + shared
             out = out.detach().clone()
             with p.cond:
@@ -244,6 +292,10 @@ class EmulatedTransport:
 
     def _itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
+
+    def close(self) -> None:
+        """Stop the helper threads of the busy-wait model, if any."""
+        self.spinner.close()
 
 
 class EmulatedModel:
@@ -297,6 +349,9 @@ class WorldSpec:
     #: The connector's micro-batch count: its HCCL groups (below 3, stages
     #: fall back as the real connector's do; 1 aliases stages 0 and 1).
     num_ubatches: int = 3
+    #: Cores (CPU) or SMs (CUDA) each emulated A2E/E2A keeps busy while it
+    #: waits for its peer and for the link; 0: it takes no compute.
+    comm_cores: int = 0
 
 
 @dataclass
@@ -328,6 +383,12 @@ class World:
             self.runner.execute_ffn_step(dp_metadata_list=dp)
         return dict(self.transport.results)
 
+    def close(self) -> None:
+        """Release what the transport holds (busy-wait helper threads)."""
+        close = getattr(self.transport, "close", None)
+        if close is not None:
+            close()
+
 
 def build_world(spec: WorldSpec = WorldSpec(), *, root: str = standins.REAL_ROOT) -> World:
     """Import the stand-ins under ``root`` (installing the finder if needed)
@@ -342,6 +403,7 @@ def build_world(spec: WorldSpec = WorldSpec(), *, root: str = standins.REAL_ROOT
         op_timeout_s=spec.op_timeout_s,
         seed=spec.seed,
         max_tokens=max_tokens,
+        comm_cores=spec.comm_cores,
     )
     connector = conn_mod.CAMP2pAFDConnector(transport, hidden_size=spec.shape.hidden, num_ubatches=spec.num_ubatches)
     model = EmulatedModel(

@@ -1,4 +1,4 @@
-"""``camp2p-overlap {bench,sweep,doctor}``."""
+"""``camp2p-overlap {bench,sweep,overhead,doctor}``."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import argparse
 import shlex
 import sys
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from camp2p_overlap.tools.bench.runner import POLICIES, POLICY_HELP, SCENARIO_HELP, SCENARIOS, BenchParams
+from camp2p_overlap.tools.overhead import OverheadParams
 
 BENCH_DESCRIPTION = """\
 Benchmark the FFN-side CAMP2P overlap on an emulated FFN rank: stand-ins of
@@ -42,13 +43,19 @@ what is reported:
   outputs         every timed and traced step of every policy compared bitwise
                   (torch.equal) with the serial run of the same step id
   edges           the trace checker (camp2p_overlap.core.trace.check_step) on each
-                  policy's traced step (CPU only)
+                  policy's traced step (CPU; on a device see --profile-trace)
+  peer cycle      on every traced step, each stage's next A2E completed no
+                  earlier than its previous E2A started plus the attention time
+                  (camp2p_overlap.core.peer_cycle.check_peer_cycle)
 
 --device cpu: the compute stream is the calling thread, side streams are the
 cpu backend's worker threads. --device cuda|npu: bf16 FFN matmuls on the
-device; A2E/E2A are device work of the modeled duration on the side streams
-(no attention peer is modeled there). Exit status: 0, or 1 when outputs
-differ, an edge is violated or an overlap policy did not engage (2+ stages).
+device; on CUDA each A2E/E2A is an emulated CAM kernel that waits for the
+attention peer on the device, then spins the link time on the device clock
+(npu, or no NVRTC: calibrated device work, no peer). --comm-cores N: each
+communication op keeps N cores (cpu) or SMs (cuda) busy. Exit status: 0, or 1
+when outputs differ, an edge or the peer cycle is violated or an overlap
+policy did not engage (2+ stages).
 Absolute CPU times say nothing about an NPU; only the ratios carry over.
 --json schema: docs/benchmark.md.
 """
@@ -93,6 +100,14 @@ _WORLD_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--reps", "reps", int, "repetitions (policies interleaved in each)"),
     ("--seed", "seed", int, "seed of weights and inputs"),
     ("--threads", "threads", int, "torch.set_num_threads for the run (fixed so runs compare)"),
+    (
+        "--comm-cores",
+        "comm_cores",
+        int,
+        "cores each emulated A2E/E2A keeps busy while it waits for its peer and moves data, as CAM's kernels "
+        "spin on aiv_num vector cores: CPU threads busy-waiting (cpu), SMs held by the comm kernel (cuda); "
+        "0: communication takes no compute",
+    ),
 ]
 
 
@@ -127,6 +142,15 @@ def _ints_or_none(text: str) -> tuple[int, ...]:
     return values
 
 
+def _ints_or_zero(text: str) -> tuple[int, ...]:
+    if text.strip().lower() in ("", "none"):
+        return ()
+    values = _ints(text)
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be 0 or more")
+    return values
+
+
 def _add_world_flags(p: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
     shown = {f.name: getattr(_DEFAULTS, f.name) for f in fields(BenchParams)}
     shown.update(defaults or {})
@@ -154,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="camp2p-overlap",
         description="FFN-side CAMP2P A2E/E2A multi-stream overlap for vLLM 0.19.1 + afd-plugin: tools.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{bench,sweep,doctor}")
+    sub = parser.add_subparsers(dest="command", metavar="{bench,sweep,overhead,doctor}")
     sub.required = True
 
     bench = sub.add_parser(
@@ -175,8 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--plot", metavar="PATH", help="write a PNG: timeline of one step per policy and per-layer time (matplotlib)"
     )
+    bench.add_argument(
+        "--profile-trace",
+        metavar="PATH",
+        help="--device cuda|npu: profile one overlapped step (torch.profiler / torch_npu.profiler), check its edges "
+        "on the device kernel times, and write its per-stream kernel timelines as Chrome trace JSON",
+    )
 
     from camp2p_overlap.tools.bench.sweep import (
+        DEFAULT_COMM_CORES,
         DEFAULT_RATIOS,
         DEFAULT_STAGE_COUNTS,
         DEFAULT_STAGE_RATIO,
@@ -189,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
         "sweep",
         help="per-layer time against communication/FFN ratio, the number of stages and the work size",
         description="Run the benchmark over a range of communication/FFN-compute ratios (set through the "
-        "modeled link bandwidth, after measuring f once), over 1, 2 and 3 stages, and over the tokens per "
+        "modeled link bandwidth, after measuring f once), over 1, 2 and 3 stages, over the cores each "
+        "communication op keeps busy (--comm-cores), and over the tokens per "
         "stage (serial, adaptive overlap and fixed overlap side by side, with the preset's link). Base world: the "
         "ffn-bound scenario unless --scenario says otherwise, with "
         + ", ".join(f"--{k} {v}" for k, v in SWEEP_DEFAULTS.items())
@@ -229,9 +261,43 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_WORK_HIDDEN,
         help=f"MoE hidden sizes of the work-size points (default {','.join(map(str, DEFAULT_WORK_HIDDEN))})",
     )
+    sweep.add_argument(
+        "--comm-core-points",
+        type=_ints_or_zero,
+        default=None,
+        help="--comm-cores values of the contention points, at the stage ratio; 'none' skips them (default "
+        + "; ".join(f"{dev}: {','.join(map(str, v)) or 'none'}" for dev, v in DEFAULT_COMM_CORES.items())
+        + ")",
+    )
     sweep.add_argument("--md", metavar="PATH", help="write the tables as Markdown")
     sweep.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer time against ratio and stages")
     sweep.add_argument("--json", metavar="PATH", help="write every point's full report as JSON")
+
+    overhead = sub.add_parser(
+        "overhead",
+        help="host cost of the project's own code per (layer, stage) and per wrapped call",
+        description="Time the wrappers, gate, adaptive bookkeeping, session and device backend alone: the "
+        "stand-in runner's loop over a no-op transport, a no-op FFN and a device module whose streams and "
+        "events do nothing. Per shape and round, blocks of unpatched, engaged (overlap on every step) and "
+        "pass-through (applied, adaptive engage decided for serial) steps run in a rotating order; each "
+        "timed step minus the round's median unpatched step, per (layer, stage) or per wrapped call, is one "
+        "sample. Prints medians and p90s; --json schema: docs/benchmark.md.",
+    )
+    overhead.add_argument("--layers", type=_ints, default=OverheadParams.layers, help="layer counts (default 4,16,61)")
+    overhead.add_argument("--stages", type=_ints, default=OverheadParams.stages, help="stage counts (default 1,2,3)")
+    overhead.add_argument(
+        "--steps", type=int, default=OverheadParams.steps, help="timed steps per block (default %(default)s)"
+    )
+    overhead.add_argument(
+        "--rounds", type=int, default=OverheadParams.rounds, help="rounds per shape (default %(default)s)"
+    )
+    overhead.add_argument(
+        "--delay-us",
+        type=float,
+        default=0.0,
+        help="busy wait added to every no-op receive: a cost outside our code, which must cancel out",
+    )
+    overhead.add_argument("--json", metavar="PATH", help="write the result as JSON")
 
     doctor = sub.add_parser(
         "doctor",
@@ -301,17 +367,35 @@ def _bench(args: argparse.Namespace) -> int:
         params = resolve_params(_explicit(args), args.scenario)
     except ValueError as exc:
         return _fail(str(exc))
+    if args.profile_trace and params.device == "cpu":
+        from camp2p_overlap.tools.bench.runner import PROFILE_NEEDS_DEVICE
+
+        return _fail(PROFILE_NEEDS_DEVICE)
     why = _preflight(params.device, args.plot)
     if why:
         return _fail(why)
-    run = run_bench(params, progress=not args.no_progress)
+    from camp2p_overlap.emulation.device_world import DeviceUnavailable
+
+    try:
+        run = run_bench(params, progress=not args.no_progress, profile_trace=args.profile_trace)
+    except DeviceUnavailable as exc:
+        return _fail(str(exc))
     print(bench_table(run.report))
+    prof = run.report.get("profile")
+    if prof is not None:
+        state = "held" if prof["edges_ok"] else "FAILED: " + "; ".join(prof["edge_violations"][:3])
+        print(f"profiled step: {prof['ops']} ops on streams {prof['streams']}; device-time edges {state}")
     write_outputs(run, json_path=args.json, trace_path=args.trace)
     if args.plot:
         from camp2p_overlap.tools.bench.plot import bench_plot
 
         bench_plot(run.timelines, run.report, args.plot)
-    for what, path in (("JSON", args.json), ("trace", args.trace), ("plot", args.plot)):
+    for what, path in (
+        ("JSON", args.json),
+        ("trace", args.trace),
+        ("plot", args.plot),
+        ("profile trace", args.profile_trace),
+    ):
         if path:
             print(f"{what}: {path}")
     return 1 if problems(run.report) else 0
@@ -320,7 +404,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from camp2p_overlap.tools.bench.report import problems, write_json
     from camp2p_overlap.tools.bench.runner import resolve_params
-    from camp2p_overlap.tools.bench.sweep import SWEEP_DEFAULTS, run_sweep, sweep_markdown
+    from camp2p_overlap.tools.bench.sweep import SWEEP_DEFAULTS, sweep_markdown
 
     scenario = args.scenario or "ffn-bound"
     try:
@@ -328,6 +412,8 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
         for s in args.stage_counts:
             if not 1 <= s <= 3:
                 raise ValueError(f"--stage-counts: {s} is out of range 1..3")
+        for n in args.comm_core_points or ():
+            replace(params, comm_cores=n).validate()
         if any(r <= 0 for r in args.ratios) or args.stage_ratio <= 0:
             raise ValueError("ratios must be positive")
     except ValueError as exc:
@@ -335,15 +421,12 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
     why = _preflight(params.device, args.plot)
     if why:
         return _fail(why)
-    result = run_sweep(
-        params,
-        ratios=args.ratios,
-        stage_counts=args.stage_counts,
-        stage_ratio=args.stage_ratio,
-        work_tokens=args.work_tokens,
-        work_hidden=args.work_hidden,
-        progress=not args.no_progress,
-    )
+    from camp2p_overlap.emulation.device_world import DeviceUnavailable
+
+    try:
+        result = _run_sweep(args, params)
+    except DeviceUnavailable as exc:
+        return _fail(str(exc))
     command = "camp2p-overlap " + " ".join(shlex.quote(a) for a in argv)
     text = sweep_markdown(result, command)
     print(text)
@@ -359,11 +442,49 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         sweep_plot(result, args.plot)
         print(f"plot: {args.plot}")
-    points = result["ratio_points"] + result["stage_points"] + result["work_points"]
+    points = result["ratio_points"] + result["stage_points"] + result["comm_core_points"] + result["work_points"]
     failed = [p for pt in points for p in problems(pt["report"])]
     for p in failed:
         print(f"FAILED: {p}")
     return 1 if failed else 0
+
+
+def _overhead(args: argparse.Namespace) -> int:
+    from camp2p_overlap.tools.bench.report import write_json
+    from camp2p_overlap.tools.overhead import format_overhead, measure_overhead
+
+    params = OverheadParams(
+        layers=tuple(args.layers),
+        stages=tuple(args.stages),
+        steps=args.steps,
+        rounds=args.rounds,
+        delay_us=args.delay_us,
+    )
+    try:
+        params.validate()
+    except ValueError as exc:
+        return _fail(str(exc))
+    result = measure_overhead(params)
+    print(format_overhead(result))
+    if args.json:
+        write_json(args.json, result)
+        print(f"JSON: {args.json}")
+    return 0
+
+
+def _run_sweep(args: argparse.Namespace, params: Any) -> dict[str, Any]:
+    from camp2p_overlap.tools.bench.sweep import run_sweep
+
+    return run_sweep(
+        params,
+        ratios=args.ratios,
+        stage_counts=args.stage_counts,
+        stage_ratio=args.stage_ratio,
+        work_tokens=args.work_tokens,
+        work_hidden=args.work_hidden,
+        comm_cores=args.comm_core_points,
+        progress=not args.no_progress,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -373,6 +494,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(args)
     if args.command == "sweep":
         return _sweep(args, argv)
+    if args.command == "overhead":
+        return _overhead(args)
     from camp2p_overlap.tools.doctor import main_doctor
 
     return main_doctor(as_json=args.json, stack=args.stack, deployment=args.deployment)

@@ -1,7 +1,9 @@
 """``camp2p-overlap sweep``: per-layer time of each policy against the ratio
 of communication to FFN compute, against the number of stages, and against
-the work per (layer, stage) (tokens per stage, from 1 up to the preset's),
-where fixed and adaptive overlap run side by side so the crossover shows.
+the cores each communication op keeps busy (``--comm-cores``: how speedup
+and eta fall as communication takes compute), and against the work per
+(layer, stage) (tokens per stage, from 1 up to the preset's), where fixed
+and adaptive overlap run side by side so the crossover shows.
 
 The ratio is set through the modeled link: the FFN time f is measured once
 (a short serial run of the same world), then for each target ratio r the
@@ -12,6 +14,7 @@ trace next to the target.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -24,6 +27,9 @@ from camp2p_overlap.tools.bench.runner import BenchParams, run_bench
 DEFAULT_RATIOS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
 DEFAULT_STAGE_COUNTS = (1, 2, 3)
 DEFAULT_STAGE_RATIO = 0.5
+#: ``--comm-cores`` of the contention points, per device (CPU: busy threads
+#: on a 2-core reference machine; CUDA: SMs of 132 on an H200).
+DEFAULT_COMM_CORES = {"cpu": (0, 1, 2), "cuda": (0, 8, 32, 96), "npu": ()}
 #: Tokens per stage of the work-size points, for each hidden size: the
 #: preset's MoE and link bandwidth, with no link latency and no attention
 #: time, so that the work per (layer, stage), compute and transfer alike,
@@ -34,6 +40,11 @@ WORK_POLICIES = ("serial", "overlap", "overlap-fixed")
 #: The work-size points run at least the benchmark's own step counts: adaptive
 #: engage learns in a bucket's first 7 steps, which should not dominate.
 WORK_MIN_RUN = {"steps": 8, "warmup": 2, "reps": 3}
+#: Small work points run more steps, up to this many timed seconds per policy
+#: and repetition (and at most WORK_MAX_STEPS steps): at a few ms per step,
+#: 8 steps leave the medians a few per cent apart by noise alone.
+WORK_TIMED_S = 0.25
+WORK_MAX_STEPS = 96
 #: The goal for adaptive engage: never below this share of serial's speed.
 ADAPTIVE_FLOOR = 0.95
 #: Smaller runs than the benchmark's own, on top of the scenario preset.
@@ -54,6 +65,18 @@ def link_for_ratio(params: BenchParams, f_s: float, ratio: float) -> tuple[float
     return latency_s * 1e6, gbps
 
 
+def _work_steps(params: BenchParams, timed_s: float) -> int:
+    """Timed steps for a work point: enough for ``timed_s`` seconds per
+    policy and repetition by a short serial probe, within
+    ``params.steps``..``WORK_MAX_STEPS``."""
+    probe = replace(params, policies=("serial",), steps=3, warmup=1, reps=1)
+    serial = _policy(run_bench(probe).report, "serial")
+    assert serial is not None
+    step_s = serial["per_layer_us"]["median"] * 1e-6 * params.layers
+    wanted = math.ceil(timed_s / step_s) if step_s > 0 else WORK_MAX_STEPS
+    return max(params.steps, min(WORK_MAX_STEPS, wanted))
+
+
 def _calibrate_f(base: BenchParams) -> float:
     probe = replace(base, policies=("serial",), steps=2, warmup=1, reps=1)
     return run_bench(probe).report["measured"]["f_us"] * 1e-6
@@ -67,6 +90,8 @@ def run_sweep(
     stage_ratio: float = DEFAULT_STAGE_RATIO,
     work_tokens: Sequence[int] = DEFAULT_WORK_TOKENS,
     work_hidden: Sequence[int] = DEFAULT_WORK_HIDDEN,
+    comm_cores: Sequence[int] | None = None,
+    work_timed_s: float = WORK_TIMED_S,
     progress: bool = False,
     log: Any = sys.stderr,
 ) -> dict[str, Any]:
@@ -74,8 +99,10 @@ def run_sweep(
     "stage_points", "work_points", "wall_s"}`` with each point's full
     benchmark report."""
     t0 = time.perf_counter()
-    f_s = _calibrate_f(base) if (ratios or stage_counts) else float("nan")
-    total = len(ratios) + len(stage_counts) + len(work_tokens) * len(work_hidden)
+    if comm_cores is None:
+        comm_cores = DEFAULT_COMM_CORES.get(base.device, ())
+    f_s = _calibrate_f(base) if (ratios or stage_counts or comm_cores) else float("nan")
+    total = len(ratios) + len(stage_counts) + len(comm_cores) + len(work_tokens) * len(work_hidden)
     done = 0
 
     def point(params: BenchParams, label: str) -> dict[str, Any]:
@@ -111,6 +138,20 @@ def run_sweep(
                 "report": report,
             }
         )
+    comm_core_points = []
+    for n in comm_cores:
+        lat, gbps = link_for_ratio(base, f_s, stage_ratio)
+        params = replace(base, comm_cores=n, link_latency_us=round(lat, 3), link_gbps=round(gbps, 6))
+        report = point(params, f"--comm-cores {n}, (a+e)/f = {stage_ratio:g}")
+        comm_core_points.append(
+            {
+                "comm_cores": n,
+                "target_ratio": stage_ratio,
+                "measured_ratio": report["measured"]["comm_over_ffn"],
+                "stages": base.stages,
+                "report": report,
+            }
+        )
     work_points = []
     for hidden, tokens in ((h, t) for h in work_hidden for t in work_tokens):
         params = replace(
@@ -124,6 +165,7 @@ def run_sweep(
             warmup=max(base.warmup, WORK_MIN_RUN["warmup"]),
             reps=max(base.reps, WORK_MIN_RUN["reps"]),
         )
+        params = replace(params, steps=_work_steps(params, work_timed_s))
         report = point(params, f"{tokens} tokens per stage, hidden {hidden}")
         work_points.append(
             {
@@ -140,6 +182,7 @@ def run_sweep(
         "f_calibration_us": None if f_s != f_s else round(f_s * 1e6, 3),
         "ratio_points": ratio_points,
         "stage_points": stage_points,
+        "comm_core_points": comm_core_points,
         "work_points": work_points,
         "wall_s": round(time.perf_counter() - t0, 3),
     }
@@ -163,7 +206,9 @@ def _cells(report: Mapping[str, Any], policies: Sequence[str]) -> list[str]:
             cells.append("-")
             continue
         eta = "-" if p["eta"] is None else f"{p['eta']:.2f}"
-        cells.append(f"{p['speedup']:.2f}x / {eta}")
+        ci = p.get("speedup_ci95")
+        interval = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+        cells.append(f"{p['speedup']:.2f}x{interval} / {eta}")
     cells.append("yes" if report["outputs_equal"] else "NO")
     return cells
 
@@ -171,16 +216,17 @@ def _cells(report: Mapping[str, Any], policies: Sequence[str]) -> list[str]:
 def adaptive_worst(sweep: Mapping[str, Any]) -> tuple[float, str] | None:
     """The lowest speedup of adaptive ``overlap`` over serial at any point, and where."""
     worst = None
-    for key in ("ratio_points", "stage_points", "work_points"):
+    for key in ("ratio_points", "stage_points", "comm_core_points", "work_points"):
         for pt in sweep.get(key, ()):
             p = _policy(pt["report"], "overlap")
             if p is not None and (worst is None or p["speedup"] < worst[0]):
-                where = (
-                    f"{pt['tokens']} tokens, hidden {pt['hidden']}"
-                    if key == "work_points"
-                    else f"{pt['stages']} stages"
-                )
-                worst = (p["speedup"], f"{key.split('_')[0]} point, {where}")
+                if key == "work_points":
+                    where = f"{pt['tokens']} tokens, hidden {pt['hidden']}"
+                elif key == "comm_core_points":
+                    where = f"{pt['comm_cores']} comm cores"
+                else:
+                    where = f"{pt['stages']} stages"
+                worst = (p["speedup"], f"{key.rsplit('_', 1)[0].replace('_', ' ')} point, {where}")
     return worst
 
 
@@ -212,6 +258,16 @@ def sweep_markdown(sweep: Mapping[str, Any], command: str | None = None) -> str:
             "stages",
             lambda pt: str(pt["stages"]),
             lambda pts: f"Per-layer time against the number of stages ((a+e)/f target {pts[0]['target_ratio']:g}):",
+        ),
+        (
+            "comm_core_points",
+            "comm cores",
+            lambda pt: str(pt["comm_cores"]),
+            lambda pts: (
+                f"Per-layer time against the cores each communication op keeps busy (--comm-cores; "
+                f"{pts[0]['stages']} stages, (a+e)/f target {pts[0]['target_ratio']:g}; 0 = communication "
+                "takes no compute):"
+            ),
         ),
         (
             "work_points",
