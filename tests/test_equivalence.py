@@ -1,5 +1,6 @@
 """Overlap == serial, bitwise, over hundreds of seeded random schedules, and
-every edge of the design holds in each recorded trace."""
+every edge of the design holds in each recorded trace: once per supported
+stack (``standin_stack``: that stack's runner stand-in and manifest)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import itertools
 import random
 from collections import defaultdict
 
+import pytest
 from _overlap_util import (
     Schedule,
     apply_cpu,
@@ -20,6 +22,8 @@ from _overlap_util import (
 
 from camp2p_overlap.core import trace
 from camp2p_overlap.core.process import ENGINE
+
+pytestmark = pytest.mark.usefixtures("standin_stack")
 
 N_SCHEDULES = 210
 MAX_DELAY_MS = 2.0
