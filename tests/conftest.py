@@ -155,14 +155,17 @@ def make_world() -> Callable[..., object]:
     return _make
 
 
-def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter of this venv; returns the result
-    (stdout/stderr as text). The caller asserts on returncode/output."""
+def run_python(
+    code: str, *, env: dict[str, str] | None = None, timeout: float = 120, python: str | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter of this venv (or ``python``, e.g.
+    the vLLM 0.26.0 venv's); returns the result (stdout/stderr as text). The
+    caller asserts on returncode/output."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CAMP2P")}
     full_env.update(env or {})
     full_env.setdefault("PYTHONPATH", str(REPO))
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
+        [python or sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
         text=True,
         env=full_env,
