@@ -16,6 +16,7 @@ COMMIT_SHOWN = 9
 #: Distribution names as published.
 VLLM_DIST = "vllm"
 AFD_PLUGIN_DIST = "vllm-afd-plugin"
+VLLM_ASCEND_DIST = "vllm-ascend"  # published as vllm_ascend; metadata names are normalized
 
 
 def installed_version(dist: str) -> str | None:
