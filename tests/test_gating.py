@@ -17,9 +17,11 @@ import torch
 from _overlap_util import (
     Schedule,
     SessionSpy,
+    apply_cpu,
     assert_same,
     assert_stack,
     bounded,
+    run_step,
     serial_results,
     spy_forward,
     world,
@@ -298,3 +300,26 @@ def test_planning_error_runs_the_original(monkeypatch: pytest.MonkeyPatch, logs:
     assert len(got) == 4
     (msg,) = logs.texts(GATE)
     assert "could not plan the step (ValueError" in msg
+
+
+def test_connector_wrappers_step_aside_between_steps() -> None:
+    """Outside a step (and outside a trace) wrapt calls the original
+    connector methods directly; inside a step, or while tracing, ours run."""
+    w = world(layers=2, stage_ids=(0, 1))
+    apply_cpu()
+    cls = type(w.connector)
+    wrappers = [vars(cls)[name] for name in ("recv_attn_output", "send_ffn_output")]
+    assert [fw._self_enabled() for fw in wrappers] == [False, False]
+    with trace.recording():
+        assert [fw._self_enabled() for fw in wrappers] == [True, True]
+    seen: list[bool] = []
+    compute = w.runner.model.compute_ffn_output
+
+    def spying_compute(**kw: Any) -> Any:  # runs on the loop thread, inside the step
+        seen.append(all(fw._self_enabled() for fw in wrappers))
+        return compute(**kw)
+
+    w.runner.model.compute_ffn_output = spying_compute
+    run_step(w)
+    assert seen == [True] * 4
+    assert [fw._self_enabled() for fw in wrappers] == [False, False]

@@ -23,6 +23,9 @@ Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 #: Set on every wrapper function a camp2p-overlap wrapper factory builds, so
 #: an installer recognises wrappers of another engine in the same process.
 MARK = "__camp2p_overlap_wrapper__"
+#: Attribute of a wrapper function: a no-argument callable telling whether
+#: the wrapper has anything to do on this call (wrapt's ``enabled``).
+ENABLED = "__camp2p_overlap_enabled__"
 
 
 @dataclass(eq=False)  # compared by identity
@@ -249,7 +252,12 @@ class Installer:
                     taken.spec = t
                     done.append(taken)
                     continue
-                handle = wrapt.wrap_function_wrapper(owner, t.attribute, wrappers[t.wrapper])  # type: ignore[index]
+                wrapper = wrappers[t.wrapper]  # type: ignore[index]
+                # A wrapper may name a cheap test of whether it has anything to
+                # do on this call; while it says no, wrapt's C code calls the
+                # original directly (no Python frame of ours, no re-dispatch).
+                enabled = getattr(wrapper, ENABLED, None)
+                handle = wrapt.wrap_object(owner, t.attribute, wrapt.FunctionWrapper, (wrapper, enabled))
                 self._handles.add(id(handle))
                 done.append(WrapRecord(mspec.name, owner, t.attribute, raw, handle, t))
         except Exception as exc:  # noqa: BLE001 - rolled back and reported

@@ -24,6 +24,12 @@ from camp2p_overlap.core.streams.streamset import StreamSetRegistry
 MAX_PENDING_TIMINGS = 64
 
 
+class _ThreadState(threading.local):
+    """What one thread's step holds: its session (None between steps)."""
+
+    session: OverlapSession | None = None
+
+
 class OverlapRuntime:
     def __init__(self) -> None:
         self.streamsets = StreamSetRegistry(range(MAX_STAGES))
@@ -31,7 +37,7 @@ class OverlapRuntime:
         self.adaptive = AdaptiveEngage()
         self.counters = StepCounters()
         #: Per thread: ``session``, the step's session while one runs.
-        self.local = threading.local()
+        self.local = _ThreadState()
         self._pending: deque[tuple[BucketKey, Mode, StreamBackend, Any]] = deque()
         self._pending_lock = threading.Lock()
         self._runner_names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
@@ -75,7 +81,7 @@ class OverlapRuntime:
 
     def active_session(self) -> OverlapSession | None:
         """The session of the step running on this thread, if any."""
-        return getattr(self.local, "session", None)
+        return self.local.session
 
     def set_session(self, session: OverlapSession | None) -> None:
         self.local.session = session

@@ -22,11 +22,13 @@ session holds nothing.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from camp2p_overlap.core.log import logger
@@ -49,7 +51,12 @@ class SessionError(RuntimeError):
 
 @dataclass(frozen=True)
 class StepPlan:
-    """The step as the loop will run it: ``for L in layers: for s in stages``."""
+    """The step as the loop will run it: ``for L in layers: for s in stages``.
+
+    What a session reads per (layer, stage) (the order, each layer's next,
+    the receive kwargs, event keys and op labels) is derived once per plan,
+    and plans are cached per step shape (:func:`step_plan`), so an engaged
+    step builds none of it."""
 
     layers: tuple[int, ...]
     stages: tuple[int, ...]
@@ -58,14 +65,67 @@ class StepPlan:
     recv_extra: Mapping[str, Any] = field(default_factory=dict)
 
     def order(self) -> list[StageLayer]:
-        return [(L, s) for L in self.layers for s in self.stages]
+        return list(self.sequence)
 
     def next_layer(self, layer: int) -> int | None:
-        i = self.layers.index(layer)
-        return self.layers[i + 1] if i + 1 < len(self.layers) else None
+        return self.next_of[layer]
 
     def recv_kwargs(self, layer: int, stage: int) -> dict[str, Any]:
-        return {"ubatch_idx": stage, "layer_idx": layer, **self.recv_extra}
+        return dict(self.recv_kw[(layer, stage)])
+
+    @cached_property
+    def sequence(self) -> tuple[StageLayer, ...]:
+        return tuple((L, s) for L in self.layers for s in self.stages)
+
+    @cached_property
+    def next_of(self) -> dict[int, int | None]:
+        following = (*self.layers[1:], None)
+        return dict(zip(self.layers, following, strict=True))
+
+    @cached_property
+    def recv_kw(self) -> dict[StageLayer, dict[str, Any]]:
+        """The receive kwargs of each (layer, stage); read, never mutated."""
+        return {(L, s): {"ubatch_idx": s, "layer_idx": L, **self.recv_extra} for L, s in self.sequence}
+
+    @cached_property
+    def keys(self) -> dict[StageLayer, OpKeys]:
+        return {(L, s): OpKeys.of(L, s) for L, s in self.sequence}
+
+
+@dataclass(frozen=True)
+class OpKeys:
+    """The event keys and op labels of one (layer, stage)."""
+
+    a_done: tuple[str, int, int]
+    f_done: tuple[str, int, int]
+    e_done: tuple[str, int, int]
+    e_done_c: tuple[str, int, int]
+    a2e_label: str
+    e2a_label: str
+
+    @classmethod
+    def of(cls, layer: int, stage: int) -> OpKeys:
+        return cls(
+            ("a", layer, stage),
+            ("f", layer, stage),
+            ("e", layer, stage),
+            ("ec", layer, stage),
+            f"a2e L{layer} s{stage}",
+            f"e2a L{layer} s{stage}",
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_plan(layers: tuple[int, ...], stages: tuple[int, ...], max_num_tokens: Hashable) -> StepPlan:
+    return StepPlan(layers, stages, {"max_num_tokens": max_num_tokens})
+
+
+def step_plan(layers: tuple[int, ...], stages: tuple[int, ...], max_num_tokens: Any) -> StepPlan:
+    """The plan of a step shape, built once per shape (and ``max_num_tokens``)."""
+    try:
+        return _cached_plan(layers, stages, max_num_tokens)
+    except TypeError:  # an unhashable max_num_tokens: not cached
+        return StepPlan(layers, stages, {"max_num_tokens": max_num_tokens})
 
 
 @dataclass(frozen=True)
@@ -107,6 +167,11 @@ def _identity(payload: Any) -> Any:
     return payload
 
 
+def _call_or(call: Callable[[], Any] | None, fn: Callable[..., Any], kw: Mapping[str, Any]) -> Callable[[], Any]:
+    """The loop's receive as it was made, or ``fn(**kw)``."""
+    return call if call is not None else (lambda: fn(**kw))
+
+
 class OverlapSession:
     """Drive one step. Not thread-safe: one loop thread calls it."""
 
@@ -129,7 +194,8 @@ class OverlapSession:
         #: The object whose calls this session serves (the runner's connector).
         self.connector = connector
         self.plan = plan
-        self.order = plan.order()
+        self.order = plan.sequence
+        self._keys = plan.keys
         self.backend = streamset.backend
         self.C = self.backend.compute_stream()
         self.K = {s: streamset.streams[s] for s in plan.stages}
@@ -165,31 +231,40 @@ class OverlapSession:
 
     # ------------------------------------------------------------------
     # events and ops
+    # Trace-only work (issue sequence numbers, host timestamps of waits and
+    # FFN spans) is done only while a recorder is active.
     def _record(self, stream: Stream, key: Hashable) -> Any:
-        seq = next(self._seq)
         ev = self.backend.record(stream, key)
         self._events[key] = ev
         if self._trace is not None:
             now = time.perf_counter_ns()
-            self._trace.event("record", key, stream.name, now, now, seq)
+            self._trace.event("record", key, stream.name, now, now, next(self._seq))
         return ev
 
     def _wait(self, stream: Stream, key: Hashable) -> None:
         ev = self._events.get(key)
         if ev is None:
             raise SessionError(f"wait on event {key!r} that was not recorded in this step")
+        if self._trace is None:
+            self.backend.wait(stream, ev)
+            return
         seq = next(self._seq)
         t0 = time.perf_counter_ns()
         self.backend.wait(stream, ev)
-        if self._trace is not None:
-            self._trace.event("wait", key, stream.name, t0, time.perf_counter_ns(), seq)
+        self._trace.event("wait", key, stream.name, t0, time.perf_counter_ns(), seq)
 
     def _submit(
-        self, stream: Stream, kind: str, layer: int | None, stage: int | None, fn: Callable[[], Any]
+        self,
+        stream: Stream,
+        kind: str,
+        layer: int | None,
+        stage: int | None,
+        fn: Callable[[], Any],
+        label: str | None = None,
     ) -> OpHandle:
         """Issue one connector op on ``stream``, remembered in issue order."""
-        seq = next(self._seq)
-        h = self.backend.submit(stream, fn, label=f"{kind} L{layer} s{stage}")
+        seq = next(self._seq) if self._trace is not None else -1
+        h = self.backend.submit(stream, fn, label=label or f"{kind} L{layer} s{stage}")
         self._ops.append(IssuedOp(kind, layer, stage, stream.name, h, seq))
         return h
 
@@ -201,12 +276,13 @@ class OverlapSession:
             h.release()
 
     def _ffn_started(self, key: StageLayer) -> None:
-        self._ffn_start[key] = (time.perf_counter_ns(), next(self._seq))
+        if self._trace is not None:
+            self._ffn_start[key] = (time.perf_counter_ns(), next(self._seq))
 
     def _ffn_ended(self, key: StageLayer) -> None:
-        t_end = time.perf_counter_ns()
-        t_start, seq = self._ffn_start.pop(key, (t_end, -1))
         if self._trace is not None:
+            t_end = time.perf_counter_ns()
+            t_start, seq = self._ffn_start.pop(key, (t_end, -1))
             self._trace.ffn(key[0], key[1], t_start, t_end, seq)
 
     # ------------------------------------------------------------------
@@ -220,10 +296,15 @@ class OverlapSession:
     def _issue_a2e(self, layer: int, stage: int) -> None:
         fn = self._recv_fn
         assert fn is not None
-        kw = self.plan.recv_kwargs(layer, stage)
-        self._a_handle[(layer, stage)] = self._submit(self.K[stage], "a2e", layer, stage, lambda: fn(**kw))
-        self._a_kwargs[(layer, stage)] = kw
-        self._record(self.K[stage], ("a", layer, stage))
+        key = (layer, stage)
+        kw = self.plan.recv_kw.get(key)
+        keys = self._keys.get(key)
+        if kw is None or keys is None:  # off the plan: only a broken schedule asks
+            kw, keys = {"ubatch_idx": stage, "layer_idx": layer, **self.plan.recv_extra}, OpKeys.of(layer, stage)
+        k = self.K[stage]
+        self._a_handle[key] = self._submit(k, "a2e", layer, stage, lambda: fn(**kw), keys.a2e_label)
+        self._a_kwargs[key] = kw
+        self._record(k, keys.a_done)
 
     # ------------------------------------------------------------------
     # the connector calls
@@ -231,15 +312,13 @@ class OverlapSession:
         """A receive of the loop: ``fn(**kw)`` is the connector's receive
         (used for prefetches); ``call`` runs the loop's call as it was made
         (default: ``fn(**kw)``). ``kw`` holds ``layer_idx`` and ``ubatch_idx``."""
-        kw = dict(kw)
-        run = call if call is not None else (lambda: fn(**kw))
         got = (kw.get("layer_idx"), kw.get("ubatch_idx"))
         if self.fallen_back:
-            return self._recv_after_fallback(kw, got, run)
+            return self._recv_after_fallback(dict(kw), got, _call_or(call, fn, kw))
         expected = self.order[self.pos] if self.pos < len(self.order) else None
-        if expected is None or got != expected or kw != self.plan.recv_kwargs(*expected):
+        if expected is None or got != expected or kw != self.plan.recv_kw[expected]:
             self._fall_back(expected, got, kw)
-            return self._recv_after_fallback(kw, got, run)
+            return self._recv_after_fallback(dict(kw), got, _call_or(call, fn, kw))
         L, s = expected
         if self.pos == 0:
             self._recv_fn = fn
@@ -249,7 +328,7 @@ class OverlapSession:
                     self._issue_a2e(self.plan.layers[0], stage)
         self.pos += 1
         if self.dir.a2e_side:
-            self._wait(self.C, ("a", L, s))
+            self._wait(self.C, self._keys[expected].a_done)
             payload = self._take_prefetched(L, s)
         else:
             # A2E on C: the group's previous E2A (on K_s) must be done first.
@@ -260,7 +339,7 @@ class OverlapSession:
                 failed = self.backend.step_errors([self.K[s]])
                 if failed:
                     raise failed[0]
-            payload = self._run_on_c("a2e", L, s, run)
+            payload = self._run_on_c("a2e", L, s, _call_or(call, fn, kw))
         # C has now waited an event recorded on K_s after every earlier E2A
         # of this stage: their FFN outputs may be freed.
         self._f_refs[s].clear()
@@ -296,27 +375,28 @@ class OverlapSession:
             self._fall_back(("send for a received (layer, stage)",), ("send", key, "stage", stage), {})
             return self._send_on_c(call, key)
         L, s = key
+        keys = self._keys[key]
         self._sent.add(key)
         self._ffn_ended(key)
-        self._record(self.C, ("f", L, s))
+        self._record(self.C, keys.f_done)
         if self.dir.e2a_side:
             k = self.K[s]
-            self._wait(k, ("f", L, s))
-            h = self._submit(k, "e2a", L, s, call)
-            self._record(k, ("e", L, s))
+            self._wait(k, keys.f_done)
+            h = self._submit(k, "e2a", L, s, call, keys.e2a_label)
+            self._record(k, keys.e_done)
             self._f_refs[s].append((output, context, call))
             self._inflight.pop(key, None)  # K_s has waited f_done(L, s)
             if h.done():
                 h.result()  # a host-side failure surfaces here, as in the serial path
-            self._e_done_c[s] = ("e", L, s)
+            self._e_done_c[s] = keys.e_done
         else:
-            self._submit(self.C, "e2a", L, s, call).result()
-            self._e_done_c[s] = ("ec", L, s)
-            self._record(self.C, ("ec", L, s))
-        nxt = self.plan.next_layer(L)
+            self._submit(self.C, "e2a", L, s, call, keys.e2a_label).result()
+            self._e_done_c[s] = keys.e_done_c
+            self._record(self.C, keys.e_done_c)
+        nxt = self.plan.next_of[L]
         if nxt is not None and self.dir.a2e_side:
             if not self.dir.e2a_side:
-                self._wait(self.K[s], ("ec", L, s))
+                self._wait(self.K[s], keys.e_done_c)
                 self._inflight.pop(key, None)
             self._issue_a2e(nxt, s)
         return None

@@ -3,6 +3,7 @@ engages the overlap, and with what plan; else the reason it runs serially."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from camp2p_overlap.core import camp2p
 from camp2p_overlap.core.config import MAX_STAGES
 from camp2p_overlap.core.installer import live_target
-from camp2p_overlap.core.session import Directions, StepPlan
+from camp2p_overlap.core.session import Directions, StepPlan, step_plan
 from camp2p_overlap.core.streams import BackendUnavailable, resolve_backend_name
 
 if TYPE_CHECKING:
@@ -65,12 +66,17 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], *, in_se
     layer_fn = live_target(engine.manifest, camp2p.LAYER_INDICES_TARGET)
     if layer_fn is None:
         return Decision("_ffn_layer_indices is not available")
-    layers = tuple(int(L) for L in layer_fn(runner))
+    layers = tuple(map(int, layer_fn(runner)))
     if not layers:
         return Decision("the step has no FFN layers")
     if len(set(layers)) != len(layers):
         return Decision(f"layer list repeats a layer: {list(layers)}")
     if kwargs.get("is_graph_capturing") and not cfg.graph:
         return Decision(GRAPH_OFF)
-    plan = StepPlan(layers, tuple(stages), {"max_num_tokens": getattr(runner, "max_num_tokens", None)})
-    return Decision(None, plan, backend, Directions(cfg.a2e_on_side_stream, cfg.e2a_on_side_stream))
+    plan = step_plan(layers, tuple(stages), getattr(runner, "max_num_tokens", None))
+    return Decision(None, plan, backend, _directions(cfg.a2e_on_side_stream, cfg.e2a_on_side_stream))
+
+
+@functools.lru_cache(maxsize=4)
+def _directions(a2e_side: bool, e2a_side: bool) -> Directions:
+    return Directions(a2e_side, e2a_side)

@@ -50,7 +50,7 @@ class StepGate:
                 self._active.pop(me, None)
             else:
                 self._active[me] = n
-            if not self._active:
+            if not self._active and self._drainers:  # only a drain waits on it
                 self._idle.notify_all()
 
     def running_here(self) -> bool:

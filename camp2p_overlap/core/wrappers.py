@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from camp2p_overlap.core import camp2p
 from camp2p_overlap.core.adaptive import BucketKey, pow2_ceil
-from camp2p_overlap.core.installer import MARK, Wrapper
+from camp2p_overlap.core.installer import ENABLED, MARK, Wrapper
 from camp2p_overlap.core.log import log_once
 from camp2p_overlap.core.runtime import OverlapRuntime
 from camp2p_overlap.core.step_decision import GRAPH_OFF, Decision, decide
@@ -49,8 +49,11 @@ def make_wrappers(engine: PatchEngine, *, runtime: OverlapRuntime) -> dict[str, 
         "recv_attn_output": recv_attn_output_factory(runtime),
         "send_ffn_output": send_ffn_output_factory(runtime),
     }
-    for fn in wrappers.values():
+    intercepting = intercepting_factory(runtime)
+    for name, fn in wrappers.items():
         setattr(fn, MARK, True)
+        if name != "ffn_forward":
+            setattr(fn, ENABLED, intercepting)
     return wrappers
 
 
@@ -202,11 +205,23 @@ def _serial_step(wrapped: Wrapped, args: Args, kwargs: Kwargs, recorder: TraceRe
 
 # ---------------------------------------------------------------------------
 # the CAMP2P connector
+def intercepting_factory(runtime: OverlapRuntime) -> Callable[[], bool]:
+    """Whether a connector wrapper has anything to do on this call: a step's
+    session runs on this thread, or a trace recorder is active. While not,
+    wrapt calls the original connector method directly."""
+    local = runtime.local
+
+    def intercepting() -> bool:
+        return local.session is not None or current_recorder() is not None
+
+    return intercepting
+
+
 def recv_attn_output_factory(runtime: OverlapRuntime) -> Wrapper:
-    local = runtime.local  # the pass-through path costs one attribute read
+    local = runtime.local
 
     def recv_attn_output(wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
-        session = getattr(local, "session", None)
+        session = local.session
         if session is not None and session.connector is instance:
             return session.recv(wrapped, camp2p.recv_kwargs(args, kwargs), lambda: wrapped(*args, **kwargs))
         recorder = current_recorder()
@@ -221,7 +236,7 @@ def send_ffn_output_factory(runtime: OverlapRuntime) -> Wrapper:
     local = runtime.local
 
     def send_ffn_output(wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
-        session = getattr(local, "session", None)
+        session = local.session
         if session is not None and session.connector is instance:
             output, context = camp2p.send_parts(args, kwargs)
             stage = camp2p.send_stage(context, kwargs)

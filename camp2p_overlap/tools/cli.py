@@ -1,4 +1,4 @@
-"""``camp2p-overlap {bench,sweep,doctor}``."""
+"""``camp2p-overlap {bench,sweep,overhead,doctor}``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import fields
 from typing import Any
 
 from camp2p_overlap.tools.bench.runner import POLICIES, POLICY_HELP, SCENARIO_HELP, SCENARIOS, BenchParams
+from camp2p_overlap.tools.overhead import OverheadParams
 
 BENCH_DESCRIPTION = """\
 Benchmark the FFN-side CAMP2P overlap on an emulated FFN rank: stand-ins of
@@ -154,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="camp2p-overlap",
         description="FFN-side CAMP2P A2E/E2A multi-stream overlap for vLLM + afd-plugin (0.19.1, 0.26.0): tools.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{bench,sweep,doctor}")
+    sub = parser.add_subparsers(dest="command", metavar="{bench,sweep,overhead,doctor}")
     sub.required = True
 
     bench = sub.add_parser(
@@ -232,6 +233,32 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--md", metavar="PATH", help="write the tables as Markdown")
     sweep.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer time against ratio and stages")
     sweep.add_argument("--json", metavar="PATH", help="write every point's full report as JSON")
+
+    overhead = sub.add_parser(
+        "overhead",
+        help="host cost of the project's own code per (layer, stage) and per wrapped call",
+        description="Time the wrappers, gate, adaptive bookkeeping, session and device backend alone: the "
+        "stand-in runner's loop over a no-op transport, a no-op FFN and a device module whose streams and "
+        "events do nothing. Per shape and round, blocks of unpatched, engaged (overlap on every step) and "
+        "pass-through (applied, adaptive engage decided for serial) steps run in a rotating order; each "
+        "timed step minus the round's median unpatched step, per (layer, stage) or per wrapped call, is one "
+        "sample. Prints medians and p90s; --json schema: docs/benchmark.md.",
+    )
+    overhead.add_argument("--layers", type=_ints, default=OverheadParams.layers, help="layer counts (default 4,16,61)")
+    overhead.add_argument("--stages", type=_ints, default=OverheadParams.stages, help="stage counts (default 1,2,3)")
+    overhead.add_argument(
+        "--steps", type=int, default=OverheadParams.steps, help="timed steps per block (default %(default)s)"
+    )
+    overhead.add_argument(
+        "--rounds", type=int, default=OverheadParams.rounds, help="rounds per shape (default %(default)s)"
+    )
+    overhead.add_argument(
+        "--delay-us",
+        type=float,
+        default=0.0,
+        help="busy wait added to every no-op receive: a cost outside our code, which must cancel out",
+    )
+    overhead.add_argument("--json", metavar="PATH", help="write the result as JSON")
 
     doctor = sub.add_parser(
         "doctor",
@@ -363,6 +390,29 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 1 if failed else 0
 
 
+def _overhead(args: argparse.Namespace) -> int:
+    from camp2p_overlap.tools.bench.report import write_json
+    from camp2p_overlap.tools.overhead import format_overhead, measure_overhead
+
+    params = OverheadParams(
+        layers=tuple(args.layers),
+        stages=tuple(args.stages),
+        steps=args.steps,
+        rounds=args.rounds,
+        delay_us=args.delay_us,
+    )
+    try:
+        params.validate()
+    except ValueError as exc:
+        return _fail(str(exc))
+    result = measure_overhead(params)
+    print(format_overhead(result))
+    if args.json:
+        write_json(args.json, result)
+        print(f"JSON: {args.json}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -370,6 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(args)
     if args.command == "sweep":
         return _sweep(args, argv)
+    if args.command == "overhead":
+        return _overhead(args)
     from camp2p_overlap.tools.doctor import main_doctor
 
     return main_doctor(as_json=args.json, stack=args.stack)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from camp2p_overlap.core.streams import make_backend
@@ -33,8 +33,10 @@ class StreamSet:
 class StreamSetRegistry:
     """The stream sets of one engine's runners, keyed by runner identity."""
 
-    def __init__(self, stage_ids: Sequence[int]) -> None:
+    def __init__(self, stage_ids: Sequence[int], make: Callable[[str, Any], StreamBackend] = make_backend) -> None:
         self._stage_ids = tuple(stage_ids)
+        #: Builds a backend from its name and the runner's device.
+        self._make = make
         self._lock = threading.Lock()
         self._sets: dict[int, tuple[str, StreamSet]] = {}
         #: The runner finalizer of each entry: detached when the set is closed
@@ -53,7 +55,7 @@ class StreamSetRegistry:
             entry = self._sets.get(key)
             if entry is not None and entry[0] == backend_name:
                 return entry[1]
-            backend = make_backend(backend_name, getattr(runner, "device", None))
+            backend = self._make(backend_name, getattr(runner, "device", None))
             if backend.is_capturing():
                 return None
             if entry is not None:

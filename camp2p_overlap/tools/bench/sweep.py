@@ -12,6 +12,7 @@ trace next to the target.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,11 @@ WORK_POLICIES = ("serial", "overlap", "overlap-fixed")
 #: The work-size points run at least the benchmark's own step counts: adaptive
 #: engage learns in a bucket's first 7 steps, which should not dominate.
 WORK_MIN_RUN = {"steps": 8, "warmup": 2, "reps": 3}
+#: Small work points run more steps, up to this many timed seconds per policy
+#: and repetition (and at most WORK_MAX_STEPS steps): at a few ms per step,
+#: 8 steps leave the medians a few per cent apart by noise alone.
+WORK_TIMED_S = 0.25
+WORK_MAX_STEPS = 96
 #: The goal for adaptive engage: never below this share of serial's speed.
 ADAPTIVE_FLOOR = 0.95
 #: Smaller runs than the benchmark's own, on top of the scenario preset.
@@ -54,6 +60,18 @@ def link_for_ratio(params: BenchParams, f_s: float, ratio: float) -> tuple[float
     return latency_s * 1e6, gbps
 
 
+def _work_steps(params: BenchParams, timed_s: float) -> int:
+    """Timed steps for a work point: enough for ``timed_s`` seconds per
+    policy and repetition by a short serial probe, within
+    ``params.steps``..``WORK_MAX_STEPS``."""
+    probe = replace(params, policies=("serial",), steps=3, warmup=1, reps=1)
+    serial = _policy(run_bench(probe).report, "serial")
+    assert serial is not None
+    step_s = serial["per_layer_us"]["median"] * 1e-6 * params.layers
+    wanted = math.ceil(timed_s / step_s) if step_s > 0 else WORK_MAX_STEPS
+    return max(params.steps, min(WORK_MAX_STEPS, wanted))
+
+
 def _calibrate_f(base: BenchParams) -> float:
     probe = replace(base, policies=("serial",), steps=2, warmup=1, reps=1)
     return run_bench(probe).report["measured"]["f_us"] * 1e-6
@@ -67,6 +85,7 @@ def run_sweep(
     stage_ratio: float = DEFAULT_STAGE_RATIO,
     work_tokens: Sequence[int] = DEFAULT_WORK_TOKENS,
     work_hidden: Sequence[int] = DEFAULT_WORK_HIDDEN,
+    work_timed_s: float = WORK_TIMED_S,
     progress: bool = False,
     log: Any = sys.stderr,
 ) -> dict[str, Any]:
@@ -124,6 +143,7 @@ def run_sweep(
             warmup=max(base.warmup, WORK_MIN_RUN["warmup"]),
             reps=max(base.reps, WORK_MIN_RUN["reps"]),
         )
+        params = replace(params, steps=_work_steps(params, work_timed_s))
         report = point(params, f"{tokens} tokens per stage, hidden {hidden}")
         work_points.append(
             {
@@ -163,7 +183,9 @@ def _cells(report: Mapping[str, Any], policies: Sequence[str]) -> list[str]:
             cells.append("-")
             continue
         eta = "-" if p["eta"] is None else f"{p['eta']:.2f}"
-        cells.append(f"{p['speedup']:.2f}x / {eta}")
+        ci = p.get("speedup_ci95")
+        interval = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+        cells.append(f"{p['speedup']:.2f}x{interval} / {eta}")
     cells.append("yes" if report["outputs_equal"] else "NO")
     return cells
 
