@@ -19,13 +19,12 @@ from _overlap_util import Schedule, SessionSpy, apply_cpu, assert_same, bounded,
 
 from camp2p_overlap.core import step_decision, trace
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.process import ENGINE
+from camp2p_overlap.core.process import ENGINE, RUNTIME
 from camp2p_overlap.core.streams import (
     BackendUnavailable,
     TorchDeviceBackend,
     device_module,
     make_backend,
-    streamset,
 )
 
 
@@ -132,7 +131,9 @@ class FakeDevice:
 def fake_device(monkeypatch: pytest.MonkeyPatch) -> FakeDevice:
     dev = FakeDevice()
     monkeypatch.setattr(step_decision, "resolve_backend_name", lambda requested, device: "fake")
-    monkeypatch.setattr(streamset, "make_backend", lambda name, device=None: TorchDeviceBackend("fake", dev))
+    # The process runtime's registry builds backends with the factory it was
+    # given (bound when it was made), not by looking the module name up.
+    monkeypatch.setattr(RUNTIME.streamsets, "_make", lambda name, device=None: TorchDeviceBackend("fake", dev))
     return dev
 
 
