@@ -25,6 +25,7 @@ from camp2p_overlap.core.streams import (
     TorchDeviceBackend,
     device_module,
     make_backend,
+    streamset,
 )
 
 
@@ -131,8 +132,8 @@ class FakeDevice:
 def fake_device(monkeypatch: pytest.MonkeyPatch) -> FakeDevice:
     dev = FakeDevice()
     monkeypatch.setattr(step_decision, "resolve_backend_name", lambda requested, device: "fake")
-    # The process runtime's registry builds backends with the factory it was
-    # given (bound when it was made), not by looking the module name up.
+    monkeypatch.setattr(streamset, "make_backend", lambda name, device=None: TorchDeviceBackend("fake", dev))
+    # The registry binds its backend factory when built: give the process-wide one the fake.
     monkeypatch.setattr(RUNTIME.streamsets, "_make", lambda name, device=None: TorchDeviceBackend("fake", dev))
     return dev
 

@@ -181,3 +181,85 @@ def test_backend_choice() -> None:
     b.close()
     assert resolve_backend_name("auto", torch.device("cuda")) == "cuda"
     assert resolve_backend_name("auto", "npu:0") == "npu"
+
+
+# ---------------------------------------------------------------------------
+# Device-like asynchrony: launched kernels, and the log of what streams did
+
+
+def test_a_kernel_launched_on_the_compute_stream_runs_at_once(backend: CpuBackend) -> None:
+    from camp2p_overlap.core.streams.cpu import launch
+
+    ran: list[str] = []
+    h = backend.submit(backend.compute_stream(), lambda: launch(lambda: ran.append("kernel")) or ran.append("op"))
+    assert h.done() and ran == ["kernel", "op"]
+    launch(lambda: ran.append("outside"))  # no backend at all: at once too
+    assert ran[-1] == "outside"
+
+
+def test_a_failed_kernel_poisons_its_stream_after_the_value_is_out(backend: CpuBackend) -> None:
+    from camp2p_overlap.core.streams.cpu import launch
+
+    k = backend.new_stream("K0")
+    gate = threading.Event()
+
+    def kernel() -> None:
+        gate.wait(10)
+        raise RuntimeError("kernel failed")
+
+    h = backend.submit(k, lambda: launch(kernel) or "value")
+    later = backend.submit(k, lambda: "never")
+    ev = backend.record(k, ("a", 0, 0))
+    assert h.result() == "value"  # out before its kernel ran (and failed)
+    gate.set()
+    backend.wait(backend.compute_stream(), ev)  # records still complete
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        h.result()  # after the wait the error is there
+    with pytest.raises(StreamPoisonedError):
+        later.result()
+    assert [str(e) for e in backend.step_errors([k])] == ["kernel failed"]
+
+
+def test_the_stream_log_holds_what_each_stream_performed(backend: CpuBackend) -> None:
+    k0, k1 = backend.new_stream("K0"), backend.new_stream("K1")
+    c = backend.compute_stream()
+    assert backend.start_log()
+    fork = backend.record(c, ("fork",))
+    backend.wait(k0, fork)
+    a = backend.record(k0, ("a", 0, 0))
+    backend.wait(c, a)
+    backend.wait(k1, a)  # queued, performed once K0 reached the record
+    j = backend.record(k1, ("join", 1))
+    backend.wait(c, j)
+    log = backend.stop_log()
+    got = [(e.stream, e.kind, e.key) for e in log]
+    assert sorted(got) == sorted(
+        [
+            ("C", "record", ("fork",)),
+            ("K0", "wait", ("fork",)),
+            ("K0", "record", ("a", 0, 0)),
+            ("C", "wait", ("a", 0, 0)),
+            ("K1", "wait", ("a", 0, 0)),
+            ("K1", "record", ("join", 1)),
+            ("C", "wait", ("join", 1)),
+        ]
+    )
+    assert [e.order for e in log] == sorted(e.order for e in log)
+    fired = {e.event: e.end_ns for e in log if e.kind == "record"}
+    for w in (e for e in log if e.kind == "wait"):
+        assert w.event in fired and w.end_ns >= fired[w.event]  # let go only once its event fired
+    assert {e.event for e in log if e.key == ("a", 0, 0)} == {a.seq}  # bound to the event itself
+    backend.wait(c, backend.record(k0, ("x",)))
+    assert backend.stop_log() == []  # closed: nothing more is logged
+
+
+def test_a_log_left_open_is_closed_by_the_next_step(backend: CpuBackend) -> None:
+    k = backend.new_stream("K0")
+    c = backend.compute_stream()
+    backend.start_log()
+    backend.begin_step([k])  # the step that opened it: kept
+    backend.wait(c, backend.record(c, ("a",)))
+    backend.begin_step([k])  # a later step that did not open it (the first never closed)
+    backend.wait(c, backend.record(c, ("b",)))
+    assert backend.stop_log() == []
+    assert k.log is None

@@ -1,6 +1,6 @@
 """The edge checker: it passes real traces and fails every kind of broken
-one, including broken schedules run end to end through a test-only session
-subclass (proof that it can fail where outputs alone cannot tell)."""
+one, on either record of the step's events (the session's, the backend's).
+Broken schedules run end to end are in test_missing_wait.py."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import dataclasses
 from typing import Any
 
 import pytest
-from _overlap_util import Schedule, apply_cpu, assert_same, run_step, serial_results, world
+from _overlap_util import Schedule, apply_cpu, run_step, world
 
 from camp2p_overlap.core import trace
-from camp2p_overlap.core.session import OverlapSession
 from camp2p_overlap.core.trace import ExpectedSchedule, TraceOp
 
 LAYERS = (0, 1, 2)
@@ -55,8 +54,17 @@ def test_real_traces_pass_for_every_direction_setting() -> None:
         ops, expected = _record(a2e, e2a)
         res = trace.check_step(ops, expected)
         assert res.ok, str(res)
+        assert any(o.source == "backend" for o in ops)  # ... read from what the streams performed
+        session = trace.check_step(ops, expected, source="session")
+        assert session.ok, str(session)  # and the session's record agrees
         # The same trace is not a serial trace: the checker tells them apart.
         assert not trace.check_step(ops, ExpectedSchedule.serial(LAYERS, STAGES)).ok
+
+
+def test_unknown_source_is_refused(good: Any) -> None:
+    ops, expected = good
+    with pytest.raises(ValueError, match="source must be auto, backend, session or device"):
+        trace.check_step(ops, expected, source="host")
 
 
 def test_missing_duplicated_and_unplanned_ops(good: Any) -> None:
@@ -122,81 +130,81 @@ def test_compute_stream_order_and_step_span(good: Any) -> None:
     assert "expected one step span, found 0" in _violations(broken, expected)
 
 
-def test_event_graph_edges(good: Any) -> None:
+def _without(ops: list[TraceOp], source: str, kind: str, detail: str, stream: str | None = None) -> list[TraceOp]:
+    """``ops`` less the ``source``'s record or wait of ``detail`` (on ``stream``)."""
+    drop = [
+        o
+        for o in ops
+        if o.kind == kind and o.source == source and o.detail == detail and (stream is None or o.stream == stream)
+    ]
+    assert drop, (kind, detail, source)
+    return [o for o in ops if all(o is not d for d in drop)]
+
+
+@pytest.mark.parametrize("source", ["session", "backend"])
+def test_event_graph_edges(good: Any, source: str) -> None:
+    """Both records of a step's events (what the session asked for, what the
+    CPU streams performed) build the same graph, and the checker fails each
+    missing edge on either."""
     ops, expected = good
+    assert any(o.source == "backend" for o in ops), "the CPU backend logs what its streams performed"
+    assert trace.check_step(ops, expected, source=source).ok
+
+    def violations(broken: list[TraceOp]) -> str:
+        res = trace.check_step(broken, expected, source=source)
+        assert not res.ok, "the checker accepted a broken trace"
+        return str(res)
+
     # A wait on an event never recorded in this step.
-    broken = [o for o in ops if not (o.kind == "record" and o.detail == "('a', 1, 0)")]
-    text = _violations(broken, expected)
+    text = violations(_without(ops, source, "record", "('a', 1, 0)"))
     assert "C waits on event ('a', 1, 0) that was not recorded before in this step" in text
     assert "edge 3 (FFN waits its A2E): nothing orders a2e(L1,s0) on K0 before ffn(L1,s0) on C" in text
 
     # The compute stream does not wait a_done (edge 3), K does not wait f_done (edge 4).
-    broken = [o for o in ops if not (o.kind == "wait" and o.detail == "('a', 2, 1)")]
-    assert "edge 3 (FFN waits its A2E): nothing orders a2e(L2,s1)" in _violations(broken, expected)
-    broken = [o for o in ops if not (o.kind == "wait" and o.detail == "('f', 0, 0)")]
-    assert "edge 4 (E2A waits its FFN): nothing orders ffn(L0,s0)" in _violations(broken, expected)
+    text = violations(_without(ops, source, "wait", "('a', 2, 1)"))
+    assert "edge 3 (FFN waits its A2E): nothing orders a2e(L2,s1)" in text
+    text = violations(_without(ops, source, "wait", "('f', 0, 0)"))
+    assert "edge 4 (E2A waits its FFN): nothing orders ffn(L0,s0)" in text
 
     # Fork and join.
-    broken = [o for o in ops if not (o.kind == "wait" and o.detail == "('fork',)" and o.stream == "K1")]
-    assert "edge 1 (fork): K1 starts with" in _violations(broken, expected)
-    broken = [o for o in ops if not (o.kind == "wait" and o.detail == "('join', 0)")]
-    assert "edge 7 (join): the work of K0 is not waited by C" in _violations(broken, expected)
+    assert "edge 1 (fork): K1 starts with" in violations(_without(ops, source, "wait", "('fork',)", "K1"))
+    text = violations(_without(ops, source, "wait", "('join', 0)"))
+    assert "edge 7 (join): the work of K0 is not waited by C" in text
 
-    # An edge between two stages' streams.
+    # An edge between two stages' streams: K1 waits an event recorded on K0.
     broken = list(ops)
-    i = _idx(broken, "wait", detail="('f', 1, 1)")
-    broken[i] = dataclasses.replace(broken[i], detail="('a', 1, 0)")
-    assert "K1 waits on event ('a', 1, 0) recorded on K0: an edge between stage streams" in _violations(
-        broken, expected
-    )
+    i = next(j for j, o in enumerate(broken) if o.kind == "wait" and o.source == source and o.detail == "('f', 1, 1)")
+    rec = next(o for o in broken if o.kind == "record" and o.source == source and o.detail == "('a', 1, 0)")
+    broken[i] = dataclasses.replace(broken[i], detail=rec.detail, event=rec.event)
+    text = violations(broken)
+    assert "K1 waits on event ('a', 1, 0) recorded on K0: an edge between stage streams" in text
 
-    # The lookahead A2E issued before its group's E2A (queue order on K0).
+    # The lookahead A2E queued before its group's E2A (stream order on K0).
     broken = list(ops)
     a, e = _idx(broken, "a2e", 1, 0), _idx(broken, "e2a", 0, 0)
-    broken[a] = dataclasses.replace(broken[a], seq=broken[e].seq - 1)
-    assert "edge 5/6 (lookahead A2E after its group's E2A): nothing orders e2a(L0,s0)" in _violations(broken, expected)
+    field = "seq" if source == "session" else "order"
+    broken[a] = dataclasses.replace(broken[a], **{field: getattr(broken[e], field) - 1})
+    assert "edge 5/6 (lookahead A2E after its group's E2A): nothing orders e2a(L0,s0)" in violations(broken)
 
 
-# ---------------------------------------------------------------------------
-# Broken schedules run end to end: outputs stay right on the CPU backend
-# (the host blocks on every result), the checker still catches them.
+def test_backend_waits_must_return_after_their_event_fired(good: Any) -> None:
+    """What only the backend's log can show: a wait that let its stream go
+    before the event fired (a broken backend), and an op the backend never
+    placed in its execution order."""
+    ops, expected = good
+    broken = list(ops)
+    key = "('a', 1, 1)"
+    i = next(j for j, o in enumerate(broken) if o.kind == "wait" and o.source == "backend" and o.detail == key)
+    rec = next(o for o in broken if o.kind == "record" and o.source == "backend" and o.detail == key)
+    broken[i] = dataclasses.replace(broken[i], end_ns=rec.end_ns - 1)
+    text = str(trace.check_step(broken, expected))
+    assert "C's wait on event ('a', 1, 1) returned before that event fired" in text
+    assert trace.check_step(broken, expected, source="session").ok  # the session's record cannot tell
 
-
-class NoComputeWaitOnADone(OverlapSession):
-    def _wait(self, stream: Any, key: Any) -> None:
-        if stream is self.C and key[0] == "a":
-            return
-        super()._wait(stream, key)
-
-
-class NoSideWaitOnFDone(OverlapSession):
-    def _wait(self, stream: Any, key: Any) -> None:
-        if stream is not self.C and key[0] == "f":
-            return
-        super()._wait(stream, key)
-
-
-@pytest.mark.parametrize(
-    ("broken", "message"),
-    [
-        (NoComputeWaitOnADone, "edge 3 (FFN waits its A2E): nothing orders a2e(L1,s0) on K0 before ffn(L1,s0) on C"),
-        (NoSideWaitOnFDone, "edge 4 (E2A waits its FFN): nothing orders ffn(L1,s1) on C before e2a(L1,s1) on K1"),
-    ],
-)
-def test_checker_fails_broken_sessions(monkeypatch: pytest.MonkeyPatch, broken: type, message: str) -> None:
-    from camp2p_overlap.core.process import RUNTIME
-
-    w = world(layers=3, stage_ids=STAGES)
-    sched = Schedule(3, STAGES, (8, 8), step=1)
-    (ref,) = serial_results(w, [sched])
-    apply_cpu()
-    monkeypatch.setattr(RUNTIME, "session_class", broken)
-    with trace.recording() as rec:
-        got = run_step(w, sched)
-    assert_same(got, ref)  # the outputs cannot tell ...
-    res = trace.check_step(rec.ops(rec.steps()[0]), ExpectedSchedule(LAYERS, STAGES, True, True))
-    assert not res.ok  # ... the checker can
-    assert message in str(res)
+    broken = list(ops)
+    f = _idx(broken, "ffn", 0, 1)
+    broken[f] = dataclasses.replace(broken[f], order=-1)
+    assert "ffn(L0,s1) on C has no place in the backend's execution order" in str(trace.check_step(broken, expected))
 
 
 def test_serial_trace_passes_serial_schedule_only() -> None:

@@ -202,7 +202,7 @@ class OverlapSession:
         self.dir = directions
         self.step_id = step_id
         self._context_of = context_of
-        self._trace = StepTrace(recorder, step_id) if recorder is not None else None
+        self._trace = StepTrace(recorder, step_id, self.backend) if recorder is not None else None
 
         self.pos = 0  # index in self.order of the next expected receive
         self.forked = False

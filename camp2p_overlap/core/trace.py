@@ -4,11 +4,19 @@ design (``docs/design.md``, "Edges") held in it.
 A recorder is opt-in (:func:`recording`); with none active, the wrappers pay
 nothing for tracing. Times are ``time.perf_counter_ns()`` on the host (CPU
 backend: real op times), or device times resolved from timing events when a
-device backend was asked for them.
+device backend was asked for them, or kernel times from a profiler trace
+(``core/device_timeline.py``).
+
+Two records of a step's events can be in a trace: the session's (what it
+asked for: ``source="session"``, in host issue order ``seq``) and the
+backend's (what the streams performed: ``source="backend"``, in execution
+order ``order``, each wait bound to the very event it waited on). The
+checker reads the backend's where there is one (the CPU backend keeps it).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 import json
@@ -35,6 +43,14 @@ class TraceOp:
     #: the order in which work was queued on its stream. -1 where unknown
     #: (the serial path, where start times give the order).
     seq: int = -1
+    #: Position in the backend's execution order (ops, and records and waits
+    #: the streams performed); -1 where the backend keeps none.
+    order: int = -1
+    #: The identity of the event a backend record or wait touched (-1: none).
+    event: int = -1
+    #: Who says this record or wait happened: "session" (it asked the backend)
+    #: or "backend" (a stream performed it).
+    source: str = "session"
 
     @property
     def duration_ns(self) -> int:
@@ -112,25 +128,31 @@ def recording(recorder: TraceRecorder | None = None) -> Iterator[TraceRecorder]:
             _active = previous
 
 
+def _key_stage(key: Hashable) -> tuple[int | None, int | None]:
+    """(layer, stage) named by an event key (``(kind, layer, stage)``, ``("join", stage)``)."""
+    if isinstance(key, tuple) and len(key) == 3:
+        return key[1], key[2]
+    if isinstance(key, tuple) and len(key) == 2 and key[0] == "join":
+        return None, key[1]
+    return None, None
+
+
 class StepTrace:
     """One engaged step's trace bookkeeping, kept apart from the schedule:
-    the session calls it only when a recorder is active."""
+    the session calls it only when a recorder is active. With a ``backend``
+    that keeps a stream log (CPU), the records and waits its streams
+    performed go into the trace as well, with every op's execution order."""
 
-    def __init__(self, recorder: TraceRecorder, step_id: int) -> None:
+    def __init__(self, recorder: TraceRecorder, step_id: int, backend: Any = None) -> None:
         self.recorder = recorder
         self.step_id = step_id
         self._ops: list[TraceOp] = []
+        self._backend = backend if backend is not None and backend.start_log() else None
 
     def event(self, kind: str, key: Hashable, stream: str, t0: int, t1: int, seq: int) -> None:
         """A record or a wait of the event named ``key`` (``(kind, layer, stage)``)."""
-        layer = key[1] if isinstance(key, tuple) and len(key) == 3 else None
-        if isinstance(key, tuple) and len(key) == 3:
-            stage = key[2]
-        elif isinstance(key, tuple) and len(key) == 2 and key[0] == "join":
-            stage = key[1]
-        else:
-            stage = None
-        self._ops.append(TraceOp(kind, layer, stage, stream, t0, t1, self.step_id, repr(key), seq))  # type: ignore[arg-type]
+        layer, stage = _key_stage(key)
+        self._ops.append(TraceOp(kind, layer, stage, stream, t0, t1, self.step_id, repr(key), seq))
 
     def ffn(self, layer: int, stage: int, t0: int, t1: int, seq: int) -> None:
         self._ops.append(TraceOp("ffn", layer, stage, "C", t0, t1, self.step_id, "", seq))
@@ -140,9 +162,52 @@ class StepTrace:
         ``(kind, layer, stage, stream, handle, seq)``."""
         for kind, layer, stage, stream, h, seq in ops:
             if h.start_ns is not None and h.end_ns is not None:
-                self._ops.append(TraceOp(kind, layer, stage, stream, h.start_ns, h.end_ns, self.step_id, "", seq))  # type: ignore[arg-type]
+                op = TraceOp(kind, layer, stage, stream, h.start_ns, h.end_ns, self.step_id, "", seq)  # type: ignore[arg-type]
+                op.order = _spaced(h.order)
+                self._ops.append(op)
+        if self._backend is not None:
+            self._add_stream_log(self._backend.stop_log())
+            self._backend = None
         self.recorder.extend(self._ops)
         self._ops = []
+
+    def _add_stream_log(self, log: Sequence[Any]) -> None:
+        """The records and waits the streams performed, and the FFN's place in
+        the compute stream's execution order. C is the host: its entries are
+        sequential in time, and the FFN ran between the wait that returned
+        before it started and the record that fired after it ended."""
+        performed = [
+            TraceOp(
+                e.kind,
+                *_key_stage(e.key),
+                e.stream,
+                e.start_ns,
+                e.end_ns,
+                self.step_id,
+                repr(e.key),
+                order=_spaced(e.order),
+                event=e.event,
+                source="backend",
+            )
+            for e in log
+        ]
+        on_c = sorted(
+            (o.end_ns, o.order)
+            for o in [*performed, *self._ops]
+            if o.stream == "C" and o.order >= 0 and o.kind != "ffn"
+        )
+        ends = [end for end, _ in on_c]
+        for o in self._ops:
+            if o.kind == "ffn":
+                i = bisect.bisect_right(ends, o.start_ns)
+                o.order = on_c[i - 1][1] + 1 if i else -1  # odd: right after that entry
+        self._ops.extend(performed)
+
+
+def _spaced(order: int) -> int:
+    """A backend execution order, doubled so that a host-side FFN can sit
+    between two entries of C (at an odd position)."""
+    return 2 * order if order >= 0 else -1
 
 
 # ---------------------------------------------------------------------------
@@ -190,18 +255,29 @@ class CheckResult:
         return "all edges held" if self.ok else "\n".join(self.violations)
 
 
-def check_step(ops: Sequence[TraceOp], expected: ExpectedSchedule) -> CheckResult:
+def check_step(ops: Sequence[TraceOp], expected: ExpectedSchedule, *, source: str = "auto") -> CheckResult:
     """Check that every edge of the design held in one step's trace.
 
     Two kinds of evidence: the timings (each op started after what it
     depends on ended; no two ops of one stage group at once; C ran one op at
     a time in the loop's order; everything inside the step span), and the
-    event graph rebuilt from the issue order (``seq``) of every op, record
-    and wait: each dependency (edges 3, 4, 5/6) must be a path of stream
+    event graph: each dependency (edges 3, 4, 5/6) must be a path of stream
     order and record->wait edges, each side stream must start with a wait on
     C (fork) and end before a wait of C after its last op (join), no wait
-    may bind to an event not recorded earlier in the step, and no side
-    stream may wait on another stage's stream."""
+    may bind to an event not recorded in the step, and no side stream may
+    wait on another stage's stream.
+
+    ``source`` says whose records and waits build the graph: ``"backend"``
+    (what the streams performed, in execution order, each wait bound to the
+    event it waited on and satisfied only after that event fired),
+    ``"session"`` (what the session asked for, in issue order, a wait bound
+    to the latest record of its name), ``"device"`` (a profiler's kernel
+    timeline, ``core/device_timeline.py``: device times only, no event
+    graph), or ``"auto"``: the backend's where the trace has them."""
+    if source not in ("auto", "backend", "session", "device"):
+        raise ValueError(f"source must be auto, backend, session or device, not {source!r}")
+    if source == "auto":
+        source = "backend" if any(o.source == "backend" for o in ops) else "session"
     res = CheckResult()
     bad = res.violations.append
     by: dict[tuple[str, int | None, int | None], list[TraceOp]] = defaultdict(list)
@@ -278,7 +354,8 @@ def check_step(ops: Sequence[TraceOp], expected: ExpectedSchedule) -> CheckResul
             bad(f"{o.kind}(L{o.layer},s{o.stage}) started on C before {prev.kind}(L{prev.layer},s{prev.stage}) ended")
         prev = o
 
-    _check_event_graph(ops, expected, plan, one, bad)
+    if source != "device":
+        _check_event_graph(ops, expected, plan, one, bad, source)
 
     # Edges 1 and 7: everything inside the step (fork and join).
     steps = [o for o in ops if o.kind == "step"]
@@ -298,16 +375,22 @@ def _check_event_graph(
     plan: list[tuple[int, int]],
     one: Callable[[str, int, int], TraceOp | None],
     bad: Callable[[str], None],
+    source: str = "session",
 ) -> None:
-    """Rebuild what was queued on each stream, in issue order, and the event
-    edges (record -> wait) between streams, and check that every edge of the
+    """Rebuild what ran on each stream, in order, and the event edges
+    (record -> wait) between streams, and check that every edge of the
     design is a path in that graph: a proof by construction, independent of
-    how the timings happened to fall (on the CPU backend, C blocks on every
-    result anyway, so a missing wait would not show in the timings)."""
-    nodes = [o for o in ops if o.kind in ("a2e", "ffn", "e2a", "record", "wait")]
+    how the timings happened to fall."""
+    nodes = [o for o in ops if o.kind in ("a2e", "ffn", "e2a") or (o.kind in ("record", "wait") and o.source == source)]
     if not nodes:
         return
-    if all(o.seq >= 0 for o in nodes):
+    if source == "backend":
+        unordered = [o for o in nodes if o.order < 0]
+        for o in unordered:
+            bad(f"{o.kind}(L{o.layer},s{o.stage}) on {o.stream} has no place in the backend's execution order")
+        nodes = [o for o in nodes if o.order >= 0]
+        order = sorted(range(len(nodes)), key=lambda i: nodes[i].order)
+    elif all(o.seq >= 0 for o in nodes):
         order = sorted(range(len(nodes)), key=lambda i: nodes[i].seq)
     else:  # serial path: host order
         order = sorted(range(len(nodes)), key=lambda i: (nodes[i].start_ns, nodes[i].end_ns))
@@ -321,9 +404,12 @@ def _check_event_graph(
     for seq in per_stream.values():
         for a, b in itertools.pairwise(seq):
             succ[a].append(b)
-    # Events: a wait orders after the latest record of that event issued
-    # before it, in this step. Never a wait on an event not recorded.
+    # Events. Session: a wait orders after the latest record of that name
+    # issued before it. Backend: after the record of the very event it waited
+    # on, and it must not have returned before that event fired. Never a wait
+    # on an event not recorded in this step.
     latest: dict[str, int] = {}
+    by_event = {o.event: i for i, o in enumerate(nodes) if o.kind == "record" and source == "backend"}
     recorded_on: dict[int, str] = {}
     for i in order:
         o = nodes[i]
@@ -331,10 +417,14 @@ def _check_event_graph(
             latest[o.detail] = i
             recorded_on[i] = o.stream
         elif o.kind == "wait":
-            j = latest.get(o.detail)
+            j = by_event.get(o.event) if source == "backend" else latest.get(o.detail)
             if j is None:
                 bad(f"{o.stream} waits on event {o.detail} that was not recorded before in this step")
                 continue
+            if source == "backend":
+                recorded_on[j] = nodes[j].stream
+                if o.end_ns < nodes[j].end_ns:
+                    bad(f"{o.stream}'s wait on event {o.detail} returned before that event fired")
             if o.stream != "C" and recorded_on[j] not in ("C", o.stream):
                 bad(f"{o.stream} waits on event {o.detail} recorded on {recorded_on[j]}: an edge between stage streams")
             succ[j].append(i)
@@ -355,8 +445,8 @@ def _check_event_graph(
         return got
 
     def before(x: TraceOp | None, y: TraceOp | None, what: str) -> None:
-        if x is None or y is None:
-            return
+        if x is None or y is None or id(x) not in index or id(y) not in index:
+            return  # missing, or reported above as outside the execution order
         if index[id(y)] not in reach(index[id(x)]):
             bad(
                 f"{what}: nothing orders {x.kind}(L{x.layer},s{x.stage}) on {x.stream} before "
@@ -408,6 +498,10 @@ def to_chrome_trace(ops: Sequence[TraceOp], process: str = "camp2p-overlap", pid
     (thread) per stream, named ``C``, ``K0``, ``K1`` ..."""
     if not ops:
         return []
+    # Where the backend says what its streams performed, show that (not also
+    # what the session asked for).
+    performed = {o.step for o in ops if o.source == "backend"}
+    ops = [o for o in ops if not (o.kind in ("record", "wait") and o.source == "session" and o.step in performed)]
     origin = min(o.start_ns for o in ops)
     streams = sorted({o.stream for o in ops}, key=lambda n: (n != "C", n))
     tids = {name: i + 1 for i, name in enumerate(streams)}
@@ -418,6 +512,8 @@ def to_chrome_trace(ops: Sequence[TraceOp], process: str = "camp2p-overlap", pid
     for o in ops:
         if o.kind == "step":
             label = f"step {o.step}"
+        elif o.kind == "kernel":
+            label = o.detail or o.kind
         elif o.layer is None:
             label = o.kind
         else:
@@ -431,7 +527,7 @@ def to_chrome_trace(ops: Sequence[TraceOp], process: str = "camp2p-overlap", pid
                 "tid": tids[o.stream],
                 "ts": (o.start_ns - origin) / 1000.0,
                 "dur": max(o.end_ns - o.start_ns, 0) / 1000.0,
-                "args": {"layer": o.layer, "stage": o.stage, "step": o.step, "detail": o.detail},
+                "args": {"layer": o.layer, "stage": o.stage, "step": o.step, "detail": o.detail, "source": o.source},
             }
         )
     return events

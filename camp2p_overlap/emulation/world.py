@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from camp2p_overlap.core.streams.cpu import launch
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.moe import MoEFFN, MoEShape
 
@@ -89,8 +90,14 @@ class AttentionInputs:
         g = torch.Generator().manual_seed(seed + 7919)
         self.base = [torch.randn(max_tokens, hidden, generator=g).to(device=device, dtype=dtype) for _ in range(pool)]
 
-    def hidden(self, step: int, layer: int, num_tokens: int, last: torch.Tensor | None) -> torch.Tensor:
+    def hidden(
+        self, step: int, layer: int, num_tokens: int, last: torch.Tensor | None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The hidden states attention sends; written into ``out`` when given
+        (the same values, bit for bit)."""
         base = self.base[(layer + step) % len(self.base)][:num_tokens]
+        if out is not None:
+            return out.copy_(base) if last is None else torch.add(base, 0.5 * torch.tanh(last[:num_tokens]), out=out)
         return base.clone() if last is None else base + 0.5 * torch.tanh(last[:num_tokens])
 
 
@@ -157,6 +164,17 @@ class EmulatedTransport:
     def a2e(
         self, *, group: str, stage: int, layer: int, num_tokens: int, max_num_tokens: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like the ``a2e`` custom op: allocate the receive buffer and launch
+        the kernel that fills it (on a CPU side stream it runs after this
+        returns; on the compute stream at once). The buffer starts as NaN,
+        the pattern a debug allocator leaves: a reader that did not wait for
+        the kernel sees it, and its output cannot equal the serial run's."""
+        n = int(num_tokens)
+        hidden = torch.full((n, self.hidden), float("nan"), dtype=self.dtype)
+        launch(lambda: self._a2e_kernel(group, stage, layer, n, hidden))
+        return hidden, torch.tensor([n])
+
+    def _a2e_kernel(self, group: str, stage: int, layer: int, n: int, out: torch.Tensor) -> None:
         p = self.peers[stage]
         what = f"a2e(L{layer}) on {group}"
         self._enter(p, what)
@@ -184,20 +202,31 @@ class EmulatedTransport:
                         wait = min(wait, p.ready_at - now)
                     p.cond.wait(max(wait, 0.0))
                 last = p.last_out
-            n = int(num_tokens)
             time.sleep(self.link.seconds(n * self.hidden * self._itemsize()))
-            hidden = self.inputs.hidden(self.step, layer, n, last)
+            self.inputs.hidden(self.step, layer, n, last, out=out)
             with p.cond:
                 p.next_a2e += 1
                 p.ready_at = None
                 p.awaiting_e2a = layer
-            return hidden, torch.tensor([n])
         finally:
             self._leave(p)
 
     def e2a(
         self,
         *,
+        group: str,
+        stage: int,
+        layer: int,
+        routed: torch.Tensor,
+        shared: torch.Tensor | None,
+        atten_batch_size: torch.Tensor,
+    ) -> None:
+        """Like the ``e2a`` custom op: launch the kernel that reads the FFN
+        output and delivers it (on a side stream, after this returns)."""
+        launch(lambda: self._e2a_kernel(group, stage, layer, routed, shared, atten_batch_size))
+
+    def _e2a_kernel(
+        self,
         group: str,
         stage: int,
         layer: int,

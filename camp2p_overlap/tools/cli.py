@@ -43,7 +43,7 @@ what is reported:
   outputs         every timed and traced step of every policy compared bitwise
                   (torch.equal) with the serial run of the same step id
   edges           the trace checker (camp2p_overlap.core.trace.check_step) on each
-                  policy's traced step (CPU only)
+                  policy's traced step (CPU; on a device see --profile-trace)
 
 --device cpu: the compute stream is the calling thread, side streams are the
 cpu backend's worker threads. --device cuda|npu: bf16 FFN matmuls on the
@@ -175,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--plot", metavar="PATH", help="write a PNG: timeline of one step per policy and per-layer time (matplotlib)"
+    )
+    bench.add_argument(
+        "--profile-trace",
+        metavar="PATH",
+        help="--device cuda|npu: profile one overlapped step (torch.profiler / torch_npu.profiler), check its edges "
+        "on the device kernel times, and write its per-stream kernel timelines as Chrome trace JSON",
     )
 
     from camp2p_overlap.tools.bench.sweep import (
@@ -325,17 +331,30 @@ def _bench(args: argparse.Namespace) -> int:
         params = resolve_params(_explicit(args), args.scenario)
     except ValueError as exc:
         return _fail(str(exc))
+    if args.profile_trace and params.device == "cpu":
+        from camp2p_overlap.tools.bench.runner import PROFILE_NEEDS_DEVICE
+
+        return _fail(PROFILE_NEEDS_DEVICE)
     why = _preflight(params.device, args.plot)
     if why:
         return _fail(why)
-    run = run_bench(params, progress=not args.no_progress)
+    run = run_bench(params, progress=not args.no_progress, profile_trace=args.profile_trace)
     print(bench_table(run.report))
+    prof = run.report.get("profile")
+    if prof is not None:
+        state = "held" if prof["edges_ok"] else "FAILED: " + "; ".join(prof["edge_violations"][:3])
+        print(f"profiled step: {prof['ops']} ops on streams {prof['streams']}; device-time edges {state}")
     write_outputs(run, json_path=args.json, trace_path=args.trace)
     if args.plot:
         from camp2p_overlap.tools.bench.plot import bench_plot
 
         bench_plot(run.timelines, run.report, args.plot)
-    for what, path in (("JSON", args.json), ("trace", args.trace), ("plot", args.plot)):
+    for what, path in (
+        ("JSON", args.json),
+        ("trace", args.trace),
+        ("plot", args.plot),
+        ("profile trace", args.profile_trace),
+    ):
         if path:
             print(f"{what}: {path}")
     return 1 if problems(run.report) else 0

@@ -42,6 +42,8 @@ class OpHandle(abc.ABC):
 
     start_ns: int | None = None
     end_ns: int | None = None
+    #: Position in the backend's execution order (-1: the backend keeps none).
+    order: int = -1
 
     @abc.abstractmethod
     def result(self) -> Any: ...
@@ -58,7 +60,7 @@ class OpHandle(abc.ABC):
 class DoneHandle(OpHandle):
     """A handle for work that already ran on the host."""
 
-    __slots__ = ("_exc", "_value", "end_ns", "start_ns")
+    __slots__ = ("_exc", "_value", "end_ns", "order", "start_ns")
 
     def __init__(
         self,
@@ -66,11 +68,13 @@ class DoneHandle(OpHandle):
         exc: BaseException | None = None,
         start_ns: int | None = None,
         end_ns: int | None = None,
+        order: int = -1,
     ) -> None:
         self._value = value
         self._exc = exc
         self.start_ns = start_ns
         self.end_ns = end_ns
+        self.order = order
 
     def result(self) -> Any:
         if self._exc is not None:
@@ -129,6 +133,18 @@ class StreamBackend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release threads or other resources held by streams."""
+
+    # -- what the streams did (traces) ------------------------------------
+    def start_log(self) -> bool:
+        """Start logging the records and waits the streams perform; False
+        when this backend cannot (device backends: the host only enqueues
+        them; their device truth comes from the profiler)."""
+        return False
+
+    def stop_log(self) -> list[Any]:
+        """The records and waits performed since :meth:`start_log`
+        (``StreamLogEntry`` of the CPU backend), in execution order."""
+        return []
 
     # -- step timing for adaptive engage: never blocks the host -------------
     def timing_start(self) -> Any:

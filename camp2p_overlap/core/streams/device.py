@@ -4,12 +4,18 @@ and ``torch.cuda`` share the stream/event API shape, so one class serves both.
 Events are pooled by key (kind, layer, stage) and reused across steps: a
 wait captures the most recent record at the time it is enqueued, and the
 pool keeps graph capture from creating events step after step.
+
+While :attr:`TorchDeviceBackend.annotate` is on, every op, record and wait
+is issued inside a profiler range named ``camp2p:...`` (what
+``core/device_timeline.py`` reads back from a profiler trace); off, the
+methods are the plain ones (no per-op cost).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -25,6 +31,9 @@ class TorchDeviceBackend(StreamBackend):
         self.mod = device_module
         self.device = device
         self._events: dict[Hashable, Any] = {}
+        #: id(event) -> its key (events are pooled per key), for annotations.
+        self._keys: dict[int, Hashable] = {}
+        self._annotate = False
         #: When set, ops are bracketed with timing events for traces.
         self.timing = False
         self._timed: list[tuple[DoneHandle, Any, Any]] = []
@@ -65,11 +74,42 @@ class TorchDeviceBackend(StreamBackend):
         event = self._events.get(key)
         if event is None:
             event = self._events[key] = self.mod.Event()
+            self._keys[id(event)] = key
         event.record(stream)
         return event
 
     def wait(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
+
+    # -- profiler annotations ------------------------------------------
+    @property
+    def annotate(self) -> bool:
+        """Issue ops, records and waits inside ``camp2p:`` profiler ranges."""
+        return self._annotate
+
+    @annotate.setter
+    def annotate(self, on: bool) -> None:
+        self._annotate = bool(on)
+        if on:
+            self.submit = self._annotated_submit  # type: ignore[method-assign]
+            self.record = self._annotated_record  # type: ignore[method-assign]
+            self.wait = self._annotated_wait  # type: ignore[method-assign]
+        else:
+            for name in ("submit", "record", "wait"):
+                self.__dict__.pop(name, None)
+
+    def _annotated_submit(self, stream: Any, fn: Callable[[], Any], label: str = "op") -> OpHandle:
+        with profiler_range(f"camp2p:{label}"):
+            return TorchDeviceBackend.submit(self, stream, fn, label)
+
+    def _annotated_record(self, stream: Any, key: Hashable) -> Any:
+        with profiler_range(f"camp2p:record {_stream_name(stream)} {key!r}"):
+            return TorchDeviceBackend.record(self, stream, key)
+
+    def _annotated_wait(self, stream: Any, event: Any) -> None:
+        key = self._keys.get(id(event), "?")
+        with profiler_range(f"camp2p:wait {_stream_name(stream)} {key!r}"):
+            TorchDeviceBackend.wait(self, stream, event)
 
     def is_capturing(self) -> bool:
         fn = getattr(self.mod, "is_current_stream_capturing", None)
@@ -120,6 +160,19 @@ class TorchDeviceBackend(StreamBackend):
             handle.end_ns = self._origin_ns + int(self._origin.elapsed_time(end_ev) * 1e6)
         self._timed.clear()
         self.timing = False
+
+
+@contextlib.contextmanager
+def profiler_range(name: str) -> Iterator[None]:
+    """A host range in a profiler trace (``torch.profiler.record_function``)."""
+    from torch.profiler import record_function
+
+    with record_function(name):
+        yield
+
+
+def _stream_name(stream: Any) -> str:
+    return str(getattr(stream, "name", "?"))
 
 
 def _name(stream: Any, name: str) -> None:

@@ -51,6 +51,12 @@ def problems(report: Mapping[str, Any]) -> list[str]:
         fixed = not p.get("adaptive", False)  # adaptive engage may rightly choose the serial path
         if p["policy"] != "serial" and fixed and not p["engaged"] and len(report["stages"]) >= 2:
             out.append(f"{p['policy']}: the overlap did not engage (ran the serial path)")
+    prof = report.get("profile")
+    if prof is not None:
+        if not prof["edges_ok"]:
+            out.append(f"profiled step: device-time edge check failed ({'; '.join(prof['edge_violations'][:3])})")
+        if prof["outputs_equal"] is False:
+            out.append("profiled step: outputs differ from the serial run")
     return out
 
 

@@ -53,6 +53,10 @@ from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.world import LinkModel, WorldSpec, build_world
 
 SCHEMA = "camp2p-overlap/bench/v1"
+PROFILE_NEEDS_DEVICE = (
+    "--profile-trace needs --device cuda or npu (device kernels come from the device profiler); "
+    "on the CPU backend the edge checker already reads what the streams performed (--trace)"
+)
 #: eta is reported only when T_serial - T_floor is at least this share of T_serial.
 ETA_MIN_HIDEABLE = 0.05
 
@@ -332,8 +336,14 @@ def _compare(
     return None
 
 
-def run_bench(params: BenchParams, *, progress: bool = False, progress_desc: str = "bench") -> BenchRun:
-    """Run the benchmark described by ``params`` (see the module docstring)."""
+def run_bench(
+    params: BenchParams, *, progress: bool = False, progress_desc: str = "bench", profile_trace: str | None = None
+) -> BenchRun:
+    """Run the benchmark described by ``params`` (see the module docstring).
+    ``profile_trace`` (device runs only): also profile one overlapped step
+    and write its device timelines there (``tools/bench/profile.py``)."""
+    if profile_trace and params.device == "cpu":
+        raise ValueError(PROFILE_NEEDS_DEVICE)
     params.validate()
     wall0 = time.perf_counter()
     previous_threads = torch.get_num_threads()
@@ -344,10 +354,24 @@ def run_bench(params: BenchParams, *, progress: bool = False, progress_desc: str
         stats = _run_policies(params, handle, site.manifest, progress, progress_desc)
         layers = tuple(handle.world.layer_list())
         stages = tuple(handle.world.spec.stage_ids)
+        profiled = None
+        if profile_trace:
+            from camp2p_overlap.tools.bench.profile import profile_device_step
+
+            profiled = profile_device_step(
+                handle.world,
+                kind=params.device,
+                manifest=site.manifest,
+                layers=layers,
+                stages=stages,
+                path=profile_trace,
+            )
     finally:
         release_site(site)
         torch.set_num_threads(previous_threads)
     report = _report(params, handle, site.root, layers, stages, stats, time.perf_counter() - wall0)
+    if profiled is not None:
+        report["profile"] = profiled
     return BenchRun(report, {name: s.timeline for name, s in stats.items()})
 
 
