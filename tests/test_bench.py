@@ -80,6 +80,8 @@ TOP_KEYS = {
     "backend": str,
     "scenario": (str, type(None)),
     "stand_in_root": str,
+    "comm_model": str,
+    "attn_modeled": bool,
     "params": dict,
     "ffn_layers": int,
     "stages": list,
@@ -121,6 +123,9 @@ POLICY_KEYS = {
     "edges_checked": bool,
     "edges_ok": (bool, type(None)),
     "edge_violations": list,
+    "peer_cycle_ok": (bool, type(None)),
+    "peer_cycle_checked_steps": int,
+    "peer_cycle_violations": list,
 }
 ENV_KEYS = {"python": str, "torch": str, "torch_threads": int, "cpu_count": int, "machine": str}
 
@@ -457,7 +462,7 @@ def test_help_documents_the_metrics(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_sweep_writes_markdown_plot_and_json(tmp_path: Path) -> None:
     md, png, js = tmp_path / "s.md", tmp_path / "s.png", tmp_path / "s.json"
-    args = ["sweep", *TINY, "--reps", "1", "--ratios", "0.5,2", "--stage-counts", "1,2"]
+    args = ["sweep", *TINY, "--reps", "1", "--ratios", "0.5,2", "--stage-counts", "1,2", "--comm-core-points", "none"]
     work = ["--work-tokens", "1,4", "--work-hidden", "16"]
     rc = cli.main([*args, *work, "--md", str(md), "--plot", str(png), "--json", str(js)])
     assert rc == 0
@@ -511,3 +516,16 @@ def test_bench_on_cuda(tmp_path: Path) -> None:
     by = {p["policy"]: p for p in r["policies"]}
     assert by["overlap-fixed"]["engaged"] is True
     assert r["outputs_equal"] is True
+
+
+@pytest.mark.gpu
+def test_bench_on_cuda_with_contention_models_the_peer(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out = tmp_path / "b.json"
+    assert cli.main(["bench", "--device", "cuda", *TINY, "--comm-cores", "4", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["attn_modeled"] is True and r["comm_model"].startswith("nvrtc"), r["comm_model"]
+    assert "4 SM(s) held per op" in r["comm_model"]
+    assert r["outputs_equal"] is True
+    assert all(p["peer_cycle_ok"] is True for p in r["policies"])

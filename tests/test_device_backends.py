@@ -15,7 +15,17 @@ from typing import Any
 
 import pytest
 import torch
-from _overlap_util import Schedule, SessionSpy, apply_cpu, assert_same, bounded, run_step, serial_results, world
+from _overlap_util import (
+    SHAPE,
+    Schedule,
+    SessionSpy,
+    apply_cpu,
+    assert_same,
+    bounded,
+    run_step,
+    serial_results,
+    world,
+)
 
 from camp2p_overlap.core import step_decision, trace
 from camp2p_overlap.core.config import OverlapConfig
@@ -244,18 +254,46 @@ def test_emulated_world_on_a_real_device(monkeypatch: pytest.MonkeyPatch, kind: 
     why = _device_ready(kind)
     if why:
         pytest.skip(why)
+    from camp2p_overlap.emulation.engine import emulated_layer, release_site, standin_site
+    from camp2p_overlap.emulation.world import WorldSpec, build_world
+
     device = torch.device(kind, 0)
-    w = world(layers=6, stage_ids=(0, 1, 2), device=kind)
-    _on_device(w, device)
-    scheds = [Schedule(6, (0, 1, 2), (16, 9, 4), step=i + 1) for i in range(3)]
-    refs = serial_results(w, scheds)
-    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend=kind, adaptive=False))
-    sessions = SessionSpy(monkeypatch)
-    for sched, ref in zip(scheds, refs, strict=True):
-        got = bounded(lambda sched=sched: run_step(w, sched), timeout=120)
-        device_module(kind).synchronize()
-        assert_same(got, ref)
-    assert sessions.count == len(scheds)
+    # The emulation's own engine: the process-wide one refuses where vLLM
+    # 0.19.1 is not installed (a GPU box typically has no vLLM).
+    site = standin_site()
+    try:
+        w = build_world(
+            WorldSpec(layers=6, stage_ids=(0, 1, 2), shape=SHAPE, tokens=16, op_timeout_s=10.0, device=kind),
+            root=site.root,
+        )
+        _on_device(w, device)
+        scheds = [Schedule(6, (0, 1, 2), (16, 9, 4), step=i + 1) for i in range(3)]
+        refs = serial_results(w, scheds)
+        layer = emulated_layer()
+        sessions: list[object] = []
+
+        class Counted(layer.runtime.session_class):  # type: ignore[misc, name-defined]
+            def __init__(self, **kw: Any) -> None:
+                super().__init__(**kw)
+                sessions.append(self.step_id)
+
+        monkeypatch.setattr(layer.runtime, "session_class", Counted)
+        try:
+            report = layer.engine.apply(
+                strict=True,
+                manifest=site.manifest,
+                config=OverlapConfig(enabled=True, backend=kind, adaptive=False),
+            )
+            assert report.engaged, str(report)
+            for sched, ref in zip(scheds, refs, strict=True):
+                got = bounded(lambda sched=sched: run_step(w, sched), timeout=60)
+                device_module(kind).synchronize()
+                assert_same(got, ref)
+            assert len(sessions) == len(scheds)
+        finally:
+            assert layer.engine.unpatch(timeout=30)
+    finally:
+        release_site(site)
 
 
 def test_adaptive_device_steps_read_events_and_never_synchronize(fake_device: FakeDevice) -> None:

@@ -2,23 +2,46 @@
 ``gpu``; skipped without a CUDA device). Run by ``scripts/gpu_check.sh``.
 
 The emulated FFN rank on the device (``emulation/device_world.py``): dense
-bf16 MoE compute on the compute stream, A2E/E2A as device copies plus a
-busy-wait kernel of the modeled link time on whatever stream the patch
-layer puts them. Checked here:
+bf16 MoE compute on the compute stream, A2E/E2A as the emulated CAM kernel
+(``emulation/device_comm.py``: it waits for the attention peer on the device,
+then spins the link time on the device's wall clock) plus a device op for
+the data moved, on whatever stream the patch layer puts them. Checked here:
 
 * the overlap's outputs are bitwise those of the serial path;
 * the device-time trace shows communication of one stage running while
   another stage's FFN computes (and the serial run shows none);
-* under ``TORCH_CUDA_SANITIZER=1`` the overlapped steps report no race,
-  while the same steps with the A2E->FFN edge removed do (so the sanitizer
-  run is able to fail);
-* the forward captured in a CUDA graph (graph switch on) replays with the
-  outputs of the eager step; with the join removed, capture fails.
+* the attention peer's cycle holds on the device (a stage's next A2E ends
+  after its previous E2A plus the attention time), and an A2E queued ahead
+  of the E2A it needs times out on the device and is reported, not hung;
+* ``--comm-cores N``: each comm op's N blocks run on N distinct SMs, and two
+  ops at once on 2N (each block holds a whole SM's shared memory);
+* the stream sanitizer (``TORCH_CUDA_SANITIZER=1``, CSAN) reports no race for
+  the overlapped steps, while the same steps with the A2E->FFN edge removed
+  do (so the sanitizer run is able to fail). What CSAN checks: for every
+  tensor, the reads and writes torch operators make on each stream, against
+  the stream waits and event records between them; an access on one stream
+  not ordered after a conflicting access on another is a race. What it
+  cannot check: it starts a tensor's history afresh at each allocation, so a
+  block freed while another stream still reads it, and handed out again by
+  the caching allocator, looks like a new tensor to it. That is the
+  ownership claim that makes ``record_stream`` unnecessary, and it is tested
+  directly below: a side stream is held back so that a dropped reference
+  would let the allocator hand the block to the compute stream before the
+  side stream read it; the session's ownership keeps outputs bitwise, and a
+  session that drops its references (the control) corrupts them;
+* the forward captured in a CUDA graph (graph switch on, in-process and
+  through ``VLLM_CAMP2P_MULTISTREAM_GRAPH=1`` in a fresh process) replays with
+  the outputs of the eager step; with the join removed, capture fails.
+
+Child processes have a time limit of ``CAMP2P_GPU_CHILD_TIMEOUT_S`` (default
+60 s) each, so that all of them fit in the script's pytest limit and a slow
+run still ends with a JUnit report.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import subprocess
 import sys
@@ -34,6 +57,7 @@ from _overlap_util import assert_same
 from camp2p_overlap.core.config import OverlapConfig
 
 REPO = Path(__file__).resolve().parent.parent
+CHILD_TIMEOUT_S = float(os.environ.get("CAMP2P_GPU_CHILD_TIMEOUT_S", "60"))
 NO_CUDA = "no CUDA device: torch.cuda.is_available() is False"
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]
@@ -70,6 +94,7 @@ def overlap_on(site: Any, **overrides: Any) -> Iterator[Any]:
     is used so the check does not depend on which vLLM the GPU box has."""
     from camp2p_overlap.emulation.engine import emulation_engine
 
+    overrides.setdefault("adaptive", False)  # every step overlapped: the checks need the overlap to run
     with emulation_engine() as engine:
         cfg = OverlapConfig(enabled=True, backend="cuda", **overrides)
         report = engine.apply(config=cfg, manifest=site.manifest, strict=True)
@@ -152,10 +177,58 @@ _CHILD = textwrap.dedent(
             refs.clear()
         self._inflight.clear()
 
+    if mode == "graph-env":
+        # The graph switch as users set it: the configuration comes from the
+        # environment (VLLM_CAMP2P_MULTISTREAM=1, VLLM_CAMP2P_MULTISTREAM_GRAPH=1).
+        from camp2p_overlap.emulation.engine import emulated_layer
+        dw.world.steps_run = 0
+        ref = {k: v.clone() for k, v in dw.world.run_step(tokens).items()}
+        torch.cuda.synchronize()
+        layer = emulated_layer()
+        sessions = []
+        class Counted(layer.runtime.session_class):
+            def __init__(self, **kw):
+                super().__init__(**kw)
+                sessions.append(1)
+        layer.runtime.session_class = Counted
+        report = layer.engine.apply(manifest=site.manifest, strict=True)
+        assert report.engaged, str(report)
+        assert layer.engine.config.graph, "VLLM_CAMP2P_MULTISTREAM_GRAPH=1 was not read"
+        dw.world.steps_run = 0
+        eager = dw.world.run_step(tokens)
+        torch.cuda.synchronize()
+        assert set(eager) == set(ref) and all(torch.equal(eager[k], ref[k]) for k in ref), "eager overlap != serial"
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # the usual warm-up on a side stream before capture
+            dw.world.steps_run = 0
+            dw.world.run_step(tokens)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        dw.world.steps_run = 0
+        before = len(sessions)
+        with torch.cuda.graph(g):
+            dw.world.run_step(tokens)
+        assert len(sessions) == before + 1, "the captured step did not run the overlap session"
+        captured = dict(dw.world.transport.results)
+        for _ in range(3):
+            for t in captured.values():
+                t.zero_()
+            g.replay()
+            torch.cuda.synchronize()
+            assert set(captured) == set(ref), "replay: (layer, stage) keys differ"
+            bad = [k for k in ref if not torch.equal(captured[k], ref[k])]
+            assert not bad, f"graph replay differs from the eager serial step at {bad}"
+        dw.synchronize()  # raises if an A2E gave up waiting for its peer
+        assert layer.engine.unpatch(timeout=30)
+        print("GRAPH_ENV_OK", len(sessions))
+        sys.exit(0)
+
     graph = mode == "graph-ab"
     with emulation_engine() as engine:
-        report = engine.apply(config=OverlapConfig(enabled=True, backend="cuda", graph=graph), manifest=site.manifest,
-                              strict=True)
+        report = engine.apply(config=OverlapConfig(enabled=True, backend="cuda", graph=graph, adaptive=False),
+                              manifest=site.manifest, strict=True)
         assert report.engaged, str(report)
         dw.world.steps_run = 0
         if mode == "graph-ab":
@@ -184,8 +257,11 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _child(mode: str, *, sanitizer: bool, timeout: float = 240) -> subprocess.CompletedProcess:
+def _child(
+    mode: str, *, sanitizer: bool, timeout: float = CHILD_TIMEOUT_S, env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CAMP2P")}
+    env.update(env_extra or {})
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     if sanitizer:
         env["TORCH_CUDA_SANITIZER"] = "1"
@@ -262,3 +338,178 @@ def test_cuda_graph_capture_fails_when_a_side_stream_is_not_joined() -> None:
     assert "CAPTURE_WITH_JOIN_OK" in res.stdout, out[-4000:]
     assert "CAPTURE_WITHOUT_JOIN_FAILED" in res.stdout, out[-4000:]
     assert res.returncode == 0, out[-4000:]
+
+
+def test_cuda_graph_capture_through_the_environment_switch() -> None:
+    """``VLLM_CAMP2P_MULTISTREAM_GRAPH=1`` (read from the environment, as in a
+    vLLM worker) lets the overlapped step be captured; the graph replays the
+    eager serial outputs bitwise."""
+    env = {
+        "VLLM_CAMP2P_MULTISTREAM": "1",
+        "VLLM_CAMP2P_MULTISTREAM_GRAPH": "1",
+        "VLLM_CAMP2P_MULTISTREAM_BACKEND": "cuda",
+        "VLLM_CAMP2P_MULTISTREAM_ADAPTIVE": "0",
+    }
+    res = _child("graph-env", sanitizer=False, env_extra=env)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "GRAPH_ENV_OK" in res.stdout, out[-4000:]
+
+
+# ---------------------------------------------------------------------------
+# the emulated comm kernel and the attention peer on the device
+
+
+def test_cuda_comm_kernel_holds_n_whole_sms() -> None:
+    from camp2p_overlap.emulation.device_comm import NvrtcCommKernels
+
+    n = 4
+    k = NvrtcCommKernels(3, n, torch.device("cuda", torch.cuda.current_device()))  # runs its self-test
+    assert k.kind.startswith("nvrtc"), k.kind
+    assert k.blocks == n and k.shared > torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor // 2
+    st = k.state("cuda")
+    recs = [torch.full((3 + n,), -1, dtype=torch.int64, device="cuda") for _ in range(2)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    for s, rec in zip(streams, recs, strict=True):
+        with torch.cuda.stream(s):  # two E2As of different stages at once, 20 ms each
+            k.op(st, rec, stage=streams.index(s), want_seq=-1, set_seq=1, attn_ns=0.0, link_ns=20e6, timeout_ns=1e9,
+                 record_sm=True)  # fmt: skip
+    torch.cuda.synchronize()
+    sms = [r[3:].tolist() for r in recs]
+    starts_ends = [(r[0].item(), r[2].item()) for r in recs]
+    assert all(len(set(x)) == n for x in sms), f"each op's {n} blocks should run on {n} distinct SMs: {sms}"
+    if starts_ends[0][0] < starts_ends[1][1] and starts_ends[1][0] < starts_ends[0][1]:
+        # They ran at the same time: no SM may host a block of both.
+        assert not set(sms[0]) & set(sms[1]), f"two comm ops shared an SM while both held it: {sms}"
+
+
+def _peer_world(site: Any, **kw: Any) -> Any:
+    from camp2p_overlap.emulation.device_world import build_device_world
+
+    spec = _spec(layers=4, stage_ids=(0, 1), attn_s=kw.pop("attn_s", 300e-6), **kw)
+    return build_device_world(spec, "cuda", root=site.root)
+
+
+def _traced(dw: Any, n: int) -> tuple[list, dict]:
+    dw.world.steps_run = n - 1
+    dw.timing.active = True
+    try:
+        start = dw.timing.begin()
+        out = dw.world.run_step({0: 256, 1: 192})
+        dw.timing.end("step", None, None, start, dw.world.transport.step)
+    finally:
+        dw.timing.active = False
+    ops = dw.timing.resolve()
+    dw.synchronize()
+    return ops, out
+
+
+def test_cuda_attention_peer_cycle_holds_on_the_device(site: Any) -> None:
+    from camp2p_overlap.core.peer_cycle import check_peer_cycle
+
+    dw = _peer_world(site, comm_cores=2)
+    assert dw.kernels.models_peer, dw.kernels.kind
+    layers, stages, attn_ns = (0, 1, 2, 3), (0, 1), 300_000
+    _traced(dw, 1)  # warm-up
+    serial_ops, serial = _traced(dw, 2)
+    waits = dw.transport.peer_wait_ns
+    assert len(waits) == 8 and max(waits.values()) >= attn_ns // 2, waits
+    assert check_peer_cycle(serial_ops, layers, stages, attn_ns).ok
+    with overlap_on(site, adaptive=False):
+        _traced(dw, 2)
+        ops, got = _traced(dw, 2)
+    assert_same(got, serial)
+    res = check_peer_cycle(ops, layers, stages, attn_ns)
+    assert res.ok, str(res)
+    dev = {(kind, L, s): (t0, t1) for kind, L, s, t0, t1 in dw.transport.device_ops()}
+    for s in stages:
+        for prev, nxt in itertools.pairwise(layers):
+            assert dev[("a2e", nxt, s)][1] >= dev[("e2a", prev, s)][1] + attn_ns
+
+
+def test_cuda_a2e_ahead_of_its_e2a_times_out_instead_of_hanging(site: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from camp2p_overlap.core.session import OverlapSession
+    from camp2p_overlap.emulation.device_comm import DevicePeerTimeout
+
+    dw = _peer_world(site, op_timeout_s=0.2, attn_s=0.0)
+    orig_send = OverlapSession.send
+
+    def send_a2e_first(self: Any, call: Any, output: Any, context: Any, stage: Any) -> None:
+        key = self._contexts.get(id(context))
+        nxt = None if key is None else self.plan.next_layer(key[0])
+        if nxt is None:
+            return orig_send(self, call, output, context, stage)
+        self._issue_a2e(nxt, key[1])  # the lookahead A2E queued on K_s before its E2A: a deadlock on hardware
+        real = self._issue_a2e
+        self._issue_a2e = lambda layer, s: None
+        try:
+            return orig_send(self, call, output, context, stage)
+        finally:
+            self._issue_a2e = real
+
+    with overlap_on(site, adaptive=False):
+        monkeypatch.setattr(OverlapSession, "send", send_a2e_first)
+        with pytest.raises(DevicePeerTimeout):
+            _traced(dw, 1)
+
+
+@pytest.mark.parametrize("drop_refs", [False, True], ids=["session-ownership", "control-refs-dropped"])
+def test_cuda_tensor_ownership_without_record_stream(
+    site: Any, monkeypatch: pytest.MonkeyPatch, drop_refs: bool
+) -> None:
+    """FFN outputs are allocated on C and read by E2A on K_s. Each E2A is held
+    back on K_s (a long device wait before it reads), and before every FFN
+    the free blocks of the outputs' size on C are taken from the caching
+    allocator, filled with NaN and given back: if the session let go of an
+    FFN output before C waited for that E2A, its block would be among them
+    (and the next FFN's own buffers) before the E2A read it. With the
+    session's ownership the outputs stay bitwise; the control drops the
+    references and must differ, so the check can fail."""
+    from camp2p_overlap.core.session import OverlapSession
+    from camp2p_overlap.emulation.device_world import DeviceTransport, TimedModel, build_device_world
+    from camp2p_overlap.emulation.world import LinkModel
+
+    spec = _spec(layers=3, stage_ids=STAGES, attn_s=0.0, link=LinkModel(latency_s=5e-6, bandwidth_Bps=1e12))
+    dw = build_device_world(spec, "cuda", root=site.root)
+    tokens = dict.fromkeys(STAGES, 256)
+
+    def step(n: int) -> dict:
+        dw.world.steps_run = n - 1
+        out = dw.world.run_step(tokens)
+        dw.synchronize()
+        return {k: v.clone() for k, v in out.items()}
+
+    serial = step(1)
+    orig_e2a = DeviceTransport.e2a
+
+    def late_e2a(self: Any, **kw: Any) -> None:
+        torch.cuda._sleep(50_000_000)  # K_s stalls before the E2A reads the FFN output
+        return orig_e2a(self, **kw)
+
+    monkeypatch.setattr(DeviceTransport, "e2a", late_e2a)
+    orig_ffn = TimedModel.compute_ffn_output
+
+    def ffn_after_poisoning_free_blocks(self: Any, *, hidden_states: torch.Tensor, layer_idx: int) -> Any:
+        # Through the caching allocator: take every free block of the FFN
+        # outputs' size on C, fill it with NaN, give it back.
+        junk = [torch.full_like(hidden_states, float("nan")) for _ in range(8)]
+        del junk
+        return orig_ffn(self, hidden_states=hidden_states, layer_idx=layer_idx)
+
+    monkeypatch.setattr(TimedModel, "compute_ffn_output", ffn_after_poisoning_free_blocks)
+    if drop_refs:
+        orig_send = OverlapSession.send
+
+        def send_and_forget(self: Any, call: Any, output: Any, context: Any, stage: Any) -> None:
+            orig_send(self, call, output, context, stage)
+            for refs in self._f_refs.values():
+                refs.clear()
+
+        monkeypatch.setattr(OverlapSession, "send", send_and_forget)
+    with overlap_on(site, adaptive=False):
+        got = step(1)
+    differ = [k for k in serial if not torch.equal(got[k], serial[k])]
+    if drop_refs:
+        assert differ, "the control (references dropped) did not corrupt any output: the check cannot fail"
+    else:
+        assert not differ, f"outputs differ from serial at {differ}: a block was reused while K_s still read it"

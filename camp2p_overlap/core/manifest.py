@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib import resources
+from pathlib import Path
 from typing import Any, Literal
 
 from camp2p_overlap.core.versions import COMMIT_SHOWN
@@ -206,14 +207,32 @@ def parse_manifest(text: str, source: str = "<string>") -> StackManifest:
     )
 
 
+def _manifest_root() -> Any:
+    """Where the manifests are: the package ``camp2p_overlap.patches`` (an
+    installed wheel, or an editable install that maps it onto ``patches/``),
+    else, in a source checkout used without installing (``PYTHONPATH`` set
+    to it), the checkout's ``patches/`` folder itself."""
+    try:
+        return resources.files(MANIFEST_PACKAGE)
+    except ModuleNotFoundError:
+        checkout = Path(__file__).resolve().parents[2] / "patches"
+        if checkout.is_dir():
+            return checkout
+        raise ManifestError(
+            f"the manifests are missing: {MANIFEST_PACKAGE} is not importable and {checkout} does not exist "
+            "(install the package, e.g. pip install --no-deps -e .)"
+        ) from None
+
+
 def available_stacks() -> list[str]:
-    root = resources.files(MANIFEST_PACKAGE)
+    root = _manifest_root()
     return sorted(p.name[: -len(".toml")] for p in root.iterdir() if p.name.endswith(".toml"))
 
 
 def load_manifest(stack: str = DEFAULT_STACK) -> StackManifest:
-    """Load the manifest of ``stack`` from the installed package."""
-    path = resources.files(MANIFEST_PACKAGE) / f"{stack}.toml"
+    """Load the manifest of ``stack`` from the installed package (or a
+    source checkout's ``patches/``)."""
+    path = _manifest_root() / f"{stack}.toml"
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

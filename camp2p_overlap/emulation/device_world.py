@@ -6,21 +6,28 @@ What is real and what is modeled:
 * FFN compute: real bf16 matmuls on the device (a MoE block whose routing
   is applied densely, so it never synchronizes with the host), on the
   caller's current stream C.
-* A2E/E2A: device work of the modeled duration on whatever stream the
-  patch layer puts them on: a real device copy of the data moved, then a
-  busy-wait kernel (``torch.cuda._sleep``) calibrated to the link model's
-  time for the bytes. Without ``_sleep`` (some torch_npu builds) repeated
-  copies of a scratch buffer, calibrated the same way, stand in for it.
+* A2E/E2A: the emulated CAM kernel (:mod:`device_comm`) on whatever
+  stream the patch layer puts them on, then a device op for the data moved.
+  The kernel spins on the device's wall clock (``%globaltimer``), never on a
+  calibrated cycle count; with ``comm_cores = N`` it holds N SMs for the
+  op's whole duration (contention with the FFN).
+* The attention peer, on the device: a stage's A2E of layer L waits, inside
+  the kernel, until the stage's E2A of the previous layer has finished and
+  the attention time (``attn_s``) has passed since, then spins the link
+  time; the first A2E of a step waits the attention time from the step's
+  start. This is the dependency cycle of the CPU world (``world.py``). An
+  A2E whose E2A never comes (a schedule that deadlocks on hardware) gives up
+  after the op timeout; :meth:`DeviceWorld.synchronize` then raises
+  :class:`DevicePeerTimeout`.
 * Data dependencies are those of stream order: what an A2E of layer L
   returns is computed on the device from what the stage's E2A of the
   previous layer sent, exactly as in the CPU emulation.
 
-What is NOT modeled: the attention peer. Nothing on the host blocks and no
-op waits for a peer, so the attention time (``attn_s``) and the protocol
-checks of the CPU emulation (group order, deadlock on a wrong order) are
-absent here; the device emulation measures only how communication-shaped
-device work overlaps with compute. Use the CPU emulation for protocol
-behaviour.
+Without the comm kernel (no NVRTC and no CuPy, or an NPU) each op is
+calibrated device work of the link time (``torch.cuda._sleep``, or scratch
+copies), calibrated until the clock settles; the peer and ``comm_cores``
+are then not modeled, and the benchmark report says so. The group-order and
+stage-protocol checks of the CPU emulation are not made on the device.
 
 The transport keeps the interface of ``EmulatedTransport`` that the
 stand-in connector and ``World`` use: ``a2e``, ``e2a``, ``begin_step`` and
@@ -41,6 +48,12 @@ import torch
 
 from camp2p_overlap.core.trace import TraceOp
 from camp2p_overlap.emulation import standins
+from camp2p_overlap.emulation.device_comm import (
+    CommKernels,
+    DevicePeerTimeout,
+    HostCommKernels,
+    NvrtcCommKernels,
+)
 from camp2p_overlap.emulation.moe import MoEFFN, MoEShape
 from camp2p_overlap.emulation.world import (
     AfdConfig,
@@ -52,6 +65,20 @@ from camp2p_overlap.emulation.world import (
     World,
     WorldSpec,
 )
+
+__all__ = [
+    "CommKernels",
+    "DeviceDelay",
+    "DevicePeerTimeout",
+    "DeviceUnavailable",
+    "DeviceWorld",
+    "HostCommKernels",
+    "build_device_world",
+    "device_module",
+]
+
+#: Stage ids the device transport keeps peer slots for (CAMP2P's groups afd, afd1, afd2).
+MAX_STAGE_IDS = 3
 
 
 class DeviceUnavailable(RuntimeError):
@@ -80,13 +107,25 @@ def device_module(kind: str) -> ModuleType:
 
 
 class DeviceDelay:
-    """Busy device work of a given duration on the current stream."""
+    """Busy device work of a given duration on the current stream, where no
+    comm kernel can be built (:mod:`device_comm`): ``torch.cuda._sleep``
+    cycles, or repeated copies of a scratch buffer (some torch_npu builds).
+
+    A cycle count is only as good as the clock it was measured at, and the
+    SM clock moves between idle and boost (several times): the calibration
+    is repeated, with device work in between, until two estimates in a row
+    agree within :attr:`SETTLE`, and the settled estimate is used."""
+
+    SETTLE = 0.05
+    MAX_ROUNDS = 12
 
     def __init__(self, mod: ModuleType, device: torch.device) -> None:
         self.mod = mod
         self._sleep = getattr(mod, "_sleep", None)
         self._scratch_src = torch.zeros(1 << 18, device=device)
         self._scratch_dst = torch.empty_like(self._scratch_src)
+        self.rounds = 0
+        self.settled = False
         self.unit_s = self._calibrate()
 
     def _unit(self, n: int) -> None:
@@ -96,11 +135,7 @@ class DeviceDelay:
             for _ in range(n):
                 self._scratch_dst.copy_(self._scratch_src)
 
-    def _calibrate(self) -> float:
-        """Seconds per unit (one ``_sleep`` cycle, or one scratch copy)."""
-        n = 1_000_000 if self._sleep is not None else 200
-        self._unit(n // 10)  # warm-up
-        self.mod.synchronize()
+    def _measure(self, n: int) -> float:
         start, end = self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True)
         start.record()
         self._unit(n)
@@ -108,10 +143,47 @@ class DeviceDelay:
         end.synchronize()
         return max(start.elapsed_time(end) / 1e3, 1e-9) / n
 
+    def _calibrate(self) -> float:
+        """Seconds per unit (one ``_sleep`` cycle, or one scratch copy)."""
+        n = 2_000_000 if self._sleep is not None else 200
+        self._unit(n // 4)  # warm-up
+        self.mod.synchronize()
+        prev = self._measure(n)
+        for rounds in range(1, self.MAX_ROUNDS + 1):
+            self.rounds = rounds
+            cur = self._measure(n)
+            if abs(cur - prev) <= self.SETTLE * prev:
+                self.settled = True
+                return cur
+            prev = cur
+        return prev
+
     def __call__(self, seconds: float) -> None:
         units = int(seconds / self.unit_s)
         if units > 0:
             self._unit(units)
+
+
+class DelayCommKernels(CommKernels):
+    """The fallback without a comm kernel: each op is :class:`DeviceDelay`
+    work of the link time; the attention peer and ``--comm-cores`` are not
+    modeled (the report says so)."""
+
+    models_peer = False
+
+    def __init__(self, stages: int, delay: DeviceDelay, why: str) -> None:
+        super().__init__(stages, 0)
+        self.delay = delay
+        self.why = why
+        self.kind = (
+            "torch.cuda._sleep" if delay._sleep is not None else "scratch copies"
+        ) + f" (calibrated, {'settled' if delay.settled else 'NOT settled'} after {delay.rounds} rounds)"
+
+    def begin(self, st: torch.Tensor, rec: torch.Tensor) -> None:
+        return None
+
+    def op(self, st: torch.Tensor, rec: torch.Tensor, *, link_ns: float, **_: Any) -> None:
+        self.delay(link_ns / 1e9)
 
 
 class DeviceFFN(MoEFFN):
@@ -209,9 +281,12 @@ class DeviceTiming:
 
 
 class DeviceTransport:
-    """The ``a2e``/``e2a`` ops as device work of modeled duration, on the
-    current stream, with no host-side blocking. Same interface as
-    ``EmulatedTransport`` (``a2e``, ``e2a``, ``begin_step``, ``results``)."""
+    """The ``a2e``/``e2a`` ops as device work on the current stream, with no
+    host-side blocking: the comm kernel (:mod:`device_comm`) waits for the
+    attention peer on the device and spins the link time; then the data
+    moves (a device op computed from what the stage's previous E2A sent).
+    Same interface as ``EmulatedTransport`` (``a2e``, ``e2a``,
+    ``begin_step``, ``results``, ``peer_wait_ns``)."""
 
     def __init__(
         self,
@@ -219,8 +294,11 @@ class DeviceTransport:
         hidden: int,
         link: LinkModel,
         device: torch.device,
-        delay: DeviceDelay,
+        kernels: CommKernels,
         timing: DeviceTiming,
+        attn_s: float = 0.0,
+        op_timeout_s: float = 30.0,
+        max_layers: int = 64,
         seed: int = 0,
         dtype: torch.dtype = torch.bfloat16,
         max_tokens: int = 4096,
@@ -229,34 +307,65 @@ class DeviceTransport:
         self.hidden = hidden
         self.link = link
         self.device = device
-        self.delay = delay
+        self.kernels = kernels
         self.timing = timing
+        self.attn_s = attn_s if kernels.models_peer else 0.0
+        self.op_timeout_s = op_timeout_s
         self.dtype = dtype
         self.results: dict[tuple[int, int], torch.Tensor] = {}
-        #: No attention peer on the device: kept empty (same attribute as the CPU transport).
-        self.peer_wait_ns: dict[tuple[int, int], int] = {}
         self.step = 0
         self._last: dict[int, torch.Tensor] = {}
+        self._pos: dict[int, int] = {}
         #: id() of each received hidden-states tensor of this step -> its stage (for timing labels).
         self.stage_of: dict[int, int] = {}
         self.inputs = AttentionInputs(
             hidden=hidden, max_tokens=max_tokens, seed=seed, pool=base_pool, dtype=dtype, device=device
         )
+        self.stages_cap = kernels.stages
+        #: The peer: per stage, the sequence and device time of its last E2A; a timeout counter.
+        self.state = kernels.state(device)
+        #: Per (layer position, stage, a2e/e2a): device start, ready (peer wait over) and end, ns.
+        self.rec = torch.zeros((max_layers, self.stages_cap, 2, 3), dtype=torch.int64, device=device)
+        self._scratch = torch.zeros(3, dtype=torch.int64, device=device)
 
     def begin_step(self, step: int, layers: Sequence[int], stages: Sequence[int]) -> None:
+        if len(layers) > self.rec.shape[0]:
+            raise ValueError(f"the device transport was built for {self.rec.shape[0]} layers, got {len(layers)}")
+        bad = [s for s in stages if not 0 <= s < self.stages_cap]
+        if bad:
+            raise ValueError(f"stage ids {bad} are outside 0..{self.stages_cap - 1}")
         self.step = step
         self.results = {}
         self._last = {}
         self.stage_of = {}
+        self._pos = {L: i for i, L in enumerate(layers)}
+        self._layers = list(layers)
+        self._stages = list(stages)
+        self.kernels.begin(self.state, self._scratch)  # on C, before the fork
+
+    def _op(self, kind: str, layer: int, stage: int, nbytes: int) -> None:
+        i = self._pos[layer]
+        a2e = kind == "a2e"
+        self.kernels.op(
+            self.state,
+            self.rec[i, stage, 0 if a2e else 1],
+            stage=stage,
+            want_seq=i if a2e else -1,
+            set_seq=-1 if a2e else i + 1,
+            attn_ns=self.attn_s * 1e9,
+            link_ns=self.link.seconds(nbytes) * 1e9,
+            timeout_ns=self.op_timeout_s * 1e9,
+        )
 
     def a2e(
         self, *, group: str, stage: int, layer: int, num_tokens: int, max_num_tokens: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         start = self.timing.begin()
         n = int(num_tokens)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self._op("a2e", layer, stage, n * self.hidden * itemsize)
         # Allocated on the current (side) stream: the data moved.
         hidden = self.inputs.hidden(self.step, layer, n, self._last.get(stage))
-        self.delay(self.link.seconds(n * self.hidden * hidden.element_size()))
         self.timing.end("a2e", layer, stage, start, self.step)
         self.stage_of[id(hidden)] = stage
         return hidden, torch.tensor([n])
@@ -277,10 +386,45 @@ class DeviceTransport:
             nbytes += shared.numel() * shared.element_size()
         out = routed if shared is None else routed + shared
         out = out.detach().clone()  # the data moved
-        self.delay(self.link.seconds(nbytes))
+        self._op("e2a", layer, stage, nbytes)
         self.timing.end("e2a", layer, stage, start, self.step)
         self.results[(layer, stage)] = out
         self._last[stage] = out
+
+    # -- after a synchronize ---------------------------------------------
+    def check(self) -> None:
+        """Raise :class:`DevicePeerTimeout` if an A2E of the last step gave
+        up waiting for its peer. Call after a synchronize."""
+        if not self.kernels.models_peer:
+            return
+        timeouts = int(self.state[-1].item())
+        if timeouts:
+            raise DevicePeerTimeout(
+                f"{timeouts} emulated A2E(s) waited more than {self.op_timeout_s:g} s on the device for their "
+                "stage's previous E2A (on hardware this schedule deadlocks)"
+            )
+
+    @property
+    def peer_wait_ns(self) -> dict[tuple[int, int], int]:
+        """Per (layer, stage) of the last step: ns its A2E spent waiting for
+        the attention peer on the device (read after a synchronize)."""
+        if not self.kernels.models_peer or not self._pos:
+            return {}
+        rec = self.rec.cpu()
+        return {(L, s): int(rec[i, s, 0, 1] - rec[i, s, 0, 0]) for L, i in self._pos.items() for s in self._stages}
+
+    def device_ops(self) -> list[tuple[str, int, int, int, int]]:
+        """``(kind, layer, stage, start_ns, end_ns)`` of the last step's comm
+        kernels, in the kernels' own device clock (read after a synchronize)."""
+        if not self.kernels.models_peer or not self._pos:
+            return []
+        rec = self.rec.cpu()
+        return [
+            (kind, L, s, int(rec[i, s, k, 0]), int(rec[i, s, k, 2]))
+            for L, i in self._pos.items()
+            for s in self._stages
+            for k, kind in enumerate(("a2e", "e2a"))
+        ]
 
 
 class TimedModel(EmulatedModel):
@@ -307,25 +451,71 @@ class DeviceWorld:
     mod: ModuleType
     timing: DeviceTiming
     device: torch.device
+    kernels: CommKernels
+
+    @property
+    def transport(self) -> DeviceTransport:
+        return self.world.transport  # type: ignore[return-value]
 
     def synchronize(self) -> None:
+        """Wait for the device, then raise if an A2E gave up on its peer."""
         self.mod.synchronize()
+        self.transport.check()
 
 
-def build_device_world(spec: WorldSpec, kind: str, *, root: str = standins.REAL_ROOT) -> DeviceWorld:
-    """Build the emulated FFN rank on device ``kind`` (``cuda`` or ``npu``)."""
-    mod = device_module(kind)
-    device = torch.device(kind, mod.current_device())
+def comm_kernels(
+    mod: ModuleType, kind: str, device: torch.device, stages: int, comm_cores: int
+) -> tuple[CommKernels, str | None]:
+    """The comm kernel for ``kind``, and why a fallback was taken (None if
+    not): on CUDA the NVRTC kernel; otherwise, or if it cannot be built,
+    :class:`DelayCommKernels` (no peer model, no ``--comm-cores``)."""
+    why = None
+    if kind == "cuda":
+        try:
+            return NvrtcCommKernels(stages, comm_cores, device), None
+        except ValueError as exc:  # --comm-cores this GPU cannot give
+            raise DeviceUnavailable(str(exc)) from exc
+        except Exception as exc:  # noqa: BLE001 - reported, then the fallback
+            why = str(exc)
+    else:
+        why = f"no comm kernel for {kind}: the attention peer and --comm-cores are not modeled there"
+    if comm_cores:
+        raise DeviceUnavailable(f"--comm-cores {comm_cores} needs the CUDA comm kernel: {why}")
+    return DelayCommKernels(stages, DeviceDelay(mod, device), why), why
+
+
+def build_device_world(
+    spec: WorldSpec,
+    kind: str,
+    *,
+    root: str = standins.REAL_ROOT,
+    module: ModuleType | None = None,
+    kernels: CommKernels | None = None,
+    device: torch.device | None = None,
+) -> DeviceWorld:
+    """Build the emulated FFN rank on device ``kind`` (``cuda`` or ``npu``).
+    ``module``, ``kernels`` and ``device`` replace the torch device module,
+    the comm kernel and the device (tests drive the world through a host
+    stand-in of a device module with :class:`HostCommKernels`)."""
+    mod = module if module is not None else device_module(kind)
+    if device is None:
+        device = torch.device(kind, mod.current_device())
     standins.install(root)
     runner_mod, conn_mod, meta_mod = standins.import_standins(root)
     max_tokens = max(spec.tokens, 1)
     timing = DeviceTiming(mod, mod.current_stream())
+    stages_cap = max(max(spec.stage_ids, default=0) + 1, MAX_STAGE_IDS)
+    if kernels is None:
+        kernels, _ = comm_kernels(mod, kind, device, stages_cap, spec.comm_cores)
     transport = DeviceTransport(
         hidden=spec.shape.hidden,
         link=spec.link,
         device=device,
-        delay=DeviceDelay(mod, device),
+        kernels=kernels,
         timing=timing,
+        attn_s=spec.attn_s,
+        op_timeout_s=spec.op_timeout_s,
+        max_layers=max(spec.layers, 1),
         seed=spec.seed,
         max_tokens=max_tokens,
     )
@@ -347,4 +537,4 @@ def build_device_world(spec: WorldSpec, kind: str, *, root: str = standins.REAL_
         model_config=ModelConfig(HFConfig(spec.first_k_dense_replace, spec.moe_layer_freq)),
     )
     world = World(spec, runner, connector, transport, (runner_mod, conn_mod, meta_mod))  # type: ignore[arg-type]
-    return DeviceWorld(world, mod, timing, device)
+    return DeviceWorld(world, mod, timing, device, kernels)

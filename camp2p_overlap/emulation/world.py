@@ -9,6 +9,12 @@ queued ahead of its group's E2A on one stream) therefore waits here too,
 until the op timeout (the stand-in for HCCL's) fires. Two ops of the same
 stage group running at once is a :class:`ProtocolError`, as it would corrupt
 the group's HCCL window on hardware.
+
+Communication time (the link, and an A2E's wait for its peer) is slept by
+default, taking no compute. With ``WorldSpec.comm_cores = N`` it is spent
+busy on N cores instead (:mod:`camp2p_overlap.emulation.contention`), as
+CAM's kernels spin on their vector cores, so a lookahead A2E that waits a
+whole attention time keeps those cores from the FFN.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 
 from camp2p_overlap.core.streams.cpu import launch
 from camp2p_overlap.emulation import standins
+from camp2p_overlap.emulation.contention import CoreSpinner
 from camp2p_overlap.emulation.moe import MoEFFN, MoEShape
 
 
@@ -115,9 +122,14 @@ class EmulatedTransport:
         dtype: torch.dtype = torch.float32,
         max_tokens: int = 4096,
         base_pool: int = 4,
+        comm_cores: int = 0,
     ) -> None:
         self.hidden = hidden
         self.link = link
+        #: ``comm_cores`` 0: link and peer waits sleep (take no compute);
+        #: N >= 1: they busy-wait on N cores (:mod:`emulation.contention`),
+        #: as CAM's kernels spin on their vector cores.
+        self.spinner = CoreSpinner(comm_cores)
         self.attn_s = attn_s
         self.op_timeout_s = op_timeout_s
         self.dtype = dtype
@@ -187,6 +199,13 @@ class EmulatedTransport:
                     raise ProtocolError(f"stage {stage}: a2e for layer {layer}, attention sends layer {nxt}")
                 waited_from = time.perf_counter_ns()
                 deadline = time.perf_counter() + self.op_timeout_s
+            if self.spinner.spins:
+                # The kernel spins on its cores while it waits for the peer.
+                self.spinner.until(
+                    lambda: not p.stopped and p.ready_at is not None and time.perf_counter() >= p.ready_at,
+                    hard_deadline=deadline,
+                )
+            with p.cond:
                 while True:
                     now = time.perf_counter()
                     if not p.stopped and p.ready_at is not None and now >= p.ready_at:
@@ -202,7 +221,7 @@ class EmulatedTransport:
                         wait = min(wait, p.ready_at - now)
                     p.cond.wait(max(wait, 0.0))
                 last = p.last_out
-            time.sleep(self.link.seconds(n * self.hidden * self._itemsize()))
+            self.spinner.wait(self.link.seconds(n * self.hidden * self._itemsize()))
             self.inputs.hidden(self.step, layer, n, last, out=out)
             with p.cond:
                 p.next_a2e += 1
@@ -250,7 +269,7 @@ class EmulatedTransport:
             nbytes = routed.numel() * routed.element_size()
             if shared is not None:
                 nbytes += shared.numel() * shared.element_size()
-            time.sleep(self.link.seconds(nbytes))
+            self.spinner.wait(self.link.seconds(nbytes))
             out = routed if shared is None else routed + shared
             out = out.detach().clone()
             with p.cond:
@@ -264,6 +283,10 @@ class EmulatedTransport:
 
     def _itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
+
+    def close(self) -> None:
+        """Stop the helper threads of the busy-wait model, if any."""
+        self.spinner.close()
 
 
 class EmulatedModel:
@@ -314,6 +337,9 @@ class WorldSpec:
     moe_layer_freq: int = 1
     return_payload: bool = True
     device: str = "cpu"
+    #: Cores (CPU) or SMs (CUDA) each emulated A2E/E2A keeps busy while it
+    #: waits for its peer and for the link; 0: it takes no compute.
+    comm_cores: int = 0
 
 
 @dataclass
@@ -345,6 +371,12 @@ class World:
             self.runner.execute_ffn_step(dp_metadata_list=dp)
         return dict(self.transport.results)
 
+    def close(self) -> None:
+        """Release what the transport holds (busy-wait helper threads)."""
+        close = getattr(self.transport, "close", None)
+        if close is not None:
+            close()
+
 
 def build_world(spec: WorldSpec = WorldSpec(), *, root: str = standins.REAL_ROOT) -> World:
     """Import the stand-ins under ``root`` (installing the finder if needed)
@@ -359,6 +391,7 @@ def build_world(spec: WorldSpec = WorldSpec(), *, root: str = standins.REAL_ROOT
         op_timeout_s=spec.op_timeout_s,
         seed=spec.seed,
         max_tokens=max_tokens,
+        comm_cores=spec.comm_cores,
     )
     connector = conn_mod.CAMP2pAFDConnector(transport, hidden_size=spec.shape.hidden)
     model = EmulatedModel(

@@ -6,7 +6,7 @@ import argparse
 import shlex
 import sys
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from camp2p_overlap.tools.bench.runner import POLICIES, POLICY_HELP, SCENARIO_HELP, SCENARIOS, BenchParams
@@ -44,12 +44,18 @@ what is reported:
                   (torch.equal) with the serial run of the same step id
   edges           the trace checker (camp2p_overlap.core.trace.check_step) on each
                   policy's traced step (CPU; on a device see --profile-trace)
+  peer cycle      on every traced step, each stage's next A2E completed no
+                  earlier than its previous E2A started plus the attention time
+                  (camp2p_overlap.core.peer_cycle.check_peer_cycle)
 
 --device cpu: the compute stream is the calling thread, side streams are the
 cpu backend's worker threads. --device cuda|npu: bf16 FFN matmuls on the
-device; A2E/E2A are device work of the modeled duration on the side streams
-(no attention peer is modeled there). Exit status: 0, or 1 when outputs
-differ, an edge is violated or an overlap policy did not engage (2+ stages).
+device; on CUDA each A2E/E2A is an emulated CAM kernel that waits for the
+attention peer on the device, then spins the link time on the device clock
+(npu, or no NVRTC: calibrated device work, no peer). --comm-cores N: each
+communication op keeps N cores (cpu) or SMs (cuda) busy. Exit status: 0, or 1
+when outputs differ, an edge or the peer cycle is violated or an overlap
+policy did not engage (2+ stages).
 Absolute CPU times say nothing about an NPU; only the ratios carry over.
 --json schema: docs/benchmark.md.
 """
@@ -94,6 +100,14 @@ _WORLD_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--reps", "reps", int, "repetitions (policies interleaved in each)"),
     ("--seed", "seed", int, "seed of weights and inputs"),
     ("--threads", "threads", int, "torch.set_num_threads for the run (fixed so runs compare)"),
+    (
+        "--comm-cores",
+        "comm_cores",
+        int,
+        "cores each emulated A2E/E2A keeps busy while it waits for its peer and moves data, as CAM's kernels "
+        "spin on aiv_num vector cores: CPU threads busy-waiting (cpu), SMs held by the comm kernel (cuda); "
+        "0: communication takes no compute",
+    ),
 ]
 
 
@@ -125,6 +139,15 @@ def _ints_or_none(text: str) -> tuple[int, ...]:
     values = _ints(text)
     if any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: every value must be at least 1")
+    return values
+
+
+def _ints_or_zero(text: str) -> tuple[int, ...]:
+    if text.strip().lower() in ("", "none"):
+        return ()
+    values = _ints(text)
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be 0 or more")
     return values
 
 
@@ -184,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     from camp2p_overlap.tools.bench.sweep import (
+        DEFAULT_COMM_CORES,
         DEFAULT_RATIOS,
         DEFAULT_STAGE_COUNTS,
         DEFAULT_STAGE_RATIO,
@@ -196,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
         "sweep",
         help="per-layer time against communication/FFN ratio, the number of stages and the work size",
         description="Run the benchmark over a range of communication/FFN-compute ratios (set through the "
-        "modeled link bandwidth, after measuring f once), over 1, 2 and 3 stages, and over the tokens per "
+        "modeled link bandwidth, after measuring f once), over 1, 2 and 3 stages, over the cores each "
+        "communication op keeps busy (--comm-cores), and over the tokens per "
         "stage (serial, adaptive overlap and fixed overlap side by side, with the preset's link). Base world: the "
         "ffn-bound scenario unless --scenario says otherwise, with "
         + ", ".join(f"--{k} {v}" for k, v in SWEEP_DEFAULTS.items())
@@ -235,6 +260,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_ints_or_none,
         default=DEFAULT_WORK_HIDDEN,
         help=f"MoE hidden sizes of the work-size points (default {','.join(map(str, DEFAULT_WORK_HIDDEN))})",
+    )
+    sweep.add_argument(
+        "--comm-core-points",
+        type=_ints_or_zero,
+        default=None,
+        help="--comm-cores values of the contention points, at the stage ratio; 'none' skips them (default "
+        + "; ".join(f"{dev}: {','.join(map(str, v)) or 'none'}" for dev, v in DEFAULT_COMM_CORES.items())
+        + ")",
     )
     sweep.add_argument("--md", metavar="PATH", help="write the tables as Markdown")
     sweep.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer time against ratio and stages")
@@ -338,7 +371,12 @@ def _bench(args: argparse.Namespace) -> int:
     why = _preflight(params.device, args.plot)
     if why:
         return _fail(why)
-    run = run_bench(params, progress=not args.no_progress, profile_trace=args.profile_trace)
+    from camp2p_overlap.emulation.device_world import DeviceUnavailable
+
+    try:
+        run = run_bench(params, progress=not args.no_progress, profile_trace=args.profile_trace)
+    except DeviceUnavailable as exc:
+        return _fail(str(exc))
     print(bench_table(run.report))
     prof = run.report.get("profile")
     if prof is not None:
@@ -363,7 +401,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from camp2p_overlap.tools.bench.report import problems, write_json
     from camp2p_overlap.tools.bench.runner import resolve_params
-    from camp2p_overlap.tools.bench.sweep import SWEEP_DEFAULTS, run_sweep, sweep_markdown
+    from camp2p_overlap.tools.bench.sweep import SWEEP_DEFAULTS, sweep_markdown
 
     scenario = args.scenario or "ffn-bound"
     try:
@@ -371,6 +409,8 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
         for s in args.stage_counts:
             if not 1 <= s <= 3:
                 raise ValueError(f"--stage-counts: {s} is out of range 1..3")
+        for n in args.comm_core_points or ():
+            replace(params, comm_cores=n).validate()
         if any(r <= 0 for r in args.ratios) or args.stage_ratio <= 0:
             raise ValueError("ratios must be positive")
     except ValueError as exc:
@@ -378,15 +418,12 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
     why = _preflight(params.device, args.plot)
     if why:
         return _fail(why)
-    result = run_sweep(
-        params,
-        ratios=args.ratios,
-        stage_counts=args.stage_counts,
-        stage_ratio=args.stage_ratio,
-        work_tokens=args.work_tokens,
-        work_hidden=args.work_hidden,
-        progress=not args.no_progress,
-    )
+    from camp2p_overlap.emulation.device_world import DeviceUnavailable
+
+    try:
+        result = _run_sweep(args, params)
+    except DeviceUnavailable as exc:
+        return _fail(str(exc))
     command = "camp2p-overlap " + " ".join(shlex.quote(a) for a in argv)
     text = sweep_markdown(result, command)
     print(text)
@@ -402,7 +439,7 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         sweep_plot(result, args.plot)
         print(f"plot: {args.plot}")
-    points = result["ratio_points"] + result["stage_points"] + result["work_points"]
+    points = result["ratio_points"] + result["stage_points"] + result["comm_core_points"] + result["work_points"]
     failed = [p for pt in points for p in problems(pt["report"])]
     for p in failed:
         print(f"FAILED: {p}")
@@ -430,6 +467,21 @@ def _overhead(args: argparse.Namespace) -> int:
         write_json(args.json, result)
         print(f"JSON: {args.json}")
     return 0
+
+
+def _run_sweep(args: argparse.Namespace, params: Any) -> dict[str, Any]:
+    from camp2p_overlap.tools.bench.sweep import run_sweep
+
+    return run_sweep(
+        params,
+        ratios=args.ratios,
+        stage_counts=args.stage_counts,
+        stage_ratio=args.stage_ratio,
+        work_tokens=args.work_tokens,
+        work_hidden=args.work_hidden,
+        comm_cores=args.comm_core_points,
+        progress=not args.no_progress,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

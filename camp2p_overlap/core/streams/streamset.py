@@ -33,9 +33,10 @@ class StreamSet:
 class StreamSetRegistry:
     """The stream sets of one engine's runners, keyed by runner identity."""
 
-    def __init__(self, stage_ids: Sequence[int], make: Callable[[str, Any], StreamBackend] = make_backend) -> None:
+    def __init__(self, stage_ids: Sequence[int], make: Callable[[str, Any], StreamBackend] | None = None) -> None:
         self._stage_ids = tuple(stage_ids)
-        #: Builds a backend from its name and the runner's device.
+        #: Builds a backend from its name and the runner's device (None: this
+        #: module's ``make_backend``, looked up when a set is made).
         self._make = make
         self._lock = threading.Lock()
         self._sets: dict[int, tuple[str, StreamSet]] = {}
@@ -55,7 +56,8 @@ class StreamSetRegistry:
             entry = self._sets.get(key)
             if entry is not None and entry[0] == backend_name:
                 return entry[1]
-            backend = self._make(backend_name, getattr(runner, "device", None))
+            make = self._make if self._make is not None else make_backend
+            backend = make(backend_name, getattr(runner, "device", None))
             if backend.is_capturing():
                 return None
             if entry is not None:

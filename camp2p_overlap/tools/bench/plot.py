@@ -101,19 +101,20 @@ def bench_plot(timelines: Mapping[str, Sequence[TraceOp]], report: Mapping[str, 
 
 
 def sweep_plot(sweep: Mapping[str, Any], path: str | Path) -> None:
-    """Per-layer time against (a+e)/f and against the number of stages."""
+    """Per-layer time against (a+e)/f, the number of stages and the comm
+    cores; speedup against the work size."""
     work = sweep.get("work_points") or []
-    fig = _figure(16.5 if work else 11, 4.2)
-    axes = fig.subplots(1, 3 if work else 2)
-    left, right = axes[0], axes[1]
-    for ax, key, xkey, xlabel in (
-        (left, "ratio_points", "measured_ratio", "measured (a+e)/f (communication / FFN compute)"),
-        (right, "stage_points", "stages", "stages (micro-batches) per step"),
-    ):
+    specs = [
+        ("ratio_points", "measured_ratio", "measured (a+e)/f (communication / FFN compute)"),
+        ("stage_points", "stages", "stages (micro-batches) per step"),
+        ("comm_core_points", "comm_cores", "cores each comm op keeps busy (--comm-cores)"),
+    ]
+    specs = [spec for spec in specs if sweep.get(spec[0])]
+    panels = max(len(specs) + bool(work), 1)
+    fig = _figure(5.5 * panels, 4.2)
+    axes = fig.subplots(1, panels, squeeze=False)[0]
+    for ax, (key, xkey, xlabel) in zip(axes, specs, strict=False):
         points: Sequence[Mapping[str, Any]] = sweep[key]
-        if not points:
-            ax.set_visible(False)
-            continue
         xs = [pt[xkey] for pt in points]
         policies = [p["policy"] for p in points[0]["report"]["policies"]]
         for policy in policies:
@@ -129,9 +130,10 @@ def sweep_plot(sweep: Mapping[str, Any], path: str | Path) -> None:
         ax.set_ylim(bottom=0)
         ax.legend(fontsize="small")
         ax.grid(alpha=0.3)
-    right.set_xticks(sorted({pt["stages"] for pt in sweep["stage_points"]}) or [1])
+        if xkey != "measured_ratio":
+            ax.set_xticks(sorted(set(xs)))
     if work:
-        _work_panel(axes[2], work)
+        _work_panel(axes[-1], work)
     fig.suptitle("camp2p-overlap sweep")
     fig.savefig(str(path), format="png", dpi=110)
 

@@ -48,6 +48,10 @@ def problems(report: Mapping[str, Any]) -> list[str]:
             out.append(f"{p['policy']}: outputs differ from the serial run ({'; '.join(p['mismatches'][:3])})")
         if p["edges_ok"] is False:
             out.append(f"{p['policy']}: edge check failed ({'; '.join(p['edge_violations'][:3])})")
+        if p.get("peer_cycle_ok") is False:
+            out.append(
+                f"{p['policy']}: the attention peer's cycle was broken ({'; '.join(p['peer_cycle_violations'][:3])})"
+            )
         fixed = not p.get("adaptive", False)  # adaptive engage may rightly choose the serial path
         if p["policy"] != "serial" and fixed and not p["engaged"] and len(report["stages"]) >= 2:
             out.append(f"{p['policy']}: the overlap did not engage (ran the serial path)")
@@ -72,9 +76,11 @@ def bench_table(report: Mapping[str, Any]) -> str:
         f"{report['ffn_layers']} FFN layers x {S} stage(s), {prm['tokens']} tokens per stage; "
         f"MoE hidden {prm['hidden']}, ffn {prm['ffn']}, {prm['experts']} experts, top-{prm['top_k']}",
         f"link {prm['link_latency_us']:g} us + {prm['link_gbps']:g} Gbit/s, attention {prm['attn_us']:g} us"
-        + (" (not modeled on a device)" if report["device"] != "cpu" else "")
+        + ("" if report.get("attn_modeled", True) else " (not modeled here)")
         + f"; {prm['reps']} reps x {prm['steps']} timed steps per policy (+{prm['warmup']} warm-up), "
         f"torch threads {prm['threads']}",
+        f"comm ops: {report.get('comm_model', '-')}"
+        + (f"; --comm-cores {prm.get('comm_cores', 0)}" if prm.get("comm_cores") else ""),
         "",
         f"Measured on the serial run's trace (medians of {m['samples']} FFN ops; A2E without its attention wait):",
         f"  f  FFN compute per (layer, stage)  {fmt_time(m['f_us'])}",
@@ -125,6 +131,16 @@ def bench_table(report: Mapping[str, Any]) -> str:
         )
     by = {p["policy"]: p for p in report["policies"]}
     lines.append("")
+    checked = [p for p in report["policies"] if p.get("peer_cycle_checked_steps")]
+    if checked:
+        held = all(p["peer_cycle_ok"] for p in checked)
+        steps = sum(p["peer_cycle_checked_steps"] for p in checked)
+        lines.append(
+            f"attention peer's cycle (a stage's next A2E completes after its E2A's start + attn): "
+            f"{'held' if held else 'BROKEN'} on {steps} traced steps."
+        )
+    else:
+        lines.append("attention peer's cycle: not checked (the peer is not modeled here).")
     if "overlap" in by and "e2a-only" in by:
         ratio_oe = by["e2a-only"]["per_layer_us"]["median"] / by["overlap"]["per_layer_us"]["median"]
         lines.append(f"overlap vs e2a-only: {ratio_oe:.2f}x per layer.")

@@ -47,12 +47,18 @@ import torch
 
 import camp2p_overlap
 from camp2p_overlap.core.config import MAX_STAGES, OverlapConfig
+from camp2p_overlap.core.peer_cycle import check_peer_cycle
 from camp2p_overlap.core.trace import ExpectedSchedule, TraceOp, TraceRecorder, check_step, recording
 from camp2p_overlap.emulation.engine import emulated_layer, release_site, standin_site
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.world import LinkModel, WorldSpec, build_world
 
 SCHEMA = "camp2p-overlap/bench/v1"
+#: Slack of the peer-cycle check (clock and timing-event granularity), ns.
+PEER_TOLERANCE_NS = 5_000
+#: The most cores one emulated comm op may hold: CPU threads, device SMs
+#: (the device kernel also checks the GPU's own SM count).
+MAX_COMM_CORES = {"cpu": 64, "cuda": 1024, "npu": 1024}
 PROFILE_NEEDS_DEVICE = (
     "--profile-trace needs --device cuda or npu (device kernels come from the device profiler); "
     "on the CPU backend the edge checker already reads what the streams performed (--trace)"
@@ -106,6 +112,7 @@ class BenchParams:
     reps: int = 3
     seed: int = 0
     threads: int = 1
+    comm_cores: int = 0
     policies: tuple[str, ...] = ("serial", "e2a-only", "overlap", "overlap-fixed")
     scenario: str | None = None
 
@@ -123,6 +130,7 @@ class BenchParams:
             op_timeout_s=60.0,
             seed=self.seed,
             device="cpu",
+            comm_cores=self.comm_cores,
         )
 
     def validate(self) -> None:
@@ -138,6 +146,9 @@ class BenchParams:
             problems.append(f"--top-k {self.top_k} is larger than --experts {self.experts}")
         if self.warmup < 0:
             problems.append("--warmup must not be negative")
+        most = MAX_COMM_CORES.get(self.device, 0)
+        if not 0 <= self.comm_cores <= most:
+            problems.append(f"--comm-cores {self.comm_cores} is out of range 0..{most} on {self.device}")
         if not (self.link_gbps > 0 and math.isfinite(self.link_gbps)):
             problems.append("--link-gbps must be a positive number")
         if not (self.link_latency_us >= 0 and math.isfinite(self.link_latency_us)):
@@ -178,8 +189,31 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
 }
 
+SCENARIOS["gpu-ffn-bound"] = {
+    # The same intent sized for a datacenter GPU, by estimate (never measured
+    # here: no GPU was lent): dense bf16 MoE of about 58 GFLOP per (layer,
+    # stage), which on an H200 should take a few hundred microseconds, against
+    # about 0.1 ms of A2E and 0.15 ms of E2A and 50 us of attention. The
+    # report's measured verdict (ffn_bound) says whether it is FFN-bound there.
+    "layers": 6,
+    "stages": 2,
+    "tokens": 512,
+    "hidden": 1024,
+    "ffn": 2048,
+    "experts": 8,
+    "top_k": 2,
+    "link_latency_us": 50.0,
+    "link_gbps": 200.0,
+    "attn_us": 50.0,
+    "steps": 8,
+    "warmup": 2,
+    "reps": 3,
+}
+
 SCENARIO_HELP = {
     "ffn-bound": "FFN compute-bound: f > a + e with communication about half of f, 2 stages, 6 layers",
+    "gpu-ffn-bound": "the same sized for a datacenter GPU (--device cuda) by estimate; the report's measured "
+    "verdict says whether it is FFN-bound there",
 }
 
 
@@ -222,36 +256,51 @@ def _us(seconds: float) -> float:
 # worlds: CPU emulation, or the device emulation
 
 
+TracedStep = tuple[list[TraceOp], dict[tuple[int, int], torch.Tensor], dict[tuple[int, int], int]]
+
+
 @dataclass
 class _Handle:
     world: Any
     backend: str
     sync: Callable[[], None]
-    traced_step: Callable[[], tuple[list[TraceOp], dict[tuple[int, int], torch.Tensor], dict[tuple[int, int], int]]]
+    traced_step: Callable[[], TracedStep]
     attn_modeled: bool
     #: The CPU trace carries the session's event records and waits, which the
     #: edge checker needs; the device trace has op timings only.
     edges_checkable: bool
+    #: How the emulated comm ops take time (sleep, busy cores, the device kernel).
+    comm_model: str = ""
+    close: Callable[[], None] = lambda: None
+    #: After a step and its sync, outside the timed span: raise if the device
+    #: peer model reports an A2E that gave up waiting.
+    check: Callable[[], None] = lambda: None
 
 
 def _cpu_handle(params: BenchParams, root: str) -> _Handle:
     world = build_world(params.world_spec(), root=root)
 
-    def traced() -> tuple[list[TraceOp], dict[tuple[int, int], torch.Tensor], dict[tuple[int, int], int]]:
+    def traced() -> TracedStep:
         with recording(TraceRecorder()) as rec:
             out = world.run_step()
         return rec.ops(), out, dict(world.transport.peer_wait_ns)
 
-    return _Handle(world, "cpu", lambda: None, traced, attn_modeled=True, edges_checkable=True)
+    model = (
+        f"busy-wait on {params.comm_cores} core(s) (link time and peer waits)"
+        if params.comm_cores
+        else "time.sleep (takes no compute)"
+    )
+    return _Handle(world, "cpu", lambda: None, traced, True, True, model, world.close)
 
 
 def _device_handle(params: BenchParams, root: str) -> _Handle:
     from camp2p_overlap.emulation.device_world import build_device_world
 
-    dw = build_device_world(replace(params.world_spec(), attn_s=0.0), params.device, root=root)
+    dw = build_device_world(params.world_spec(), params.device, root=root)
     world = dw.world
+    peer = dw.kernels.models_peer
 
-    def traced() -> tuple[list[TraceOp], dict[tuple[int, int], torch.Tensor], dict[tuple[int, int], int]]:
+    def traced() -> TracedStep:
         dw.timing.active = True
         try:
             start = dw.timing.begin()
@@ -260,9 +309,12 @@ def _device_handle(params: BenchParams, root: str) -> _Handle:
         finally:
             dw.timing.active = False
         ops = dw.timing.resolve()
-        return ops, out, {}
+        dw.transport.check()
+        return ops, out, dw.transport.peer_wait_ns
 
-    return _Handle(world, params.device, dw.synchronize, traced, attn_modeled=False, edges_checkable=False)
+    cores = dw.kernels.comm_cores
+    model = f"{dw.kernels.kind}" + (f", {cores} SM(s) held per op" if cores else ", 1 block, no shared memory")
+    return _Handle(world, params.device, dw.mod.synchronize, traced, peer, False, model, check=dw.transport.check)
 
 
 # ---------------------------------------------------------------------------
@@ -277,6 +329,9 @@ class PolicyStats:
     mismatches: list[str] = field(default_factory=list)
     engaged: list[bool] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
+    #: The attention peer's cycle (next A2E after E2A + attn) on every traced step.
+    peer_violations: list[str] = field(default_factory=list)
+    peer_checked: int = 0
     timeline: list[TraceOp] = field(default_factory=list)
     #: Every traced step's ops and A2E peer waits (kept for ``serial`` only: f, a, e come from them).
     traced: list[tuple[list[TraceOp], dict[tuple[int, int], int]]] = field(default_factory=list)
@@ -369,6 +424,8 @@ def run_bench(
     finally:
         release_site(site)
         torch.set_num_threads(previous_threads)
+        if "handle" in locals():
+            handle.close()
     report = _report(params, handle, site.root, layers, stages, stats, time.perf_counter() - wall0)
     if profiled is not None:
         report["profile"] = profiled
@@ -414,6 +471,7 @@ def _run_policies(
                         world.steps_run = sid
                         world.run_step()
                         handle.sync()
+                        handle.check()
                         bar.tick(policy)
                     for sid in timed_ids:
                         world.steps_run = sid
@@ -421,6 +479,7 @@ def _run_policies(
                         out = world.run_step()
                         handle.sync()
                         st.per_layer_s.append((time.perf_counter() - t0) / len(layers))
+                        handle.check()
                         _check_output(st, reference, sid, out, rep)
                         bar.tick(policy)
                     if cfg is None:
@@ -436,6 +495,12 @@ def _run_policies(
                         world.steps_run = sid
                         ops, out, waits = handle.traced_step()
                         _check_output(st, reference, sid, out, rep)
+                        if handle.attn_modeled:
+                            cycle = check_peer_cycle(
+                                ops, layers, stages, int(params.attn_us * 1e3), tolerance_ns=PEER_TOLERANCE_NS
+                            )
+                            st.peer_violations.extend(f"rep {rep} step {sid}: {v}" for v in cycle.violations)
+                            st.peer_checked += 1
                         bar.tick(policy)
                         if policy == "serial":
                             st.traced.append((ops, waits))
@@ -640,6 +705,9 @@ def _report(
                 "edges_checked": handle.edges_checkable,
                 "edges_ok": (not st.violations) if handle.edges_checkable else None,
                 "edge_violations": st.violations[:10],
+                "peer_cycle_ok": (not st.peer_violations) if st.peer_checked else None,
+                "peer_cycle_checked_steps": st.peer_checked,
+                "peer_cycle_violations": st.peer_violations[:10],
             }
         )
     return {
@@ -650,6 +718,8 @@ def _report(
         "scenario": params.scenario,
         "stand_in_root": root,
         "params": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(params).items()},
+        "comm_model": handle.comm_model,
+        "attn_modeled": handle.attn_modeled,
         "ffn_layers": len(layers),
         "stages": list(stages),
         "measured": measured,

@@ -1,7 +1,9 @@
 """``camp2p-overlap sweep``: per-layer time of each policy against the ratio
 of communication to FFN compute, against the number of stages, and against
-the work per (layer, stage) (tokens per stage, from 1 up to the preset's),
-where fixed and adaptive overlap run side by side so the crossover shows.
+the cores each communication op keeps busy (``--comm-cores``: how speedup
+and eta fall as communication takes compute), and against the work per
+(layer, stage) (tokens per stage, from 1 up to the preset's), where fixed
+and adaptive overlap run side by side so the crossover shows.
 
 The ratio is set through the modeled link: the FFN time f is measured once
 (a short serial run of the same world), then for each target ratio r the
@@ -25,6 +27,9 @@ from camp2p_overlap.tools.bench.runner import BenchParams, run_bench
 DEFAULT_RATIOS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
 DEFAULT_STAGE_COUNTS = (1, 2, 3)
 DEFAULT_STAGE_RATIO = 0.5
+#: ``--comm-cores`` of the contention points, per device (CPU: busy threads
+#: on a 2-core reference machine; CUDA: SMs of 132 on an H200).
+DEFAULT_COMM_CORES = {"cpu": (0, 1, 2), "cuda": (0, 8, 32, 96), "npu": ()}
 #: Tokens per stage of the work-size points, for each hidden size: the
 #: preset's MoE and link bandwidth, with no link latency and no attention
 #: time, so that the work per (layer, stage), compute and transfer alike,
@@ -85,6 +90,7 @@ def run_sweep(
     stage_ratio: float = DEFAULT_STAGE_RATIO,
     work_tokens: Sequence[int] = DEFAULT_WORK_TOKENS,
     work_hidden: Sequence[int] = DEFAULT_WORK_HIDDEN,
+    comm_cores: Sequence[int] | None = None,
     work_timed_s: float = WORK_TIMED_S,
     progress: bool = False,
     log: Any = sys.stderr,
@@ -93,8 +99,10 @@ def run_sweep(
     "stage_points", "work_points", "wall_s"}`` with each point's full
     benchmark report."""
     t0 = time.perf_counter()
-    f_s = _calibrate_f(base) if (ratios or stage_counts) else float("nan")
-    total = len(ratios) + len(stage_counts) + len(work_tokens) * len(work_hidden)
+    if comm_cores is None:
+        comm_cores = DEFAULT_COMM_CORES.get(base.device, ())
+    f_s = _calibrate_f(base) if (ratios or stage_counts or comm_cores) else float("nan")
+    total = len(ratios) + len(stage_counts) + len(comm_cores) + len(work_tokens) * len(work_hidden)
     done = 0
 
     def point(params: BenchParams, label: str) -> dict[str, Any]:
@@ -130,6 +138,20 @@ def run_sweep(
                 "report": report,
             }
         )
+    comm_core_points = []
+    for n in comm_cores:
+        lat, gbps = link_for_ratio(base, f_s, stage_ratio)
+        params = replace(base, comm_cores=n, link_latency_us=round(lat, 3), link_gbps=round(gbps, 6))
+        report = point(params, f"--comm-cores {n}, (a+e)/f = {stage_ratio:g}")
+        comm_core_points.append(
+            {
+                "comm_cores": n,
+                "target_ratio": stage_ratio,
+                "measured_ratio": report["measured"]["comm_over_ffn"],
+                "stages": base.stages,
+                "report": report,
+            }
+        )
     work_points = []
     for hidden, tokens in ((h, t) for h in work_hidden for t in work_tokens):
         params = replace(
@@ -160,6 +182,7 @@ def run_sweep(
         "f_calibration_us": None if f_s != f_s else round(f_s * 1e6, 3),
         "ratio_points": ratio_points,
         "stage_points": stage_points,
+        "comm_core_points": comm_core_points,
         "work_points": work_points,
         "wall_s": round(time.perf_counter() - t0, 3),
     }
@@ -193,16 +216,17 @@ def _cells(report: Mapping[str, Any], policies: Sequence[str]) -> list[str]:
 def adaptive_worst(sweep: Mapping[str, Any]) -> tuple[float, str] | None:
     """The lowest speedup of adaptive ``overlap`` over serial at any point, and where."""
     worst = None
-    for key in ("ratio_points", "stage_points", "work_points"):
+    for key in ("ratio_points", "stage_points", "comm_core_points", "work_points"):
         for pt in sweep.get(key, ()):
             p = _policy(pt["report"], "overlap")
             if p is not None and (worst is None or p["speedup"] < worst[0]):
-                where = (
-                    f"{pt['tokens']} tokens, hidden {pt['hidden']}"
-                    if key == "work_points"
-                    else f"{pt['stages']} stages"
-                )
-                worst = (p["speedup"], f"{key.split('_')[0]} point, {where}")
+                if key == "work_points":
+                    where = f"{pt['tokens']} tokens, hidden {pt['hidden']}"
+                elif key == "comm_core_points":
+                    where = f"{pt['comm_cores']} comm cores"
+                else:
+                    where = f"{pt['stages']} stages"
+                worst = (p["speedup"], f"{key.rsplit('_', 1)[0].replace('_', ' ')} point, {where}")
     return worst
 
 
@@ -234,6 +258,16 @@ def sweep_markdown(sweep: Mapping[str, Any], command: str | None = None) -> str:
             "stages",
             lambda pt: str(pt["stages"]),
             lambda pts: f"Per-layer time against the number of stages ((a+e)/f target {pts[0]['target_ratio']:g}):",
+        ),
+        (
+            "comm_core_points",
+            "comm cores",
+            lambda pt: str(pt["comm_cores"]),
+            lambda pts: (
+                f"Per-layer time against the cores each communication op keeps busy (--comm-cores; "
+                f"{pts[0]['stages']} stages, (a+e)/f target {pts[0]['target_ratio']:g}; 0 = communication "
+                "takes no compute):"
+            ),
         ),
         (
             "work_points",
