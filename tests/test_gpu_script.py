@@ -228,7 +228,8 @@ def test_the_gpu_test_files_collect_without_what_the_gpu_box_lacks() -> None:
 
         sys.meta_path.insert(0, Block())
         import pytest
-        sys.exit(pytest.main(["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-p", "no:hypothesispytest", *{files!r}]))
+        plugins_off = ["-p", "no:cacheprovider", "-p", "no:hypothesispytest"]
+        sys.exit(pytest.main(["--collect-only", "-q", "-m", "gpu", *plugins_off, *{files!r}]))
     """
     res = run_python(textwrap.dedent(code), timeout=120)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
