@@ -1,5 +1,6 @@
-"""camp2p-overlap: FFN-side CAMP2P A2E/E2A multi-stream overlap for vLLM
-0.19.1 + afd-plugin, as a version-guarded, reversible patch layer.
+"""camp2p-overlap: FFN-side CAMP2P A2E/E2A multi-stream overlap for vLLM +
+afd-plugin (vLLM 0.19.1 with afd-plugin 0.19.1rc1, vLLM 0.26.0 with
+afd-plugin main), as a version-guarded, reversible patch layer.
 
 Importing this package imports no vLLM, afd-plugin or torch_npu module.
 """

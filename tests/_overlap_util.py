@@ -18,6 +18,7 @@ from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.process import ENGINE, RUNTIME
 from camp2p_overlap.core.report import PatchReport
 from camp2p_overlap.core.session import OverlapSession
+from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.world import StageMeta, World, WorldSpec, build_world
 
@@ -33,12 +34,21 @@ def world(**kw: Any) -> World:
 
 
 def apply_cpu(**overrides: Any) -> PatchReport:
-    """Apply (strict) switched on with the CPU backend plus ``overrides``."""
+    """Apply (strict) switched on with the CPU backend plus ``overrides``;
+    the engine must have picked the stack whose stand-ins are installed."""
     ENGINE.unpatch(timeout=10)
     overrides.setdefault("adaptive", False)  # the schedule tests want every allowed step engaged
     report = ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", **overrides))
     assert report.engaged, str(report)
+    assert_stack(report)
     return report
+
+
+def assert_stack(report: PatchReport) -> None:
+    """The engine picked the manifest of the stand-ins' stack (from the
+    installed versions: see ``conftest.use_stack``)."""
+    stack = standins.installed_stack(standins.REAL_ROOT)
+    assert stack is None or report.stack == stack, f"stand-ins of {stack}, manifest of {report.stack}"
 
 
 @dataclass(frozen=True)

@@ -10,17 +10,19 @@ import json
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import run_python
 
 from camp2p_overlap.core import config as cfgmod
+from camp2p_overlap.core import versions
 from camp2p_overlap.core.manifest import load_manifest
 from camp2p_overlap.core.versions import installed_version
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.tools import cli
-from camp2p_overlap.tools.doctor import check_target, diagnose
+from camp2p_overlap.tools.doctor import check_target, diagnose, vllm_ascend_check
 
 STATUSES = {"ok", "import-error", "missing", "signature-mismatch", "stand-in"}
 DOCTOR = "import sys; from camp2p_overlap.tools.cli import main; sys.exit(main({argv!r}))"
@@ -71,6 +73,7 @@ def test_doctor_json_lists_every_manifest_target_with_its_status() -> None:
         "problems",
         "notes",
         "stack",
+        "stack_match",
         "versions",
         "vllm_check",
         "targets",
@@ -82,7 +85,7 @@ def test_doctor_json_lists_every_manifest_target_with_its_status() -> None:
     }
     assert d["ok"] is False and d["problems"]
     assert d["stack"] == "vllm-0.19.1"
-    assert set(d["versions"]) == {"vllm", "torch", "torch_npu", "wrapt", "afd-plugin", "camp2p-overlap"}
+    assert set(d["versions"]) == {"vllm", "torch", "torch_npu", "wrapt", "afd-plugin", "vllm-ascend", "camp2p-overlap"}
     assert d["versions"]["afd-plugin"] is None
     assert d["versions"]["torch"] == installed_version("torch")
     assert d["versions"]["wrapt"] == installed_version("wrapt")
@@ -197,3 +200,101 @@ def test_doctor_help_documents_the_json_schema(capsys: pytest.CaptureFixture[str
     text = capsys.readouterr().out
     for key in ("camp2p-overlap/doctor/v1", "problems", "targets", "signature-mismatch", "switches", "exit status"):
         assert key in text
+
+
+# ---------------------------------------------------------------------------
+# Which stack matched, and why.
+
+
+def _installed(monkeypatch: pytest.MonkeyPatch, **dists: str | None) -> None:
+    names = {"vllm": versions.VLLM_DIST, "afd": versions.AFD_PLUGIN_DIST, "ascend": versions.VLLM_ASCEND_DIST}
+    table = {names[k]: v for k, v in dists.items()}
+    monkeypatch.setattr(versions, "installed_version", lambda dist: table.get(dist))
+    monkeypatch.setattr("camp2p_overlap.tools.doctor.installed_version", lambda dist: table.get(dist))
+
+
+@pytest.mark.parametrize(
+    ("vllm", "afd", "stack"),
+    [("0.19.1", "0.19.1rc1", "vllm-0.19.1"), ("0.26.0+empty", "0.1.dev447+g2e4378f2d", "vllm-0.26.0")],
+)
+def test_doctor_says_which_stack_matched_and_why(
+    monkeypatch: pytest.MonkeyPatch, vllm: str, afd: str, stack: str
+) -> None:
+    _installed(monkeypatch, vllm=vllm, afd=afd, ascend=None)
+    d = diagnose()
+    m = d["stack_match"]
+    assert d["stack"] == m["stack"] == stack
+    assert m["why"].startswith(f"vLLM {vllm} matches supported {vllm.split('+')[0]}; afd-plugin {afd} is ")
+    assert {c["stack"]: c["ok"] for c in m["candidates"]} == {
+        "vllm-0.19.1": stack == "vllm-0.19.1",
+        "vllm-0.26.0": stack == "vllm-0.26.0",
+    }
+    other = next(c for c in m["candidates"] if not c["ok"])
+    assert other["reason"].startswith(f"vLLM {vllm} is installed; camp2p-overlap supports vLLM ")
+    text = cli_text(d)
+    assert f"stack: {stack} matched: {m['describe']}" in text
+    assert f"[ok] {stack}: {m['why']}" in text and f"[no] {other['stack']}: " in text
+
+
+def cli_text(d: dict) -> str:
+    from camp2p_overlap.tools.doctor import doctor_text
+
+    return doctor_text(d)
+
+
+def test_doctor_says_no_stack_matched_naming_both(monkeypatch: pytest.MonkeyPatch) -> None:
+    _installed(monkeypatch, vllm="0.25.0", afd=None, ascend=None)
+    d = diagnose()
+    assert d["stack_match"]["stack"] is None and d["ok"] is False
+    assert not any(c["ok"] for c in d["stack_match"]["candidates"])
+    gate = next(p for p in d["problems"] if p.startswith("vLLM version gate: "))
+    assert "(stack vllm-0.19.1)" in gate and "(stack vllm-0.26.0)" in gate
+    assert "stack: NONE matched" in cli_text(d)
+
+
+@pytest.mark.parametrize(
+    ("stack", "found", "status"),
+    [
+        ("vllm-0.26.0", "0.19.1rc2.dev1304+g80d8c194f", "ok"),  # what that commit builds as
+        ("vllm-0.26.0", "0.19.1rc2.dev1373+gcf0baa38df", "differs"),  # a later commit of its branch
+        ("vllm-0.26.0", "0.26.0rc1", "unknown"),  # a release names no commit: the user must check
+        ("vllm-0.26.0", None, "not-installed"),
+        ("vllm-0.19.1", "0.19.1rc1", "ok"),
+        ("vllm-0.19.1", "0.19.1rc1+empty", "ok"),
+        ("vllm-0.19.1", "0.18.0", "differs"),
+    ],
+)
+def test_vllm_ascend_is_compared_with_the_checked_line(stack: str, found: str | None, status: str) -> None:
+    row = vllm_ascend_check(load_manifest(stack), found)
+    assert row["status"] == status and row["found"] == found and row["expected"]
+    if stack == "vllm-0.26.0" and found is not None:
+        assert "80d8c194f" in row["detail"]
+
+
+def test_a_differing_vllm_ascend_is_a_note_not_a_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    _installed(monkeypatch, vllm="0.26.0", afd=None, ascend="0.26.0rc1")
+    d = diagnose()
+    assert d["stack"] == "vllm-0.26.0" and d["stack_match"]["vllm_ascend"]["status"] == "unknown"
+    assert any(n.startswith("vLLM-Ascend: 0.26.0rc1 names no commit") for n in d["notes"])
+    assert not any("vLLM-Ascend" in p for p in d["problems"])
+
+
+@pytest.mark.vllm_runtime
+def test_doctor_in_the_real_vllm_0_26_0_venv_matches_that_stack() -> None:
+    from test_plugin_vllm import VLLM_PYTHONS
+
+    python = VLLM_PYTHONS["0.26.0"]
+    if not Path(python).exists():
+        if importlib.util.find_spec("vllm") is not None:
+            pytest.fail(f"{python} is missing: run bash scripts/setup.sh --test")
+        pytest.skip("the vLLM 0.26.0 venv is not set up (bash scripts/setup.sh --test)")
+    res = run_python(DOCTOR.format(argv=["doctor", "--json"]), timeout=180, python=python)
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    d = json.loads(res.stdout)
+    assert d["versions"]["vllm"] == "0.26.0"
+    assert d["stack"] == d["stack_match"]["stack"] == "vllm-0.26.0"
+    assert d["vllm_check"]["ok"] is True
+    assert [(c["stack"], c["ok"]) for c in d["stack_match"]["candidates"]] == [
+        ("vllm-0.19.1", False),
+        ("vllm-0.26.0", True),
+    ]

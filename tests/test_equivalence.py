@@ -1,7 +1,9 @@
 """Overlap (and the parity and reorder modes) == serial, bitwise, over
 property-based schedules (hypothesis: layers, stage sets, tokens,
 directions, min_stages, modes, on two worlds), and every edge of the design
-holds in each recorded trace. A failing schedule shrinks to a minimal one."""
+holds in each recorded trace: once per supported stack (``standin_stack``:
+that stack's runner stand-in and manifest). A failing schedule shrinks to a
+minimal one."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from hypothesis import strategies as st
 from camp2p_overlap.core import trace
 from camp2p_overlap.core.process import ENGINE
 
+pytestmark = pytest.mark.usefixtures("standin_stack")
+
 MAX_DELAY_MS = 2.0
 #: Model layers drawn per world: world 0 runs every layer on FFN (3 or 4 FFN
 #: layers); world 1 runs only MoE layers (index >= 1 and even), so 5..8 model
@@ -49,7 +53,7 @@ def jobs(draw: st.DrawFn) -> tuple[int, Schedule, tuple[bool, bool, int], str]:
 
 
 @pytest.fixture
-def worlds() -> list:
+def worlds(standin_stack: str) -> list:
     ws = [
         world(layers=4, stage_ids=(0, 1, 2), op_timeout_s=10.0),
         # Layer lists that skip layers: only MoE layers 2, 4, 6 (of up to 8) run on FFN.

@@ -23,6 +23,8 @@ run. Every run must:
 The serial path (patch not applied) gets the same fault and must fail with
 the same exception type (or give the same outputs) - the overlap changes
 where the error happens, never what the caller sees.
+
+Every test runs once per supported stack (``standin_stack``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from _overlap_util import (
     Schedule,
     apply_cpu,
     assert_same,
+    assert_stack,
     assert_streams_idle,
     bounded,
     run_step,
@@ -59,6 +62,8 @@ from camp2p_overlap.core.streams import CpuBackend, StreamPoisonedError
 from camp2p_overlap.core.streams.cpu import WorkerStream
 from camp2p_overlap.emulation.faults import Fault, FaultPlan, InjectedIOError, run_step_bounded
 from camp2p_overlap.emulation.world import PeerTimeoutError, World
+
+pytestmark = pytest.mark.usefixtures("standin_stack")
 
 # ---------------------------------------------------------------------------
 # Errors at chosen points of a step.
@@ -93,7 +98,7 @@ def fault_points(draw: st.DrawFn) -> dict[str, Any]:
 
 
 @pytest.fixture
-def error_world() -> World:
+def error_world(standin_stack: str) -> World:
     return world(layers=4, stage_ids=(0, 1, 2), op_timeout_s=5.0)
 
 
@@ -282,7 +287,9 @@ class Runner:
             e2a_on_side_stream=e2a_side,
             mode=run.mode,  # type: ignore[arg-type]
         )
-        assert ENGINE.apply(config=cfg, strict=True).applied
+        report = ENGINE.apply(config=cfg, strict=True)
+        assert report.applied
+        assert_stack(report)
         try:
             with FaultPlan(w, [fault]) as plan:
                 plan.arm()

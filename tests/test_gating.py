@@ -2,7 +2,8 @@
 no session is opened, and the reason is logged once per distinct reason.
 ``CASES`` holds 19 set-ups, each refused with its own reason: no two
 texts are equal or one a prefix of the other, and each logged reason
-starts with exactly one case's text."""
+starts with exactly one case's text. Every test runs once per supported
+stack (``standin_stack``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from _overlap_util import (
     SessionSpy,
     apply_cpu,
     assert_same,
+    assert_stack,
     bounded,
     run_step,
     serial_results,
@@ -30,6 +32,8 @@ from camp2p_overlap.core import trace
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.process import ENGINE
 from camp2p_overlap.emulation.world import World
+
+pytestmark = pytest.mark.usefixtures("standin_stack")
 
 GATE = "running the serial FFN path"
 SENTINEL = object()  # passed as aclgraph_runtime_mode: must reach the original as is
@@ -211,7 +215,7 @@ def test_gate_runs_the_original_with_the_same_arguments(
     if case.before_apply is not None:
         case.before_apply(w, monkeypatch)
     cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False).with_overrides(**case.config)
-    ENGINE.apply(strict=case.strict, config=cfg)
+    assert_stack(ENGINE.apply(strict=case.strict, config=cfg))
     if case.after_apply is not None:
         case.after_apply(w, monkeypatch)
     sessions = SessionSpy(monkeypatch)

@@ -26,7 +26,13 @@ dist = importlib.metadata.distribution("camp2p-overlap")
 from camp2p_overlap.emulation import standins
 standins.install()
 runner_mod, conn_mod, _ = standins.import_standins()
+standins.uninstall()
+from camp2p_overlap.core.manifest import available_stacks
+standins.install(stack="vllm-0.26.0")
+main_runner, _, _ = standins.import_standins()
 print("OUT " + json.dumps({
+    "stacks": available_stacks(),
+    "main_runner_file": main_runner.__file__,
     "imported": imported,
     "package": camp2p_overlap.__file__,
     "manifest_dir": str(resources.files("camp2p_overlap.patches")),
@@ -97,6 +103,8 @@ def test_the_installed_copy_is_the_wheel(installed: dict) -> None:
 def test_manifest_ships_inside_the_wheel(installed: dict) -> None:
     assert Path(installed["manifest_dir"]).resolve().is_relative_to(Path(installed["env_dir"]).resolve())
     assert "camp2p_overlap/patches/vllm-0.19.1.toml" in installed["dist_files"]
+    assert "camp2p_overlap/patches/vllm-0.26.0.toml" in installed["dist_files"]
+    assert installed["stacks"] == ["vllm-0.19.1", "vllm-0.26.0"]
     assert installed["stack"] == "vllm-0.19.1" and installed["targets"] == 4
 
 
@@ -108,6 +116,8 @@ def test_standins_ship_inside_the_wheel(installed: dict) -> None:
     # The benchmark (the main job) imports the stand-ins from the installed package.
     assert installed["standin_classes"] == ["AFDNPUFFNModelRunner", "CAMP2pAFDConnector"]
     assert Path(installed["standin_file"]).resolve().is_relative_to(Path(installed["env_dir"]).resolve())
+    main = Path(installed["main_runner_file"]).resolve()  # afd-plugin main's runner, for the vllm-0.26.0 stack
+    assert main.name == "ffn_model_runner_main.py" and main.is_relative_to(Path(installed["env_dir"]).resolve())
     wanted = "camp2p_overlap/emulation/standins/afd_plugin/v1/worker/npu/ffn_model_runner.py"
     assert wanted in installed["dist_files"]
 

@@ -50,6 +50,28 @@ def test_shipped_manifest_loads() -> None:
     assert read.action == "read" and read.owner_path == () and read.attribute == "_ffn_layer_indices"
 
 
+def test_the_vllm_0_26_0_manifest_pins_main_by_commit_with_the_same_targets() -> None:
+    assert available_stacks() == ["vllm-0.19.1", "vllm-0.26.0"]
+    old, new = load_manifest("vllm-0.19.1"), load_manifest("vllm-0.26.0")
+    assert new.vllm == "0.26.0" and new.afd_plugin is None
+    assert new.afd_plugin_commit == "2e4378f2d478313992e9a1b850c61b1e888a1145"
+    assert "main" in new.afd_plugin_source and "0.1.dev447+g2e4378f2d" in new.afd_plugin_source
+    assert new.vllm_ascend_commit == "80d8c194f7584b17fe08065ea99a130916f6b0e7" and "no release" in new.vllm_ascend
+    assert new.describe() == "vLLM 0.26.0 with afd-plugin commit 2e4378f2d (stack vllm-0.26.0)"
+    assert new.remove_when and "#161" in new.remove_when
+    # Same modules, targets, actions, wrappers and signatures (checked upstream:
+    # the connector file is unchanged, the runner's signatures too) ...
+    strip = [(t.id, t.action, t.wrapper, t.signature) for t in old.targets()]
+    assert [(t.id, t.action, t.wrapper, t.signature) for t in new.targets()] == strip
+    # ... and each target says what differs on main, or that nothing does.
+    why = {t.qualname: t.why for t in new.targets()}
+    assert "ascend_forward_context" in why["AFDNPUFFNModelRunner._ffn_forward"]
+    assert "afd_config directly" in why["_ffn_layer_indices"]
+    assert all("unchanged from release/v0.19.1rc1" in why[q] for q in why if q.startswith("CAMP2pAFDConnector."))
+    for t in new.targets():
+        assert t.changes and t.why
+
+
 def test_manifest_signatures_match_the_stand_ins() -> None:
     """The stand-ins keep the contract's shapes: the engine must accept them."""
     standins.install()
@@ -101,6 +123,9 @@ def test_parse_a_minimal_manifest() -> None:
         (('kind = "POSITIONAL_OR_KEYWORD"', 'kind = "POSITIONAL"'), "unknown parameter kind"),
         (("signature = [", "sig = ["), "missing key 'signature'"),
         (('name = "m"', 'name = "m'), "s.toml"),
+        (('vllm = "1.0"', 'vllm = "1.0"\nafd_plugin_commit = "2e4378f"'), "full 40-digit"),
+        (('vllm = "1.0"', 'vllm = "1.0"\nvllm_ascend_commit = 7'), "vllm_ascend_commit must be"),
+        (('vllm = "1.0"', f'vllm = "1.0"\nafd_plugin = "1.0"\nafd_plugin_commit = "{"a" * 40}"'), "not both"),
     ],
 )
 def test_malformed_manifests_are_manifest_errors(edit: tuple[str, str], match: str) -> None:

@@ -5,9 +5,11 @@ when switched on, and makes our VLLM_CAMP2P_* names known to vLLM. The
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import sys
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -112,8 +114,14 @@ def test_register_env_vars_adds_our_names_once(monkeypatch: pytest.MonkeyPatch) 
 
 
 # ---------------------------------------------------------------------------
-# With the real vLLM, in fresh processes.
+# With the real vLLM of each supported stack, in fresh processes.
+# scripts/setup.sh --test installs vLLM 0.19.1 in .venv (this interpreter)
+# and vLLM 0.26.0 in .venv-vllm026 (one venv holds one vLLM), each wheel
+# with --no-deps plus what vllm.plugins, vllm.envs and vllm.forward_context
+# need to import.
 SKIP_RC = 77
+VLLM_PYTHONS = {"0.19.1": sys.executable, "0.26.0": str(REPO / ".venv-vllm026" / "bin" / "python")}
+STACK_OF = {"0.19.1": "vllm-0.19.1", "0.26.0": "vllm-0.26.0"}
 # Skip only where vLLM is not installed at all; an installed vLLM that fails
 # to import (a broken install, a missing dependency) makes the child exit
 # non-zero and the test fail.
@@ -122,21 +130,41 @@ import importlib.util, json, os, sys
 if importlib.util.find_spec("vllm") is None:
     print("SKIP vllm is not installed")
     sys.exit({SKIP_RC})
+import vllm
 import vllm.plugins
 import vllm.envs as envs
+def emit(out):
+    out["vllm"] = vllm.__version__
+    print("OUT " + json.dumps(out))
 """
 
 
-def run_vllm(code: str, env: dict[str, str]) -> dict[str, Any]:
-    proc = run_python(PRELUDE + code, env=env, timeout=120)
+@pytest.fixture(params=list(VLLM_PYTHONS), ids=lambda v: f"vllm-{v}")
+def real_vllm(request: pytest.FixtureRequest) -> str:
+    """The vLLM release whose real wheel the test's child process imports."""
+    version = request.param
+    if not Path(VLLM_PYTHONS[version]).exists():
+        if importlib.util.find_spec("vllm") is not None:
+            # The test set-up ran (it installed vLLM here) and makes both venvs.
+            pytest.fail(f"{VLLM_PYTHONS[version]} is missing: run bash scripts/setup.sh --test")
+        pytest.skip(f"the vLLM {version} venv is not set up (bash scripts/setup.sh --test)")
+    return version
+
+
+def run_vllm(code: str, env: dict[str, str], version: str = "0.19.1") -> dict[str, Any]:
+    proc = run_python(PRELUDE + code, env=env, timeout=180, python=VLLM_PYTHONS[version])
     if proc.returncode == SKIP_RC and proc.stdout.startswith("SKIP vllm is not installed"):
+        if version != "0.19.1":  # its venv exists only to hold this wheel
+            pytest.fail(f"vLLM is missing from {VLLM_PYTHONS[version]}: run bash scripts/setup.sh --test")
         pytest.skip("vLLM is not installed")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(next(line[4:] for line in proc.stdout.splitlines() if line.startswith("OUT ")))
+    out = json.loads(next(line[4:] for line in proc.stdout.splitlines() if line.startswith("OUT ")))
+    assert out["vllm"].split("+")[0] == version, f"the child imported vLLM {out['vllm']}, not {version}"
+    return out
 
 
 @pytest.mark.vllm_runtime
-def test_validate_environ_knows_our_names_only_after_register() -> None:
+def test_validate_environ_knows_our_names_only_after_register(real_vllm: str) -> None:
     out = run_vllm(
         """
 from camp2p_overlap.core.plugin import register
@@ -149,9 +177,10 @@ def check():
 before = check()
 register()
 after = check()
-print("OUT " + json.dumps({"before": before, "after": after, "value": envs.VLLM_CAMP2P_MULTISTREAM}))
+emit({"before": before, "after": after, "value": envs.VLLM_CAMP2P_MULTISTREAM})
 """,
         env={"VLLM_CAMP2P_MULTISTREAM": "1", "VLLM_CAMP2P_MULTISTREAM_BACKEND": "cpu"},
+        version=real_vllm,
     )
     assert "VLLM_CAMP2P_MULTISTREAM" in out["before"]
     assert out["after"] == "passed"
@@ -166,8 +195,8 @@ out = {"loaded": loaded, "known": "VLLM_CAMP2P_MULTISTREAM" in envs.environment_
 if loaded:
     import camp2p_overlap
     st = camp2p_overlap.status()
-    out.update(applied=st.applied, reason=st.reason, states=sorted({t.state.value for t in st.targets}))
-print("OUT " + json.dumps(out))
+    out.update(applied=st.applied, reason=st.reason, stack=st.stack, states=sorted({t.state.value for t in st.targets}))
+emit(out)
 """
 
 
@@ -183,15 +212,75 @@ print("OUT " + json.dumps(out))
     ids=["named-on", "named-off", "all-plugins-on", "other-plugin-only"],
 )
 def test_vllm_loader_runs_our_entry_point(
-    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], loaded: bool, applied: bool
+    monkeypatch: pytest.MonkeyPatch, real_vllm: str, env: dict[str, str], loaded: bool, applied: bool
 ) -> None:
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)  # the child inherits the rest of this environment
-    out = run_vllm(LOADER, env=env)
+    out = run_vllm(LOADER, env=env, version=real_vllm)
     assert out["loaded"] is loaded
     assert out["known"] is loaded  # register() told vLLM about our names
     if loaded:
         assert out["applied"] is applied
         if applied:
             assert out["reason"] == "applied" and out["states"] == ["not-imported-yet"]
+            assert out["stack"] == STACK_OF[real_vllm]  # picked from the installed vLLM
         else:
             assert "switched off" in out["reason"]
+
+
+ENGAGED_STEP = """
+import torch
+from camp2p_overlap.core import trace
+from camp2p_overlap.emulation import standins
+from camp2p_overlap.emulation.moe import MoEShape
+from camp2p_overlap.emulation.world import WorldSpec, build_world
+standins.install(stack=os.environ["STANDIN_STACK"])
+shape = MoEShape(hidden=32, ffn=64, experts=4, top_k=2)
+w = build_world(WorldSpec(layers=3, stage_ids=(0, 1), tokens=8, shape=shape, op_timeout_s=10.0))
+serial = w.run_step(tokens={0: 8, 1: 5})
+vllm.plugins.load_general_plugins()
+import camp2p_overlap
+st = camp2p_overlap.status()
+w.steps_run = 0  # the same step again: attention sends the same data
+with trace.recording() as rec:
+    got = w.run_step(tokens={0: 8, 1: 5})
+(step,) = rec.steps()
+ops = rec.ops(step)
+layers = tuple(w.layer_list())
+check = trace.check_step(ops, trace.ExpectedSchedule(layers, (0, 1), True, True))
+emit({
+    "stack": st.stack,
+    "engaged": st.engaged,
+    "runner_file": os.path.basename(w.modules[0].__file__),
+    "keys_equal": sorted(got) == sorted(serial) and len(serial) == 6,
+    "bitwise": all(torch.equal(got[k], serial[k]) for k in serial),
+    "side": sorted({(o.kind, o.stream) for o in ops if o.kind in ("a2e", "e2a")}),
+    "check": str(check) if not check.ok else "ok",
+})
+"""
+
+
+@pytest.mark.vllm_runtime
+def test_real_vllm_picks_its_stack_and_an_engaged_two_stage_step_equals_serial(real_vllm: str) -> None:
+    """With the real wheel installed, the entry point applies the stack of
+    that vLLM; with that stack's stand-ins (afd-plugin main's runner for
+    0.26.0), an engaged 2-stage step is bitwise equal to the serial one and
+    runs A2E and E2A on the stage streams."""
+    stack = STACK_OF[real_vllm]
+    out = run_vllm(
+        ENGAGED_STEP,
+        env={
+            "VLLM_CAMP2P_MULTISTREAM": "1",
+            "VLLM_CAMP2P_MULTISTREAM_BACKEND": "cpu",
+            "VLLM_CAMP2P_MULTISTREAM_ADAPTIVE": "0",
+            "VLLM_PLUGINS": "camp2p_overlap",
+            "STANDIN_STACK": stack,
+        },
+        version=real_vllm,
+    )
+    assert out["stack"] == stack and out["engaged"] is True
+    assert out["runner_file"] == ("ffn_model_runner_main.py" if stack == "vllm-0.26.0" else "ffn_model_runner.py")
+    assert out["keys_equal"] and out["bitwise"]
+    assert out["check"] == "ok"
+    side = {(kind, stream) for kind, stream in out["side"]}
+    assert {kind for kind, _ in side} == {"a2e", "e2a"}
+    assert all(stream != "C" for _, stream in side), side  # none on the compute stream

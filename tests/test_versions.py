@@ -106,12 +106,12 @@ def test_engine_accepts_the_release_with_a_local_label(found: str) -> None:
 # ---------------------------------------------------------------------------
 # Fresh interpreters that see a fake installed vLLM first on sys.path.
 CHILD = """
-import importlib, importlib.metadata, json, sys
+import importlib, importlib.metadata, json, os, sys
 import camp2p_overlap
 from camp2p_overlap.core.engine import PatchRefused
 from camp2p_overlap.core.process import ENGINE
 from camp2p_overlap.emulation import standins
-standins.install()
+standins.install(stack=os.environ.get("STANDIN_STACK"))
 conn = importlib.import_module("afd_plugin.connectors.npu.camp2p").CAMP2pAFDConnector
 before = dict(vars(conn))
 report = camp2p_overlap.apply()
@@ -121,6 +121,7 @@ out = {
     "reason": camp2p_overlap.status().reason,
     "states": sorted({t.state.value for t in camp2p_overlap.status().targets}),
     "reported": report.vllm_version,
+    "stack": report.stack,
     "untouched": vars(conn).keys() == before.keys() and all(vars(conn)[k] is v for k, v in before.items()),
     "vllm_imported": "vllm" in sys.modules,
 }
@@ -246,3 +247,111 @@ def test_fresh_process_refuses_another_installed_afd_plugin(tmp_path: Path) -> N
     assert out["applied"] is False and out["untouched"] is True and out["states"] == ["refused"]
     assert "afd-plugin (vllm-afd-plugin) 0.26.0 is installed next to vLLM 0.19.1" in out["reason"]
     assert out["strict"].startswith("PatchRefused: afd-plugin")
+
+
+# ---------------------------------------------------------------------------
+# The vllm-0.26.0 stack: afd-plugin main, pinned by commit.
+MAIN = "2e4378f2d478313992e9a1b850c61b1e888a1145"
+
+
+@pytest.mark.parametrize(
+    ("found", "ok"),
+    [
+        ("0.1.dev447+g2e4378f2d", True),  # what setuptools-scm builds from a full clone of the commit
+        ("0.1.dev447+g2e4378f", True),  # a 7-digit abbreviation
+        ("0.1.dev12+g2e4378f2d", True),  # a shallow clone counts fewer commits: the commit decides
+        ("0.1.dev447+g2e4378f2d.d20260801", True),  # a tree with local changes (as 0.19.1rc1+d... is accepted)
+        ("0.1.dev448+g5d1c0ffee", False),  # a later main commit
+        ("0.1.dev447+g2e4378e", False),
+        ("0.1.dev447+g2e43", False),  # too short to name a commit
+        ("0.1.dev447", False),  # built without git: names no commit
+        ("0.19.1rc1", False),
+        ("0.26.0", False),
+        ("garbage", False),
+    ],
+)
+def test_commit_pinned_afd_plugin(found: str, ok: bool) -> None:
+    vllm_ok = judge_vllm_version("0.26.0", "0.26.0")
+    vc = versions.judge_afd_plugin_commit(vllm_ok, found, MAIN)
+    assert vc.ok is ok and vc.vllm_ok
+    if ok:
+        assert vc.reason.endswith(f"afd-plugin {found} is built from commit 2e4378f2d")
+    else:
+        assert vc.reason.startswith(f"afd-plugin (vllm-afd-plugin) {found} ")
+        assert "camp2p-overlap supports afd-plugin commit 2e4378f2d with vLLM 0.26.0" in vc.reason
+    missing = versions.judge_afd_plugin_commit(vllm_ok, None, MAIN)
+    assert missing.ok and "judged by its targets' signatures only" in missing.reason
+
+
+def _installed(monkeypatch: pytest.MonkeyPatch, vllm: str | None, afd: str | None) -> None:
+    dists = {versions.VLLM_DIST: vllm, versions.AFD_PLUGIN_DIST: afd}
+    monkeypatch.setattr(versions, "installed_version", lambda dist: dists.get(dist))
+
+
+@pytest.mark.parametrize(
+    ("vllm", "afd", "stack", "ok"),
+    [
+        ("0.19.1+empty", None, "vllm-0.19.1", True),
+        ("0.19.1", "0.19.1rc1", "vllm-0.19.1", True),
+        ("0.26.0", None, "vllm-0.26.0", True),
+        ("0.26.0+empty", "0.1.dev447+g2e4378f2d", "vllm-0.26.0", True),
+        ("0.26.0", "0.19.1rc1", "vllm-0.26.0", False),  # the release's afd-plugin next to 0.26.0
+        ("0.19.1", "0.1.dev447+g2e4378f2d", "vllm-0.19.1", False),  # main's afd-plugin next to 0.19.1
+        ("0.26.0", "0.1.dev450+g0123456789", "vllm-0.26.0", False),
+    ],
+)
+def test_shipped_stacks_are_picked_from_the_installed_versions(
+    monkeypatch: pytest.MonkeyPatch, vllm: str, afd: str | None, stack: str, ok: bool
+) -> None:
+    from camp2p_overlap.core.manifest import load_manifests
+    from camp2p_overlap.core.stack_select import select_stack
+
+    _installed(monkeypatch, vllm, afd)
+    man, vc = select_stack(load_manifests())
+    assert man.name == stack and vc.ok is ok
+    if not ok:  # the stack of the installed vLLM refuses its afd-plugin, naming both stacks
+        assert vc.reason.startswith(f"afd-plugin (vllm-afd-plugin) {afd}")
+        assert "(stack vllm-0.19.1)" in vc.reason and "(stack vllm-0.26.0)" in vc.reason
+
+
+@pytest.mark.parametrize("vllm", ["0.20.0", "0.25.1", "0.26.0rc1", "0.26.0.post1", "0.26.1", "0.27.0", None])
+def test_any_other_vllm_is_refused_naming_both_supported_versions(
+    monkeypatch: pytest.MonkeyPatch, vllm: str | None
+) -> None:
+    from camp2p_overlap.core.manifest import load_manifests
+    from camp2p_overlap.core.stack_select import select_stack
+
+    _installed(monkeypatch, vllm, None)
+    _, vc = select_stack(load_manifests())
+    assert not vc.ok
+    assert vc.reason.startswith("vLLM is not installed" if vllm is None else f"vLLM {vllm} is installed")
+    assert "vLLM 0.19.1 with afd-plugin 0.19.1rc1 (stack vllm-0.19.1)" in vc.reason
+    assert "vLLM 0.26.0 with afd-plugin commit 2e4378f2d (stack vllm-0.26.0)" in vc.reason
+
+
+@pytest.mark.parametrize(
+    ("afd", "ok"),
+    [(None, True), ("0.1.dev447+g2e4378f2d", True), ("0.1.dev450+gdeadbeef0", False)],
+    ids=["no-afd-metadata", "pinned-commit", "other-commit"],
+)
+def test_fresh_process_with_fake_installed_vllm_0_26_0(tmp_path: Path, afd: str | None, ok: bool) -> None:
+    """A process that sees vLLM 0.26.0 installed applies the vllm-0.26.0 stack
+    to main's stand-ins, or refuses another afd-plugin commit, wrapping nothing."""
+    site = _fake_vllm(tmp_path / "site", "0.26.0")
+    if afd is not None:
+        dist = site / f"vllm_afd_plugin-{afd}.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm-afd-plugin\nVersion: {afd}\n")
+    env = {"VLLM_CAMP2P_MULTISTREAM": "1", "PYTHONPATH": f"{site}:{REPO}", "STANDIN_STACK": "vllm-0.26.0"}
+    proc = run_python(CHILD, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(next(line[4:] for line in proc.stdout.splitlines() if line.startswith("OUT ")))
+    assert out["metadata"] == "0.26.0" and out["stack"] == "vllm-0.26.0"
+    if ok:
+        assert out["applied"] is True and out["reason"] == "applied" and out["untouched"] is False
+        assert out["strict"] == "applied"
+    else:
+        assert out["applied"] is False and out["untouched"] is True and out["states"] == ["refused"]
+        assert "afd-plugin (vllm-afd-plugin) 0.1.dev450+gdeadbeef0 (commit deadbeef0)" in out["reason"]
+        assert "vLLM 0.26.0 with afd-plugin commit 2e4378f2d (stack vllm-0.26.0)" in out["reason"]
+        assert out["strict"].startswith("PatchRefused: afd-plugin")

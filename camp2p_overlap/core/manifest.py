@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
+
+from camp2p_overlap.core.versions import COMMIT_SHOWN
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -27,6 +30,7 @@ _KINDS = {
 
 MANIFEST_PACKAGE = "camp2p_overlap.patches"
 DEFAULT_STACK = "vllm-0.19.1"
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 class ManifestError(ValueError):
@@ -87,10 +91,26 @@ class StackManifest:
     afd_plugin: str | None = None
     #: Where that afd-plugin came from (branch and commit), for people.
     afd_plugin_source: str = ""
+    #: The full afd-plugin commit the targets were checked against, for a
+    #: stack that follows an untagged branch (exclusive with ``afd_plugin``).
+    afd_plugin_commit: str | None = None
+    #: The vLLM-Ascend line this stack runs with, in words (informational).
+    vllm_ascend: str = ""
+    #: The vLLM-Ascend commit checked, where that line is no release
+    #: (``doctor`` compares an installed vllm_ascend with it; not gated).
+    vllm_ascend_commit: str | None = None
+
+    @property
+    def afd_plugin_label(self) -> str | None:
+        """The pinned afd-plugin in words: its release, or ``commit 2e4378f2d``."""
+        if self.afd_plugin_commit:
+            return f"commit {self.afd_plugin_commit[:COMMIT_SHOWN]}"
+        return self.afd_plugin
 
     def describe(self) -> str:
         """``vLLM 0.19.1 with afd-plugin 0.19.1rc1 (stack vllm-0.19.1)``."""
-        afd = f" with afd-plugin {self.afd_plugin}" if self.afd_plugin else ""
+        label = self.afd_plugin_label
+        afd = f" with afd-plugin {label}" if label else ""
         return f"vLLM {self.vllm}{afd} (stack {self.name})"
 
     def targets(self) -> tuple[TargetSpec, ...]:
@@ -122,6 +142,13 @@ def _require(table: dict[str, Any], key: str, where: str) -> Any:
     if key not in table:
         raise ManifestError(f"{where}: missing key {key!r}")
     return table[key]
+
+
+def _commit(stack: dict[str, Any], key: str, source: str) -> str | None:
+    value = stack.get(key)
+    if value is not None and not (isinstance(value, str) and _COMMIT.fullmatch(value)):
+        raise ManifestError(f"{source}: [stack] {key} must be a full 40-digit lower-case git commit id")
+    return value
 
 
 def parse_manifest(text: str, source: str = "<string>") -> StackManifest:
@@ -163,6 +190,9 @@ def parse_manifest(text: str, source: str = "<string>") -> StackManifest:
     afd_plugin = stack.get("afd_plugin")
     if afd_plugin is not None and not isinstance(afd_plugin, str):
         raise ManifestError(f"{source}: [stack] afd_plugin must be a version string")
+    commit = _commit(stack, "afd_plugin_commit", source)
+    if commit is not None and afd_plugin is not None:
+        raise ManifestError(f"{source}: [stack] pins afd-plugin by afd_plugin or by afd_plugin_commit, not both")
     return StackManifest(
         name=_require(stack, "name", source),
         vllm=_require(stack, "vllm", source),
@@ -171,6 +201,9 @@ def parse_manifest(text: str, source: str = "<string>") -> StackManifest:
         source=source,
         afd_plugin=afd_plugin,
         afd_plugin_source=str(stack.get("afd_plugin_source", "")).strip(),
+        afd_plugin_commit=commit,
+        vllm_ascend=str(stack.get("vllm_ascend", "")).strip(),
+        vllm_ascend_commit=_commit(stack, "vllm_ascend_commit", source),
     )
 
 

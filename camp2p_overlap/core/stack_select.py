@@ -13,7 +13,17 @@ from camp2p_overlap.core.versions import VersionCheck, check_stack
 
 def stack_version_check(manifest: StackManifest) -> VersionCheck:
     """The installed versions against one stack's pins."""
-    return check_stack(manifest.vllm, manifest.afd_plugin)
+    return check_stack(manifest.vllm, manifest.afd_plugin, manifest.afd_plugin_commit)
+
+
+def check_stacks(
+    stacks: Sequence[StackManifest],
+    version_check: Callable[[StackManifest], VersionCheck] = stack_version_check,
+) -> list[tuple[StackManifest, VersionCheck]]:
+    """Every stack with its check, in the order given (``doctor`` shows them all)."""
+    if not stacks:
+        raise ManifestError("no stack manifest to choose from")
+    return [(m, version_check(m)) for m in stacks]
 
 
 def select_stack(
@@ -24,9 +34,7 @@ def select_stack(
     failed check: that of the stack pinning the installed vLLM when there is
     one (its afd-plugin differs), else of the first stack; with several
     stacks its reason names them all."""
-    if not stacks:
-        raise ManifestError("no stack manifest to choose from")
-    checks = [(m, version_check(m)) for m in stacks]
+    checks = check_stacks(stacks, version_check)
     for m, vc in checks:
         if vc.ok:
             return m, vc

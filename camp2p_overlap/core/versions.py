@@ -4,13 +4,19 @@ the distributions themselves (OpenTelemetry-style dependency check)."""
 from __future__ import annotations
 
 import importlib.metadata
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 from packaging.version import InvalidVersion, Version
+
+#: Hex digits of a pinned commit shown in messages (setuptools-scm's
+#: ``+g<hash>`` label of afd-plugin main has 9).
+COMMIT_SHOWN = 9
 
 #: Distribution names as published.
 VLLM_DIST = "vllm"
 AFD_PLUGIN_DIST = "vllm-afd-plugin"
+VLLM_ASCEND_DIST = "vllm-ascend"  # published as vllm_ascend; metadata names are normalized
 
 
 def installed_version(dist: str) -> str | None:
@@ -54,30 +60,82 @@ def same_release(found: str, supported: str) -> bool:
         return False
 
 
-def check_stack(vllm: str, afd_plugin: str | None) -> VersionCheck:
+def check_stack(vllm: str, afd_plugin: str | None, afd_plugin_commit: str | None = None) -> VersionCheck:
     """The version gate of one stack: vLLM must be release ``vllm``
     (:func:`check_vllm`); where the afd-plugin distribution is installed and
-    the stack pins ``afd_plugin``, it must be that release too. An afd-plugin
-    used from a source tree without distribution metadata is left to the
-    per-target signature check."""
+    the stack pins ``afd_plugin`` (a release) or ``afd_plugin_commit`` (a
+    commit of an untagged branch), it must be that release or be built from
+    that commit. An afd-plugin used from a source tree without distribution
+    metadata is left to the per-target signature check."""
     vc = check_vllm(vllm)
-    if not vc.ok or afd_plugin is None:
+    if not vc.ok:
         return vc
-    return judge_afd_plugin_version(vc, installed_version(AFD_PLUGIN_DIST), afd_plugin)
+    found = installed_version(AFD_PLUGIN_DIST)
+    if afd_plugin_commit is not None:
+        return judge_afd_plugin_commit(vc, found, afd_plugin_commit)
+    if afd_plugin is None:
+        return vc
+    return judge_afd_plugin_version(vc, found, afd_plugin)
 
 
-def judge_afd_plugin_version(vllm_check: VersionCheck, found: str | None, supported: str) -> VersionCheck:
-    if found is None or same_release(found, supported):
-        return vllm_check
-    installed = f"afd-plugin ({AFD_PLUGIN_DIST}) {found} is installed next to vLLM {vllm_check.found}"
+def _not_installed(vllm_check: VersionCheck) -> VersionCheck:
+    return replace(
+        vllm_check,
+        reason=f"{vllm_check.reason}; no {AFD_PLUGIN_DIST} distribution is installed, so afd-plugin "
+        "is judged by its targets' signatures only",
+    )
+
+
+def _afd_refused(vllm_check: VersionCheck, found: str, supports: str, note: str = "") -> VersionCheck:
+    installed = f"afd-plugin ({AFD_PLUGIN_DIST}) {found}{note} is installed next to vLLM {vllm_check.found}"
     return VersionCheck(
         False,
         vllm_check.found,
         vllm_check.supported,
-        f"{installed}; camp2p-overlap supports afd-plugin {supported} with vLLM {vllm_check.supported}",
+        f"{installed}; camp2p-overlap supports {supports} with vLLM {vllm_check.supported}",
         installed,
         vllm_ok=True,
     )
+
+
+def judge_afd_plugin_version(vllm_check: VersionCheck, found: str | None, supported: str) -> VersionCheck:
+    if found is None:
+        return _not_installed(vllm_check)
+    if same_release(found, supported):
+        return replace(vllm_check, reason=f"{vllm_check.reason}; afd-plugin {found} is release {supported}")
+    return _afd_refused(vllm_check, found, f"afd-plugin {supported}")
+
+
+#: setuptools-scm's local label of an untagged build: ``g<hash>``, then
+#: ``.d<date>`` when the tree had local changes.
+_SCM_NODE = re.compile(r"g([0-9a-f]{7,40})(?:\.d\d{8})?")
+
+
+def commit_of(found: str) -> str | None:
+    """The abbreviated commit a setuptools-scm version names in its local
+    label (``0.1.dev447+g2e4378f2d`` -> ``2e4378f2d``), or None when it
+    names none (a release, a version built without git, garbage)."""
+    try:
+        local = Version(found).local
+    except InvalidVersion:
+        return None
+    m = _SCM_NODE.fullmatch(local or "")
+    return m.group(1) if m else None
+
+
+def judge_afd_plugin_commit(vllm_check: VersionCheck, found: str | None, commit: str) -> VersionCheck:
+    """An installed afd-plugin built from ``commit`` (full id) passes: its
+    version's setuptools-scm label names an abbreviation of it. The public
+    part (``0.1.devN``) is not judged: N counts the commits of the clone's
+    history, which a shallow clone shortens."""
+    if found is None:
+        return _not_installed(vllm_check)
+    node = commit_of(found)
+    shown = commit[:COMMIT_SHOWN]
+    if node is not None and commit.startswith(node):
+        return replace(vllm_check, reason=f"{vllm_check.reason}; afd-plugin {found} is built from commit {shown}")
+    note = f" (commit {node})" if node else " (its version names no commit)"
+    return _afd_refused(vllm_check, found, f"afd-plugin commit {shown}", note)
 
 
 def judge_vllm_version(found: str | None, supported: str) -> VersionCheck:

@@ -1,6 +1,6 @@
 """Patch layers for the emulation (benchmark, soak and tests): each is a
 fresh engine with its own runtime whose version gate accepts the emulated
-stack (the stand-ins follow the supported stack's contract, whatever vLLM
+stack (the stand-ins follow a supported stack's contract, whatever vLLM
 is installed), and where the stand-ins live for a run. Nothing here touches
 the process-wide layer behind ``camp2p_overlap.apply()``.
 """
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from camp2p_overlap.core.engine import PatchEngine
-from camp2p_overlap.core.manifest import StackManifest, load_manifest
+from camp2p_overlap.core.manifest import DEFAULT_STACK, StackManifest, load_manifest
 from camp2p_overlap.core.process import ENGINE, PatchLayer, build_layer
 from camp2p_overlap.core.versions import VersionCheck
 from camp2p_overlap.emulation import standins
@@ -57,18 +57,19 @@ class StandinSite:
     installed_here: bool  # whether this run installed the finder (and so removes it)
 
 
-def standin_site() -> StandinSite:
-    """The stand-ins at the real dotted path ``afd_plugin`` unless a real
-    afd-plugin is importable; then under :data:`standins.ALIAS_ROOT` with the
-    manifest rebased onto it, so the real package is never shadowed."""
+def standin_site(stack: str = DEFAULT_STACK) -> StandinSite:
+    """The stand-ins of ``stack`` (a shipped manifest's name) at the real
+    dotted path ``afd_plugin`` unless a real afd-plugin is importable; then
+    under :data:`standins.ALIAS_ROOT` with the manifest rebased onto it, so
+    the real package is never shadowed."""
     if standins.real_afd_plugin_installed():
         root = standins.ALIAS_ROOT
-        manifest = load_manifest().rebased(standins.REAL_ROOT, root)
+        manifest = load_manifest(stack).rebased(standins.REAL_ROOT, root)
     else:
         root = standins.REAL_ROOT
-        manifest = load_manifest()
+        manifest = load_manifest(stack)
     present = any(isinstance(f, standins.StandinFinder) and f.root == root for f in sys.meta_path)
-    standins.install(root)
+    standins.install(root, stack=stack)
     return StandinSite(root, manifest, installed_here=not present)
 
 

@@ -69,7 +69,10 @@ exit status: 0 when nothing would refuse, else 1.
   problems      [str]: everything that would refuse or keep the overlap off
   notes         [str]: worth knowing, not a problem (e.g. the switch is off)
   stack         manifest stack checked, e.g. "vllm-0.19.1"
-  versions      {vllm, torch, torch_npu, wrapt, afd-plugin, camp2p-overlap}: str or null
+  stack_match   {stack (matched, or null), describe, why, afd_plugin_source,
+                 candidates: [{stack, describe, ok, reason}] (every shipped stack's verdict),
+                 vllm_ascend: {expected, found, status (ok|differs|not-installed|unknown), detail}}
+  versions      {vllm, torch, torch_npu, wrapt, afd-plugin, vllm-ascend, camp2p-overlap}: str or null
   vllm_check    {ok, found, supported, reason}
   targets       [{target, module, qualname, action (wrap|read), status, detail}]
                 status: ok | import-error | missing | signature-mismatch | stand-in
@@ -176,7 +179,7 @@ def _add_world_flags(p: argparse.ArgumentParser, defaults: dict[str, Any] | None
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="camp2p-overlap",
-        description="FFN-side CAMP2P A2E/E2A multi-stream overlap for vLLM 0.19.1 + afd-plugin: tools.",
+        description="FFN-side CAMP2P A2E/E2A multi-stream overlap for vLLM + afd-plugin (0.19.1, 0.26.0): tools.",
     )
     sub = parser.add_subparsers(dest="command", metavar="{bench,sweep,overhead,doctor}")
     sub.required = True
@@ -302,15 +305,20 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser(
         "doctor",
         help="check a deployment box: versions, patch targets, backend, switches",
-        description="Report installed versions (vLLM, torch, torch_npu, wrapt, afd-plugin; from distribution\n"
-        "metadata), the vLLM version gate, every patch target of the manifest (its module is imported:\n"
-        "importable? defined where the manifest says? same signature?), the stream backend that would be\n"
-        "used with this box's device, and every VLLM_CAMP2P_* switch as set and as parsed.",
+        description="Report installed versions (vLLM, torch, torch_npu, wrapt, afd-plugin, vLLM-Ascend; from\n"
+        "distribution metadata), which supported stack they fit and why, the vLLM version gate, every\n"
+        "patch target of the stack's manifest (its module is imported: importable? defined where the\n"
+        "manifest says? same signature?), the stream backend that would be used with this box's device,\n"
+        "and every VLLM_CAMP2P_* switch as set and as parsed.",
         epilog=DOCTOR_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
-    doctor.add_argument("--stack", default=None, help="manifest stack to check (default vllm-0.19.1)")
+    doctor.add_argument(
+        "--stack",
+        default=None,
+        help="manifest stack to check, e.g. vllm-0.26.0 (default: the shipped stack the installed versions fit)",
+    )
     doctor.add_argument(
         "--config",
         dest="deployment",

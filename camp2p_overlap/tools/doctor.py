@@ -6,7 +6,9 @@ Reports, without raising:
 * installed versions of vLLM, torch, torch_npu, wrapt and afd-plugin (from
   distribution metadata; nothing is imported for this);
 * which shipped stack fits the installed versions and why
-  (``stack_select.select_stack``: vLLM, and afd-plugin where installed);
+  (``stack_select.select_stack``: vLLM, and afd-plugin where installed),
+  every stack's own verdict, and how the installed vLLM-Ascend compares
+  with the line the stack was checked with (reported, never gated);
 * every target of the stack's manifest: whether its module imports (the
   ImportError text when not), whether the attribute is defined where the
   manifest says, and whether its signature matches. Importing the target
@@ -33,6 +35,7 @@ from typing import Any
 from camp2p_overlap.core import config as cfgmod
 from camp2p_overlap.core.manifest import (
     ManifestError,
+    StackManifest,
     TargetSpec,
     load_manifest,
     load_manifests,
@@ -40,8 +43,17 @@ from camp2p_overlap.core.manifest import (
     signature_of,
 )
 from camp2p_overlap.core.rollout import LADDER, rung
-from camp2p_overlap.core.stack_select import select_stack
-from camp2p_overlap.core.versions import AFD_PLUGIN_DIST, VLLM_DIST, installed_version
+from camp2p_overlap.core.stack_select import check_stacks, select_stack
+from camp2p_overlap.core.versions import (
+    AFD_PLUGIN_DIST,
+    COMMIT_SHOWN,
+    VLLM_ASCEND_DIST,
+    VLLM_DIST,
+    VersionCheck,
+    commit_of,
+    installed_version,
+    same_release,
+)
 from camp2p_overlap.tools.deployment import deployment_text, read_deployment
 
 SCHEMA = "camp2p-overlap/doctor/v1"
@@ -53,6 +65,7 @@ DISTRIBUTIONS = {
     "torch_npu": "torch-npu",
     "wrapt": "wrapt",
     "afd-plugin": AFD_PLUGIN_DIST,
+    "vllm-ascend": VLLM_ASCEND_DIST,
     "camp2p-overlap": "camp2p-overlap",
 }
 
@@ -220,6 +233,41 @@ def _loaded_config() -> cfgmod.OverlapConfig | None:
         return None
 
 
+def vllm_ascend_check(manifest: StackManifest, found: str | None) -> dict[str, Any]:
+    """The installed vLLM-Ascend against the line ``manifest`` was checked
+    with: a release (same public version), or a commit (named by the
+    setuptools-scm label of the installed version). Never gated: the patch
+    targets live in afd-plugin; this tells a user what to check."""
+    expected = manifest.vllm_ascend or None
+    row: dict[str, Any] = {"expected": expected, "found": found, "status": "unknown", "detail": ""}
+    commit = manifest.vllm_ascend_commit
+    if found is None:
+        row.update(status="not-installed", detail=f"no {VLLM_ASCEND_DIST} distribution is installed")
+    elif commit is not None:
+        node = commit_of(found)
+        if node is None:
+            row["detail"] = f"{found} names no commit; check that vllm-ascend is commit {commit[:COMMIT_SHOWN]}"
+        elif commit.startswith(node):
+            row.update(status="ok", detail=f"{found} is built from commit {commit[:COMMIT_SHOWN]}")
+        else:
+            row.update(status="differs", detail=f"{found} is built from commit {node}, not {commit[:COMMIT_SHOWN]}")
+    elif expected is not None:
+        ok = same_release(found, expected)
+        row.update(status="ok" if ok else "differs", detail=f"{found} {'is' if ok else 'is not'} release {expected}")
+    return row
+
+
+def _stack_match(chosen: StackManifest, vc: VersionCheck, checks: list[tuple[StackManifest, VersionCheck]]) -> dict:
+    return {
+        "stack": chosen.name if vc.ok else None,
+        "describe": chosen.describe(),
+        "why": vc.reason,
+        "afd_plugin_source": chosen.afd_plugin_source,
+        "candidates": [{"stack": m.name, "describe": m.describe(), "ok": c.ok, "reason": c.reason} for m, c in checks],
+        "vllm_ascend": vllm_ascend_check(chosen, installed_version(VLLM_ASCEND_DIST)),
+    }
+
+
 def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[str, Any]:
     """Everything the doctor reports, as a JSON-ready dict (schema in
     ``docs/benchmark.md``)."""
@@ -227,7 +275,9 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
     notes: list[str] = []
     versions = _versions()
     try:
-        manifest, vc = select_stack((load_manifest(stack),) if stack else load_manifests())
+        stacks = (load_manifest(stack),) if stack else load_manifests()
+        manifest, vc = select_stack(stacks)
+        match = _stack_match(manifest, vc, check_stacks(stacks))
     except ManifestError as exc:
         return {
             "schema": SCHEMA,
@@ -235,6 +285,7 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
             "problems": [f"manifest: {exc}"],
             "notes": [],
             "stack": stack,
+            "stack_match": None,
             "versions": versions,
             "vllm_check": None,
             "targets": [],
@@ -248,6 +299,12 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
         problems.append(f"vLLM version gate: {vc.reason}")
     if versions["afd-plugin"] is None:
         problems.append(f"afd-plugin is not installed (distribution {AFD_PLUGIN_DIST})")
+    ascend = match["vllm_ascend"]
+    if vc.ok and ascend["status"] in ("differs", "unknown") and ascend["expected"]:
+        notes.append(
+            f"vLLM-Ascend: {ascend['detail']}; stack {manifest.name} was checked with vLLM-Ascend "
+            f"{ascend['expected']} (not gated: make sure this vLLM-Ascend runs the vLLM and afd-plugin above)"
+        )
     targets = [check_target(t) for t in manifest.targets()]
     for row in targets:
         if row["status"] != "ok":
@@ -275,6 +332,7 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
         "problems": problems,
         "notes": notes,
         "stack": manifest.name,
+        "stack_match": match,
         "versions": versions,
         "vllm_check": {"ok": vc.ok, "found": vc.found, "supported": vc.supported, "reason": vc.reason},
         "targets": targets,
@@ -290,6 +348,17 @@ def doctor_text(d: dict[str, Any]) -> str:
     lines = [f"camp2p-overlap doctor (stack {d['stack']})", "", "versions (installed distributions):"]
     for name, version in d["versions"].items():
         lines.append(f"  {name:<15} {version or 'not installed'}")
+    m = d.get("stack_match")
+    if m is not None:
+        head = f"stack: {m['stack']} matched" if m["stack"] else "stack: NONE matched"
+        lines += ["", f"{head}: {m['describe']}"]
+        for c in m["candidates"]:
+            lines.append(f"  [{'ok' if c['ok'] else 'no'}] {c['stack']}: {c['reason']}")
+        if m["afd_plugin_source"]:
+            lines.append(f"  afd-plugin checked: {m['afd_plugin_source']}")
+        a = m["vllm_ascend"]
+        if a["expected"]:
+            lines.append(f"  vLLM-Ascend checked: {a['expected']}; installed: {a['status']}" + (f" ({a['detail']})"))
     vc = d["vllm_check"]
     if vc is not None:
         lines += ["", f"vLLM version gate: {'ok' if vc['ok'] else 'REFUSED'}: {vc['reason']}"]

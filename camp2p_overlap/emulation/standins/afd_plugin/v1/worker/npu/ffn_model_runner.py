@@ -1,5 +1,9 @@
-"""Stand-in for ``afd_plugin.v1.worker.npu.ffn_model_runner``: the FFN
+"""Stand-in for ``afd_plugin.v1.worker.npu.ffn_model_runner`` as on
+afd-plugin's ``release/v0.19.1rc1`` line (stack ``vllm-0.19.1``): the FFN
 runner with the contract's ``_ffn_forward`` loop shape and module helpers.
+One forward context spans the whole step, sized by the first stage's
+tokens; ``_ffn_layer_indices`` treats a runner without ``afd_config`` as
+running every layer. (afd-plugin ``main``: ``ffn_model_runner_main.py``.)
 
 Written from the upstream interface described in docs/design.md;
 it keeps the order of calls and the signatures, not upstream's code.
@@ -14,6 +18,8 @@ from typing import Any
 from ....connectors.metadata import AFDF2ATransferPayload
 
 _moe_layer_index: list[int | None] = [None]
+#: The forward context in force (vLLM keeps one per process), or None.
+_forward_context: list[dict[str, Any] | None] = [None]
 
 
 class NPUModelRunner:
@@ -22,7 +28,21 @@ class NPUModelRunner:
 
 @contextlib.contextmanager
 def ascend_forward_context(**kwargs: Any) -> Iterator[dict[str, Any]]:
-    yield {"dp_metadata": None, "additional_kwargs": {}, **kwargs}
+    ctx = {"dp_metadata": None, "additional_kwargs": {}, **kwargs}
+    previous, _forward_context[0] = _forward_context[0], ctx
+    try:
+        yield ctx
+    finally:
+        _forward_context[0] = previous
+
+
+def get_forward_context() -> dict[str, Any] | None:
+    return _forward_context[0]
+
+
+def _stage_tokens(runner: Any, dp_metadata_list: Any, stage_idx: int) -> int:
+    meta = (dp_metadata_list or {}).get(stage_idx)
+    return int(getattr(meta, "num_tokens", 0) or 0) if meta is not None else int(runner.max_num_tokens)
 
 
 def _set_moe_layer_index(layer_idx: int) -> None:
@@ -37,7 +57,8 @@ def _is_moe_layer(hf_config: Any, layer_idx: int) -> bool:
 
 def _ffn_layer_indices(runner):
     num_layers = max(int(runner.num_layers or 0), 1)
-    if not runner.afd_config.compute_gate_on_attention:
+    afd_config = getattr(runner, "afd_config", None)
+    if afd_config is None or not afd_config.compute_gate_on_attention:
         return range(num_layers)
     hf = runner.model_config.hf_config
     return [i for i in range(num_layers) if _is_moe_layer(hf, i)]
@@ -107,7 +128,10 @@ class AFDNPUFFNModelRunner(NPUModelRunner):
             self.connector.control_plane.update_state_from_dp_metadata(dp_metadata_list)
         stage_ids = sorted(int(k) for k in dp_metadata_list) or [0]
         out = None
-        with ascend_forward_context(num_stages=max(len(dp_metadata_list), 1)) as ctx:
+        with ascend_forward_context(
+            num_stages=max(len(dp_metadata_list), 1),
+            num_tokens=_stage_tokens(self, dp_metadata_list, stage_ids[0]),
+        ) as ctx:
             for layer_idx in _ffn_layer_indices(self):
                 for stage_idx in stage_ids:
                     payload = self.connector.recv_attn_output(
