@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -154,19 +154,23 @@ class PatchEngine:
         finally:
             self.gate.end_drain()
 
-    def refresh(self) -> None:
+    def refresh(self) -> str | None:
         """Wrap what no hook saw: a target module reloaded since it was
         wrapped (its classes are new objects), or imported on another thread
         while ``apply()`` ran, before its hook existed. ``apply()`` on an
-        applied engine and every wrapped step call this; ``status()`` never does."""
+        applied engine and every wrapped step call this; ``status()`` never
+        does. Returns what :meth:`stack_complete` would return afterwards
+        (a step reads both from one pass over the targets)."""
         with self._lock:
             if not self.applied or self.manifest is None:
-                return
+                return self._incomplete(())
             missed = self.installer.needing_install(self.manifest, self._waiting)
             for mspec, module, _ in missed:
                 self._install(mspec, module)
-            if missed:
-                self.board.log_when_settled(self.report())
+            if not missed:
+                return self._incomplete(())
+            self.board.log_when_settled(self.report())
+            return self._incomplete(self.installer.needing_install(self.manifest, self._waiting))
 
     # -- reading -----------------------------------------------------------
     def is_applied(self) -> bool:
@@ -186,9 +190,14 @@ class PatchEngine:
     def stack_complete(self) -> str | None:
         """None when every target is wrapped/checked, else why not."""
         with self._lock:  # per step: no report object, no metadata lookup
-            for mspec, _, why in self.installer.needing_install(self.manifest, self._waiting) if self.applied else ():
-                return f"{mspec.targets[0].id} is {TargetState.NOT_IMPORTED.value}: {why}"
-            return PatchReport.unready_of(self.board.targets.values())
+            return self._incomplete(
+                self.installer.needing_install(self.manifest, self._waiting) if self.applied else ()
+            )
+
+    def _incomplete(self, pending: Iterable[tuple[ModuleSpec, Any, str]]) -> str | None:
+        for mspec, _, why in pending:
+            return f"{mspec.targets[0].id} is {TargetState.NOT_IMPORTED.value}: {why}"
+        return PatchReport.unready_of(self.board.targets.values())
 
     def report(self, *, enabled: bool | None = None) -> PatchReport:
         targets = dict(self.board.targets)

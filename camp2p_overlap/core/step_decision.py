@@ -32,15 +32,23 @@ class Decision:
     groups: Mapping[int, str] = field(default_factory=dict)
 
 
-def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], *, in_session: bool) -> Decision:
+#: ``decide(incomplete=ASK)``: ask the engine whether the stack is complete.
+ASK = "ask the engine"
+
+
+def decide(
+    engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], *, in_session: bool, incomplete: str | None = ASK
+) -> Decision:
     """The decision for this call; ``in_session``: a step is already active
-    on this thread (a re-entrant call)."""
+    on this thread (a re-entrant call); ``incomplete``: what
+    ``engine.refresh()`` just returned for this step, if it ran."""
     cfg = engine.config
     if not cfg.enabled:
         return Decision("switched off")
     if in_session:
         return Decision("re-entrant FFN forward inside an active step")
-    incomplete = engine.stack_complete()
+    if incomplete is ASK:
+        incomplete = engine.stack_complete()
     if incomplete:
         return Decision(f"not every target of the stack is patched ({incomplete})")
     connector = getattr(runner, "connector", None)

@@ -69,8 +69,8 @@ def ffn_forward_factory(engine: PatchEngine, runtime: OverlapRuntime) -> Wrapper
             runtime.counters.serial(NOT_APPLIED)
             return _serial_step(wrapped, args, kwargs, recorder)
         try:
-            engine.refresh()  # a reloaded target module is wrapped again here
-            decision, streamset = _engage(engine, runtime, instance, kwargs)
+            incomplete = engine.refresh()  # a reloaded target module is wrapped again here
+            decision, streamset = _engage(engine, runtime, instance, kwargs, incomplete)
             if streamset is None:  # _engage gives a reason whenever it gives no streams
                 runtime.counters.serial(str(decision.reason))
                 log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", decision.reason)
@@ -133,11 +133,13 @@ def _adaptive_step(call: _Call, decision: Decision, streamset: StreamSet) -> Any
 
 
 def _engage(
-    engine: PatchEngine, runtime: OverlapRuntime, runner: Any, kwargs: Kwargs
+    engine: PatchEngine, runtime: OverlapRuntime, runner: Any, kwargs: Kwargs, incomplete: str | None
 ) -> tuple[Decision, StreamSet | None]:
-    """The decision and, when it engages, the runner's stream set."""
+    """The decision and, when it engages, the runner's stream set;
+    ``incomplete``: what ``engine.refresh()`` returned for this step."""
     try:
-        decision = decide(engine, runner, kwargs, in_session=runtime.active_session() is not None)
+        in_session = runtime.active_session() is not None
+        decision = decide(engine, runner, kwargs, in_session=in_session, incomplete=incomplete)
     except Exception as exc:  # noqa: BLE001 - planning must never break the original call
         return Decision(f"could not plan the step ({type(exc).__name__}: {exc})"), None
     if decision.reason is not None:
