@@ -85,7 +85,11 @@ class StepPlan:
     @cached_property
     def recv_kw(self) -> dict[StageLayer, dict[str, Any]]:
         """The receive kwargs of each (layer, stage); read, never mutated."""
-        return {(L, s): {"ubatch_idx": s, "layer_idx": L, **self.recv_extra} for L, s in self.sequence}
+        return {(L, s): self.build_recv_kwargs(L, s) for L, s in self.sequence}
+
+    def build_recv_kwargs(self, layer: int, stage: int) -> dict[str, Any]:
+        """The receive kwargs of (layer, stage), built afresh (also off the plan)."""
+        return {"ubatch_idx": stage, "layer_idx": layer, **self.recv_extra}
 
     @cached_property
     def keys(self) -> dict[StageLayer, OpKeys]:
@@ -325,7 +329,7 @@ class OverlapSession:
         kw = self.plan.recv_kw.get(key)
         keys = self._keys.get(key)
         if kw is None or keys is None:  # off the plan: only a broken schedule asks
-            kw, keys = {"ubatch_idx": stage, "layer_idx": layer, **self.plan.recv_extra}, OpKeys.of(layer, stage)
+            kw, keys = self.plan.build_recv_kwargs(layer, stage), OpKeys.of(layer, stage)
         k = self.K[stage]
         self._a_handle[key] = self._submit(k, "a2e", layer, stage, lambda: fn(**kw), keys.a2e_label)
         self._a_kwargs[key] = kw

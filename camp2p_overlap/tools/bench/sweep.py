@@ -112,46 +112,24 @@ def run_sweep(
             print(f"[{done}/{total}] {label}", file=log, flush=True)
         return run_bench(params).report
 
-    ratio_points = []
-    for r in ratios:
-        lat, gbps = link_for_ratio(base, f_s, r)
-        params = replace(base, link_latency_us=round(lat, 3), link_gbps=round(gbps, 6))
-        report = point(params, f"(a+e)/f = {r:g}, {base.stages} stages")
-        ratio_points.append(
-            {
-                "target_ratio": r,
-                "measured_ratio": report["measured"]["comm_over_ffn"],
-                "stages": base.stages,
-                "report": report,
-            }
-        )
-    stage_points = []
-    for s in stage_counts:
-        lat, gbps = link_for_ratio(base, f_s, stage_ratio)
-        params = replace(base, stages=s, link_latency_us=round(lat, 3), link_gbps=round(gbps, 6))
-        report = point(params, f"{s} stage(s), (a+e)/f = {stage_ratio:g}")
-        stage_points.append(
-            {
-                "target_ratio": stage_ratio,
-                "measured_ratio": report["measured"]["comm_over_ffn"],
-                "stages": s,
-                "report": report,
-            }
-        )
-    comm_core_points = []
-    for n in comm_cores:
-        lat, gbps = link_for_ratio(base, f_s, stage_ratio)
-        params = replace(base, comm_cores=n, link_latency_us=round(lat, 3), link_gbps=round(gbps, 6))
-        report = point(params, f"--comm-cores {n}, (a+e)/f = {stage_ratio:g}")
-        comm_core_points.append(
-            {
-                "comm_cores": n,
-                "target_ratio": stage_ratio,
-                "measured_ratio": report["measured"]["comm_over_ffn"],
-                "stages": base.stages,
-                "report": report,
-            }
-        )
+    def linked(ratio: float, label: str, **changes: Any) -> dict[str, Any]:
+        """A point with the modeled link set so that (a+e)/f is ``ratio``."""
+        lat, gbps = link_for_ratio(base, f_s, ratio)
+        params = replace(base, link_latency_us=round(lat, 3), link_gbps=round(gbps, 6), **changes)
+        report = point(params, label)
+        return {
+            "target_ratio": ratio,
+            "measured_ratio": report["measured"]["comm_over_ffn"],
+            "stages": params.stages,
+            "report": report,
+        }
+
+    ratio_points = [linked(r, f"(a+e)/f = {r:g}, {base.stages} stages") for r in ratios]
+    stage_points = [linked(stage_ratio, f"{s} stage(s), (a+e)/f = {stage_ratio:g}", stages=s) for s in stage_counts]
+    comm_core_points = [
+        {"comm_cores": n, **linked(stage_ratio, f"--comm-cores {n}, (a+e)/f = {stage_ratio:g}", comm_cores=n)}
+        for n in comm_cores
+    ]
     work_points = []
     for hidden, tokens in ((h, t) for h in work_hidden for t in work_tokens):
         params = replace(
