@@ -37,12 +37,14 @@ def drive(engine: AdaptiveEngage, key: BucketKey, times: dict[str, float], steps
 
 # ---------------------------------------------------------------------------
 # the decision logic, with injected times
-def test_learning_alternates_and_decides_at_the_seventh_step() -> None:
+def test_learning_runs_each_path_back_to_back_and_decides_at_the_seventh_step() -> None:
     a = AdaptiveEngage()
     seq = drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 6)
-    assert a.decision(KEY) is None  # not yet: 2 overlap times kept, 3 serial
+    assert a.decision(KEY) is None  # not yet: 3 overlap times kept, 2 serial
     seq += drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 1)
-    assert [m for m, _ in seq] == ["overlap", "serial"] * 3 + ["overlap"]
+    # overlap first (its first step's time dropped), then serial: each path
+    # warm, as it runs once decided
+    assert [m for m, _ in seq] == ["overlap"] * 4 + ["serial"] * 3
     assert all(probe for _, probe in seq)  # learning steps measure
     assert a.decision(KEY) == "overlap"
     (snap,) = a.snapshot()
@@ -68,11 +70,25 @@ def test_first_decision_with_times_read_one_step_late_comes_by_the_eighth_step()
     assert a.decision(KEY) == "overlap" and decided_at == 8  # steps 1-7 learn, step 8 runs the decision
 
 
-def test_overlap_must_win_by_the_engage_margin() -> None:
+def test_the_first_decision_takes_the_faster_median_by_default() -> None:
+    """Both paths are timed under the layer, so a serial step's time holds
+    the layer's pass-through cost: no margin by default; a tie stays serial."""
     a = AdaptiveEngage()
+    drive(a, KEY, {"overlap": 0.0097, "serial": 0.0100}, 7)  # 3% better
+    assert a.decision(KEY) == "overlap"
+    b = AdaptiveEngage()
+    drive(b, KEY, {"overlap": 0.0100, "serial": 0.0100}, 7)
+    assert b.decision(KEY) == "serial"
+    c = AdaptiveEngage()
+    drive(c, KEY, {"overlap": 0.0103, "serial": 0.0100}, 7)
+    assert c.decision(KEY) == "serial"
+
+
+def test_overlap_must_win_by_the_engage_margin() -> None:
+    a = AdaptiveEngage(AdaptiveSettings(engage_margin=0.05))
     drive(a, KEY, {"overlap": 0.0097, "serial": 0.0100}, 7)  # 3% better: not worth it
     assert a.decision(KEY) == "serial"
-    b = AdaptiveEngage()
+    b = AdaptiveEngage(AdaptiveSettings(engage_margin=0.05))
     drive(b, KEY, {"overlap": 0.0094, "serial": 0.0100}, 7)  # 6% better
     assert b.decision(KEY) == "overlap"
 
@@ -81,9 +97,11 @@ def test_reprobe_every_n_steps_and_the_decision_holds_when_the_probe_loses() -> 
     a = AdaptiveEngage(AdaptiveSettings(reprobe_every=8))
     drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
     assert a.decision(KEY) == "overlap"
-    seq = drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 32)
+    seq = drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 36)
     probes = [i for i, (m, p) in enumerate(seq) if p]
-    assert probes == [7, 15, 23, 31]
+    # each probe round: a warm-up step of the other path (time dropped), then
+    # a measured probe; then 8 steps of the decision
+    assert probes == [7, 8, 16, 17, 25, 26, 34, 35]
     assert all(seq[i][0] == "serial" for i in probes)
     assert all(m == "overlap" for i, (m, _) in enumerate(seq) if i not in probes)
     assert a.decision(KEY) == "overlap"
@@ -120,13 +138,46 @@ def test_hysteresis_keeps_the_decision_inside_the_band() -> None:
 def test_a_single_lucky_probe_does_not_switch() -> None:
     a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
     drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
-    seq = []
-    for i in range(12):
+    probes = 0
+    for _ in range(16):
         mode, probe = a.choose(KEY)
-        seq.append(mode)
-        lucky = probe and i == 3  # the first probe is very fast, the next ones are not
+        probes += probe
+        lucky = probe and probes == 2  # the first measured probe is very fast, the next ones are not
         a.record(KEY, mode, 0.005 if lucky else (0.010 if mode == "overlap" else 0.015))
+    assert probes >= 4 and a.decision(KEY) == "overlap"
+
+
+def test_a_probe_rounds_warm_up_step_is_not_judged() -> None:
+    """Decided serial; each probe round's first overlap step is slow (cold
+    side streams), its measured probes fast: the warm-up times are dropped
+    and the confirmed probes switch the bucket to overlap."""
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
+    drive(a, KEY, {"overlap": 0.020, "serial": 0.015}, 7)
+    assert a.decision(KEY) == "serial"
+    previous = "serial"
+    for _ in range(24):
+        mode, _ = a.choose(KEY)
+        cold = mode == "overlap" and previous == "serial"
+        a.record(KEY, mode, 0.030 if cold else (0.010 if mode == "overlap" else 0.015))
+        previous = mode
     assert a.decision(KEY) == "overlap"
+    (snap,) = a.snapshot()
+    assert snap["overlap_median_ms"] == pytest.approx(10.0)
+
+
+def test_pass_serial_counts_a_decided_serial_step_and_refuses_probes() -> None:
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
+    assert not a.pass_serial(KEY)  # unknown bucket
+    drive(a, KEY, {"overlap": 0.020, "serial": 0.015}, 7)
+    assert a.decision(KEY) == "serial"
+    passed = [a.pass_serial(KEY) for _ in range(4)]
+    assert passed == [True, True, True, False]  # the 4th step is due to probe: the caller plans it
+    assert a.choose(KEY) == ("overlap", True)
+    (snap,) = a.snapshot()
+    assert snap["steps"] == 7 + 3 + 1
+    b = AdaptiveEngage()
+    drive(b, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
+    assert b.decision(KEY) == "overlap" and not b.pass_serial(KEY)
 
 
 def test_buckets_are_isolated() -> None:

@@ -4,18 +4,26 @@ and serial probe steps, and engage the overlap only where it pays.
 Pure logic, fed step times by the wrappers (``record``) and asked which
 path a step takes (``choose``); deterministic for given times. Per bucket:
 
-* learning: the steps alternate overlap and serial (a serial step runs the
-  original path, bitwise equal). The first overlap time is dropped
-  (first-use costs: side streams, events, allocator). Once each path has
-  ``min_samples`` kept times the bucket decides: overlap when its median
-  beats serial's by ``engage_margin``, else serial. With the defaults the
-  first decision comes at the bucket's 7th step on the CPU backend (times
-  read after the join) and at its 8th on a device (times read a step later).
-* decided: every ``reprobe_every`` steps one step runs the other path (a
-  probe). A probe that beats the decided path's recent median by
+* learning: overlap steps first, then serial steps (a serial step runs the
+  original path, bitwise equal), each path's steps back to back as they run
+  once decided: an overlap step right after a serial one finds its side
+  streams cold and would be judged on costs it does not have in a run. The
+  first overlap time is dropped (first-use costs: side streams, events,
+  allocator). Once each path has ``min_samples`` kept times the bucket
+  decides for the faster median (overlap must beat serial by
+  ``engage_margin``; 0 by default: both are measured under the layer, so a
+  serial step's time already holds what the layer costs it). With the
+  defaults the first decision comes at the bucket's 7th step on the CPU
+  backend (times read after the join) and at its 8th on a device (times read
+  a step later).
+* decided: every ``reprobe_every`` steps a probe round runs the other path:
+  one warm-up step (its time dropped, for the same reason) and then a
+  measured probe. A probe that beats the decided path's recent median by
   ``switch_margin`` is confirmed by up to ``confirm`` probes in a row; the
   decision switches only when their median still beats it (hysteresis).
   Otherwise the probe round ends and the decision stays.
+* a decided-serial step that is not a probe may skip planning
+  (``pass_serial``).
 
 Each decision is logged once, when it changes, with its figures.
 """
@@ -64,7 +72,7 @@ class AdaptiveSettings:
     reprobe_every: int = 64
     min_samples: int = 3
     window: int = 16
-    engage_margin: float = 0.05
+    engage_margin: float = 0.0
     switch_margin: float = 0.05
     confirm: int = 3
 
@@ -81,6 +89,8 @@ class _Bucket:
     times: dict[str, deque[float]] = field(default_factory=dict)
     probe_times: list[float] = field(default_factory=list)
     probes_left: int = 0
+    #: Probe warm-up steps issued whose times are still to be dropped.
+    warmups: int = 0
     changes: int = 0
 
     def __post_init__(self) -> None:
@@ -109,7 +119,7 @@ class AdaptiveEngage:
                 b = self._buckets[key] = _Bucket(key, cfg.window)
             b.steps += 1
             if b.decision is None:
-                mode: Mode = "overlap" if b.issued["overlap"] <= b.issued["serial"] else "serial"
+                mode: Mode = _learning_mode(b, cfg)
                 probe = True
             elif b.probes_left > 0:
                 b.probes_left -= 1
@@ -118,11 +128,32 @@ class AdaptiveEngage:
                 b.since_probe += 1
                 if b.since_probe >= cfg.reprobe_every:
                     b.since_probe = 0
+                    b.warmups += 1  # this step warms the other path up; a measured probe follows
+                    b.probes_left = 1
                     mode, probe = other(b.decision), True
                 else:
                     mode, probe = b.decision, False
             b.issued[mode] += 1
             return mode, probe
+
+    def pass_serial(self, key: BucketKey) -> bool:
+        """``choose(key)`` when that gives the bucket's decided serial path
+        (not a probe): counts the step as ``choose`` would and returns True.
+        Else changes nothing and returns False (the caller plans the step
+        and calls ``choose``). Lets a decided-serial step skip planning."""
+        with self._lock:
+            b = self._buckets.get(key)
+            if (
+                b is None
+                or b.decision != "serial"
+                or b.probes_left > 0
+                or b.since_probe + 1 >= self.settings.reprobe_every
+            ):
+                return False
+            b.steps += 1
+            b.since_probe += 1
+            b.issued["serial"] += 1
+            return True
 
     def record(self, key: BucketKey, mode: Mode, seconds: float) -> None:
         """The measured time of one step of ``key`` that ran ``mode``."""
@@ -139,10 +170,13 @@ class AdaptiveEngage:
                 if all(len(b.times[m]) >= cfg.min_samples for m in MODES):
                     o, s = b.median("overlap"), b.median("serial")
                     assert o is not None and s is not None
-                    self._decide(b, "overlap" if o <= s * (1 - cfg.engage_margin) else "serial", "first decision")
+                    self._decide(b, "overlap" if o < s * (1 - cfg.engage_margin) else "serial", "first decision")
                 return
             if mode == b.decision:
                 b.times[mode].append(seconds)
+                return
+            if b.warmups > 0:
+                b.warmups -= 1  # a probe round's warm-up step
                 return
             self._judge_probe(b, mode, seconds, cfg)
 
@@ -214,6 +248,17 @@ class AdaptiveEngage:
                     }
                 )
             return out
+
+
+def _learning_mode(b: _Bucket, cfg: AdaptiveSettings) -> Mode:
+    """The path of a learning step: overlap until it has issued its dropped
+    first step and ``min_samples`` more, then serial for ``min_samples``;
+    then (times still to come, as on a device) whichever has fewer kept."""
+    if b.issued["overlap"] < cfg.min_samples + 1:
+        return "overlap"
+    if b.issued["serial"] < cfg.min_samples:
+        return "serial"
+    return "overlap" if len(b.times["overlap"]) < len(b.times["serial"]) else "serial"
 
 
 def _ms(seconds: float | None) -> str:

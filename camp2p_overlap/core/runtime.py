@@ -11,6 +11,7 @@ import itertools
 import threading
 import weakref
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from camp2p_overlap.core.adaptive import AdaptiveEngage, BucketKey, Mode
@@ -30,6 +31,17 @@ class _ThreadState(threading.local):
     session: OverlapSession | None = None
 
 
+@dataclass(frozen=True)
+class PlannedShape:
+    """What a runner's last planned adaptive step showed that its next
+    decided-serial steps reuse without planning: the runner's name in bucket
+    keys, its layer count and its stream backend (for the step timing)."""
+
+    runner: str
+    layers: int
+    backend: StreamBackend
+
+
 class OverlapRuntime:
     def __init__(self) -> None:
         self.streamsets = StreamSetRegistry(range(MAX_STAGES))
@@ -42,6 +54,8 @@ class OverlapRuntime:
         self._pending_lock = threading.Lock()
         self._runner_names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._runner_ids = itertools.count()
+        #: Per runner: its last planned adaptive step's shape (cleared on close).
+        self._planned: weakref.WeakKeyDictionary[Any, PlannedShape] = weakref.WeakKeyDictionary()
 
     def runner_name(self, runner: Any) -> str:
         """A short, stable name for a runner in bucket keys and stats."""
@@ -52,6 +66,15 @@ class OverlapRuntime:
             return name
         except TypeError:  # not weak-referenceable
             return f"{type(runner).__name__}@{id(runner):x}"
+
+    def planned(self, runner: Any, shape: PlannedShape | None = None) -> PlannedShape | None:
+        """The runner's last planned shape; with ``shape``: set it first."""
+        try:
+            if shape is not None:
+                self._planned[runner] = shape
+            return self._planned.get(runner)
+        except TypeError:  # not weak-referenceable: every step plans
+            return None
 
     def timed(self, key: BucketKey, mode: Mode, backend: StreamBackend, token: Any) -> None:
         """A step's timing, to be read when its events have completed."""
@@ -87,5 +110,7 @@ class OverlapRuntime:
         self.local.session = session
 
     def close(self) -> None:
-        """Release every runner's side streams (CPU worker threads)."""
+        """Release every runner's side streams (CPU worker threads) and
+        forget the planned shapes that name them."""
+        self._planned.clear()
         self.streamsets.close_all()

@@ -20,13 +20,14 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from camp2p_overlap.core import camp2p
-from camp2p_overlap.core.adaptive import BucketKey, pow2_ceil
+from camp2p_overlap.core.adaptive import AdaptiveEngage, BucketKey, pow2_ceil
 from camp2p_overlap.core.installer import ENABLED, MARK, Wrapper
 from camp2p_overlap.core.log import log_once
 from camp2p_overlap.core.rollout import streams_for
-from camp2p_overlap.core.runtime import OverlapRuntime
+from camp2p_overlap.core.runtime import OverlapRuntime, PlannedShape
 from camp2p_overlap.core.step_decision import GRAPH_OFF, Decision, decide
 from camp2p_overlap.core.streams import BackendUnavailable
+from camp2p_overlap.core.streams.base import StreamBackend
 from camp2p_overlap.core.streams.streamset import StreamSet
 from camp2p_overlap.core.trace import TraceOp, TraceRecorder, current_recorder
 from camp2p_overlap.core.watchdog import start_watchdog
@@ -69,6 +70,9 @@ def ffn_forward_factory(engine: PatchEngine, runtime: OverlapRuntime) -> Wrapper
             runtime.counters.serial(NOT_APPLIED)
             return _serial_step(wrapped, args, kwargs, recorder)
         try:
+            decided = _decided_serial(engine, runtime, instance, kwargs) if recorder is None else None
+            if decided is not None:
+                return _bucket_serial_step(runtime, decided[0], decided[1], False, wrapped, args, kwargs, None)
             incomplete = engine.refresh()  # a reloaded target module is wrapped again here
             decision, streamset = _engage(engine, runtime, instance, kwargs, incomplete)
             if streamset is None:  # _engage gives a reason whenever it gives no streams
@@ -108,27 +112,76 @@ def _adaptive_step(call: _Call, decision: Decision, streamset: StreamSet) -> Any
     engine, runtime, runner, kwargs = call.engine, call.runtime, call.runner, call.kwargs
     plan = decision.plan
     assert plan is not None
+    backend = streamset.backend
+    shape = runtime.planned(runner, PlannedShape(runtime.runner_name(runner), len(plan.layers), backend))
+    name = shape.runner if shape is not None else runtime.runner_name(runner)
     key = BucketKey(
-        runtime.runner_name(runner),
-        len(plan.stages),
-        len(plan.layers),
-        pow2_ceil(camp2p.max_stage_tokens(kwargs.get("dp_metadata_list"))),
+        name, len(plan.stages), len(plan.layers), pow2_ceil(camp2p.max_stage_tokens(kwargs.get("dp_metadata_list")))
     )
+    adaptive = _synced_adaptive(engine, runtime)
+    runtime.collect()
+    mode, probe = adaptive.choose(key)
+    if mode != "overlap":
+        return _bucket_serial_step(runtime, key, backend, probe, call.wrapped, call.args, kwargs, call.recorder)
+    token = backend.timing_start()
+    runtime.counters.overlap()
+    result = _overlap_step(call, decision, streamset)
+    backend.timing_stop(token)  # a step that raised is not timed
+    runtime.timed(key, mode, backend, token)
+    return result
+
+
+def _synced_adaptive(engine: PatchEngine, runtime: OverlapRuntime) -> AdaptiveEngage:
+    """The runtime's adaptive engage, with the engine's re-probe interval."""
     adaptive = runtime.adaptive
     if adaptive.settings.reprobe_every != engine.config.reprobe_every:
         adaptive.settings = replace(adaptive.settings, reprobe_every=engine.config.reprobe_every)
-    runtime.collect()
-    mode, probe = adaptive.choose(key)
-    backend = streamset.backend
+    return adaptive
+
+
+def _decided_serial(
+    engine: PatchEngine, runtime: OverlapRuntime, runner: Any, kwargs: Kwargs
+) -> tuple[BucketKey, StreamBackend] | None:
+    """(bucket, backend) when this step belongs to a bucket that adaptive
+    engage decided runs serially and it is not a probe: the step then runs
+    the original without being planned (no refresh, no decision, no stream
+    set), as the planned path would have run it. The bucket comes from the
+    runner's last planned step (its layer count) and this step's stages and
+    tokens; a probe, a capture, a re-entrant call, or a runner not planned
+    yet takes the planned path. Never raises: None whenever unsure."""
+    cfg = engine.config
+    if not (cfg.enabled and cfg.adaptive and cfg.mode == "overlap") or runtime.local.session is not None:
+        return None
+    shape = runtime.planned(runner)
+    if shape is None or kwargs.get("is_graph_capturing"):
+        return None
+    try:
+        if shape.backend.is_capturing():
+            return None
+        dp = kwargs["dp_metadata_list"]
+        key = BucketKey(shape.runner, max(len(dp or ()), 1), shape.layers, pow2_ceil(camp2p.max_stage_tokens(dp)))
+    except Exception:  # noqa: BLE001 - the planned path gives the reason
+        return None
+    return (key, shape.backend) if _synced_adaptive(engine, runtime).pass_serial(key) else None
+
+
+def _bucket_serial_step(
+    runtime: OverlapRuntime,
+    key: BucketKey,
+    backend: StreamBackend,
+    probe: bool,
+    wrapped: Wrapped,
+    args: Args,
+    kwargs: Kwargs,
+    recorder: TraceRecorder | None,
+) -> Any:
+    """A step of ``key`` that adaptive engage runs on the original path
+    (decided, or as a probe), timed for the bucket."""
+    runtime.counters.serial(SERIAL_PROBE if probe else SERIAL_FASTER)
     token = backend.timing_start()
-    if mode == "overlap":
-        runtime.counters.overlap()
-        result = _overlap_step(call, decision, streamset)
-    else:
-        runtime.counters.serial(SERIAL_PROBE if probe else SERIAL_FASTER)
-        result = _serial_step(call.wrapped, call.args, kwargs, call.recorder)
+    result = _serial_step(wrapped, args, kwargs, recorder)
     backend.timing_stop(token)  # a step that raised is not timed
-    runtime.timed(key, mode, backend, token)
+    runtime.timed(key, "serial", backend, token)
     return result
 
 
