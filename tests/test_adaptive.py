@@ -392,3 +392,38 @@ def test_logs_at_info_name_the_bucket(logs: PackageLogs) -> None:
     drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
     (line,) = logs.texts("adaptive:", logging.INFO)
     assert KEY.label() in line and "-> overlap" in line and "was learning" in line
+
+
+class _SerialWins(AdaptiveEngage):
+    """Adaptive engage fed fixed times: serial always the faster path."""
+
+    def record(self, key: BucketKey, mode: Any, seconds: float) -> None:
+        super().record(key, mode, 0.010 if mode == "overlap" else 0.005)
+
+
+def test_a_decided_serial_step_is_not_planned_and_a_probe_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a bucket decided serial, its steps run the original without a
+    decision (no plan, no refresh); the probe round plans again; every
+    step's outputs equal the unpatched path's."""
+    from camp2p_overlap.core import wrappers
+
+    w = world(layers=2, stage_ids=(0, 1), tokens=8)
+    scheds = [Schedule(2, (0, 1), (8, 8), step=i + 1) for i in range(16)]
+    refs = serial_results(w, scheds)
+    RUNTIME.adaptive = _SerialWins()
+    apply_cpu(adaptive=True, reprobe_every=8)
+    planned: list[int] = []
+    now = [0]  # the step running
+    real_decide = wrappers.decide
+    monkeypatch.setattr(wrappers, "decide", lambda *a, **k: planned.append(now[0]) or real_decide(*a, **k))
+    for i, (sched, ref) in enumerate(zip(scheds, refs, strict=True)):
+        now[0] = i
+        assert_same(bounded(lambda s=sched: run_step(w, s)), ref)
+    # steps 0-6 learn (planned), 7-13 are decided serial (the 8th counted
+    # decided step is the probe round's warm-up, planned, then its measured probe)
+    assert planned[:7] == list(range(7))
+    unplanned = [s for s in range(16) if s not in planned]
+    assert unplanned == list(range(7, 14))
+    assert planned[7:] == [14, 15]
+    (bucket,) = [b for b in RUNTIME.adaptive.snapshot() if b["key"]["layers"] == 2]
+    assert bucket["decision"] == "serial" and bucket["steps"] == 16
