@@ -40,11 +40,17 @@ WORK_POLICIES = ("serial", "overlap", "overlap-fixed")
 #: The work-size points run at least the benchmark's own step counts: adaptive
 #: engage learns in a bucket's first 7 steps, which should not dominate.
 WORK_MIN_RUN = {"steps": 8, "warmup": 2, "reps": 3}
-#: Small work points run more steps, up to this many timed seconds per policy
-#: and repetition (and at most WORK_MAX_STEPS steps): at a few ms per step,
-#: 8 steps leave the medians a few per cent apart by noise alone.
-WORK_TIMED_S = 0.25
-WORK_MAX_STEPS = 96
+#: Small work points run more timed steps per policy, about WORK_TIMED_S
+#: seconds in all (at a few ms per step, 24 steps leave the medians a few per
+#: cent apart by noise alone), in short interleaved blocks: about
+#: WORK_BLOCK_S seconds of steps per policy and repetition (at least
+#: WORK_MIN_RUN's steps, at most WORK_MAX_STEPS), in up to WORK_MAX_REPS
+#: repetitions. On a shared 2-core machine the speed drifts between blocks;
+#: many short blocks spread that drift over every policy alike.
+WORK_TIMED_S = 0.75
+WORK_BLOCK_S = 0.09
+WORK_MAX_STEPS = 36
+WORK_MAX_REPS = 8
 #: The goal for adaptive engage: never below this share of serial's speed.
 ADAPTIVE_FLOOR = 0.95
 #: Smaller runs than the benchmark's own, on top of the scenario preset.
@@ -65,16 +71,20 @@ def link_for_ratio(params: BenchParams, f_s: float, ratio: float) -> tuple[float
     return latency_s * 1e6, gbps
 
 
-def _work_steps(params: BenchParams, timed_s: float) -> int:
-    """Timed steps for a work point: enough for ``timed_s`` seconds per
-    policy and repetition by a short serial probe, within
-    ``params.steps``..``WORK_MAX_STEPS``."""
+def _work_run(params: BenchParams, timed_s: float) -> tuple[int, int]:
+    """(timed steps per block, repetitions) for a work point, from a short
+    serial probe's step time: blocks of about ``WORK_BLOCK_S`` seconds
+    (``params.steps``..``WORK_MAX_STEPS`` steps), enough of them for about
+    ``timed_s`` seconds per policy (``params.reps``..``WORK_MAX_REPS``)."""
     probe = replace(params, policies=("serial",), steps=3, warmup=1, reps=1)
     serial = _policy(run_bench(probe).report, "serial")
     assert serial is not None
     step_s = serial["per_layer_us"]["median"] * 1e-6 * params.layers
-    wanted = math.ceil(timed_s / step_s) if step_s > 0 else WORK_MAX_STEPS
-    return max(params.steps, min(WORK_MAX_STEPS, wanted))
+    if step_s <= 0:
+        return WORK_MAX_STEPS, WORK_MAX_REPS
+    steps = max(params.steps, min(WORK_MAX_STEPS, math.ceil(WORK_BLOCK_S / step_s)))
+    reps = max(params.reps, min(WORK_MAX_REPS, math.ceil(timed_s / (steps * step_s))))
+    return steps, reps
 
 
 def _calibrate_f(base: BenchParams) -> float:
@@ -143,7 +153,8 @@ def run_sweep(
             warmup=max(base.warmup, WORK_MIN_RUN["warmup"]),
             reps=max(base.reps, WORK_MIN_RUN["reps"]),
         )
-        params = replace(params, steps=_work_steps(params, work_timed_s))
+        steps, reps = _work_run(params, work_timed_s)
+        params = replace(params, steps=steps, reps=reps)
         report = point(params, f"{tokens} tokens per stage, hidden {hidden}")
         work_points.append(
             {
