@@ -107,27 +107,6 @@ def test_reprobe_every_n_steps_and_the_decision_holds_when_the_probe_loses() -> 
     assert a.decision(KEY) == "overlap"
 
 
-def test_probe_rounds_come_soon_after_a_decision_then_back_off() -> None:
-    """The first probe round 8 decided steps after a decision, then every
-    16, 32, 64 and 64 (``reprobe_every``) while the decision holds; a
-    switch starts the back-off again."""
-    a = AdaptiveEngage()
-    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
-    assert a.decision(KEY) == "overlap"
-    seq = drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 8 + 16 + 32 + 64 + 64 + 5 * 2)
-    rounds = [i for i, (_, p) in enumerate(seq) if p][::2]  # each round: warm-up, measured probe
-    gaps = [b - a - 2 for a, b in itertools.pairwise([-2, *rounds])]
-    # decided steps before each round: a round's warm-up is the 8th, 16th,
-    # 32nd, 64th, 64th step counted since the decision or the last round
-    assert gaps == [7, 15, 31, 63, 63]
-    # the load changes, serial now wins: the switch resets the back-off
-    seq = drive(a, KEY, {"overlap": 0.030, "serial": 0.015}, 80)
-    assert a.decision(KEY) == "serial"
-    switched = next(i for i, (m, p) in enumerate(seq) if m == "serial" and not p)
-    after = [i for i, (_, p) in enumerate(seq) if p and i > switched]
-    assert after[0] - switched == 7  # 8 decided steps (the first one at `switched`), then a round
-
-
 def test_a_change_of_load_switches_only_after_confirming_probes(logs: PackageLogs) -> None:
     a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
     drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
@@ -146,11 +125,11 @@ def test_a_change_of_load_switches_only_after_confirming_probes(logs: PackageLog
 
 def test_hysteresis_keeps_the_decision_inside_the_band() -> None:
     """Overlap 6% better than serial: engaged; a later load where serial is
-    2% better does not switch (inside the 3% band), 12% better does."""
+    3% better does not switch (inside the 5% band), 12% better does."""
     a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
     drive(a, KEY, {"overlap": 0.0094, "serial": 0.0100}, 7)
     assert a.decision(KEY) == "overlap"
-    drive(a, KEY, {"overlap": 0.0100, "serial": 0.0098}, 64)
+    drive(a, KEY, {"overlap": 0.0100, "serial": 0.0097}, 64)
     assert a.decision(KEY) == "overlap"
     drive(a, KEY, {"overlap": 0.0100, "serial": 0.0088}, 64)  # 12% better
     assert a.decision(KEY) == "serial"

@@ -529,3 +529,36 @@ def test_bench_on_cuda_with_contention_models_the_peer(tmp_path: Path) -> None:
     assert "4 SM(s) held per op" in r["comm_model"]
     assert r["outputs_equal"] is True
     assert all(p["peer_cycle_ok"] is True for p in r["policies"])
+
+
+@pytest.mark.parametrize(
+    ("step_ms", "expected"),
+    [
+        (2.5, (36, 8)),  # small work: many short blocks, 8 x 36 steps (0.72 s)
+        (10.0, (9, 8)),  # blocks of about 0.09 s, 8 of them
+        (40.0, (8, 3)),  # at least the benchmark's own 8 steps x 3 repetitions
+        (200.0, (8, 3)),
+    ],
+)
+def test_work_points_run_short_interleaved_blocks(
+    monkeypatch: pytest.MonkeyPatch, step_ms: float, expected: tuple[int, int]
+) -> None:
+    """A work point's blocks (timed steps per policy and repetition) and
+    repetitions follow the serial probe's step time."""
+    from dataclasses import replace
+
+    from camp2p_overlap.tools.bench import sweep
+    from camp2p_overlap.tools.bench.runner import BenchRun, resolve_params
+
+    params = replace(resolve_params({"layers": 4}, "ffn-bound"), steps=8, warmup=2, reps=3)
+    per_layer_us = step_ms * 1e3 / params.layers
+    probes: list[Any] = []
+
+    def fake_bench(p: Any) -> BenchRun:
+        probes.append(p)
+        return BenchRun({"policies": [{"policy": "serial", "per_layer_us": {"median": per_layer_us}}]}, {})
+
+    monkeypatch.setattr(sweep, "run_bench", fake_bench)
+    assert sweep._work_run(params, sweep.WORK_TIMED_S) == expected
+    (probe,) = probes
+    assert probe.policies == ("serial",) and probe.reps == 1

@@ -16,15 +16,12 @@ path a step takes (``choose``); deterministic for given times. Per bucket:
   defaults the first decision comes at the bucket's 7th step on the CPU
   backend (times read after the join) and at its 8th on a device (times read
   a step later).
-* decided: now and then a probe round runs the other path: one warm-up
-  step (its time dropped, for the same reason) and then a measured probe.
-  The first round comes ``first_reprobe`` decided steps after a decision
-  (a first decision rests on 3 times of each path, so it is checked soon),
-  and each round that keeps the decision doubles the interval, up to
-  ``reprobe_every``. A probe that beats the decided path's recent median
-  by ``switch_margin`` is confirmed by up to ``confirm`` probes in a row;
-  the decision switches only when their median still beats it
-  (hysteresis). Otherwise the probe round ends and the decision stays.
+* decided: every ``reprobe_every`` steps a probe round runs the other path:
+  one warm-up step (its time dropped, for the same reason) and then a
+  measured probe. A probe that beats the decided path's recent median by
+  ``switch_margin`` is confirmed by up to ``confirm`` probes in a row; the
+  decision switches only when their median still beats it (hysteresis).
+  Otherwise the probe round ends and the decision stays.
 * a decided-serial step that is not a probe may skip planning
   (``pass_serial``).
 
@@ -73,12 +70,10 @@ class BucketKey:
 @dataclass(frozen=True)
 class AdaptiveSettings:
     reprobe_every: int = 64
-    #: Decided steps before the first probe round after a decision (then doubling).
-    first_reprobe: int = 8
     min_samples: int = 3
     window: int = 16
     engage_margin: float = 0.0
-    switch_margin: float = 0.03
+    switch_margin: float = 0.05
     confirm: int = 3
 
 
@@ -89,8 +84,6 @@ class _Bucket:
     decision: Mode | None = None
     steps: int = 0
     since_probe: int = 0
-    #: Decided steps between probe rounds now (``first_reprobe`` doubling to ``reprobe_every``).
-    interval: int = 0
     issued: dict[str, int] = field(default_factory=lambda: {m: 0 for m in MODES})
     recorded: dict[str, int] = field(default_factory=lambda: {m: 0 for m in MODES})
     times: dict[str, deque[float]] = field(default_factory=dict)
@@ -133,7 +126,7 @@ class AdaptiveEngage:
                 mode, probe = other(b.decision), True
             else:
                 b.since_probe += 1
-                if b.since_probe >= _interval(b, cfg):
+                if b.since_probe >= cfg.reprobe_every:
                     b.since_probe = 0
                     b.warmups += 1  # this step warms the other path up; a measured probe follows
                     b.probes_left = 1
@@ -154,7 +147,7 @@ class AdaptiveEngage:
                 b is None
                 or b.decision != "serial"
                 or b.probes_left > 0
-                or b.since_probe + 1 >= _interval(b, self.settings)
+                or b.since_probe + 1 >= self.settings.reprobe_every
             ):
                 return False
             b.steps += 1
@@ -194,7 +187,6 @@ class AdaptiveEngage:
         if current is None or probe > current * (1 - cfg.switch_margin):
             b.probe_times.clear()  # not better: the probe round ends, the decision stays
             b.probes_left = 0
-            b.interval = min(2 * _interval(b, cfg), cfg.reprobe_every)
             b.times[mode].append(seconds)
             return
         if len(b.probe_times) < cfg.confirm:
@@ -212,7 +204,6 @@ class AdaptiveEngage:
         previous, b.decision = b.decision, mode
         b.changes += 1
         b.since_probe = 0
-        b.interval = 0  # a new decision is checked soon again
         o, s = b.median("overlap"), b.median("serial")
         logger.info(
             "camp2p-overlap: adaptive: %s -> %s (%s; was %s): overlap median %s over %d steps, "
@@ -257,11 +248,6 @@ class AdaptiveEngage:
                     }
                 )
             return out
-
-
-def _interval(b: _Bucket, cfg: AdaptiveSettings) -> int:
-    """Decided steps between the bucket's probe rounds now."""
-    return max(1, min(b.interval or cfg.first_reprobe, cfg.reprobe_every))
 
 
 def _learning_mode(b: _Bucket, cfg: AdaptiveSettings) -> Mode:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from camp2p_overlap.core.adaptive import BucketKey, pow2_ceil
@@ -90,7 +90,6 @@ def _decide_serial(layer: PatchLayer, world: World) -> None:
     shape, so that every step takes the pass-through path (no probe runs:
     the re-probe interval is the largest allowed)."""
     runtime = layer.runtime
-    runtime.adaptive.settings = replace(runtime.adaptive.settings, first_reprobe=MAX_REPROBE)
     key = BucketKey(runtime.runner_name(world.runner), len(world.spec.stage_ids), len(world.layer_list()), pow2_ceil(1))
     for _ in range(4 * runtime.adaptive.settings.min_samples + 4):
         if runtime.adaptive.decision(key) is not None:
