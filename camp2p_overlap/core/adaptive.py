@@ -124,15 +124,14 @@ class AdaptiveEngage:
             elif b.probes_left > 0:
                 b.probes_left -= 1
                 mode, probe = other(b.decision), True
+            elif _probe_due(b, cfg):
+                b.since_probe = 0
+                b.warmups += 1  # this step warms the other path up; a measured probe follows
+                b.probes_left = 1
+                mode, probe = other(b.decision), True
             else:
                 b.since_probe += 1
-                if b.since_probe >= cfg.reprobe_every:
-                    b.since_probe = 0
-                    b.warmups += 1  # this step warms the other path up; a measured probe follows
-                    b.probes_left = 1
-                    mode, probe = other(b.decision), True
-                else:
-                    mode, probe = b.decision, False
+                mode, probe = b.decision, False
             b.issued[mode] += 1
             return mode, probe
 
@@ -143,12 +142,7 @@ class AdaptiveEngage:
         and calls ``choose``). Lets a decided-serial step skip planning."""
         with self._lock:
             b = self._buckets.get(key)
-            if (
-                b is None
-                or b.decision != "serial"
-                or b.probes_left > 0
-                or b.since_probe + 1 >= self.settings.reprobe_every
-            ):
+            if b is None or b.decision != "serial" or b.probes_left > 0 or _probe_due(b, self.settings):
                 return False
             b.steps += 1
             b.since_probe += 1
@@ -248,6 +242,11 @@ class AdaptiveEngage:
                     }
                 )
             return out
+
+
+def _probe_due(b: _Bucket, cfg: AdaptiveSettings) -> bool:
+    """Whether the bucket's next decided step starts a probe round."""
+    return b.since_probe + 1 >= cfg.reprobe_every
 
 
 def _learning_mode(b: _Bucket, cfg: AdaptiveSettings) -> Mode:

@@ -67,13 +67,18 @@ class OverlapRuntime:
         except TypeError:  # not weak-referenceable
             return f"{type(runner).__name__}@{id(runner):x}"
 
-    def planned(self, runner: Any, shape: PlannedShape | None = None) -> PlannedShape | None:
-        """The runner's last planned shape; with ``shape``: set it first."""
+    def set_planned(self, runner: Any, shape: PlannedShape) -> None:
+        """Remember ``shape`` as the runner's last planned one."""
         try:
-            if shape is not None:
-                self._planned[runner] = shape
-            return self._planned.get(runner)
+            self._planned[runner] = shape
         except TypeError:  # not weak-referenceable: every step plans
+            pass
+
+    def planned(self, runner: Any) -> PlannedShape | None:
+        """The runner's last planned shape, if any."""
+        try:
+            return self._planned.get(runner)
+        except TypeError:
             return None
 
     def timed(self, key: BucketKey, mode: Mode, backend: StreamBackend, token: Any) -> None:

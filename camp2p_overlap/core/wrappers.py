@@ -113,11 +113,9 @@ def _adaptive_step(call: _Call, decision: Decision, streamset: StreamSet) -> Any
     plan = decision.plan
     assert plan is not None
     backend = streamset.backend
-    shape = runtime.planned(runner, PlannedShape(runtime.runner_name(runner), len(plan.layers), backend))
-    name = shape.runner if shape is not None else runtime.runner_name(runner)
-    key = BucketKey(
-        name, len(plan.stages), len(plan.layers), pow2_ceil(camp2p.max_stage_tokens(kwargs.get("dp_metadata_list")))
-    )
+    name = runtime.runner_name(runner)
+    runtime.set_planned(runner, PlannedShape(name, len(plan.layers), backend))
+    key = bucket_of(name, len(plan.layers), kwargs.get("dp_metadata_list"))
     adaptive = _synced_adaptive(engine, runtime)
     runtime.collect()
     mode, probe = adaptive.choose(key)
@@ -129,6 +127,14 @@ def _adaptive_step(call: _Call, decision: Decision, streamset: StreamSet) -> Any
     backend.timing_stop(token)  # a step that raised is not timed
     runtime.timed(key, mode, backend, token)
     return result
+
+
+def bucket_of(runner: str, layers: int, dp_metadata_list: Any) -> BucketKey:
+    """The adaptive bucket of a step of runner ``runner`` (its name) with
+    ``layers`` FFN layers: its stage count (as ``camp2p.stage_ids`` counts
+    them) and its largest stage's tokens rounded up to a power of two."""
+    stages = max(len(dp_metadata_list or ()), 1)
+    return BucketKey(runner, stages, layers, pow2_ceil(camp2p.max_stage_tokens(dp_metadata_list)))
 
 
 def _synced_adaptive(engine: PatchEngine, runtime: OverlapRuntime) -> AdaptiveEngage:
@@ -158,8 +164,7 @@ def _decided_serial(
     try:
         if shape.backend.is_capturing():
             return None
-        dp = kwargs["dp_metadata_list"]
-        key = BucketKey(shape.runner, max(len(dp or ()), 1), shape.layers, pow2_ceil(camp2p.max_stage_tokens(dp)))
+        key = bucket_of(shape.runner, shape.layers, kwargs["dp_metadata_list"])
     except Exception:  # noqa: BLE001 - the planned path gives the reason
         return None
     return (key, shape.backend) if _synced_adaptive(engine, runtime).pass_serial(key) else None

@@ -27,10 +27,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from camp2p_overlap.core.adaptive import BucketKey, pow2_ceil
 from camp2p_overlap.core.config import MAX_REPROBE, MAX_STAGES, OverlapConfig
 from camp2p_overlap.core.process import PatchLayer
 from camp2p_overlap.core.streams.streamset import StreamSetRegistry
+from camp2p_overlap.core.wrappers import bucket_of
 from camp2p_overlap.emulation.engine import emulated_layer, release_site, standin_site
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.noop import NoopModel, NoopTransport, noop_backend
@@ -90,7 +90,7 @@ def _decide_serial(layer: PatchLayer, world: World) -> None:
     shape, so that every step takes the pass-through path (no probe runs:
     the re-probe interval is the largest allowed)."""
     runtime = layer.runtime
-    key = BucketKey(runtime.runner_name(world.runner), len(world.spec.stage_ids), len(world.layer_list()), pow2_ceil(1))
+    key = bucket_of(runtime.runner_name(world.runner), len(world.layer_list()), world.dp_metadata())
     for _ in range(4 * runtime.adaptive.settings.min_samples + 4):
         if runtime.adaptive.decision(key) is not None:
             break
