@@ -30,6 +30,7 @@ from conftest import PackageLogs
 
 from camp2p_overlap.core import trace
 from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.intercept_switch import INTERCEPTS
 from camp2p_overlap.core.process import ENGINE
 from camp2p_overlap.emulation.world import World
 
@@ -327,23 +328,23 @@ def test_planning_error_runs_the_original(monkeypatch: pytest.MonkeyPatch, logs:
 
 
 def test_connector_wrappers_step_aside_between_steps() -> None:
-    """Outside a step (and outside a trace) wrapt calls the original
-    connector methods directly; inside a step, or while tracing, ours run."""
+    """Outside a step (and outside a trace) the process's intercept switch
+    is off, so the installed connector methods call the originals at once;
+    inside an engaged step, or while tracing, it is on and ours run."""
     w = world(layers=2, stage_ids=(0, 1))
     apply_cpu()
-    cls = type(w.connector)
-    wrappers = [vars(cls)[name] for name in ("recv_attn_output", "send_ffn_output")]
-    assert [fw._self_enabled() for fw in wrappers] == [False, False]
+    assert INTERCEPTS.on == 0
     with trace.recording():
-        assert [fw._self_enabled() for fw in wrappers] == [True, True]
+        assert INTERCEPTS.on == 1
+    assert INTERCEPTS.on == 0
     seen: list[bool] = []
     compute = w.runner.model.compute_ffn_output
 
     def spying_compute(**kw: Any) -> Any:  # runs on the loop thread, inside the step
-        seen.append(all(fw._self_enabled() for fw in wrappers))
+        seen.append(INTERCEPTS.on > 0)
         return compute(**kw)
 
     w.runner.model.compute_ffn_output = spying_compute
     run_step(w)
     assert seen == [True] * 4
-    assert [fw._self_enabled() for fw in wrappers] == [False, False]
+    assert INTERCEPTS.on == 0

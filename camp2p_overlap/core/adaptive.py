@@ -34,7 +34,7 @@ import statistics
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from camp2p_overlap.core.log import logger
 
@@ -51,12 +51,12 @@ def pow2_ceil(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
-@dataclass(frozen=True)
-class BucketKey:
+class BucketKey(NamedTuple):
     """A runner and a step shape: steps of one bucket take comparable time.
 
     ``tokens`` is the largest token count of the step's stages rounded up
-    to a power of two (0 when the metadata carries none)."""
+    to a power of two (0 when the metadata carries none). A tuple, so that
+    the per-step dict lookups hash and compare it in C."""
 
     runner: str
     stages: int

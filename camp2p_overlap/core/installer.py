@@ -9,22 +9,22 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import ModuleType
+from types import FunctionType, ModuleType
 from typing import Any
 
 import wrapt
 
 from camp2p_overlap.core.log import logger
 from camp2p_overlap.core.manifest import ModuleSpec, StackManifest, TargetSpec, signature_difference, signature_of
+from camp2p_overlap.core.method_wrapper import Switch, Wrapper, bound_function, method_wrapper
 from camp2p_overlap.core.report import TargetState, TargetStatus
-
-Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 
 #: Set on every wrapper function a camp2p-overlap wrapper factory builds, so
 #: an installer recognises wrappers of another engine in the same process.
 MARK = "__camp2p_overlap_wrapper__"
-#: Attribute of a wrapper function: a no-argument callable telling whether
-#: the wrapper has anything to do on this call (wrapt's ``enabled``).
+#: Attribute of a wrapper function: a switch (``core.method_wrapper.Switch``)
+#: telling whether the wrapper has anything to do now; while it is off the
+#: original is called directly.
 ENABLED = "__camp2p_overlap_enabled__"
 
 
@@ -34,7 +34,7 @@ class WrapRecord:
     owner: Any
     attribute: str
     original: Any  # the raw __dict__ entry before wrapping
-    handle: Any  # the wrapt FunctionWrapper we installed
+    handle: Any  # what we installed (core.method_wrapper)
     spec: TargetSpec
 
 
@@ -108,7 +108,19 @@ def _resolve(t: TargetSpec, module: ModuleType) -> tuple[Any, Any]:
 
 
 def _is_marked(obj: Any) -> bool:
+    """Whether ``obj`` is a wrapper a camp2p-overlap installer made (of any engine)."""
+    if isinstance(obj, FunctionType):
+        return bool(vars(obj).get(MARK, False))
     return bool(getattr(getattr(obj, "_self_wrapper", None), MARK, False))
+
+
+def _marked_wrapper(original: Any, wrapper: Wrapper, switch: Switch | None) -> Any:
+    """``method_wrapper``, marked as ours when it is a plain function (a
+    wrapt wrapper is recognised by its wrapper function's mark)."""
+    handle = method_wrapper(original, wrapper, switch)
+    if isinstance(handle, FunctionType):
+        vars(handle)[MARK] = True
+    return handle
 
 
 class Installer:
@@ -124,6 +136,9 @@ class Installer:
         """Our wrapper behind ``obj`` (itself, or the parent of its bound form), or None."""
         if id(obj) in self._handles:
             return obj
+        func = bound_function(obj)
+        if func is not None and id(func) in self._handles:
+            return func
         if isinstance(obj, wrapt.BoundFunctionWrapper):
             parent = getattr(obj, "_self_parent", None)
             if parent is not None and id(parent) in self._handles:
@@ -253,11 +268,11 @@ class Installer:
                     done.append(taken)
                     continue
                 wrapper = wrappers[t.wrapper]  # type: ignore[index]
-                # A wrapper may name a cheap test of whether it has anything to
-                # do on this call; while it says no, wrapt's C code calls the
-                # original directly (no Python frame of ours, no re-dispatch).
-                enabled = getattr(wrapper, ENABLED, None)
-                handle = wrapt.wrap_object(owner, t.attribute, wrapt.FunctionWrapper, (wrapper, enabled))
+                # A wrapper may name a switch telling whether it has anything to
+                # do now; while it is off, the original is called directly
+                # (no re-dispatch through the wrapper).
+                switch = getattr(wrapper, ENABLED, None)
+                handle = wrapt.wrap_object(owner, t.attribute, _marked_wrapper, (wrapper, switch))
                 self._handles.add(id(handle))
                 done.append(WrapRecord(mspec.name, owner, t.attribute, raw, handle, t))
         except Exception as exc:  # noqa: BLE001 - rolled back and reported

@@ -16,6 +16,7 @@ from typing import Any
 
 from camp2p_overlap.core.adaptive import AdaptiveEngage, BucketKey, Mode
 from camp2p_overlap.core.config import MAX_STAGES
+from camp2p_overlap.core.intercept_switch import INTERCEPTS
 from camp2p_overlap.core.session import OverlapSession
 from camp2p_overlap.core.step_stats import StepCounters
 from camp2p_overlap.core.streams.base import StreamBackend
@@ -55,7 +56,9 @@ class OverlapRuntime:
         self._runner_names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._runner_ids = itertools.count()
         #: Per runner: its last planned adaptive step's shape (cleared on close).
-        self._planned: weakref.WeakKeyDictionary[Any, PlannedShape] = weakref.WeakKeyDictionary()
+        #: (a weak reference to the runner, its shape), by the runner's id:
+        #: read with one dict lookup on every decided-serial step.
+        self._planned: dict[int, tuple[weakref.ref[Any], PlannedShape]] = {}
 
     def runner_name(self, runner: Any) -> str:
         """A short, stable name for a runner in bucket keys and stats."""
@@ -68,21 +71,33 @@ class OverlapRuntime:
             return f"{type(runner).__name__}@{id(runner):x}"
 
     def set_planned(self, runner: Any, shape: PlannedShape) -> None:
-        """Remember ``shape`` as the runner's last planned one."""
+        """Remember ``shape`` as the runner's last planned one (forgotten
+        when the runner is collected)."""
+        rid = id(runner)
+        entry = self._planned.get(rid)
+        if entry is not None and entry[0]() is runner:
+            self._planned[rid] = (entry[0], shape)
+            return
+        planned = self._planned
         try:
-            self._planned[runner] = shape
+            ref = weakref.ref(runner, lambda r: planned.get(rid, (None,))[0] is r and planned.pop(rid, None))
         except TypeError:  # not weak-referenceable: every step plans
-            pass
+            return
+        planned[rid] = (ref, shape)
 
     def planned(self, runner: Any) -> PlannedShape | None:
         """The runner's last planned shape, if any."""
-        try:
-            return self._planned.get(runner)
-        except TypeError:
-            return None
+        entry = self._planned.get(id(runner))
+        return entry[1] if entry is not None and entry[0]() is runner else None
 
     def timed(self, key: BucketKey, mode: Mode, backend: StreamBackend, token: Any) -> None:
-        """A step's timing, to be read when its events have completed."""
+        """A step's timing, to be read when its events have completed (at
+        once when it is known now and none older waits)."""
+        if not self._pending:
+            seconds = backend.elapsed(token)
+            if seconds is not None:
+                self.adaptive.record(key, mode, seconds)
+                return
         with self._pending_lock:
             self._pending.append((key, mode, backend, token))
             while len(self._pending) > MAX_PENDING_TIMINGS:
@@ -112,7 +127,16 @@ class OverlapRuntime:
         return self.local.session
 
     def set_session(self, session: OverlapSession | None) -> None:
-        self.local.session = session
+        """Set (or clear, with None) this thread's session; the process's
+        intercept switch is held while one is set. Setting the same state
+        twice changes nothing."""
+        local = self.local
+        had = local.session is not None
+        if session is not None and not had:
+            INTERCEPTS.hold()  # before the session is visible
+        local.session = session
+        if session is None and had:
+            INTERCEPTS.release()
 
     def close(self) -> None:
         """Release every runner's side streams (CPU worker threads) and

@@ -43,7 +43,7 @@ class StepGate:
             return True
 
     def exit(self) -> None:
-        with self._idle:
+        with self._lock:  # the lock of self._idle
             me = threading.get_ident()
             n = self._active.get(me, 0) - 1
             if n <= 0:

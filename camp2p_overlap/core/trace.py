@@ -26,6 +26,8 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from camp2p_overlap.core.intercept_switch import INTERCEPTS
+
 OP_KINDS = ("a2e", "ffn", "e2a", "wait", "record", "step")
 
 
@@ -116,16 +118,22 @@ def current_recorder() -> TraceRecorder | None:
 
 @contextlib.contextmanager
 def recording(recorder: TraceRecorder | None = None) -> Iterator[TraceRecorder]:
-    """Record every step run inside the block (all threads)."""
+    """Record every step run inside the block (all threads). The
+    process's intercept switch is held meanwhile, so that the connector
+    wrappers see the recorder."""
     global _active
     rec = recorder or TraceRecorder()
-    with _active_lock:
-        previous, _active = _active, rec
+    INTERCEPTS.hold()
     try:
-        yield rec
-    finally:
         with _active_lock:
-            _active = previous
+            previous, _active = _active, rec
+        try:
+            yield rec
+        finally:
+            with _active_lock:
+                _active = previous
+    finally:
+        INTERCEPTS.release()
 
 
 def _key_stage(key: Hashable) -> tuple[int | None, int | None]:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from camp2p_overlap.core import camp2p
 from camp2p_overlap.core.adaptive import AdaptiveEngage, BucketKey, pow2_ceil
 from camp2p_overlap.core.installer import ENABLED, MARK, Wrapper
+from camp2p_overlap.core.intercept_switch import INTERCEPTS
 from camp2p_overlap.core.log import log_once
 from camp2p_overlap.core.rollout import streams_for
 from camp2p_overlap.core.runtime import OverlapRuntime, PlannedShape
@@ -51,11 +52,11 @@ def make_wrappers(engine: PatchEngine, *, runtime: OverlapRuntime) -> dict[str, 
         "recv_attn_output": recv_attn_output_factory(runtime),
         "send_ffn_output": send_ffn_output_factory(runtime),
     }
-    intercepting = intercepting_factory(runtime)
     for name, fn in wrappers.items():
         setattr(fn, MARK, True)
         if name != "ffn_forward":
-            setattr(fn, ENABLED, intercepting)
+            # while no session or recorder holds it, the original is called at once
+            setattr(fn, ENABLED, INTERCEPTS)
     return wrappers
 
 
@@ -267,18 +268,6 @@ def _serial_step(wrapped: Wrapped, args: Args, kwargs: Kwargs, recorder: TraceRe
 
 # ---------------------------------------------------------------------------
 # the CAMP2P connector
-def intercepting_factory(runtime: OverlapRuntime) -> Callable[[], bool]:
-    """Whether a connector wrapper has anything to do on this call: a step's
-    session runs on this thread, or a trace recorder is active. While not,
-    wrapt calls the original connector method directly."""
-    local = runtime.local
-
-    def intercepting() -> bool:
-        return local.session is not None or current_recorder() is not None
-
-    return intercepting
-
-
 def recv_attn_output_factory(runtime: OverlapRuntime) -> Wrapper:
     local = runtime.local
 
