@@ -95,9 +95,10 @@ def test_overlap_must_win_by_the_engage_margin() -> None:
 
 def test_reprobe_every_n_steps_and_the_decision_holds_when_the_probe_loses() -> None:
     a = AdaptiveEngage(AdaptiveSettings(reprobe_every=8))
-    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
+    close = {"overlap": 0.0100, "serial": 0.0105}  # serial loses by 5%: a close call
+    drive(a, KEY, close, 7)
     assert a.decision(KEY) == "overlap"
-    seq = drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 36)
+    seq = drive(a, KEY, close, 36)
     probes = [i for i, (m, p) in enumerate(seq) if p]
     # each probe round: a warm-up step of the other path (time dropped), then
     # a measured probe; then 8 steps of the decision
@@ -105,6 +106,41 @@ def test_reprobe_every_n_steps_and_the_decision_holds_when_the_probe_loses() -> 
     assert all(seq[i][0] == "serial" for i in probes)
     assert all(m == "overlap" for i, (m, _) in enumerate(seq) if i not in probes)
     assert a.decision(KEY) == "overlap"
+    assert a.snapshot()[0]["reprobe_every"] == 8
+
+
+def test_a_clearly_losing_probe_backs_the_interval_off_and_a_close_one_resets_it() -> None:
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=8))
+    clear = {"overlap": 0.010, "serial": 0.015}  # serial loses by 50%
+    drive(a, KEY, clear, 7)
+    seq = drive(a, KEY, clear, 200)
+    rounds = [i for i, (m, p) in enumerate(seq) if p][::2]  # each round's warm-up step
+    # the interval doubles after each clear loss: 8, 16, 32, then 64 (8 x 8) at most
+    assert [b - a_ for a_, b in itertools.pairwise(rounds)] == [17, 33, 65, 65]
+    assert a.snapshot()[0]["reprobe_every"] == 64
+    assert a.decision(KEY) == "overlap"
+    # serial now loses by only 5%: the next probe round sets the interval back
+    close = {"overlap": 0.010, "serial": 0.0105}
+    seq = drive(a, KEY, close, 100)
+    rounds = [i for i, (m, p) in enumerate(seq) if p][::2]
+    assert a.snapshot()[0]["reprobe_every"] == 8
+    assert [b - a_ for a_, b in itertools.pairwise(rounds)][-2:] == [9, 9]
+
+
+def test_a_change_of_decision_resets_the_back_off() -> None:
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
+    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7 + 40)
+    assert a.snapshot()[0]["reprobe_every"] > 4
+    slow = {"overlap": 0.030, "serial": 0.015}  # the load changes: serial now wins
+    for _ in range(400):
+        drive(a, KEY, slow, 1)
+        if a.decision(KEY) == "serial":
+            break
+    (snap,) = a.snapshot()
+    assert snap["decision"] == "serial" and snap["changes"] == 2
+    assert snap["reprobe_every"] == 4  # the switch set the interval back
+    drive(a, KEY, slow, 400)  # overlap (2x slower) loses every round since
+    assert a.snapshot()[0]["reprobe_every"] == 4 * 8
 
 
 def test_a_change_of_load_switches_only_after_confirming_probes(logs: PackageLogs) -> None:

@@ -22,6 +22,12 @@ path a step takes (``choose``); deterministic for given times. Per bucket:
   ``switch_margin`` is confirmed by up to ``confirm`` probes in a row; the
   decision switches only when their median still beats it (hysteresis).
   Otherwise the probe round ends and the decision stays.
+* back-off: a probe round that loses by more than ``backoff_above`` (10 %)
+  doubles the bucket's interval to the next one, up to ``max_backoff``
+  times ``reprobe_every`` (8: 512 steps); one that loses by less, or a
+  change of decision, sets it back to ``reprobe_every``. A probe of a path
+  that is clearly slower costs its whole loss, twice per round (warm-up and
+  probe), and tells little; a close call is probed at the full rate.
 * a decided-serial step that is not a probe may skip planning
   (``pass_serial``).
 
@@ -75,6 +81,8 @@ class AdaptiveSettings:
     engage_margin: float = 0.0
     switch_margin: float = 0.05
     confirm: int = 3
+    backoff_above: float = 0.10
+    max_backoff: int = 8
 
 
 @dataclass
@@ -91,6 +99,8 @@ class _Bucket:
     probes_left: int = 0
     #: Probe warm-up steps issued whose times are still to be dropped.
     warmups: int = 0
+    #: The bucket's probe interval, in units of ``reprobe_every`` (back-off).
+    backoff: int = 1
     changes: int = 0
 
     def __post_init__(self) -> None:
@@ -182,6 +192,8 @@ class AdaptiveEngage:
             b.probe_times.clear()  # not better: the probe round ends, the decision stays
             b.probes_left = 0
             b.times[mode].append(seconds)
+            clear_loss = current is not None and probe > current * (1 + cfg.backoff_above)
+            b.backoff = min(b.backoff * 2, cfg.max_backoff) if clear_loss else 1
             return
         if len(b.probe_times) < cfg.confirm:
             b.probes_left = max(b.probes_left, 1)  # confirm before switching
@@ -198,6 +210,7 @@ class AdaptiveEngage:
         previous, b.decision = b.decision, mode
         b.changes += 1
         b.since_probe = 0
+        b.backoff = 1
         o, s = b.median("overlap"), b.median("serial")
         logger.info(
             "camp2p-overlap: adaptive: %s -> %s (%s; was %s): overlap median %s over %d steps, "
@@ -239,6 +252,7 @@ class AdaptiveEngage:
                         "serial_samples": len(b.times["serial"]),
                         "steps": b.steps,
                         "changes": b.changes,
+                        "reprobe_every": None if b.decision is None else b.backoff * self.settings.reprobe_every,
                     }
                 )
             return out
@@ -246,7 +260,7 @@ class AdaptiveEngage:
 
 def _probe_due(b: _Bucket, cfg: AdaptiveSettings) -> bool:
     """Whether the bucket's next decided step starts a probe round."""
-    return b.since_probe + 1 >= cfg.reprobe_every
+    return b.since_probe + 1 >= cfg.reprobe_every * b.backoff
 
 
 def _learning_mode(b: _Bucket, cfg: AdaptiveSettings) -> Mode:

@@ -45,7 +45,10 @@ ENV_VARS: dict[str, str] = {
     ENV_STRICT: "Raise instead of logging when the patch layer refuses.",
     ENV_WATCHDOG: "Seconds after which a step that has not finished logs a stall report.",
     ENV_ADAPTIVE: "Measure overlapped and serial steps per shape and engage only where the overlap is faster.",
-    ENV_REPROBE: "With adaptive engage: run a probe round of the path not chosen every this many steps of a shape.",
+    ENV_REPROBE: (
+        "With adaptive engage: run a probe round of the path not chosen every this many steps of a shape"
+        " (up to 8 times as far apart while the probes clearly lose)."
+    ),
     ENV_MODE: "Rollout mode: overlap (default), reorder (overlap issue order, one stream) or parity (upstream order).",
     ENV_METRICS_PORT: "Opt-in: serve this process's step metrics over HTTP on this port (0: any free port).",
     ENV_SUMMARY: "Seconds between one-line step summaries in the log (0: none).",
