@@ -127,6 +127,17 @@ def test_a_clearly_losing_probe_backs_the_interval_off_and_a_close_one_resets_it
     assert [b - a_ for a_, b in itertools.pairwise(rounds)][-2:] == [9, 9]
 
 
+def test_a_close_first_decision_is_checked_again_soon() -> None:
+    """Within 10% on 3 times each: the first probe round comes 16 steps
+    after the decision; a clear first decision waits the whole interval."""
+    for times, first_round in (({"overlap": 0.0100, "serial": 0.0105}, 16), ({"overlap": 0.010, "serial": 0.015}, 64)):
+        a = AdaptiveEngage()
+        drive(a, KEY, times, 7)
+        assert a.decision(KEY) == "overlap"
+        seq = drive(a, KEY, times, 100)
+        assert next(i for i, (_, probe) in enumerate(seq) if probe) == first_round - 1
+
+
 def test_a_change_of_decision_resets_the_back_off() -> None:
     a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
     drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7 + 40)

@@ -22,6 +22,9 @@ path a step takes (``choose``); deterministic for given times. Per bucket:
   ``switch_margin`` is confirmed by up to ``confirm`` probes in a row; the
   decision switches only when their median still beats it (hysteresis).
   Otherwise the probe round ends and the decision stays.
+* a close first decision (the medians within ``close_call``, 10 %, of each
+  other on 3 times each) gets its first probe round ``close_recheck`` (16)
+  steps after it instead of a whole interval.
 * back-off: a probe round that loses by more than ``backoff_above`` (10 %)
   doubles the bucket's interval to the next one, up to ``max_backoff``
   times ``reprobe_every`` (8: 512 steps); one that loses by less, or a
@@ -83,6 +86,8 @@ class AdaptiveSettings:
     confirm: int = 3
     backoff_above: float = 0.10
     max_backoff: int = 8
+    close_call: float = 0.10
+    close_recheck: int = 16
 
 
 @dataclass
@@ -175,6 +180,9 @@ class AdaptiveEngage:
                     o, s = b.median("overlap"), b.median("serial")
                     assert o is not None and s is not None
                     self._decide(b, "overlap" if o < s * (1 - cfg.engage_margin) else "serial", "first decision")
+                    if abs(o - s) < cfg.close_call * min(o, s):
+                        # a close call on 3 times each: check it again soon
+                        b.since_probe = max(cfg.reprobe_every - cfg.close_recheck, 0)
                 return
             if mode == b.decision:
                 b.times[mode].append(seconds)
