@@ -474,3 +474,27 @@ def test_a_decided_serial_step_is_not_planned_and_a_probe_is(monkeypatch: pytest
     assert planned[7:] == [14, 15]
     (bucket,) = [b for b in RUNTIME.adaptive.snapshot() if b["key"]["layers"] == 2]
     assert bucket["decision"] == "serial" and bucket["steps"] == 16
+
+
+def test_a_runners_planned_shape_is_forgotten_when_the_runner_is_collected() -> None:
+    import gc
+
+    from camp2p_overlap.core.runtime import OverlapRuntime, PlannedShape
+    from camp2p_overlap.core.streams.cpu import CpuBackend
+
+    class Runner:
+        pass
+
+    runtime = OverlapRuntime()
+    shape = PlannedShape("Runner#0", 4, CpuBackend())
+    runner, other = Runner(), Runner()
+    runtime.set_planned(runner, shape)
+    assert runtime.planned(runner) is shape and runtime.planned(other) is None
+    newer = PlannedShape("Runner#0", 6, shape.backend)
+    runtime.set_planned(runner, newer)
+    assert runtime.planned(runner) is newer
+    del runner
+    gc.collect()
+    assert runtime._planned == {}
+    runtime.set_planned(7, shape)  # not weak-referenceable: never remembered
+    assert runtime.planned(7) is None

@@ -79,8 +79,13 @@ class OverlapRuntime:
             self._planned[rid] = (entry[0], shape)
             return
         planned = self._planned
+
+        def forget(ref: weakref.ref[Any]) -> None:  # the runner was collected
+            if planned.get(rid, (None,))[0] is ref:
+                del planned[rid]
+
         try:
-            ref = weakref.ref(runner, lambda r: planned.get(rid, (None,))[0] is r and planned.pop(rid, None))
+            ref = weakref.ref(runner, forget)
         except TypeError:  # not weak-referenceable: every step plans
             return
         planned[rid] = (ref, shape)
