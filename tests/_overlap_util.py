@@ -259,5 +259,27 @@ def spy_forward(runner_cls: type) -> list[dict[str, Any]]:
     return calls
 
 
+#: An A2E or E2A call as the issue-order oracles name it: (kind, layer, stage).
+Call = tuple[str, int, int]
+
+
+def upstream_order(layers: Sequence[int], stages: Sequence[int]) -> list[Call]:
+    """Upstream's loop order (and ``parity``'s): per (L, s), A2E then E2A."""
+    return [(k, L, s) for L in layers for s in stages for k in ("a2e", "e2a")]
+
+
+def overlap_issue_order(layers: Sequence[int], stages: Sequence[int]) -> list[Call]:
+    """The overlap's issue order (and ``reorder``'s), written out from
+    docs/design.md: the prologue A2E of every stage, then per (L, s)
+    E2A(L, s) and A2E(L+1, s)."""
+    order: list[Call] = [("a2e", layers[0], s) for s in stages]
+    for i, L in enumerate(layers):
+        for s in stages:
+            order.append(("e2a", L, s))
+            if i + 1 < len(layers):
+                order.append(("a2e", layers[i + 1], s))
+    return order
+
+
 def by_key(ops: Sequence[Any]) -> Mapping[tuple[str, int | None, int | None], Any]:
     return {(o.kind, o.layer, o.stage): o for o in ops if o.kind in ("a2e", "ffn", "e2a")}

@@ -12,12 +12,15 @@ import random
 
 import pytest
 from _overlap_util import (
+    Call,
     Schedule,
     apply_cpu,
     assert_same,
     delay_hook,
+    overlap_issue_order,
     run_step,
     serial_results,
+    upstream_order,
     world,
     wrap_model,
 )
@@ -74,17 +77,9 @@ def worlds(standin_stack: str) -> list:
     return ws
 
 
-def issue_order(layers: tuple[int, ...], stages: tuple[int, ...], mode: str) -> list[tuple[str, int, int]]:
+def issue_order(layers: tuple[int, ...], stages: tuple[int, ...], mode: str) -> list[Call]:
     """The A2E/E2A issue order of a parity (the loop's) or reorder (the overlap's) step."""
-    if mode == "parity":
-        return [(k, L, s) for L in layers for s in stages for k in ("a2e", "e2a")]
-    order = [("a2e", layers[0], s) for s in stages]
-    for i, L in enumerate(layers):
-        for s in stages:
-            order.append(("e2a", L, s))
-            if i + 1 < len(layers):
-                order.append(("a2e", layers[i + 1], s))
-    return order
+    return upstream_order(layers, stages) if mode == "parity" else overlap_issue_order(layers, stages)
 
 
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=settings().max_examples * 3)

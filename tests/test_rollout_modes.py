@@ -12,7 +12,17 @@ import threading
 from typing import Any
 
 import pytest
-from _overlap_util import Schedule, SessionSpy, assert_same, bounded, run_step, serial_results, world
+from _overlap_util import (
+    Schedule,
+    SessionSpy,
+    assert_same,
+    bounded,
+    overlap_issue_order,
+    run_step,
+    serial_results,
+    upstream_order,
+    world,
+)
 from conftest import PackageLogs
 
 import camp2p_overlap
@@ -23,8 +33,6 @@ from camp2p_overlap.core.rollout import rung
 from camp2p_overlap.emulation.coupled import couple_stages
 from camp2p_overlap.emulation.faults import run_step_bounded
 from camp2p_overlap.emulation.world import PeerTimeoutError, ProtocolError, World
-
-Call = tuple[str, int, int]
 
 
 def _apply(**overrides: Any) -> None:
@@ -48,22 +56,6 @@ def record_calls(w: World) -> list[tuple[str, int, int, int]]:
 
         setattr(transport, kind, recorded)
     return calls
-
-
-def overlap_issue_order(layers: list[int], stages: tuple[int, ...]) -> list[Call]:
-    """The overlap's issue order, written out from docs/design.md: the
-    prologue A2E of every stage, then per (L, s) E2A(L, s) and A2E(L+1, s)."""
-    order: list[Call] = [("a2e", layers[0], s) for s in stages]
-    for i, L in enumerate(layers):
-        for s in stages:
-            order.append(("e2a", L, s))
-            if i + 1 < len(layers):
-                order.append(("a2e", layers[i + 1], s))
-    return order
-
-
-def upstream_order(layers: list[int], stages: tuple[int, ...]) -> list[Call]:
-    return [(k, L, s) for L in layers for s in stages for k in ("a2e", "e2a")]
 
 
 SCHEDS = [Schedule(4, (0, 1, 2), (5, 9, 3), 1), Schedule(3, (0, 2), (7, 4), 2), Schedule(2, (1, 2), (8, 8), 3)]
