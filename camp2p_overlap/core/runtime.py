@@ -96,18 +96,20 @@ class OverlapRuntime:
         return entry[1] if entry is not None and entry[0]() is runner else None
 
     def timed(self, key: BucketKey, mode: Mode, backend: StreamBackend, token: Any) -> None:
-        """A step's timing, to be read when its events have completed (at
-        once when it is known now and none older waits)."""
-        if not self._pending:
-            seconds = backend.elapsed(token)
-            if seconds is not None:
-                self.adaptive.record(key, mode, seconds)
-                return
+        """A step's timing, to be read when its events have completed: at
+        once when it is known now and none older waits, else queued (and
+        the older ones read that are ready)."""
         with self._pending_lock:
-            self._pending.append((key, mode, backend, token))
-            while len(self._pending) > MAX_PENDING_TIMINGS:
-                self._pending.popleft()
-        self.collect()
+            older = bool(self._pending)
+            seconds = None if older else backend.elapsed(token)
+            if seconds is None:
+                self._pending.append((key, mode, backend, token))
+                while len(self._pending) > MAX_PENDING_TIMINGS:
+                    self._pending.popleft()
+        if seconds is not None:
+            self.adaptive.record(key, mode, seconds)
+        elif older:  # with none older, this one is first and not ready: nothing to read
+            self.collect()
 
     def collect(self) -> None:
         """Read every step timing that is ready (never waits) into the
