@@ -106,11 +106,16 @@ def _check_groups(names: tuple[str, str, str], stages: tuple[int, ...]) -> tuple
     return None, groups
 
 
+def stage_count(dp_metadata_list: Any) -> int:
+    """How many stages ``_ffn_forward``'s ``dp_metadata_list`` names (1 when none)."""
+    return max(len(dp_metadata_list or ()), 1)
+
+
 def stage_ids(dp_metadata_list: Any) -> tuple[list[int], int]:
     """(sorted stage ids, stage count) of ``_ffn_forward``'s ``dp_metadata_list``."""
     if not dp_metadata_list:
         return [0], 1
-    return sorted(int(k) for k in dp_metadata_list), max(len(dp_metadata_list), 1)
+    return sorted(int(k) for k in dp_metadata_list), stage_count(dp_metadata_list)
 
 
 def max_stage_tokens(dp_metadata_list: Any) -> int:

@@ -9,7 +9,7 @@ value, never a silent default.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -136,24 +136,15 @@ def _parse_seconds(env: Mapping[str, str], name: str) -> float | None:
     return value
 
 
-def _parse_backend(env: Mapping[str, str], name: str) -> Backend:
+def _parse_choice(env: Mapping[str, str], name: str, choices: Sequence[str], default: str) -> str:
+    """One of ``choices`` (case-insensitive), ``default`` when unset or blank."""
     raw = env.get(name)
     if raw is None or raw.strip() == "":
-        return "auto"
+        return default
     value = raw.strip().lower()
-    if value not in _BACKENDS:
-        raise ConfigError(f"{name}={raw!r} is not one of {', '.join(_BACKENDS)}")
-    return value  # type: ignore[return-value]
-
-
-def _parse_mode(env: Mapping[str, str], name: str) -> Mode:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return "overlap"
-    value = raw.strip().lower()
-    if value not in MODES:
-        raise ConfigError(f"{name}={raw!r} is not one of {', '.join(MODES)}")
-    return value  # type: ignore[return-value]
+    if value not in choices:
+        raise ConfigError(f"{name}={raw!r} is not one of {', '.join(choices)}")
+    return value
 
 
 def _parse_port(env: Mapping[str, str], name: str) -> int | None:
@@ -206,12 +197,12 @@ def load_config(env: Mapping[str, str] | None = None) -> OverlapConfig:
         e2a_on_side_stream=_parse_bool(env, ENV_E2A, True),
         min_stages=_parse_int(env, ENV_MIN_STAGES, 2),
         graph=_parse_bool(env, ENV_GRAPH, False),
-        backend=_parse_backend(env, ENV_BACKEND),
+        backend=_parse_choice(env, ENV_BACKEND, _BACKENDS, "auto"),  # type: ignore[arg-type]
         strict=_parse_bool(env, ENV_STRICT, False),
         watchdog_s=_parse_seconds(env, ENV_WATCHDOG),
         adaptive=_parse_bool(env, ENV_ADAPTIVE, True),
         reprobe_every=_parse_int(env, ENV_REPROBE, 64),
-        mode=_parse_mode(env, ENV_MODE),
+        mode=_parse_choice(env, ENV_MODE, MODES, "overlap"),  # type: ignore[arg-type]
         metrics_port=_parse_port(env, ENV_METRICS_PORT),
         summary_s=_parse_summary(env, ENV_SUMMARY),
         raw={k: env[k] for k in ENV_VARS if k in env},

@@ -4,7 +4,7 @@ engages the overlap, and with what plan; else the reason it runs serially."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from camp2p_overlap.core import camp2p
@@ -28,16 +28,10 @@ class Decision:
     directions: Directions = Directions()
     #: The rollout mode the step engages in (VLLM_CAMP2P_MULTISTREAM_MODE).
     mode: str = "overlap"
-    #: Stage id -> the HCCL communicator the connector uses for it.
-    groups: Mapping[int, str] = field(default_factory=dict)
-
-
-#: ``decide(incomplete=ASK)``: ask the engine whether the stack is complete.
-ASK = "ask the engine"
 
 
 def decide(
-    engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], *, in_session: bool, incomplete: str | None = ASK
+    engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], *, in_session: bool, incomplete: str | None
 ) -> Decision:
     """The decision for this call; ``in_session``: a step is already active
     on this thread (a re-entrant call); ``incomplete``: what
@@ -47,8 +41,6 @@ def decide(
         return Decision("switched off")
     if in_session:
         return Decision("re-entrant FFN forward inside an active step")
-    if incomplete is ASK:
-        incomplete = engine.stack_complete()
     if incomplete:
         return Decision(f"not every target of the stack is patched ({incomplete})")
     connector = getattr(runner, "connector", None)
@@ -69,7 +61,7 @@ def decide(
     if num_stages > MAX_STAGES or any(not 0 <= s < MAX_STAGES for s in stages):
         groups = ", ".join(camp2p.GROUPS)
         return Decision(f"stage ids {stages} do not fit CAMP2P's {MAX_STAGES} stage groups ({groups})")
-    problem, groups = camp2p.group_problem(connector, stages)
+    problem, _ = camp2p.group_problem(connector, stages)
     if problem is not None:
         return Decision(problem)
     if cfg.mode == "overlap" and not (cfg.a2e_on_side_stream or cfg.e2a_on_side_stream):
@@ -89,4 +81,4 @@ def decide(
     if kwargs.get("is_graph_capturing") and not cfg.graph:
         return Decision(GRAPH_OFF)
     plan = step_plan(layers, tuple(stages), getattr(runner, "max_num_tokens", None))
-    return Decision(None, plan, backend, mode_directions(cfg), cfg.mode, groups)
+    return Decision(None, plan, backend, mode_directions(cfg), cfg.mode)

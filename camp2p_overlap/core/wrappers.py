@@ -132,9 +132,9 @@ def _adaptive_step(call: _Call, decision: Decision, streamset: StreamSet) -> Any
 
 def bucket_of(runner: str, layers: int, dp_metadata_list: Any) -> BucketKey:
     """The adaptive bucket of a step of runner ``runner`` (its name) with
-    ``layers`` FFN layers: its stage count (as ``camp2p.stage_ids`` counts
-    them) and its largest stage's tokens rounded up to a power of two."""
-    stages = max(len(dp_metadata_list or ()), 1)
+    ``layers`` FFN layers: its stage count and its largest stage's tokens
+    rounded up to a power of two."""
+    stages = camp2p.stage_count(dp_metadata_list)
     return BucketKey(runner, stages, layers, pow2_ceil(camp2p.max_stage_tokens(dp_metadata_list)))
 
 
