@@ -145,11 +145,15 @@ def stage_map(num_ubatches: int) -> list[dict[str, Any]]:
         except camp2p.GroupError as exc:
             group, error = None, str(exc)
         rows.append({"stage": stage, "group": group, "in_use": stage < num_ubatches, "error": error})
+    shared = camp2p.shared_groups(_groups_of(rows))
     for row in rows:
-        row["shares_group_with"] = [
-            r["stage"] for r in rows if r is not row and r["group"] is not None and r["group"] == row["group"]
-        ]
+        row["shares_group_with"] = [s for s in shared.get(row["group"], []) if s != row["stage"]]
     return rows
+
+
+def _groups_of(rows: list[dict[str, Any]]) -> dict[int, str]:
+    """Stage -> group, for the rows of :func:`stage_map` that have one."""
+    return {r["stage"]: r["group"] for r in rows if r["group"] is not None}
 
 
 def read_deployment(source: str, overlap: cfgmod.OverlapConfig | None) -> dict[str, Any]:
@@ -183,8 +187,7 @@ def read_deployment(source: str, overlap: cfgmod.OverlapConfig | None) -> dict[s
     stages = stage_map(num_ubatches)
     out["stages"] = stages
     used = [r for r in stages if r["in_use"]]
-    aliased = {r["group"]: [r["stage"], *r["shares_group_with"]] for r in stages if r["shares_group_with"]}
-    out["aliased"] = {g: sorted(ss) for g, ss in aliased.items()}
+    out["aliased"] = camp2p.shared_groups(_groups_of(stages))
     in_use = {r["stage"] for r in used}
     for g, ss in out["aliased"].items():
         text = (
