@@ -34,12 +34,16 @@ def select_stack(
     failed check: that of the stack pinning the installed vLLM when there is
     one (its afd-plugin differs), else of the first stack; with several
     stacks its reason names them all."""
-    checks = check_stacks(stacks, version_check)
+    return select_checked(check_stacks(stacks, version_check))
+
+
+def select_checked(checks: Sequence[tuple[StackManifest, VersionCheck]]) -> tuple[StackManifest, VersionCheck]:
+    """:func:`select_stack` over checks already made (``check_stacks``)."""
     for m, vc in checks:
         if vc.ok:
             return m, vc
     m, vc = next(((m, vc) for m, vc in checks if vc.vllm_ok), checks[0])
-    if len(stacks) == 1:
+    if len(checks) == 1:
         return m, vc
-    why = f"{vc.installed}; camp2p-overlap supports {supported_stacks(tuple(stacks))}"
+    why = f"{vc.installed}; camp2p-overlap supports {supported_stacks(tuple(s for s, _ in checks))}"
     return m, VersionCheck(False, vc.found, vc.supported, why, vc.installed, vc.vllm_ok)

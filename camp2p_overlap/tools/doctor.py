@@ -6,7 +6,7 @@ Reports, without raising:
 * installed versions of vLLM, torch, torch_npu, wrapt and afd-plugin (from
   distribution metadata; nothing is imported for this);
 * which shipped stack fits the installed versions and why
-  (``stack_select.select_stack``: vLLM, and afd-plugin where installed),
+  (``stack_select.select_checked``: vLLM, and afd-plugin where installed),
   every stack's own verdict, and how the installed vLLM-Ascend compares
   with the line the stack was checked with (reported, never gated);
 * every target of the stack's manifest: whether its module imports (the
@@ -43,7 +43,7 @@ from camp2p_overlap.core.manifest import (
     signature_of,
 )
 from camp2p_overlap.core.rollout import LADDER, rung
-from camp2p_overlap.core.stack_select import check_stacks, select_stack
+from camp2p_overlap.core.stack_select import check_stacks, select_checked
 from camp2p_overlap.core.versions import (
     AFD_PLUGIN_DIST,
     COMMIT_SHOWN,
@@ -193,8 +193,8 @@ def _backend(configured: str, device: str | None) -> dict[str, Any]:
     return {"configured": configured, "resolved": name, "reason": reason}
 
 
-def _config(env: Any = None) -> tuple[dict[str, Any], str]:
-    """(config section, configured backend)."""
+def _config(env: Any = None) -> tuple[dict[str, Any], cfgmod.OverlapConfig | None]:
+    """(config section, the configuration; None when it is refused)."""
     import os
 
     env = os.environ if env is None else env
@@ -223,14 +223,7 @@ def _config(env: Any = None) -> tuple[dict[str, Any], str]:
         "rung": rung(cfg) if cfg else None,
         "switches": switches,
     }
-    return section, (cfg.backend if cfg is not None else "auto")
-
-
-def _loaded_config() -> cfgmod.OverlapConfig | None:
-    try:
-        return cfgmod.load_config()
-    except cfgmod.ConfigError:
-        return None
+    return section, cfg
 
 
 def vllm_ascend_check(manifest: StackManifest, found: str | None) -> dict[str, Any]:
@@ -276,9 +269,11 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
     versions = _versions()
     try:
         stacks = (load_manifest(stack),) if stack else load_manifests()
-        manifest, vc = select_stack(stacks)
-        match = _stack_match(manifest, vc, check_stacks(stacks))
+        checks = check_stacks(stacks)
+        manifest, vc = select_checked(checks)
+        match = _stack_match(manifest, vc, checks)
     except ManifestError as exc:
+        config_section, cfg = _config()
         return {
             "schema": SCHEMA,
             "ok": False,
@@ -292,8 +287,8 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
             "device": None,
             "device_detail": "",
             "backend": None,
-            "config": _config()[0],
-            "deployment": read_deployment(deployment, _loaded_config()) if deployment else None,
+            "config": config_section,
+            "deployment": read_deployment(deployment, cfg) if deployment else None,
         }
     if not vc.ok:
         problems.append(f"vLLM version gate: {vc.reason}")
@@ -309,20 +304,20 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
     for row in targets:
         if row["status"] != "ok":
             problems.append(f"target {row['target']}: {row['status']}: {row['detail']}")
-    config_section, configured = _config()
+    config_section, cfg = _config()
     if not config_section["ok"]:
         problems.append(f"configuration: {config_section['error']}")
     elif not config_section["enabled"]:
         notes.append(f"{cfgmod.ENV_SWITCH} is off: the patch layer would not apply (switch it on to use it)")
     device, device_detail = _device()
-    backend = _backend(configured, device)
+    backend = _backend(cfg.backend if cfg is not None else "auto", device)
     if backend["resolved"] is None:
         problems.append(f"stream backend: {backend['reason']}")
     elif backend["resolved"] == "cpu":
         notes.append("the cpu backend is for the emulation and tests, not for a deployment")
     deploy = None
     if deployment:
-        deploy = read_deployment(deployment, _loaded_config())
+        deploy = read_deployment(deployment, cfg)
         problems += [f"deployment: {p}" for p in deploy["problems"]]
         if versions["afd-plugin"] is None:
             notes.append("afd-plugin is not installed: the deployment was read from the config alone")
