@@ -109,6 +109,12 @@ def test_reason_labels_are_bounded() -> None:
     assert len(got) == metrics.MAX_REASONS + 1
     assert got[metrics.OTHER_REASON] == 8.0
     assert sum(got.values()) == len(reasons)
+    # A reason counted under "other" stays there when it comes again later.
+    reasons[f"reason {metrics.MAX_REASONS}"] += 1
+    m.sync()
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(m.registry).decode())}
+    got = samples(fams[metrics.SERIAL_STEPS], "reason")
+    assert len(got) == metrics.MAX_REASONS + 1 and got[metrics.OTHER_REASON] == 9.0
 
 
 def test_a_port_in_use_is_logged_not_raised(logs: PackageLogs) -> None:

@@ -63,6 +63,8 @@ class StepMetrics:
         self._lock = threading.Lock()
         self._seen_steps: dict[str, int] = {}
         self._seen_reasons: dict[str, int] = {}
+        #: The reasons that have a label of their own (at most MAX_REASONS, for good).
+        self._exported: set[str] = set()
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_SyncFirst(self))  # registered first: collected first
         self.steps = Counter(
@@ -109,7 +111,7 @@ class StepMetrics:
                 if delta > 0:
                     self.steps.labels(path=path).inc(delta)
                     self._seen_steps[path] = int(count)
-            exported = {r for r in self._seen_reasons if r != OTHER_REASON}
+            exported = self._exported
             for reason, count in snap.get("serial_reasons", {}).items():
                 delta = int(count) - self._seen_reasons.get(reason, 0)
                 if delta <= 0:
