@@ -11,50 +11,54 @@ PY=${PYTHON:-python3}
 want_test=0
 [[ "${1:-}" == "--test" ]] && want_test=1
 
-if [[ ! -x .venv/bin/python ]]; then
-  "$PY" -m venv .venv
-fi
-VPY=.venv/bin/python
-pip() { "$VPY" -m pip --disable-pip-version-check -q "$@"; }
+# pip of the venv in $1, quiet.
+vpip() {
+  local dir=$1
+  shift
+  "$dir/bin/python" -m pip --disable-pip-version-check -q "$@"
+}
 
-# The CPU build of torch. torch 2.13.0 lies on this kind of machine's disk; a
-# plain "torch" requirement would pull a multi-GB CUDA build instead.
-if ! "$VPY" -c 'import torch' >/dev/null 2>&1; then
-  pip install "torch==2.13.0"
-fi
-
-if [[ $want_test == 1 ]]; then
-  pip install -e ".[test,bench]"
-  # The real vLLM 0.19.1 wheel without its (CUDA) dependencies, plus what
-  # vllm.plugins, vllm.envs and vllm.forward_context need to import.
-  if ! "$VPY" -c 'import vllm.plugins, vllm.forward_context' >/dev/null 2>&1; then
-    pip install --no-deps "vllm==0.19.1"
-    pip install numpy packaging pydantic regex cbor2 huggingface_hub safetensors \
-      transformers gguf aiohttp psutil pyzmq
+# The venv $1, with the CPU build of torch. torch 2.13.0 lies on this kind of
+# machine's disk; a plain "torch" requirement would pull a multi-GB CUDA build.
+make_venv() {
+  local dir=$1
+  if [[ ! -x $dir/bin/python ]]; then
+    "$PY" -m venv "$dir"
   fi
+  if ! "$dir/bin/python" -c 'import torch' >/dev/null 2>&1; then
+    vpip "$dir" install "torch==2.13.0"
+  fi
+}
+
+# The real vLLM wheel $2 in venv $1 without its (CUDA) dependencies, plus what
+# vllm.plugins, vllm.envs and vllm.forward_context need to import (and the
+# packages after $3); only when the import probe $3 fails.
+install_vllm() {
+  local dir=$1 version=$2 probe=$3
+  shift 3
+  if ! "$dir/bin/python" -c "$probe" >/dev/null 2>&1; then
+    vpip "$dir" install --no-deps "vllm==$version"
+    vpip "$dir" install numpy packaging pydantic regex cbor2 huggingface_hub safetensors \
+      transformers gguf aiohttp psutil pyzmq "$@"
+  fi
+}
+
+make_venv .venv
+VPY=.venv/bin/python
+if [[ $want_test == 1 ]]; then
+  vpip .venv install -e ".[test,bench]"
+  install_vllm .venv 0.19.1 'import vllm.plugins, vllm.forward_context'
 
   # The second supported stack's real vLLM 0.26.0 wheel, in a venv of its own
-  # (one venv holds one vLLM): CPU torch, this package (its entry point), the
-  # wheel without its dependencies, and what vllm.plugins, vllm.envs and
-  # vllm.forward_context need to import. tests/test_plugin_vllm.py runs its
-  # loader tests in this venv's interpreter too.
-  V26=.venv-vllm026
-  if [[ ! -x $V26/bin/python ]]; then
-    "$PY" -m venv "$V26"
-  fi
-  pip26() { "$V26/bin/python" -m pip --disable-pip-version-check -q "$@"; }
-  if ! "$V26/bin/python" -c 'import torch' >/dev/null 2>&1; then
-    pip26 install "torch==2.13.0"
-  fi
-  pip26 install -e .
-  if ! "$V26/bin/python" -c 'import vllm, vllm.plugins, vllm.forward_context; assert vllm.__version__ == "0.26.0"' \
-    >/dev/null 2>&1; then
-    pip26 install --no-deps "vllm==0.26.0"
-    pip26 install numpy packaging pydantic regex cbor2 huggingface_hub safetensors \
-      transformers gguf aiohttp psutil pyzmq openai openai-harmony
-  fi
+  # (one venv holds one vLLM): CPU torch, this package (its entry point) and
+  # the wheel. tests/test_plugin_vllm.py runs its loader tests in this venv's
+  # interpreter too.
+  make_venv .venv-vllm026
+  vpip .venv-vllm026 install -e .
+  install_vllm .venv-vllm026 0.26.0 \
+    'import vllm, vllm.plugins, vllm.forward_context; assert vllm.__version__ == "0.26.0"' openai openai-harmony
 else
-  pip install -e ".[bench]"
+  vpip .venv install -e ".[bench]"
 fi
 versions='
 import importlib.metadata as md
