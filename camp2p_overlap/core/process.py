@@ -64,7 +64,11 @@ def _start_reporting() -> None:
     try:
         cfg = ENGINE.config
         metrics.start_reporting(
-            RUNTIME.stats, port=cfg.metrics_port, summary_s=cfg.summary_s, mode=cfg.mode, rung=rung(cfg)
+            RUNTIME.counters.to_dict,  # steps and serial reasons: no bucket snapshot per scrape
+            port=cfg.metrics_port,
+            summary_s=cfg.summary_s,
+            mode=cfg.mode,
+            rung=rung(cfg),
         )
     except Exception:  # noqa: BLE001 - reporting never breaks a step
         logger.exception("camp2p-overlap: step reporting not started")
