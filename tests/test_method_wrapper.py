@@ -120,6 +120,17 @@ def test_any_other_descriptor_gets_a_wrapt_wrapper() -> None:
     assert vars(Target)["static"] is raw
 
 
+def test_a_modules_function_gets_a_wrapt_wrapper_with_no_instance() -> None:
+    def free(x: int = 1, *, scale: int = 2) -> tuple[int, int]:
+        return (x, scale)
+
+    calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+    handle = method_wrapper(free, _spy(calls), None, on_class=False)
+    assert isinstance(handle, wrapt.FunctionWrapper)
+    assert handle(scale=3) == ("wrapped", 1, 3) and handle(4) == ("wrapped", 4, 2)
+    assert calls == [(None, (), {"scale": 3}), (None, (4,), {})]
+
+
 def test_the_installer_knows_a_bound_method_of_its_plain_wrapper(installed: Any) -> None:
     _, handle, _ = installed
     installer = Installer()

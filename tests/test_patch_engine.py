@@ -425,6 +425,10 @@ class Target(Base):
 
 class Sub(Target):
     pass
+
+
+def free(ubatch_idx=0, **kwargs):
+    return ("free", ubatch_idx)
 """
 
 
@@ -470,6 +474,21 @@ def test_synthetic_static_and_class_methods_wrapped_and_restored_exactly(
     assert all(vars(target)[k] is v for k, v in snap.items())
     assert dict(vars(sub)) == sub_snap
     assert target.static(1) == ("static", 1) and sub.klass(2) == ("klass", "Sub", 2)
+
+
+def test_synthetic_module_function_is_wrapped_without_an_instance_and_restored(
+    synthetic: tuple[str, types.ModuleType],
+) -> None:
+    name, module = synthetic
+    raw = vars(module)["free"]
+    sys.modules[name] = module
+    ENGINE.apply(config=CFG, manifest=synthetic_manifest(name, [("free", None)]), strict=True)
+    assert {t.state for t in ENGINE.status().targets} == {TargetState.WRAPPED}
+    entry = vars(module)["free"]
+    assert ENGINE.is_ours(entry) and entry.__wrapped__ is raw
+    assert module.free(ubatch_idx=3) == ("free", 3) and module.free(4) == ("free", 4)
+    assert ENGINE.unpatch() is True
+    assert vars(module)["free"] is raw
 
 
 def test_synthetic_inherited_method_is_refused_and_module_untouched(synthetic: tuple[str, types.ModuleType]) -> None:

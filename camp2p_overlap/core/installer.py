@@ -114,10 +114,10 @@ def _is_marked(obj: Any) -> bool:
     return bool(getattr(getattr(obj, "_self_wrapper", None), MARK, False))
 
 
-def _marked_wrapper(original: Any, wrapper: Wrapper, switch: Switch | None) -> Any:
+def _marked_wrapper(original: Any, wrapper: Wrapper, switch: Switch | None, on_class: bool) -> Any:
     """``method_wrapper``, marked as ours when it is a plain function (a
     wrapt wrapper is recognised by its wrapper function's mark)."""
-    handle = method_wrapper(original, wrapper, switch)
+    handle = method_wrapper(original, wrapper, switch, on_class=on_class)
     if isinstance(handle, FunctionType):
         vars(handle)[MARK] = True
     return handle
@@ -272,7 +272,8 @@ class Installer:
                 # do now; while it is off, the original is called directly
                 # (no re-dispatch through the wrapper).
                 switch = getattr(wrapper, ENABLED, None)
-                handle = wrapt.wrap_object(owner, t.attribute, _marked_wrapper, (wrapper, switch))
+                on_class = isinstance(owner, type)
+                handle = wrapt.wrap_object(owner, t.attribute, _marked_wrapper, (wrapper, switch, on_class))
                 self._handles.add(id(handle))
                 done.append(WrapRecord(mspec.name, owner, t.attribute, raw, handle, t))
         except Exception as exc:  # noqa: BLE001 - rolled back and reported

@@ -44,11 +44,12 @@ class Switch(Protocol):
     def __bool__(self) -> bool: ...
 
 
-def method_wrapper(original: Any, wrapper: Wrapper, switch: Switch | None) -> Any:
-    """What wraps ``original`` (the raw ``__dict__`` entry of a class):
-    a plain function for a plain function, else a ``wrapt.FunctionWrapper``
-    (with the switch as its ``enabled``)."""
-    if not isinstance(original, FunctionType):
+def method_wrapper(original: Any, wrapper: Wrapper, switch: Switch | None, *, on_class: bool = True) -> Any:
+    """What wraps ``original`` (the raw ``__dict__`` entry of a class, or
+    with ``on_class`` false a module's function): a plain function for a
+    plain function in a class, else a ``wrapt.FunctionWrapper`` (with the
+    switch as its ``enabled``). A module's function has no ``self`` to bind."""
+    if not (on_class and isinstance(original, FunctionType)):
         return wrapt.FunctionWrapper(original, wrapper, switch)
     patched = _plain(original, wrapper) if switch is None else _switched(original, wrapper, switch)
     functools.update_wrapper(patched, original)  # name, doc, __wrapped__
