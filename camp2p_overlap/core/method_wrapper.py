@@ -7,7 +7,8 @@ original, self, args, kwargs)``, and calls the original directly while the
 wrapper's switch is off (it has nothing to do: ``switch.on`` false, one
 attribute read, :mod:`core.intercept_switch`). Every other
 descriptor (a staticmethod, a classmethod, another library's wrapt wrapper
-beneath ours) gets a ``wrapt.FunctionWrapper`` as before.
+beneath ours), and a module's function, gets a ``wrapt.FunctionWrapper``
+as before.
 
 Why not a ``wrapt.FunctionWrapper`` for plain methods too: every lookup of
 one through an instance builds a bound proxy, and on the benchmark's
