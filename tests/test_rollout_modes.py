@@ -247,7 +247,7 @@ def test_without_the_group_check_the_shared_group_is_driven_from_two_streams(
     one group at once (the emulation's per-group order check trips; on
     hardware the step deadlocks)."""
     w = world(layers=3, stage_ids=(0, 1), num_ubatches=1, attn_s=0.05, op_timeout_s=2.0)
-    monkeypatch.setattr(camp2p, "group_problem", lambda connector, stages: (None, {}))
+    monkeypatch.setattr(camp2p, "group_problem", lambda connector, stages: None)
     _apply()
     with pytest.raises(ProtocolError, match="still running on afd"):
         bounded(lambda: run_step(w), 20.0)

@@ -81,29 +81,29 @@ def shared_groups(groups: Mapping[int, str]) -> dict[str, list[int]]:
     return {g: ss for g, ss in by_group.items() if len(ss) > 1}
 
 
-def group_problem(connector: Any, stages: Any) -> tuple[str | None, dict[int, str]]:
-    """(why the step must not engage, or None; stage -> group). One side
-    stream per HCCL group: two stages on one group would put two streams on
-    one group's window, whose A2E and E2A share a handshake counter."""
+def group_problem(connector: Any, stages: Any) -> str | None:
+    """Why the step must not engage, or None. One side stream per HCCL
+    group: two stages on one group would put two streams on one group's
+    window, whose A2E and E2A share a handshake counter."""
     try:
         names = connector_comm_names(connector)
     except GroupError as exc:
-        return f"HCCL group check: {exc}", {}
+        return f"HCCL group check: {exc}"
     return _check_groups(names, tuple(stages))
 
 
 @functools.lru_cache(maxsize=64)
-def _check_groups(names: tuple[str, str, str], stages: tuple[int, ...]) -> tuple[str | None, dict[int, str]]:
+def _check_groups(names: tuple[str, str, str], stages: tuple[int, ...]) -> str | None:
     """:func:`group_problem` for given names and stages (the same every step)."""
     try:
         groups = stage_groups(names, stages)
     except GroupError as exc:
-        return f"HCCL group check: {exc}", {}
+        return f"HCCL group check: {exc}"
     shared = shared_groups(groups)
     if shared:
         what = "; ".join(f"stages {', '.join(map(str, ss))} share HCCL group {g!r}" for g, ss in shared.items())
-        return f"HCCL group check: {what} (one side stream per group is required; is num_ubatches too small?)", groups
-    return None, groups
+        return f"HCCL group check: {what} (one side stream per group is required; is num_ubatches too small?)"
+    return None
 
 
 def stage_count(dp_metadata_list: Any) -> int:

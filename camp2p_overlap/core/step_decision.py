@@ -61,7 +61,7 @@ def decide(
     if num_stages > MAX_STAGES or any(not 0 <= s < MAX_STAGES for s in stages):
         groups = ", ".join(camp2p.GROUPS)
         return Decision(f"stage ids {stages} do not fit CAMP2P's {MAX_STAGES} stage groups ({groups})")
-    problem, _ = camp2p.group_problem(connector, stages)
+    problem = camp2p.group_problem(connector, stages)
     if problem is not None:
         return Decision(problem)
     if cfg.mode == "overlap" and not (cfg.a2e_on_side_stream or cfg.e2a_on_side_stream):
