@@ -68,13 +68,11 @@ def check_stack(vllm: str, afd_plugin: str | None, afd_plugin_commit: str | None
     that commit. An afd-plugin used from a source tree without distribution
     metadata is left to the per-target signature check."""
     vc = check_vllm(vllm)
-    if not vc.ok:
+    if not vc.ok or (afd_plugin is None and afd_plugin_commit is None):
         return vc
     found = installed_version(AFD_PLUGIN_DIST)
     if afd_plugin_commit is not None:
         return judge_afd_plugin_commit(vc, found, afd_plugin_commit)
-    if afd_plugin is None:
-        return vc
     return judge_afd_plugin_version(vc, found, afd_plugin)
 
 
