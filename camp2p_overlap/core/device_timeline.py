@@ -257,12 +257,13 @@ def _attribute(activities: Sequence[DeviceActivity], ranges: Sequence[HostRange]
             m = _RECORD_F_C.match(r.name)
             if m and i > 0:
                 windows[thread].append((rs[i - 1].end_ns, r.start_ns, int(m.group(1)), int(m.group(2))))
+    starts = {thread: [r.start_ns for r in rs] for thread, rs in by_thread.items()}
     owner: list[tuple[Any, ...] | None] = []
     for a in activities:
         if a.thread is None or a.launched_ns is None:
             owner.append(None)
             continue
-        inner = _innermost(by_thread.get(a.thread, []), a.launched_ns)
+        inner = _innermost(by_thread.get(a.thread, []), starts.get(a.thread, []), a.launched_ns)
         if inner is not None:
             owner.append(_owner_of(inner.name))
             continue
@@ -275,9 +276,10 @@ def _attribute(activities: Sequence[DeviceActivity], ranges: Sequence[HostRange]
     return owner
 
 
-def _innermost(ranges: Sequence[HostRange], t: int) -> HostRange | None:
-    """The latest-starting range that contains ``t`` (ranges sorted by start)."""
-    i = bisect.bisect_right([r.start_ns for r in ranges], t)
+def _innermost(ranges: Sequence[HostRange], starts: Sequence[int], t: int) -> HostRange | None:
+    """The latest-starting range that contains ``t`` (ranges sorted by
+    start; ``starts``: their start times)."""
+    i = bisect.bisect_right(starts, t)
     for r in reversed(ranges[:i]):
         if r.start_ns <= t <= r.end_ns:
             return r
