@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from camp2p_overlap.core.config import OverlapConfig, load_config
-from camp2p_overlap.core.process import ENGINE
-from camp2p_overlap.core.report import PatchReport
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.patching.status_report import PatchReport
 
 
 @contextlib.contextmanager
@@ -33,11 +33,11 @@ def overlap_patched(
     always unpatch. Strict by default: a refusal fails the test."""
     base = config if config is not None else load_config().with_overrides(enabled=True)
     cfg = base.with_overrides(**overrides) if overrides else base
-    ENGINE.unpatch()
+    LAYER.engine.unpatch()
     try:
-        yield ENGINE.apply(strict=strict, config=cfg)
+        yield LAYER.engine.apply(strict=strict, config=cfg)
     finally:
-        ENGINE.unpatch()
+        LAYER.engine.unpatch()
 
 
 try:  # the fixture exists only where pytest does

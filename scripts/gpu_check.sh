@@ -218,7 +218,7 @@ fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PY" - >>"$OUT/tools.log" 2>&1 <<'PYEOF'; then
 import camp2p_overlap
-from camp2p_overlap.core.manifest import load_manifests
+from camp2p_overlap.core.patching.manifest import load_manifests
 print("camp2p_overlap", camp2p_overlap.__version__, "from", camp2p_overlap.__file__)
 print("manifests", [m.name for m in load_manifests()])
 PYEOF

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from camp2p_overlap.core import step_decision
-from camp2p_overlap.core.streams import TorchDeviceBackend, streamset
+from camp2p_overlap.core.overlap import decision as step_decision
+from camp2p_overlap.core.overlap.streams import TorchDeviceBackend, streamset
 
 
 class HostDevice:

@@ -15,9 +15,9 @@ import torch
 import wrapt
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.process import ENGINE, RUNTIME
-from camp2p_overlap.core.report import PatchReport
-from camp2p_overlap.core.session import OverlapSession
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.patching.status_report import PatchReport
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.world import StageMeta, World, WorldSpec, build_world
@@ -36,9 +36,9 @@ def world(**kw: Any) -> World:
 def apply_cpu(**overrides: Any) -> PatchReport:
     """Apply (strict) switched on with the CPU backend plus ``overrides``;
     the engine must have picked the stack whose stand-ins are installed."""
-    ENGINE.unpatch(timeout=10)
+    LAYER.engine.unpatch(timeout=10)
     overrides.setdefault("adaptive", False)  # the schedule tests want every allowed step engaged
-    report = ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", **overrides))
+    report = LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", **overrides))
     assert report.engaged, str(report)
     assert_stack(report)
     return report
@@ -82,7 +82,7 @@ def run_step(w: World, sched: Schedule | None = None, **forward_kwargs: Any) -> 
 
 def serial_results(w: World, scheds: Sequence[Schedule]) -> list[Results]:
     """What the unpatched (upstream) code delivers for each schedule."""
-    assert not ENGINE.is_applied()
+    assert not LAYER.engine.is_applied()
     assert "_ffn_forward" in vars(type(w.runner)) and not hasattr(vars(type(w.runner))["_ffn_forward"], "__wrapped__")
     return [run_step(w, s) for s in scheds]
 
@@ -98,11 +98,11 @@ def assert_same(got: Mapping[Any, torch.Tensor], want: Mapping[Any, torch.Tensor
 
 
 def count_our_wrappers(obj: Any, engine: Any = None) -> int:
-    """How many wrappers of ours (``engine``, default ``ENGINE``) are in the
+    """How many wrappers of ours (``engine``, default ``LAYER.engine``) are in the
     wrapper chain of ``obj`` (``wrapt.wrapper_chain``: every ``__wrapped__``
     link, wrapt proxies and ``functools.wraps`` functions alike). Code run
     in a fresh interpreter inlines the same expression."""
-    engine = ENGINE if engine is None else engine
+    engine = LAYER.engine if engine is None else engine
     return sum(1 for e in wrapt.wrapper_chain(obj) if engine.is_ours(e))
 
 
@@ -128,7 +128,7 @@ def bounded(fn: Callable[[], Any], timeout: float = 30.0) -> Any:
 
 
 def stream_sets() -> list[Any]:
-    return RUNTIME.streamsets.sets()
+    return LAYER.runtime.streamsets.sets()
 
 
 def assert_streams_idle(timeout: float = 5.0) -> None:
@@ -216,7 +216,7 @@ class SessionSpy:
                     self.issued_ops = self.issued()
                 super().close(raising=raising)
 
-        monkeypatch.setattr(RUNTIME, "session_class", Recorded)
+        monkeypatch.setattr(LAYER.runtime, "session_class", Recorded)
 
     @property
     def count(self) -> int:
@@ -244,7 +244,7 @@ def spy_forward(runner_cls: type) -> list[dict[str, Any]]:
                 "aclgraph_runtime_mode": aclgraph_runtime_mode,
                 "is_graph_capturing": is_graph_capturing,
                 "update_connector_state": update_connector_state,
-                "session": RUNTIME.active_session(),
+                "session": LAYER.runtime.active_session(),
             }
         )
         return original(

@@ -12,9 +12,9 @@ import wrapt
 from _overlap_util import count_our_wrappers
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.manifest import parse_manifest
-from camp2p_overlap.core.process import ENGINE
-from camp2p_overlap.core.trace import recording
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.observe.trace import recording
+from camp2p_overlap.core.patching.manifest import parse_manifest
 from camp2p_overlap.emulation import standins
 
 RUNNER = "afd_plugin.v1.worker.npu.ffn_model_runner"
@@ -56,10 +56,10 @@ def assert_wrapped_once() -> None:
     cls = classes()
     for _, cname, attr in WRAPPED:
         entry = vars(cls[cname])[attr]
-        assert ENGINE.is_ours(entry), f"{cname}.{attr} is not our wrapper: {entry!r}"
-        assert not ENGINE.is_ours(entry.__wrapped__), f"{cname}.{attr} is double wrapped"
+        assert LAYER.engine.is_ours(entry), f"{cname}.{attr} is not our wrapper: {entry!r}"
+        assert not LAYER.engine.is_ours(entry.__wrapped__), f"{cname}.{attr} is double wrapped"
         assert count_our_wrappers(entry) == 1
-        assert wrapt.find_wrapper(entry, predicate=ENGINE.is_ours) is entry
+        assert wrapt.find_wrapper(entry, predicate=LAYER.engine.is_ours) is entry
 
 
 def run_traced(world: Any) -> tuple[dict, set[str]]:

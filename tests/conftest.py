@@ -21,8 +21,8 @@ except ImportError:
     settings = None  # type: ignore[assignment]
 
 from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.log import reset_log_once
-from camp2p_overlap.core.process import ENGINE
 from camp2p_overlap.emulation import standins
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ def _clean_state() -> Iterator[None]:
 
     torch.set_num_threads(1)
     yield
-    ENGINE.unpatch(timeout=10)
+    LAYER.engine.unpatch(timeout=10)
     standins.uninstall(standins.REAL_ROOT)
     standins.uninstall(standins.ALIAS_ROOT)
     reset_log_once()
@@ -91,7 +91,7 @@ def use_stack(stack: str) -> Iterator[None]:
             yield
         finally:
             sys.path.remove(site)
-            ENGINE.unpatch(timeout=10)
+            LAYER.engine.unpatch(timeout=10)
             standins.uninstall(standins.REAL_ROOT)
 
 
@@ -148,8 +148,8 @@ def forget_stuck() -> Iterator[None]:
     foreign one on a stand-in class that is about to be thrown away: unpatch
     and forget it (``pytestmark = pytest.mark.usefixtures("forget_stuck")``)."""
     yield
-    ENGINE.unpatch(timeout=10)
-    ENGINE.installer.stuck.clear()
+    LAYER.engine.unpatch(timeout=10)
+    LAYER.engine.installer.stuck.clear()
 
 
 @pytest.fixture

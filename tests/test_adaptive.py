@@ -15,10 +15,10 @@ from _overlap_util import Schedule, apply_cpu, assert_same, bounded, run_step, s
 from conftest import PackageLogs
 
 import camp2p_overlap
-from camp2p_overlap.core.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey, pow2_ceil
 from camp2p_overlap.core.config import ENV_ADAPTIVE, ENV_REPROBE, ConfigError, load_config
-from camp2p_overlap.core.process import ENGINE, RUNTIME
-from camp2p_overlap.core.streams.device import TorchDeviceBackend
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey, pow2_ceil
+from camp2p_overlap.core.overlap.streams.device import TorchDeviceBackend
 
 KEY = BucketKey("runner#0", 2, 6, 128)
 OTHER = BucketKey("runner#0", 2, 6, 256)
@@ -318,8 +318,8 @@ def test_graph_capture_uses_the_static_setting() -> None:
     w = world(layers=2, stage_ids=(0, 1), tokens=8)
     apply_cpu(adaptive=True, graph=True)
     key_calls: list[Any] = []
-    real_choose = RUNTIME.adaptive.choose
-    RUNTIME.adaptive.choose = lambda key: key_calls.append(key) or ("serial", False)  # type: ignore[method-assign]
+    real_choose = LAYER.runtime.adaptive.choose
+    LAYER.runtime.adaptive.choose = lambda key: key_calls.append(key) or ("serial", False)  # type: ignore[method-assign]
     try:
         before = camp2p_overlap.stats()["steps"]["overlap"]
         run_step(w, Schedule(2, (0, 1), (8, 8), step=1), is_graph_capturing=True)
@@ -327,8 +327,8 @@ def test_graph_capture_uses_the_static_setting() -> None:
         run_step(w, Schedule(2, (0, 1), (8, 8), step=2))  # eager: the bucket's path
         assert camp2p_overlap.stats()["steps"]["overlap"] == before + 1 and len(key_calls) == 1
     finally:
-        RUNTIME.adaptive.choose = real_choose  # type: ignore[method-assign]
-    assert ENGINE.is_applied()
+        LAYER.runtime.adaptive.choose = real_choose  # type: ignore[method-assign]
+    assert LAYER.engine.is_applied()
 
 
 # ---------------------------------------------------------------------------
@@ -401,7 +401,7 @@ def test_device_step_timing_reads_events_later_and_never_synchronizes() -> None:
 def test_runtime_collect_reads_only_completed_timings_in_order() -> None:
     dev = _FakeDevice()
     backend = TorchDeviceBackend("fake", dev)  # type: ignore[arg-type]
-    a = RUNTIME.adaptive
+    a = LAYER.runtime.adaptive
     key = BucketKey("collect-test", 2, 2, 8)
     recorded: list[tuple[str, float]] = []
     real = a.record
@@ -413,13 +413,13 @@ def test_runtime_collect_reads_only_completed_timings_in_order() -> None:
             dev.clock[0] += 0.010 * (i + 1)
             backend.timing_stop(t)
             tokens.append(t)
-            RUNTIME.timed(key, mode, backend, t)  # type: ignore[arg-type]
+            LAYER.runtime.timed(key, mode, backend, t)  # type: ignore[arg-type]
         assert recorded == []  # nothing completed: nothing read, nothing waited for
         tokens[1][1].done = tokens[1][0].done = True
-        RUNTIME.collect()
+        LAYER.runtime.collect()
         assert recorded == []  # the older one is not done: order is kept
         tokens[0][1].done = tokens[0][0].done = True
-        RUNTIME.collect()
+        LAYER.runtime.collect()
         assert recorded == [("overlap", 0.01), ("serial", 0.02)]
     finally:
         a.record = real  # type: ignore[method-assign]
@@ -429,9 +429,9 @@ def test_runtime_collect_reads_only_completed_timings_in_order() -> None:
 @pytest.fixture(autouse=True)
 def _fresh_adaptive_state() -> Any:
     """Each test learns from scratch (the process runtime keeps what it learned)."""
-    RUNTIME.adaptive = AdaptiveEngage()
+    LAYER.runtime.adaptive = AdaptiveEngage()
     yield
-    RUNTIME.adaptive = AdaptiveEngage()
+    LAYER.runtime.adaptive = AdaptiveEngage()
 
 
 def test_logs_at_info_name_the_bucket(logs: PackageLogs) -> None:
@@ -452,12 +452,12 @@ def test_a_decided_serial_step_is_not_planned_and_a_probe_is(monkeypatch: pytest
     """Once a bucket decided serial, its steps run the original without a
     decision (no plan, no refresh); the probe round plans again; every
     step's outputs equal the unpatched path's."""
-    from camp2p_overlap.core import wrappers
+    from camp2p_overlap.core.overlap import wrappers
 
     w = world(layers=2, stage_ids=(0, 1), tokens=8)
     scheds = [Schedule(2, (0, 1), (8, 8), step=i + 1) for i in range(16)]
     refs = serial_results(w, scheds)
-    RUNTIME.adaptive = _SerialWins()
+    LAYER.runtime.adaptive = _SerialWins()
     apply_cpu(adaptive=True, reprobe_every=8)
     planned: list[int] = []
     now = [0]  # the step running
@@ -472,15 +472,15 @@ def test_a_decided_serial_step_is_not_planned_and_a_probe_is(monkeypatch: pytest
     unplanned = [s for s in range(16) if s not in planned]
     assert unplanned == list(range(7, 14))
     assert planned[7:] == [14, 15]
-    (bucket,) = [b for b in RUNTIME.adaptive.snapshot() if b["key"]["layers"] == 2]
+    (bucket,) = [b for b in LAYER.runtime.adaptive.snapshot() if b["key"]["layers"] == 2]
     assert bucket["decision"] == "serial" and bucket["steps"] == 16
 
 
 def test_a_runners_planned_shape_is_forgotten_when_the_runner_is_collected() -> None:
     import gc
 
-    from camp2p_overlap.core.runtime import OverlapRuntime, PlannedShape
-    from camp2p_overlap.core.streams.cpu import CpuBackend
+    from camp2p_overlap.core.overlap.runtime import OverlapRuntime, PlannedShape
+    from camp2p_overlap.core.overlap.streams.cpu import CpuBackend
 
     class Runner:
         pass

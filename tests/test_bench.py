@@ -16,14 +16,14 @@ from _overlap_util import assert_same
 from conftest import run_python
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.engine import PatchRefused
-from camp2p_overlap.core.manifest import load_manifest
-from camp2p_overlap.core.process import ENGINE, PatchLayer
-from camp2p_overlap.core.session import OverlapSession
-from camp2p_overlap.emulation import engine as emulation
+from camp2p_overlap.core.layer import LAYER, Layer
+from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.patching.lifecycle import PatchRefused
+from camp2p_overlap.core.patching.manifest import load_manifest
+from camp2p_overlap.emulation import standin_layer as emulation
 from camp2p_overlap.emulation import standins
-from camp2p_overlap.emulation.engine import emulated_layer, emulated_version_check, emulation_engine
 from camp2p_overlap.emulation.moe import MoEShape
+from camp2p_overlap.emulation.standin_layer import emulated_layer, emulated_version_check, emulation_engine
 from camp2p_overlap.emulation.world import EmulatedModel, LinkModel, WorldSpec, build_world
 from camp2p_overlap.tools import cli
 from camp2p_overlap.tools.bench.runner import (
@@ -52,7 +52,7 @@ def bench_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One tiny benchmark run through ``main(argv)`` writing every output."""
     out = tmp_path_factory.mktemp("bench")
     paths = {"json": out / "b.json", "trace": out / "t.json", "plot": out / "p.png"}
-    layers: list[PatchLayer] = []
+    layers: list[Layer] = []
     real_build = emulation.build_layer
     emulation.build_layer = lambda **kw: layers.append(real_build(**kw)) or layers[-1]  # type: ignore[assignment]
     try:
@@ -213,7 +213,7 @@ def test_outputs_equal_and_overlap_engaged(bench_files: dict[str, Any]) -> None:
 
 def test_bench_leaves_the_process_as_it_found_it(bench_files: dict[str, Any]) -> None:
     assert bench_files["finder_left"] == []
-    assert not ENGINE.is_applied() and len(ENGINE.installer.records) == 0
+    assert not LAYER.engine.is_applied() and len(LAYER.engine.installer.records) == 0
     # Each policy ran on an engine of its own (kept over the repetitions,
     # so adaptive engage learns once), unpatched with its streams closed.
     layers = bench_files["layers"]
@@ -305,7 +305,7 @@ def test_outputs_flag_fails_when_the_overlap_changes_a_result(monkeypatch: pytes
     """Perturb the FFN only while an overlap session is active: the report
     must say the outputs differ, and the command must exit non-zero."""
     original = EmulatedModel.compute_ffn_output
-    layers: list[PatchLayer] = []
+    layers: list[Layer] = []
     real_build = emulation.build_layer
     monkeypatch.setattr(emulation, "build_layer", lambda **kw: layers.append(real_build(**kw)) or layers[-1])
 
@@ -323,7 +323,7 @@ def test_outputs_flag_fails_when_the_overlap_changes_a_result(monkeypatch: pytes
     assert by["e2a-only"]["outputs_equal"] is True
     assert by["overlap"]["outputs_equal"] is False and by["overlap"]["mismatches"]
     assert run.report["outputs_equal"] is False
-    from camp2p_overlap.tools.bench.report import bench_table, problems
+    from camp2p_overlap.tools.bench.tables import bench_table, problems
 
     assert any("outputs differ" in p for p in problems(run.report))
     assert "FAILED: overlap: outputs differ" in bench_table(run.report)
@@ -348,7 +348,7 @@ def test_with_a_real_afd_plugin_the_stand_ins_move_to_the_alias_root(monkeypatch
 
 def test_emulation_engines_are_fresh_and_unpatched_on_the_way_out() -> None:
     with emulation_engine() as engine, emulation_engine() as other:
-        assert engine is not ENGINE and other is not ENGINE and other is not engine
+        assert engine is not LAYER.engine and other is not LAYER.engine and other is not engine
     with pytest.raises(ValueError, match="boom"):
         with emulation_engine() as engine:
             world = build_world(_tiny_spec())
@@ -356,7 +356,7 @@ def test_emulation_engines_are_fresh_and_unpatched_on_the_way_out() -> None:
             assert engine.is_applied()
             raise ValueError("boom")
     assert not engine.is_applied(), "the emulation engine is unpatched on the way out"
-    assert not ENGINE.is_applied()
+    assert not LAYER.engine.is_applied()
     runner_cls = type(world.runner)
     assert not hasattr(vars(runner_cls)["_ffn_forward"], "__wrapped__")
 
@@ -375,14 +375,14 @@ def test_a_second_engine_refuses_targets_another_engine_wrapped() -> None:
 
 def test_emulation_engine_refuses_when_the_process_engine_is_applied(monkeypatch: pytest.MonkeyPatch) -> None:
     build_world(_tiny_spec())
-    monkeypatch.setattr(ENGINE, "_version_check", emulated_version_check)
-    ENGINE.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True)
+    monkeypatch.setattr(LAYER.engine, "_version_check", emulated_version_check)
+    LAYER.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True)
     try:
         with pytest.raises(RuntimeError, match="process-wide camp2p-overlap patch layer is applied"):
             with emulation_engine():
                 pass
     finally:
-        ENGINE.unpatch(timeout=10)
+        LAYER.engine.unpatch(timeout=10)
 
 
 def test_emulated_version_check_accepts_without_consulting_vllm() -> None:

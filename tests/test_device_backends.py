@@ -27,16 +27,18 @@ from _overlap_util import (
     world,
 )
 
-from camp2p_overlap.core import step_decision, trace
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.process import ENGINE, RUNTIME
-from camp2p_overlap.core.streams import (
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.observe import trace
+from camp2p_overlap.core.overlap import decision as step_decision
+from camp2p_overlap.core.overlap.streams import (
     BackendUnavailable,
     TorchDeviceBackend,
     device_module,
     make_backend,
     streamset,
 )
+from camp2p_overlap.verify import edges
 
 
 def _has_torch_npu() -> bool:
@@ -144,7 +146,7 @@ def fake_device(monkeypatch: pytest.MonkeyPatch) -> FakeDevice:
     monkeypatch.setattr(step_decision, "resolve_backend_name", lambda requested, device: "fake")
     monkeypatch.setattr(streamset, "make_backend", lambda name, device=None: TorchDeviceBackend("fake", dev))
     # The registry binds its backend factory when built: give the process-wide one the fake.
-    monkeypatch.setattr(RUNTIME.streamsets, "_make", lambda name, device=None: TorchDeviceBackend("fake", dev))
+    monkeypatch.setattr(LAYER.runtime.streamsets, "_make", lambda name, device=None: TorchDeviceBackend("fake", dev))
     return dev
 
 
@@ -165,7 +167,7 @@ def test_device_backend_schedule_equals_serial_and_reuses_events(
         # Every wait (on C and on each K_s) bound to a record made in this very step.
         assert {name for name, _, _ in fake_device.waits} == {"C", "K0", "K1", "K2"}
         assert all(t > step_start for _, _, t in fake_device.waits)
-        res = trace.check_step(rec.ops(rec.steps()[0]), trace.ExpectedSchedule((0, 1, 2, 3), (0, 1, 2), True, True))
+        res = edges.check_step(rec.ops(rec.steps()[0]), trace.ExpectedSchedule((0, 1, 2, 3), (0, 1, 2), True, True))
         assert res.ok, str(res)
         if i == 0:
             created_after_first = (fake_device.events_created, fake_device.streams_created)
@@ -184,8 +186,8 @@ def test_device_capture_gates_unless_graph_mode(fake_device: FakeDevice, monkeyp
     fake_device.capturing = True
     assert_same(run_step(w, sched), ref)
     assert sessions.count == 0
-    ENGINE.unpatch(timeout=10)
-    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
+    LAYER.engine.unpatch(timeout=10)
+    LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
     # An eager step first creates the side streams; the capture then reuses them.
     fake_device.capturing = False
     sessions = SessionSpy(monkeypatch)
@@ -203,7 +205,7 @@ def test_first_engaged_step_inside_capture_creates_no_streams(
     w = world(layers=2, stage_ids=(0, 1))
     sched = Schedule(2, (0, 1), (5, 5), step=1)
     (ref,) = serial_results(w, [sched])
-    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
+    LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
     sessions = SessionSpy(monkeypatch)
     streams_before = fake_device.streams_created
     fake_device.capturing = True
@@ -254,7 +256,7 @@ def test_emulated_world_on_a_real_device(monkeypatch: pytest.MonkeyPatch, kind: 
     why = _device_ready(kind)
     if why:
         pytest.skip(why)
-    from camp2p_overlap.emulation.engine import emulated_layer, release_site, standin_site
+    from camp2p_overlap.emulation.standin_layer import emulated_layer, release_site, standin_site
     from camp2p_overlap.emulation.world import WorldSpec, build_world
 
     device = torch.device(kind, 0)

@@ -21,14 +21,14 @@ from _host_device import HostDevice, use_host_device
 from _overlap_util import assert_same
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.peer_cycle import check_peer_cycle
-from camp2p_overlap.core.session import OverlapSession
-from camp2p_overlap.core.trace import TraceOp
+from camp2p_overlap.core.observe.trace import TraceOp
+from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.emulation.device_comm import KERNEL_SOURCE, DevicePeerTimeout, HostCommKernels
 from camp2p_overlap.emulation.device_world import build_device_world
-from camp2p_overlap.emulation.engine import emulation_engine, release_site, standin_site
 from camp2p_overlap.emulation.moe import MoEShape
+from camp2p_overlap.emulation.standin_layer import emulation_engine, release_site, standin_site
 from camp2p_overlap.emulation.world import LinkModel, WorldSpec
+from camp2p_overlap.verify.peer_cycle import check_peer_cycle
 
 ATTN_S = 3e-3
 LINK = LinkModel(latency_s=100e-6, bandwidth_Bps=50e9)

@@ -18,13 +18,14 @@ from typing import Any
 import pytest
 import torch
 
-from camp2p_overlap.core import device_timeline
-from camp2p_overlap.core.device_timeline import TimelineError, parse
-from camp2p_overlap.core.session import OverlapSession, StepPlan
-from camp2p_overlap.core.streams import TorchDeviceBackend
-from camp2p_overlap.core.streams.streamset import StreamSet
-from camp2p_overlap.core.trace import ExpectedSchedule, check_step
+from camp2p_overlap.core.observe.trace import ExpectedSchedule
+from camp2p_overlap.core.overlap.session import OverlapSession, StepPlan
+from camp2p_overlap.core.overlap.streams import TorchDeviceBackend
+from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.tools.bench import profile
+from camp2p_overlap.verify import device_timeline
+from camp2p_overlap.verify.device_timeline import TimelineError, parse
+from camp2p_overlap.verify.edges import check_step
 
 LAYERS = (0, 1, 2)
 STAGES = (0, 1)
@@ -142,7 +143,7 @@ def _loop(session: OverlapSession, sim: SimDevice) -> None:
 def simulated(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Run one annotated, profiled step of a session class on the simulated
     device; return its parsed timeline."""
-    from camp2p_overlap.core.streams import device as device_backend
+    from camp2p_overlap.core.overlap.streams import device as device_backend
 
     def run(session_class: type = OverlapSession, **sim_kw: Any) -> tuple[device_timeline.DeviceTimeline, SimDevice]:
         sim = SimDevice(**sim_kw)
@@ -272,7 +273,7 @@ def test_host_ranges_from_torch_profiler_on_cpu(tmp_path: Any) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from camp2p_overlap.core.streams.device import profiler_range
+    from camp2p_overlap.core.overlap.streams.device import profiler_range
 
     x = torch.ones(64, 64)
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -17,9 +17,9 @@ import torch
 from conftest import run_python
 
 from camp2p_overlap.core import config as cfgmod
-from camp2p_overlap.core import versions
-from camp2p_overlap.core.manifest import load_manifest
-from camp2p_overlap.core.versions import installed_version
+from camp2p_overlap.core.patching import versions
+from camp2p_overlap.core.patching.manifest import load_manifest
+from camp2p_overlap.core.patching.versions import installed_version
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.tools import cli
 from camp2p_overlap.tools.doctor import check_target, diagnose, vllm_ascend_check

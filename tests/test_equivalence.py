@@ -28,8 +28,9 @@ from _strategies import DIRECTIONS, MODES, schedules
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from camp2p_overlap.core import trace
-from camp2p_overlap.core.process import ENGINE
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.observe import trace
+from camp2p_overlap.verify import edges
 
 pytestmark = pytest.mark.usefixtures("standin_stack")
 
@@ -95,7 +96,7 @@ def test_random_schedules_equal_serial_and_every_edge_holds(worlds: list, job: t
     wi, sched, (a2e, e2a, min_stages), mode = job
     sched = Schedule(sched.layers, sched.stages, sched.tokens, next(_STEPS))
     w = worlds[wi]
-    ENGINE.unpatch(timeout=10)
+    LAYER.engine.unpatch(timeout=10)
     (ref,) = serial_results(w, [sched])
     layers = tuple(ffn_layers(wi, sched.layers))
     assert len(layers) >= 2, f"schedule {sched} has FFN layers {layers}"
@@ -107,7 +108,7 @@ def test_random_schedules_equal_serial_and_every_edge_holds(worlds: list, job: t
         with trace.recording() as rec:
             got = run_step(w, sched)
     finally:
-        ENGINE.unpatch(timeout=10)
+        LAYER.engine.unpatch(timeout=10)
     assert_same(got, ref)
     assert tuple(w.layer_list()) == layers
     on = len(sched.stages) >= min_stages
@@ -120,7 +121,7 @@ def test_random_schedules_equal_serial_and_every_edge_holds(worlds: list, job: t
         expected = (
             trace.ExpectedSchedule(layers, stages, a2e, e2a) if on else trace.ExpectedSchedule.serial(layers, stages)
         )
-        result = trace.check_step(ops, expected)
+        result = edges.check_step(ops, expected)
         assert result.ok, f"schedule {sched} config {(a2e, e2a, min_stages)}:\n{result}"
         assert bool(side) == on  # engaged, from the trace, not from the gate rule
     else:
@@ -129,5 +130,5 @@ def test_random_schedules_equal_serial_and_every_edge_holds(worlds: list, job: t
         issued = [(o.kind, o.layer, o.stage) for o in sorted(comm, key=lambda o: o.seq)]
         assert issued == issue_order(layers, stages, mode)
         if mode == "parity":
-            result = trace.check_step(ops, trace.ExpectedSchedule.serial(layers, stages))
+            result = edges.check_step(ops, trace.ExpectedSchedule.serial(layers, stages))
             assert result.ok, f"parity schedule {sched}:\n{result}"

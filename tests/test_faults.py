@@ -56,10 +56,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.process import ENGINE
-from camp2p_overlap.core.session import OverlapSession
-from camp2p_overlap.core.streams import CpuBackend, StreamPoisonedError
-from camp2p_overlap.core.streams.cpu import WorkerStream
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.overlap.streams import CpuBackend, StreamPoisonedError
+from camp2p_overlap.core.overlap.streams.cpu import WorkerStream
 from camp2p_overlap.emulation.faults import Fault, FaultPlan, InjectedIOError, run_step_bounded
 from camp2p_overlap.emulation.world import PeerTimeoutError, World
 
@@ -111,7 +111,7 @@ def test_injected_errors_surface_unchanged_and_the_next_step_is_correct(error_wo
     w = error_world
     steps = itertools.count(2 * next(_STEP_NUMBERS) + 1)
     p = {**p, "sched": replace(p["sched"], step=next(steps)), "next": replace(p["next"], step=next(steps))}
-    ENGINE.unpatch(timeout=10)
+    LAYER.engine.unpatch(timeout=10)
     (ref,) = serial_results(w, [p["next"]])
     raised: dict[str, Any] = {}
     target: dict[str, Any] = {}
@@ -152,7 +152,7 @@ def test_injected_errors_surface_unchanged_and_the_next_step_is_correct(error_wo
         assert_same(bounded(lambda p=p: run_step(w, p["next"]), timeout=30), ref)
         assert_streams_idle(timeout=5)
     finally:
-        ENGINE.unpatch(timeout=10)
+        LAYER.engine.unpatch(timeout=10)
         w.transport.fault_hook = None
         vars(w.transport).pop("a2e", None)  # the examples share the world: undo wrap_model
         vars(w.runner.model).pop("compute_ffn_output", None)
@@ -261,8 +261,8 @@ class Runner:
         fault = run.fault
         n = next(_STEP_NUMBERS)
         a, b = 2 * n + 11, 2 * n + 12  # step numbers: peers send per-step data
-        ENGINE.unpatch(timeout=10)  # a failed example may have left it applied
-        assert not ENGINE.is_applied()
+        LAYER.engine.unpatch(timeout=10)  # a failed example may have left it applied
+        assert not LAYER.engine.is_applied()
         ref_a = self.step(w, a, run.tokens)
         ref_b = self.step(w, b, run.tokens)
         assert ref_a.error is None and ref_b.error is None
@@ -287,7 +287,7 @@ class Runner:
             e2a_on_side_stream=e2a_side,
             mode=run.mode,  # type: ignore[arg-type]
         )
-        report = ENGINE.apply(config=cfg, strict=True)
+        report = LAYER.engine.apply(config=cfg, strict=True)
         assert report.applied
         assert_stack(report)
         try:
@@ -312,7 +312,7 @@ class Runner:
             assert nxt.error is None, f"{run}: the next step failed: {nxt.error!r}"
             assert_same(nxt.results, ref_b.results, f"{run}: the next step's outputs differ")
         finally:
-            assert ENGINE.unpatch(timeout=10)
+            assert LAYER.engine.unpatch(timeout=10)
         assert not _stream_threads(), f"{run}: stream threads left after unpatch: {_stream_threads()}"
         for t in _camp2p_threads():  # cancelled watchdog timers end on their own
             t.join(5.0)
@@ -388,7 +388,7 @@ def test_the_harness_catches_a_hang() -> None:
     """The bound is real: a delay longer than the bound is reported as hung
     (so a deadlocked overlap would fail a run rather than block the suite)."""
     w = world(layers=1, stage_ids=(0, 1), tokens=4)
-    assert ENGINE.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True).applied
+    assert LAYER.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True).applied
     with FaultPlan(w, [Fault("delay", "e2a", 0, 1, delay_s=1.5)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 1, 0.2)
@@ -397,7 +397,7 @@ def test_the_harness_catches_a_hang() -> None:
         for t in threading.enumerate():
             if t.name == "camp2p-test-step-1":
                 t.join(10)
-    assert ENGINE.unpatch(timeout=10)
+    assert LAYER.engine.unpatch(timeout=10)
 
 
 # ---------------------------------------------------------------------------
@@ -423,13 +423,13 @@ class LookaheadBeforeE2A(OverlapSession):
 
 
 def test_lookahead_queued_before_its_e2a_deadlocks_until_the_op_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    from camp2p_overlap.core.process import RUNTIME
+    from camp2p_overlap.core.layer import LAYER
 
     w = world(layers=3, stage_ids=(0, 1), op_timeout_s=0.5)
     apply_cpu()
     # Control: the real order completes with the same short timeout.
     run_step(w, Schedule(3, (0, 1), (8, 8), step=1))
-    monkeypatch.setattr(RUNTIME, "session_class", LookaheadBeforeE2A)
+    monkeypatch.setattr(LAYER.runtime, "session_class", LookaheadBeforeE2A)
     with pytest.raises(PeerTimeoutError, match=r"a2e\(L1\) on afd: no data from attention after 0.5 s"):
         bounded(lambda: run_step(w, Schedule(3, (0, 1), (8, 8), step=2)), timeout=30)
     assert_streams_idle()

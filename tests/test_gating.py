@@ -28,11 +28,12 @@ from _overlap_util import (
 )
 from conftest import PackageLogs
 
-from camp2p_overlap.core import trace
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.intercept_switch import INTERCEPTS
-from camp2p_overlap.core.process import ENGINE
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.observe import trace
+from camp2p_overlap.core.patching.intercept_switch import INTERCEPTS
 from camp2p_overlap.emulation.world import World
+from camp2p_overlap.verify import edges
 
 pytestmark = pytest.mark.usefixtures("standin_stack")
 
@@ -71,7 +72,7 @@ class Case:
 
 
 def _switch_off(w: World, mp: pytest.MonkeyPatch) -> None:
-    mp.setattr(ENGINE, "config", ENGINE.config.with_overrides(enabled=False))
+    mp.setattr(LAYER.engine, "config", LAYER.engine.config.with_overrides(enabled=False))
 
 
 def _camasync(w: World, mp: pytest.MonkeyPatch) -> None:
@@ -216,7 +217,7 @@ def test_gate_runs_the_original_with_the_same_arguments(
     if case.before_apply is not None:
         case.before_apply(w, monkeypatch)
     cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False).with_overrides(**case.config)
-    assert_stack(ENGINE.apply(strict=case.strict, config=cfg))
+    assert_stack(LAYER.engine.apply(strict=case.strict, config=cfg))
     if case.after_apply is not None:
         case.after_apply(w, monkeypatch)
     sessions = SessionSpy(monkeypatch)
@@ -252,7 +253,7 @@ def test_gate_runs_the_original_with_the_same_arguments(
 
 def test_each_distinct_reason_is_logged_once(monkeypatch: pytest.MonkeyPatch, logs: PackageLogs) -> None:
     w = world(layers=2, stage_ids=(0, 1, 2))
-    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, min_stages=3))
+    LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, min_stages=3))
     _run(w, (0, 1), 1, {})
     _run(w, (0,), 2, {})
     _run(w, (0, 1), 3, {})
@@ -268,14 +269,14 @@ def test_graph_capture_engages_with_the_graph_switch(monkeypatch: pytest.MonkeyP
     w = world(layers=3, stage_ids=(0, 1))
     (ref,) = serial_results(w, [Schedule(3, (0, 1), (6, 6), 1)])
     calls = spy_forward(type(w.runner))
-    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
+    LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
     sessions = SessionSpy(monkeypatch)
     with trace.recording() as rec:
         got, dp = _run(w, (0, 1), 1, {"is_graph_capturing": True})
     assert_same(got, ref)
     assert sessions.count == 1
     assert calls[0]["dp_metadata_list"] is dp and calls[0]["is_graph_capturing"] is True
-    res = trace.check_step(rec.ops(rec.steps()[0]), trace.ExpectedSchedule((0, 1, 2), (0, 1), True, True))
+    res = edges.check_step(rec.ops(rec.steps()[0]), trace.ExpectedSchedule((0, 1, 2), (0, 1), True, True))
     assert res.ok, str(res)
 
 
@@ -285,7 +286,7 @@ def test_reentrant_forward_runs_the_original(monkeypatch: pytest.MonkeyPatch, lo
     (ref_outer,) = serial_results(outer, [Schedule(3, (0, 1), (6, 6), 1)])
     (ref_inner,) = serial_results(inner, [Schedule(2, (0, 1), (6, 6), 7)])
     calls = spy_forward(type(outer.runner))
-    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False))
+    LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False))
     sessions = SessionSpy(monkeypatch)
     model = outer.runner.model
     original = type(model).compute_ffn_output.__get__(model)
@@ -312,7 +313,7 @@ def test_planning_error_runs_the_original(monkeypatch: pytest.MonkeyPatch, logs:
     """A failure while planning (here the layer list holds a non-integer)
     never breaks the call: the original runs (and fails or not on its own)."""
     w = world(layers=2, stage_ids=(0, 1))
-    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False))
+    LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False))
     plan_calls = {"n": 0}
     real = w.modules[0]._ffn_layer_indices
 

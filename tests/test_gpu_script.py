@@ -168,7 +168,7 @@ def test_manifests_load_from_a_checkout_that_is_not_installed() -> None:
         sys.path.insert(0, {str(REPO)!r})
         import camp2p_overlap
         assert importlib.util.find_spec("camp2p_overlap.patches") is None
-        from camp2p_overlap.core.manifest import load_manifest, load_manifests
+        from camp2p_overlap.core.patching.manifest import load_manifest, load_manifests
         print(load_manifest().name, [m.name for m in load_manifests()])
     """
     res = run_python(textwrap.dedent(code), timeout=60)

@@ -81,7 +81,7 @@ def _spec(**kw: Any) -> Any:
 
 @pytest.fixture
 def site() -> Iterator[Any]:
-    from camp2p_overlap.emulation.engine import release_site, standin_site
+    from camp2p_overlap.emulation.standin_layer import release_site, standin_site
 
     s = standin_site()
     yield s
@@ -92,7 +92,7 @@ def site() -> Iterator[Any]:
 def overlap_on(site: Any, **overrides: Any) -> Iterator[Any]:
     """The patch layer applied for the CUDA backend. The benchmark's engine
     is used so the check does not depend on which vLLM the GPU box has."""
-    from camp2p_overlap.emulation.engine import emulation_engine
+    from camp2p_overlap.emulation.standin_layer import emulation_engine
 
     overrides.setdefault("adaptive", False)  # every step overlapped: the checks need the overlap to run
     with emulation_engine() as engine:
@@ -110,8 +110,8 @@ def _step(dw: Any, n: int) -> dict:
 
 
 def test_cuda_overlap_is_bitwise_serial_and_the_trace_overlaps(site: Any) -> None:
-    from camp2p_overlap.core.trace import overlaps
     from camp2p_overlap.emulation.device_world import build_device_world
+    from camp2p_overlap.verify.edges import overlaps
 
     dw = build_device_world(_spec(), "cuda", root=site.root)
     _step(dw, 1)  # warm-up (kernels, allocator)
@@ -149,12 +149,12 @@ def test_cuda_overlap_is_bitwise_serial_and_the_trace_overlaps(site: Any) -> Non
 _CHILD = textwrap.dedent(
     """
     import sys, torch
-    from camp2p_overlap.emulation.engine import emulation_engine, standin_site
+    from camp2p_overlap.emulation.standin_layer import emulation_engine, standin_site
     from camp2p_overlap.core.config import OverlapConfig
     from camp2p_overlap.emulation.device_world import build_device_world
     from camp2p_overlap.emulation.moe import MoEShape
     from camp2p_overlap.emulation.world import LinkModel, WorldSpec
-    from camp2p_overlap.core.session import OverlapSession
+    from camp2p_overlap.core.overlap.session import OverlapSession
 
     mode = sys.argv[1]
     site = standin_site()
@@ -180,7 +180,7 @@ _CHILD = textwrap.dedent(
     if mode == "graph-env":
         # The graph switch as users set it: the configuration comes from the
         # environment (VLLM_CAMP2P_MULTISTREAM=1, VLLM_CAMP2P_MULTISTREAM_GRAPH=1).
-        from camp2p_overlap.emulation.engine import emulated_layer
+        from camp2p_overlap.emulation.standin_layer import emulated_layer
         dw.world.steps_run = 0
         ref = {k: v.clone() for k, v in dw.world.run_step(tokens).items()}
         torch.cuda.synchronize()
@@ -405,7 +405,7 @@ def _traced(dw: Any, n: int) -> tuple[list, dict]:
 
 
 def test_cuda_attention_peer_cycle_holds_on_the_device(site: Any) -> None:
-    from camp2p_overlap.core.peer_cycle import check_peer_cycle
+    from camp2p_overlap.verify.peer_cycle import check_peer_cycle
 
     dw = _peer_world(site, comm_cores=2)
     assert dw.kernels.models_peer, dw.kernels.kind
@@ -428,7 +428,7 @@ def test_cuda_attention_peer_cycle_holds_on_the_device(site: Any) -> None:
 
 
 def test_cuda_a2e_ahead_of_its_e2a_times_out_instead_of_hanging(site: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from camp2p_overlap.core.session import OverlapSession
+    from camp2p_overlap.core.overlap.session import OverlapSession
     from camp2p_overlap.emulation.device_comm import DevicePeerTimeout
 
     dw = _peer_world(site, op_timeout_s=0.2, attn_s=0.0)
@@ -465,7 +465,7 @@ def test_cuda_tensor_ownership_without_record_stream(
     (and the next FFN's own buffers) before the E2A read it. With the
     session's ownership the outputs stay bitwise; the control drops the
     references and must differ, so the check can fail."""
-    from camp2p_overlap.core.session import OverlapSession
+    from camp2p_overlap.core.overlap.session import OverlapSession
     from camp2p_overlap.emulation.device_world import DeviceTransport, TimedModel, build_device_world
     from camp2p_overlap.emulation.world import LinkModel
 

@@ -20,14 +20,14 @@ import importlib.metadata, json, sys
 import camp2p_overlap
 imported = sorted(m for m in sys.modules if m.split(".")[0] in ("vllm", "afd_plugin", "torch_npu"))
 from importlib import resources
-from camp2p_overlap.core.manifest import load_manifest
+from camp2p_overlap.core.patching.manifest import load_manifest
 man = load_manifest()
 dist = importlib.metadata.distribution("camp2p-overlap")
 from camp2p_overlap.emulation import standins
 standins.install()
 runner_mod, conn_mod, _ = standins.import_standins()
 standins.uninstall()
-from camp2p_overlap.core.manifest import available_stacks
+from camp2p_overlap.core.patching.manifest import available_stacks
 standins.install(stack="vllm-0.26.0")
 main_runner, _, _ = standins.import_standins()
 print("OUT " + json.dumps({

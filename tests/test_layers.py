@@ -36,9 +36,13 @@ def test_core_imports_neither_tools_nor_emulation() -> None:
 def test_the_cycle_check_sees_a_cycle() -> None:
     """The check above can fail: a graph with a cycle is reported."""
     graph = _graph()
-    graph.add_import(importer="camp2p_overlap.core.config", imported="camp2p_overlap.core.engine")
-    assert graph.find_shortest_chain(importer="camp2p_overlap.core.engine", imported="camp2p_overlap.core.config")
-    assert graph.find_shortest_chain(importer="camp2p_overlap.core.config", imported="camp2p_overlap.core.engine")
+    graph.add_import(importer="camp2p_overlap.core.config", imported="camp2p_overlap.core.patching.lifecycle")
+    assert graph.find_shortest_chain(
+        importer="camp2p_overlap.core.patching.lifecycle", imported="camp2p_overlap.core.config"
+    )
+    assert graph.find_shortest_chain(
+        importer="camp2p_overlap.core.config", imported="camp2p_overlap.core.patching.lifecycle"
+    )
 
 
 def test_importing_the_package_loads_no_tool_or_emulation_module() -> None:

@@ -7,8 +7,10 @@ import importlib
 import pytest
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.engine import PatchRefused
-from camp2p_overlap.core.manifest import (
+from camp2p_overlap.core.layer import LAYER, build_layer
+from camp2p_overlap.core.overlap.wrappers import make_wrappers
+from camp2p_overlap.core.patching.lifecycle import PatchRefused
+from camp2p_overlap.core.patching.manifest import (
     DEFAULT_STACK,
     ManifestError,
     ParamSpec,
@@ -18,9 +20,7 @@ from camp2p_overlap.core.manifest import (
     signature_difference,
     signature_of,
 )
-from camp2p_overlap.core.process import ENGINE, RUNTIME, build_layer
-from camp2p_overlap.core.versions import judge_vllm_version
-from camp2p_overlap.core.wrappers import make_wrappers
+from camp2p_overlap.core.patching.versions import judge_vllm_version
 from camp2p_overlap.emulation import standins
 
 
@@ -39,7 +39,7 @@ def test_shipped_manifest_loads() -> None:
         "recv_attn_output",
         "send_ffn_output",
     }
-    wrappers = make_wrappers(ENGINE, runtime=RUNTIME)
+    wrappers = make_wrappers(LAYER.engine, runtime=LAYER.runtime)
     for t in man.targets():
         assert t.changes and t.why
         if t.action == "wrap":

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import wrapt
 
-from camp2p_overlap.core import trace
-from camp2p_overlap.core.installer import Installer
-from camp2p_overlap.core.intercept_switch import INTERCEPTS, InterceptSwitch
-from camp2p_overlap.core.method_wrapper import method_wrapper
-from camp2p_overlap.core.runtime import OverlapRuntime
+from camp2p_overlap.core.observe import trace
+from camp2p_overlap.core.overlap.runtime import OverlapRuntime
+from camp2p_overlap.core.patching.installer import Installer
+from camp2p_overlap.core.patching.intercept_switch import INTERCEPTS, InterceptSwitch
+from camp2p_overlap.core.patching.method_wrapper import method_wrapper
 
 
 class Target:

@@ -20,16 +20,17 @@ from conftest import PackageLogs, run_python
 from prometheus_client.parser import text_string_to_metric_families
 
 import camp2p_overlap
-from camp2p_overlap.core import metrics, process
+from camp2p_overlap.core import layer as process
 from camp2p_overlap.core.config import ENV_METRICS_PORT, ENV_SUMMARY, ConfigError, OverlapConfig, load_config
-from camp2p_overlap.core.process import ENGINE, RUNTIME
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.observe import metrics
 
 
 @pytest.fixture
 def fresh_reporting(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No reporter running; the process layer starts one on its next step."""
     metrics.stop_reporting()
-    monkeypatch.setattr(RUNTIME.counters, "on_first_step", process._start_reporting)
+    monkeypatch.setattr(LAYER.runtime.counters, "on_first_step", process._start_reporting)
     yield
     metrics.stop_reporting()
 
@@ -48,7 +49,7 @@ def samples(family: Any, label: str) -> dict[str, float]:
 
 def test_endpoint_is_scraped_over_loopback(fresh_reporting: None) -> None:
     w = world(layers=2, stage_ids=(0, 1))
-    ENGINE.apply(
+    LAYER.engine.apply(
         strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, metrics_port=0, summary_s=0)
     )
     bounded(lambda: run_step(w))  # the first step starts the reporter
@@ -72,7 +73,7 @@ def test_endpoint_is_scraped_over_loopback(fresh_reporting: None) -> None:
 
 def test_no_endpoint_unless_asked(fresh_reporting: None) -> None:
     w = world(layers=2, stage_ids=(0, 1))
-    ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, summary_s=0))
+    LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, summary_s=0))
     bounded(lambda: run_step(w))
     reporter = metrics._reporter
     assert reporter is not None and reporter.server is None and reporter.port is None
@@ -175,8 +176,8 @@ def test_port_and_summary_settings_are_validated() -> None:
 
 CHILD = """
 import json
-from camp2p_overlap.core import metrics
-from camp2p_overlap.core.process import ENGINE, RUNTIME
+from camp2p_overlap.core.observe import metrics
+from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.world import WorldSpec, build_world
 import camp2p_overlap

@@ -17,11 +17,12 @@ import pytest
 import torch
 from _overlap_util import Schedule, apply_cpu, assert_same, run_step, serial_results, world, wrap_model
 
-from camp2p_overlap.core import trace
-from camp2p_overlap.core.process import ENGINE, RUNTIME
-from camp2p_overlap.core.session import OverlapSession
-from camp2p_overlap.core.streams.cpu import CpuBackend, HostStream, WorkerStream
-from camp2p_overlap.core.trace import ExpectedSchedule
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.observe import trace
+from camp2p_overlap.core.observe.trace import ExpectedSchedule
+from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.overlap.streams.cpu import CpuBackend, HostStream, WorkerStream
+from camp2p_overlap.verify import edges
 
 LAYERS = (0, 1, 2)
 STAGES = (0, 1)
@@ -89,7 +90,7 @@ def _run_broken(monkeypatch: pytest.MonkeyPatch, *, session: type | None = None,
     (ref,) = serial_results(w, [SCHED])
     apply_cpu()
     if session is not None:
-        monkeypatch.setattr(RUNTIME, "session_class", session)
+        monkeypatch.setattr(LAYER.runtime, "session_class", session)
     if wait is not None:
         monkeypatch.setattr(CpuBackend, "wait", wait)
     if hold:
@@ -98,7 +99,7 @@ def _run_broken(monkeypatch: pytest.MonkeyPatch, *, session: type | None = None,
         with trace.recording() as rec:
             got = run_step(w, SCHED)
     finally:
-        ENGINE.unpatch(timeout=10)
+        LAYER.engine.unpatch(timeout=10)
     return got, ref, rec.ops(rec.steps()[0])
 
 
@@ -117,16 +118,16 @@ def test_control_every_wait_in_place_passes() -> None:
         with trace.recording() as rec:
             got = run_step(w, SCHED)
     finally:
-        ENGINE.unpatch(timeout=10)
+        LAYER.engine.unpatch(timeout=10)
     assert_same(got, ref)
-    res = trace.check_step(rec.ops(rec.steps()[0]), EXPECTED)
+    res = edges.check_step(rec.ops(rec.steps()[0]), EXPECTED)
     assert res.ok, str(res)
 
 
 def test_session_without_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch) -> None:
     got, ref, ops = _run_broken(monkeypatch, session=SessionSkipsComputeWaitForA2E, hold=True)
     assert _differs(got, ref) == sorted(ref)  # every FFN read an unfilled buffer
-    text = str(trace.check_step(ops, EXPECTED))
+    text = str(edges.check_step(ops, EXPECTED))
     for L in LAYERS:
         for s in STAGES:
             assert f"{EDGE3}: nothing orders a2e(L{L},s{s}) on K{s} before ffn(L{L},s{s}) on C" in text
@@ -136,8 +137,8 @@ def test_session_without_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch) -
 def test_backend_dropping_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch) -> None:
     got, ref, ops = _run_broken(monkeypatch, wait=_backend_dropping(HostStream, "a"), hold=True)
     assert _differs(got, ref) == sorted(ref)
-    performed = str(trace.check_step(ops, EXPECTED))
-    asked = str(trace.check_step(ops, EXPECTED, source="session"))
+    performed = str(edges.check_step(ops, EXPECTED))
+    asked = str(edges.check_step(ops, EXPECTED, source="session"))
     assert f"{EDGE3}: nothing orders a2e(L1,s0) on K0 before ffn(L1,s0) on C" in performed
     # The session's own record says it waited: its graph has every edge 3.
     assert any(o.kind == "wait" and o.source == "session" and o.detail == "('a', 1, 0)" for o in ops)
@@ -149,15 +150,15 @@ def test_session_without_stage_wait_for_ffn(monkeypatch: pytest.MonkeyPatch) -> 
     # The outputs cannot tell on CPU: the compute stream is the host, so the
     # FFN has finished before the loop even issues its send.
     assert_same(got, ref)
-    text = str(trace.check_step(ops, EXPECTED))
+    text = str(edges.check_step(ops, EXPECTED))
     assert f"{EDGE4}: nothing orders ffn(L1,s1) on C before e2a(L1,s1) on K1" in text
 
 
 def test_backend_dropping_stage_wait_for_ffn(monkeypatch: pytest.MonkeyPatch) -> None:
     got, ref, ops = _run_broken(monkeypatch, wait=_backend_dropping(WorkerStream, "f"))
     assert_same(got, ref)  # as above: the host finished the FFN before the send
-    performed = str(trace.check_step(ops, EXPECTED))
-    asked = trace.check_step(ops, EXPECTED, source="session")
+    performed = str(edges.check_step(ops, EXPECTED))
+    asked = edges.check_step(ops, EXPECTED, source="session")
     assert f"{EDGE4}: nothing orders ffn(L0,s0) on C before e2a(L0,s0) on K0" in performed
     assert asked.ok, str(asked)  # only what the streams performed shows it
 
@@ -166,7 +167,7 @@ def test_skipped_wait_reads_the_unfilled_buffer_directly() -> None:
     """The backend contract under the outputs above: a side-stream op's
     value is out before its launched kernel has filled it; an event recorded
     after the op fires only once the kernel has run."""
-    from camp2p_overlap.core.streams.cpu import launch
+    from camp2p_overlap.core.overlap.streams.cpu import launch
 
     b = CpuBackend()
     try:

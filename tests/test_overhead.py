@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from camp2p_overlap.core.session import OverlapSession
+from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.emulation.noop import busy_wait
 from camp2p_overlap.tools import overhead
 from camp2p_overlap.tools.cli import main

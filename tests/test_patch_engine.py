@@ -33,17 +33,17 @@ from _patch_util import (
 )
 from conftest import PackageLogs
 
-from camp2p_overlap.core.engine import PatchRefused
-from camp2p_overlap.core.manifest import load_manifest
-from camp2p_overlap.core.process import ENGINE
-from camp2p_overlap.core.report import TargetState
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.patching.lifecycle import PatchRefused
+from camp2p_overlap.core.patching.manifest import load_manifest
+from camp2p_overlap.core.patching.status_report import TargetState
 from camp2p_overlap.emulation import standins
 
 pytestmark = pytest.mark.usefixtures("forget_stuck")
 
 
 def engine_states() -> dict[str, TargetState]:
-    return {t.target.rsplit(".", 1)[-1]: t.state for t in ENGINE.status().targets}
+    return {t.target.rsplit(".", 1)[-1]: t.state for t in LAYER.engine.status().targets}
 
 
 @pytest.fixture
@@ -56,8 +56,8 @@ def world(make_world: Any) -> Any:
 def test_apply_does_not_import_targets() -> None:
     standins.install()
     before = set(sys.modules)
-    report = ENGINE.apply(config=CFG)
-    assert report.applied and ENGINE.is_applied()
+    report = LAYER.engine.apply(config=CFG)
+    assert report.applied and LAYER.engine.is_applied()
     new = set(sys.modules) - before
     assert not [m for m in new if m.startswith(("afd_plugin", "vllm", "torch_npu"))], new
     assert RUNNER not in sys.modules and CONNECTOR not in sys.modules
@@ -69,23 +69,23 @@ def test_apply_does_not_import_targets() -> None:
     states = engine_states()
     assert states["_ffn_layer_indices"] is TargetState.CHECKED
     assert {states[a] for _, _, a in WRAPPED} == {TargetState.WRAPPED}
-    assert ENGINE.status().engaged
+    assert LAYER.engine.status().engaged
 
 
 def test_status_not_imported_then_partial_then_complete() -> None:
     standins.install()
-    ENGINE.apply(config=CFG)
+    LAYER.engine.apply(config=CFG)
     importlib.import_module(RUNNER)
     states = engine_states()
     assert states["_ffn_forward"] is TargetState.WRAPPED
     assert states["recv_attn_output"] is TargetState.NOT_IMPORTED
-    assert ENGINE.stack_complete() is not None and "recv_attn_output" in ENGINE.stack_complete()
-    assert not ENGINE.status().engaged
+    assert LAYER.engine.stack_complete() is not None and "recv_attn_output" in LAYER.engine.stack_complete()
+    assert not LAYER.engine.status().engaged
     importlib.import_module(CONNECTOR)
-    assert ENGINE.stack_complete() is None
-    assert ENGINE.status().engaged
-    ENGINE.unpatch()
-    assert not ENGINE.is_applied()
+    assert LAYER.engine.stack_complete() is None
+    assert LAYER.engine.status().engaged
+    LAYER.engine.unpatch()
+    assert not LAYER.engine.is_applied()
     assert set(engine_states().values()) == {TargetState.INACTIVE}
 
 
@@ -93,18 +93,18 @@ def test_status_not_imported_then_partial_then_complete() -> None:
 # one wrapper, exact restore
 def test_apply_twice_then_import_leaves_one_wrapper_and_restores_identity() -> None:
     standins.install()
-    r1 = ENGINE.apply(config=CFG)
-    r2 = ENGINE.apply(config=CFG)
+    r1 = LAYER.engine.apply(config=CFG)
+    r2 = LAYER.engine.apply(config=CFG)
     assert r1.applied and r2.applied
     cls = import_targets()
-    ENGINE.apply(config=CFG)  # and once more after the import
+    LAYER.engine.apply(config=CFG)  # and once more after the import
     assert_wrapped_once()
     inner = {(c, a): vars(cls[c])[a].__wrapped__ for _, c, a in WRAPPED}
     rest = {c: {k: v for k, v in vars(k_).items() if (c, k) not in inner} for c, k_ in cls.items()}
-    assert ENGINE.unpatch() is True
+    assert LAYER.engine.unpatch() is True
     for (c, a), original in inner.items():
         assert vars(cls[c])[a] is original
-        assert not ENGINE.is_ours(vars(cls[c])[a])
+        assert not LAYER.engine.is_ours(vars(cls[c])[a])
     for c, entries in rest.items():
         assert all(vars(cls[c])[k] is v for k, v in entries.items())
         assert set(vars(cls[c])) == set(entries) | {a for (cc, a) in inner if cc == c}
@@ -115,29 +115,29 @@ def test_import_then_apply_then_unpatch_restores_every_dict_entry_and_no_subclas
     sub = {name: type(f"Sub{name}", (c,), {}) for name, c in cls.items()}
     snap = {name: dict(vars(c)) for name, c in cls.items()}
     sub_snap = {name: dict(vars(c)) for name, c in sub.items()}
-    ENGINE.apply(config=CFG)
+    LAYER.engine.apply(config=CFG)
     assert_wrapped_once()
     for name, c in sub.items():
         assert dict(vars(c)).keys() == sub_snap[name].keys()
         assert {a for _, cn, a in WRAPPED if cn == name}.isdisjoint(vars(c))
-    assert ENGINE.unpatch() is True
+    assert LAYER.engine.unpatch() is True
     for name, c in cls.items():
         now = dict(vars(c))
         assert now.keys() == snap[name].keys()
         assert all(now[k] is v for k, v in snap[name].items()), name
     for name, c in sub.items():
         assert dict(vars(c)).keys() == sub_snap[name].keys()
-    assert ENGINE.installer.stuck == []
+    assert LAYER.engine.installer.stuck == []
 
 
 def test_unpatch_twice_and_before_apply_are_noops() -> None:
-    assert ENGINE.unpatch() is True
+    assert LAYER.engine.unpatch() is True
     cls = import_targets()
     snap = {n: dict(vars(c)) for n, c in cls.items()}
-    assert ENGINE.unpatch() is True
-    ENGINE.apply(config=CFG)
-    assert ENGINE.unpatch() is True
-    assert ENGINE.unpatch() is True
+    assert LAYER.engine.unpatch() is True
+    LAYER.engine.apply(config=CFG)
+    assert LAYER.engine.unpatch() is True
+    assert LAYER.engine.unpatch() is True
     for n, c in cls.items():
         assert all(vars(c)[k] is v for k, v in snap[n].items())
 
@@ -148,16 +148,16 @@ def test_instance_created_before_apply_follows_patch_unpatch_repatch(world: Any)
     reference, streams = run_traced(world)
     assert streams == set()  # nothing of ours ran
     for _ in range(2):  # patch, unpatch, re-patch, unpatch
-        ENGINE.apply(config=CFG)
-        assert ENGINE.is_ours(vars(conn_cls)["recv_attn_output"])
-        assert ENGINE.is_ours(vars(runner_cls)["_ffn_forward"])
-        assert ENGINE.is_ours(world.connector.recv_attn_output)  # the bound form, through the instance
+        LAYER.engine.apply(config=CFG)
+        assert LAYER.engine.is_ours(vars(conn_cls)["recv_attn_output"])
+        assert LAYER.engine.is_ours(vars(runner_cls)["_ffn_forward"])
+        assert LAYER.engine.is_ours(world.connector.recv_attn_output)  # the bound form, through the instance
         out, streams = run_traced(world)
         assert_same(out, reference)
         assert {"K0", "K1"} <= streams  # the overlap engaged: side streams ran
-        assert ENGINE.unpatch() is True
+        assert LAYER.engine.unpatch() is True
         assert vars(conn_cls)["recv_attn_output"] is original
-        assert not ENGINE.is_ours(world.connector.recv_attn_output)
+        assert not LAYER.engine.is_ours(world.connector.recv_attn_output)
         out, streams = run_traced(world)
         assert_same(out, reference)
         assert streams == set()
@@ -168,7 +168,7 @@ def test_instance_created_before_apply_follows_patch_unpatch_repatch(world: Any)
 def test_third_party_wrapt_wrapper_on_top_survives_our_unpatch(world: Any) -> None:
     conn_cls = type(world.connector)
     reference, _ = run_traced(world)
-    ENGINE.apply(config=CFG)
+    LAYER.engine.apply(config=CFG)
     ours = vars(conn_cls)["send_ffn_output"]
     original = ours.__wrapped__
     calls: list[Any] = []
@@ -179,8 +179,8 @@ def test_third_party_wrapt_wrapper_on_top_survives_our_unpatch(world: Any) -> No
 
     handle = wrapt.wrap_function_wrapper(conn_cls, "send_ffn_output", theirs)
     assert vars(conn_cls)["send_ffn_output"] is handle and handle.__wrapped__ is ours
-    assert ENGINE.unpatch() is True
-    assert ENGINE.installer.stuck == []
+    assert LAYER.engine.unpatch() is True
+    assert LAYER.engine.installer.stuck == []
     assert vars(conn_cls)["send_ffn_output"] is handle  # theirs is still outermost
     assert handle.__wrapped__ is original  # ours spliced out from under it
     assert count_our_wrappers(handle) == 0
@@ -197,10 +197,10 @@ def test_third_party_wrapt_wrapper_below_ours_stays_after_unpatch() -> None:
     original = vars(cls)["recv_attn_output"]
     handle = wrapt.wrap_function_wrapper(cls, "recv_attn_output", lambda w, i, a, k: w(*a, **k))
     try:
-        ENGINE.apply(config=CFG)
+        LAYER.engine.apply(config=CFG)
         entry = vars(cls)["recv_attn_output"]
-        assert ENGINE.is_ours(entry) and entry.__wrapped__ is handle
-        assert ENGINE.unpatch() is True
+        assert LAYER.engine.is_ours(entry) and entry.__wrapped__ is handle
+        assert LAYER.engine.unpatch() is True
         assert vars(cls)["recv_attn_output"] is handle and handle.__wrapped__ is original
     finally:
         wrapt.unwrap_object(cls, "recv_attn_output", handle, missing_ok=True)
@@ -213,7 +213,7 @@ def test_non_wrapt_wrapper_on_top_is_a_clear_refusal_that_breaks_nothing(
     runner_cls = type(world.runner)
     original = vars(runner_cls)["_ffn_forward"]
     reference, _ = run_traced(world)
-    ENGINE.apply(config=CFG)
+    LAYER.engine.apply(config=CFG)
     ours = vars(runner_cls)["_ffn_forward"]
     # Two ways a third party captures what it wraps: the raw __dict__ entry,
     # or ``Cls.method`` (a bound wrapt wrapper, not our handle itself).
@@ -226,25 +226,25 @@ def test_non_wrapt_wrapper_on_top_is_a_clear_refusal_that_breaks_nothing(
         return inner(self, *args, **kwargs) if capture == "class-attribute" else inner.__get__(self)(*args, **kwargs)
 
     runner_cls._ffn_forward = foreign
-    assert ENGINE.unpatch() is False
+    assert LAYER.engine.unpatch() is False
     refusals = logs.matching(level=logging.ERROR)
     assert len(refusals) == 1
     assert "cannot remove our wrapper" in refusals[0].getMessage()
     assert "AFDNPUFFNModelRunner._ffn_forward" in refusals[0].getMessage()
-    assert [r.spec.qualname for r in ENGINE.installer.stuck] == ["AFDNPUFFNModelRunner._ffn_forward"]
-    assert not ENGINE.is_applied()
+    assert [r.spec.qualname for r in LAYER.engine.installer.stuck] == ["AFDNPUFFNModelRunner._ffn_forward"]
+    assert not LAYER.engine.is_applied()
     assert vars(runner_cls)["_ffn_forward"] is foreign
     # Still works: ours passes straight through (serial path, compute stream only).
     out, streams = run_traced(world)
     assert_same(out, reference)
     assert streams <= {"C"} and calls
     # The other targets were removed.
-    assert not ENGINE.is_ours(vars(type(world.connector))["recv_attn_output"])
+    assert not LAYER.engine.is_ours(vars(type(world.connector))["recv_attn_output"])
 
     # Re-apply takes the stuck wrapper back instead of wrapping twice.
-    ENGINE.apply(config=CFG)
+    LAYER.engine.apply(config=CFG)
     assert count_our_wrappers(vars(runner_cls)["_ffn_forward"]) == 1
-    assert ENGINE.installer.stuck == []
+    assert LAYER.engine.installer.stuck == []
     assert engine_states()["_ffn_forward"] is TargetState.WRAPPED
     out, streams = run_traced(world)
     assert_same(out, reference)
@@ -252,34 +252,34 @@ def test_non_wrapt_wrapper_on_top_is_a_clear_refusal_that_breaks_nothing(
 
     # Once the foreign wrapper is gone, unpatch restores the original exactly.
     runner_cls._ffn_forward = ours
-    assert ENGINE.unpatch() is True
+    assert LAYER.engine.unpatch() is True
     assert vars(runner_cls)["_ffn_forward"] is original
-    assert ENGINE.installer.stuck == []
+    assert LAYER.engine.installer.stuck == []
 
 
 def test_stuck_wrapper_is_removed_by_a_later_unpatch_once_unblocked(world: Any) -> None:
     runner_cls = type(world.runner)
     original = vars(runner_cls)["_ffn_forward"]
-    ENGINE.apply(config=CFG)
+    LAYER.engine.apply(config=CFG)
     ours = vars(runner_cls)["_ffn_forward"]
     runner_cls._ffn_forward = functools.wraps(ours)(lambda self, *a, **k: ours.__get__(self)(*a, **k))
-    assert ENGINE.unpatch() is False and len(ENGINE.installer.stuck) == 1
+    assert LAYER.engine.unpatch() is False and len(LAYER.engine.installer.stuck) == 1
     runner_cls._ffn_forward = ours  # the third party went away
-    assert ENGINE.unpatch() is True
-    assert ENGINE.installer.stuck == [] and vars(runner_cls)["_ffn_forward"] is original
+    assert LAYER.engine.unpatch() is True
+    assert LAYER.engine.installer.stuck == [] and vars(runner_cls)["_ffn_forward"] is original
 
 
 def test_attribute_replaced_wholesale_is_left_alone() -> None:
     cls = import_targets()["CAMP2pAFDConnector"]
-    ENGINE.apply(config=CFG)
+    LAYER.engine.apply(config=CFG)
 
     def replacement(self: Any, ffn_output: Any, context: Any, **kwargs: Any) -> None:
         return None
 
     cls.send_ffn_output = replacement
-    assert ENGINE.unpatch() is True
+    assert LAYER.engine.unpatch() is True
     assert vars(cls)["send_ffn_output"] is replacement
-    assert ENGINE.installer.stuck == []
+    assert LAYER.engine.installer.stuck == []
 
 
 # ---------------------------------------------------------------------------
@@ -340,15 +340,15 @@ def test_changed_or_missing_target_refuses_that_module_only(variant: str, when: 
     other = CONNECTOR if modname == RUNNER else RUNNER
     if when == "imported-after-apply":
         standins.install()
-        ENGINE.apply(config=CFG)
+        LAYER.engine.apply(config=CFG)
     module = _variant_module(modname, old, new)
     snap = {n: dict(vars(c)) for n, c in vars(module).items() if isinstance(c, type) and c.__module__ == modname}
     funcs = {n: f for n, f in vars(module).items() if callable(f)}
     if when == "imported-before-apply":
-        report = ENGINE.apply(config=CFG)
+        report = LAYER.engine.apply(config=CFG)
     else:
         wrapt.notify_module_loaded(module)  # what the import system does for a real import
-        report = ENGINE.status()
+        report = LAYER.engine.status()
     try:
         assert report.applied
         refused = {t.target: t.reason for t in report.refused}
@@ -362,14 +362,14 @@ def test_changed_or_missing_target_refuses_that_module_only(variant: str, when: 
             assert now.keys() == entries.keys()
             assert all(now[k] is v for k, v in entries.items()), n
         assert all(vars(module)[n] is f for n, f in funcs.items())
-        assert ENGINE.stack_complete() is not None
+        assert LAYER.engine.stack_complete() is not None
         # The other module is still wrapped when it is imported.
         importlib.import_module(other)
-        other_states = {t.target: t.state for t in ENGINE.status().targets if t.target.startswith(other)}
+        other_states = {t.target: t.state for t in LAYER.engine.status().targets if t.target.startswith(other)}
         assert set(other_states.values()) <= {TargetState.WRAPPED, TargetState.CHECKED}
-        assert culprit in str(ENGINE.status())
+        assert culprit in str(LAYER.engine.status())
     finally:
-        ENGINE.unpatch()
+        LAYER.engine.unpatch()
         sys.modules.pop(modname, None)
 
 
@@ -379,23 +379,23 @@ def test_strict_refusal_raises_and_leaves_nothing_wrapped() -> None:
         runner_cls = import_targets()["AFDNPUFFNModelRunner"]
         before = dict(vars(runner_cls))
         with pytest.raises(PatchRefused, match="recv_attn_output"):
-            ENGINE.apply(config=CFG, strict=True)
-        assert not ENGINE.is_applied()
+            LAYER.engine.apply(config=CFG, strict=True)
+        assert not LAYER.engine.is_applied()
         assert all(vars(runner_cls)[k] is v for k, v in before.items())
-        assert not ENGINE.is_ours(vars(module.CAMP2pAFDConnector)["send_ffn_output"])
+        assert not LAYER.engine.is_ours(vars(module.CAMP2pAFDConnector)["send_ffn_output"])
     finally:
         sys.modules.pop(CONNECTOR, None)
 
 
 def test_missing_class_refuses_module() -> None:
     standins.install()
-    ENGINE.apply(config=CFG)
+    LAYER.engine.apply(config=CFG)
     module = types.ModuleType(CONNECTOR)
     module.SomethingElse = type("SomethingElse", (), {})
     sys.modules[CONNECTOR] = module
     try:
         wrapt.notify_module_loaded(module)
-        reasons = {t.target.rsplit(".", 1)[-1]: t.reason for t in ENGINE.status().refused}
+        reasons = {t.target.rsplit(".", 1)[-1]: t.reason for t in LAYER.engine.status().refused}
         assert set(reasons) == {"recv_attn_output", "send_ffn_output"}
         assert "'CAMP2pAFDConnector' not found" in reasons["recv_attn_output"]
     finally:
@@ -438,7 +438,7 @@ def synthetic() -> Iterator[tuple[str, types.ModuleType]]:
     module = types.ModuleType(name)
     exec(compile(textwrap.dedent(SYNTHETIC_SOURCE), f"<{name}>", "exec"), module.__dict__)
     yield name, module
-    ENGINE.unpatch()
+    LAYER.engine.unpatch()
     sys.modules.pop(name, None)
 
 
@@ -453,23 +453,23 @@ def test_synthetic_static_and_class_methods_wrapped_and_restored_exactly(
     assert isinstance(snap["static"], staticmethod) and isinstance(snap["klass"], classmethod)
     if when == "imported-before-apply":
         sys.modules[name] = module
-        ENGINE.apply(config=CFG, manifest=man, strict=True)
+        LAYER.engine.apply(config=CFG, manifest=man, strict=True)
     else:
-        ENGINE.apply(config=CFG, manifest=man, strict=True)
-        assert {t.state for t in ENGINE.status().targets} == {TargetState.NOT_IMPORTED}
+        LAYER.engine.apply(config=CFG, manifest=man, strict=True)
+        assert {t.state for t in LAYER.engine.status().targets} == {TargetState.NOT_IMPORTED}
         sys.modules[name] = module
         wrapt.notify_module_loaded(module)
-    assert {t.state for t in ENGINE.status().targets} == {TargetState.WRAPPED}
+    assert {t.state for t in LAYER.engine.status().targets} == {TargetState.WRAPPED}
     for attr in ("static", "klass", "plain"):
         entry = vars(target)[attr]
-        assert ENGINE.is_ours(entry) and count_our_wrappers(entry) == 1
+        assert LAYER.engine.is_ours(entry) and count_our_wrappers(entry) == 1
         assert entry.__wrapped__ is snap[attr]  # the raw descriptor is what we wrapped
     assert vars(sub).keys() == sub_snap.keys()  # nothing on the subclass
     # Behaviour unchanged through every access path.
     assert target.static(3) == ("static", 3) and target().static(ubatch_idx=4) == ("static", 4)
     assert target.klass(5) == ("klass", "Target", 5) and sub.klass(6) == ("klass", "Sub", 6)
     assert sub().klass(7) == ("klass", "Sub", 7) and sub().plain(8) == ("plain", 8)
-    assert ENGINE.unpatch() is True
+    assert LAYER.engine.unpatch() is True
     assert dict(vars(target)).keys() == snap.keys()
     assert all(vars(target)[k] is v for k, v in snap.items())
     assert dict(vars(sub)) == sub_snap
@@ -482,12 +482,12 @@ def test_synthetic_module_function_is_wrapped_without_an_instance_and_restored(
     name, module = synthetic
     raw = vars(module)["free"]
     sys.modules[name] = module
-    ENGINE.apply(config=CFG, manifest=synthetic_manifest(name, [("free", None)]), strict=True)
-    assert {t.state for t in ENGINE.status().targets} == {TargetState.WRAPPED}
+    LAYER.engine.apply(config=CFG, manifest=synthetic_manifest(name, [("free", None)]), strict=True)
+    assert {t.state for t in LAYER.engine.status().targets} == {TargetState.WRAPPED}
     entry = vars(module)["free"]
-    assert ENGINE.is_ours(entry) and entry.__wrapped__ is raw
+    assert LAYER.engine.is_ours(entry) and entry.__wrapped__ is raw
     assert module.free(ubatch_idx=3) == ("free", 3) and module.free(4) == ("free", 4)
-    assert ENGINE.unpatch() is True
+    assert LAYER.engine.unpatch() is True
     assert vars(module)["free"] is raw
 
 
@@ -496,14 +496,14 @@ def test_synthetic_inherited_method_is_refused_and_module_untouched(synthetic: t
     man = synthetic_manifest(name, [("Target.static", None), ("Target.inherited", "self")])
     snap, base_snap = dict(vars(module.Target)), dict(vars(module.Base))
     sys.modules[name] = module
-    report = ENGINE.apply(config=CFG, manifest=man)
+    report = LAYER.engine.apply(config=CFG, manifest=man)
     reasons = {t.target.rsplit(".", 1)[-1]: t.reason for t in report.refused}
     assert set(reasons) == {"static", "inherited"}
     assert "only inherited" in reasons["inherited"]
     assert "Target.inherited" in reasons["static"]
     assert dict(vars(module.Target)) == snap and all(vars(module.Target)[k] is v for k, v in snap.items())
     assert dict(vars(module.Base)) == base_snap
-    assert ENGINE.installer.records == {}
+    assert LAYER.engine.installer.records == {}
 
 
 def test_wrapping_failure_half_way_rolls_the_module_back(synthetic: tuple[str, types.ModuleType]) -> None:
@@ -525,16 +525,16 @@ def test_wrapping_failure_half_way_rolls_the_module_back(synthetic: tuple[str, t
     snap = dict(vars(module.Guarded))
     man = synthetic_manifest(name, [("Guarded.first", "self"), ("Guarded.second", "self")])
     sys.modules[name] = module
-    report = ENGINE.apply(config=CFG, manifest=man)
+    report = LAYER.engine.apply(config=CFG, manifest=man)
     reasons = {t.target.rsplit(".", 1)[-1]: t.reason for t in report.refused}
     assert set(reasons) == {"first", "second"}
     assert "wrapping failed: TypeError: second is read-only" in reasons["second"]
     assert dict(vars(module.Guarded)).keys() == snap.keys()
     assert all(vars(module.Guarded)[k] is v for k, v in snap.items())  # 'first' was unwrapped again
-    assert ENGINE.installer.records == {} and ENGINE.installer.stuck == []
+    assert LAYER.engine.installer.records == {} and LAYER.engine.installer.stuck == []
     with pytest.raises(PatchRefused, match="second is read-only"):
-        ENGINE.unpatch()
-        ENGINE.apply(config=CFG, manifest=man, strict=True)
+        LAYER.engine.unpatch()
+        LAYER.engine.apply(config=CFG, manifest=man, strict=True)
     assert vars(module.Guarded)["first"] is snap["first"]
 
 
@@ -544,14 +544,14 @@ def test_one_log_line_when_every_target_is_settled(logs: PackageLogs) -> None:
     import os
 
     standins.install()
-    ENGINE.apply(config=CFG)
-    ENGINE.apply(config=CFG)
+    LAYER.engine.apply(config=CFG)
+    LAYER.engine.apply(config=CFG)
     assert logs.matching("pid=") == []  # nothing settled yet
     importlib.import_module(RUNNER)
     assert logs.matching("pid=") == []  # one module still to come
     importlib.import_module(CONNECTOR)
-    ENGINE.apply(config=CFG)
-    ENGINE.status()
+    LAYER.engine.apply(config=CFG)
+    LAYER.engine.status()
     lines = logs.matching("pid=")
     assert len(lines) == 1
     msg = lines[0].getMessage()
@@ -566,9 +566,9 @@ def test_one_log_line_when_every_target_is_settled(logs: PackageLogs) -> None:
 def test_one_log_line_on_refusal(logs: PackageLogs) -> None:
     _variant_module(CONNECTOR, *VARIANTS["recv-lost-kwargs"][1:3])
     try:
-        ENGINE.apply(config=CFG)
+        LAYER.engine.apply(config=CFG)
         importlib.import_module(RUNNER)
-        ENGINE.status()
+        LAYER.engine.status()
         lines = logs.matching("pid=")
         assert len(lines) == 1 and lines[0].levelno == logging.WARNING
         msg = lines[0].getMessage()
@@ -579,7 +579,7 @@ def test_one_log_line_on_refusal(logs: PackageLogs) -> None:
 
 def test_report_serialises_every_target() -> None:
     import_targets()
-    report = ENGINE.apply(config=CFG)
+    report = LAYER.engine.apply(config=CFG)
     d = report.to_dict()
     assert d["applied"] is True and d["engaged"] is True and d["stack"] == "vllm-0.19.1"
     assert d["vllm_version"] == "0.19.1" and d["wrapt_version"] == wrapt.__version__

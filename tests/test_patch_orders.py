@@ -45,8 +45,8 @@ from _patch_util import (
 )
 from conftest import run_python
 
-from camp2p_overlap.core.process import ENGINE
-from camp2p_overlap.core.report import TargetState
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.patching.status_report import TargetState
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.faults import run_step_bounded
 from camp2p_overlap.emulation.world import World
@@ -62,7 +62,7 @@ CHILD = """
 import importlib, json, sys, types
 import wrapt
 import camp2p_overlap
-from camp2p_overlap.core.process import ENGINE
+from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.emulation import standins
 
 RUNNER = "afd_plugin.v1.worker.npu.ffn_model_runner"
@@ -92,8 +92,8 @@ def snapshot(step, result):
         entry = vars(getattr(sys.modules[mod], cname))[attr]
         # "ours": count_our_wrappers() of tests/_overlap_util.py, inline (no test helpers here)
         snap["targets"][attr] = {
-            "ours": sum(1 for e in wrapt.wrapper_chain(entry) if ENGINE.is_ours(e)),
-            "outer_is_ours": ENGINE.is_ours(entry),
+            "ours": sum(1 for e in wrapt.wrapper_chain(entry) if LAYER.engine.is_ours(e)),
+            "outer_is_ours": LAYER.engine.is_ours(entry),
             "plain_function": isinstance(entry, types.FunctionType) and not hasattr(entry, "__wrapped__"),
             "is_original": attr in ORIGINAL and entry is ORIGINAL[attr],
         }
@@ -230,7 +230,7 @@ def test_fork_child_inherits_exactly_one_wrapper() -> None:
     code = """
     import importlib, os, sys, wrapt
     import camp2p_overlap
-    from camp2p_overlap.core.process import ENGINE
+    from camp2p_overlap.core.layer import LAYER
     from camp2p_overlap.emulation import standins
     standins.install()
     camp2p_overlap.apply()
@@ -238,7 +238,7 @@ def test_fork_child_inherits_exactly_one_wrapper() -> None:
     runner = importlib.import_module("afd_plugin.v1.worker.npu.ffn_model_runner").AFDNPUFFNModelRunner
 
     def count():  # count_our_wrappers() of tests/_overlap_util.py, inline (no test helpers here)
-        return [sum(1 for e in wrapt.wrapper_chain(vars(c)[a]) if ENGINE.is_ours(e))
+        return [sum(1 for e in wrapt.wrapper_chain(vars(c)[a]) if LAYER.engine.is_ours(e))
                 for c, a in ((runner, "_ffn_forward"), (conn, "recv_attn_output"), (conn, "send_ffn_output"))]
 
     pid = os.fork()
@@ -264,7 +264,9 @@ def _child(q: Any, env: dict[str, str], ref: dict, step: int) -> None:
         os.environ.update(env)
         torch.set_num_threads(1)
         from camp2p_overlap.core import plugin
-        from camp2p_overlap.core.process import ENGINE as engine
+        from camp2p_overlap.core.layer import LAYER
+
+        engine = LAYER.engine
         from camp2p_overlap.emulation.moe import MoEShape
         from camp2p_overlap.emulation.world import WorldSpec, build_world
 
@@ -315,7 +317,7 @@ def test_entry_point_in_forked_and_spawned_children_patches_exactly_once(make_wo
     w = make_world(layers=3, stage_ids=(0, 1), tokens=8)
     ref = _serial_refs(w, range(7, 8))[7]
     # The parent is patched and has imported the targets (fork children inherit it).
-    assert ENGINE.apply(config=CFG, strict=True).engaged
+    assert LAYER.engine.apply(config=CFG, strict=True).engaged
     env = {"VLLM_CAMP2P_MULTISTREAM": "1", "VLLM_CAMP2P_MULTISTREAM_BACKEND": "cpu"}
     ctx = mp.get_context(method)
     q = ctx.Queue()
@@ -338,7 +340,7 @@ def test_entry_point_in_forked_and_spawned_children_patches_exactly_once(make_wo
     assert res["unpatched"] is True
     assert p.exitcode == 0
     # The parent is unaffected by what the child did.
-    assert ENGINE.status().engaged
+    assert LAYER.engine.status().engaged
     assert all(count_our_wrappers(v) == 1 for v in raw_targets().values())
 
 
@@ -357,10 +359,10 @@ def test_concurrent_apply_and_unpatch_leave_a_consistent_state(make_world: Any) 
             barrier.wait(timeout=10)
             for j in range(30):
                 if (i + j) % 3:
-                    ENGINE.apply(config=CFG)
+                    LAYER.engine.apply(config=CFG)
                 else:
-                    ENGINE.unpatch(timeout=10)
-                ENGINE.status()
+                    LAYER.engine.unpatch(timeout=10)
+                LAYER.engine.status()
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -373,12 +375,12 @@ def test_concurrent_apply_and_unpatch_leave_a_consistent_state(make_world: Any) 
         assert not any(t.is_alive() for t in threads), "apply/unpatch threads hung"
         assert errors == []
         if final == "applied":
-            ENGINE.apply(config=CFG)
+            LAYER.engine.apply(config=CFG)
         else:
-            ENGINE.unpatch()
-        if ENGINE.is_applied():
+            LAYER.engine.unpatch()
+        if LAYER.engine.is_applied():
             assert_wrapped_once()
-            assert ENGINE.status().engaged
+            assert LAYER.engine.status().engaged
             _, streams = run_traced(world)
             assert {"K0", "K1"} <= streams
         else:
@@ -386,10 +388,10 @@ def test_concurrent_apply_and_unpatch_leave_a_consistent_state(make_world: Any) 
                 assert vars(cls[c])[a] is original
             for n, c in cls.items():
                 assert all(vars(c)[k] is v for k, v in snap[n].items())
-        assert ENGINE.installer.stuck == []
+        assert LAYER.engine.installer.stuck == []
         # Either way the layer is in one of the two whole states.
-        wrapped = [ENGINE.is_ours(vars(cls[c])[a]) for _, c, a in WRAPPED]
-        assert all(wrapped) == ENGINE.is_applied() and any(wrapped) == ENGINE.is_applied()
+        wrapped = [LAYER.engine.is_ours(vars(cls[c])[a]) for _, c, a in WRAPPED]
+        assert all(wrapped) == LAYER.engine.is_applied() and any(wrapped) == LAYER.engine.is_applied()
 
 
 def test_apply_while_another_thread_is_importing_the_target(tmp_path: Any, monkeypatch: Any) -> None:
@@ -424,12 +426,12 @@ def test_apply_while_another_thread_is_importing_the_target(tmp_path: Any, monke
             ev_go.clear()
             sys.modules.pop(name, None)
             if hook_first:  # a hook from an earlier apply() is pending
-                ENGINE.apply(config=CFG, manifest=man)
-                ENGINE.unpatch()
+                LAYER.engine.apply(config=CFG, manifest=man)
+                LAYER.engine.unpatch()
             importer = threading.Thread(target=lambda: result.append(importlib.import_module(name)), daemon=True)
             importer.start()
             assert ev_started.wait(10)
-            report = ENGINE.apply(config=CFG, manifest=man)
+            report = LAYER.engine.apply(config=CFG, manifest=man)
             assert report.refused == ()
             assert {t.state for t in report.targets} == {TargetState.NOT_IMPORTED}
             ev_go.set()
@@ -438,17 +440,17 @@ def test_apply_while_another_thread_is_importing_the_target(tmp_path: Any, monke
             if not hook_first:
                 # No hook saw the import. status() only reads (and says so);
                 # refresh() is the explicit step that wraps the module.
-                seen = ENGINE.status().targets
+                seen = LAYER.engine.status().targets
                 assert {t.state for t in seen} == {TargetState.NOT_IMPORTED}
                 assert all("imported while apply() ran" in t.reason for t in seen)
                 assert count_our_wrappers(vars(result[0].Target)["plain"]) == 0
-                ENGINE.refresh()
-            assert {t.state for t in ENGINE.status().targets} == {TargetState.WRAPPED}
+                LAYER.engine.refresh()
+            assert {t.state for t in LAYER.engine.status().targets} == {TargetState.WRAPPED}
             assert count_our_wrappers(vars(result[0].Target)["plain"]) == 1
-            assert ENGINE.unpatch() is True
+            assert LAYER.engine.unpatch() is True
     finally:
         ev_go.set()
-        ENGINE.unpatch()
+        LAYER.engine.unpatch()
         sys.modules.pop(name, None)
         sys.modules.pop(gate, None)
 
@@ -483,7 +485,7 @@ class CommThreads:
 
 
 def _serial_refs(world: World, steps: range) -> dict[int, dict]:
-    assert not ENGINE.is_applied()
+    assert not LAYER.engine.is_applied()
     refs = {}
     for n in steps:
         out = run_step_bounded(world, n, STEP_BOUND_S)
@@ -526,9 +528,9 @@ def test_apply_unpatch_storm_while_steps_run(make_world) -> None:
         try:
             while not stop.is_set():
                 if rng.random() < 0.5:
-                    ENGINE.apply(config=CFG)
+                    LAYER.engine.apply(config=CFG)
                 else:
-                    unpatch_results.append(ENGINE.unpatch(timeout=10))
+                    unpatch_results.append(LAYER.engine.unpatch(timeout=10))
                 time.sleep(rng.uniform(0, 0.004))
         except BaseException:  # noqa: BLE001 - reported below
             errors.append(traceback.format_exc())
@@ -574,11 +576,11 @@ def test_apply_unpatch_storm_while_steps_run(make_world) -> None:
 
     # Whatever state the storm left: consistent. Applied means each target
     # carries exactly one of our wrappers; after unpatch, the exact originals.
-    if ENGINE.is_applied():
-        assert ENGINE.status().engaged
+    if LAYER.engine.is_applied():
+        assert LAYER.engine.status().engaged
         for key, obj in raw_targets().items():
             assert count_our_wrappers(obj) == 1, key
-    assert ENGINE.unpatch(timeout=10)
+    assert LAYER.engine.unpatch(timeout=10)
     assert raw_targets() == originals and all(raw_targets()[k] is originals[k] for k in originals)
     assert not [t for t in threading.enumerate() if t.name.startswith("camp2p-overlap-stream-")]
 
@@ -588,7 +590,7 @@ def test_unpatch_waits_for_the_active_step_and_new_steps_run_original(make_world
     other = make_world(layers=2, stage_ids=(0, 1), tokens=8, seed=5)
     ref = _serial_refs(w, range(4, 5))[4]
     ref_other = _serial_refs(other, range(6, 7))[6]
-    assert ENGINE.apply(config=CFG, strict=True).engaged
+    assert LAYER.engine.apply(config=CFG, strict=True).engaged
     gate = Gate(w, layer=1, stage=0)
     events: list[str] = []
     box: dict[str, Any] = {}
@@ -598,8 +600,8 @@ def test_unpatch_waits_for_the_active_step_and_new_steps_run_original(make_world
         events.append("step done")
 
     def unpatch() -> None:
-        box["unpatch"] = ENGINE.unpatch(timeout=20)
-        box["running_when_unpatch_returned"] = ENGINE.gate.running()
+        box["unpatch"] = LAYER.engine.unpatch(timeout=20)
+        box["running_when_unpatch_returned"] = LAYER.engine.gate.running()
         events.append("unpatch returned")
 
     st = threading.Thread(target=step, name="stepper")
@@ -610,9 +612,9 @@ def test_unpatch_waits_for_the_active_step_and_new_steps_run_original(make_world
     # While unpatch() waits for the step, a new step (another runner, another
     # thread) runs the original code, with no side stream.
     deadline = time.monotonic() + 10
-    while not ENGINE.gate.draining and time.monotonic() < deadline:
+    while not LAYER.engine.gate.draining and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert ENGINE.gate.draining and ut.is_alive() and ENGINE.is_applied()
+    assert LAYER.engine.gate.draining and ut.is_alive() and LAYER.engine.is_applied()
     comm = CommThreads(other)
     out_other = run_step_bounded(other, 6, STEP_BOUND_S)
     assert out_other.error is None
@@ -628,7 +630,7 @@ def test_unpatch_waits_for_the_active_step_and_new_steps_run_original(make_world
     # thread's append), not of the layer.
     assert sorted(events) == ["step done", "unpatch returned"]
     assert box["running_when_unpatch_returned"] == 0, "unpatch() returned while a wrapped step was running"
-    assert box["unpatch"] is True and not ENGINE.is_applied()
+    assert box["unpatch"] is True and not LAYER.engine.is_applied()
     assert box["step"].error is None
     assert_same(box["step"].results, ref)
 
@@ -636,17 +638,17 @@ def test_unpatch_waits_for_the_active_step_and_new_steps_run_original(make_world
 def test_unpatch_timeout_refuses_cleanly_and_leaves_the_layer_working(make_world, logs) -> None:
     w = make_world(layers=3, stage_ids=(0, 1), tokens=8)
     refs = _serial_refs(w, range(2, 4))
-    assert ENGINE.apply(config=CFG, strict=True).engaged
+    assert LAYER.engine.apply(config=CFG, strict=True).engaged
     wrapped_before = raw_targets()
     gate = Gate(w, layer=0, stage=1)
     box: dict[str, Any] = {}
     st = threading.Thread(target=lambda: box.setdefault("out", run_step_bounded(w, 2, STEP_BOUND_S)))
     st.start()
     assert gate.entered.wait(STEP_BOUND_S)
-    assert ENGINE.unpatch(timeout=0.2) is False
+    assert LAYER.engine.unpatch(timeout=0.2) is False
     assert any("unpatch() refused: 1 step(s) still running after 0.2 s" in m for m in logs.messages), logs.messages
-    assert ENGINE.is_applied() and not ENGINE.gate.draining
-    assert ENGINE.status().engaged
+    assert LAYER.engine.is_applied() and not LAYER.engine.gate.draining
+    assert LAYER.engine.status().engaged
     assert all(raw_targets()[k] is wrapped_before[k] for k in wrapped_before)
     gate.release.set()
     st.join(STEP_BOUND_S)
@@ -658,21 +660,21 @@ def test_unpatch_timeout_refuses_cleanly_and_leaves_the_layer_working(make_world
     assert nxt.error is None
     assert_same(nxt.results, refs[3])
     assert comm.mode(3, "camp2p-test-step-3") == "wrapped"
-    assert ENGINE.unpatch(timeout=10) is True
+    assert LAYER.engine.unpatch(timeout=10) is True
 
 
 @pytest.mark.parametrize("stages", [(0, 1), (1,)], ids=["overlap-step", "serial-gate-step"])
 def test_unpatch_from_inside_a_step_on_the_same_thread_refuses(make_world, logs, stages) -> None:
     w = make_world(layers=3, stage_ids=stages, tokens=8)
     ref = _serial_refs(w, range(5, 6))[5]
-    assert ENGINE.apply(config=CFG, strict=True).engaged
+    assert LAYER.engine.apply(config=CFG, strict=True).engaged
     inner = w.runner.model
     calls: list[bool] = []
 
     class Model:
         def compute_ffn_output(self, *, hidden_states: Any, layer_idx: int) -> Any:
             if layer_idx == 1 and not calls:
-                calls.append(ENGINE.unpatch(timeout=1))
+                calls.append(LAYER.engine.unpatch(timeout=1))
             return inner.compute_ffn_output(hidden_states=hidden_states, layer_idx=layer_idx)
 
     w.runner.model = Model()
@@ -683,8 +685,8 @@ def test_unpatch_from_inside_a_step_on_the_same_thread_refuses(make_world, logs,
     assert out.error is None
     assert_same(out.results, ref)
     assert comm.mode(5, "camp2p-test-step-5") == ("wrapped" if len(stages) > 1 else "original")
-    assert ENGINE.is_applied()
-    assert ENGINE.unpatch(timeout=10) is True
+    assert LAYER.engine.is_applied()
+    assert LAYER.engine.unpatch(timeout=10) is True
 
 
 # ---------------------------------------------------------------------------
@@ -701,7 +703,7 @@ def test_reload_of_the_runner_module(make_world) -> None:
     runner_mod = w_old.modules[0]
     old_cls = runner_mod.AFDNPUFFNModelRunner
     old_raw = vars(old_cls)["_ffn_forward"]
-    assert ENGINE.apply(config=CFG, strict=True).engaged
+    assert LAYER.engine.apply(config=CFG, strict=True).engaged
     assert count_our_wrappers(vars(old_cls)["_ffn_forward"]) == 1
 
     importlib.reload(runner_mod)
@@ -718,11 +720,11 @@ def test_reload_of_the_runner_module(make_world) -> None:
     assert_same(out.results, refs[1])
     assert comm.mode(1, "camp2p-test-step-1") == "original"
 
-    stale = ENGINE.status()  # status() reports the reload, and only reads
+    stale = LAYER.engine.status()  # status() reports the reload, and only reads
     assert not stale.engaged and "module reloaded since it was wrapped" in str(stale)
     assert count_our_wrappers(vars(new_cls)["_ffn_forward"]) == 0
-    ENGINE.refresh()  # the explicit step (apply() and every wrapped step take it too)
-    report = ENGINE.status()
+    LAYER.engine.refresh()  # the explicit step (apply() and every wrapped step take it too)
+    report = LAYER.engine.status()
     assert report.engaged
     assert count_our_wrappers(vars(new_cls)["_ffn_forward"]) == 1
     assert vars(new_cls)["_ffn_forward"].__wrapped__ is new_raw
@@ -739,7 +741,7 @@ def test_reload_of_the_runner_module(make_world) -> None:
     assert_same(out.results, refs[3])
     assert comm_old.mode(3, "camp2p-test-step-3") == "original"
 
-    assert ENGINE.unpatch(timeout=10)
+    assert LAYER.engine.unpatch(timeout=10)
     assert vars(new_cls)["_ffn_forward"] is new_raw
     assert vars(old_cls)["_ffn_forward"] is old_raw
 
@@ -753,16 +755,16 @@ def test_reimport_of_the_target_modules(make_world) -> None:
     refs = _serial_refs(w1, range(1, 3))
     first_raw = raw_targets()
     first_owners = {(cls, attr): getattr(importlib.import_module(mod), cls) for mod, cls, attr in WRAPPED}
-    assert ENGINE.apply(config=CFG, strict=True).engaged
+    assert LAYER.engine.apply(config=CFG, strict=True).engaged
     assert all(count_our_wrappers(v) == 1 for v in raw_targets().values())
     standins.uninstall(standins.REAL_ROOT)
     w2 = make_world(layers=2, stage_ids=(0, 2), tokens=8)  # imports the stand-ins again
     assert type(w2.runner) is not type(w1.runner)
     fresh = raw_targets()
     assert all(count_our_wrappers(v) == 0 for v in fresh.values())  # no hook fired for the re-import
-    assert not ENGINE.status().engaged  # status() sees it and changes nothing
+    assert not LAYER.engine.status().engaged  # status() sees it and changes nothing
     assert all(count_our_wrappers(v) == 0 for v in fresh.values())
-    assert ENGINE.apply(config=CFG, strict=True).engaged  # apply() on an applied engine refreshes
+    assert LAYER.engine.apply(config=CFG, strict=True).engaged  # apply() on an applied engine refreshes
     assert all(count_our_wrappers(v) == 1 for v in raw_targets().values())
     # The first import's classes got their exact originals back.
     assert all(vars(first_owners[k])[k[1]] is first_raw[k] for k in first_raw)
@@ -771,6 +773,6 @@ def test_reimport_of_the_target_modules(make_world) -> None:
     assert out.error is None
     assert_same(out.results, refs[1])
     assert comm.mode(1, "camp2p-test-step-1") == "wrapped"
-    assert ENGINE.unpatch(timeout=10)
+    assert LAYER.engine.unpatch(timeout=10)
     after = raw_targets()
     assert all(after[k] is fresh[k] for k in fresh)

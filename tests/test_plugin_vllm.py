@@ -18,7 +18,7 @@ from conftest import REPO, run_python
 import camp2p_overlap
 from camp2p_overlap.core import plugin
 from camp2p_overlap.core.config import ENV_BACKEND, ENV_STRICT, ENV_SWITCH, ENV_VARS
-from camp2p_overlap.core.process import ENGINE
+from camp2p_overlap.core.layer import LAYER
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -74,7 +74,7 @@ def test_register_never_raises_when_apply_breaks(clean_env: pytest.MonkeyPatch) 
         raise RuntimeError("engine exploded")
 
     clean_env.setenv(ENV_SWITCH, "1")
-    clean_env.setattr(ENGINE, "apply", boom)
+    clean_env.setattr(LAYER.engine, "apply", boom)
     plugin.register()  # logged, swallowed
     clean_env.setenv(ENV_STRICT, "1")
     with pytest.raises(RuntimeError, match="engine exploded"):
@@ -229,7 +229,8 @@ def test_vllm_loader_runs_our_entry_point(
 
 ENGAGED_STEP = """
 import torch
-from camp2p_overlap.core import trace
+from camp2p_overlap.core.observe import trace
+from camp2p_overlap.verify import edges
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.world import WorldSpec, build_world
@@ -246,7 +247,7 @@ with trace.recording() as rec:
 (step,) = rec.steps()
 ops = rec.ops(step)
 layers = tuple(w.layer_list())
-check = trace.check_step(ops, trace.ExpectedSchedule(layers, (0, 1), True, True))
+check = edges.check_step(ops, trace.ExpectedSchedule(layers, (0, 1), True, True))
 emit({
     "stack": st.stack,
     "engaged": st.engaged,

@@ -26,19 +26,20 @@ from _overlap_util import (
 from conftest import PackageLogs
 
 import camp2p_overlap
-from camp2p_overlap.core import camp2p, config
+from camp2p_overlap.core import config
 from camp2p_overlap.core.config import ENV_MODE, ConfigError, OverlapConfig, load_config
-from camp2p_overlap.core.process import ENGINE
-from camp2p_overlap.core.rollout import rung
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.overlap import camp2p
+from camp2p_overlap.core.overlap.rollout import rung
 from camp2p_overlap.emulation.coupled import couple_stages
 from camp2p_overlap.emulation.faults import run_step_bounded
 from camp2p_overlap.emulation.world import PeerTimeoutError, ProtocolError, World
 
 
 def _apply(**overrides: Any) -> None:
-    ENGINE.unpatch(timeout=10)
+    LAYER.engine.unpatch(timeout=10)
     overrides.setdefault("adaptive", False)
-    report = ENGINE.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", **overrides))
+    report = LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", **overrides))
     assert report.engaged, str(report)
 
 
@@ -89,11 +90,11 @@ def test_mode_values_and_default() -> None:
 def test_bad_mode_makes_apply_refuse_not_raise(logs: PackageLogs, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(config.ENV_SWITCH, "1")
     monkeypatch.setenv(ENV_MODE, "turbo")
-    report = ENGINE.apply()
-    assert not report.applied and not ENGINE.is_applied()
+    report = LAYER.engine.apply()
+    assert not report.applied and not LAYER.engine.is_applied()
     assert any(ENV_MODE in m and "'turbo'" in m for m in logs.texts(level=40)), logs.messages
     with pytest.raises(ConfigError, match="turbo"):
-        ENGINE.apply(strict=True)
+        LAYER.engine.apply(strict=True)
 
 
 def test_rungs() -> None:

@@ -30,18 +30,20 @@ from _overlap_util import (
 )
 from conftest import PackageLogs
 
-from camp2p_overlap.core import camp2p, trace
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.process import ENGINE, RUNTIME
-from camp2p_overlap.core.session import (
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.observe import trace
+from camp2p_overlap.core.overlap import camp2p
+from camp2p_overlap.core.overlap.session import (
     Directions,
     OverlapSession,
     ScheduleMismatchError,
     StepPlan,
 )
-from camp2p_overlap.core.streams import CpuBackend
-from camp2p_overlap.core.streams.streamset import StreamSet
+from camp2p_overlap.core.overlap.streams import CpuBackend
+from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.emulation.world import LinkModel, ProtocolError
+from camp2p_overlap.verify import edges
 
 # ---------------------------------------------------------------------------
 # The overlap itself
@@ -68,14 +70,14 @@ def test_two_stages_eight_layers_overlap_in_the_trace() -> None:
             got = bounded(lambda sched=sched: run_step(w, sched))
         assert_same(got, ref)
         ops = rec.ops(rec.steps()[0])
-        res = trace.check_step(ops, trace.ExpectedSchedule(tuple(range(8)), (0, 1), True, True))
+        res = edges.check_step(ops, trace.ExpectedSchedule(tuple(range(8)), (0, 1), True, True))
         assert res.ok, str(res)
         op = by_key(ops)
         for L in range(8):
             assert op["a2e", L, 1].stream == "K1" and op["e2a", L, 0].stream == "K0"
         missed = [
-            f"A2E({L},1)/FFN({L},0)" for L in range(1, 8) if not trace.overlaps(op["a2e", L, 1], op["ffn", L, 0])
-        ] + [f"E2A({L},0)/FFN({L},1)" for L in range(1, 8) if not trace.overlaps(op["e2a", L, 0], op["ffn", L, 1])]
+            f"A2E({L},1)/FFN({L},0)" for L in range(1, 8) if not edges.overlaps(op["a2e", L, 1], op["ffn", L, 0])
+        ] + [f"E2A({L},0)/FFN({L},1)" for L in range(1, 8) if not edges.overlaps(op["e2a", L, 0], op["ffn", L, 1])]
         if not missed:
             break
     assert not missed, f"no overlap in the last of three steps for {missed}"
@@ -125,7 +127,7 @@ def test_stream_selection(monkeypatch: pytest.MonkeyPatch, case: str, direction:
     expected = session.expected_schedule()
     assert (expected.a2e_side, expected.e2a_side) == (a2e, e2a)
     ops = rec.ops(rec.steps()[0])
-    res = trace.check_step(ops, expected)
+    res = edges.check_step(ops, expected)
     assert res.ok, str(res)
     for o in ops:
         if o.kind == "a2e":
@@ -159,7 +161,7 @@ def test_serial_path_calls_the_original_with_every_op_on_c(monkeypatch: pytest.M
     calls = spy_forward(type(w.runner))
     apply_cpu()
     if why == "switched-off-at-runtime":
-        monkeypatch.setattr(ENGINE, "config", ENGINE.config.with_overrides(enabled=False))
+        monkeypatch.setattr(LAYER.engine, "config", LAYER.engine.config.with_overrides(enabled=False))
     sessions = SessionSpy(monkeypatch)
     with trace.recording() as rec:
         got = run_step(w, sched)
@@ -167,7 +169,7 @@ def test_serial_path_calls_the_original_with_every_op_on_c(monkeypatch: pytest.M
     assert sessions.count == 0
     assert len(calls) == 1 and calls[0]["session"] is None
     ops = rec.ops(rec.steps()[0])
-    assert trace.check_step(ops, trace.ExpectedSchedule.serial((0, 1, 2), stages)).ok
+    assert edges.check_step(ops, trace.ExpectedSchedule.serial((0, 1, 2), stages)).ok
     assert [(o.kind, o.layer, o.stage) for o in ops if o.kind in ("a2e", "ffn", "e2a")] == _serial_c_order(
         (0, 1, 2), stages
     )
@@ -178,7 +180,7 @@ def test_switched_off_at_apply_leaves_the_original_in_place() -> None:
     w = world(layers=2, stage_ids=(0, 1))
     cls = type(w.runner)
     raw = vars(cls)["_ffn_forward"]
-    report = ENGINE.apply(config=OverlapConfig(enabled=False, backend="cpu"))
+    report = LAYER.engine.apply(config=OverlapConfig(enabled=False, backend="cpu"))
     assert not report.applied
     assert vars(cls)["_ffn_forward"] is raw
     with trace.recording() as rec:
@@ -222,7 +224,7 @@ def test_no_a2e_is_issued_past_the_last_layer(monkeypatch: pytest.MonkeyPatch) -
     assert a2e_layers == [0, 0, 1, 1, 2, 2, 3, 3]
     assert max(L for k, L, _ in sessions.kept[0].issued_ops if k == "a2e") == 3
     # The guard matters: a session that does issue one fails the step.
-    monkeypatch.setattr(RUNTIME, "session_class", LookaheadPastTheEnd)
+    monkeypatch.setattr(LAYER.runtime, "session_class", LookaheadPastTheEnd)
     with pytest.raises(ProtocolError, match="stage 2: a2e for layer 4, attention sends layer None"):
         bounded(lambda: run_step(w, Schedule(4, (0, 2), (8, 8), step=2)))
 
@@ -264,7 +266,7 @@ def test_nothing_the_step_allocated_stays_referenced(monkeypatch: pytest.MonkeyP
     assert len(refs) == 3 * 9
     alive = [r() for r in refs if r() is not None]
     assert not alive, f"{len(alive)} tensors of the step are still referenced"
-    assert RUNTIME.active_session() is None
+    assert LAYER.runtime.active_session() is None
     assert sessions.count == 1 and sessions.refs[0]() is None, "the session outlived its step"
 
 

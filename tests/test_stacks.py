@@ -13,11 +13,11 @@ import pytest
 from _overlap_util import Schedule, apply_cpu, assert_same, run_step, serial_results, world, wrap_model
 from conftest import STACK_DISTS, use_stack
 
-from camp2p_overlap.core import trace
-from camp2p_overlap.core.manifest import available_stacks, load_manifest, signature_difference, signature_of
-from camp2p_overlap.core.process import ENGINE
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.observe import trace
+from camp2p_overlap.core.patching.manifest import available_stacks, load_manifest, signature_difference, signature_of
 from camp2p_overlap.emulation import standins
-from camp2p_overlap.emulation.engine import release_site, standin_site
+from camp2p_overlap.emulation.standin_layer import release_site, standin_site
 
 RUNNER = "afd_plugin.v1.worker.npu.ffn_model_runner"
 
@@ -105,7 +105,7 @@ def test_forward_context_per_step_or_per_layer_and_stage_and_the_overlap_keeps_i
         (step,) = rec.steps()
         side = {(o.kind, o.stream) for o in rec.ops(step) if o.kind in ("a2e", "e2a")}
         assert {k for k, _ in side} == {"a2e", "e2a"} and all(s != "C" for _, s in side), side
-        ENGINE.unpatch(timeout=10)
+        LAYER.engine.unpatch(timeout=10)
     pairs = [(layer, stage) for layer in range(3) for stage in (0, 1)]
     for calls in (serial_seen[: len(pairs)], seen):
         assert [(layer, stage) for layer, stage, _, _ in calls] == pairs
@@ -138,7 +138,7 @@ def test_a_runner_without_afd_config(stack: str) -> None:
                 outcomes.append(("ok", sorted(w.transport.results)))
             except AttributeError as exc:
                 outcomes.append(("AttributeError", str(exc)))
-        ENGINE.unpatch(timeout=10)
+        LAYER.engine.unpatch(timeout=10)
     assert outcomes[0] == outcomes[1]
     if stack == "vllm-0.26.0":
         assert outcomes[0][0] == "AttributeError" and "afd_config" in outcomes[0][1]

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from camp2p_overlap.core.streams import CpuBackend, StreamPoisonedError, make_backend, resolve_backend_name
-from camp2p_overlap.core.streams.cpu import CpuEvent, WorkerStream
+from camp2p_overlap.core.overlap.streams import CpuBackend, StreamPoisonedError, make_backend, resolve_backend_name
+from camp2p_overlap.core.overlap.streams.cpu import CpuEvent, WorkerStream
 
 
 @pytest.fixture
@@ -188,7 +188,7 @@ def test_backend_choice() -> None:
 
 
 def test_a_kernel_launched_on_the_compute_stream_runs_at_once(backend: CpuBackend) -> None:
-    from camp2p_overlap.core.streams.cpu import launch
+    from camp2p_overlap.core.overlap.streams.cpu import launch
 
     ran: list[str] = []
     h = backend.submit(backend.compute_stream(), lambda: launch(lambda: ran.append("kernel")) or ran.append("op"))
@@ -198,7 +198,7 @@ def test_a_kernel_launched_on_the_compute_stream_runs_at_once(backend: CpuBacken
 
 
 def test_a_failed_kernel_poisons_its_stream_after_the_value_is_out(backend: CpuBackend) -> None:
-    from camp2p_overlap.core.streams.cpu import launch
+    from camp2p_overlap.core.overlap.streams.cpu import launch
 
     k = backend.new_stream("K0")
     gate = threading.Event()

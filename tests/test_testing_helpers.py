@@ -16,8 +16,8 @@ import pytest
 from conftest import REPO
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.engine import PatchRefused
-from camp2p_overlap.core.process import ENGINE
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.patching.lifecycle import PatchRefused
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.testing import overlap_patched
 
@@ -41,10 +41,12 @@ def test_context_manager_applies_and_unpatches() -> None:
     runner, conn = _classes()
     snap = {runner: dict(vars(runner)), conn: dict(vars(conn))}
     with overlap_patched(backend="cpu", min_stages=3) as report:
-        assert report.applied and report.engaged and ENGINE.is_applied()
-        assert ENGINE.config.backend == "cpu" and ENGINE.config.min_stages == 3 and ENGINE.config.enabled
-        assert ENGINE.is_ours(vars(runner)["_ffn_forward"])
-    assert not ENGINE.is_applied()
+        assert report.applied and report.engaged and LAYER.engine.is_applied()
+        assert (
+            LAYER.engine.config.backend == "cpu" and LAYER.engine.config.min_stages == 3 and LAYER.engine.config.enabled
+        )
+        assert LAYER.engine.is_ours(vars(runner)["_ffn_forward"])
+    assert not LAYER.engine.is_applied()
     assert _restored(snap)
 
 
@@ -52,18 +54,18 @@ def test_context_manager_unpatches_when_the_body_raises() -> None:
     runner, conn = _classes()
     snap = {runner: dict(vars(runner)), conn: dict(vars(conn))}
     with pytest.raises(KeyError, match="body failed"), overlap_patched(backend="cpu"):
-        assert ENGINE.is_ours(vars(conn)["send_ffn_output"])
+        assert LAYER.engine.is_ours(vars(conn)["send_ffn_output"])
         raise KeyError("body failed")
-    assert not ENGINE.is_applied()
+    assert not LAYER.engine.is_applied()
     assert _restored(snap)
 
 
 def test_context_manager_uses_the_given_config_over_an_earlier_apply() -> None:
-    ENGINE.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, min_stages=2))
+    LAYER.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, min_stages=2))
     cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False, min_stages=1, graph=True)
     with overlap_patched(cfg) as report:
-        assert report.applied and ENGINE.config == cfg
-    assert not ENGINE.is_applied()
+        assert report.applied and LAYER.engine.config == cfg
+    assert not LAYER.engine.is_applied()
 
 
 def test_context_manager_is_strict_and_still_unpatches() -> None:
@@ -74,11 +76,11 @@ def test_context_manager_is_strict_and_still_unpatches() -> None:
     try:
         with pytest.raises(PatchRefused, match="CAMP2pAFDConnector"), overlap_patched(backend="cpu"):
             pytest.fail("the body must not run when the patch is refused")
-        assert not ENGINE.is_applied()
+        assert not LAYER.engine.is_applied()
         assert _restored({runner: runner_snap})
         with overlap_patched(backend="cpu", strict=False) as report:
             assert report.applied and report.refused and not report.engaged
-        assert not ENGINE.is_applied()
+        assert not LAYER.engine.is_applied()
     finally:
         sys.modules.pop(CONNECTOR, None)
 
@@ -89,7 +91,7 @@ def test_pytest_fixture_unpatches_after_a_failing_test(tmp_path: Path) -> None:
             """
             import importlib
             from camp2p_overlap.emulation import standins
-            from camp2p_overlap.core.process import ENGINE
+            from camp2p_overlap.core.layer import LAYER
 
             pytest_plugins = ["camp2p_overlap.testing"]
             standins.install()
@@ -98,11 +100,11 @@ def test_pytest_fixture_unpatches_after_a_failing_test(tmp_path: Path) -> None:
 
             def test_a_fails_while_patched(camp2p_overlap_patched):
                 assert camp2p_overlap_patched.applied
-                assert ENGINE.is_ours(vars(CONN)["recv_attn_output"])
+                assert LAYER.engine.is_ours(vars(CONN)["recv_attn_output"])
                 raise AssertionError("deliberate failure")
 
             def test_b_runs_after_it():
-                assert not ENGINE.is_applied()
+                assert not LAYER.engine.is_applied()
                 assert all(vars(CONN)[k] is v for k, v in ORIGINAL.items())
             """
         )

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 from _overlap_util import Schedule, apply_cpu, run_step, world
 
-from camp2p_overlap.core import trace
-from camp2p_overlap.core.trace import ExpectedSchedule, TraceOp
+from camp2p_overlap.core.observe import trace
+from camp2p_overlap.core.observe.trace import ExpectedSchedule, TraceOp
+from camp2p_overlap.verify import edges
 
 LAYERS = (0, 1, 2)
 STAGES = (0, 1)
@@ -29,9 +30,9 @@ def _record(a2e: bool = True, e2a: bool = True) -> tuple[list[TraceOp], Expected
 @pytest.fixture(scope="module")
 def good() -> tuple[list[TraceOp], ExpectedSchedule]:
     ops, expected = _record()
-    from camp2p_overlap.core.process import ENGINE
+    from camp2p_overlap.core.layer import LAYER
 
-    ENGINE.unpatch(timeout=10)
+    LAYER.engine.unpatch(timeout=10)
     return ops, expected
 
 
@@ -44,7 +45,7 @@ def _idx(ops: list[TraceOp], kind: str, layer: int | None = None, stage: int | N
 
 
 def _violations(ops: list[TraceOp], expected: ExpectedSchedule) -> str:
-    res = trace.check_step(ops, expected)
+    res = edges.check_step(ops, expected)
     assert not res.ok, "the checker accepted a broken trace"
     return str(res)
 
@@ -52,19 +53,19 @@ def _violations(ops: list[TraceOp], expected: ExpectedSchedule) -> str:
 def test_real_traces_pass_for_every_direction_setting() -> None:
     for a2e, e2a in [(True, True), (False, True), (True, False)]:
         ops, expected = _record(a2e, e2a)
-        res = trace.check_step(ops, expected)
+        res = edges.check_step(ops, expected)
         assert res.ok, str(res)
         assert any(o.source == "backend" for o in ops)  # ... read from what the streams performed
-        session = trace.check_step(ops, expected, source="session")
+        session = edges.check_step(ops, expected, source="session")
         assert session.ok, str(session)  # and the session's record agrees
         # The same trace is not a serial trace: the checker tells them apart.
-        assert not trace.check_step(ops, ExpectedSchedule.serial(LAYERS, STAGES)).ok
+        assert not edges.check_step(ops, ExpectedSchedule.serial(LAYERS, STAGES)).ok
 
 
 def test_unknown_source_is_refused(good: Any) -> None:
     ops, expected = good
     with pytest.raises(ValueError, match="source must be auto, backend, session or device"):
-        trace.check_step(ops, expected, source="host")
+        edges.check_step(ops, expected, source="host")
 
 
 def test_missing_duplicated_and_unplanned_ops(good: Any) -> None:
@@ -148,10 +149,10 @@ def test_event_graph_edges(good: Any, source: str) -> None:
     missing edge on either."""
     ops, expected = good
     assert any(o.source == "backend" for o in ops), "the CPU backend logs what its streams performed"
-    assert trace.check_step(ops, expected, source=source).ok
+    assert edges.check_step(ops, expected, source=source).ok
 
     def violations(broken: list[TraceOp]) -> str:
-        res = trace.check_step(broken, expected, source=source)
+        res = edges.check_step(broken, expected, source=source)
         assert not res.ok, "the checker accepted a broken trace"
         return str(res)
 
@@ -197,14 +198,14 @@ def test_backend_waits_must_return_after_their_event_fired(good: Any) -> None:
     i = next(j for j, o in enumerate(broken) if o.kind == "wait" and o.source == "backend" and o.detail == key)
     rec = next(o for o in broken if o.kind == "record" and o.source == "backend" and o.detail == key)
     broken[i] = dataclasses.replace(broken[i], end_ns=rec.end_ns - 1)
-    text = str(trace.check_step(broken, expected))
+    text = str(edges.check_step(broken, expected))
     assert "C's wait on event ('a', 1, 1) returned before that event fired" in text
-    assert trace.check_step(broken, expected, source="session").ok  # the session's record cannot tell
+    assert edges.check_step(broken, expected, source="session").ok  # the session's record cannot tell
 
     broken = list(ops)
     f = _idx(broken, "ffn", 0, 1)
     broken[f] = dataclasses.replace(broken[f], order=-1)
-    assert "ffn(L0,s1) on C has no place in the backend's execution order" in str(trace.check_step(broken, expected))
+    assert "ffn(L0,s1) on C has no place in the backend's execution order" in str(edges.check_step(broken, expected))
 
 
 def test_serial_trace_passes_serial_schedule_only() -> None:
@@ -213,14 +214,14 @@ def test_serial_trace_passes_serial_schedule_only() -> None:
     with trace.recording() as rec:
         run_step(w, Schedule(3, STAGES, (8, 8), step=1))
     ops = rec.ops(rec.steps()[0])
-    assert trace.check_step(ops, ExpectedSchedule.serial(LAYERS, STAGES)).ok
-    text = str(trace.check_step(ops, ExpectedSchedule(LAYERS, STAGES, True, True)))
+    assert edges.check_step(ops, ExpectedSchedule.serial(LAYERS, STAGES)).ok
+    text = str(edges.check_step(ops, ExpectedSchedule(LAYERS, STAGES, True, True)))
     assert "a2e(L0,s0) ran on C, expected K0" in text
 
 
 def test_chrome_trace_has_one_track_per_stream(good: Any) -> None:
     ops, _ = good
-    events = trace.to_chrome_trace(ops)
+    events = edges.to_chrome_trace(ops)
     names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert names == {"C", "K0", "K1"}
     spans = [e for e in events if e["ph"] == "X" and e["cat"] in ("a2e", "ffn", "e2a")]

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 from conftest import REPO, run_python
 
-from camp2p_overlap.core import versions
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.engine import PatchEngine, PatchRefused
-from camp2p_overlap.core.process import build_layer
-from camp2p_overlap.core.report import TargetState
-from camp2p_overlap.core.versions import check_vllm, judge_vllm_version
+from camp2p_overlap.core.layer import build_layer
+from camp2p_overlap.core.patching import versions
+from camp2p_overlap.core.patching.lifecycle import PatchEngine, PatchRefused
+from camp2p_overlap.core.patching.status_report import TargetState
+from camp2p_overlap.core.patching.versions import check_vllm, judge_vllm_version
 from camp2p_overlap.emulation import standins
 
 SUPPORTED = "0.19.1"
@@ -108,8 +108,8 @@ def test_engine_accepts_the_release_with_a_local_label(found: str) -> None:
 CHILD = """
 import importlib, importlib.metadata, json, os, sys
 import camp2p_overlap
-from camp2p_overlap.core.engine import PatchRefused
-from camp2p_overlap.core.process import ENGINE
+from camp2p_overlap.core.patching.lifecycle import PatchRefused
+from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.emulation import standins
 standins.install(stack=os.environ.get("STANDIN_STACK"))
 conn = importlib.import_module("afd_plugin.connectors.npu.camp2p").CAMP2pAFDConnector
@@ -183,7 +183,7 @@ def test_fresh_process_with_fake_installed_vllm(tmp_path: Path, version: str, ok
 def _stack(name: str, vllm: str, afd: str | None) -> Any:
     from dataclasses import replace
 
-    from camp2p_overlap.core.manifest import load_manifest
+    from camp2p_overlap.core.patching.manifest import load_manifest
 
     return replace(load_manifest(), name=name, vllm=vllm, afd_plugin=afd)
 
@@ -199,7 +199,7 @@ def _checker(vllm_found: str | None, afd_found: str | None) -> Any:
 
 
 def test_selection_picks_the_stack_whose_versions_are_installed() -> None:
-    from camp2p_overlap.core.stack_select import select_stack
+    from camp2p_overlap.core.patching.stack_select import select_stack
 
     a, b = _stack("vllm-0.19.1", "0.19.1", "0.19.1rc1"), _stack("vllm-0.26.0", "0.26.0", None)
     assert select_stack((a, b), _checker("0.19.1+empty", "0.19.1rc1"))[0] is a
@@ -208,7 +208,7 @@ def test_selection_picks_the_stack_whose_versions_are_installed() -> None:
 
 
 def test_selection_refusal_names_installed_and_every_supported_stack() -> None:
-    from camp2p_overlap.core.stack_select import select_stack
+    from camp2p_overlap.core.patching.stack_select import select_stack
 
     a, b = _stack("vllm-0.19.1", "0.19.1", "0.19.1rc1"), _stack("vllm-0.26.0", "0.26.0", "0.26.0")
     man, vc = select_stack((a, b), _checker("0.20.0", None))
@@ -225,8 +225,8 @@ def test_selection_refusal_names_installed_and_every_supported_stack() -> None:
 
 @pytest.mark.parametrize(("afd", "ok"), [("0.19.1rc1", True), ("0.19.1rc1+d20260801", True), ("0.19.1rc2", False)])
 def test_shipped_stack_pins_afd_plugin_where_installed(afd: str, ok: bool) -> None:
-    from camp2p_overlap.core.manifest import load_manifests
-    from camp2p_overlap.core.stack_select import select_stack
+    from camp2p_overlap.core.patching.manifest import load_manifests
+    from camp2p_overlap.core.patching.stack_select import select_stack
 
     (man, vc) = select_stack(load_manifests(), _checker("0.19.1", afd))
     assert man.afd_plugin == "0.19.1rc1" and vc.ok is ok
@@ -303,8 +303,8 @@ def _installed(monkeypatch: pytest.MonkeyPatch, vllm: str | None, afd: str | Non
 def test_shipped_stacks_are_picked_from_the_installed_versions(
     monkeypatch: pytest.MonkeyPatch, vllm: str, afd: str | None, stack: str, ok: bool
 ) -> None:
-    from camp2p_overlap.core.manifest import load_manifests
-    from camp2p_overlap.core.stack_select import select_stack
+    from camp2p_overlap.core.patching.manifest import load_manifests
+    from camp2p_overlap.core.patching.stack_select import select_stack
 
     _installed(monkeypatch, vllm, afd)
     man, vc = select_stack(load_manifests())
@@ -318,8 +318,8 @@ def test_shipped_stacks_are_picked_from_the_installed_versions(
 def test_any_other_vllm_is_refused_naming_both_supported_versions(
     monkeypatch: pytest.MonkeyPatch, vllm: str | None
 ) -> None:
-    from camp2p_overlap.core.manifest import load_manifests
-    from camp2p_overlap.core.stack_select import select_stack
+    from camp2p_overlap.core.patching.manifest import load_manifests
+    from camp2p_overlap.core.patching.stack_select import select_stack
 
     _installed(monkeypatch, vllm, None)
     _, vc = select_stack(load_manifests())

@@ -12,10 +12,11 @@ from _overlap_util import assert_same
 from conftest import PackageLogs
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.process import ENGINE
-from camp2p_overlap.core.trace import ExpectedSchedule, check_step, recording
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.observe.trace import ExpectedSchedule, recording
 from camp2p_overlap.emulation.faults import Fault, FaultPlan, run_step_bounded
 from camp2p_overlap.emulation.world import PeerTimeoutError
+from camp2p_overlap.verify.edges import check_step
 
 STEP_BOUND_S = 30.0  # a step that takes longer than this is a hang
 
@@ -32,15 +33,17 @@ def _wait_watchdogs_gone(timeout: float = 5.0) -> list[threading.Thread]:
 
 
 def _serial(world, step: int) -> dict:
-    assert not ENGINE.is_applied()
+    assert not LAYER.engine.is_applied()
     out = run_step_bounded(world, step, STEP_BOUND_S)
     assert not out.hung and out.error is None, out
     return out.results
 
 
 def _apply(**overrides: object) -> None:
-    ENGINE.unpatch()
-    report = ENGINE.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, **overrides), strict=True)
+    LAYER.engine.unpatch()
+    report = LAYER.engine.apply(
+        config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, **overrides), strict=True
+    )
     assert report.applied
 
 
@@ -117,7 +120,7 @@ def test_fast_steps_log_no_stall(make_world, logs) -> None:
 
 def _expected(world) -> ExpectedSchedule:
     """The schedule a world's step should have under the applied config."""
-    cfg = ENGINE.config
+    cfg = LAYER.engine.config
     return ExpectedSchedule(
         tuple(world.layer_list()), tuple(world.spec.stage_ids), cfg.a2e_on_side_stream, cfg.e2a_on_side_stream
     )
@@ -185,10 +188,10 @@ def test_report_on_a_device_backend_reads_events_not_handles() -> None:
     never by a sync."""
     from types import SimpleNamespace
 
-    from camp2p_overlap.core.session import OverlapSession, StepPlan
-    from camp2p_overlap.core.streams.base import DoneHandle, StreamBackend
-    from camp2p_overlap.core.streams.streamset import StreamSet
-    from camp2p_overlap.core.watchdog import stall_report
+    from camp2p_overlap.core.overlap.session import OverlapSession, StepPlan
+    from camp2p_overlap.core.overlap.streams.base import DoneHandle, StreamBackend
+    from camp2p_overlap.core.overlap.streams.streamset import StreamSet
+    from camp2p_overlap.core.overlap.watchdog import stall_report
 
     class Event:
         def __init__(self) -> None:

@@ -1,2 +1,5 @@
-"""The patch layer itself: what runs inside a vLLM worker. Imports nothing from
-``camp2p_overlap.tools`` or ``camp2p_overlap.emulation``."""
+"""The patch layer a vLLM worker runs: ``patching/`` (the lifecycle),
+``overlap/`` (the step and its schedule) and ``observe/`` (what the layer
+counts and records), over ``config``, ``keys`` and ``log``; ``layer`` builds
+the process-wide layer, ``plugin`` is vLLM's entry point. Imports nothing
+from ``tools``, ``emulation``, ``verify`` or ``testing``."""

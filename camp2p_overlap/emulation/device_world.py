@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from camp2p_overlap.core.trace import TraceOp
+from camp2p_overlap.core.observe.trace import TraceOp
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.device_comm import (
     CommKernels,

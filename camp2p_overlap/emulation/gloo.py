@@ -242,7 +242,7 @@ def ffn_main(spec: PairSpec, out: Path) -> int:
     torch.set_num_threads(1)
     how = load_plugins_like_vllm()
     import camp2p_overlap
-    from camp2p_overlap.core.trace import recording
+    from camp2p_overlap.core.observe.trace import recording
     from camp2p_overlap.emulation import standins
     from camp2p_overlap.emulation.moe import MoEFFN, MoEShape
     from camp2p_overlap.emulation.world import AfdConfig, EmulatedModel, HFConfig, ModelConfig, StageMeta

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from camp2p_overlap.core.streams.device import TorchDeviceBackend
+from camp2p_overlap.core.overlap.streams.device import TorchDeviceBackend
 
 
 class NoopEvent:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from camp2p_overlap.core.streams.cpu import launch
+from camp2p_overlap.core.overlap.streams.cpu import launch
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.contention import CoreSpinner
 from camp2p_overlap.emulation.moe import MoEFFN, MoEShape

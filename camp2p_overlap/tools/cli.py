@@ -42,11 +42,11 @@ what is reported:
                   hideable time hidden (1.0 = all of it)
   outputs         every timed and traced step of every policy compared bitwise
                   (torch.equal) with the serial run of the same step id
-  edges           the trace checker (camp2p_overlap.core.trace.check_step) on each
+  edges           the trace checker (camp2p_overlap.verify.edges.check_step) on each
                   policy's traced step (CPU; on a device see --profile-trace)
   peer cycle      on every traced step, each stage's next A2E completed no
                   earlier than its previous E2A started plus the attention time
-                  (camp2p_overlap.core.peer_cycle.check_peer_cycle)
+                  (camp2p_overlap.verify.peer_cycle.check_peer_cycle)
 
 --device cpu: the compute stream is the calling thread, side streams are the
 cpu backend's worker threads. --device cuda|npu: bf16 FFN matmuls on the
@@ -368,8 +368,8 @@ def _preflight(device: str, plot: str | None) -> str | None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from camp2p_overlap.tools.bench.report import bench_table, problems, write_outputs
     from camp2p_overlap.tools.bench.runner import resolve_params, run_bench
+    from camp2p_overlap.tools.bench.tables import bench_table, problems, write_outputs
 
     try:
         params = resolve_params(_explicit(args), args.scenario)
@@ -410,9 +410,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from camp2p_overlap.tools.bench.report import problems, write_json
     from camp2p_overlap.tools.bench.runner import resolve_params
     from camp2p_overlap.tools.bench.sweep import SWEEP_DEFAULTS, sweep_markdown
+    from camp2p_overlap.tools.bench.tables import problems, write_json
 
     scenario = args.scenario or "ffn-bound"
     try:
@@ -458,7 +458,7 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def _overhead(args: argparse.Namespace) -> int:
-    from camp2p_overlap.tools.bench.report import write_json
+    from camp2p_overlap.tools.bench.tables import write_json
     from camp2p_overlap.tools.overhead import format_overhead, measure_overhead
 
     params = OverheadParams(

@@ -28,9 +28,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from camp2p_overlap.core import camp2p
 from camp2p_overlap.core import config as cfgmod
-from camp2p_overlap.core.rollout import rung
+from camp2p_overlap.core.overlap import camp2p
+from camp2p_overlap.core.overlap.rollout import rung
 
 CAMP2P = "CAMP2pAFDConnector"
 #: afd-plugin's default connector when the section names none.

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from camp2p_overlap.core import config as cfgmod
-from camp2p_overlap.core.manifest import (
+from camp2p_overlap.core.overlap.rollout import LADDER, rung
+from camp2p_overlap.core.patching.manifest import (
     ManifestError,
     StackManifest,
     TargetSpec,
@@ -42,9 +43,8 @@ from camp2p_overlap.core.manifest import (
     signature_difference,
     signature_of,
 )
-from camp2p_overlap.core.rollout import LADDER, rung
-from camp2p_overlap.core.stack_select import check_stacks, select_checked
-from camp2p_overlap.core.versions import (
+from camp2p_overlap.core.patching.stack_select import check_stacks, select_checked
+from camp2p_overlap.core.patching.versions import (
     AFD_PLUGIN_DIST,
     COMMIT_SHOWN,
     VLLM_ASCEND_DIST,
@@ -171,7 +171,7 @@ def _device() -> tuple[str | None, str]:
 
 
 def _backend(configured: str, device: str | None) -> dict[str, Any]:
-    from camp2p_overlap.core.streams import BackendUnavailable, resolve_backend_name
+    from camp2p_overlap.core.overlap.streams import BackendUnavailable, resolve_backend_name
 
     if device is None and configured in ("auto", "npu", "cuda"):
         return {

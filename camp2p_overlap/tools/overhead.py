@@ -28,12 +28,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from camp2p_overlap.core.config import MAX_REPROBE, MAX_STAGES, OverlapConfig
-from camp2p_overlap.core.process import PatchLayer
-from camp2p_overlap.core.streams.streamset import StreamSetRegistry
-from camp2p_overlap.core.wrappers import bucket_of
-from camp2p_overlap.emulation.engine import emulated_layer, release_site, standin_site
+from camp2p_overlap.core.layer import Layer
+from camp2p_overlap.core.overlap.streams.streamset import StreamSetRegistry
+from camp2p_overlap.core.overlap.wrappers import bucket_of
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.noop import NoopModel, NoopTransport, noop_backend
+from camp2p_overlap.emulation.standin_layer import emulated_layer, release_site, standin_site
 from camp2p_overlap.emulation.world import World, WorldSpec, build_world
 
 PATHS = ("engaged", "pass-through")
@@ -85,7 +85,7 @@ def _passthrough_config() -> OverlapConfig:
     return OverlapConfig(enabled=True, backend="cpu", min_stages=1, adaptive=True, reprobe_every=MAX_REPROBE)
 
 
-def _decide_serial(layer: PatchLayer, world: World) -> None:
+def _decide_serial(layer: Layer, world: World) -> None:
     """Teach the layer's adaptive engage that serial is faster for this
     shape, so that every step takes the pass-through path (no probe runs:
     the re-probe interval is the largest allowed)."""

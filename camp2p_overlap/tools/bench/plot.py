@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from camp2p_overlap.core.trace import TraceOp
+from camp2p_overlap.core.observe.trace import TraceOp
 
 KIND_COLORS = {"a2e": "#4C72B0", "ffn": "#DD8452", "e2a": "#55A868", "wait": "#C7C7C7"}
 POLICY_COLORS = {"serial": "#8C8C8C", "e2a-only": "#4C72B0", "overlap": "#DD8452", "overlap-fixed": "#55A868"}

@@ -1,7 +1,7 @@
 """``bench --profile-trace PATH`` on ``--device cuda|npu``: one overlapped
 step under the device profiler (``torch.profiler`` with Kineto on CUDA,
 ``torch_npu.profiler`` on an NPU), read back as per-stream kernel timelines
-(``core/device_timeline.py``), checked by the edge checker on device times,
+(``verify/device_timeline.py``), checked by the edge checker on device times,
 and written as Chrome/Perfetto trace JSON (one track per stream: C, K0, K1,
 ..., each op's span over its kernels).
 
@@ -23,11 +23,12 @@ from typing import Any
 import torch
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.device_timeline import DeviceTimeline, parse
-from camp2p_overlap.core.streams import StreamBackend, device_module
-from camp2p_overlap.core.streams.device import profiler_range
-from camp2p_overlap.core.trace import ExpectedSchedule, check_step
-from camp2p_overlap.emulation.engine import emulated_layer
+from camp2p_overlap.core.observe.trace import ExpectedSchedule
+from camp2p_overlap.core.overlap.streams import StreamBackend, device_module
+from camp2p_overlap.core.overlap.streams.device import profiler_range
+from camp2p_overlap.emulation.standin_layer import emulated_layer
+from camp2p_overlap.verify.device_timeline import DeviceTimeline, parse
+from camp2p_overlap.verify.edges import check_step
 
 #: The step id of the profiled step (its own: the attention inputs depend on it).
 PROFILE_STEP_ID = 10_000

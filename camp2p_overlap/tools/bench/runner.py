@@ -47,11 +47,12 @@ import torch
 
 import camp2p_overlap
 from camp2p_overlap.core.config import MAX_STAGES, OverlapConfig
-from camp2p_overlap.core.peer_cycle import check_peer_cycle
-from camp2p_overlap.core.trace import ExpectedSchedule, TraceOp, TraceRecorder, check_step, recording
-from camp2p_overlap.emulation.engine import emulated_layer, release_site, standin_site
+from camp2p_overlap.core.observe.trace import ExpectedSchedule, TraceOp, TraceRecorder, recording
 from camp2p_overlap.emulation.moe import MoEShape
+from camp2p_overlap.emulation.standin_layer import emulated_layer, release_site, standin_site
 from camp2p_overlap.emulation.world import LinkModel, WorldSpec, build_world
+from camp2p_overlap.verify.edges import check_step
+from camp2p_overlap.verify.peer_cycle import check_peer_cycle
 
 SCHEMA = "camp2p-overlap/bench/v1"
 #: Slack of the peer-cycle check (clock and timing-event granularity), ns.

@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from camp2p_overlap.tools.bench.report import CPU_CAVEAT, fmt_time
 from camp2p_overlap.tools.bench.runner import BenchParams, run_bench
+from camp2p_overlap.tools.bench.tables import CPU_CAVEAT, fmt_time
 
 DEFAULT_RATIOS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
 DEFAULT_STAGE_COUNTS = (1, 2, 3)

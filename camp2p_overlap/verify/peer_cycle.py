@@ -6,7 +6,7 @@ the A2E of the stage's next layer complete. No schedule on the FFN side can
 shorten that cycle; an emulation whose A2E completed earlier would model a
 peer that answers before it was asked, and its figures (speedup, eta) would
 be too good. :func:`check_peer_cycle` finds such A2Es in a trace (CPU or
-device timings); the edge checker (:func:`camp2p_overlap.core.trace.check_step`)
+device timings); the edge checker (:func:`camp2p_overlap.verify.edges.check_step`)
 checks the FFN side's own edges.
 """
 
@@ -15,7 +15,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from camp2p_overlap.core.trace import CheckResult, TraceOp
+from camp2p_overlap.core.observe.trace import TraceOp
+from camp2p_overlap.verify.edges import CheckResult
 
 
 def check_peer_cycle(

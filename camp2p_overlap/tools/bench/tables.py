@@ -8,8 +8,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from camp2p_overlap.core.trace import TraceOp, to_chrome_trace
+from camp2p_overlap.core.observe.trace import TraceOp
 from camp2p_overlap.tools.bench.runner import POLICIES, BenchRun
+from camp2p_overlap.verify.edges import to_chrome_trace
 
 CPU_CAVEAT = (
     "Absolute CPU times say nothing about an NPU: the emulated link and FFN are sized to a ratio. "

@@ -1,6 +1,6 @@
 """Per-stream device timelines from a profiler trace (Kineto's Chrome
 trace-event JSON from ``torch.profiler`` on CUDA), turned into the
-:class:`~camp2p_overlap.core.trace.TraceOp` the edge checker reads.
+:class:`~camp2p_overlap.core.observe.trace.TraceOp` the edge checker reads.
 ``torch_npu.profiler``'s ``trace_view.json`` is read the same way where its
 device tasks carry a ``Stream Id`` and are tied to their launch by a
 host-to-device flow event; that reading has not yet met a real NPU trace.
@@ -41,7 +41,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from camp2p_overlap.core.trace import TraceOp, to_chrome_trace
+from camp2p_overlap.core.observe.trace import TraceOp
+from camp2p_overlap.verify.edges import to_chrome_trace
 
 PREFIX = "camp2p:"
 #: Chrome-trace categories of device activities (Kineto).

@@ -14,13 +14,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from camp2p_overlap.core.adaptive import AdaptiveEngage, BucketKey, Mode
 from camp2p_overlap.core.config import MAX_STAGES
-from camp2p_overlap.core.intercept_switch import INTERCEPTS
-from camp2p_overlap.core.session import OverlapSession
-from camp2p_overlap.core.step_stats import StepCounters
-from camp2p_overlap.core.streams.base import StreamBackend
-from camp2p_overlap.core.streams.streamset import StreamSetRegistry
+from camp2p_overlap.core.observe.counters import StepCounters
+from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Mode
+from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.overlap.streams.base import StreamBackend
+from camp2p_overlap.core.overlap.streams.streamset import StreamSetRegistry
+from camp2p_overlap.core.patching.intercept_switch import INTERCEPTS
 
 #: Step timings waiting for their device events, at most (older ones are dropped).
 MAX_PENDING_TIMINGS = 64

@@ -32,9 +32,9 @@ from functools import cached_property
 from typing import Any
 
 from camp2p_overlap.core.log import logger
-from camp2p_overlap.core.streams.base import DoneHandle, OpHandle, Stream, StreamPoisonedError
-from camp2p_overlap.core.streams.streamset import StreamSet
-from camp2p_overlap.core.trace import ExpectedSchedule, StepTrace, TraceRecorder
+from camp2p_overlap.core.observe.trace import ExpectedSchedule, StepTrace, TraceRecorder
+from camp2p_overlap.core.overlap.streams.base import DoneHandle, OpHandle, Stream, StreamPoisonedError
+from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 
 StageLayer = tuple[int, int]
 

@@ -14,8 +14,8 @@ from typing import Any
 import wrapt
 
 from camp2p_overlap.core.log import logger
-from camp2p_overlap.core.manifest import TargetSpec
-from camp2p_overlap.core.versions import installed_version
+from camp2p_overlap.core.patching.manifest import TargetSpec
+from camp2p_overlap.core.patching.versions import installed_version
 
 
 class TargetState(str, enum.Enum):

@@ -7,7 +7,7 @@ pool keeps graph capture from creating events step after step.
 
 While :attr:`TorchDeviceBackend.annotate` is on, every op, record and wait
 is issued inside a profiler range named ``camp2p:...`` (what
-``core/device_timeline.py`` reads back from a profiler trace); off, the
+``verify/device_timeline.py`` reads back from a profiler trace); off, the
 methods are the plain ones (no per-op cost).
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Callable, Hashable, Iterator
 from types import ModuleType
 from typing import Any
 
-from camp2p_overlap.core.streams.base import BackendUnavailable, DoneHandle, OpHandle, StreamBackend
+from camp2p_overlap.core.overlap.streams.base import BackendUnavailable, DoneHandle, OpHandle, StreamBackend
 
 
 class TorchDeviceBackend(StreamBackend):

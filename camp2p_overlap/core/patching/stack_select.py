@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from camp2p_overlap.core.manifest import ManifestError, StackManifest, supported_stacks
-from camp2p_overlap.core.versions import VersionCheck, check_stack
+from camp2p_overlap.core.patching.manifest import ManifestError, StackManifest, supported_stacks
+from camp2p_overlap.core.patching.versions import VersionCheck, check_stack
 
 
 def stack_version_check(manifest: StackManifest) -> VersionCheck:

@@ -7,7 +7,7 @@ import importlib
 import importlib.util
 from typing import Any
 
-from camp2p_overlap.core.streams.base import (
+from camp2p_overlap.core.overlap.streams.base import (
     BackendUnavailable,
     DoneHandle,
     Event,
@@ -16,8 +16,8 @@ from camp2p_overlap.core.streams.base import (
     StreamBackend,
     StreamPoisonedError,
 )
-from camp2p_overlap.core.streams.cpu import CpuBackend
-from camp2p_overlap.core.streams.device import TorchDeviceBackend
+from camp2p_overlap.core.overlap.streams.cpu import CpuBackend
+from camp2p_overlap.core.overlap.streams.device import TorchDeviceBackend
 
 __all__ = [
     "BackendUnavailable",

@@ -33,7 +33,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from camp2p_overlap.core.streams.base import DoneHandle, OpHandle, Stream, StreamBackend, StreamPoisonedError
+from camp2p_overlap.core.overlap.streams.base import DoneHandle, OpHandle, Stream, StreamBackend, StreamPoisonedError
 
 #: Execution order across every stream of every CPU backend: taken when a
 #: stream starts an item (an op, a record, a wait). ``next()`` on a count is

@@ -7,15 +7,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from camp2p_overlap.core import camp2p
 from camp2p_overlap.core.config import MAX_STAGES
-from camp2p_overlap.core.installer import live_target
-from camp2p_overlap.core.rollout import mode_directions
-from camp2p_overlap.core.session import Directions, StepPlan, step_plan
-from camp2p_overlap.core.streams import BackendUnavailable, resolve_backend_name
+from camp2p_overlap.core.overlap import camp2p
+from camp2p_overlap.core.overlap.rollout import mode_directions
+from camp2p_overlap.core.overlap.session import Directions, StepPlan, step_plan
+from camp2p_overlap.core.overlap.streams import BackendUnavailable, resolve_backend_name
+from camp2p_overlap.core.patching.installer import live_target
 
 if TYPE_CHECKING:
-    from camp2p_overlap.core.engine import PatchEngine
+    from camp2p_overlap.core.patching.lifecycle import PatchEngine
 
 GRAPH_OFF = "inside graph capture and VLLM_CAMP2P_MULTISTREAM_GRAPH is off"
 

@@ -12,9 +12,9 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from camp2p_overlap.core.streams import make_backend
-from camp2p_overlap.core.streams.base import Stream, StreamBackend
-from camp2p_overlap.core.trace import side_stream_name
+from camp2p_overlap.core.keys import side_stream_name
+from camp2p_overlap.core.overlap.streams import make_backend
+from camp2p_overlap.core.overlap.streams.base import Stream, StreamBackend
 
 
 class StreamSet:

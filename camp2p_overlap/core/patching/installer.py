@@ -15,9 +15,15 @@ from typing import Any
 import wrapt
 
 from camp2p_overlap.core.log import logger
-from camp2p_overlap.core.manifest import ModuleSpec, StackManifest, TargetSpec, signature_difference, signature_of
-from camp2p_overlap.core.method_wrapper import Switch, Wrapper, bound_function, method_wrapper
-from camp2p_overlap.core.report import TargetState, TargetStatus
+from camp2p_overlap.core.patching.manifest import (
+    ModuleSpec,
+    StackManifest,
+    TargetSpec,
+    signature_difference,
+    signature_of,
+)
+from camp2p_overlap.core.patching.method_wrapper import Switch, Wrapper, bound_function, method_wrapper
+from camp2p_overlap.core.patching.status_report import TargetState, TargetStatus
 
 #: Set on every wrapper function a camp2p-overlap wrapper factory builds, so
 #: an installer recognises wrappers of another engine in the same process.

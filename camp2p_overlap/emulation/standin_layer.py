@@ -12,10 +12,10 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from camp2p_overlap.core.engine import PatchEngine
-from camp2p_overlap.core.manifest import DEFAULT_STACK, StackManifest, load_manifest
-from camp2p_overlap.core.process import ENGINE, PatchLayer, build_layer
-from camp2p_overlap.core.versions import VersionCheck
+from camp2p_overlap.core.layer import LAYER, Layer, build_layer
+from camp2p_overlap.core.patching.lifecycle import PatchEngine
+from camp2p_overlap.core.patching.manifest import DEFAULT_STACK, StackManifest, load_manifest
+from camp2p_overlap.core.patching.versions import VersionCheck
 from camp2p_overlap.emulation import standins
 
 
@@ -25,11 +25,11 @@ def emulated_version_check(manifest: StackManifest) -> VersionCheck:
     return VersionCheck(True, "emulated", manifest.vllm, f"emulated stack (stand-ins for {manifest.describe()})")
 
 
-def emulated_layer() -> PatchLayer:
+def emulated_layer() -> Layer:
     """A fresh patch layer for the emulated stack. Refuses
     (``RuntimeError``) while the process-wide layer is applied: its wrappers
     would sit on the same stand-in classes."""
-    if ENGINE.is_applied():
+    if LAYER.engine.is_applied():
         raise RuntimeError(
             "the process-wide camp2p-overlap patch layer is applied in this process; call "
             "camp2p_overlap.unpatch() first (the benchmark drives its own engines)"

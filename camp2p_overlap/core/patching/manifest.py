@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from camp2p_overlap.core.versions import COMMIT_SHOWN
+from camp2p_overlap.core.patching.versions import COMMIT_SHOWN
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -215,7 +215,7 @@ def _manifest_root() -> Any:
     try:
         return resources.files(MANIFEST_PACKAGE)
     except ModuleNotFoundError:
-        checkout = Path(__file__).resolve().parents[2] / "patches"
+        checkout = Path(__file__).resolve().parents[3] / "patches"
         if checkout.is_dir():
             return checkout
         raise ManifestError(

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from camp2p_overlap.core.log import logger
-from camp2p_overlap.core.step_stats import PATHS
+from camp2p_overlap.core.observe.counters import PATHS
 
 PREFIX = "vllm:camp2p_overlap_"
 STEPS = PREFIX + "steps"

@@ -19,22 +19,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from camp2p_overlap.core import camp2p
-from camp2p_overlap.core.adaptive import AdaptiveEngage, BucketKey, pow2_ceil
-from camp2p_overlap.core.installer import ENABLED, MARK, Wrapper
-from camp2p_overlap.core.intercept_switch import INTERCEPTS
 from camp2p_overlap.core.log import log_once
-from camp2p_overlap.core.rollout import streams_for
-from camp2p_overlap.core.runtime import OverlapRuntime, PlannedShape
-from camp2p_overlap.core.step_decision import GRAPH_OFF, Decision, decide
-from camp2p_overlap.core.streams import BackendUnavailable
-from camp2p_overlap.core.streams.base import StreamBackend
-from camp2p_overlap.core.streams.streamset import StreamSet
-from camp2p_overlap.core.trace import TraceOp, TraceRecorder, current_recorder
-from camp2p_overlap.core.watchdog import start_watchdog
+from camp2p_overlap.core.observe.trace import TraceOp, TraceRecorder, current_recorder
+from camp2p_overlap.core.overlap import camp2p
+from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, pow2_ceil
+from camp2p_overlap.core.overlap.decision import GRAPH_OFF, Decision, decide
+from camp2p_overlap.core.overlap.rollout import streams_for
+from camp2p_overlap.core.overlap.runtime import OverlapRuntime, PlannedShape
+from camp2p_overlap.core.overlap.streams import BackendUnavailable
+from camp2p_overlap.core.overlap.streams.base import StreamBackend
+from camp2p_overlap.core.overlap.streams.streamset import StreamSet
+from camp2p_overlap.core.overlap.watchdog import start_watchdog
+from camp2p_overlap.core.patching.installer import ENABLED, MARK, Wrapper
+from camp2p_overlap.core.patching.intercept_switch import INTERCEPTS
 
 if TYPE_CHECKING:
-    from camp2p_overlap.core.engine import PatchEngine
+    from camp2p_overlap.core.patching.lifecycle import PatchEngine
 
 Wrapped = Callable[..., Any]
 

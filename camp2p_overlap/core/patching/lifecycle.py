@@ -5,9 +5,9 @@ the wrappers to this engine and installs them (now, or from a post-import
 hook when the module is imported); ``unpatch()`` mirrors it: drain the
 running steps, remove exactly what was installed, call the on-unpatch hook.
 
-The jobs themselves live beside it: :mod:`~camp2p_overlap.core.installer`
-(resolve, check, wrap all-or-nothing, unwrap), :mod:`~camp2p_overlap.core.step_gate`
-(steps in and out, draining, fork reset) and :mod:`~camp2p_overlap.core.report`.
+The jobs themselves live beside it: :mod:`~camp2p_overlap.core.patching.installer`
+(resolve, check, wrap all-or-nothing, unwrap), :mod:`~camp2p_overlap.core.patching.gate`
+(steps in and out, draining, fork reset) and :mod:`~camp2p_overlap.core.patching.status_report`.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from typing import Any
 import wrapt
 
 from camp2p_overlap.core.config import ConfigError, OverlapConfig, load_config, strict_requested
-from camp2p_overlap.core.installer import Installer, Wrapper, initializing
 from camp2p_overlap.core.log import logger
-from camp2p_overlap.core.manifest import ManifestError, ModuleSpec, StackManifest, load_manifests
-from camp2p_overlap.core.report import PatchReport, StatusBoard, TargetState, statuses, wrapt_version
-from camp2p_overlap.core.stack_select import select_stack, stack_version_check
-from camp2p_overlap.core.step_gate import StepGate
-from camp2p_overlap.core.versions import VersionCheck
+from camp2p_overlap.core.patching.gate import StepGate
+from camp2p_overlap.core.patching.installer import Installer, Wrapper, initializing
+from camp2p_overlap.core.patching.manifest import ManifestError, ModuleSpec, StackManifest, load_manifests
+from camp2p_overlap.core.patching.stack_select import select_stack, stack_version_check
+from camp2p_overlap.core.patching.status_report import PatchReport, StatusBoard, TargetState, statuses, wrapt_version
+from camp2p_overlap.core.patching.versions import VersionCheck
 
 
 class PatchRefused(RuntimeError):

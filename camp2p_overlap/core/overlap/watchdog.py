@@ -10,9 +10,9 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from camp2p_overlap.core.camp2p import group_of
 from camp2p_overlap.core.log import logger
-from camp2p_overlap.core.session import IssuedOp, SessionSnapshot
+from camp2p_overlap.core.overlap.camp2p import group_of
+from camp2p_overlap.core.overlap.session import IssuedOp, SessionSnapshot
 
 #: Events listed in full up to this many; past it only the pending ones.
 _FULL_EVENT_LIST = 32

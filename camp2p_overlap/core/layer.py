@@ -1,7 +1,8 @@
 """Building a patch layer: an engine composed with the overlap runtime its
-wrappers share, and the one process-wide layer behind
-``camp2p_overlap.apply()``. Nothing here is read on the call path: each
-wrapper is bound to its own engine and runtime when the engine applies."""
+wrappers share, and :data:`LAYER`, the one process-wide layer behind
+``camp2p_overlap.apply()``. Each wrapper is bound to its own engine and
+runtime when the engine applies; tests and the benchmark build their own
+layers with :func:`build_layer`."""
 
 from __future__ import annotations
 
@@ -11,21 +12,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from camp2p_overlap.core import metrics
-from camp2p_overlap.core.engine import PatchEngine
 from camp2p_overlap.core.log import logger
-from camp2p_overlap.core.rollout import rung
-from camp2p_overlap.core.runtime import OverlapRuntime
-from camp2p_overlap.core.wrappers import make_wrappers
+from camp2p_overlap.core.observe import metrics
+from camp2p_overlap.core.overlap.rollout import rung
+from camp2p_overlap.core.overlap.runtime import OverlapRuntime
+from camp2p_overlap.core.overlap.wrappers import make_wrappers
+from camp2p_overlap.core.patching.lifecycle import PatchEngine
 
 
 @dataclass(frozen=True)
-class PatchLayer:
+class Layer:
+    """One patch layer: its lifecycle engine and the runtime its wrappers share."""
+
     engine: PatchEngine
     runtime: OverlapRuntime
 
 
-def build_layer(*, on_unpatch: Callable[[], None] | None = None, **engine_options: Any) -> PatchLayer:
+def build_layer(*, on_unpatch: Callable[[], None] | None = None, **engine_options: Any) -> Layer:
     """A fresh engine (``engine_options``: ``manifest_loader``,
     ``version_check``) with its own runtime: its wrappers, stream sets and
     sessions are its own, and ``unpatch()`` closes them (then calls
@@ -42,29 +45,27 @@ def build_layer(*, on_unpatch: Callable[[], None] | None = None, **engine_option
         on_unpatch=closed,
         **engine_options,
     )
-    return PatchLayer(engine, runtime)
+    return Layer(engine, runtime)
 
 
 def _stop_reporting() -> None:
     """On unpatch: the reporter's thread and endpoint end (nothing is counted
     any more); the next step after a new apply starts them again."""
     metrics.stop_reporting()
-    RUNTIME.counters.on_first_step = _start_reporting
+    LAYER.runtime.counters.on_first_step = _start_reporting
 
 
-#: The process-wide layer behind ``camp2p_overlap.apply()``/``unpatch()``/``status()``.
-PROCESS = build_layer(on_unpatch=_stop_reporting)
-ENGINE = PROCESS.engine
-RUNTIME = PROCESS.runtime
+#: The process-wide layer behind ``camp2p_overlap.apply()``/``unpatch()``/``status()``/``stats()``.
+LAYER = build_layer(on_unpatch=_stop_reporting)
 
 
 def _start_reporting() -> None:
     """On this process's first FFN step: the step metrics (and the opt-in
     endpoint) and the periodic summary, with the applied configuration."""
     try:
-        cfg = ENGINE.config
+        cfg = LAYER.engine.config
         metrics.start_reporting(
-            RUNTIME.counters.to_dict,  # steps and serial reasons: no bucket snapshot per scrape
+            LAYER.runtime.counters.to_dict,  # steps and serial reasons: no bucket snapshot per scrape
             port=cfg.metrics_port,
             summary_s=cfg.summary_s,
             mode=cfg.mode,
@@ -74,7 +75,7 @@ def _start_reporting() -> None:
         logger.exception("camp2p-overlap: step reporting not started")
 
 
-RUNTIME.counters.on_first_step = _start_reporting
+LAYER.runtime.counters.on_first_step = _start_reporting
 
 if hasattr(os, "register_at_fork"):  # a forked worker reports its own steps
-    os.register_at_fork(after_in_child=lambda: setattr(RUNTIME.counters, "on_first_step", _start_reporting))
+    os.register_at_fork(after_in_child=lambda: setattr(LAYER.runtime.counters, "on_first_step", _start_reporting))

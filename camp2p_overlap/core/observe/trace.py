@@ -1,0 +1,238 @@
+"""A trace of what ran where and when, and a checker that every edge of the
+design (``docs/design.md``, "Edges") held in it.
+
+A recorder is opt-in (:func:`recording`); with none active, the wrappers pay
+nothing for tracing. Times are ``time.perf_counter_ns()`` on the host (CPU
+backend: real op times), or device times resolved from timing events when a
+device backend was asked for them, or kernel times from a profiler trace
+(``verify/device_timeline.py``).
+
+Two records of a step's events can be in a trace: the session's (what it
+asked for: ``source="session"``, in host issue order ``seq``) and the
+backend's (what the streams performed: ``source="backend"``, in execution
+order ``order``, each wait bound to the very event it waited on). The
+checker reads the backend's where there is one (the CPU backend keeps it).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import json
+import threading
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from camp2p_overlap.core.keys import side_stream_name
+from camp2p_overlap.core.patching.intercept_switch import INTERCEPTS
+
+OP_KINDS = ("a2e", "ffn", "e2a", "wait", "record", "step")
+
+
+@dataclass
+class TraceOp:
+    kind: str
+    layer: int | None
+    stage: int | None
+    stream: str
+    start_ns: int
+    end_ns: int
+    step: int
+    detail: str = ""
+    #: Host issue order within the step (session ops, records and waits):
+    #: the order in which work was queued on its stream. -1 where unknown
+    #: (the serial path, where start times give the order).
+    seq: int = -1
+    #: Position in the backend's execution order (ops, and records and waits
+    #: the streams performed); -1 where the backend keeps none.
+    order: int = -1
+    #: The identity of the event a backend record or wait touched (-1: none).
+    event: int = -1
+    #: Who says this record or wait happened: "session" (it asked the backend)
+    #: or "backend" (a stream performed it).
+    source: str = "session"
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+class TraceRecorder:
+    """Collects :class:`TraceOp` from every step while active."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ops: list[TraceOp] = []
+        self._steps = 0
+        #: Serial-path bookkeeping: per thread, per stage, when FFN started.
+        self._serial = threading.local()
+
+    def next_step(self) -> int:
+        with self._lock:
+            self._steps += 1
+            return self._steps
+
+    def add(self, op: TraceOp) -> None:
+        with self._lock:
+            self._ops.append(op)
+
+    def extend(self, ops: Iterable[TraceOp]) -> None:
+        with self._lock:
+            self._ops.extend(ops)
+
+    def ops(self, step: int | None = None) -> list[TraceOp]:
+        with self._lock:
+            ops = list(self._ops)
+        if step is not None:
+            ops = [o for o in ops if o.step == step]
+        return sorted(ops, key=lambda o: (o.start_ns, o.end_ns))
+
+    def steps(self) -> list[int]:
+        with self._lock:
+            return sorted({o.step for o in self._ops})
+
+    def clear(self) -> None:
+        with self._lock:
+            self._ops.clear()
+
+    # -- serial (not engaged) path --------------------------------------
+    def serial_state(self) -> dict[str, object]:
+        state = getattr(self._serial, "state", None)
+        if state is None:
+            state = self._serial.state = {"step": 0, "ffn_start": {}}
+        return state
+
+    def to_json(self) -> str:
+        return json.dumps([asdict(o) for o in self.ops()])
+
+
+_active_lock = threading.Lock()
+_active: TraceRecorder | None = None
+
+
+def current_recorder() -> TraceRecorder | None:
+    return _active
+
+
+@contextlib.contextmanager
+def recording(recorder: TraceRecorder | None = None) -> Iterator[TraceRecorder]:
+    """Record every step run inside the block (all threads). The
+    process's intercept switch is held meanwhile, so that the connector
+    wrappers see the recorder."""
+    global _active
+    rec = recorder or TraceRecorder()
+    INTERCEPTS.hold()
+    try:
+        with _active_lock:
+            previous, _active = _active, rec
+        try:
+            yield rec
+        finally:
+            with _active_lock:
+                _active = previous
+    finally:
+        INTERCEPTS.release()
+
+
+def _key_stage(key: Hashable) -> tuple[int | None, int | None]:
+    """(layer, stage) named by an event key (``(kind, layer, stage)``, ``("join", stage)``)."""
+    if isinstance(key, tuple) and len(key) == 3:
+        return key[1], key[2]
+    if isinstance(key, tuple) and len(key) == 2 and key[0] == "join":
+        return None, key[1]
+    return None, None
+
+
+class StepTrace:
+    """One engaged step's trace bookkeeping, kept apart from the schedule:
+    the session calls it only when a recorder is active. With a ``backend``
+    that keeps a stream log (CPU), the records and waits its streams
+    performed go into the trace as well, with every op's execution order."""
+
+    def __init__(self, recorder: TraceRecorder, step_id: int, backend: Any = None) -> None:
+        self.recorder = recorder
+        self.step_id = step_id
+        self._ops: list[TraceOp] = []
+        self._backend = backend if backend is not None and backend.start_log() else None
+
+    def event(self, kind: str, key: Hashable, stream: str, t0: int, t1: int, seq: int) -> None:
+        """A record or a wait of the event named ``key`` (``(kind, layer, stage)``)."""
+        layer, stage = _key_stage(key)
+        self._ops.append(TraceOp(kind, layer, stage, stream, t0, t1, self.step_id, repr(key), seq))
+
+    def ffn(self, layer: int, stage: int, t0: int, t1: int, seq: int) -> None:
+        self._ops.append(TraceOp("ffn", layer, stage, "C", t0, t1, self.step_id, "", seq))
+
+    def emit(self, ops: Iterable[tuple[str, int | None, int | None, str, Any, int]]) -> None:
+        """Hand the step's trace to the recorder, with every op that ran:
+        ``(kind, layer, stage, stream, handle, seq)``."""
+        for kind, layer, stage, stream, h, seq in ops:
+            if h.start_ns is not None and h.end_ns is not None:
+                op = TraceOp(kind, layer, stage, stream, h.start_ns, h.end_ns, self.step_id, "", seq)  # type: ignore[arg-type]
+                op.order = _spaced(h.order)
+                self._ops.append(op)
+        if self._backend is not None:
+            self._add_stream_log(self._backend.stop_log())
+            self._backend = None
+        self.recorder.extend(self._ops)
+        self._ops = []
+
+    def _add_stream_log(self, log: Sequence[Any]) -> None:
+        """The records and waits the streams performed, and the FFN's place in
+        the compute stream's execution order. C is the host: its entries are
+        sequential in time, and the FFN ran between the wait that returned
+        before it started and the record that fired after it ended."""
+        performed = [
+            TraceOp(
+                e.kind,
+                *_key_stage(e.key),
+                e.stream,
+                e.start_ns,
+                e.end_ns,
+                self.step_id,
+                repr(e.key),
+                order=_spaced(e.order),
+                event=e.event,
+                source="backend",
+            )
+            for e in log
+        ]
+        on_c = sorted(
+            (o.end_ns, o.order)
+            for o in [*performed, *self._ops]
+            if o.stream == "C" and o.order >= 0 and o.kind != "ffn"
+        )
+        ends = [end for end, _ in on_c]
+        for o in self._ops:
+            if o.kind == "ffn":
+                i = bisect.bisect_right(ends, o.start_ns)
+                o.order = on_c[i - 1][1] + 1 if i else -1  # odd: right after that entry
+        self._ops.extend(performed)
+
+
+def _spaced(order: int) -> int:
+    """A backend execution order, doubled so that a host-side FFN can sit
+    between two entries of C (at an odd position)."""
+    return 2 * order if order >= 0 else -1
+
+
+@dataclass(frozen=True)
+class ExpectedSchedule:
+    """What a step was planned to do."""
+
+    layers: tuple[int, ...]
+    stages: tuple[int, ...]
+    a2e_side: bool
+    e2a_side: bool
+
+    def stream_for(self, kind: str, stage: int) -> str:
+        if kind == "a2e" and self.a2e_side:
+            return side_stream_name(stage)
+        if kind == "e2a" and self.e2a_side:
+            return side_stream_name(stage)
+        return "C"
+
+    @classmethod
+    def serial(cls, layers: Sequence[int], stages: Sequence[int]) -> ExpectedSchedule:
+        return cls(tuple(layers), tuple(stages), False, False)
