@@ -11,7 +11,8 @@
 #     first on PYTHONPATH;
 #   * the project is installed with pip install --no-deps --no-build-isolation
 #     --no-index -e . ; if that fails the checkout is used through PYTHONPATH
-#     (the patch manifests are then read from ./patches) and the summary says so.
+#     and the summary says so. Either way the patch manifests are read as the
+#     package camp2p_overlap.patches, the checkout's link to ./patches.
 # Then, each part within what is left of $GPU_CHECK_BUDGET_S (default 450 s):
 #   1. pytest -m gpu on the test files with gpu-marked tests (bitwise, device trace, the attention peer on the
 #      device, SMs held by comm kernels, the stream sanitizer, tensor ownership,
@@ -213,7 +214,7 @@ note "pip install --no-deps --no-build-isolation --no-index -e ."
 if "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$OUT/tools.log" 2>&1; then
   R[setup.install]=editable
 else
-  R[setup.install]="failed, using PYTHONPATH=$REPO (manifests read from ./patches)"
+  R[setup.install]="failed, using PYTHONPATH=$REPO"
 fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PY" - >>"$OUT/tools.log" 2>&1 <<'PYEOF'; then
@@ -277,7 +278,7 @@ fi
 export CAMP2P_GPU_CHILD_TIMEOUT_S=${CAMP2P_GPU_CHILD_TIMEOUT_S:-45}  # 4 child processes: 180 s < 240 s
 # The files that hold gpu-marked tests: collecting the whole suite would
 # import modules that need what the box lacks (vLLM, grimp).
-mapfile -t gpu_files < <(grep -l -E 'mark\.gpu' tests/test_*.py)
+mapfile -t gpu_files < <(grep -rl -E 'mark\.gpu' --include='test_*.py' tests | sort)
 R[pytest.files]=${#gpu_files[@]}
 if ((${#gpu_files[@]})); then
   run_part pytest "${PYTEST_LIMIT:-240}" "$OUT/pytest_gpu.log" "$PY" -m pytest "${pytest_args[@]}" "${gpu_files[@]}"

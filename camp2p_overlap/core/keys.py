@@ -1,6 +1,10 @@
-"""The names a step's streams and events carry, shared by the overlap
+"""The names a step's streams, events and ops carry, shared by the overlap
 schedule, its traces, the stall report and the verifiers: one definition
-each, so that nothing rebuilds a key or parses one back from its ``repr``."""
+each, so that nothing rebuilds a key or parses one back from its ``repr``.
+
+A key becomes text with ``label()`` (trace details, stall reports, profiler
+range names) and is read back with ``parse()``; nothing else writes or reads
+that text."""
 
 from __future__ import annotations
 
@@ -21,10 +25,36 @@ JOIN = "join"  # the last work of K_s, waited by C when the step closes
 
 EVENT_KINDS = (A_DONE, F_DONE, E_DONE, E_DONE_ON_C, FORK, JOIN)
 
+#: The connector ops a step issues: a receive (A2E) and a send (E2A).
+A2E = "a2e"
+E2A = "e2a"
+OP_KINDS = (A2E, E2A)
+
 
 def side_stream_name(stage: int) -> str:
     """The name of stage ``stage``'s side stream (``K_s``)."""
     return f"K{stage}"
+
+
+def _label(kind: str, layer: int | None, stage: int | None) -> str:
+    parts = [kind]
+    if layer is not None:
+        parts.append(f"L{layer}")
+    if stage is not None:
+        parts.append(f"s{stage}")
+    return " ".join(parts)
+
+
+def _label_pattern(kinds: tuple[str, ...]) -> re.Pattern[str]:
+    return re.compile(r"^(" + "|".join(kinds) + r")(?: L(-?\d+))?(?: s(-?\d+))?$")
+
+
+def _parsed(pattern: re.Pattern[str], text: str) -> tuple[str, int | None, int | None] | None:
+    m = pattern.match(text)
+    if m is None:
+        return None
+    layer, stage = m.group(2), m.group(3)
+    return m.group(1), None if layer is None else int(layer), None if stage is None else int(stage)
 
 
 class EventKey(NamedTuple):
@@ -45,21 +75,33 @@ class EventKey(NamedTuple):
 
     def label(self) -> str:
         """A text form, read back by :meth:`parse`: ``f L3 s1``, ``join s0``, ``fork``."""
-        parts = [self.kind]
-        if self.layer is not None:
-            parts.append(f"L{self.layer}")
-        if self.stage is not None:
-            parts.append(f"s{self.stage}")
-        return " ".join(parts)
+        return _label(self.kind, self.layer, self.stage)
 
     @classmethod
     def parse(cls, text: str) -> EventKey | None:
         """The key whose :meth:`label` is ``text``, or None."""
-        m = _LABEL.match(text)
-        if m is None:
-            return None
-        layer, stage = m.group(2), m.group(3)
-        return cls(m.group(1), None if layer is None else int(layer), None if stage is None else int(stage))
+        got = _parsed(_EVENT_LABEL, text)
+        return None if got is None else cls(*got)
 
 
-_LABEL = re.compile(r"^(" + "|".join(EVENT_KINDS) + r")(?: L(-?\d+))?(?: s(-?\d+))?$")
+class OpKey(NamedTuple):
+    """One connector op of a step: its kind (one of :data:`OP_KINDS`) and
+    its (layer, stage), None where the loop's call named none."""
+
+    kind: str
+    layer: int | None = None
+    stage: int | None = None
+
+    def label(self) -> str:
+        """A text form, read back by :meth:`parse`: ``a2e L3 s1``."""
+        return _label(self.kind, self.layer, self.stage)
+
+    @classmethod
+    def parse(cls, text: str) -> OpKey | None:
+        """The key whose :meth:`label` is ``text``, or None."""
+        got = _parsed(_OP_LABEL, text)
+        return None if got is None else cls(*got)
+
+
+_EVENT_LABEL = _label_pattern(EVENT_KINDS)
+_OP_LABEL = _label_pattern(OP_KINDS)

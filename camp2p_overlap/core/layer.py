@@ -16,7 +16,7 @@ from camp2p_overlap.core.log import logger
 from camp2p_overlap.core.observe import metrics
 from camp2p_overlap.core.overlap.rollout import rung
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
-from camp2p_overlap.core.overlap.wrappers import make_wrappers
+from camp2p_overlap.core.overlap.step import make_wrappers
 from camp2p_overlap.core.patching.lifecycle import PatchEngine
 
 

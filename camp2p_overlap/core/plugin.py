@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from camp2p_overlap.core.config import ENV_VARS
+from camp2p_overlap.core.env_vars import TABLE
 from camp2p_overlap.core.log import logger
 
 #: The entry-point name (``VLLM_PLUGINS`` filters by exact name).
@@ -18,9 +18,10 @@ ENTRY_POINT_NAME = "camp2p_overlap"
 
 
 def register_env_vars() -> list[str]:
-    """Make our ``VLLM_CAMP2P_*`` names known to vLLM's environment registry
-    in this process, so vLLM's unknown-variable check neither warns nor,
-    with ``--fail-on-environ-validation``, fails. Returns the names added.
+    """Make our ``VLLM_CAMP2P_*`` names (every row of
+    :data:`camp2p_overlap.core.env_vars.TABLE`) known to vLLM's environment
+    registry in this process, so vLLM's unknown-variable check neither warns
+    nor, with ``--fail-on-environ-validation``, fails. Returns the names added.
 
     Only touches ``vllm.envs`` when vLLM is already imported (it always is
     when vLLM loads plugins)."""
@@ -31,7 +32,7 @@ def register_env_vars() -> list[str]:
     import os
 
     added = []
-    for name in ENV_VARS:
+    for name in (v.name for v in TABLE):
         if name not in registry:
             registry[name] = lambda name=name: os.environ.get(name)
             added.append(name)

@@ -37,8 +37,6 @@ only by :func:`build_device_world`.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -47,6 +45,7 @@ from typing import Any
 import torch
 
 from camp2p_overlap.core.observe.trace import TraceOp
+from camp2p_overlap.core.overlap.streams import BackendUnavailable, device_module
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.device_comm import (
     CommKernels,
@@ -74,7 +73,7 @@ __all__ = [
     "DeviceWorld",
     "HostCommKernels",
     "build_device_world",
-    "device_module",
+    "require_device",
 ]
 
 #: Stage ids the device transport keeps peer slots for (CAMP2P's groups afd, afd1, afd2).
@@ -85,25 +84,14 @@ class DeviceUnavailable(RuntimeError):
     """The requested device cannot be used; the message says why."""
 
 
-def device_module(kind: str) -> ModuleType:
-    """``torch.cuda`` or ``torch.npu`` when a device is there, else raise
-    :class:`DeviceUnavailable` with a message for the command line."""
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise DeviceUnavailable("--device cuda needs a CUDA GPU: torch.cuda.is_available() is False")
-        return torch.cuda
-    if kind == "npu":
-        if importlib.util.find_spec("torch_npu") is None:
-            raise DeviceUnavailable("--device npu needs torch_npu, which is not installed")
-        try:
-            importlib.import_module("torch_npu")
-        except Exception as exc:  # reported to the user
-            raise DeviceUnavailable(f"--device npu: importing torch_npu failed: {type(exc).__name__}: {exc}") from exc
-        npu = getattr(torch, "npu", None)
-        if npu is None or not npu.is_available():
-            raise DeviceUnavailable("--device npu needs an Ascend NPU: torch.npu.is_available() is False")
-        return npu
-    raise DeviceUnavailable(f"no device emulation for {kind!r} (use cpu, cuda or npu)")
+def require_device(kind: str) -> ModuleType:
+    """The torch device module for ``--device kind`` (the layer's own check,
+    :func:`~camp2p_overlap.core.overlap.streams.device_module`), or raise
+    :class:`DeviceUnavailable` with its reason, worded for the command line."""
+    try:
+        return device_module(kind)
+    except BackendUnavailable as exc:
+        raise DeviceUnavailable(f"--device {kind}: {exc}") from exc
 
 
 class DeviceDelay:
@@ -497,7 +485,7 @@ def build_device_world(
     ``module``, ``kernels`` and ``device`` replace the torch device module,
     the comm kernel and the device (tests drive the world through a host
     stand-in of a device module with :class:`HostCommKernels`)."""
-    mod = module if module is not None else device_module(kind)
+    mod = module if module is not None else require_device(kind)
     if device is None:
         device = torch.device(kind, mod.current_device())
     standins.install(root)

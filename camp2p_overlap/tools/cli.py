@@ -1,14 +1,16 @@
-"""``camp2p-overlap {bench,sweep,overhead,doctor}``."""
+"""``camp2p-overlap {bench,sweep,overhead,doctor,docs}``."""
 
 from __future__ import annotations
 
 import argparse
 import shlex
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import fields, replace
 from typing import Any
 
+from camp2p_overlap.core.env_vars import help_listing, reading_rules
 from camp2p_overlap.tools.bench.runner import POLICIES, POLICY_HELP, SCENARIO_HELP, SCENARIOS, BenchParams
 from camp2p_overlap.tools.overhead import OverheadParams
 
@@ -82,7 +84,11 @@ exit status: 0 when nothing would refuse, else 1.
   deployment    null without --config; else {source, connector, role, num_ubatches, num_ubatches_from,
                 stages: [{stage, group, in_use, error, shares_group_with}], aliased: {group: [stage]},
                 extra: {core_num, ffn_core_num, attn_core_num, aiv_num}, mode, rung, problems, notes}
-"""
+
+switches (the environment variables the layer reads in every vLLM process):
+""" + "\n".join(
+    [textwrap.fill(reading_rules(markdown=False), 79, initial_indent="  ", subsequent_indent="  "), help_listing()]
+)
 
 _DEFAULTS = BenchParams()
 
@@ -180,8 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="camp2p-overlap",
         description="FFN-side CAMP2P A2E/E2A multi-stream overlap for vLLM + afd-plugin (0.19.1, 0.26.0): tools.",
+        epilog="The VLLM_CAMP2P_* environment variables that configure the layer: camp2p-overlap doctor --help.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{bench,sweep,overhead,doctor}")
+    sub = parser.add_subparsers(dest="command", metavar="{bench,sweep,overhead,doctor,docs}")
     sub.required = True
 
     bench = sub.add_parser(
@@ -327,6 +334,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="the deployment's vLLM config (YAML/JSON file given to vllm serve --config) or a JSON string: "
         "report the AFD connector, num_ubatches, stage->HCCL group map, aiv_num/ffn_core_num",
     )
+
+    docs = sub.add_parser(
+        "docs",
+        help="regenerate the docs' generated blocks (figures, configuration table) from docs/results/",
+        description="Rewrite every generated block (between '<!-- BEGIN generated: NAME -->' and "
+        "'<!-- END generated: NAME -->') of README.md and docs/benchmark.md from the JSON reports in "
+        "docs/results/ (bench.json, sweep.json, overhead.json, written by the tools' --json options; "
+        "runs.json says how each was made) and the table of environment variables. Text outside the "
+        "blocks is left alone.",
+    )
+    docs.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each block that would change")
+    docs.add_argument("--root", default=".", metavar="DIR", help="the checkout (default: the current directory)")
     return parser
 
 
@@ -343,10 +362,10 @@ def _fail(message: str, code: int = 2) -> int:
 def _device_check(device: str) -> str | None:
     if device == "cpu":
         return None
-    from camp2p_overlap.emulation.device_world import DeviceUnavailable, device_module
+    from camp2p_overlap.emulation.device_world import DeviceUnavailable, require_device
 
     try:
-        device_module(device)
+        require_device(device)
     except DeviceUnavailable as exc:
         return str(exc)
     return None
@@ -504,6 +523,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _sweep(args, argv)
     if args.command == "overhead":
         return _overhead(args)
+    if args.command == "docs":
+        from pathlib import Path
+
+        from camp2p_overlap.tools.docgen import run_docs
+
+        return run_docs(Path(args.root), check=args.check)
     from camp2p_overlap.tools.doctor import main_doctor
 
     return main_doctor(as_json=args.json, stack=args.stack, deployment=args.deployment)

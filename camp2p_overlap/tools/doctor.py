@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from camp2p_overlap.core import config as cfgmod
+from camp2p_overlap.core.env_vars import TABLE as ENV_TABLE
 from camp2p_overlap.core.overlap.rollout import LADDER, rung
 from camp2p_overlap.core.patching.manifest import (
     ManifestError,
@@ -69,22 +70,8 @@ DISTRIBUTIONS = {
     "camp2p-overlap": "camp2p-overlap",
 }
 
-#: Environment variable -> OverlapConfig field.
-SWITCH_FIELDS = {
-    cfgmod.ENV_SWITCH: "enabled",
-    cfgmod.ENV_A2E: "a2e_on_side_stream",
-    cfgmod.ENV_E2A: "e2a_on_side_stream",
-    cfgmod.ENV_MIN_STAGES: "min_stages",
-    cfgmod.ENV_GRAPH: "graph",
-    cfgmod.ENV_BACKEND: "backend",
-    cfgmod.ENV_STRICT: "strict",
-    cfgmod.ENV_WATCHDOG: "watchdog_s",
-    cfgmod.ENV_ADAPTIVE: "adaptive",
-    cfgmod.ENV_REPROBE: "reprobe_every",
-    cfgmod.ENV_MODE: "mode",
-    cfgmod.ENV_METRICS_PORT: "metrics_port",
-    cfgmod.ENV_SUMMARY: "summary_s",
-}
+#: Environment variable -> OverlapConfig field (from the table of variables).
+SWITCH_FIELDS = {v.name: v.field for v in ENV_TABLE}
 
 _STANDIN_DIR = Path(__file__).resolve().parent.parent / "emulation" / "standins"
 

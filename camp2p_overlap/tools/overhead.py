@@ -29,8 +29,8 @@ from typing import Any
 
 from camp2p_overlap.core.config import MAX_REPROBE, MAX_STAGES, OverlapConfig
 from camp2p_overlap.core.layer import Layer
+from camp2p_overlap.core.overlap.step import bucket_of
 from camp2p_overlap.core.overlap.streams.streamset import StreamSetRegistry
-from camp2p_overlap.core.overlap.wrappers import bucket_of
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.noop import NoopModel, NoopTransport, noop_backend
 from camp2p_overlap.emulation.standin_layer import emulated_layer, release_site, standin_site

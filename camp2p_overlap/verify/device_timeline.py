@@ -10,8 +10,10 @@ What the trace must hold (the device backend writes it while its
 stream markers and the step fences):
 
 * host ranges named ``camp2p:<kind> L<layer> s<stage>`` around each op the
-  session issued (``a2e``, ``e2a``), ``camp2p:record <stream> <key>`` and
-  ``camp2p:wait <stream> <key>`` around each event record and wait;
+  session issued (``a2e``, ``e2a``: the op's ``OpKey.label()``),
+  ``camp2p:record <stream> <key>`` and ``camp2p:wait <stream> <key>``
+  around each event record and wait (the event's ``EventKey.label()``,
+  ``streams/device.py``'s ``event_range_name``);
 * ``camp2p:stream <name>`` around a marker kernel launched on each stream
   (``C``, ``K0``, ...): it names the device stream ids;
 * ``camp2p:step-begin`` / ``camp2p:step-end`` around a marker kernel on C
@@ -22,7 +24,7 @@ that launched it (the ``correlation`` id Kineto gives the launch and the
 kernel, else a flow event from host to device), and so to the ``camp2p:``
 range around that launch. An FFN is the upstream loop's own code, which we
 do not annotate: its kernels are those the loop thread launched between
-the last ``camp2p:`` range before ``record C ('f', L, s)`` and that record
+the last ``camp2p:`` range before ``record C f L<L> s<s>`` and that record
 (the session records ``f`` on C first thing in each send, and nothing of
 the session runs between a receive's return and that send).
 
@@ -35,23 +37,20 @@ from __future__ import annotations
 
 import bisect
 import json
-import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from camp2p_overlap.core.keys import COMPUTE_STREAM, F_DONE, OpKey
 from camp2p_overlap.core.observe.trace import TraceOp
+from camp2p_overlap.core.overlap.streams.device import RANGE_PREFIX, parse_event_range
 from camp2p_overlap.verify.edges import to_chrome_trace
 
-PREFIX = "camp2p:"
 #: Chrome-trace categories of device activities (Kineto).
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 #: Device-side copies of host ranges (not host ranges themselves).
 DEVICE_ANNOTATIONS = frozenset({"gpu_user_annotation"})
-
-_OP = re.compile(r"^(a2e|e2a) L(-?\d+) s(-?\d+)$")
-_RECORD_F_C = re.compile(r"^record C \('f', (-?\d+), (-?\d+)\)$")
 
 
 class TimelineError(ValueError):
@@ -117,7 +116,7 @@ class DeviceTimeline:
         begin = self._fence("step-begin")
         end = self._fence("step-end")
         if begin is not None and end is not None:
-            ops.append(TraceOp("step", None, None, "C", begin.end_ns, end.start_ns, step))
+            ops.append(TraceOp("step", None, None, COMPUTE_STREAM, begin.end_ns, end.start_ns, step))
         return sorted(ops, key=lambda o: (o.start_ns, o.end_ns))
 
     def kernel_ops(self, step: int = 0) -> list[TraceOp]:
@@ -212,8 +211,8 @@ def parse(trace: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> DeviceTimel
         thread = (ev.get("pid"), ev.get("tid"))
         start = _ns(ev.get("ts", 0))
         end = start + _ns(ev.get("dur", 0))
-        if name.startswith(PREFIX):
-            ranges.append(HostRange(name[len(PREFIX) :], thread, start, end))
+        if name.startswith(RANGE_PREFIX):
+            ranges.append(HostRange(name[len(RANGE_PREFIX) :], thread, start, end))
         corr = (ev.get("args") or {}).get("correlation")
         if corr is not None:
             launches[corr] = (thread, start)
@@ -255,9 +254,9 @@ def _attribute(activities: Sequence[DeviceActivity], ranges: Sequence[HostRange]
     windows: dict[tuple[Any, Any], list[tuple[int, int, int, int]]] = defaultdict(list)
     for thread, rs in by_thread.items():
         for i, r in enumerate(rs):
-            m = _RECORD_F_C.match(r.name)
-            if m and i > 0:
-                windows[thread].append((rs[i - 1].end_ns, r.start_ns, int(m.group(1)), int(m.group(2))))
+            f_done = _f_done_on_compute(r.name)
+            if f_done is not None and i > 0:
+                windows[thread].append((rs[i - 1].end_ns, r.start_ns, *f_done))
     starts = {thread: [r.start_ns for r in rs] for thread, rs in by_thread.items()}
     owner: list[tuple[Any, ...] | None] = []
     for a in activities:
@@ -287,10 +286,24 @@ def _innermost(ranges: Sequence[HostRange], starts: Sequence[int], t: int) -> Ho
     return None
 
 
+def _f_done_on_compute(name: str) -> tuple[int, int] | None:
+    """(layer, stage) of a range around the record of ``f_done(L, s)`` on the
+    compute stream (what ends an FFN window), else None."""
+    got = parse_event_range(name)
+    if got is None:
+        return None
+    action, stream, key = got
+    if action != "record" or stream != COMPUTE_STREAM or key.kind != F_DONE:
+        return None
+    if key.layer is None or key.stage is None:
+        return None
+    return key.layer, key.stage
+
+
 def _owner_of(name: str) -> tuple[Any, ...] | None:
-    m = _OP.match(name)
-    if m:
-        return (m.group(1), int(m.group(2)), int(m.group(3)))
+    op = OpKey.parse(name)
+    if op is not None and op.layer is not None and op.stage is not None:
+        return tuple(op)
     if name.startswith("stream "):
         return ("stream", name[len("stream ") :])
     if name in ("step-begin", "step-end"):

@@ -8,7 +8,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from camp2p_overlap.core.keys import side_stream_name
+from camp2p_overlap.core.keys import COMPUTE_STREAM, side_stream_name
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, TraceOp
 
 # ---------------------------------------------------------------------------
@@ -82,7 +82,7 @@ def check_step(ops: Sequence[TraceOp], expected: ExpectedSchedule, *, source: st
         for o in (a, f, e):
             if o is None:
                 continue
-            want = "C" if o.kind == "ffn" else expected.stream_for(o.kind, s)
+            want = COMPUTE_STREAM if o.kind == "ffn" else expected.stream_for(o.kind, s)
             if o.stream != want:
                 bad(f"{o.kind}(L{L},s{s}) ran on {o.stream}, expected {want}")
         # Edge 3: FFN waits for its A2E. Edge 4: E2A waits for its FFN.
@@ -110,10 +110,14 @@ def check_step(ops: Sequence[TraceOp], expected: ExpectedSchedule, *, source: st
     # The compute stream runs its ops (every FFN, and A2E/E2A where that
     # direction stays on C) one at a time, in the loop's order.
     want_c = [
-        (k, L, s) for L, s in plan for k in ("a2e", "ffn", "e2a") if k == "ffn" or expected.stream_for(k, s) == "C"
+        (k, L, s)
+        for L, s in plan
+        for k in ("a2e", "ffn", "e2a")
+        if k == "ffn" or expected.stream_for(k, s) == COMPUTE_STREAM
     ]
     on_c = sorted(
-        (o for o in ops if o.kind in ("a2e", "ffn", "e2a") and o.stream == "C"), key=lambda o: (o.start_ns, o.end_ns)
+        (o for o in ops if o.kind in ("a2e", "ffn", "e2a") and o.stream == COMPUTE_STREAM),
+        key=lambda o: (o.start_ns, o.end_ns),
     )
     got_c = [(o.kind, o.layer, o.stage) for o in on_c]
     if got_c != want_c:
@@ -201,7 +205,7 @@ def _check_event_graph(
                 recorded_on[j] = nodes[j].stream
                 if o.end_ns < nodes[j].end_ns:
                     bad(f"{o.stream}'s wait on event {o.detail} returned before that event fired")
-            if o.stream != "C" and recorded_on[j] not in ("C", o.stream):
+            if o.stream != COMPUTE_STREAM and recorded_on[j] not in (COMPUTE_STREAM, o.stream):
                 bad(f"{o.stream} waits on event {o.detail} recorded on {recorded_on[j]}: an edge between stage streams")
             succ[j].append(i)
             bound[i] = j
@@ -237,13 +241,13 @@ def _check_event_graph(
         if L in nxt:
             before(e, one("a2e", nxt[L], s), "edge 5/6 (lookahead A2E after its group's E2A)")
 
-    c_ops = [i for i in per_stream.get("C", []) if nodes[i].kind in ("a2e", "ffn", "e2a")]
+    c_ops = [i for i in per_stream.get(COMPUTE_STREAM, []) if nodes[i].kind in ("a2e", "ffn", "e2a")]
     for name, seq in per_stream.items():
-        if name == "C":
+        if name == COMPUTE_STREAM:
             continue
         # Edge 1: a side stream starts by waiting on the compute stream.
         head = nodes[seq[0]]
-        if head.kind != "wait" or seq[0] not in bound or recorded_on[bound[seq[0]]] != "C":
+        if head.kind != "wait" or seq[0] not in bound or recorded_on[bound[seq[0]]] != COMPUTE_STREAM:
             bad(f"edge 1 (fork): {name} starts with {head.kind} {head.detail}, not a wait on an event of C")
         # Edge 7: everything queued on the side stream is ordered before a
         # wait on C that follows every op of C.
@@ -251,7 +255,9 @@ def _check_event_graph(
         joined = [
             j
             for j in reach(seq[-1])
-            if nodes[j].stream == "C" and nodes[j].kind == "wait" and (last_c is None or rank[j] > rank[last_c])
+            if nodes[j].stream == COMPUTE_STREAM
+            and nodes[j].kind == "wait"
+            and (last_c is None or rank[j] > rank[last_c])
         ]
         if not joined:
             bad(f"edge 7 (join): the work of {name} is not waited by C after the step's last op on C")
@@ -279,7 +285,7 @@ def to_chrome_trace(ops: Sequence[TraceOp], process: str = "camp2p-overlap", pid
     performed = {o.step for o in ops if o.source == "backend"}
     ops = [o for o in ops if not (o.kind in ("record", "wait") and o.source == "session" and o.step in performed)]
     origin = min(o.start_ns for o in ops)
-    streams = sorted({o.stream for o in ops}, key=lambda n: (n != "C", n))
+    streams = sorted({o.stream for o in ops}, key=lambda n: (n != COMPUTE_STREAM, n))
     tids = {name: i + 1 for i, name in enumerate(streams)}
     events: list[dict] = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": process}}]
     for name, tid in tids.items():

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import json
 import threading
-from collections.abc import Hashable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from camp2p_overlap.core.keys import side_stream_name
-from camp2p_overlap.core.patching.intercept_switch import INTERCEPTS
+from camp2p_overlap.core.keys import COMPUTE_STREAM, EventKey, side_stream_name
 
 OP_KINDS = ("a2e", "ffn", "e2a", "wait", "record", "step")
 
@@ -39,6 +37,8 @@ class TraceOp:
     start_ns: int
     end_ns: int
     step: int
+    #: A record's or a wait's event (:meth:`EventKey.label`, read back with
+    #: :meth:`EventKey.parse`); a device kernel's name; else empty.
     detail: str = ""
     #: Host issue order within the step (session ops, records and waits):
     #: the order in which work was queued on its stream. -1 where unknown
@@ -103,9 +103,6 @@ class TraceRecorder:
             state = self._serial.state = {"step": 0, "ffn_start": {}}
         return state
 
-    def to_json(self) -> str:
-        return json.dumps([asdict(o) for o in self.ops()])
-
 
 _active_lock = threading.Lock()
 _active: TraceRecorder | None = None
@@ -117,31 +114,17 @@ def current_recorder() -> TraceRecorder | None:
 
 @contextlib.contextmanager
 def recording(recorder: TraceRecorder | None = None) -> Iterator[TraceRecorder]:
-    """Record every step run inside the block (all threads). The
-    process's intercept switch is held meanwhile, so that the connector
-    wrappers see the recorder."""
+    """Record every step run inside the block (all threads): a step reads
+    the active recorder (a module global) once, when it starts."""
     global _active
     rec = recorder or TraceRecorder()
-    INTERCEPTS.hold()
+    with _active_lock:
+        previous, _active = _active, rec
     try:
-        with _active_lock:
-            previous, _active = _active, rec
-        try:
-            yield rec
-        finally:
-            with _active_lock:
-                _active = previous
+        yield rec
     finally:
-        INTERCEPTS.release()
-
-
-def _key_stage(key: Hashable) -> tuple[int | None, int | None]:
-    """(layer, stage) named by an event key (``(kind, layer, stage)``, ``("join", stage)``)."""
-    if isinstance(key, tuple) and len(key) == 3:
-        return key[1], key[2]
-    if isinstance(key, tuple) and len(key) == 2 and key[0] == "join":
-        return None, key[1]
-    return None, None
+        with _active_lock:
+            _active = previous
 
 
 class StepTrace:
@@ -156,13 +139,12 @@ class StepTrace:
         self._ops: list[TraceOp] = []
         self._backend = backend if backend is not None and backend.start_log() else None
 
-    def event(self, kind: str, key: Hashable, stream: str, t0: int, t1: int, seq: int) -> None:
-        """A record or a wait of the event named ``key`` (``(kind, layer, stage)``)."""
-        layer, stage = _key_stage(key)
-        self._ops.append(TraceOp(kind, layer, stage, stream, t0, t1, self.step_id, repr(key), seq))
+    def event(self, kind: str, key: EventKey, stream: str, t0: int, t1: int, seq: int) -> None:
+        """A record or a wait of the event ``key`` (its label is the op's ``detail``)."""
+        self._ops.append(TraceOp(kind, key.layer, key.stage, stream, t0, t1, self.step_id, key.label(), seq))
 
     def ffn(self, layer: int, stage: int, t0: int, t1: int, seq: int) -> None:
-        self._ops.append(TraceOp("ffn", layer, stage, "C", t0, t1, self.step_id, "", seq))
+        self._ops.append(TraceOp("ffn", layer, stage, COMPUTE_STREAM, t0, t1, self.step_id, "", seq))
 
     def emit(self, ops: Iterable[tuple[str, int | None, int | None, str, Any, int]]) -> None:
         """Hand the step's trace to the recorder, with every op that ran:
@@ -186,12 +168,13 @@ class StepTrace:
         performed = [
             TraceOp(
                 e.kind,
-                *_key_stage(e.key),
+                e.key.layer,
+                e.key.stage,
                 e.stream,
                 e.start_ns,
                 e.end_ns,
                 self.step_id,
-                repr(e.key),
+                e.key.label(),
                 order=_spaced(e.order),
                 event=e.event,
                 source="backend",
@@ -201,7 +184,7 @@ class StepTrace:
         on_c = sorted(
             (o.end_ns, o.order)
             for o in [*performed, *self._ops]
-            if o.stream == "C" and o.order >= 0 and o.kind != "ffn"
+            if o.stream == COMPUTE_STREAM and o.order >= 0 and o.kind != "ffn"
         )
         ends = [end for end, _ in on_c]
         for o in self._ops:
@@ -231,7 +214,7 @@ class ExpectedSchedule:
             return side_stream_name(stage)
         if kind == "e2a" and self.e2a_side:
             return side_stream_name(stage)
-        return "C"
+        return COMPUTE_STREAM
 
     @classmethod
     def serial(cls, layers: Sequence[int], stages: Sequence[int]) -> ExpectedSchedule:

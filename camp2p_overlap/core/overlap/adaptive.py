@@ -47,12 +47,14 @@ from typing import Any, Literal, NamedTuple
 
 from camp2p_overlap.core.log import logger
 
-Mode = Literal["overlap", "serial"]
-MODES: tuple[Mode, Mode] = ("overlap", "serial")
+#: The two paths a step of a bucket can take (not the rollout modes of
+#: ``config.Mode``): the overlapped step, or upstream's serial one.
+Path = Literal["overlap", "serial"]
+PATHS: tuple[Path, Path] = ("overlap", "serial")
 
 
-def other(mode: Mode) -> Mode:
-    return "serial" if mode == "overlap" else "overlap"
+def other(path: Path) -> Path:
+    return "serial" if path == "overlap" else "overlap"
 
 
 def pow2_ceil(n: int) -> int:
@@ -94,11 +96,11 @@ class AdaptiveSettings:
 class _Bucket:
     key: BucketKey
     window: int
-    decision: Mode | None = None
+    decision: Path | None = None
     steps: int = 0
     since_probe: int = 0
-    issued: dict[str, int] = field(default_factory=lambda: {m: 0 for m in MODES})
-    recorded: dict[str, int] = field(default_factory=lambda: {m: 0 for m in MODES})
+    issued: dict[str, int] = field(default_factory=lambda: {m: 0 for m in PATHS})
+    recorded: dict[str, int] = field(default_factory=lambda: {m: 0 for m in PATHS})
     times: dict[str, deque[float]] = field(default_factory=dict)
     probe_times: list[float] = field(default_factory=list)
     probes_left: int = 0
@@ -109,10 +111,10 @@ class _Bucket:
     changes: int = 0
 
     def __post_init__(self) -> None:
-        self.times = {m: deque(maxlen=self.window) for m in MODES}
+        self.times = {m: deque(maxlen=self.window) for m in PATHS}
 
-    def median(self, mode: str) -> float | None:
-        return statistics.median(self.times[mode]) if self.times[mode] else None
+    def median(self, path: str) -> float | None:
+        return statistics.median(self.times[path]) if self.times[path] else None
 
 
 class AdaptiveEngage:
@@ -124,7 +126,7 @@ class AdaptiveEngage:
         self._lock = threading.Lock()
         self._buckets: dict[BucketKey, _Bucket] = {}
 
-    def choose(self, key: BucketKey) -> tuple[Mode, bool]:
+    def choose(self, key: BucketKey) -> tuple[Path, bool]:
         """The path this step of bucket ``key`` takes, and whether it is a
         probe (a step run to measure, not the bucket's decision)."""
         cfg = self.settings
@@ -134,21 +136,21 @@ class AdaptiveEngage:
                 b = self._buckets[key] = _Bucket(key, cfg.window)
             b.steps += 1
             if b.decision is None:
-                mode: Mode = _learning_mode(b, cfg)
+                path: Path = _learning_path(b, cfg)
                 probe = True
             elif b.probes_left > 0:
                 b.probes_left -= 1
-                mode, probe = other(b.decision), True
+                path, probe = other(b.decision), True
             elif _probe_due(b, cfg):
                 b.since_probe = 0
                 b.warmups += 1  # this step warms the other path up; a measured probe follows
                 b.probes_left = 1
-                mode, probe = other(b.decision), True
+                path, probe = other(b.decision), True
             else:
                 b.since_probe += 1
-                mode, probe = b.decision, False
-            b.issued[mode] += 1
-            return mode, probe
+                path, probe = b.decision, False
+            b.issued[path] += 1
+            return path, probe
 
     def pass_serial(self, key: BucketKey) -> bool:
         """``choose(key)`` when that gives the bucket's decided serial path
@@ -164,19 +166,19 @@ class AdaptiveEngage:
             b.issued["serial"] += 1
             return True
 
-    def record(self, key: BucketKey, mode: Mode, seconds: float) -> None:
-        """The measured time of one step of ``key`` that ran ``mode``."""
+    def record(self, key: BucketKey, path: Path, seconds: float) -> None:
+        """The measured time of one step of ``key`` that ran ``path``."""
         cfg = self.settings
         with self._lock:
             b = self._buckets.get(key)
             if b is None:
                 return
-            b.recorded[mode] += 1
-            if mode == "overlap" and b.recorded[mode] == 1:
+            b.recorded[path] += 1
+            if path == "overlap" and b.recorded[path] == 1:
                 return  # the first overlap step pays first-use costs
             if b.decision is None:
-                b.times[mode].append(seconds)
-                if all(len(b.times[m]) >= cfg.min_samples for m in MODES):
+                b.times[path].append(seconds)
+                if all(len(b.times[m]) >= cfg.min_samples for m in PATHS):
                     o, s = b.median("overlap"), b.median("serial")
                     assert o is not None and s is not None
                     self._decide(b, "overlap" if o < s * (1 - cfg.engage_margin) else "serial", "first decision")
@@ -184,38 +186,38 @@ class AdaptiveEngage:
                         # a close call on 3 times each: check it again soon
                         b.since_probe = max(cfg.reprobe_every - cfg.close_recheck, 0)
                 return
-            if mode == b.decision:
-                b.times[mode].append(seconds)
+            if path == b.decision:
+                b.times[path].append(seconds)
                 return
             if b.warmups > 0:
                 b.warmups -= 1  # a probe round's warm-up step
                 return
-            self._judge_probe(b, mode, seconds, cfg)
+            self._judge_probe(b, path, seconds, cfg)
 
-    def _judge_probe(self, b: _Bucket, mode: Mode, seconds: float, cfg: AdaptiveSettings) -> None:
+    def _judge_probe(self, b: _Bucket, path: Path, seconds: float, cfg: AdaptiveSettings) -> None:
         b.probe_times.append(seconds)
         current = b.median(b.decision)  # type: ignore[arg-type]
         probe = statistics.median(b.probe_times)
         if current is None or probe > current * (1 - cfg.switch_margin):
             b.probe_times.clear()  # not better: the probe round ends, the decision stays
             b.probes_left = 0
-            b.times[mode].append(seconds)
+            b.times[path].append(seconds)
             clear_loss = current is not None and probe > current * (1 + cfg.backoff_above)
             b.backoff = min(b.backoff * 2, cfg.max_backoff) if clear_loss else 1
             return
         if len(b.probe_times) < cfg.confirm:
             b.probes_left = max(b.probes_left, 1)  # confirm before switching
             return
-        b.times[mode].clear()
-        b.times[mode].extend(b.probe_times)
+        b.times[path].clear()
+        b.times[path].extend(b.probe_times)
         b.probe_times.clear()
         b.probes_left = 0
-        self._decide(b, mode, f"{cfg.confirm} probes beat it by more than {cfg.switch_margin:.0%}")
+        self._decide(b, path, f"{cfg.confirm} probes beat it by more than {cfg.switch_margin:.0%}")
 
-    def _decide(self, b: _Bucket, mode: Mode, why: str) -> None:
-        if mode == b.decision:
+    def _decide(self, b: _Bucket, path: Path, why: str) -> None:
+        if path == b.decision:
             return
-        previous, b.decision = b.decision, mode
+        previous, b.decision = b.decision, path
         b.changes += 1
         b.since_probe = 0
         b.backoff = 1
@@ -224,7 +226,7 @@ class AdaptiveEngage:
             "camp2p-overlap: adaptive: %s -> %s (%s; was %s): overlap median %s over %d steps, "
             "serial median %s over %d steps",
             b.key.label(),
-            mode,
+            path,
             why,
             previous or "learning",
             _ms(o),
@@ -233,7 +235,7 @@ class AdaptiveEngage:
             len(b.times["serial"]),
         )
 
-    def decision(self, key: BucketKey) -> Mode | None:
+    def decision(self, key: BucketKey) -> Path | None:
         with self._lock:
             b = self._buckets.get(key)
             return None if b is None else b.decision
@@ -271,7 +273,7 @@ def _probe_due(b: _Bucket, cfg: AdaptiveSettings) -> bool:
     return b.since_probe + 1 >= cfg.reprobe_every * b.backoff
 
 
-def _learning_mode(b: _Bucket, cfg: AdaptiveSettings) -> Mode:
+def _learning_path(b: _Bucket, cfg: AdaptiveSettings) -> Path:
     """The path of a learning step: overlap until it has issued its dropped
     first step and ``min_samples`` more, then serial for ``min_samples``;
     then (times still to come, as on a device) whichever has fewer kept."""

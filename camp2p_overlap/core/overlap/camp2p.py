@@ -9,8 +9,6 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-#: The wrapped connector method whose owner is the CAMP2P connector class.
-CONNECTOR_TARGET = "CAMP2pAFDConnector.recv_attn_output"
 #: The runner's layer list, read (never wrapped) to plan the lookahead.
 LAYER_INDICES_TARGET = "_ffn_layer_indices"
 #: CAMP2P's HCCL group of each stage id (the process-group names the

@@ -3,12 +3,14 @@ engages the overlap, and with what plan; else the reason it runs serially."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from camp2p_overlap.core.config import MAX_STAGES
 from camp2p_overlap.core.overlap import camp2p
+from camp2p_overlap.core.overlap.connector_routes import is_router
 from camp2p_overlap.core.overlap.rollout import mode_directions
 from camp2p_overlap.core.overlap.session import Directions, StepPlan, step_plan
 from camp2p_overlap.core.overlap.streams import BackendUnavailable, resolve_backend_name
@@ -44,9 +46,9 @@ def decide(
     if incomplete:
         return Decision(f"not every target of the stack is patched ({incomplete})")
     connector = getattr(runner, "connector", None)
-    connector_class = engine.installer.owner_of(camp2p.CONNECTOR_TARGET)
-    if connector_class is None or not isinstance(connector, connector_class):
-        return Decision(f"connector is {type(connector).__name__}, not CAMP2pAFDConnector")
+    problem = connector_problem(engine, connector)
+    if problem is not None:
+        return Decision(problem)
     role = getattr(getattr(runner, "afd_config", None), "role", None)
     if role != "ffn":
         return Decision(f"AFD role is {role!r}, not 'ffn'")
@@ -82,3 +84,30 @@ def decide(
         return Decision(GRAPH_OFF)
     plan = step_plan(layers, tuple(stages), getattr(runner, "max_num_tokens", None))
     return Decision(None, plan, backend, mode_directions(cfg), cfg.mode)
+
+
+def connector_problem(engine: PatchEngine, connector: Any) -> str | None:
+    """Why the runner's connector cannot serve an engaged step, or None: it
+    must be an instance of the class that holds the manifest's ``route``
+    targets, and each of them must be routable on the instance (an instance
+    ``__dict__``, no data descriptor of that name on the class, not routed
+    by another thread's step)."""
+    routes = engine.installer.routes()
+    if not routes or not all(isinstance(connector, owner) for owner, _ in routes):
+        wanted = sorted({spec.owner_path[-1] for spec in _route_specs(engine)}) or ["the routed connector class"]
+        return f"connector is {type(connector).__name__}, not {' or '.join(wanted)}"
+    try:
+        slots = vars(connector)
+    except TypeError:
+        return f"connector {type(connector).__name__} has no instance __dict__ to route its calls through"
+    for owner, spec in routes:
+        if is_router(slots.get(spec.attribute)):
+            return "the connector's calls are routed to a step on another thread"
+        if hasattr(type(inspect.getattr_static(owner, spec.attribute, None)), "__set__"):
+            return f"connector {owner.__name__}.{spec.attribute} cannot be routed per instance (a data descriptor)"
+    return None
+
+
+def _route_specs(engine: PatchEngine) -> list[Any]:
+    manifest = engine.manifest
+    return [t for t in manifest.targets() if t.action == "route"] if manifest is not None else []

@@ -1,6 +1,6 @@
 """The rollout modes (``VLLM_CAMP2P_MULTISTREAM_MODE``): what each one
 changes in an engaged step, and the rung of the rollout ladder a
-configuration is on (docs/design.md, "Rollout ladder").
+configuration is on (docs/design.md, "Rollout modes and the ladder").
 
 * ``overlap``: A2E/E2A on a side stream per stage (HCCL group), as the
   direction switches say;

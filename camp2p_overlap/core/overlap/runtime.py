@@ -1,9 +1,9 @@
-"""What the wrappers of one patch engine share at run time: the side
-streams of each runner, the session active on each thread, the session
-class (tests substitute a recording subclass), the adaptive-engage state,
-the step timings not yet read, and the step counters. The engine closes the
-side streams on unpatch through its on-unpatch hook; what was learned and
-counted survives an unpatch."""
+"""What the steps of one patch engine share at run time: the side streams
+of each runner, the session active on each thread, the session class
+(tests substitute a recording subclass), the adaptive-engage state, the
+step timings not yet read, each runner's last planned shape, and the step
+counters. The engine closes the side streams on unpatch through its
+on-unpatch hook; what was learned and counted survives an unpatch."""
 
 from __future__ import annotations
 
@@ -16,11 +16,10 @@ from typing import Any
 
 from camp2p_overlap.core.config import MAX_STAGES
 from camp2p_overlap.core.observe.counters import StepCounters
-from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Mode
+from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Path
 from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.core.overlap.streams.base import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSetRegistry
-from camp2p_overlap.core.patching.intercept_switch import INTERCEPTS
 
 #: Step timings waiting for their device events, at most (older ones are dropped).
 MAX_PENDING_TIMINGS = 64
@@ -51,7 +50,7 @@ class OverlapRuntime:
         self.counters = StepCounters()
         #: Per thread: ``session``, the step's session while one runs.
         self.local = _ThreadState()
-        self._pending: deque[tuple[BucketKey, Mode, StreamBackend, Any]] = deque()
+        self._pending: deque[tuple[BucketKey, Path, StreamBackend, Any]] = deque()
         self._pending_lock = threading.Lock()
         self._runner_names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._runner_ids = itertools.count()
@@ -70,7 +69,7 @@ class OverlapRuntime:
         except TypeError:  # not weak-referenceable
             return f"{type(runner).__name__}@{id(runner):x}"
 
-    def set_planned(self, runner: Any, shape: PlannedShape) -> None:
+    def remember_planned_shape(self, runner: Any, shape: PlannedShape) -> None:
         """Remember ``shape`` as the runner's last planned one (forgotten
         when the runner is collected)."""
         rid = id(runner)
@@ -90,12 +89,12 @@ class OverlapRuntime:
             return
         planned[rid] = (ref, shape)
 
-    def planned(self, runner: Any) -> PlannedShape | None:
+    def planned_shape(self, runner: Any) -> PlannedShape | None:
         """The runner's last planned shape, if any."""
         entry = self._planned.get(id(runner))
         return entry[1] if entry is not None and entry[0]() is runner else None
 
-    def timed(self, key: BucketKey, mode: Mode, backend: StreamBackend, token: Any) -> None:
+    def record_step_time(self, key: BucketKey, mode: Path, backend: StreamBackend, token: Any) -> None:
         """A step's timing, to be read when its events have completed: at
         once when it is known now and none older waits, else queued (and
         the older ones read that are ready)."""
@@ -109,9 +108,9 @@ class OverlapRuntime:
         if seconds is not None:
             self.adaptive.record(key, mode, seconds)
         elif older:  # with none older, this one is first and not ready: nothing to read
-            self.collect()
+            self.read_ready_step_times()
 
-    def collect(self) -> None:
+    def read_ready_step_times(self) -> None:
         """Read every step timing that is ready (never waits) into the
         adaptive state, oldest first; stop at the first not ready."""
         while True:
@@ -134,16 +133,8 @@ class OverlapRuntime:
         return self.local.session
 
     def set_session(self, session: OverlapSession | None) -> None:
-        """Set (or clear, with None) this thread's session; the process's
-        intercept switch is held while one is set. Setting the same state
-        twice changes nothing."""
-        local = self.local
-        had = local.session is not None
-        if session is not None and not had:
-            INTERCEPTS.hold()  # before the session is visible
-        local.session = session
-        if session is None and had:
-            INTERCEPTS.release()
+        """Set (or clear, with None) this thread's session."""
+        self.local.session = session
 
     def close(self) -> None:
         """Release every runner's side streams (CPU worker threads) and

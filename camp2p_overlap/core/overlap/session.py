@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from camp2p_overlap.core.keys import A2E, A_DONE, E2A, E_DONE, E_DONE_ON_C, F_DONE, EventKey, OpKey
 from camp2p_overlap.core.log import logger
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, StepTrace, TraceRecorder
 from camp2p_overlap.core.overlap.streams.base import DoneHandle, OpHandle, Stream, StreamPoisonedError
@@ -100,22 +101,22 @@ class StepPlan:
 class OpKeys:
     """The event keys and op labels of one (layer, stage)."""
 
-    a_done: tuple[str, int, int]
-    f_done: tuple[str, int, int]
-    e_done: tuple[str, int, int]
-    e_done_c: tuple[str, int, int]
+    a_done: EventKey
+    f_done: EventKey
+    e_done: EventKey
+    e_done_c: EventKey
     a2e_label: str
     e2a_label: str
 
     @classmethod
     def of(cls, layer: int, stage: int) -> OpKeys:
         return cls(
-            ("a", layer, stage),
-            ("f", layer, stage),
-            ("e", layer, stage),
-            ("ec", layer, stage),
-            f"a2e L{layer} s{stage}",
-            f"e2a L{layer} s{stage}",
+            EventKey(A_DONE, layer, stage),
+            EventKey(F_DONE, layer, stage),
+            EventKey(E_DONE, layer, stage),
+            EventKey(E_DONE_ON_C, layer, stage),
+            OpKey(A2E, layer, stage).label(),
+            OpKey(E2A, layer, stage).label(),
         )
 
 
@@ -162,7 +163,7 @@ class SessionSnapshot:
     consumed: frozenset[StageLayer]
     sent: frozenset[StageLayer]
     ops: tuple[IssuedOp, ...]
-    events: tuple[tuple[Hashable, Any], ...]
+    events: tuple[tuple[EventKey, Any], ...]
     side_streams: Mapping[int, str]
     opened_ns: int
 
@@ -214,19 +215,23 @@ class OverlapSession:
         self.order = plan.sequence
         self._keys = plan.keys
         self.backend = streamset.backend
-        self.C = self.backend.compute_stream()
-        self.K = {s: streamset.streams[s] for s in plan.stages}
-        self.dir = directions
+        #: The compute stream (the runner's current stream).
+        self.compute = self.backend.compute_stream()
+        #: Each stage's side stream (K_s).
+        self.side_streams = {s: streamset.streams[s] for s in plan.stages}
+        #: Which connector ops run on the side streams.
+        self.directions = directions
         self.step_id = step_id
         self._context_of = context_of
         self._trace = StepTrace(recorder, step_id, self.backend) if recorder is not None else None
 
-        self.pos = 0  # index in self.order of the next expected receive
+        #: The index in ``self.order`` of the next expected receive.
+        self.next_recv = 0
         self.forked = False
         self.fallen_back = False
         self.closed = False
         self._recv_fn: Callable[..., Any] | None = None
-        self._events: dict[Hashable, Any] = {}
+        self._events: dict[EventKey, Any] = {}
         self._a_handle: dict[StageLayer, OpHandle] = {}
         self._a_kwargs: dict[StageLayer, dict[str, Any]] = {}
         self._consumed: set[StageLayer] = set()
@@ -237,20 +242,20 @@ class OverlapSession:
         self._contexts: dict[int, StageLayer] = {}
         #: FFN outputs per stage, until C waits an event K_s recorded after their E2A.
         self._f_refs: dict[int, list[Any]] = {s: [] for s in plan.stages}
-        self._e_done_c: dict[int, Any] = {}
+        self._e_done_c: dict[int, EventKey] = {}
         self._ops: list[IssuedOp] = []
         self._ffn_start: dict[StageLayer, tuple[int, int]] = {}
         #: Host issue order of every record, wait and op of the step (traces:
         #: the checker rebuilds each stream's FIFO and the event graph from it).
         self._seq = itertools.count()
         self.t_open_ns = time.perf_counter_ns()
-        self.backend.begin_step(list(self.K.values()))
+        self.backend.begin_step(list(self.side_streams.values()))
 
     # ------------------------------------------------------------------
     # events and ops
     # Trace-only work (issue sequence numbers, host timestamps of waits and
     # FFN spans) is done only while a recorder is active.
-    def _record(self, stream: Stream, key: Hashable) -> Any:
+    def _record(self, stream: Stream, key: EventKey) -> Any:
         ev = self.backend.record(stream, key)
         self._events[key] = ev
         if self._trace is not None:
@@ -258,10 +263,10 @@ class OverlapSession:
             self._trace.event("record", key, stream.name, now, now, next(self._seq))
         return ev
 
-    def _wait(self, stream: Stream, key: Hashable) -> None:
+    def _wait(self, stream: Stream, key: EventKey) -> None:
         ev = self._events.get(key)
         if ev is None:
-            raise SessionError(f"wait on event {key!r} that was not recorded in this step")
+            raise SessionError(f"wait on event {key.label()!r} that was not recorded in this step")
         if self._trace is None:
             self.backend.wait(stream, ev)
             return
@@ -281,8 +286,8 @@ class OverlapSession:
     ) -> OpHandle:
         """Issue one connector op on ``stream``, remembered in issue order."""
         seq = next(self._seq) if self._trace is not None else -1
-        text = label or f"{kind} L{layer} s{stage}"
-        if stream is not self.C:
+        text = label or OpKey(kind, layer, stage).label()
+        if stream is not self.compute:
             h = self.backend.submit(stream, fn, label=text)
             self._ops.append(IssuedOp(kind, layer, stage, stream.name, h, seq))
             return h
@@ -297,8 +302,10 @@ class OverlapSession:
             raise
         return op.handle
 
-    def _run_on_c(self, kind: str, layer: int | None, stage: int | None, fn: Callable[[], Any]) -> Any:
-        h = self._submit(self.C, kind, layer, stage, fn)
+    def _run_on_c(
+        self, kind: str, layer: int | None, stage: int | None, fn: Callable[[], Any], label: str | None = None
+    ) -> Any:
+        h = self._submit(self.compute, kind, layer, stage, fn, label)
         try:
             return h.result()
         finally:
@@ -317,9 +324,10 @@ class OverlapSession:
     # ------------------------------------------------------------------
     # fork / prologue / lookahead
     def _fork(self) -> None:
-        self._record(self.C, ("fork",))
-        for k in self.K.values():
-            self._wait(k, ("fork",))
+        fork = EventKey.fork()
+        self._record(self.compute, fork)
+        for k in self.side_streams.values():
+            self._wait(k, fork)
         self.forked = True
 
     def _issue_a2e(self, layer: int, stage: int) -> None:
@@ -330,8 +338,8 @@ class OverlapSession:
         keys = self._keys.get(key)
         if kw is None or keys is None:  # off the plan: only a broken schedule asks
             kw, keys = self.plan.build_recv_kwargs(layer, stage), OpKeys.of(layer, stage)
-        k = self.K[stage]
-        self._a_handle[key] = self._submit(k, "a2e", layer, stage, lambda: fn(**kw), keys.a2e_label)
+        k = self.side_streams[stage]
+        self._a_handle[key] = self._submit(k, A2E, layer, stage, lambda: fn(**kw), keys.a2e_label)
         self._a_kwargs[key] = kw
         self._record(k, keys.a_done)
 
@@ -344,31 +352,31 @@ class OverlapSession:
         got = (kw.get("layer_idx"), kw.get("ubatch_idx"))
         if self.fallen_back:
             return self._recv_after_fallback(dict(kw), got, _call_or(call, fn, kw))
-        expected = self.order[self.pos] if self.pos < len(self.order) else None
+        expected = self.order[self.next_recv] if self.next_recv < len(self.order) else None
         if expected is None or got != expected or kw != self.plan.recv_kw[expected]:
             self._fall_back(expected, got, kw)
             return self._recv_after_fallback(dict(kw), got, _call_or(call, fn, kw))
         L, s = expected
-        if self.pos == 0:
+        if self.next_recv == 0:
             self._recv_fn = fn
             self._fork()
-            if self.dir.a2e_side:
+            if self.directions.a2e_side:
                 for stage in self.plan.stages:  # the prologue
                     self._issue_a2e(self.plan.layers[0], stage)
-        self.pos += 1
-        if self.dir.a2e_side:
-            self._wait(self.C, self._keys[expected].a_done)
+        self.next_recv += 1
+        if self.directions.a2e_side:
+            self._wait(self.compute, self._keys[expected].a_done)
             payload = self._take_prefetched(L, s)
         else:
             # A2E on C: the group's previous E2A (on K_s) must be done first.
-            if self.dir.e2a_side and s in self._e_done_c:
-                self._wait(self.C, self._e_done_c[s])
+            if self.directions.e2a_side and s in self._e_done_c:
+                self._wait(self.compute, self._e_done_c[s])
                 # That E2A failed (host-visible, CPU backend): raise it as the
                 # serial path would, instead of an A2E no peer will answer.
-                failed = self.backend.step_errors([self.K[s]])
+                failed = self.backend.step_errors([self.side_streams[s]])
                 if failed:
                     raise failed[0]
-            payload = self._run_on_c("a2e", L, s, _call_or(call, fn, kw))
+            payload = self._run_on_c(A2E, L, s, _call_or(call, fn, kw), self._keys[expected].a2e_label)
         # C has now waited an event recorded on K_s after every earlier E2A
         # of this stage: their FFN outputs may be freed.
         self._f_refs[s].clear()
@@ -384,7 +392,7 @@ class OverlapSession:
         try:
             return h.result()
         except StreamPoisonedError:
-            first = self.backend.step_errors([self.K[s]])
+            first = self.backend.step_errors([self.side_streams[s]])
             if first:
                 raise first[0] from None
             raise
@@ -407,11 +415,11 @@ class OverlapSession:
         keys = self._keys[key]
         self._sent.add(key)
         self._ffn_ended(key)
-        self._record(self.C, keys.f_done)
-        if self.dir.e2a_side:
-            k = self.K[s]
+        self._record(self.compute, keys.f_done)
+        if self.directions.e2a_side:
+            k = self.side_streams[s]
             self._wait(k, keys.f_done)
-            h = self._submit(k, "e2a", L, s, call, keys.e2a_label)
+            h = self._submit(k, E2A, L, s, call, keys.e2a_label)
             self._record(k, keys.e_done)
             self._f_refs[s].append((output, context, call))
             self._inflight.pop(key, None)  # K_s has waited f_done(L, s)
@@ -419,13 +427,13 @@ class OverlapSession:
                 h.result()  # a host-side failure surfaces here, as in the serial path
             self._e_done_c[s] = keys.e_done
         else:
-            self._submit(self.C, "e2a", L, s, call, keys.e2a_label).result()
+            self._submit(self.compute, E2A, L, s, call, keys.e2a_label).result()
             self._e_done_c[s] = keys.e_done_c
-            self._record(self.C, keys.e_done_c)
+            self._record(self.compute, keys.e_done_c)
         nxt = self.plan.next_of[L]
-        if nxt is not None and self.dir.a2e_side:
-            if not self.dir.e2a_side:
-                self._wait(self.K[s], keys.e_done_c)
+        if nxt is not None and self.directions.a2e_side:
+            if not self.directions.e2a_side:
+                self._wait(self.side_streams[s], keys.e_done_c)
                 self._inflight.pop(key, None)
             self._issue_a2e(nxt, s)
         return None
@@ -456,7 +464,7 @@ class OverlapSession:
                 "to hand over data that may belong to another layer"
             )
         else:
-            payload = self._run_on_c("a2e", got[0], got[1], run)
+            payload = self._run_on_c(A2E, got[0], got[1], run)
         self._contexts[id(self._context_of(payload))] = got  # type: ignore[assignment]
         self._ffn_started(got)  # type: ignore[arg-type]
         return payload
@@ -467,16 +475,17 @@ class OverlapSession:
             self._inflight.pop(key, None)
             self._ffn_ended(key)
         L, s = key if key is not None else (None, None)
-        return self._run_on_c("e2a", L, s, call)
+        return self._run_on_c(E2A, L, s, call)
 
     # ------------------------------------------------------------------
     # join
     def _join(self) -> None:
         if not self.forked:
             return
-        for s, k in self.K.items():
-            self._record(k, ("join", s))
-            self._wait(self.C, ("join", s))
+        for s, k in self.side_streams.items():
+            join = EventKey.join(s)
+            self._record(k, join)
+            self._wait(self.compute, join)
         # Every side-stream op has completed (CPU) or is ordered before C's
         # next work (device): nothing the step allocated needs holding.
         for refs in self._f_refs.values():
@@ -493,7 +502,7 @@ class OverlapSession:
         try:
             self._join()
         finally:
-            errors = self.backend.step_errors(list(self.K.values()))
+            errors = self.backend.step_errors(list(self.side_streams.values()))
             unconsumed = [k for k in self._a_handle if k not in self._consumed]
             if self._trace is not None:
                 self._trace.emit((o.kind, o.layer, o.stage, o.stream, o.handle, o.seq) for o in self._ops)
@@ -507,11 +516,11 @@ class OverlapSession:
             self._ops.clear()
             self._recv_fn = None
             self.connector = None
-        if not raising and not self.fallen_back and self.pos < len(self.order):
+        if not raising and not self.fallen_back and self.next_recv < len(self.order):
             logger.warning(
                 "camp2p-overlap: step %d ended after %d of %d planned receives; prefetched but never consumed: %s",
                 self.step_id,
-                self.pos,
+                self.next_recv,
                 len(self.order),
                 unconsumed,
             )
@@ -528,7 +537,7 @@ class OverlapSession:
 
     # ------------------------------------------------------------------
     def expected_schedule(self) -> ExpectedSchedule:
-        return ExpectedSchedule(self.plan.layers, self.plan.stages, self.dir.a2e_side, self.dir.e2a_side)
+        return ExpectedSchedule(self.plan.layers, self.plan.stages, self.directions.a2e_side, self.directions.e2a_side)
 
     def issued(self) -> list[tuple[str, int | None, int | None]]:
         """``(kind, layer, stage)`` of every op issued so far, in issue order."""
@@ -539,12 +548,12 @@ class OverlapSession:
         return SessionSnapshot(
             step_id=self.step_id,
             plan=self.plan,
-            directions=self.dir,
-            received=self.pos,
+            directions=self.directions,
+            received=self.next_recv,
             consumed=frozenset(self._consumed),
             sent=frozenset(self._sent),
             ops=tuple(self._ops),
             events=tuple(self._events.items()),
-            side_streams={s: k.name for s, k in self.K.items()},
+            side_streams={s: k.name for s, k in self.side_streams.items()},
             opened_ns=self.t_open_ns,
         )

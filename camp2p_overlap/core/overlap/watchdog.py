@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
+from camp2p_overlap.core.keys import A2E, A_DONE, COMPUTE_STREAM, E2A, E_DONE, E_DONE_ON_C, EventKey
 from camp2p_overlap.core.log import logger
 from camp2p_overlap.core.overlap.camp2p import group_of
 from camp2p_overlap.core.overlap.session import IssuedOp, SessionSnapshot
@@ -45,14 +46,32 @@ def start_watchdog(
     return timer
 
 
+def _event_after(o: IssuedOp) -> EventKey | None:
+    """The event the session records right after op ``o`` on its stream
+    (None: none, as after an A2E on the compute stream)."""
+    if o.kind == A2E and o.stream != COMPUTE_STREAM:
+        return EventKey(A_DONE, o.layer, o.stage)
+    if o.kind == E2A:
+        return EventKey(E_DONE if o.stream != COMPUTE_STREAM else E_DONE_ON_C, o.layer, o.stage)
+    return None
+
+
 class _States:
-    """Event and op states of one snapshot, read once."""
+    """Event and op states of one snapshot, each read once: an event is
+    queried at most once per report (a device query is not free)."""
 
     def __init__(self, snap: SessionSnapshot, now: int) -> None:
         self.events = dict(snap.events)
         self.now = now
+        self._event_states: dict[EventKey, bool | str | None] = {}
+        self._op_states: dict[int, tuple[bool, str]] = {}
 
-    def event(self, key: Hashable) -> bool | str | None:
+    def event(self, key: EventKey) -> bool | str | None:
+        if key not in self._event_states:
+            self._event_states[key] = self._query(key)
+        return self._event_states[key]
+
+    def _query(self, key: EventKey) -> bool | str | None:
         ev = self.events.get(key)
         if ev is None:
             return None
@@ -62,14 +81,21 @@ class _States:
             return f"query failed: {exc}"
 
     def op(self, o: IssuedOp) -> tuple[bool, str]:
+        """Whether ``o`` has finished, and its state in words."""
+        state = self._op_states.get(id(o))
+        if state is None:
+            state = self._op_states[id(o)] = self._op_state(o)
+        return state
+
+    def _op_state(self, o: IssuedOp) -> tuple[bool, str]:
         h = o.handle
         if not h.done():
             if h.start_ns is None:
                 return False, "queued"
             return False, f"RUNNING for {(self.now - h.start_ns) / 1e9:.2f} s"
         # Device backends return at once; the event after the op tells.
-        after = {"a2e": "a", "e2a": "e" if o.stream != "C" else "ec"}.get(o.kind, "")
-        if self.event((after, o.layer, o.stage)) is False:
+        after = _event_after(o)
+        if after is not None and self.event(after) is False:
             return False, "enqueued, not complete on the device"
         return True, "done"
 
@@ -91,29 +117,33 @@ def stall_report(snap: SessionSnapshot) -> str:
         f"  open for {(now - snap.opened_ns) / 1e9:.2f} s; plan: layers {list(snap.plan.layers)}, "
         f"stages {list(snap.plan.stages)}",
     ]
-    on_c: list[str] = []  # a C-side op in progress (one direction switched off)
+    # Ops the host runs on C (one direction switched off, parity, reorder)
+    # are listed before they run: the stage lines name them, and a stalled
+    # one is the likely missing peer op of its stage.
+    running_c = [o for o in snap.ops if o.stream == COMPUTE_STREAM and not st.op(o)[0]]
     if snap.received > 0 and order[snap.received - 1] not in snap.consumed:
         L, s = order[snap.received - 1]
-        lines.append(f"  compute stream C is blocked in receive (L{L},s{s}), waiting for a2e(L{L},s{s})")
-        if not snap.directions.a2e_side:
-            on_c.append(f"a2e(L{L},s{s}) on C")
+        if snap.directions.a2e_side:
+            why = f"waiting for a2e(L{L},s{s})"
+        elif any(o.kind == A2E and (o.layer, o.stage) == (L, s) for o in running_c):
+            why = f"running a2e(L{L},s{s}) on the compute stream"
+        elif snap.directions.e2a_side:  # C waits the stage's last E2A before it issues the A2E
+            why = f"waiting for the last e2a of stage {s} on {snap.side_streams.get(s, '?')}"
+        else:
+            why = f"about to issue a2e(L{L},s{s}) on the compute stream"
+        lines.append(f"  compute stream {COMPUTE_STREAM} is blocked in receive (L{L},s{s}), {why}")
     elif snap.received < len(order):
         L, s = order[snap.received]
-        lines.append(f"  compute stream C is not waiting on a receive (FFN or E2A issue); next receive (L{L},s{s})")
-    if not snap.directions.e2a_side:
-        sent_on_c = {(o.layer, o.stage) for o in snap.ops if o.kind == "e2a"}
-        on_c += [f"e2a(L{L},s{s}) on C" for (L, s) in sorted(set(snap.sent) - sent_on_c)]
-    # Ops the host runs on C (one direction switched off, parity, reorder)
-    # are listed while they run: the stage lines name them.
-    running_c = [o for o in snap.ops if o.stream == "C" and not st.op(o)[0]]
+        lines.append(
+            f"  compute stream {COMPUTE_STREAM} is not waiting on a receive (FFN or E2A issue); "
+            f"next receive (L{L},s{s})"
+        )
     for o in running_c:
-        lines.append(f"  compute stream C is blocked in {o.kind}(L{o.layer},s{o.stage}), issued on the compute stream")
-    listed = {f"{o.kind}(L{o.layer},s{o.stage}) on C" for o in running_c}
-    culprits = [
-        f"  likely missing peer op: {what} (in progress on the compute stream): the attention peer has not answered"
-        for what in on_c
-        if what not in listed
-    ]
+        lines.append(
+            f"  compute stream {COMPUTE_STREAM} is blocked in {o.kind}(L{o.layer},s{o.stage}), "
+            "issued on the compute stream"
+        )
+    culprits: list[str] = []
     for s in snap.plan.stages:
         lines += _stage_lines(snap, st, s, culprits)
     lines.extend(culprits or ["  every issued op has finished"])
@@ -123,7 +153,7 @@ def stall_report(snap: SessionSnapshot) -> str:
         lines.append(f"  events: {len(events) - len(shown)} done, listing the other {len(shown)}")
     for key, _ev in shown:
         done = st.event(key)
-        lines.append(f"  event {key!r}: {'done' if done is True else done or 'pending'}")
+        lines.append(f"  event {key.label()}: {'done' if done is True else done or 'pending'}")
     pending = [f"{o.kind}(L{o.layer},s{o.stage}) on {o.stream}" for o in snap.ops if not st.op(o)[0]]
     lines.append("  ops not finished: " + (", ".join(pending) or "none"))
     return "\n".join(lines)

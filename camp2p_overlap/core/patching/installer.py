@@ -22,16 +22,12 @@ from camp2p_overlap.core.patching.manifest import (
     signature_difference,
     signature_of,
 )
-from camp2p_overlap.core.patching.method_wrapper import Switch, Wrapper, bound_function, method_wrapper
+from camp2p_overlap.core.patching.method_wrapper import Wrapper, bound_function, method_wrapper
 from camp2p_overlap.core.patching.status_report import TargetState, TargetStatus
 
 #: Set on every wrapper function a camp2p-overlap wrapper factory builds, so
 #: an installer recognises wrappers of another engine in the same process.
 MARK = "__camp2p_overlap_wrapper__"
-#: Attribute of a wrapper function: a switch (``core.method_wrapper.Switch``)
-#: telling whether the wrapper has anything to do now; while it is off the
-#: original is called directly.
-ENABLED = "__camp2p_overlap_enabled__"
 
 
 @dataclass(eq=False)  # compared by identity
@@ -40,7 +36,7 @@ class WrapRecord:
     owner: Any
     attribute: str
     original: Any  # the raw __dict__ entry before wrapping
-    handle: Any  # what we installed (core.method_wrapper)
+    handle: Any  # what we installed (core.patching.method_wrapper); None: nothing (read, route)
     spec: TargetSpec
 
 
@@ -120,10 +116,10 @@ def _is_marked(obj: Any) -> bool:
     return bool(getattr(getattr(obj, "_self_wrapper", None), MARK, False))
 
 
-def _marked_wrapper(original: Any, wrapper: Wrapper, switch: Switch | None, on_class: bool) -> Any:
+def _marked_wrapper(original: Any, wrapper: Wrapper, on_class: bool) -> Any:
     """``method_wrapper``, marked as ours when it is a plain function (a
     wrapt wrapper is recognised by its wrapper function's mark)."""
-    handle = method_wrapper(original, wrapper, switch, on_class=on_class)
+    handle = method_wrapper(original, wrapper, on_class=on_class)
     if isinstance(handle, FunctionType):
         vars(handle)[MARK] = True
     return handle
@@ -155,12 +151,18 @@ class Installer:
         return self.handle_of(obj) is not None
 
     def owner_of(self, qualname: str) -> Any:
-        """The owner object (class or module) of a wrapped target."""
+        """The owner object (class or module) of an installed target."""
         for recs in list(self.records.values()):
             for r in recs:
                 if r.spec.qualname == qualname:
                     return r.owner
         return None
+
+    def routes(self) -> tuple[tuple[Any, TargetSpec], ...]:
+        """(class, spec) of every installed ``route`` target, in manifest order."""
+        return tuple(
+            (r.owner, r.spec) for recs in list(self.records.values()) for r in recs if r.spec.action == "route"
+        )
 
     # -- install --------------------------------------------------------
     def installed(self, module_name: str) -> bool:
@@ -193,8 +195,8 @@ class Installer:
     def install(
         self, mspec: ModuleSpec, module: ModuleType, wrappers: Mapping[str, Wrapper]
     ) -> dict[str, TargetStatus]:
-        """Wrap every 'wrap' target of ``module`` and check every 'read'
-        target, or nothing at all. Returns each target's status."""
+        """Wrap every 'wrap' target of ``module`` and check every 'read' and
+        'route' target, or nothing at all. Returns each target's status."""
         if self.records.get(mspec.name):
             if self.is_current(mspec, module):
                 return self._settled(mspec)  # already wrapped (apply twice, or a fork child)
@@ -252,6 +254,10 @@ class Installer:
                 raise ModuleRefused(t.id, f"signature changed: {diff}")
             if t.action == "wrap" and t.wrapper not in wrappers:
                 raise ModuleRefused(t.id, f"no wrapper named {t.wrapper!r}")
+            if t.action == "route" and t.router not in wrappers:
+                raise ModuleRefused(t.id, f"no router named {t.router!r}")
+            if t.action == "route" and not isinstance(owner, type):
+                raise ModuleRefused(t.id, "changed: a routed target must be a class attribute")
             resolved.append((t, owner, raw))
         return resolved, adopted
 
@@ -266,7 +272,8 @@ class Installer:
         t = mspec.targets[0]
         try:
             for t, owner, raw in resolved:
-                if t.action != "wrap":
+                if t.action != "wrap":  # checked only: registered, nothing installed
+                    done.append(WrapRecord(mspec.name, owner, t.attribute, raw, None, t))
                     continue
                 taken = next((r for r in adopted if r.owner is owner and r.attribute == t.attribute), None)
                 if taken is not None:
@@ -274,18 +281,14 @@ class Installer:
                     done.append(taken)
                     continue
                 wrapper = wrappers[t.wrapper]  # type: ignore[index]
-                # A wrapper may name a switch telling whether it has anything to
-                # do now; while it is off, the original is called directly
-                # (no re-dispatch through the wrapper).
-                switch = getattr(wrapper, ENABLED, None)
                 on_class = isinstance(owner, type)
-                handle = wrapt.wrap_object(owner, t.attribute, _marked_wrapper, (wrapper, switch, on_class))
+                handle = wrapt.wrap_object(owner, t.attribute, _marked_wrapper, (wrapper, on_class))
                 self._handles.add(id(handle))
                 done.append(WrapRecord(mspec.name, owner, t.attribute, raw, handle, t))
         except Exception as exc:  # noqa: BLE001 - rolled back and reported
             for rec in reversed(done):
-                if rec in adopted:
-                    continue  # was stuck before; stays so
+                if rec in adopted or rec.handle is None:
+                    continue  # was stuck before (stays so), or nothing was installed
                 self._unwrap(rec)
             raise ModuleRefused(t.id, f"wrapping failed: {type(exc).__name__}: {exc}") from None
         return done
@@ -322,6 +325,8 @@ class Installer:
 
     def _unwrap(self, rec: WrapRecord) -> bool:
         """Remove one wrapper of ours, found through the registry only."""
+        if rec.handle is None:
+            return True  # a checked target: nothing was installed
         try:
             wrapt.unwrap_object(rec.owner, rec.attribute, rec.handle)
         except wrapt.WrapperNotFoundError:

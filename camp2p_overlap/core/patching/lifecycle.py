@@ -159,8 +159,8 @@ class PatchEngine:
         wrapped (its classes are new objects), or imported on another thread
         while ``apply()`` ran, before its hook existed. ``apply()`` on an
         applied engine and every wrapped step call this; ``status()`` never
-        does. Returns what :meth:`stack_complete` would return afterwards
-        (a step reads both from one pass over the targets)."""
+        does. Returns None when every target is then wrapped or checked,
+        else why not (a step reads both from one pass over the targets)."""
         with self._lock:
             if not self.applied or self.manifest is None:
                 return self._incomplete(())
@@ -186,13 +186,6 @@ class PatchEngine:
         shows as waiting until :meth:`refresh` wraps it again."""
         with self._lock:
             return self.report()
-
-    def stack_complete(self) -> str | None:
-        """None when every target is wrapped/checked, else why not."""
-        with self._lock:  # per step: no report object, no metadata lookup
-            return self._incomplete(
-                self.installer.needing_install(self.manifest, self._waiting) if self.applied else ()
-            )
 
     def _incomplete(self, pending: Iterable[tuple[ModuleSpec, Any, str]]) -> str | None:
         for mspec, _, why in pending:

@@ -10,7 +10,6 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib import resources
-from pathlib import Path
 from typing import Any, Literal
 
 from camp2p_overlap.core.patching.versions import COMMIT_SHOWN
@@ -52,11 +51,16 @@ class ParamSpec:
 class TargetSpec:
     module: str
     qualname: str
-    action: Literal["wrap", "read"]
+    #: ``wrap``: our wrapper replaces the class attribute; ``read``: read by
+    #: our code, only checked; ``route``: checked, nothing installed on the
+    #: class; an engaged step routes the instance's calls for its duration.
+    action: Literal["wrap", "read", "route"]
     wrapper: str | None
     signature: tuple[ParamSpec, ...]
     changes: str
     why: str
+    #: For ``route``: the key of the router an engaged step binds on the instance.
+    router: str | None = None
 
     @property
     def id(self) -> str:
@@ -164,11 +168,20 @@ def parse_manifest(text: str, source: str = "<string>") -> StackManifest:
         for tgt in _require(mod, "target", f"{source}: module {mname}"):
             where = f"{source}: {mname}.{tgt.get('qualname', '?')}"
             action = _require(tgt, "action", where)
-            if action not in ("wrap", "read"):
-                raise ManifestError(f"{where}: action must be 'wrap' or 'read', not {action!r}")
+            if action not in ("wrap", "read", "route"):
+                raise ManifestError(f"{where}: action must be 'wrap', 'read' or 'route', not {action!r}")
             wrapper = tgt.get("wrapper")
             if action == "wrap" and not wrapper:
                 raise ManifestError(f"{where}: a 'wrap' target needs a 'wrapper'")
+            router = tgt.get("router")
+            if action == "route" and not router:
+                raise ManifestError(f"{where}: a 'route' target needs a 'router'")
+            if action != "wrap" and wrapper:
+                raise ManifestError(f"{where}: only a 'wrap' target names a 'wrapper'")
+            if action != "route" and router:
+                raise ManifestError(f"{where}: only a 'route' target names a 'router'")
+            if action == "route" and "." not in str(tgt.get("qualname", "")):
+                raise ManifestError(f"{where}: a 'route' target is a class attribute (Class.method)")
             params = []
             for p in _require(tgt, "signature", where):
                 kind = _require(p, "kind", where)
@@ -184,6 +197,7 @@ def parse_manifest(text: str, source: str = "<string>") -> StackManifest:
                     signature=tuple(params),
                     changes=str(tgt.get("changes", "")).strip(),
                     why=str(tgt.get("why", "")).strip(),
+                    router=router,
                 )
             )
         modules.append(ModuleSpec(mname, tuple(targets)))
@@ -208,19 +222,18 @@ def parse_manifest(text: str, source: str = "<string>") -> StackManifest:
 
 
 def _manifest_root() -> Any:
-    """Where the manifests are: the package ``camp2p_overlap.patches`` (an
-    installed wheel, or an editable install that maps it onto ``patches/``),
-    else, in a source checkout used without installing (``PYTHONPATH`` set
-    to it), the checkout's ``patches/`` folder itself."""
+    """Where the manifests are: the package ``camp2p_overlap.patches``, read
+    through ``importlib.resources``. In a checkout (editable install, or
+    ``PYTHONPATH`` set to it) that package is the committed symbolic link
+    ``camp2p_overlap/patches -> ../patches``; a wheel or an sdist holds the
+    files themselves."""
     try:
         return resources.files(MANIFEST_PACKAGE)
     except ModuleNotFoundError:
-        checkout = Path(__file__).resolve().parents[3] / "patches"
-        if checkout.is_dir():
-            return checkout
         raise ManifestError(
-            f"the manifests are missing: {MANIFEST_PACKAGE} is not importable and {checkout} does not exist "
-            "(install the package, e.g. pip install --no-deps -e .)"
+            f"the manifests are missing: {MANIFEST_PACKAGE} is not importable (in a checkout it is the "
+            "symbolic link camp2p_overlap/patches -> ../patches: a copy that drops links loses it; "
+            "reinstall the package, or copy the checkout keeping its links)"
         ) from None
 
 
@@ -230,8 +243,7 @@ def available_stacks() -> list[str]:
 
 
 def load_manifest(stack: str = DEFAULT_STACK) -> StackManifest:
-    """Load the manifest of ``stack`` from the installed package (or a
-    source checkout's ``patches/``)."""
+    """Load the manifest of ``stack`` from ``camp2p_overlap.patches``."""
     path = _manifest_root() / f"{stack}.toml"
     try:
         text = path.read_text(encoding="utf-8")

@@ -36,8 +36,10 @@ METADATA_MODULE = "connectors.metadata"
 
 _BASE = Path(__file__).resolve().parent / "afd_plugin"
 
-#: The stack the stand-ins model when none is named.
-DEFAULT_STACK = "vllm-0.19.1"
+#: The stack the stand-ins model when none is named: the manifests'
+#: ``DEFAULT_STACK``, kept here under its own name because the stand-ins
+#: import nothing of ours (their import contract); a test checks the two agree.
+STANDINS_DEFAULT_STACK = "vllm-0.19.1"
 #: Per stack (the name of its ``patches/`` manifest): the modules, relative
 #: to the root, whose stand-in is another file of the same folder (its stem).
 STACKS: dict[str, dict[str, str]] = {
@@ -47,7 +49,7 @@ STACKS: dict[str, dict[str, str]] = {
 
 
 class StandinFinder(importlib.abc.MetaPathFinder):
-    def __init__(self, root: str, stack: str = DEFAULT_STACK) -> None:
+    def __init__(self, root: str, stack: str = STANDINS_DEFAULT_STACK) -> None:
         if stack not in STACKS:
             raise ValueError(f"no stand-ins for stack {stack!r}; there are {', '.join(STACKS)}")
         self.root = root
@@ -88,7 +90,7 @@ def real_afd_plugin_installed() -> bool:
 
 def install(root: str = REAL_ROOT, *, force: bool = False, stack: str | None = None) -> str:
     """Make ``{root}.…`` importable from the stand-ins of ``stack`` (default:
-    the stack already installed at ``root``, else :data:`DEFAULT_STACK`).
+    the stack already installed at ``root``, else :data:`STANDINS_DEFAULT_STACK`).
     Idempotent; asking for another stack at an installed root is an error
     (its modules are already imported: :func:`uninstall` first)."""
     if root in _installed:
@@ -101,7 +103,7 @@ def install(root: str = REAL_ROOT, *, force: bool = False, stack: str | None = N
             "a real afd_plugin is installed; install the stand-ins under another root "
             f"(e.g. {ALIAS_ROOT!r}) so they never shadow it"
         )
-    finder = StandinFinder(root, stack or DEFAULT_STACK)
+    finder = StandinFinder(root, stack or STANDINS_DEFAULT_STACK)
     sys.meta_path.append(finder)
     _installed[root] = finder
     return root

@@ -36,6 +36,8 @@ DEFAULT_COMM_CORES = {"cpu": (0, 1, 2), "cuda": (0, 8, 32, 96), "npu": ()}
 #: grows with the tokens and the side streams' fixed costs show at the low end.
 DEFAULT_WORK_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_WORK_HIDDEN = (16, 512)
+#: What a work-size point sets on the base besides its tokens and hidden size.
+WORK_POINT_CHANGES: dict[str, Any] = {"link_latency_us": 0.0, "attn_us": 0.0}
 WORK_POLICIES = ("serial", "overlap", "overlap-fixed")
 #: The work-size points run at least the benchmark's own step counts: adaptive
 #: engage learns in a bucket's first 7 steps, which should not dominate.
@@ -146,8 +148,7 @@ def run_sweep(
             base,
             tokens=tokens,
             hidden=hidden,
-            link_latency_us=0.0,
-            attn_us=0.0,
+            **WORK_POINT_CHANGES,
             policies=WORK_POLICIES,
             steps=max(base.steps, WORK_MIN_RUN["steps"]),
             warmup=max(base.warmup, WORK_MIN_RUN["warmup"]),

@@ -36,24 +36,28 @@ __all__ = [
 
 
 def device_module(kind: str) -> Any:
-    """``torch.cuda`` or ``torch.npu`` when usable, else raise
-    :class:`BackendUnavailable` saying why. Importing torch_npu is attempted
-    only for ``npu``."""
+    """``torch.cuda`` or ``torch.npu`` when a device of that kind is usable,
+    else raise :class:`BackendUnavailable` saying why: the one check the
+    layer, the emulated device worlds and the command line share. Importing
+    torch_npu is attempted only for ``npu``."""
     import torch
 
     if kind == "cuda":
         if not torch.cuda.is_available():
-            raise BackendUnavailable("torch.cuda reports no CUDA device")
+            raise BackendUnavailable("torch.cuda reports no CUDA device (torch.cuda.is_available() is False)")
         return torch.cuda
     if kind == "npu":
         if importlib.util.find_spec("torch_npu") is None:
             raise BackendUnavailable("torch_npu is not installed")
-        importlib.import_module("torch_npu")
+        try:
+            importlib.import_module("torch_npu")
+        except Exception as exc:  # a broken install is refused, not raised into vLLM
+            raise BackendUnavailable(f"importing torch_npu failed: {type(exc).__name__}: {exc}") from exc
         npu = getattr(torch, "npu", None)
         if npu is None or not npu.is_available():
-            raise BackendUnavailable("torch.npu reports no NPU device")
+            raise BackendUnavailable("torch.npu reports no NPU device (torch.npu.is_available() is False)")
         return npu
-    raise BackendUnavailable(f"no device module for {kind!r}")
+    raise BackendUnavailable(f"no device module for {kind!r} (cuda or npu)")
 
 
 def resolve_backend_name(requested: str, device: Any) -> str:

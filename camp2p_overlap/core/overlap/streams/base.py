@@ -2,15 +2,18 @@
 
 A *stream* runs work in the order it was submitted. An *event* is recorded
 on a stream and completes when the stream reaches it; another stream can be
-made to wait on it. The compute stream ``C`` is the caller's current stream.
+made to wait on it. The compute stream (:data:`~camp2p_overlap.core.keys.COMPUTE_STREAM`)
+is the caller's current stream.
 """
 
 from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any, Protocol
+
+from camp2p_overlap.core.keys import EventKey
 
 
 class BackendUnavailable(RuntimeError):
@@ -107,9 +110,9 @@ class StreamBackend(abc.ABC):
         and stall reports."""
 
     @abc.abstractmethod
-    def record(self, stream: Stream, key: Hashable) -> Event:
-        """Record an event on ``stream``. ``key`` names it (kind, layer,
-        stage) so device backends can reuse one event object per key."""
+    def record(self, stream: Stream, key: EventKey) -> Event:
+        """Record an event on ``stream``. ``key`` names it, so device
+        backends can reuse one event object per key."""
 
     @abc.abstractmethod
     def wait(self, stream: Stream, event: Event) -> None:

@@ -29,10 +29,11 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from camp2p_overlap.core.keys import COMPUTE_STREAM, EventKey
 from camp2p_overlap.core.overlap.streams.base import DoneHandle, OpHandle, Stream, StreamBackend, StreamPoisonedError
 
 #: Execution order across every stream of every CPU backend: taken when a
@@ -61,7 +62,7 @@ class StreamLogEntry:
 
     stream: str
     kind: str  # "record" | "wait"
-    key: Hashable
+    key: EventKey
     #: The event's identity (:attr:`CpuEvent.seq`): a wait binds to the record
     #: of this very event, not to a name.
     event: int
@@ -77,7 +78,7 @@ class CpuEvent:
     __slots__ = ("_flag", "key", "seq", "stream_name")
     _counter = itertools.count()
 
-    def __init__(self, key: Hashable, stream_name: str) -> None:
+    def __init__(self, key: EventKey, stream_name: str) -> None:
         self.key = key
         self.stream_name = stream_name
         self._flag = threading.Event()
@@ -94,7 +95,7 @@ class CpuEvent:
 
     def __repr__(self) -> str:
         state = "done" if self.query() else "pending"
-        return f"CpuEvent({self.key!r} on {self.stream_name}, {state})"
+        return f"CpuEvent({self.key.label()} on {self.stream_name}, {state})"
 
 
 class CpuHandle(OpHandle):
@@ -148,10 +149,10 @@ class HostStream:
     """The compute stream: whatever thread calls into the session."""
 
     def __init__(self) -> None:
-        self.name = "C"
+        self.name = COMPUTE_STREAM
 
     def __repr__(self) -> str:
-        return "HostStream(C)"
+        return f"HostStream({self.name})"
 
 
 _STOP = object()
@@ -210,7 +211,7 @@ class WorkerStream:
                 elif kind == "record":
                     _fire(item[1], self.name, self.log)
                 elif kind == "wait":
-                    self.current = f"wait {item[1]!r}"
+                    self.current = f"wait {item[1].key.label()}"
                     _perform_wait(item[1], self.name, self.log)
             finally:
                 # Drop the item (its closure holds the op's arguments) before
@@ -313,7 +314,7 @@ class CpuBackend(StreamBackend):
             return DoneHandle(exc=exc, start_ns=start, end_ns=time.perf_counter_ns(), order=order)
         return DoneHandle(value, start_ns=start, end_ns=time.perf_counter_ns(), order=order)
 
-    def record(self, stream: Stream, key: Hashable) -> CpuEvent:
+    def record(self, stream: Stream, key: EventKey) -> CpuEvent:
         event = CpuEvent(key, stream.name)
         if isinstance(stream, WorkerStream):
             stream.put(("record", event))

@@ -1,25 +1,56 @@
 """Device backends over a torch device module: ``torch.npu`` (torch_npu)
 and ``torch.cuda`` share the stream/event API shape, so one class serves both.
 
-Events are pooled by key (kind, layer, stage) and reused across steps: a
-wait captures the most recent record at the time it is enqueued, and the
-pool keeps graph capture from creating events step after step.
+Events are pooled by :class:`~camp2p_overlap.core.keys.EventKey` and reused
+across steps: a wait captures the most recent record at the time it is
+enqueued, and the pool keeps graph capture from creating events step after
+step.
 
 While :attr:`TorchDeviceBackend.annotate` is on, every op, record and wait
-is issued inside a profiler range named ``camp2p:...`` (what
-``verify/device_timeline.py`` reads back from a profiler trace); off, the
-methods are the plain ones (no per-op cost).
+is issued inside a profiler range named ``camp2p:...`` (:func:`op_range_name`,
+:func:`event_range_name`: what ``verify/device_timeline.py`` reads back from
+a profiler trace with :func:`parse_event_range`); off, the methods are the
+plain ones (no per-op cost).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
+from camp2p_overlap.core.keys import COMPUTE_STREAM, EventKey
 from camp2p_overlap.core.overlap.streams.base import BackendUnavailable, DoneHandle, OpHandle, StreamBackend
+
+#: The prefix of every profiler range the layer and its tools open.
+RANGE_PREFIX = "camp2p:"
+#: What a stream does inside an event range.
+EVENT_ACTIONS = ("record", "wait")
+
+
+def op_range_name(label: str) -> str:
+    """The range around an op (``label``: its :meth:`OpKey.label`): ``camp2p:a2e L0 s1``."""
+    return f"{RANGE_PREFIX}{label}"
+
+
+def event_range_name(action: str, stream_name: str, key: EventKey | None) -> str:
+    """The range around a record or a wait (``action``) of ``key`` on a stream:
+    ``camp2p:record C f L0 s1``; ``?`` for an event not recorded here."""
+    return f"{RANGE_PREFIX}{action} {stream_name} {key.label() if key is not None else '?'}"
+
+
+def parse_event_range(name: str) -> tuple[str, str, EventKey] | None:
+    """``(action, stream name, key)`` of a range :func:`event_range_name`
+    named (with or without its prefix), or None."""
+    if name.startswith(RANGE_PREFIX):
+        name = name[len(RANGE_PREFIX) :]
+    parts = name.split(" ", 2)
+    if len(parts) != 3 or parts[0] not in EVENT_ACTIONS:
+        return None
+    key = EventKey.parse(parts[2])
+    return None if key is None else (parts[0], parts[1], key)
 
 
 class TorchDeviceBackend(StreamBackend):
@@ -30,9 +61,9 @@ class TorchDeviceBackend(StreamBackend):
         self.name = name
         self.mod = device_module
         self.device = device
-        self._events: dict[Hashable, Any] = {}
+        self._events: dict[EventKey, Any] = {}
         #: id(event) -> its key (events are pooled per key), for annotations.
-        self._keys: dict[int, Hashable] = {}
+        self._keys: dict[int, EventKey] = {}
         self._annotate = False
         #: When set, ops are bracketed with timing events for traces.
         self.timing = False
@@ -43,7 +74,7 @@ class TorchDeviceBackend(StreamBackend):
 
     def compute_stream(self) -> Any:
         stream = self.mod.current_stream()
-        _name(stream, "C")
+        _name(stream, COMPUTE_STREAM)
         return stream
 
     def new_stream(self, name: str) -> Any:
@@ -70,7 +101,7 @@ class TorchDeviceBackend(StreamBackend):
             self._timed.append((handle, start_ev, end_ev))
         return handle
 
-    def record(self, stream: Any, key: Hashable) -> Any:
+    def record(self, stream: Any, key: EventKey) -> Any:
         event = self._events.get(key)
         if event is None:
             event = self._events[key] = self.mod.Event()
@@ -99,16 +130,16 @@ class TorchDeviceBackend(StreamBackend):
                 self.__dict__.pop(name, None)
 
     def _annotated_submit(self, stream: Any, fn: Callable[[], Any], label: str = "op") -> OpHandle:
-        with profiler_range(f"camp2p:{label}"):
+        with profiler_range(op_range_name(label)):
             return TorchDeviceBackend.submit(self, stream, fn, label)
 
-    def _annotated_record(self, stream: Any, key: Hashable) -> Any:
-        with profiler_range(f"camp2p:record {_stream_name(stream)} {key!r}"):
+    def _annotated_record(self, stream: Any, key: EventKey) -> Any:
+        with profiler_range(event_range_name("record", _stream_name(stream), key)):
             return TorchDeviceBackend.record(self, stream, key)
 
     def _annotated_wait(self, stream: Any, event: Any) -> None:
-        key = self._keys.get(id(event), "?")
-        with profiler_range(f"camp2p:wait {_stream_name(stream)} {key!r}"):
+        key = self._keys.get(id(event))
+        with profiler_range(event_range_name("wait", _stream_name(stream), key)):
             TorchDeviceBackend.wait(self, stream, event)
 
     def is_capturing(self) -> bool:

@@ -1,0 +1,345 @@
+"""The table of every ``VLLM_CAMP2P_*`` environment variable: its name, how
+it is parsed, its default, its range or choices, its help for users and the
+:class:`~camp2p_overlap.core.config.OverlapConfig` field it fills.
+
+Everything else is produced from :data:`TABLE`: ``load_config`` and the
+``OverlapConfig`` defaults (config.py), the names given to vLLM's
+environment registry (plugin.py), the CLI help and ``doctor``'s switches,
+and the README's configuration table (:func:`markdown_table`, written by
+``camp2p-overlap docs``). Imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+ENV_SWITCH = "VLLM_CAMP2P_MULTISTREAM"
+ENV_A2E = "VLLM_CAMP2P_MULTISTREAM_A2E"
+ENV_E2A = "VLLM_CAMP2P_MULTISTREAM_E2A"
+ENV_MIN_STAGES = "VLLM_CAMP2P_MULTISTREAM_MIN_STAGES"
+ENV_GRAPH = "VLLM_CAMP2P_MULTISTREAM_GRAPH"
+ENV_BACKEND = "VLLM_CAMP2P_MULTISTREAM_BACKEND"
+ENV_STRICT = "VLLM_CAMP2P_MULTISTREAM_STRICT"
+ENV_WATCHDOG = "VLLM_CAMP2P_MULTISTREAM_WATCHDOG_S"
+ENV_ADAPTIVE = "VLLM_CAMP2P_MULTISTREAM_ADAPTIVE"
+ENV_REPROBE = "VLLM_CAMP2P_MULTISTREAM_REPROBE_EVERY"
+ENV_MODE = "VLLM_CAMP2P_MULTISTREAM_MODE"
+ENV_METRICS_PORT = "VLLM_CAMP2P_MULTISTREAM_METRICS_PORT"
+ENV_SUMMARY = "VLLM_CAMP2P_MULTISTREAM_SUMMARY_S"
+
+#: CAMP2P has one HCCL group per stage: afd, afd1, afd2.
+MAX_STAGES = 3
+#: Bounds of the re-probe interval (steps of one shape bucket).
+MIN_REPROBE, MAX_REPROBE = 2, 1_000_000
+#: Default seconds between the periodic one-line summaries.
+DEFAULT_SUMMARY_S = 60.0
+
+#: The accepted spellings of a switch (any case, surrounding blanks ignored).
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+#: How a variable's text becomes a value.
+Kind = Literal["switch", "integer", "choice", "seconds"]
+
+
+class BadValue(ValueError):
+    """A value the table does not accept; the message names the variable
+    and the value (config raises it as ``ConfigError``)."""
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One row of the table."""
+
+    name: str
+    #: The ``OverlapConfig`` field the variable fills.
+    field: str
+    kind: Kind
+    #: The value when the variable is unset or blank (None: the feature is off).
+    default: Any
+    #: What it does, for users (Markdown; the range and choices are added from the fields below).
+    help: str
+    #: ``choice``: the accepted values, in order, each with what it means ("" when the value says it).
+    choices: tuple[tuple[str, str], ...] = ()
+    #: ``integer``: inclusive bounds; ``seconds``: whether 0 is accepted (``low=0``) or not (None).
+    low: int | None = None
+    high: int | None = None
+    #: ``integer``: what the value is, in a parse error ("an integer", "a TCP port number").
+    noun: str = "an integer"
+    #: Added to an out-of-range error.
+    range_note: str = ""
+    #: What 0 means, where it means something of its own ("" otherwise).
+    zero: str = ""
+    #: What unset means when the default is None.
+    unset: str = ""
+
+    @property
+    def values(self) -> tuple[str, ...]:
+        """The accepted values of a ``choice``, in order."""
+        return tuple(v for v, _ in self.choices)
+
+    # -- parsing -----------------------------------------------------------
+    def read(self, env: Mapping[str, str]) -> Any:
+        """The value ``env`` gives this variable: its default when unset or
+        blank. Raises :class:`BadValue` for a malformed value (the range
+        of an integer is :meth:`check`'s)."""
+        raw = env.get(self.name)
+        if raw is None or raw.strip() == "":
+            return self.default
+        return self.parse(raw)
+
+    def parse(self, raw: str) -> Any:
+        text = raw.strip()
+        if self.kind == "switch":
+            word = text.lower()
+            if word in TRUE_WORDS:
+                return True
+            if word in FALSE_WORDS:
+                return False
+            spellings = ", ".join(f"{t}/{f}" for t, f in zip(TRUE_WORDS, FALSE_WORDS, strict=True))
+            raise BadValue(f"{self.name}={raw!r} is not a boolean; use one of {spellings}")
+        if self.kind == "integer":
+            try:
+                return int(text, 10)
+            except ValueError:
+                raise BadValue(f"{self.name}={raw!r} is not {self.noun}") from None
+        if self.kind == "choice":
+            word = text.lower()
+            if word not in self.values:
+                raise BadValue(f"{self.name}={raw!r} is not one of {', '.join(self.values)}")
+            return word
+        try:
+            seconds = float(text)
+        except ValueError:
+            raise BadValue(f"{self.name}={raw!r} is not a number of seconds") from None
+        if not self._seconds_ok(seconds):
+            raise BadValue(f"{self.name}={raw!r} {self._seconds_rule()}")
+        return seconds
+
+    def check(self, value: Any) -> None:
+        """Raise :class:`BadValue` when ``value`` is outside the range or
+        choices (run on every configuration, also one built by overrides)."""
+        if value is None and self.default is None:
+            return
+        if self.kind == "integer" and not self.low <= value <= self.high:  # type: ignore[operator]
+            note = f" ({self.range_note})" if self.range_note else ""
+            raise BadValue(f"{self.name}={value} is out of range {self.low}..{self.high}{note}")
+        if self.kind == "choice" and value not in self.values:
+            raise BadValue(f"{self.name}={value!r} is not one of {', '.join(self.values)}")
+        if self.kind == "seconds" and not self._seconds_ok(value):
+            raise BadValue(f"{self.name}={value!r} {self._seconds_rule()}")
+
+    def _seconds_ok(self, seconds: float) -> bool:
+        return math.isfinite(seconds) and (seconds >= 0 if self.low == 0 else seconds > 0)
+
+    def _seconds_rule(self) -> str:
+        if self.low == 0:
+            return "must be 0 (off) or a positive, finite number of seconds"
+        return "must be a positive, finite number of seconds"
+
+    # -- describing (Markdown; plain text for the CLI) ----------------------
+    def default_text(self, markdown: bool = True) -> str:
+        """The default as a user reads it: on/off, unset, a number or a choice."""
+        d = self.default
+        if d is None:
+            text = "unset"
+        elif isinstance(d, bool):
+            text = "on" if d else "off"
+        elif isinstance(d, float):
+            text = f"{d:g}"
+        else:
+            text = f"`{d}`" if self.kind == "choice" else str(d)
+        return text if markdown else plain(text)
+
+    def accepted(self, markdown: bool = True) -> str:
+        """The accepted values: the choices with their meanings, or the range."""
+        if self.kind == "switch":
+            text = "on/off"
+        elif self.kind == "choice":
+            text = ", ".join(f"`{v}`" + (f" ({m})" if m else "") for v, m in self.choices)
+        elif self.kind == "integer":
+            text = f"{self.noun.split(' ', 1)[1]}, {self.low}–{self.high}"
+        else:
+            text = "seconds, ≥ 0" if self.low == 0 else "seconds, > 0"
+        return text if markdown else plain(text)
+
+    def meaning(self, markdown: bool = True) -> str:
+        """The whole help: what it does, then the accepted values and what
+        unset and 0 mean."""
+        if self.kind == "choice":
+            text = f"{self.help}: {self.accepted()}"
+        else:
+            notes = [] if self.kind == "switch" else [self.accepted()]
+            notes += [f"unset: {self.unset}"] if self.unset else []
+            notes += [f"`0`: {self.zero}"] if self.zero else []
+            text = f"{self.help} ({'; '.join(notes)})" if notes else self.help
+        return text if markdown else plain(text)
+
+
+_PLAIN = {"`": "", "–": "..", "≥": ">=", "→": "->"}
+
+
+def plain(text: str) -> str:
+    """``text`` without Markdown code marks, in ASCII punctuation (for a terminal)."""
+    for mark, ascii_text in _PLAIN.items():
+        text = text.replace(mark, ascii_text)
+    return text
+
+
+#: Every variable the package reads, in the order of the ``OverlapConfig`` fields.
+TABLE: tuple[EnvVar, ...] = (
+    EnvVar(
+        ENV_SWITCH,
+        "enabled",
+        "switch",
+        False,
+        "master switch: while it is off, `apply()` (which the vLLM plugin runs in each process) patches nothing",
+    ),
+    EnvVar(
+        ENV_A2E,
+        "a2e_on_side_stream",
+        "switch",
+        True,
+        "run A2E (the receive from attention) on the per-stage side streams (off: A2E stays on the compute stream)",
+    ),
+    EnvVar(
+        ENV_E2A,
+        "e2a_on_side_stream",
+        "switch",
+        True,
+        "run E2A (the send to attention) on the per-stage side streams (off: E2A stays on the compute stream)",
+    ),
+    EnvVar(
+        ENV_MIN_STAGES,
+        "min_stages",
+        "integer",
+        2,
+        "fewest micro-batch stages in a step for the overlap to engage",
+        low=1,
+        high=MAX_STAGES,
+        range_note=f"CAMP2P has {MAX_STAGES} stage groups",
+    ),
+    EnvVar(ENV_GRAPH, "graph", "switch", False, "also engage inside graph capture (ACL graph, CUDA graph)"),
+    EnvVar(
+        ENV_BACKEND,
+        "backend",
+        "choice",
+        "auto",
+        "stream backend",
+        choices=(
+            ("auto", "from the runner's device: `npu` or `cuda`"),
+            ("npu", ""),
+            ("cuda", ""),
+            ("cpu", "worker-thread streams, for emulation and tests only; never chosen by `auto`"),
+        ),
+    ),
+    EnvVar(
+        ENV_STRICT,
+        "strict",
+        "switch",
+        False,
+        "raise instead of logging when a value is malformed or the layer refuses: `apply()`, and so the vLLM"
+        " process starting it, fails",
+    ),
+    EnvVar(
+        ENV_WATCHDOG,
+        "watchdog_s",
+        "seconds",
+        None,
+        "log a stall report (the ops issued, the events completed, the peer op most likely missing) when an"
+        " engaged step runs longer than this many seconds",
+        unset="no watchdog",
+    ),
+    EnvVar(
+        ENV_ADAPTIVE,
+        "adaptive",
+        "switch",
+        True,
+        "adaptive engage: per runner and step shape, measure overlapped and serial steps and engage only where"
+        " the overlap is faster (off: engage on every step the gate allows)",
+    ),
+    EnvVar(
+        ENV_REPROBE,
+        "reprobe_every",
+        "integer",
+        64,
+        "with adaptive engage, every this many steps of a shape run a probe round of the path not chosen, to notice"
+        " a change of load: a warm-up step, then measured probes for as long as their median beats the chosen"
+        " path's recent median by 5 % or more; once 3 have, the decision switches. A round whose median"
+        " loses by more than 10 % doubles the interval, up to 8 times this value; any other round sets it back."
+        " A close first decision (medians within 10 %) gets its first round within 16 steps",
+        low=MIN_REPROBE,
+        high=MAX_REPROBE,
+    ),
+    EnvVar(
+        ENV_MODE,
+        "mode",
+        "choice",
+        "overlap",
+        "rollout mode, a rung of the ladder `parity` → `reorder` → `overlap`",
+        choices=(
+            ("overlap", "the side streams"),
+            ("reorder", "the overlap's issue order, every op on the compute stream"),
+            ("parity", "the layer engaged, every CAMP2P op on the compute stream in upstream's order"),
+        ),
+    ),
+    EnvVar(
+        ENV_METRICS_PORT,
+        "metrics_port",
+        "integer",
+        None,
+        "opt-in: serve this worker's step metrics on `http://<host>:<port>/metrics`, on every interface",
+        low=0,
+        high=65535,
+        noun="a TCP port number",
+        unset="off",
+        zero="any free port, logged",
+    ),
+    EnvVar(
+        ENV_SUMMARY,
+        "summary_s",
+        "seconds",
+        DEFAULT_SUMMARY_S,
+        "seconds between one-line step summaries in the log, written when the counts changed",
+        low=0,
+        zero="none",
+    ),
+)
+
+#: By name.
+BY_NAME: dict[str, EnvVar] = {v.name: v for v in TABLE}
+#: ``OverlapConfig`` field -> its default.
+DEFAULTS: dict[str, Any] = {v.field: v.default for v in TABLE}
+
+
+def markdown_table() -> str:
+    """The README's configuration table (variable | default | meaning),
+    followed by how switches are spelled and what a bad value does."""
+    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    rows += [f"| `{v.name}` | {v.default_text()} | {v.meaning()} |" for v in TABLE]
+    rows += ["", reading_rules()]
+    return "\n".join(rows) + "\n"
+
+
+def reading_rules(markdown: bool = True) -> str:
+    """How every variable is read: the spellings of a switch, unset, a bad value."""
+    spellings = ", ".join(f"`{t}`/`{f}`" for t, f in zip(TRUE_WORDS, FALSE_WORDS, strict=True))
+    text = (
+        f"An on/off switch accepts {spellings} in any case. An unset or empty variable takes its default."
+        " Any other value is an error that names the variable and the value (logged, or raised in strict mode)."
+    )
+    return text if markdown else plain(text)
+
+
+def help_listing(indent: str = "  ", width: int = 79) -> str:
+    """Every variable with its default and help, as plain text for the CLI."""
+    lines = []
+    for v in TABLE:
+        lines.append(f"{indent}{v.name} (default {v.default_text(markdown=False)})")
+        more = indent + "    "
+        lines += textwrap.wrap(v.meaning(markdown=False), width, initial_indent=more, subsequent_indent=more)
+    return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""Connector routes: the connector instance's calls, routed to one step for
+that step's duration and on that step's thread only.
+
+The manifest's ``route`` targets (the CAMP2P connector's receive and send)
+are signature-checked at import, and nothing of ours is installed on their
+class. An engaged step (or a serial step while a trace recorder is active)
+sets one router per route target in the connector *instance's* ``__dict__``
+and removes it before the step returns or raises:
+
+* between steps a connector call is upstream's method, with no frame of
+  ours; other connector instances are never touched;
+* a call from another thread during the step goes straight to the callee;
+* the callee is what the instance resolved to when the step began: its own
+  attribute of that name if it carried one (a user's or a test's
+  monkeypatch, put back as the very same object afterwards), else the
+  class's attribute bound to it, so a foreign wrapper on the class stays in
+  the call chain.
+
+Limit: a bound method captured from the instance before the step began
+(``recv = connector.recv_attn_output``) bypasses the route; the step then
+sees no receive, runs the loop's order on the compute stream and logs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from camp2p_overlap.core.log import log_once
+
+#: Set on every router function, so a step recognises an instance that
+#: another step (on another thread) has routed.
+ROUTER_MARK = "__camp2p_overlap_router__"
+
+#: Builds the router of one target: ``make(callee, thread_id) -> router``.
+RouterFactory = Callable[[Callable[..., Any], int], Callable[..., Any]]
+
+_MISSING = object()
+
+
+def is_router(obj: Any) -> bool:
+    return getattr(obj, ROUTER_MARK, False) is True
+
+
+class ConnectorRoutes:
+    """The routers of one step on one connector instance. :meth:`install`
+    sets them (all or none), :meth:`remove` takes them away exactly."""
+
+    __slots__ = ("_instance", "_set")
+
+    def __init__(self, instance: Any) -> None:
+        self._instance = instance
+        #: (attribute, our router, what the instance's __dict__ held before or _MISSING)
+        self._set: list[tuple[str, Any, Any]] = []
+
+    def install(self, routers: Sequence[tuple[str, RouterFactory]]) -> str | None:
+        """Route each ``(attribute, factory)``; None when every route is in
+        place, else why none is (nothing is left set)."""
+        instance = self._instance
+        try:
+            slots = vars(instance)
+        except TypeError:
+            return f"connector {type(instance).__name__} has no instance __dict__ to route its calls through"
+        thread = threading.get_ident()
+        for attribute, make in routers:
+            before = slots.get(attribute, _MISSING)
+            if is_router(before):
+                self.remove()
+                return "the connector's calls are routed to a step on another thread"
+            router = make(getattr(instance, attribute), thread)
+            setattr(router, ROUTER_MARK, True)
+            slots[attribute] = router
+            self._set.append((attribute, router, before))
+            if getattr(instance, attribute) is not router:  # a data descriptor on the class wins
+                self.remove()
+                return f"connector {type(instance).__name__}.{attribute} cannot be routed per instance (a descriptor)"
+        return None
+
+    def remove(self) -> None:
+        """Put back what the instance held, newest first. A route that
+        someone replaced during the step is left as they set it."""
+        slots = vars(self._instance) if self._set else {}
+        while self._set:
+            attribute, router, before = self._set.pop()
+            if slots.get(attribute) is not router:
+                log_once(
+                    logging.WARNING,
+                    f"route-replaced:{attribute}",
+                    "camp2p-overlap: connector attribute %s was replaced during a step; left as it was set",
+                    attribute,
+                )
+                continue
+            if before is _MISSING:
+                del slots[attribute]
+            else:
+                slots[attribute] = before

@@ -1,0 +1,404 @@
+"""One FFN step: what a call of the wrapped ``_ffn_forward`` does, as one
+object whose methods read top to bottom in the order a step runs.
+
+:func:`make_wrappers` builds, when an engine applies, the one wrapper the
+manifest names (``ffn_forward``), bound to that engine and its runtime (as
+OpenTelemetry's instrumentations build ``_traced_execute_factory(tracer)``).
+Each call makes an :class:`FfnStep`:
+
+1. the gate: a step of an engine being removed runs the original;
+2. the decided-serial fast path: a bucket adaptive engage decided for serial
+   runs the original, timed, without being planned;
+3. the refresh (a reloaded target module is wrapped again) and the decision
+   (engage or not, and the plan), with the runner's side streams;
+4. the choice: the static setting (capture, adaptive off, parity/reorder),
+   or adaptive engage's path for the step's bucket;
+5. the engaged step: a session, the connector routed to it for the step's
+   duration (``connector_routes``), the watchdog, and the join on every exit;
+6. the step's time, for adaptive engage.
+
+The only module global a step reads is the active trace recorder (one read
+per step, ``core.observe.trace.current_recorder``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from threading import get_ident
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from camp2p_overlap.core.keys import COMPUTE_STREAM
+from camp2p_overlap.core.log import log_once
+from camp2p_overlap.core.observe.trace import TraceOp, TraceRecorder, current_recorder
+from camp2p_overlap.core.overlap import camp2p
+from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, pow2_ceil
+from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes, RouterFactory
+from camp2p_overlap.core.overlap.decision import GRAPH_OFF, Decision, decide
+from camp2p_overlap.core.overlap.rollout import streams_for
+from camp2p_overlap.core.overlap.runtime import OverlapRuntime, PlannedShape
+from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.overlap.streams import BackendUnavailable
+from camp2p_overlap.core.overlap.streams.base import StreamBackend
+from camp2p_overlap.core.overlap.streams.streamset import StreamSet
+from camp2p_overlap.core.overlap.watchdog import start_watchdog
+from camp2p_overlap.core.patching.installer import MARK, Wrapper
+
+if TYPE_CHECKING:
+    from camp2p_overlap.core.patching.lifecycle import PatchEngine
+
+Wrapped = Callable[..., Any]
+Args = tuple[Any, ...]
+Kwargs = dict[str, Any]
+
+NOT_APPLIED = "the layer is not applied (or is being removed)"
+SERIAL_PROBE = "adaptive: serial probe step"
+SERIAL_FASTER = "adaptive: serial is faster for this shape"
+NO_STREAMS_IN_CAPTURE = (
+    "graph capture before any eager overlap step on this runner; side streams are created only outside capture"
+)
+
+
+def make_wrappers(engine: PatchEngine, *, runtime: OverlapRuntime) -> dict[str, Any]:
+    """What ``engine`` installs, by manifest key: the ``ffn_forward``
+    wrapper, and the routers that ``route`` targets name (each a
+    :class:`Routers` pair; nothing of them is installed on a class)."""
+
+    def ffn_forward(wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
+        return FfnStep(engine, runtime, wrapped, instance, args, kwargs).run()
+
+    setattr(ffn_forward, MARK, True)
+    wrapper: Wrapper = ffn_forward
+    return {"ffn_forward": wrapper, **ROUTERS}
+
+
+def bucket_of(runner: str, layers: int, dp_metadata_list: Any) -> BucketKey:
+    """The adaptive bucket of a step of runner ``runner`` (its name) with
+    ``layers`` FFN layers: its stage count and its largest stage's tokens
+    rounded up to a power of two."""
+    stages = camp2p.stage_count(dp_metadata_list)
+    return BucketKey(runner, stages, layers, pow2_ceil(camp2p.max_stage_tokens(dp_metadata_list)))
+
+
+class TimedBucket(NamedTuple):
+    """The adaptive bucket a step is counted in, and the backend that times it."""
+
+    key: BucketKey
+    backend: StreamBackend
+
+
+class FfnStep:
+    """One call of the wrapped ``_ffn_forward``, with the engine and runtime
+    its wrapper is bound to."""
+
+    __slots__ = ("args", "engine", "kwargs", "recorder", "runner", "runtime", "wrapped")
+
+    def __init__(
+        self, engine: PatchEngine, runtime: OverlapRuntime, wrapped: Wrapped, runner: Any, args: Args, kwargs: Kwargs
+    ) -> None:
+        self.engine = engine
+        self.runtime = runtime
+        self.wrapped = wrapped
+        self.runner = runner
+        self.args = args
+        self.kwargs = kwargs
+        self.recorder: TraceRecorder | None = None
+
+    # -- 1. the gate ---------------------------------------------------------
+    def run(self) -> Any:
+        self.recorder = current_recorder()
+        gate = self.engine.gate
+        if not gate.enter():
+            self.runtime.counters.serial(NOT_APPLIED)
+            return self.run_original()
+        try:
+            return self.run_admitted()
+        finally:
+            gate.exit()
+
+    def run_admitted(self) -> Any:
+        decided = self.decided_serial_bucket() if self.recorder is None else None
+        if decided is not None:
+            return self.run_adaptive_serial(decided, probe=False)
+        decision, streamset = self.decide()
+        if streamset is None:  # decide() gives a reason whenever it gives no streams
+            self.runtime.counters.serial(str(decision.reason))
+            log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", decision.reason)
+            return self.run_original()
+        if self.follows_static_setting(decision, streamset):
+            self.runtime.counters.engaged(decision.mode)
+            return self.run_engaged(decision, streamset)
+        return self.run_adaptive(decision, streamset)
+
+    # -- 2. the decided-serial fast path -----------------------------------
+    def decided_serial_bucket(self) -> TimedBucket | None:
+        """The bucket, when this step belongs to one that adaptive engage
+        decided runs serially and it is not a probe: the step then runs the
+        original without being planned (no refresh, no decision, no stream
+        set), as the planned path would have run it. The bucket comes from
+        the runner's last planned step (its layer count) and this step's
+        stages and tokens; a probe, a capture, a re-entrant call, or a
+        runner not planned yet takes the planned path. Never raises: None
+        whenever unsure."""
+        cfg = self.engine.config
+        runtime = self.runtime
+        if not (cfg.adaptive and cfg.enabled and cfg.mode == "overlap") or runtime.local.session is not None:
+            return None
+        shape = runtime.planned_shape(self.runner)
+        if shape is None or self.kwargs.get("is_graph_capturing"):
+            return None
+        try:
+            if shape.backend.is_capturing():
+                return None
+            key = bucket_of(shape.runner, shape.layers, self.kwargs["dp_metadata_list"])
+        except Exception:  # noqa: BLE001 - the planned path gives the reason
+            return None
+        return TimedBucket(key, shape.backend) if self.adaptive().pass_serial(key) else None
+
+    # -- 3. refresh and decision -----------------------------------------------
+    def decide(self) -> tuple[Decision, StreamSet | None]:
+        """The decision and, when it engages, the runner's stream set."""
+        engine, runtime = self.engine, self.runtime
+        incomplete = engine.refresh()  # a reloaded target module is wrapped again here
+        try:
+            in_session = runtime.active_session() is not None
+            decision = decide(engine, self.runner, self.kwargs, in_session=in_session, incomplete=incomplete)
+        except Exception as exc:  # noqa: BLE001 - planning must never break the original call
+            return Decision(f"could not plan the step ({type(exc).__name__}: {exc})"), None
+        if decision.reason is not None:
+            return decision, None
+        try:
+            streamset = runtime.streamsets.get(self.runner, decision.backend)  # type: ignore[arg-type]
+        except BackendUnavailable as exc:
+            return Decision(str(exc)), None
+        if streamset is None:
+            return Decision(NO_STREAMS_IN_CAPTURE), None
+        if streamset.backend.is_capturing() and not engine.config.graph:
+            return Decision(GRAPH_OFF), None
+        return decision, streamset
+
+    # -- 4. the choice -------------------------------------------------------
+    def follows_static_setting(self, decision: Decision, streamset: StreamSet) -> bool:
+        """Capture follows the static setting (a graph replays what it
+        captured), and so do parity/reorder steps and adaptive engage off."""
+        if not self.engine.config.adaptive or decision.mode != "overlap":
+            return True
+        return bool(self.kwargs.get("is_graph_capturing")) or streamset.backend.is_capturing()
+
+    def run_adaptive(self, decision: Decision, streamset: StreamSet) -> Any:
+        """An engageable eager step: the bucket's path (overlap, or the
+        original as decided or as a probe), timed without blocking the host."""
+        runtime, plan, backend = self.runtime, decision.plan, streamset.backend
+        assert plan is not None
+        name = runtime.runner_name(self.runner)
+        runtime.remember_planned_shape(self.runner, PlannedShape(name, len(plan.layers), backend))
+        bucket = TimedBucket(bucket_of(name, len(plan.layers), self.kwargs.get("dp_metadata_list")), backend)
+        adaptive = self.adaptive()
+        runtime.read_ready_step_times()
+        path, probe = adaptive.choose(bucket.key)
+        if path != "overlap":
+            return self.run_adaptive_serial(bucket, probe=probe)
+        token = backend.timing_start()
+        runtime.counters.overlap()
+        result = self.run_engaged(decision, streamset)
+        backend.timing_stop(token)  # a step that raised is not timed
+        runtime.record_step_time(bucket.key, path, backend, token)
+        return result
+
+    def run_adaptive_serial(self, bucket: TimedBucket, *, probe: bool) -> Any:
+        """A step of ``bucket`` that adaptive engage runs on the original
+        path (decided, or as a probe), timed for the bucket."""
+        runtime = self.runtime
+        runtime.counters.serial(SERIAL_PROBE if probe else SERIAL_FASTER)
+        token = bucket.backend.timing_start()
+        result = self.run_original()
+        bucket.backend.timing_stop(token)  # a step that raised is not timed
+        runtime.record_step_time(bucket.key, "serial", bucket.backend, token)
+        return result
+
+    def adaptive(self) -> AdaptiveEngage:
+        """The runtime's adaptive engage, with the engine's re-probe interval."""
+        adaptive = self.runtime.adaptive
+        every = self.engine.config.reprobe_every
+        if adaptive.settings.reprobe_every != every:
+            adaptive.settings = replace(adaptive.settings, reprobe_every=every)
+        return adaptive
+
+    # -- 5. the engaged step -------------------------------------------------
+    def run_engaged(self, decision: Decision, streamset: StreamSet) -> Any:
+        runtime, recorder = self.runtime, self.recorder
+        step_id = recorder.next_step() if recorder is not None else 0
+        with streamset.lock:
+            connector = self.runner.connector
+            session = runtime.session_class(
+                connector=connector,
+                plan=decision.plan,  # type: ignore[arg-type]
+                streamset=streams_for(decision.mode, streamset),
+                directions=decision.directions,
+                recorder=recorder,
+                step_id=step_id,
+                context_of=camp2p.context_of,
+            )
+            routes = ConnectorRoutes(connector)
+            refused = routes.install(self.session_routers(session))
+            if refused is not None:  # decide() checked it: only a race with another thread's step lands here
+                session.close(raising=True)  # nothing was issued: closing only releases it
+                log_once(logging.WARNING, "route", "camp2p-overlap: step %d ran serially: %s", step_id, refused)
+                return self.run_original()
+            watchdog = start_watchdog(self.engine.config.watchdog_s, session.snapshot, step_id)
+            t0 = time.perf_counter_ns()
+            runtime.set_session(session)
+            try:
+                try:
+                    result = self.wrapped(*self.args, **self.kwargs)
+                except BaseException:
+                    routes.remove()
+                    runtime.set_session(None)
+                    session.close(raising=True)
+                    raise
+                routes.remove()
+                runtime.set_session(None)
+                session.close()
+                return result
+            finally:
+                routes.remove()  # idempotent: nothing of ours stays on the instance
+                runtime.set_session(None)
+                if watchdog is not None:
+                    watchdog.cancel()
+                if recorder is not None:
+                    recorder.add(TraceOp("step", None, None, COMPUTE_STREAM, t0, time.perf_counter_ns(), step_id))
+
+    def session_routers(self, session: OverlapSession) -> list[tuple[str, RouterFactory]]:
+        """The routers of the engine's ``route`` targets, bound to ``session``."""
+        return [
+            (spec.attribute, ROUTERS[spec.router].to_session(session)) for _, spec in self.engine.installer.routes()
+        ]  # type: ignore[index]
+
+    # -- the original, traced while a recorder is active ----------------------
+    def run_original(self) -> Any:
+        recorder = self.recorder
+        if recorder is None:
+            return self.wrapped(*self.args, **self.kwargs)
+        state = recorder.serial_state()
+        step_id = recorder.next_step()
+        previous = state["step"]
+        state["step"] = step_id
+        routes = self.traced_routes(recorder)
+        t0 = time.perf_counter_ns()
+        try:
+            return self.wrapped(*self.args, **self.kwargs)
+        finally:
+            if routes is not None:
+                routes.remove()
+            recorder.add(TraceOp("step", None, None, COMPUTE_STREAM, t0, time.perf_counter_ns(), step_id))
+            state["step"] = previous
+
+    def traced_routes(self, recorder: TraceRecorder) -> ConnectorRoutes | None:
+        """The connector routed to the serial path's trace for this step,
+        when it is an instance of a routed class (else None: untraced)."""
+        connector = getattr(self.runner, "connector", None)
+        targets = [spec for owner, spec in self.engine.installer.routes() if isinstance(connector, owner)]
+        if not targets:
+            return None
+        routes = ConnectorRoutes(connector)
+        if routes.install([(spec.attribute, ROUTERS[spec.router].to_trace(recorder)) for spec in targets]) is not None:  # type: ignore[index]
+            return None
+        return routes
+
+
+# ---------------------------------------------------------------------------
+# router factories: each binds what it routes to, and serves only the thread
+# that installed it (get_ident() is compared on every call).
+def _session_recv(session: OverlapSession) -> RouterFactory:
+    def make(callee: Wrapped, thread: int) -> Wrapped:
+        recv = session.recv
+        parse = camp2p.recv_kwargs
+
+        def recv_attn_output(*args: Any, **kwargs: Any) -> Any:
+            if get_ident() != thread:
+                return callee(*args, **kwargs)
+            return recv(callee, parse(args, kwargs), lambda: callee(*args, **kwargs))
+
+        return recv_attn_output
+
+    return make
+
+
+def _session_send(session: OverlapSession) -> RouterFactory:
+    def make(callee: Wrapped, thread: int) -> Wrapped:
+        send = session.send
+        parts, stage_of = camp2p.send_parts, camp2p.send_stage
+
+        def send_ffn_output(*args: Any, **kwargs: Any) -> Any:
+            if get_ident() != thread:
+                return callee(*args, **kwargs)
+            output, context = parts(args, kwargs)
+            return send(lambda: callee(*args, **kwargs), output, context, stage_of(context, kwargs))
+
+        return send_ffn_output
+
+    return make
+
+
+def _traced_recv(recorder: TraceRecorder) -> RouterFactory:
+    def make(callee: Wrapped, thread: int) -> Wrapped:
+        def recv_attn_output(*args: Any, **kwargs: Any) -> Any:
+            if get_ident() != thread:
+                return callee(*args, **kwargs)
+            kw = camp2p.recv_kwargs(args, kwargs)
+            t0 = time.perf_counter_ns()
+            payload = callee(*args, **kwargs)
+            t1 = time.perf_counter_ns()
+            state = recorder.serial_state()
+            layer, stage = kw.get("layer_idx"), kw.get("ubatch_idx")
+            recorder.add(TraceOp("a2e", layer, stage, COMPUTE_STREAM, t0, t1, state["step"]))  # type: ignore[arg-type]
+            state["ffn_start"][id(camp2p.context_of(payload))] = (layer, stage, t1)  # type: ignore[index]
+            return payload
+
+        return recv_attn_output
+
+    return make
+
+
+def _traced_send(recorder: TraceRecorder) -> RouterFactory:
+    """The original send, traced as the serial path's FFN (since its
+    receive) and E2A."""
+
+    def make(callee: Wrapped, thread: int) -> Wrapped:
+        def send_ffn_output(*args: Any, **kwargs: Any) -> Any:
+            if get_ident() != thread:
+                return callee(*args, **kwargs)
+            _, ctx = camp2p.send_parts(args, kwargs)
+            state = recorder.serial_state()
+            t0 = time.perf_counter_ns()
+            started = state["ffn_start"].pop(id(ctx), None)  # type: ignore[attr-defined]
+            stage = camp2p.send_stage(ctx, kwargs)
+            layer = started[0] if started else camp2p.context_layer(ctx)
+            step = state["step"]
+            if started:
+                recorder.add(TraceOp("ffn", layer, stage, COMPUTE_STREAM, started[2], t0, step))  # type: ignore[arg-type]
+            try:
+                return callee(*args, **kwargs)
+            finally:
+                recorder.add(TraceOp("e2a", layer, stage, COMPUTE_STREAM, t0, time.perf_counter_ns(), step))  # type: ignore[arg-type]
+
+        return send_ffn_output
+
+    return make
+
+
+class Routers(NamedTuple):
+    """The two routers of one ``route`` target: to an engaged step's
+    session, and to a serial step's trace."""
+
+    to_session: Callable[[OverlapSession], RouterFactory]
+    to_trace: Callable[[TraceRecorder], RouterFactory]
+
+
+#: The routers a manifest's ``route`` target may name, by key.
+ROUTERS: dict[str, Routers] = {
+    "recv_attn_output": Routers(_session_recv, _traced_recv),
+    "send_ffn_output": Routers(_session_send, _traced_send),
+}

@@ -1,0 +1,264 @@
+"""A CPU rehearsal of ``scripts/gpu_check.sh``: its set-up path runs here as
+it would on the GPU box, with a fake ``nvidia-smi`` on PATH. The script runs
+with a throwaway virtual environment that sees this one's packages (torch,
+pip, setuptools) but installs into itself, so the offline editable install
+(``pip install --no-deps --no-build-isolation --no-index -e .``), the carried
+wheels (``--target`` into a site folder put first on PYTHONPATH), the wrapt
+check and the import of the manifests all really run. Then:
+
+* nvidia-smi sees a GPU and torch cannot use it (CPU torch): failed, exit 1;
+* nvidia-smi sees no GPU: skipped, exit 0;
+* no Python that imports torch, with a GPU seen: failed;
+* a carried wrapt older than 2.5 shadowing the good one: failed.
+
+Also: the manifests load from a source checkout used without installing
+(through the package ``camp2p_overlap.patches``, the checkout's link to
+``patches/``), so a missing install cannot make every GPU test and child
+process fail with ``ModuleNotFoundError``; a copy that lost the link says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+from support.child import REPO, run_program
+
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash")
+
+
+def _venv(path: Path, *, see_this_env: bool) -> Path:
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=60)
+    py = path / "bin" / "python"
+    if see_this_env:
+        site = subprocess.run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        Path(site, "parent_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return py
+
+
+def _fake_smi(bindir: Path, gpu: bool) -> None:
+    bindir.mkdir(parents=True, exist_ok=True)
+    body = (
+        'case "$1" in -L) echo "GPU 0: NVIDIA H200 (UUID: GPU-00000000-fake)";; '
+        '*) echo "name, driver_version"; echo "NVIDIA H200, 580.00";; esac'
+        if gpu
+        else 'echo "No devices were found"; exit 6'
+    )
+    smi = bindir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\n{body}\n")
+    smi.chmod(0o755)
+
+
+def _wheel(folder: Path, name: str, version: str, code: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}/__init__.py", code)
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", f"{name}/__init__.py,,\n{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n")
+    return path
+
+
+def _run(tmp: Path, *, python: Path, gpu: bool | None, wheels: Path | None = None) -> tuple[int, dict, Path]:
+    out = tmp / "out"
+    bindir = tmp / "bin"
+    path = os.environ["PATH"]
+    if gpu is not None:
+        _fake_smi(bindir, gpu)
+        path = f"{bindir}{os.pathsep}{path}"
+    else:  # no nvidia-smi at all: PATH without any folder that has one
+        path = os.pathsep.join(d for d in path.split(os.pathsep) if not Path(d, "nvidia-smi").exists())
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_CAMP2P", "PYTHON"))}
+    env.update(
+        PATH=path,
+        PYTHON=str(python),
+        OUT=str(out),
+        WHEELS=str(wheels or tmp / "no-wheels"),
+        SITE=str(tmp / "site"),
+        GPU_CHECK_BUDGET_S="120",
+    )
+    res = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=150, cwd=str(tmp))
+    summary = json.loads((out / "gpu_check.json").read_text())
+    assert json.loads(res.stdout.strip().splitlines()[-1])["status"] == summary["status"], res.stdout + res.stderr
+    return res.returncode, summary, out
+
+
+def test_gpu_seen_but_torch_cannot_use_it_fails_after_the_offline_set_up(tmp_path: Path) -> None:
+    py = _venv(tmp_path / "venv", see_this_env=True)
+    wheels = tmp_path / "wheels"
+    _wheel(wheels, "camp2p_carried_marker", "1.0", "CARRIED = True\n")
+    rc, s, out = _run(tmp_path, python=py, gpu=True, wheels=wheels)
+    assert rc == 1 and s["status"] == "failed", s
+    assert s["gpu_seen_by_nvidia_smi"] is True
+    assert "nvidia-smi sees a GPU, but torch" in s["reason"] and "cannot use it" in s["reason"], s["reason"]
+    setup = s["setup"]
+    assert setup["install"] == "editable", setup
+    assert setup["import"] == "ok" and setup["wheels"] == 1 and setup["site"] == str(tmp_path / "site")
+    assert (tmp_path / "site" / "camp2p_carried_marker" / "__init__.py").exists()
+    assert tuple(int(x) for x in setup["wrapt"].split(".")[:2]) >= (2, 5)
+    # The editable install went into the throwaway environment, not this one.
+    venv_site = Path(
+        subprocess.run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+    assert list(venv_site.glob("__editable__*camp2p_overlap*"))
+    assert "NVIDIA H200" in (out / "env.txt").read_text()
+    assert "manifests ['vllm-0.19.1', 'vllm-0.26.0']" in (out / "tools.log").read_text()
+    assert s["parts"]["pytest"].get("rc") is None  # no part ran
+
+
+def test_no_gpu_seen_skips(tmp_path: Path) -> None:
+    py = _venv(tmp_path / "venv", see_this_env=True)
+    rc, s, _ = _run(tmp_path, python=py, gpu=False)
+    assert rc == 0 and s["status"] == "skipped", s
+    assert "nvidia-smi sees no GPU" in s["reason"]
+    assert s["gpu_seen_by_nvidia_smi"] is False
+
+
+def test_no_nvidia_smi_and_no_torch_skips(tmp_path: Path) -> None:
+    bare = _venv(tmp_path / "bare", see_this_env=False)
+    rc, s, _ = _run(tmp_path, python=bare, gpu=None)
+    assert rc == 0 and s["status"] == "skipped", s
+    assert "no Python here imports torch" in s["reason"]
+
+
+def test_gpu_seen_and_no_torch_fails(tmp_path: Path) -> None:
+    bare = _venv(tmp_path / "bare", see_this_env=False)
+    rc, s, _ = _run(tmp_path, python=bare, gpu=True)
+    assert rc == 1 and s["status"] == "failed", s
+    assert "no Python here imports torch" in s["reason"]
+
+
+def test_an_old_wrapt_fails_the_set_up(tmp_path: Path) -> None:
+    py = _venv(tmp_path / "venv", see_this_env=True)
+    wheels = tmp_path / "wheels"
+    _wheel(wheels, "wrapt", "1.17.0", "__version__ = '1.17.0'\n")
+    rc, s, _ = _run(tmp_path, python=py, gpu=True, wheels=wheels)
+    assert rc == 1 and s["status"] == "failed", s
+    assert "wrapt>=2.5 is needed, found 1.17.0" in s["reason"]
+
+
+def test_manifests_load_from_a_checkout_that_is_not_installed() -> None:
+    res = run_program("manifests_from_checkout.py", str(REPO), timeout=60)
+    assert res.returncode == 0, res.stderr
+    lines = dict(line.split(" ", 1) for line in res.stdout.splitlines() if line.startswith(("SPEC", "LOADED")))
+    # The package the wheel ships, here the checkout's link to patches/.
+    assert lines["SPEC"] == str(REPO / "camp2p_overlap" / "patches" / "__init__.py")
+    assert lines["LOADED"] == "vllm-0.19.1 ['vllm-0.19.1', 'vllm-0.26.0']"
+
+
+def test_a_checkout_copy_without_the_manifest_link_says_so(tmp_path: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(REPO / "camp2p_overlap", tmp_path / "camp2p_overlap", ignore=ignore, symlinks=True)
+    (tmp_path / "camp2p_overlap" / "patches").unlink()  # what a copy that drops links leaves
+    res = run_program("manifests_from_checkout.py", str(tmp_path), timeout=60)
+    assert res.returncode != 0
+    assert "the manifests are missing: camp2p_overlap.patches is not importable" in res.stderr, res.stderr[-2000:]
+
+
+def _script_cli_parts() -> dict[str, list[str]]:
+    """The camp2p-overlap command lines of the script's parts, as written
+    there (continuation lines joined, ``$OUT/x`` kept as ``x``)."""
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    parts = {}
+    for line in text.splitlines():
+        m = re.search(r'"\$\{CLI\[@\]\}" (bench|sweep|overhead) (.*)$', line)
+        if m:
+            args = shlex.split(m.group(2))
+            args = [re.sub(r"^\$\{(\w+):-([^}]*)\}$", r"\2", a).replace("$OUT/", "") for a in args]
+            parts[m.group(1)] = [m.group(1), *args]
+    return parts
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device is here: the script runs for real")
+def test_the_scripts_command_lines_pass_validation_and_stop_only_for_the_device(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every tool the script runs on cuda takes its flags here: without a GPU
+    it stops at the device check (exit 2, "no CUDA device"), never at a
+    parameter; overhead needs no device and is covered by its own tests."""
+    from camp2p_overlap.tools import cli
+
+    parts = _script_cli_parts()
+    assert set(parts) == {"bench", "sweep", "overhead"}, parts
+    for name in ("bench", "sweep"):
+        argv = parts[name]
+        assert argv[argv.index("--device") + 1] == "cuda"
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "--device cuda: torch.cuda reports no CUDA device" in err, (argv, err)
+    assert parts["overhead"][1:] == ["--json", "overhead.json"]
+
+
+def test_the_gpu_test_files_collect_without_what_the_gpu_box_lacks() -> None:
+    """The script runs pytest -m gpu on the files that hold gpu-marked tests
+    (found as it finds them); on the GPU box there is no vLLM, no grimp or
+    import-linter, no hypothesis: those files must import without them."""
+    files = sorted(str(p) for p in (REPO / "tests").rglob("test_*.py") if re.search(r"mark\.gpu", p.read_text()))
+    assert "test_gpu_validation.py" in " ".join(files)
+    res = run_program("collect_like_the_gpu_box.py", *files, timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "error" not in res.stdout.lower().split("collected")[-1], res.stdout[-3000:]
+    assert "test_cuda_tensor_ownership_without_record_stream" in res.stdout
+
+
+def test_the_parts_run_within_the_budget_and_the_summary_reads_them(tmp_path: Path) -> None:
+    """The script past its device check, on this CPU machine: a start-up hook
+    of the throwaway environment makes ``torch.cuda.is_available()`` answer
+    True, so every part runs and the cuda ones fail fast (there is no CUDA).
+    What is checked is the plumbing: each part ran under its limit, the
+    summary read the JUnit counts of the gpu test files, the exit codes and
+    the overhead figures (that command needs no device and passes)."""
+    py = _venv(tmp_path / "venv", see_this_env=True)
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    Path(site, "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('CAMP2P_TEST_PRETEND_CUDA'):\n"
+        "    import torch\n"
+        "    torch.cuda.is_available = lambda: True\n"
+    )
+    os.environ["CAMP2P_TEST_PRETEND_CUDA"] = "1"
+    try:
+        rc, s, out = _run(tmp_path, python=py, gpu=True)
+    finally:
+        del os.environ["CAMP2P_TEST_PRETEND_CUDA"]
+    assert rc == 1 and s["status"] == "failed", s
+    parts = s["parts"]
+    gpu_files = [p for p in (REPO / "tests").rglob("test_*.py") if re.search(r"mark\.gpu", p.read_text())]
+    assert parts["pytest"]["files"] == len(gpu_files) >= 3
+    counts = parts["pytest"]["counts"]
+    assert counts["tests"] >= 10 and counts["failures"] + counts["errors"] >= 1, counts
+    assert parts["pytest"]["not_passed"], parts["pytest"]
+    assert parts["bench"]["rc"] not in (0, None) and parts["sweep"]["rc"] not in (0, None), parts
+    assert parts["overhead"]["rc"] == 0, (out / "tools.log").read_text()[-3000:]
+    assert set(parts["overhead"]["result"]) >= {"engaged_us_per_layer_stage", "passthrough_us_per_call"}
+    for name in ("pytest", "bench", "sweep", "overhead"):
+        assert parts[name]["seconds"] <= parts[name]["limit_s"] + 10, parts[name]
+    assert "parts not passed: pytest" in s["reason"]
+    assert s["seconds"] <= s["budget_s"] + 15

@@ -1,0 +1,500 @@
+"""Adaptive engage: decisions from injected step times (deterministic),
+hysteresis, re-probes and bucket isolation; the switch and its bad values;
+``stats()``; bitwise-equal outputs across a run that switches paths; and no
+synchronize on the device path."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from typing import Any
+
+import pytest
+from support.logs import PackageLogs
+from support.overlap import Schedule, apply_cpu, assert_same, bounded, run_step, serial_results, world
+
+import camp2p_overlap
+from camp2p_overlap.core.config import ENV_ADAPTIVE, ENV_REPROBE, ConfigError, load_config
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey, pow2_ceil
+from camp2p_overlap.core.overlap.streams.device import TorchDeviceBackend
+
+KEY = BucketKey("runner#0", 2, 6, 128)
+OTHER = BucketKey("runner#0", 2, 6, 256)
+
+
+def drive(engine: AdaptiveEngage, key: BucketKey, times: dict[str, float], steps: int) -> list[tuple[str, bool]]:
+    """Run ``steps`` steps of ``key`` where each path takes ``times[path]``;
+    returns the (path, probe) sequence."""
+    seq = []
+    for _ in range(steps):
+        mode, probe = engine.choose(key)
+        seq.append((mode, probe))
+        engine.record(key, mode, times[mode])
+    return seq
+
+
+# ---------------------------------------------------------------------------
+# the decision logic, with injected times
+def test_learning_runs_each_path_back_to_back_and_decides_at_the_seventh_step() -> None:
+    a = AdaptiveEngage()
+    seq = drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 6)
+    assert a.decision(KEY) is None  # not yet: 3 overlap times kept, 2 serial
+    seq += drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 1)
+    # overlap first (its first step's time dropped), then serial: each path
+    # warm, as it runs once decided
+    assert [m for m, _ in seq] == ["overlap"] * 4 + ["serial"] * 3
+    assert all(probe for _, probe in seq)  # learning steps measure
+    assert a.decision(KEY) == "overlap"
+    (snap,) = a.snapshot()
+    # the first overlap time is dropped (first-use costs)
+    assert snap["overlap_samples"] == 3 and snap["serial_samples"] == 3
+    assert snap["overlap_median_ms"] == pytest.approx(10.0) and snap["serial_median_ms"] == pytest.approx(15.0)
+
+
+def test_first_decision_with_times_read_one_step_late_comes_by_the_eighth_step() -> None:
+    """On a device the time of step k is read at step k+1."""
+    a = AdaptiveEngage()
+    times = {"overlap": 0.010, "serial": 0.015}
+    last: tuple[BucketKey, str] | None = None
+    decided_at = None
+    for step in range(1, 9):
+        if last is not None:
+            a.record(last[0], last[1], times[last[1]])  # type: ignore[arg-type]
+        if a.decision(KEY) is not None:
+            decided_at = step
+            break
+        mode, _ = a.choose(KEY)
+        last = (KEY, mode)
+    assert a.decision(KEY) == "overlap" and decided_at == 8  # steps 1-7 learn, step 8 runs the decision
+
+
+def test_the_first_decision_takes_the_faster_median_by_default() -> None:
+    """Both paths are timed under the layer, so a serial step's time holds
+    the layer's pass-through cost: no margin by default; a tie stays serial."""
+    a = AdaptiveEngage()
+    drive(a, KEY, {"overlap": 0.0097, "serial": 0.0100}, 7)  # 3% better
+    assert a.decision(KEY) == "overlap"
+    b = AdaptiveEngage()
+    drive(b, KEY, {"overlap": 0.0100, "serial": 0.0100}, 7)
+    assert b.decision(KEY) == "serial"
+    c = AdaptiveEngage()
+    drive(c, KEY, {"overlap": 0.0103, "serial": 0.0100}, 7)
+    assert c.decision(KEY) == "serial"
+
+
+def test_overlap_must_win_by_the_engage_margin() -> None:
+    a = AdaptiveEngage(AdaptiveSettings(engage_margin=0.05))
+    drive(a, KEY, {"overlap": 0.0097, "serial": 0.0100}, 7)  # 3% better: not worth it
+    assert a.decision(KEY) == "serial"
+    b = AdaptiveEngage(AdaptiveSettings(engage_margin=0.05))
+    drive(b, KEY, {"overlap": 0.0094, "serial": 0.0100}, 7)  # 6% better
+    assert b.decision(KEY) == "overlap"
+
+
+def test_reprobe_every_n_steps_and_the_decision_holds_when_the_probe_loses() -> None:
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=8))
+    close = {"overlap": 0.0100, "serial": 0.0105}  # serial loses by 5%: a close call
+    drive(a, KEY, close, 7)
+    assert a.decision(KEY) == "overlap"
+    seq = drive(a, KEY, close, 36)
+    probes = [i for i, (m, p) in enumerate(seq) if p]
+    # each probe round: a warm-up step of the other path (time dropped), then
+    # a measured probe; then 8 steps of the decision
+    assert probes == [7, 8, 16, 17, 25, 26, 34, 35]
+    assert all(seq[i][0] == "serial" for i in probes)
+    assert all(m == "overlap" for i, (m, _) in enumerate(seq) if i not in probes)
+    assert a.decision(KEY) == "overlap"
+    assert a.snapshot()[0]["reprobe_every"] == 8
+
+
+def test_a_clearly_losing_probe_backs_the_interval_off_and_a_close_one_resets_it() -> None:
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=8))
+    clear = {"overlap": 0.010, "serial": 0.015}  # serial loses by 50%
+    drive(a, KEY, clear, 7)
+    seq = drive(a, KEY, clear, 200)
+    rounds = [i for i, (m, p) in enumerate(seq) if p][::2]  # each round's warm-up step
+    # the interval doubles after each clear loss: 8, 16, 32, then 64 (8 x 8) at most
+    assert [b - a_ for a_, b in itertools.pairwise(rounds)] == [17, 33, 65, 65]
+    assert a.snapshot()[0]["reprobe_every"] == 64
+    assert a.decision(KEY) == "overlap"
+    # serial now loses by only 5%: the next probe round sets the interval back
+    close = {"overlap": 0.010, "serial": 0.0105}
+    seq = drive(a, KEY, close, 100)
+    rounds = [i for i, (m, p) in enumerate(seq) if p][::2]
+    assert a.snapshot()[0]["reprobe_every"] == 8
+    assert [b - a_ for a_, b in itertools.pairwise(rounds)][-2:] == [9, 9]
+
+
+def test_a_close_first_decision_is_checked_again_soon() -> None:
+    """Within 10% on 3 times each: the first probe round comes 16 steps
+    after the decision; a clear first decision waits the whole interval."""
+    for times, first_round in (({"overlap": 0.0100, "serial": 0.0105}, 16), ({"overlap": 0.010, "serial": 0.015}, 64)):
+        a = AdaptiveEngage()
+        drive(a, KEY, times, 7)
+        assert a.decision(KEY) == "overlap"
+        seq = drive(a, KEY, times, 100)
+        assert next(i for i, (_, probe) in enumerate(seq) if probe) == first_round - 1
+
+
+def test_a_change_of_decision_resets_the_back_off() -> None:
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
+    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7 + 40)
+    assert a.snapshot()[0]["reprobe_every"] > 4
+    slow = {"overlap": 0.030, "serial": 0.015}  # the load changes: serial now wins
+    for _ in range(400):
+        drive(a, KEY, slow, 1)
+        if a.decision(KEY) == "serial":
+            break
+    (snap,) = a.snapshot()
+    assert snap["decision"] == "serial" and snap["changes"] == 2
+    assert snap["reprobe_every"] == 4  # the switch set the interval back
+    drive(a, KEY, slow, 400)  # overlap (2x slower) loses every round since
+    assert a.snapshot()[0]["reprobe_every"] == 4 * 8
+
+
+def test_a_change_of_load_switches_only_after_confirming_probes(logs: PackageLogs) -> None:
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
+    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
+    assert a.decision(KEY) == "overlap"
+    # The load changes: overlap now costs 20 ms, serial 15 ms. Overlap's own
+    # window still says 10 ms for a while, then the probes confirm.
+    seq = drive(a, KEY, {"overlap": 0.020, "serial": 0.015}, 40)
+    assert a.decision(KEY) == "serial"
+    first_serial_decided = next(i for i, (m, p) in enumerate(seq) if m == "serial" and not p)
+    probes_before = [i for i, (m, p) in enumerate(seq[:first_serial_decided]) if p]
+    assert len(probes_before) >= 3  # one probe round of 3 confirmed it
+    changes = logs.texts("adaptive:")
+    assert len(changes) == 2  # the first decision and the switch, each logged once
+    assert "-> serial" in changes[1] and "overlap median" in changes[1] and "serial median" in changes[1]
+
+
+def test_hysteresis_keeps_the_decision_inside_the_band() -> None:
+    """Overlap 6% better than serial: engaged; a later load where serial is
+    3% better does not switch (inside the 5% band), 12% better does."""
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
+    drive(a, KEY, {"overlap": 0.0094, "serial": 0.0100}, 7)
+    assert a.decision(KEY) == "overlap"
+    drive(a, KEY, {"overlap": 0.0100, "serial": 0.0097}, 64)
+    assert a.decision(KEY) == "overlap"
+    drive(a, KEY, {"overlap": 0.0100, "serial": 0.0088}, 64)  # 12% better
+    assert a.decision(KEY) == "serial"
+
+
+def test_a_single_lucky_probe_does_not_switch() -> None:
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
+    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
+    probes = 0
+    for _ in range(16):
+        mode, probe = a.choose(KEY)
+        probes += probe
+        lucky = probe and probes == 2  # the first measured probe is very fast, the next ones are not
+        a.record(KEY, mode, 0.005 if lucky else (0.010 if mode == "overlap" else 0.015))
+    assert probes >= 4 and a.decision(KEY) == "overlap"
+
+
+def test_a_probe_rounds_warm_up_step_is_not_judged() -> None:
+    """Decided serial; each probe round's first overlap step is slow (cold
+    side streams), its measured probes fast: the warm-up times are dropped
+    and the confirmed probes switch the bucket to overlap."""
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
+    drive(a, KEY, {"overlap": 0.020, "serial": 0.015}, 7)
+    assert a.decision(KEY) == "serial"
+    previous = "serial"
+    for _ in range(24):
+        mode, _ = a.choose(KEY)
+        cold = mode == "overlap" and previous == "serial"
+        a.record(KEY, mode, 0.030 if cold else (0.010 if mode == "overlap" else 0.015))
+        previous = mode
+    assert a.decision(KEY) == "overlap"
+    (snap,) = a.snapshot()
+    assert snap["overlap_median_ms"] == pytest.approx(10.0)
+
+
+def test_pass_serial_counts_a_decided_serial_step_and_refuses_probes() -> None:
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
+    assert not a.pass_serial(KEY)  # unknown bucket
+    drive(a, KEY, {"overlap": 0.020, "serial": 0.015}, 7)
+    assert a.decision(KEY) == "serial"
+    passed = [a.pass_serial(KEY) for _ in range(4)]
+    assert passed == [True, True, True, False]  # the 4th step is due to probe: the caller plans it
+    assert a.choose(KEY) == ("overlap", True)
+    (snap,) = a.snapshot()
+    assert snap["steps"] == 7 + 3 + 1
+    b = AdaptiveEngage()
+    drive(b, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
+    assert b.decision(KEY) == "overlap" and not b.pass_serial(KEY)
+
+
+def test_buckets_are_isolated() -> None:
+    a = AdaptiveEngage()
+    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
+    drive(a, OTHER, {"overlap": 0.020, "serial": 0.015}, 7)
+    assert a.decision(KEY) == "overlap" and a.decision(OTHER) == "serial"
+    by_label = {b["label"]: b for b in a.snapshot()}
+    assert by_label[KEY.label()]["steps"] == 7 and by_label[OTHER.label()]["steps"] == 7
+
+
+def test_pow2_bucket_rounding() -> None:
+    assert [pow2_ceil(n) for n in (0, 1, 2, 3, 5, 8, 9, 128, 129)] == [0, 1, 2, 4, 8, 8, 16, 128, 256]
+
+
+# ---------------------------------------------------------------------------
+# the switch
+def test_adaptive_is_on_by_default_and_parsed() -> None:
+    assert load_config({}).adaptive is True and load_config({}).reprobe_every == 64
+    assert load_config({ENV_ADAPTIVE: "0"}).adaptive is False
+    assert load_config({ENV_ADAPTIVE: "on", ENV_REPROBE: "16"}).reprobe_every == 16
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({ENV_ADAPTIVE: "sometimes"}, "VLLM_CAMP2P_MULTISTREAM_ADAPTIVE='sometimes' is not a boolean"),
+        ({ENV_REPROBE: "often"}, "VLLM_CAMP2P_MULTISTREAM_REPROBE_EVERY='often' is not an integer"),
+        ({ENV_REPROBE: "1"}, "VLLM_CAMP2P_MULTISTREAM_REPROBE_EVERY=1 is out of range 2..1000000"),
+    ],
+)
+def test_bad_adaptive_values_are_errors(env: dict[str, str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(env)
+
+
+def test_the_names_are_registered_with_vllm() -> None:
+    from camp2p_overlap.core.config import ENV_VARS
+
+    assert ENV_ADAPTIVE in ENV_VARS and ENV_REPROBE in ENV_VARS
+
+
+# ---------------------------------------------------------------------------
+# end to end on the emulation
+def test_outputs_stay_bitwise_equal_across_switches_and_stats_count_them(logs: PackageLogs) -> None:
+    """Adaptive on, re-probing every 2 steps: a 2-stage bucket alternates and
+    switches paths; every step's outputs equal the serial path's; stats()
+    counts each path and reason and shows the bucket."""
+    w = world(layers=3, stage_ids=(0, 1), tokens=8)
+    scheds = [Schedule(3, (0, 1), (8, 8), step=i + 1) for i in range(14)]
+    one_stage = Schedule(3, (0,), (8,), step=99)
+    refs = serial_results(w, [*scheds, one_stage])
+    before = camp2p_overlap.stats()
+    apply_cpu(adaptive=True, reprobe_every=2)
+    paths = []
+    for sched, ref in zip(scheds, refs, strict=False):
+        n = camp2p_overlap.stats()["steps"]["overlap"]
+        assert_same(bounded(lambda s=sched: run_step(w, s)), ref)
+        paths.append("overlap" if camp2p_overlap.stats()["steps"]["overlap"] > n else "serial")
+    assert_same(bounded(lambda: run_step(w, one_stage)), refs[-1])
+    assert "overlap" in paths and "serial" in paths
+    assert any(a != b for a, b in itertools.pairwise(paths))  # it switched back and forth
+    after = camp2p_overlap.stats()
+    json.dumps(after)  # JSON-able
+    steps = {k: after["steps"][k] - before["steps"].get(k, 0) for k in after["steps"]}
+    assert steps["overlap"] == paths.count("overlap")
+    assert steps["serial"] == paths.count("serial") + 1
+    assert steps["parity"] == 0 and steps["reorder"] == 0
+    reasons = after["serial_reasons"]
+    assert reasons.get("adaptive: serial probe step", 0) >= 2
+    assert any("fewer than the minimum 2" in r for r in reasons)
+    (bucket,) = [b for b in after["buckets"] if b["key"]["stages"] == 2 and b["key"]["layers"] == 3]
+    assert bucket["key"]["tokens"] == 8 and bucket["decision"] in ("overlap", "serial")
+    assert bucket["overlap_samples"] >= 2 and bucket["serial_samples"] >= 2
+    assert bucket["overlap_median_ms"] > 0 and bucket["serial_median_ms"] > 0
+    assert logs.texts("adaptive: ")  # the decision was logged
+
+
+def test_adaptive_off_engages_every_allowed_step() -> None:
+    w = world(layers=2, stage_ids=(0, 1), tokens=8)
+    before = camp2p_overlap.stats()["steps"]["overlap"]
+    apply_cpu(adaptive=False)
+    for i in range(6):
+        run_step(w, Schedule(2, (0, 1), (8, 8), step=i + 1))
+    assert camp2p_overlap.stats()["steps"]["overlap"] - before == 6
+
+
+def test_graph_capture_uses_the_static_setting() -> None:
+    """Inside capture the adaptive decision does not apply: an allowed step
+    engages even when the bucket decided serial."""
+    w = world(layers=2, stage_ids=(0, 1), tokens=8)
+    apply_cpu(adaptive=True, graph=True)
+    key_calls: list[Any] = []
+    real_choose = LAYER.runtime.adaptive.choose
+    LAYER.runtime.adaptive.choose = lambda key: key_calls.append(key) or ("serial", False)  # type: ignore[method-assign]
+    try:
+        before = camp2p_overlap.stats()["steps"]["overlap"]
+        run_step(w, Schedule(2, (0, 1), (8, 8), step=1), is_graph_capturing=True)
+        assert camp2p_overlap.stats()["steps"]["overlap"] == before + 1 and key_calls == []
+        run_step(w, Schedule(2, (0, 1), (8, 8), step=2))  # eager: the bucket's path
+        assert camp2p_overlap.stats()["steps"]["overlap"] == before + 1 and len(key_calls) == 1
+    finally:
+        LAYER.runtime.adaptive.choose = real_choose  # type: ignore[method-assign]
+    assert LAYER.engine.is_applied()
+
+
+# ---------------------------------------------------------------------------
+# the device timing path never synchronizes
+class _Ev:
+    def __init__(self, log: list[str], clock: list[float]) -> None:
+        self.log, self.clock, self.t, self.done = log, clock, None, False
+
+    def record(self, stream: Any = None) -> None:
+        self.log.append("record")
+        self.t = self.clock[0]
+
+    def query(self) -> bool:
+        self.log.append("query")
+        return self.done
+
+    def elapsed_time(self, end: _Ev) -> float:
+        return (end.t - self.t) * 1e3  # type: ignore[operator]
+
+    def synchronize(self) -> None:
+        raise AssertionError("a step must never synchronize")
+
+
+class _FakeDevice:
+    """A device module whose every synchronize fails the test."""
+
+    __name__ = "fakedev"
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.clock = [0.0]
+        self.events: list[_Ev] = []
+
+    def Event(self, enable_timing: bool = False) -> _Ev:
+        ev = _Ev(self.log, self.clock)
+        self.events.append(ev)
+        return ev
+
+    class Stream:
+        def __init__(self, device: Any = None) -> None:
+            self.name = "s"
+
+    def stream(self, s: Any) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def current_stream(self) -> Any:
+        return self.Stream()
+
+    def synchronize(self) -> None:
+        raise AssertionError("a step must never synchronize")
+
+
+def test_device_step_timing_reads_events_later_and_never_synchronizes() -> None:
+    dev = _FakeDevice()
+    backend = TorchDeviceBackend("fake", dev)  # type: ignore[arg-type]
+    token = backend.timing_start()
+    dev.clock[0] = 0.025
+    backend.timing_stop(token)
+    assert backend.elapsed(token) is None  # not complete yet: ask again later
+    for ev in dev.events:
+        ev.done = True
+    assert backend.elapsed(token) == pytest.approx(0.025)
+    assert "query" in dev.log and len(dev.events) == 2
+    again = backend.timing_start()  # the pair went back to the pool
+    assert len(dev.events) == 2 and again == token
+
+
+def test_runtime_collect_reads_only_completed_timings_in_order() -> None:
+    dev = _FakeDevice()
+    backend = TorchDeviceBackend("fake", dev)  # type: ignore[arg-type]
+    a = LAYER.runtime.adaptive
+    key = BucketKey("collect-test", 2, 2, 8)
+    recorded: list[tuple[str, float]] = []
+    real = a.record
+    a.record = lambda k, m, s: recorded.append((m, round(s, 3))) if k == key else real(k, m, s)  # type: ignore[method-assign]
+    try:
+        tokens = []
+        for i, mode in enumerate(("overlap", "serial")):
+            t = backend.timing_start()
+            dev.clock[0] += 0.010 * (i + 1)
+            backend.timing_stop(t)
+            tokens.append(t)
+            LAYER.runtime.timed(key, mode, backend, t)  # type: ignore[arg-type]
+        assert recorded == []  # nothing completed: nothing read, nothing waited for
+        tokens[1][1].done = tokens[1][0].done = True
+        LAYER.runtime.collect()
+        assert recorded == []  # the older one is not done: order is kept
+        tokens[0][1].done = tokens[0][0].done = True
+        LAYER.runtime.collect()
+        assert recorded == [("overlap", 0.01), ("serial", 0.02)]
+    finally:
+        a.record = real  # type: ignore[method-assign]
+    assert all(entry != "synchronize" for entry in dev.log)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_adaptive_state() -> Any:
+    """Each test learns from scratch (the process runtime keeps what it learned)."""
+    LAYER.runtime.adaptive = AdaptiveEngage()
+    yield
+    LAYER.runtime.adaptive = AdaptiveEngage()
+
+
+def test_logs_at_info_name_the_bucket(logs: PackageLogs) -> None:
+    a = AdaptiveEngage()
+    drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
+    (line,) = logs.texts("adaptive:", logging.INFO)
+    assert KEY.label() in line and "-> overlap" in line and "was learning" in line
+
+
+class _SerialWins(AdaptiveEngage):
+    """Adaptive engage fed fixed times: serial always the faster path."""
+
+    def record(self, key: BucketKey, mode: Any, seconds: float) -> None:
+        super().record(key, mode, 0.010 if mode == "overlap" else 0.005)
+
+
+def test_a_decided_serial_step_is_not_planned_and_a_probe_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a bucket decided serial, its steps run the original without a
+    decision (no plan, no refresh); the probe round plans again; every
+    step's outputs equal the unpatched path's."""
+    from camp2p_overlap.core.overlap import step as wrappers
+
+    w = world(layers=2, stage_ids=(0, 1), tokens=8)
+    scheds = [Schedule(2, (0, 1), (8, 8), step=i + 1) for i in range(16)]
+    refs = serial_results(w, scheds)
+    LAYER.runtime.adaptive = _SerialWins()
+    apply_cpu(adaptive=True, reprobe_every=8)
+    planned: list[int] = []
+    now = [0]  # the step running
+    real_decide = wrappers.decide
+    monkeypatch.setattr(wrappers, "decide", lambda *a, **k: planned.append(now[0]) or real_decide(*a, **k))
+    for i, (sched, ref) in enumerate(zip(scheds, refs, strict=True)):
+        now[0] = i
+        assert_same(bounded(lambda s=sched: run_step(w, s)), ref)
+    # steps 0-6 learn (planned), 7-13 are decided serial (the 8th counted
+    # decided step is the probe round's warm-up, planned, then its measured probe)
+    assert planned[:7] == list(range(7))
+    unplanned = [s for s in range(16) if s not in planned]
+    assert unplanned == list(range(7, 14))
+    assert planned[7:] == [14, 15]
+    (bucket,) = [b for b in LAYER.runtime.adaptive.snapshot() if b["key"]["layers"] == 2]
+    assert bucket["decision"] == "serial" and bucket["steps"] == 16
+
+
+def test_a_runners_planned_shape_is_forgotten_when_the_runner_is_collected() -> None:
+    import gc
+
+    from camp2p_overlap.core.overlap.runtime import OverlapRuntime, PlannedShape
+    from camp2p_overlap.core.overlap.streams.cpu import CpuBackend
+
+    class Runner:
+        pass
+
+    runtime = OverlapRuntime()
+    shape = PlannedShape("Runner#0", 4, CpuBackend())
+    runner, other = Runner(), Runner()
+    runtime.set_planned(runner, shape)
+    assert runtime.planned(runner) is shape and runtime.planned(other) is None
+    newer = PlannedShape("Runner#0", 6, shape.backend)
+    runtime.set_planned(runner, newer)
+    assert runtime.planned(runner) is newer
+    del runner
+    gc.collect()
+    assert runtime._planned == {}
+    runtime.set_planned(7, shape)  # not weak-referenceable: never remembered
+    assert runtime.planned(7) is None

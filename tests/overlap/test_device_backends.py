@@ -1,0 +1,320 @@
+"""The ``cuda`` and ``npu`` backends: they construct only where their torch
+device module is usable; the shared TorchDeviceBackend is exercised here
+through a host-synchronous stand-in device module, and on a real device by
+the gpu/npu-marked tests (which skip with a reason elsewhere)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import itertools
+import logging
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from support.overlap import (
+    SHAPE,
+    Schedule,
+    SessionSpy,
+    apply_cpu,
+    assert_same,
+    bounded,
+    run_step,
+    serial_results,
+    world,
+)
+
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.observe import trace
+from camp2p_overlap.core.overlap import decision as step_decision
+from camp2p_overlap.core.overlap.streams import (
+    BackendUnavailable,
+    TorchDeviceBackend,
+    device_module,
+    make_backend,
+    streamset,
+)
+from camp2p_overlap.verify import edges
+
+
+def _has_torch_npu() -> bool:
+    return importlib.util.find_spec("torch_npu") is not None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available: the no-CUDA refusal cannot be shown")
+def test_cuda_backend_refuses_without_cuda() -> None:
+    with pytest.raises(BackendUnavailable, match=r"torch\.cuda reports no CUDA device"):
+        device_module("cuda")
+    with pytest.raises(BackendUnavailable, match=r"backend 'cuda' unavailable: torch\.cuda reports no CUDA device"):
+        make_backend("cuda", torch.device("cuda"))
+
+
+@pytest.mark.skipif(_has_torch_npu(), reason="torch_npu is installed: the refusal cannot be shown")
+def test_npu_backend_refuses_without_torch_npu() -> None:
+    with pytest.raises(BackendUnavailable, match="backend 'npu' unavailable: torch_npu is not installed"):
+        make_backend("npu")
+
+
+def test_unknown_device_kind_and_incomplete_modules_are_refused() -> None:
+    with pytest.raises(BackendUnavailable, match="no device module for 'xpu'"):
+        device_module("xpu")
+    incomplete = SimpleNamespace(__name__="fakedev", Stream=object, Event=object, stream=None)
+    with pytest.raises(BackendUnavailable, match="fakedev has no current_stream"):
+        TorchDeviceBackend("fake", incomplete)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------
+# A stand-in device module: the stream/event API shape of torch.cuda/torch.npu,
+# work runs on the host when enqueued (so the issue order must itself be a
+# legal protocol order), events carry the time they were last recorded.
+
+
+class FakeDevice:
+    def __init__(self) -> None:
+        self.__name__ = "fakedev"
+        self.clock = itertools.count(1)
+        self.events_created = 0
+        self.streams_created = 0
+        self.capturing = False
+        self.waits: list[tuple[str, Any, int]] = []
+        self.syncs = 0
+        self.queries = 0
+        dev = self
+
+        class Stream:
+            def __init__(self, device: Any = None) -> None:
+                dev.streams_created += 1
+                self.label = "side"
+
+            def wait_event(self, event: Any) -> None:
+                assert event.t is not None, "wait on an event that was never recorded"
+                dev.waits.append((getattr(self, "name", "?"), event, event.t))
+
+            def synchronize(self) -> None:
+                dev.syncs += 1
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                dev.events_created += 1
+                self.t: int | None = None
+
+            def record(self, stream: Any = None) -> None:
+                self.t = next(dev.clock)
+
+            def query(self) -> bool:
+                dev.queries += 1
+                return True
+
+            def synchronize(self) -> None:
+                dev.syncs += 1
+
+            def elapsed_time(self, end: Any) -> float:
+                return float(end.t - self.t)  # clock ticks as "ms"
+
+        self.Stream = Stream
+        self.Event = Event
+        self.current: list[Any] = [Stream()]  # the default (compute) stream
+
+    def current_stream(self) -> Any:
+        return self.current[-1]
+
+    @contextlib.contextmanager
+    def stream(self, s: Any) -> Iterator[None]:
+        self.current.append(s)
+        try:
+            yield
+        finally:
+            self.current.pop()
+
+    def is_current_stream_capturing(self) -> bool:
+        return self.capturing
+
+    def now(self) -> int:
+        return next(self.clock)
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+
+
+@pytest.fixture
+def fake_device(monkeypatch: pytest.MonkeyPatch) -> FakeDevice:
+    dev = FakeDevice()
+    monkeypatch.setattr(step_decision, "resolve_backend_name", lambda requested, device: "fake")
+    monkeypatch.setattr(streamset, "make_backend", lambda name, device=None: TorchDeviceBackend("fake", dev))
+    # The registry binds its backend factory when built: give the process-wide one the fake.
+    monkeypatch.setattr(LAYER.runtime.streamsets, "_make", lambda name, device=None: TorchDeviceBackend("fake", dev))
+    return dev
+
+
+def test_device_backend_schedule_equals_serial_and_reuses_events(
+    fake_device: FakeDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = world(layers=4, stage_ids=(0, 1, 2))
+    scheds = [Schedule(4, (0, 1, 2), (3 + i, 9, 16 - i), step=i + 1) for i in range(6)]
+    refs = serial_results(w, scheds)
+    apply_cpu()
+    sessions = SessionSpy(monkeypatch)
+    created_after_first = None
+    for i, (sched, ref) in enumerate(zip(scheds, refs, strict=True)):
+        step_start = fake_device.now()
+        fake_device.waits.clear()
+        with trace.recording() as rec:
+            assert_same(bounded(lambda sched=sched: run_step(w, sched)), ref)
+        # Every wait (on C and on each K_s) bound to a record made in this very step.
+        assert {name for name, _, _ in fake_device.waits} == {"C", "K0", "K1", "K2"}
+        assert all(t > step_start for _, _, t in fake_device.waits)
+        res = edges.check_step(rec.ops(rec.steps()[0]), trace.ExpectedSchedule((0, 1, 2, 3), (0, 1, 2), True, True))
+        assert res.ok, str(res)
+        if i == 0:
+            created_after_first = (fake_device.events_created, fake_device.streams_created)
+    # Streams (3, made once) and events (pooled by key) are reused across steps.
+    assert (fake_device.events_created, fake_device.streams_created) == created_after_first
+    assert fake_device.streams_created == 1 + 3  # the default stream and K0..K2
+    assert sessions.count == len(scheds)
+
+
+def test_device_capture_gates_unless_graph_mode(fake_device: FakeDevice, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = world(layers=2, stage_ids=(0, 1))
+    sched = Schedule(2, (0, 1), (5, 5), step=1)
+    (ref,) = serial_results(w, [sched])
+    apply_cpu()
+    sessions = SessionSpy(monkeypatch)
+    fake_device.capturing = True
+    assert_same(run_step(w, sched), ref)
+    assert sessions.count == 0
+    LAYER.engine.unpatch(timeout=10)
+    LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
+    # An eager step first creates the side streams; the capture then reuses them.
+    fake_device.capturing = False
+    sessions = SessionSpy(monkeypatch)
+    assert_same(run_step(w, sched), ref)
+    streams_before_capture = fake_device.streams_created
+    fake_device.capturing = True
+    assert_same(run_step(w, sched), ref)
+    assert sessions.count == 2
+    assert fake_device.streams_created == streams_before_capture
+
+
+def test_first_engaged_step_inside_capture_creates_no_streams(
+    fake_device: FakeDevice, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = world(layers=2, stage_ids=(0, 1))
+    sched = Schedule(2, (0, 1), (5, 5), step=1)
+    (ref,) = serial_results(w, [sched])
+    LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
+    sessions = SessionSpy(monkeypatch)
+    streams_before = fake_device.streams_created
+    fake_device.capturing = True
+    with caplog.at_level(logging.INFO):
+        assert_same(run_step(w, sched), ref)
+    assert sessions.count == 0
+    assert fake_device.streams_created == streams_before
+    assert "side streams are created only outside capture" in caplog.text
+
+
+# ---------------------------------------------------------------------------
+# Real devices (skip here)
+
+
+def _device_ready(kind: str) -> str | None:
+    if kind == "cuda":
+        return None if torch.cuda.is_available() else "no CUDA device (torch.cuda.is_available() is False)"
+    if not _has_torch_npu():
+        return "torch_npu is not installed"
+    try:
+        device_module("npu")
+    except BackendUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def _on_device(w: Any, device: torch.device) -> None:
+    """Keep the emulated transport on the host but the FFN on ``device``:
+    A2E results are copied to the device on the op's stream, E2A inputs
+    back to the host on the op's stream."""
+    t = w.transport
+    a2e, e2a = type(t).a2e.__get__(t), type(t).e2a.__get__(t)
+
+    def a2e_dev(**kw: Any) -> Any:
+        hidden, bs = a2e(**kw)
+        return hidden.to(device), bs
+
+    def e2a_dev(*, routed: torch.Tensor, shared: torch.Tensor | None, **kw: Any) -> None:
+        return e2a(routed=routed.cpu(), shared=None if shared is None else shared.cpu(), **kw)
+
+    t.a2e, t.e2a = a2e_dev, e2a_dev  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(
+    "kind", [pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("npu", marks=pytest.mark.npu)]
+)
+def test_emulated_world_on_a_real_device(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    why = _device_ready(kind)
+    if why:
+        pytest.skip(why)
+    from camp2p_overlap.emulation.standin_layer import emulated_layer, release_site, standin_site
+    from camp2p_overlap.emulation.world import WorldSpec, build_world
+
+    device = torch.device(kind, 0)
+    # The emulation's own engine: the process-wide one refuses where vLLM
+    # 0.19.1 is not installed (a GPU box typically has no vLLM).
+    site = standin_site()
+    try:
+        w = build_world(
+            WorldSpec(layers=6, stage_ids=(0, 1, 2), shape=SHAPE, tokens=16, op_timeout_s=10.0, device=kind),
+            root=site.root,
+        )
+        _on_device(w, device)
+        scheds = [Schedule(6, (0, 1, 2), (16, 9, 4), step=i + 1) for i in range(3)]
+        refs = serial_results(w, scheds)
+        layer = emulated_layer()
+        sessions: list[object] = []
+
+        class Counted(layer.runtime.session_class):  # type: ignore[misc, name-defined]
+            def __init__(self, **kw: Any) -> None:
+                super().__init__(**kw)
+                sessions.append(self.step_id)
+
+        monkeypatch.setattr(layer.runtime, "session_class", Counted)
+        try:
+            report = layer.engine.apply(
+                strict=True,
+                manifest=site.manifest,
+                config=OverlapConfig(enabled=True, backend=kind, adaptive=False),
+            )
+            assert report.engaged, str(report)
+            for sched, ref in zip(scheds, refs, strict=True):
+                got = bounded(lambda sched=sched: run_step(w, sched), timeout=60)
+                device_module(kind).synchronize()
+                assert_same(got, ref)
+            assert len(sessions) == len(scheds)
+        finally:
+            assert layer.engine.unpatch(timeout=30)
+    finally:
+        release_site(site)
+
+
+def test_adaptive_device_steps_read_events_and_never_synchronize(fake_device: FakeDevice) -> None:
+    """Adaptive engage on a device backend: step times come from timing
+    events queried later; no step synchronizes anything; outputs stay equal
+    across the learning steps that switch between overlap and serial."""
+    import camp2p_overlap
+
+    w = world(layers=3, stage_ids=(0, 1))
+    scheds = [Schedule(3, (0, 1), (8, 8), step=i + 1) for i in range(10)]
+    refs = serial_results(w, scheds)
+    apply_cpu(adaptive=True)
+    before = camp2p_overlap.stats()["steps"]
+    for sched, ref in zip(scheds, refs, strict=True):
+        assert_same(bounded(lambda sched=sched: run_step(w, sched)), ref)
+    after = camp2p_overlap.stats()
+    ran = {k: after["steps"][k] - before[k] for k in ("overlap", "serial")}
+    assert ran["overlap"] >= 3 and ran["serial"] >= 3 and sum(ran.values()) == len(scheds)
+    assert fake_device.syncs == 0, "a step synchronized"
+    assert fake_device.queries >= 6  # the step times were read with query()
+    (bucket,) = [b for b in after["buckets"] if b["key"]["layers"] == 3 and b["key"]["tokens"] == 8]
+    assert bucket["decision"] in ("overlap", "serial") and bucket["overlap_samples"] >= 2

@@ -1,0 +1,254 @@
+"""The rollout modes (VLLM_CAMP2P_MULTISTREAM_MODE) and the HCCL group
+check: ``parity`` makes upstream's calls in upstream's order, ``reorder``
+the overlap's issue order, both on the calling thread, both bitwise equal
+to serial; each engaged step counts under its mode; ``reorder`` against an
+attention side that couples the stages is caught by the watchdog and the
+op timeout while ``overlap`` completes; stages that share an HCCL group
+run serially in every mode."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from support.logs import PackageLogs
+from support.overlap import (
+    Schedule,
+    SessionSpy,
+    assert_same,
+    bounded,
+    overlap_issue_order,
+    run_step,
+    serial_results,
+    upstream_order,
+    world,
+)
+
+import camp2p_overlap
+from camp2p_overlap.core import config
+from camp2p_overlap.core.config import ENV_MODE, ConfigError, OverlapConfig, load_config
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.overlap import camp2p
+from camp2p_overlap.core.overlap.rollout import rung
+from camp2p_overlap.emulation.coupled import couple_stages
+from camp2p_overlap.emulation.faults import run_step_bounded
+from camp2p_overlap.emulation.world import PeerTimeoutError, ProtocolError, World
+
+
+def _apply(**overrides: Any) -> None:
+    LAYER.engine.unpatch(timeout=10)
+    overrides.setdefault("adaptive", False)
+    report = LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", **overrides))
+    assert report.engaged, str(report)
+
+
+def record_calls(w: World) -> list[tuple[str, int, int, int]]:
+    """Every A2E/E2A the connector makes on ``w``'s transport, in call
+    order, with the thread that made it: (kind, layer, stage, thread id)."""
+    calls: list[tuple[str, int, int, int]] = []
+    transport = w.transport
+    for kind in ("a2e", "e2a"):
+        original = getattr(type(transport), kind).__get__(transport)
+
+        def recorded(*, _kind: str = kind, _original: Any = original, **kw: Any) -> Any:
+            calls.append((_kind, kw["layer"], kw["stage"], threading.get_ident()))
+            return _original(**kw)
+
+        setattr(transport, kind, recorded)
+    return calls
+
+
+SCHEDS = [Schedule(4, (0, 1, 2), (5, 9, 3), 1), Schedule(3, (0, 2), (7, 4), 2), Schedule(2, (1, 2), (8, 8), 3)]
+
+
+def _steps() -> dict[str, int]:
+    return dict(camp2p_overlap.stats()["steps"])
+
+
+# ---------------------------------------------------------------------------
+# configuration
+@pytest.mark.parametrize("bad", ["fast", "serial", "overlap2", "1", "parity,reorder"])
+def test_bad_mode_values_are_refused_with_a_clear_error(bad: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config({ENV_MODE: bad})
+    text = str(info.value)
+    assert ENV_MODE in text and repr(bad) in text
+    assert "overlap, reorder, parity" in text
+
+
+def test_mode_values_and_default() -> None:
+    assert load_config({}).mode == "overlap"
+    assert load_config({ENV_MODE: " Parity "}).mode == "parity"
+    assert load_config({ENV_MODE: "REORDER"}).mode == "reorder"
+    assert load_config({ENV_MODE: ""}).mode == "overlap"
+    with pytest.raises(ConfigError, match=ENV_MODE):
+        OverlapConfig().with_overrides(mode="bogus")
+    assert ENV_MODE in config.ENV_VARS
+
+
+def test_bad_mode_makes_apply_refuse_not_raise(logs: PackageLogs, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(config.ENV_SWITCH, "1")
+    monkeypatch.setenv(ENV_MODE, "turbo")
+    report = LAYER.engine.apply()
+    assert not report.applied and not LAYER.engine.is_applied()
+    assert any(ENV_MODE in m and "'turbo'" in m for m in logs.texts(level=40)), logs.messages
+    with pytest.raises(ConfigError, match="turbo"):
+        LAYER.engine.apply(strict=True)
+
+
+def test_rungs() -> None:
+    on = OverlapConfig(enabled=True)
+    assert rung(OverlapConfig()) == "off"
+    assert rung(on) == "overlap"
+    assert rung(on.with_overrides(mode="parity")) == "parity"
+    assert rung(on.with_overrides(mode="reorder", a2e_on_side_stream=False)) == "reorder"
+    assert rung(on.with_overrides(a2e_on_side_stream=False)) == "e2a-only"
+    assert rung(on.with_overrides(e2a_on_side_stream=False)) == "a2e-only"
+    assert rung(on.with_overrides(a2e_on_side_stream=False, e2a_on_side_stream=False)) == "none"
+
+
+# ---------------------------------------------------------------------------
+# call order and outputs
+def test_parity_calls_equal_the_unpatched_calls_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = world(layers=4, stage_ids=(0, 1, 2))
+    calls = record_calls(w)
+    ref = serial_results(w, SCHEDS)
+    serial_calls = [c[:3] for c in calls]
+    calls.clear()
+    _apply(mode="parity", a2e_on_side_stream=True, e2a_on_side_stream=False)  # switches do not matter here
+    spy = SessionSpy(monkeypatch, keep=True)
+    before = _steps()
+    me = threading.get_ident()
+    for i, sched in enumerate(SCHEDS):
+        assert_same(run_step(w, sched), ref[i], f"parity step {sched.step}")
+    after = _steps()
+    assert [c[:3] for c in calls] == serial_calls
+    assert serial_calls == [c for s in SCHEDS for c in upstream_order(list(range(s.layers)), s.stages)]
+    assert {c[3] for c in calls} == {me}
+    assert spy.count == len(SCHEDS)  # the session machinery was engaged
+    assert [op for s in spy.kept for op in s.issued_ops] == serial_calls
+    assert after["parity"] - before["parity"] == len(SCHEDS)
+    assert after["overlap"] == before["overlap"] and after["serial"] == before["serial"]
+
+
+def test_reorder_calls_equal_the_overlap_issue_order_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = world(layers=4, stage_ids=(0, 1, 2))
+    ref = serial_results(w, SCHEDS)
+    calls = record_calls(w)
+    # The overlap's issue order, as its sessions issued it (on side streams).
+    _apply(mode="overlap")
+    spy = SessionSpy(monkeypatch, keep=True)
+    for i, sched in enumerate(SCHEDS):
+        assert_same(bounded(lambda sched=sched: run_step(w, sched)), ref[i], f"overlap step {sched.step}")
+    overlap_issued = [s.issued_ops for s in spy.kept]
+    assert {c[3] for c in calls} != {threading.get_ident()}  # overlap: side-stream threads made calls
+    calls.clear()
+    _apply(mode="reorder", a2e_on_side_stream=False)  # the direction switches apply to overlap only
+    spy = SessionSpy(monkeypatch, keep=True)
+    before = _steps()
+    me = threading.get_ident()
+    for i, sched in enumerate(SCHEDS):
+        assert_same(run_step(w, sched), ref[i], f"reorder step {sched.step}")
+    after = _steps()
+    expected = [overlap_issue_order(list(range(s.layers)), s.stages) for s in SCHEDS]
+    assert overlap_issued == expected
+    assert [c[:3] for c in calls] == [c for step in expected for c in step]
+    assert {c[3] for c in calls} == {me}
+    assert [s.issued_ops for s in spy.kept] == expected
+    assert after["reorder"] - before["reorder"] == len(SCHEDS)
+    assert after["overlap"] == before["overlap"] and after["serial"] == before["serial"]
+
+
+def test_overlap_steps_count_under_overlap() -> None:
+    w = world(layers=2, stage_ids=(0, 1))
+    _apply()
+    before = _steps()
+    bounded(lambda: run_step(w))
+    after = _steps()
+    assert after["overlap"] - before["overlap"] == 1
+    assert after["parity"] == before["parity"] and after["reorder"] == before["reorder"]
+
+
+def test_adaptive_engage_does_not_apply_to_parity_and_reorder(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = world(layers=2, stage_ids=(0, 1))
+    for mode in ("parity", "reorder"):
+        _apply(mode=mode, adaptive=True)
+        before = _steps()
+        for _ in range(4):
+            bounded(lambda: run_step(w))
+        after = _steps()
+        assert after[mode] - before[mode] == 4, (mode, before, after)
+        assert after["serial"] == before["serial"]
+
+
+# ---------------------------------------------------------------------------
+# coupled stages: reorder deadlocks (caught), overlap completes
+def test_reorder_with_coupled_stages_is_caught_overlap_completes(logs: PackageLogs) -> None:
+    w = world(layers=3, stage_ids=(0, 1), tokens=8, op_timeout_s=1.5)
+    couple_stages(w)
+    ref = run_step_bounded(w, 4, 30.0)  # serial: A2E(L+1) after every stage's E2A(L)
+    assert ref.error is None and not ref.hung, ref
+
+    _apply(mode="reorder", watchdog_s=0.3)
+    out = run_step_bounded(w, 4, 30.0)
+    assert not out.hung
+    assert isinstance(out.error, PeerTimeoutError), out
+    assert "e2a(L0) of stage(s) [1]" in str(out.error)
+    reports = [m for m in logs.messages if "has not finished after" in m]
+    assert len(reports) == 1, reports
+    text = reports[0]
+    assert "compute stream C is blocked in a2e(L1,s0), issued on the compute stream" in text
+    assert "a2e(L1,s0) on C: RUNNING for" in text
+    assert "likely missing peer op: a2e(L1,s0) on C" in text
+    assert "e2a(L0,s0) on C: done" in text
+
+    _apply(mode="overlap", watchdog_s=20.0)
+    out = run_step_bounded(w, 4, 30.0)
+    assert out.error is None and not out.hung, out
+    assert_same(out.results, ref.results, "overlap with coupled stages")
+
+
+# ---------------------------------------------------------------------------
+# the HCCL group check
+def test_group_of_each_stage_follows_the_connector_rule() -> None:
+    assert camp2p.stage_groups(camp2p.comm_names_for(3), (0, 1, 2)) == {0: "afd", 1: "afd1", 2: "afd2"}
+    assert camp2p.stage_groups(camp2p.comm_names_for(1), (0, 1)) == {0: "afd", 1: "afd"}
+    assert camp2p.stage_groups(camp2p.comm_names_for(2), (0, 1, 3)) == {0: "afd", 1: "afd1", 3: "afd"}
+    with pytest.raises(camp2p.GroupError, match="third HCCL group"):
+        camp2p.resolve_group(2, camp2p.comm_names_for(2))
+    with pytest.raises(camp2p.GroupError, match="negative"):
+        camp2p.resolve_group(-1, camp2p.comm_names_for(3))
+    with pytest.raises(camp2p.GroupError, match="not initialized"):
+        camp2p.resolve_group(0, ("", "", ""))
+
+
+@pytest.mark.parametrize("mode", ["overlap", "parity", "reorder"])
+def test_stages_sharing_a_group_run_serially_in_every_mode(logs: PackageLogs, mode: str) -> None:
+    w = world(layers=3, stage_ids=(0, 1), num_ubatches=1)
+    assert (w.connector.hccl_comm_name, w.connector.hccl_comm_name2) == ("afd", "afd")
+    scheds = [Schedule(3, (0, 1), (6, 6), n) for n in (1, 2)]
+    ref = serial_results(w, scheds)
+    _apply(mode=mode)
+    before = _steps()
+    for i, sched in enumerate(scheds):
+        assert_same(bounded(lambda sched=sched: run_step(w, sched), 20.0), ref[i], f"{mode} step {sched.step}")
+    after = _steps()
+    assert after["serial"] - before["serial"] == 2 and after[mode] == before[mode]
+    reason = "HCCL group check: stages 0, 1 share HCCL group 'afd'"
+    reasons = [r for r in camp2p_overlap.stats()["serial_reasons"] if r.startswith(reason)]
+    assert reasons, camp2p_overlap.stats()["serial_reasons"]
+    assert len(logs.texts(reason)) == 1
+
+
+def test_without_the_group_check_the_shared_group_is_driven_from_two_streams(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the check prevents: with it bypassed, two side streams run ops on
+    one group at once (the emulation's per-group order check trips; on
+    hardware the step deadlocks)."""
+    w = world(layers=3, stage_ids=(0, 1), num_ubatches=1, attn_s=0.05, op_timeout_s=2.0)
+    monkeypatch.setattr(camp2p, "group_problem", lambda connector, stages: None)
+    _apply()
+    with pytest.raises(ProtocolError, match="still running on afd"):
+        bounded(lambda: run_step(w), 20.0)

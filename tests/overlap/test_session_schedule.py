@@ -1,0 +1,502 @@
+"""The overlap schedule on the CPU backend: the overlap itself, stream
+selection, the serial path, the lookahead bound, ownership, reuse across
+steps and what happens when the loop does not follow the plan."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from support.logs import PackageLogs
+from support.overlap import (
+    Schedule,
+    SessionSpy,
+    apply_cpu,
+    assert_same,
+    assert_streams_idle,
+    bounded,
+    by_key,
+    run_step,
+    serial_results,
+    spy_forward,
+    stream_sets,
+    world,
+    wrap_model,
+)
+
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.observe import trace
+from camp2p_overlap.core.overlap import camp2p
+from camp2p_overlap.core.overlap.session import (
+    Directions,
+    OverlapSession,
+    ScheduleMismatchError,
+    StepPlan,
+)
+from camp2p_overlap.core.overlap.streams import CpuBackend
+from camp2p_overlap.core.overlap.streams.streamset import StreamSet
+from camp2p_overlap.emulation.world import LinkModel, ProtocolError
+from camp2p_overlap.verify import edges
+
+# ---------------------------------------------------------------------------
+# The overlap itself
+
+
+def test_two_stages_eight_layers_overlap_in_the_trace() -> None:
+    """Comm ops of 14 ms (link latency), FFN of 30 ms (real MoE compute padded
+    with a sleep): per stage, E2A + attention + A2E = 28 ms <= FFN, so in the
+    steady state A2E(L,1) runs under FFN(L,0) and E2A(L,0) under FFN(L,1),
+    with at least 14 ms of margin on each side of each pair. Every step must
+    be correct and pass the edge checker; the overlap must show in one of
+    three steps (a busy 2-core box may deschedule a thread for a few ms; a
+    schedule that serializes communication and compute never shows it)."""
+    w = world(layers=8, stage_ids=(0, 1), link=LinkModel(latency_s=14e-3, bandwidth_Bps=1e15), attn_s=0.0)
+    scheds = [Schedule(8, (0, 1), (16, 16), step=i + 1) for i in range(3)]
+    link, w.transport.link = w.transport.link, LinkModel(latency_s=0.0)  # outputs do not depend on timing
+    refs = serial_results(w, scheds)
+    w.transport.link = link
+    wrap_model(w, after=lambda _out: time.sleep(0.030))
+    apply_cpu()
+    missed: list[str] = []
+    for sched, ref in zip(scheds, refs, strict=True):
+        with trace.recording() as rec:
+            got = bounded(lambda sched=sched: run_step(w, sched))
+        assert_same(got, ref)
+        ops = rec.ops(rec.steps()[0])
+        res = edges.check_step(ops, trace.ExpectedSchedule(tuple(range(8)), (0, 1), True, True))
+        assert res.ok, str(res)
+        op = by_key(ops)
+        for L in range(8):
+            assert op["a2e", L, 1].stream == "K1" and op["e2a", L, 0].stream == "K0"
+        missed = [
+            f"A2E({L},1)/FFN({L},0)" for L in range(1, 8) if not edges.overlaps(op["a2e", L, 1], op["ffn", L, 0])
+        ] + [f"E2A({L},0)/FFN({L},1)" for L in range(1, 8) if not edges.overlaps(op["e2a", L, 0], op["ffn", L, 1])]
+        if not missed:
+            break
+    assert not missed, f"no overlap in the last of three steps for {missed}"
+
+
+# ---------------------------------------------------------------------------
+# Stream selection
+
+CASES = {
+    "S1": ({"stage_ids": (0,), "layers": 3}, (0,), 1, (0, 1, 2)),
+    "S2": ({"stage_ids": (0, 1), "layers": 3}, (0, 1), 2, (0, 1, 2)),
+    "S3": ({"stage_ids": (0, 1, 2), "layers": 3}, (0, 1, 2), 2, (0, 1, 2)),
+    "stages-0-2": ({"stage_ids": (0, 2), "layers": 3}, (0, 2), 2, (0, 1, 2)),
+    "skip-layers": (
+        {
+            "stage_ids": (0, 1),
+            "layers": 8,
+            "compute_gate_on_attention": True,
+            "first_k_dense_replace": 2,
+            "moe_layer_freq": 2,
+        },
+        (0, 1),
+        2,
+        (2, 4, 6),
+    ),
+}
+DIRECTIONS = {"both": (True, True), "A2E=0": (False, True), "E2A=0": (True, False)}
+
+
+@pytest.mark.parametrize("direction", list(DIRECTIONS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_stream_selection(monkeypatch: pytest.MonkeyPatch, case: str, direction: str) -> None:
+    spec, stages, min_stages, layers = CASES[case]
+    a2e, e2a = DIRECTIONS[direction]
+    w = world(**spec)
+    assert tuple(w.layer_list()) == layers
+    sched = Schedule(spec["layers"], stages, tuple(5 + 3 * s for s in stages), step=4)
+    (ref,) = serial_results(w, [sched])
+    apply_cpu(a2e_on_side_stream=a2e, e2a_on_side_stream=e2a, min_stages=min_stages)
+    sessions = SessionSpy(monkeypatch, keep=True)
+    with trace.recording() as rec:
+        got = bounded(lambda: run_step(w, sched))
+    assert_same(got, ref)
+    assert sessions.count == 1
+    session = sessions.kept[0]
+    assert session.plan.layers == layers and session.plan.stages == stages
+    expected = session.expected_schedule()
+    assert (expected.a2e_side, expected.e2a_side) == (a2e, e2a)
+    ops = rec.ops(rec.steps()[0])
+    res = edges.check_step(ops, expected)
+    assert res.ok, str(res)
+    for o in ops:
+        if o.kind == "a2e":
+            assert o.stream == (f"K{o.stage}" if a2e else "C"), o
+        elif o.kind == "e2a":
+            assert o.stream == (f"K{o.stage}" if e2a else "C"), o
+        elif o.kind == "ffn":
+            assert o.stream == "C"
+    # The lookahead follows the step's layer list, stage by stage.
+    for s in stages:
+        assert [L for (k, L, st) in session.issued_ops if k == "a2e" and st == s] == list(layers)
+        assert [L for (k, L, st) in session.issued_ops if k == "e2a" and st == s] == list(layers)
+    side = {o.stream for o in ops if o.kind in ("wait", "record")} - {"C"}
+    assert side == {f"K{s}" for s in stages}  # no stream of an absent stage is touched
+
+
+# ---------------------------------------------------------------------------
+# The serial path
+
+
+def _serial_c_order(layers: tuple[int, ...], stages: tuple[int, ...]) -> list[tuple[str, int, int]]:
+    return [(k, L, s) for L in layers for s in stages for k in ("a2e", "ffn", "e2a")]
+
+
+@pytest.mark.parametrize("why", ["one-stage", "switched-off-at-runtime"])
+def test_serial_path_calls_the_original_with_every_op_on_c(monkeypatch: pytest.MonkeyPatch, why: str) -> None:
+    stages = (0,) if why == "one-stage" else (0, 1)
+    w = world(layers=3, stage_ids=stages)
+    sched = Schedule(3, stages, (7,) * len(stages), step=2)
+    (ref,) = serial_results(w, [sched])
+    calls = spy_forward(type(w.runner))
+    apply_cpu()
+    if why == "switched-off-at-runtime":
+        monkeypatch.setattr(LAYER.engine, "config", LAYER.engine.config.with_overrides(enabled=False))
+    sessions = SessionSpy(monkeypatch)
+    with trace.recording() as rec:
+        got = run_step(w, sched)
+    assert_same(got, ref)
+    assert sessions.count == 0
+    assert len(calls) == 1 and calls[0]["session"] is None
+    ops = rec.ops(rec.steps()[0])
+    assert edges.check_step(ops, trace.ExpectedSchedule.serial((0, 1, 2), stages)).ok
+    assert [(o.kind, o.layer, o.stage) for o in ops if o.kind in ("a2e", "ffn", "e2a")] == _serial_c_order(
+        (0, 1, 2), stages
+    )
+    assert {o.stream for o in ops} == {"C"}
+
+
+def test_switched_off_at_apply_leaves_the_original_in_place() -> None:
+    w = world(layers=2, stage_ids=(0, 1))
+    cls = type(w.runner)
+    raw = vars(cls)["_ffn_forward"]
+    report = LAYER.engine.apply(config=OverlapConfig(enabled=False, backend="cpu"))
+    assert not report.applied
+    assert vars(cls)["_ffn_forward"] is raw
+    with trace.recording() as rec:
+        run_step(w, Schedule(2, (0, 1), (4, 4), step=1))
+    assert rec.ops() == []  # nothing of ours ran
+
+
+# ---------------------------------------------------------------------------
+# Never an A2E past the step's last layer
+
+
+def test_transport_rejects_an_a2e_past_the_last_layer() -> None:
+    w = world(layers=2, stage_ids=(0,))
+    t = w.transport
+    t.begin_step(1, [0, 1], [0])
+    for L in (0, 1):
+        hidden, bs = t.a2e(group="afd", stage=0, layer=L, num_tokens=4)
+        t.e2a(group="afd", stage=0, layer=L, routed=hidden, shared=None, atten_batch_size=bs)
+    with pytest.raises(ProtocolError, match="a2e for layer 2, attention sends layer None"):
+        t.a2e(group="afd", stage=0, layer=2, num_tokens=4)
+
+
+class LookaheadPastTheEnd(OverlapSession):
+    """Test-only broken schedule: issues an A2E after the last layer."""
+
+    def send(self, call: Any, output: Any, context: Any, stage: int | None) -> Any:
+        out = super().send(call, output, context, stage)
+        L, s = max(self._sent)
+        if L == self.plan.layers[-1] and s == self.plan.stages[-1]:
+            self._issue_a2e(L + 1, s)
+        return out
+
+
+def test_no_a2e_is_issued_past_the_last_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = world(layers=4, stage_ids=(0, 2))
+    apply_cpu()
+    sessions = SessionSpy(monkeypatch, keep=True)
+    with trace.recording() as rec:
+        bounded(lambda: run_step(w, Schedule(4, (0, 2), (8, 8), step=1)))
+    a2e_layers = sorted(o.layer for o in rec.ops() if o.kind == "a2e")
+    assert a2e_layers == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert max(L for k, L, _ in sessions.kept[0].issued_ops if k == "a2e") == 3
+    # The guard matters: a session that does issue one fails the step.
+    monkeypatch.setattr(LAYER.runtime, "session_class", LookaheadPastTheEnd)
+    with pytest.raises(ProtocolError, match="stage 2: a2e for layer 4, attention sends layer None"):
+        bounded(lambda: run_step(w, Schedule(4, (0, 2), (8, 8), step=2)))
+
+
+# ---------------------------------------------------------------------------
+# Ownership: nothing stays referenced after the step
+
+
+def _tracked_model(w: Any, refs: list[weakref.ref[Any]]) -> None:
+    model = w.runner.model
+    original = type(model).compute_ffn_output.__get__(model)
+
+    def compute_ffn_output(*, hidden_states: torch.Tensor, layer_idx: int) -> Any:
+        refs.append(weakref.ref(hidden_states))
+        out = original(hidden_states=hidden_states, layer_idx=layer_idx)
+        refs.append(weakref.ref(out.routed_output))
+        refs.append(weakref.ref(out.shared_output))
+        return out
+
+    model.compute_ffn_output = compute_ffn_output
+
+
+@pytest.mark.parametrize("direction", list(DIRECTIONS))
+def test_nothing_the_step_allocated_stays_referenced(monkeypatch: pytest.MonkeyPatch, direction: str) -> None:
+    a2e, e2a = DIRECTIONS[direction]
+    w = world(layers=3, stage_ids=(0, 1, 2))
+    refs: list[weakref.ref[Any]] = []
+    _tracked_model(w, refs)
+    # The original keeps nothing: the control for what follows.
+    run_step(w, Schedule(3, (0, 1, 2), (8, 8, 8), step=1))
+    gc.collect()
+    assert refs and all(r() is None for r in refs)
+    refs.clear()
+
+    apply_cpu(a2e_on_side_stream=a2e, e2a_on_side_stream=e2a)
+    sessions = SessionSpy(monkeypatch)
+    bounded(lambda: run_step(w, Schedule(3, (0, 1, 2), (8, 8, 8), step=2)))
+    gc.collect()
+    assert len(refs) == 3 * 9
+    alive = [r() for r in refs if r() is not None]
+    assert not alive, f"{len(alive)} tensors of the step are still referenced"
+    assert LAYER.runtime.active_session() is None
+    assert sessions.count == 1 and sessions.refs[0]() is None, "the session outlived its step"
+
+
+def test_session_releases_everything_at_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = world(layers=3, stage_ids=(0, 1))
+    apply_cpu()
+    sessions = SessionSpy(monkeypatch, keep=True)
+    run_step(w, Schedule(3, (0, 1), (8, 8), step=1))
+    (s,) = sessions.kept
+    assert s.closed and s.connector is None and s._recv_fn is None
+    assert not (s._inflight or s._a_handle or s._contexts or s._events or s._ops)
+    assert all(not refs for refs in s._f_refs.values())
+
+
+class _Ctx:
+    def __init__(self, layer: int, stage: int) -> None:
+        self.layer, self.stage = layer, stage
+
+
+class _Payload:
+    def __init__(self, hidden: torch.Tensor, ctx: _Ctx) -> None:
+        self.hidden_states = hidden
+        self.context = ctx
+
+
+def _fake_connector() -> tuple[Any, Any, list[tuple[str, int, int]]]:
+    log: list[tuple[str, int, int]] = []
+    lock = threading.Lock()
+
+    def recv(ubatch_idx: int = 0, **kw: Any) -> _Payload:
+        with lock:
+            log.append(("a2e", kw["layer_idx"], ubatch_idx))
+        return _Payload(torch.full((4, 8), float(kw["layer_idx"] * 10 + ubatch_idx)), _Ctx(kw["layer_idx"], ubatch_idx))
+
+    def send(ffn_output: torch.Tensor, context: _Ctx, **kw: Any) -> None:
+        with lock:
+            log.append(("e2a", context.layer, kw["ubatch_idx"]))
+
+    return recv, send, log
+
+
+@pytest.mark.parametrize("direction", list(DIRECTIONS))
+def test_ownership_inside_the_step(direction: str) -> None:
+    """A2E outputs are released once K_s has waited their FFN's f_done
+    (at the send); FFN outputs are held until C has waited an event that K_s
+    recorded after their E2A (the next receive of the stage), no longer."""
+    a2e, e2a = DIRECTIONS[direction]
+    recv, send, _ = _fake_connector()
+    sset = StreamSet(CpuBackend(), [0, 1])
+    layers, stages = (0, 1, 2), (0, 1)
+    try:
+        session = OverlapSession(
+            connector=object(),
+            plan=StepPlan(layers, stages, {"max_num_tokens": 4}),
+            streamset=sset,
+            directions=Directions(a2e, e2a),
+            context_of=camp2p.context_of,
+        )
+        held_out: dict[int, weakref.ref[Any]] = {}
+        for L in layers:
+            for s in stages:
+                p = session.recv(recv, {"ubatch_idx": s, "layer_idx": L, "max_num_tokens": 4})
+                if s in held_out:  # (plain reference counting: no gc pass needed)
+                    assert held_out.pop(s)() is None, "FFN output held past the next receive of its stage"
+                hidden = weakref.ref(p.hidden_states)
+                out = p.hidden_states * 2.0
+                session.send(lambda o=out, c=p.context, s=s: send(o, c, ubatch_idx=s), out, p.context, s)
+                wo = weakref.ref(out)
+                del p, out
+                if L != layers[-1] or e2a:
+                    assert hidden() is None, f"A2E output of ({L}, {s}) held after its send"
+                if e2a:
+                    assert wo() is not None, f"FFN output of ({L}, {s}) freed while its E2A may read it"
+                    held_out[s] = wo
+        session.close()
+        gc.collect()
+        assert all(r() is None for r in held_out.values())
+    finally:
+        sset.close()
+
+
+# ---------------------------------------------------------------------------
+# Many steps: streams, threads and events reused
+
+
+def test_fifty_steps_reuse_streams_and_threads() -> None:
+    w = world(layers=3, stage_ids=(0, 1, 2))
+    scheds = [
+        Schedule(3, (0, 1, 2) if i % 3 else (0, 2), (1 + i % 16, 16 - i % 16, 8)[: 3 if i % 3 else 2], i + 1)
+        for i in range(50)
+    ]
+    refs = serial_results(w, scheds)
+    apply_cpu()
+    assert_same(run_step(w, scheds[0]), refs[0])
+    (sset,) = stream_sets()
+    count = threading.active_count()
+
+    def ours() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("camp2p-overlap-stream-")}
+
+    threads = ours()
+    assert len(threads) == 3  # one worker per stage group, made once
+    for sched, ref in zip(scheds[1:], refs[1:], strict=True):
+        assert_same(run_step(w, sched), ref)
+        assert ours() == threads
+        assert threading.active_count() <= count
+    assert stream_sets() == [sset]
+    assert all(s.alive for s in sset.streams.values())
+    assert_streams_idle()
+
+
+# ---------------------------------------------------------------------------
+# The loop does not follow the plan
+
+
+def _layer_lists(monkeypatch: pytest.MonkeyPatch, w: Any, loop: list[int], plan: list[int]) -> None:
+    """``_ffn_layer_indices`` answers, per step, the loop's list to the world
+    (for the attention peers), the plan's list to the session, then the
+    loop's list to the loop."""
+    mod = w.modules[0]
+    calls = {"n": 0}
+
+    def _ffn_layer_indices(runner: Any) -> list[int]:
+        calls["n"] += 1
+        return list(plan if calls["n"] % 3 == 2 else loop)
+
+    monkeypatch.setattr(mod, "_ffn_layer_indices", _ffn_layer_indices)
+
+
+def test_loop_runs_past_the_plan_falls_back_with_correct_outputs(
+    monkeypatch: pytest.MonkeyPatch, logs: PackageLogs
+) -> None:
+    w = world(layers=4, stage_ids=(0, 1))
+    sched = Schedule(4, (0, 1), (8, 8), step=1)
+    (ref,) = serial_results(w, [sched])
+    apply_cpu()
+    _layer_lists(monkeypatch, w, loop=[0, 1, 2, 3], plan=[0, 1, 2])
+    got = bounded(lambda: run_step(w, sched))
+    assert_same(got, ref)
+    (msg,) = logs.texts("the session planned", logging.WARNING)
+    assert "asked for (3, 0)" in msg and "planned None" in msg
+    assert_streams_idle()
+
+
+def test_loop_skips_a_planned_layer_raises_schedule_mismatch(
+    monkeypatch: pytest.MonkeyPatch, logs: PackageLogs
+) -> None:
+    w = world(layers=4, stage_ids=(0, 1))
+    nxt = Schedule(4, (0, 1), (8, 8), step=2)
+    (ref,) = serial_results(w, [nxt])
+    apply_cpu()
+    _layer_lists(monkeypatch, w, loop=[0, 2, 3], plan=[0, 1, 2, 3])
+    with pytest.raises(ScheduleMismatchError) as info:
+        bounded(lambda: run_step(w, Schedule(4, (0, 1), (8, 8), step=1)))
+    assert "receive for (layer 2, stage 0)" in str(info.value) and "[(1, 0)]" in str(info.value)
+    (msg,) = logs.texts("the session planned", logging.WARNING)
+    assert "asked for (2, 0)" in msg and "planned (1, 0)" in msg
+    assert_streams_idle()
+    monkeypatch.undo()
+    assert_same(bounded(lambda: run_step(w, nxt)), ref)
+
+
+def test_max_num_tokens_changed_before_the_first_receive_falls_back(
+    monkeypatch: pytest.MonkeyPatch, logs: PackageLogs
+) -> None:
+    w = world(layers=3, stage_ids=(0, 1))
+    sched = Schedule(3, (0, 1), (8, 8), step=1)
+    (ref,) = serial_results(w, [sched])
+    apply_cpu()
+    plane = w.connector.control_plane
+    original = type(plane).update_state_from_dp_metadata.__get__(plane)
+
+    def update(dp: Any) -> None:
+        original(dp)
+        w.runner.max_num_tokens = 12  # after the plan was made
+
+    monkeypatch.setattr(plane, "update_state_from_dp_metadata", update)
+    got = bounded(lambda: run_step(w, sched))
+    assert_same(got, ref)
+    (msg,) = logs.texts("the session planned", logging.WARNING)
+    assert "'max_num_tokens': 12" in msg and "planned (0, 0)" in msg
+
+
+def test_max_num_tokens_changed_mid_step_is_a_schedule_mismatch(logs: PackageLogs) -> None:
+    w = world(layers=3, stage_ids=(0, 1))
+    nxt = Schedule(3, (0, 1), (8, 8), step=2)
+    (ref,) = serial_results(w, [nxt])
+    apply_cpu()
+    n = {"calls": 0}
+
+    def after(_out: Any) -> None:
+        n["calls"] += 1
+        if n["calls"] == 3:  # FFN(1, 0)
+            w.runner.max_num_tokens = 12
+
+    wrap_model(w, after=after)
+    with pytest.raises(ScheduleMismatchError, match=r"\(layer 1, stage 1\)"):
+        bounded(lambda: run_step(w, Schedule(3, (0, 1), (8, 8), step=1)))
+    assert logs.texts("the session planned", logging.WARNING)
+    assert_streams_idle()
+    w.runner.max_num_tokens = 16
+    n["calls"] = -(10**6)
+    assert_same(bounded(lambda: run_step(w, nxt)), ref)
+
+
+def test_stage_order_change_mid_step_hands_over_the_prefetched_data(logs: PackageLogs) -> None:
+    """Session-level: the loop swaps the stage order of layer 1. The session
+    falls back after draining and hands each (layer, stage) its own data."""
+    recv, send, log = _fake_connector()
+    sset = StreamSet(CpuBackend(), [0, 1])
+    try:
+        session = OverlapSession(
+            connector=object(),
+            plan=StepPlan((0, 1, 2), (0, 1), {"max_num_tokens": 4}),
+            streamset=sset,
+            context_of=camp2p.context_of,
+        )
+        order = [(0, 0), (0, 1), (1, 1), (1, 0), (2, 0), (2, 1)]
+        for L, s in order:
+            p = session.recv(recv, {"ubatch_idx": s, "layer_idx": L, "max_num_tokens": 4})
+            assert torch.equal(p.hidden_states, torch.full((4, 8), float(L * 10 + s)))
+            session.send(
+                lambda o=p.hidden_states, c=p.context, s=s: send(o, c, ubatch_idx=s), p.hidden_states, p.context, s
+            )
+        session.close()
+        assert session.fallen_back
+        assert logs.texts("asked for (1, 1)", logging.WARNING)
+        # Each group kept the protocol order a2e, e2a, a2e, e2a ...
+        for s in (0, 1):
+            mine = [(k, L) for k, L, st in log if st == s]
+            assert mine == [("a2e", 0), ("e2a", 0), ("a2e", 1), ("e2a", 1), ("a2e", 2), ("e2a", 2)]
+    finally:
+        sset.close()

@@ -1,0 +1,132 @@
+"""Child of tests/hardware/test_gpu_validation.py (a fresh CUDA context each
+run): a 3-layer, 2-stage device world on CUDA, run in the mode of argv[1]:
+``ok`` three overlap steps; ``race`` the same with the compute stream's wait
+for its A2E dropped (the sanitizer must see the race); ``graph-ab`` capture
+with the join (works) and without it (must fail); ``graph-env`` the graph
+switch read from the environment, captured and replayed bitwise."""
+
+import sys
+
+import torch
+
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.emulation.device_world import build_device_world
+from camp2p_overlap.emulation.moe import MoEShape
+from camp2p_overlap.emulation.standin_layer import emulation_engine, standin_site
+from camp2p_overlap.emulation.world import LinkModel, WorldSpec
+
+mode = sys.argv[1]
+site = standin_site()
+spec = WorldSpec(
+    layers=3,
+    stage_ids=(0, 1),
+    tokens=64,
+    shape=MoEShape(hidden=128, ffn=256, experts=2, top_k=1),
+    link=LinkModel(latency_s=50e-6, bandwidth_Bps=20e9),
+    attn_s=0.0,
+)
+dw = build_device_world(spec, "cuda", root=site.root)
+tokens = {0: 64, 1: 48}
+
+if mode == "race":
+    # Drop edge 3 (FFN on C waits for its A2E): C reads what K_s writes.
+    orig_wait = OverlapSession._wait
+
+    def _wait(self, stream, key):
+        if stream is self.C and isinstance(key, tuple) and key[0] == "a":
+            return
+        return orig_wait(self, stream, key)
+
+    OverlapSession._wait = _wait
+
+
+def no_join(self):
+    # Edge 7 dropped: K_s never rejoins C before the forward returns.
+    for refs in self._f_refs.values():
+        refs.clear()
+    self._inflight.clear()
+
+
+if mode == "graph-env":
+    # The graph switch as users set it: the configuration comes from the
+    # environment (VLLM_CAMP2P_MULTISTREAM=1, VLLM_CAMP2P_MULTISTREAM_GRAPH=1).
+    from camp2p_overlap.emulation.standin_layer import emulated_layer
+
+    dw.world.steps_run = 0
+    ref = {k: v.clone() for k, v in dw.world.run_step(tokens).items()}
+    torch.cuda.synchronize()
+    layer = emulated_layer()
+    sessions = []
+
+    class Counted(layer.runtime.session_class):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            sessions.append(1)
+
+    layer.runtime.session_class = Counted
+    report = layer.engine.apply(manifest=site.manifest, strict=True)
+    assert report.engaged, str(report)
+    assert layer.engine.config.graph, "VLLM_CAMP2P_MULTISTREAM_GRAPH=1 was not read"
+    dw.world.steps_run = 0
+    eager = dw.world.run_step(tokens)
+    torch.cuda.synchronize()
+    assert set(eager) == set(ref) and all(torch.equal(eager[k], ref[k]) for k in ref), "eager overlap != serial"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the usual warm-up on a side stream before capture
+        dw.world.steps_run = 0
+        dw.world.run_step(tokens)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    dw.world.steps_run = 0
+    before = len(sessions)
+    with torch.cuda.graph(g):
+        dw.world.run_step(tokens)
+    assert len(sessions) == before + 1, "the captured step did not run the overlap session"
+    captured = dict(dw.world.transport.results)
+    for _ in range(3):
+        for t in captured.values():
+            t.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert set(captured) == set(ref), "replay: (layer, stage) keys differ"
+        bad = [k for k in ref if not torch.equal(captured[k], ref[k])]
+        assert not bad, f"graph replay differs from the eager serial step at {bad}"
+    dw.synchronize()  # raises if an A2E gave up waiting for its peer
+    assert layer.engine.unpatch(timeout=30)
+    print("GRAPH_ENV_OK", len(sessions))
+    sys.exit(0)
+
+graph = mode == "graph-ab"
+with emulation_engine() as engine:
+    report = engine.apply(
+        config=OverlapConfig(enabled=True, backend="cuda", graph=graph, adaptive=False),
+        manifest=site.manifest,
+        strict=True,
+    )
+    assert report.engaged, str(report)
+    dw.world.steps_run = 0
+    if mode == "graph-ab":
+        dw.world.run_step(tokens)  # eager warm-up: streams and events exist before capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):  # A: with the join, capture works
+            dw.world.run_step(tokens)
+        torch.cuda.synchronize()
+        print("CAPTURE_WITH_JOIN_OK")
+        OverlapSession._join = no_join
+        g2 = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g2):  # B: without it, capture must fail
+                dw.world.run_step(tokens)
+        except Exception as exc:  # noqa: BLE001 - any capture failure is what B expects
+            print("CAPTURE_WITHOUT_JOIN_FAILED:", type(exc).__name__, (str(exc).splitlines() or [""])[0])
+            sys.exit(0)
+        print("CAPTURE_WITHOUT_JOIN_SUCCEEDED")
+        sys.exit(3)
+    for _ in range(3):
+        dw.world.run_step(tokens)
+    torch.cuda.synchronize()
+print("STEPS_DONE", mode)

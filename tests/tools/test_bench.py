@@ -1,0 +1,560 @@
+"""The benchmark (``camp2p-overlap bench`` / ``sweep``): the emulation runs
+in seconds at tiny sizes; the JSON has the documented schema; outputs equal
+the serial run's (the report's flag, and an independent check); the trace
+and plot files are what they claim to be. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support.child import run_cli
+from support.overlap import assert_same
+
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.layer import LAYER, Layer
+from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.patching.lifecycle import PatchRefused
+from camp2p_overlap.core.patching.manifest import load_manifest
+from camp2p_overlap.emulation import standin_layer as emulation
+from camp2p_overlap.emulation import standins
+from camp2p_overlap.emulation.moe import MoEShape
+from camp2p_overlap.emulation.standin_layer import emulated_layer, emulated_version_check, emulation_engine
+from camp2p_overlap.emulation.world import EmulatedModel, LinkModel, WorldSpec, build_world
+from camp2p_overlap.tools import cli
+from camp2p_overlap.tools.bench.runner import (
+    ETA_MIN_HIDEABLE,
+    POLICIES,
+    SCENARIOS,
+    BenchParams,
+    resolve_params,
+    run_bench,
+)
+
+TINY = [
+    "--layers", "2", "--tokens", "16", "--hidden", "64", "--ffn", "128", "--experts", "4", "--top-k", "2",
+    "--link-latency-us", "100", "--link-gbps", "8", "--attn-us", "100",
+    "--steps", "2", "--warmup", "1", "--reps", "2", "--no-progress",
+]  # fmt: skip
+TINY_PARAMS = {
+    "layers": 2, "tokens": 16, "hidden": 64, "ffn": 128, "experts": 4, "top_k": 2,
+    "link_latency_us": 100.0, "link_gbps": 8.0, "attn_us": 100.0, "steps": 2, "warmup": 1, "reps": 2,
+}  # fmt: skip
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def bench_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One tiny benchmark run through ``main(argv)`` writing every output."""
+    out = tmp_path_factory.mktemp("bench")
+    paths = {"json": out / "b.json", "trace": out / "t.json", "plot": out / "p.png"}
+    layers: list[Layer] = []
+    real_build = emulation.build_layer
+    emulation.build_layer = lambda **kw: layers.append(real_build(**kw)) or layers[-1]  # type: ignore[assignment]
+    try:
+        rc = cli.main(
+            ["bench", *TINY, "--json", str(paths["json"]), "--trace", str(paths["trace"]), "--plot", str(paths["plot"])]
+        )
+    finally:
+        emulation.build_layer = real_build  # type: ignore[assignment]
+    return {
+        "rc": rc,
+        "paths": paths,
+        "report": json.loads(paths["json"].read_text()),
+        "layers": layers,
+        "finder_left": [f for f in sys.meta_path if isinstance(f, standins.StandinFinder)],
+    }
+
+
+# ---------------------------------------------------------------------------
+# the JSON report: every documented key (docs/benchmark.md)
+
+TOP_KEYS = {
+    "schema": str,
+    "version": str,
+    "device": str,
+    "backend": str,
+    "scenario": (str, type(None)),
+    "stand_in_root": str,
+    "comm_model": str,
+    "attn_modeled": bool,
+    "params": dict,
+    "ffn_layers": int,
+    "stages": list,
+    "measured": dict,
+    "policies": list,
+    "outputs_equal": bool,
+    "env": dict,
+    "wall_s": float,
+}
+PARAM_KEYS = {f for f in BenchParams.__dataclass_fields__}
+MEASURED_KEYS = {
+    "source": str,
+    "samples": int,
+    "f_us": float,
+    "stages": list,
+    "attn_us": float,
+    "comm_over_ffn": float,
+    "ffn_bound": bool,
+    "floor_per_layer_us": float,
+    "floor_terms": dict,
+}
+POLICY_KEYS = {
+    "policy": str,
+    "a2e_side_stream": bool,
+    "e2a_side_stream": bool,
+    "samples": int,
+    "per_layer_us": dict,
+    "adaptive": bool,
+    "speedup": float,
+    "speedup_ci95": (list, type(None)),
+    "eta": (float, type(None)),
+    "eta_ci95": (list, type(None)),
+    "noisy": bool,
+    "noise": list,
+    "outputs_equal": bool,
+    "compared_steps": int,
+    "mismatches": list,
+    "engaged": bool,
+    "edges_checked": bool,
+    "edges_ok": (bool, type(None)),
+    "edge_violations": list,
+    "peer_cycle_ok": (bool, type(None)),
+    "peer_cycle_checked_steps": int,
+    "peer_cycle_violations": list,
+}
+ENV_KEYS = {"python": str, "torch": str, "torch_threads": int, "cpu_count": int, "machine": str}
+
+
+def _check_keys(obj: dict[str, Any], spec: dict[str, Any], where: str) -> None:
+    assert set(obj) == set(spec), f"{where}: keys {sorted(obj)} != documented {sorted(spec)}"
+    for key, typ in spec.items():
+        assert isinstance(obj[key], typ), f"{where}.{key} = {obj[key]!r} is not {typ}"
+
+
+def test_bench_json_has_the_documented_schema(bench_files: dict[str, Any]) -> None:
+    assert bench_files["rc"] == 0
+    r = bench_files["report"]
+    _check_keys(r, TOP_KEYS, "report")
+    assert r["schema"] == "camp2p-overlap/bench/v1"
+    assert r["device"] == "cpu" and r["backend"] == "cpu"
+    assert r["stand_in_root"] == standins.REAL_ROOT
+    assert set(r["params"]) == PARAM_KEYS
+    assert r["params"]["layers"] == 2 and r["params"]["reps"] == 2 and r["params"]["policies"] == list(POLICIES)
+    assert r["ffn_layers"] == 2 and r["stages"] == [0, 1]
+    _check_keys(r["measured"], MEASURED_KEYS, "measured")
+    assert [s["stage"] for s in r["measured"]["stages"]] == [0, 1]
+    for s in r["measured"]["stages"]:
+        _check_keys(s, {"stage": int, "a_us": float, "e_us": float}, "measured.stages[]")
+    _check_keys(r["measured"]["floor_terms"], {"stages_x_f_us": float, "group_cycle_us": float}, "floor_terms")
+    assert [p["policy"] for p in r["policies"]] == ["serial", "e2a-only", "overlap", "overlap-fixed"]
+    for p in r["policies"]:
+        _check_keys(p, POLICY_KEYS, f"policies[{p['policy']}]")
+        assert p["adaptive"] is (p["policy"] == "overlap")
+        if p["policy"] == "serial":
+            assert p["speedup_ci95"] is None and p["eta_ci95"] is None and p["noise"] == []
+        else:
+            lo, hi = p["speedup_ci95"]
+            assert lo <= hi and all(isinstance(x, float) for x in (lo, hi))
+            assert p["noisy"] is bool(p["noise"])
+        _check_keys(p["per_layer_us"], {"median": float, "p90": float, "min": float, "mean": float}, "per_layer_us")
+        # 2 reps x 2 timed steps
+        assert p["samples"] == 4
+    _check_keys(r["env"], ENV_KEYS, "env")
+    assert r["env"]["torch_threads"] == 1
+
+
+def test_report_values_are_consistent(bench_files: dict[str, Any]) -> None:
+    """Speedup, floor and eta follow their documented formulas from the
+    reported numbers; f, a and e were measured (positive)."""
+    r = bench_files["report"]
+    m = r["measured"]
+    assert m["f_us"] > 0 and all(s["a_us"] > 0 and s["e_us"] > 0 for s in m["stages"])
+    # 2 reps x 2 traced serial steps x 2 layers x 2 stages
+    assert m["samples"] == 16
+    S = len(r["stages"])
+    cycle = max(s["a_us"] + m["f_us"] + s["e_us"] + m["attn_us"] for s in m["stages"])
+    assert m["floor_terms"]["stages_x_f_us"] == pytest.approx(S * m["f_us"], abs=0.01)
+    assert m["floor_terms"]["group_cycle_us"] == pytest.approx(cycle, abs=0.01)
+    assert m["floor_per_layer_us"] == pytest.approx(max(S * m["f_us"], cycle), abs=0.01)
+    assert m["comm_over_ffn"] == pytest.approx(max(s["a_us"] + s["e_us"] for s in m["stages"]) / m["f_us"], rel=1e-3)
+    serial = r["policies"][0]
+    t_s = serial["per_layer_us"]["median"]
+    assert serial["speedup"] == 1.0 and serial["eta"] is None
+    for p in r["policies"][1:]:
+        t_p = p["per_layer_us"]["median"]
+        assert p["speedup"] == pytest.approx(t_s / t_p, rel=1e-3)
+        if t_s - m["floor_per_layer_us"] > ETA_MIN_HIDEABLE * t_s:
+            assert p["eta"] == pytest.approx((t_s - t_p) / (t_s - m["floor_per_layer_us"]), rel=1e-3, abs=1e-3)
+        else:
+            assert p["eta"] is None
+        assert p["per_layer_us"]["min"] <= p["per_layer_us"]["median"] <= p["per_layer_us"]["p90"]
+
+
+def test_outputs_equal_and_overlap_engaged(bench_files: dict[str, Any]) -> None:
+    r = bench_files["report"]
+    assert r["outputs_equal"] is True
+    by = {p["policy"]: p for p in r["policies"]}
+    assert by["serial"]["engaged"] is False
+    assert by["e2a-only"]["engaged"] is True and by["overlap-fixed"]["engaged"] is True
+    # adaptive engage is still learning in this tiny run: either path is right
+    for p in r["policies"]:
+        assert p["outputs_equal"] is True and p["mismatches"] == []
+        assert p["edges_checked"] is True and p["edges_ok"] is True, p["edge_violations"]
+    # serial: reps after the first and the traced steps; others: every timed and traced step
+    assert by["serial"]["compared_steps"] == 2 + 2 * 2
+    assert by["overlap"]["compared_steps"] == 2 * (2 + 1)
+    assert by["overlap-fixed"]["compared_steps"] == 2 * (2 + 1)
+
+
+def test_bench_leaves_the_process_as_it_found_it(bench_files: dict[str, Any]) -> None:
+    assert bench_files["finder_left"] == []
+    assert not LAYER.engine.is_applied() and len(LAYER.engine.installer.records) == 0
+    # Each policy ran on an engine of its own (kept over the repetitions,
+    # so adaptive engage learns once), unpatched with its streams closed.
+    layers = bench_files["layers"]
+    assert len(layers) == len(POLICIES), (len(layers), len(POLICIES))
+    assert len({id(layer.engine) for layer in layers}) == len(layers)
+    assert all(not layer.engine.is_applied() and len(layer.runtime.streamsets) == 0 for layer in layers)
+
+
+def test_trace_is_chrome_trace_event_json_with_a_track_per_stream(bench_files: dict[str, Any]) -> None:
+    data = json.loads(bench_files["paths"]["trace"].read_text())
+    events = data["traceEvents"]
+    assert isinstance(events, list) and events
+    processes = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert sorted(processes.values()) == sorted(POLICIES)
+    threads: dict[str, dict[int, str]] = {name: {} for name in processes.values()}
+    for e in events:
+        if e["ph"] == "M" and e["name"] == "thread_name":
+            threads[processes[e["pid"]]][e["tid"]] = e["args"]["name"]
+    assert sorted(threads["serial"].values()) == ["C"]
+    assert sorted(threads["overlap-fixed"].values()) == ["C", "K0", "K1"]
+    assert sorted(threads["overlap"].values()) in (["C"], ["C", "K0", "K1"])  # adaptive: either path
+    assert sorted(threads["e2a-only"].values()) == ["C", "K0", "K1"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert spans
+    for e in spans:
+        assert e["tid"] in threads[processes[e["pid"]]], "a span on an unnamed track"
+        assert isinstance(e["ts"], (int, float)) and isinstance(e["dur"], (int, float)) and e["dur"] >= 0
+        assert {"name", "cat", "pid", "tid"} <= set(e)
+    # one step per policy; overlap-fixed's A2E ran on the side streams
+    for name, pid in ((n, p) for p, n in processes.items()):
+        assert len([e for e in spans if e["pid"] == pid and e["cat"] == "step"]) == 1, name
+    fixed_pid = next(p for p, n in processes.items() if n == "overlap-fixed")
+    a2e_tracks = {threads["overlap-fixed"][e["tid"]] for e in spans if e["pid"] == fixed_pid and e["cat"] == "a2e"}
+    assert a2e_tracks == {"K0", "K1"}
+
+
+def test_plot_is_a_png(bench_files: dict[str, Any]) -> None:
+    data = bench_files["paths"]["plot"].read_bytes()
+    assert data[:8] == PNG_SIGNATURE and len(data) > 1000
+
+
+# ---------------------------------------------------------------------------
+# outputs: an independent check, and the flag can fail
+
+
+def _tiny_spec() -> WorldSpec:
+    return WorldSpec(
+        layers=3,
+        stage_ids=(0, 1),
+        tokens=16,
+        shape=MoEShape(hidden=64, ffn=128, experts=4, top_k=2),
+        link=LinkModel(latency_s=50e-6, bandwidth_Bps=1e9),
+        attn_s=50e-6,
+        op_timeout_s=10.0,
+    )
+
+
+def test_overlap_outputs_equal_serial_outputs_independently() -> None:
+    """Without the benchmark's code paths: the serial run (engine unpatched)
+    and the overlap run (emulation engine applied) of the same step ids give
+    bitwise equal outputs, and the overlap really engaged."""
+    world = build_world(_tiny_spec())
+    serial = {}
+    for sid in (5, 6):
+        world.steps_run = sid
+        serial[sid] = world.run_step()
+    engaged: list[bool] = []
+
+    class Counted(OverlapSession):
+        def __init__(self, **kw: Any) -> None:
+            super().__init__(**kw)
+            engaged.append(True)
+
+    layer = emulated_layer()
+    layer.runtime.session_class = Counted
+    layer.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True)
+    try:
+        for sid in (5, 6):
+            world.steps_run = sid
+            out = world.run_step()
+            assert len(out) == 3 * 2
+            assert_same(out, serial[sid], f"step {sid}")
+    finally:
+        assert layer.engine.unpatch(timeout=10)
+    assert engaged == [True, True]
+
+
+def test_outputs_flag_fails_when_the_overlap_changes_a_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Perturb the FFN only while an overlap session is active: the report
+    must say the outputs differ, and the command must exit non-zero."""
+    original = EmulatedModel.compute_ffn_output
+    layers: list[Layer] = []
+    real_build = emulation.build_layer
+    monkeypatch.setattr(emulation, "build_layer", lambda **kw: layers.append(real_build(**kw)) or layers[-1])
+
+    def perturbed(self: EmulatedModel, *, hidden_states: torch.Tensor, layer_idx: int) -> Any:
+        out = original(self, hidden_states=hidden_states, layer_idx=layer_idx)
+        sessions = [s for layer in layers if (s := layer.runtime.active_session()) is not None]
+        if sessions and sessions[0].dir.a2e_side:
+            out.routed_output = out.routed_output + 1e-3
+        return out
+
+    monkeypatch.setattr(EmulatedModel, "compute_ffn_output", perturbed)
+    run = run_bench(resolve_params({**TINY_PARAMS, "reps": 1}))
+    by = {p["policy"]: p for p in run.report["policies"]}
+    assert by["serial"]["outputs_equal"] is True
+    assert by["e2a-only"]["outputs_equal"] is True
+    assert by["overlap"]["outputs_equal"] is False and by["overlap"]["mismatches"]
+    assert run.report["outputs_equal"] is False
+    from camp2p_overlap.tools.bench.tables import bench_table, problems
+
+    assert any("outputs differ" in p for p in problems(run.report))
+    assert "FAILED: overlap: outputs differ" in bench_table(run.report)
+
+
+def test_with_a_real_afd_plugin_the_stand_ins_move_to_the_alias_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When afd_plugin is importable, the benchmark never shadows it: the
+    stand-ins live under ALIAS_ROOT and the manifest is rebased onto it."""
+    monkeypatch.setattr(standins, "real_afd_plugin_installed", lambda: True)
+    run = run_bench(resolve_params({**TINY_PARAMS, "reps": 1}))
+    r = run.report
+    assert r["stand_in_root"] == standins.ALIAS_ROOT
+    assert not any(name == "afd_plugin" or name.startswith("afd_plugin.") for name in sys.modules)
+    by = {p["policy"]: p for p in r["policies"]}
+    assert by["overlap-fixed"]["engaged"] is True and by["e2a-only"]["engaged"] is True
+    assert r["outputs_equal"] is True
+
+
+# ---------------------------------------------------------------------------
+# engines of the emulation
+
+
+def test_emulation_engines_are_fresh_and_unpatched_on_the_way_out() -> None:
+    with emulation_engine() as engine, emulation_engine() as other:
+        assert engine is not LAYER.engine and other is not LAYER.engine and other is not engine
+    with pytest.raises(ValueError, match="boom"):
+        with emulation_engine() as engine:
+            world = build_world(_tiny_spec())
+            engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True)
+            assert engine.is_applied()
+            raise ValueError("boom")
+    assert not engine.is_applied(), "the emulation engine is unpatched on the way out"
+    assert not LAYER.engine.is_applied()
+    runner_cls = type(world.runner)
+    assert not hasattr(vars(runner_cls)["_ffn_forward"], "__wrapped__")
+
+
+def test_a_second_engine_refuses_targets_another_engine_wrapped() -> None:
+    """Two engines never stack wrappers on one class: the second refuses."""
+    world = build_world(_tiny_spec())
+    cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False)
+    with emulation_engine() as first, emulation_engine() as second:
+        assert first.apply(config=cfg, strict=True).engaged
+        with pytest.raises(PatchRefused, match="another patch engine"):
+            second.apply(config=cfg, strict=True)
+        assert not second.is_applied() and first.status().engaged
+        assert first.is_ours(vars(type(world.runner))["_ffn_forward"])
+
+
+def test_emulation_engine_refuses_when_the_process_engine_is_applied(monkeypatch: pytest.MonkeyPatch) -> None:
+    build_world(_tiny_spec())
+    monkeypatch.setattr(LAYER.engine, "_version_check", emulated_version_check)
+    LAYER.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True)
+    try:
+        with pytest.raises(RuntimeError, match="process-wide camp2p-overlap patch layer is applied"):
+            with emulation_engine():
+                pass
+    finally:
+        LAYER.engine.unpatch(timeout=10)
+
+
+def test_emulated_version_check_accepts_without_consulting_vllm() -> None:
+    vc = emulated_version_check(load_manifest())
+    assert vc.ok and vc.supported == "0.19.1" and vc.found == "emulated"
+
+
+# ---------------------------------------------------------------------------
+# parameters, scenarios, errors
+
+
+def test_scenario_preset_and_explicit_override() -> None:
+    preset = SCENARIOS["ffn-bound"]
+    p = resolve_params({}, "ffn-bound")
+    assert p.scenario == "ffn-bound"
+    for key, value in preset.items():
+        assert getattr(p, key) == value
+    q = resolve_params({"layers": 3, "link_gbps": 2.5, "policies": ["serial", "overlap"]}, "ffn-bound")
+    assert q.layers == 3 and q.link_gbps == 2.5 and q.policies == ("serial", "overlap")
+    assert q.hidden == preset["hidden"] and q.attn_us == preset["attn_us"]
+    d = resolve_params({})
+    assert d == BenchParams()
+    assert d.threads == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--stages", "4"], "out of range 1..3"),
+        (["--policies", "overlap"], "must include serial"),
+        (["--top-k", "9", "--experts", "4"], "larger than --experts"),
+        (["--link-gbps", "0"], "--link-gbps must be a positive number"),
+    ],
+)
+def test_bench_rejects_bad_parameters(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_policy_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--policies", "serial,fast"])
+    assert exc.value.code == 2
+    assert "unknown policy fast" in capsys.readouterr().err
+
+
+def test_device_cuda_without_a_gpu_errors_clearly(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present; see test_bench_on_cuda")
+    assert cli.main(["bench", "--device", "cuda", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda: torch.cuda reports no CUDA device (torch.cuda.is_available() is False)" in err
+
+
+def test_device_world_imports_without_a_device() -> None:
+    from camp2p_overlap.emulation import device_world
+
+    assert hasattr(device_world, "build_device_world")
+    if not torch.cuda.is_available():
+        with pytest.raises(device_world.DeviceUnavailable, match=r"torch\.cuda\.is_available"):
+            device_world.build_device_world(_tiny_spec(), "cuda")
+    with pytest.raises(device_world.DeviceUnavailable, match=r"--device tpu: no device module for 'tpu'"):
+        device_world.require_device("tpu")
+
+
+def test_help_documents_the_metrics(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for needle in ("eta", "floor", "serial run's trace", "--scenario", "ffn-bound", "only the ratios carry over"):
+        assert needle in text
+
+
+# ---------------------------------------------------------------------------
+# sweep, and the console entry point in a fresh interpreter
+
+
+def test_sweep_writes_markdown_plot_and_json(tmp_path: Path) -> None:
+    md, png, js = tmp_path / "s.md", tmp_path / "s.png", tmp_path / "s.json"
+    args = ["sweep", *TINY, "--reps", "1", "--ratios", "0.5,2", "--stage-counts", "1,2", "--comm-core-points", "none"]
+    work = ["--work-tokens", "1,4", "--work-hidden", "16"]
+    rc = cli.main([*args, *work, "--md", str(md), "--plot", str(png), "--json", str(js)])
+    assert rc == 0
+    text = md.read_text()
+    assert "communication / FFN compute" in text and "number of stages" in text and "work per (layer, stage)" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+    assert len(rows) == 3 + 2 + 2 + 2  # three headers, 2 ratio rows, 2 stage rows, 2 work rows
+    assert [r.split(" | ")[0] for r in rows[-2:]] == ["| 16 / 1", "| 16 / 4"]
+    assert "overlap-fixed speedup / eta" in rows[-3] and "e2a-only" not in rows[-3]
+    assert "Adaptive `overlap` at its slowest:" in text
+    assert "only the ratios" in text.lower()
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+    data = json.loads(js.read_text())
+    assert [p["target_ratio"] for p in data["ratio_points"]] == [0.5, 2.0]
+    assert [p["stages"] for p in data["stage_points"]] == [1, 2]
+    assert [(p["hidden"], p["tokens"]) for p in data["work_points"]] == [(16, 1), (16, 4)]
+    for p in data["work_points"]:
+        r = p["report"]
+        assert [q["policy"] for q in r["policies"]] == ["serial", "overlap", "overlap-fixed"]
+        assert r["params"]["link_latency_us"] == 0 and r["params"]["attn_us"] == 0 and r["params"]["steps"] >= 8
+        assert r["outputs_equal"] is True
+    one_stage = data["stage_points"][0]["report"]
+    assert all(p["outputs_equal"] for p in one_stage["policies"])
+    assert not any(p["engaged"] for p in one_stage["policies"]), "one stage: nothing to overlap, serial path"
+    bandwidths = [p["report"]["params"]["link_gbps"] for p in data["ratio_points"]]
+    assert bandwidths[0] > bandwidths[1], "a higher communication ratio means a slower modeled link"
+
+
+def test_bench_in_a_fresh_interpreter(tmp_path: Path) -> None:
+    out = tmp_path / "b.json"
+    res = run_cli("bench", *TINY, "--reps", "1", "--json", str(out), timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "per-layer median" in res.stdout and "overlap" in res.stdout
+    assert "Absolute CPU times say nothing about an NPU" in res.stdout
+    assert json.loads(out.read_text())["outputs_equal"] is True
+
+
+@pytest.mark.gpu
+def test_bench_on_cuda(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out = tmp_path / "b.json"
+    assert cli.main(["bench", "--device", "cuda", *TINY, "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["backend"] == "cuda"
+    by = {p["policy"]: p for p in r["policies"]}
+    assert by["overlap-fixed"]["engaged"] is True
+    assert r["outputs_equal"] is True
+
+
+@pytest.mark.gpu
+def test_bench_on_cuda_with_contention_models_the_peer(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out = tmp_path / "b.json"
+    assert cli.main(["bench", "--device", "cuda", *TINY, "--comm-cores", "4", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["attn_modeled"] is True and r["comm_model"].startswith("nvrtc"), r["comm_model"]
+    assert "4 SM(s) held per op" in r["comm_model"]
+    assert r["outputs_equal"] is True
+    assert all(p["peer_cycle_ok"] is True for p in r["policies"])
+
+
+@pytest.mark.parametrize(
+    ("step_ms", "expected"),
+    [
+        (2.5, (36, 8)),  # small work: many short blocks, 8 x 36 steps (0.72 s)
+        (10.0, (9, 8)),  # blocks of about 0.09 s, 8 of them
+        (40.0, (8, 3)),  # at least the benchmark's own 8 steps x 3 repetitions
+        (200.0, (8, 3)),
+    ],
+)
+def test_work_points_run_short_interleaved_blocks(
+    monkeypatch: pytest.MonkeyPatch, step_ms: float, expected: tuple[int, int]
+) -> None:
+    """A work point's blocks (timed steps per policy and repetition) and
+    repetitions follow the serial probe's step time."""
+    from dataclasses import replace
+
+    from camp2p_overlap.tools.bench import sweep
+    from camp2p_overlap.tools.bench.runner import BenchRun, resolve_params
+
+    params = replace(resolve_params({"layers": 4}, "ffn-bound"), steps=8, warmup=2, reps=3)
+    per_layer_us = step_ms * 1e3 / params.layers
+    probes: list[Any] = []
+
+    def fake_bench(p: Any) -> BenchRun:
+        probes.append(p)
+        return BenchRun({"policies": [{"policy": "serial", "per_layer_us": {"median": per_layer_us}}]}, {})
+
+    monkeypatch.setattr(sweep, "run_bench", fake_bench)
+    assert sweep._work_run(params, sweep.WORK_TIMED_S) == expected
+    (probe,) = probes
+    assert probe.policies == ("serial",) and probe.reps == 1
