@@ -93,6 +93,8 @@ class EnvVar:
         return self.parse(raw)
 
     def parse(self, raw: str) -> Any:
+        """``raw`` (set, not blank) as this variable's value; surrounding
+        blanks are ignored, switches and choices read in any case."""
         text = raw.strip()
         if self.kind == "switch":
             word = text.lower()

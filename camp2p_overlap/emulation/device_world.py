@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from camp2p_overlap.core.keys import COMPUTE_STREAM, side_stream_name
 from camp2p_overlap.core.observe.trace import TraceOp
 from camp2p_overlap.core.overlap.streams import BackendUnavailable, device_module
 from camp2p_overlap.emulation import standins
@@ -226,7 +227,7 @@ class DeviceTiming:
 
     def stream_name(self, stage: int | None) -> str:
         current = self.mod.current_stream()
-        return "C" if current == self.compute_stream else f"K{stage}"
+        return COMPUTE_STREAM if current == self.compute_stream else side_stream_name(stage)
 
     def begin(self) -> Any:
         if not self.active:

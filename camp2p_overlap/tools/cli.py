@@ -285,13 +285,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     overhead = sub.add_parser(
         "overhead",
-        help="host cost of the project's own code per (layer, stage) and per wrapped call",
+        help="host cost of the project's own code per (layer, stage), per pass-through step and per wrapped "
+        "call, and a decided-serial step against no layer",
         description="Time the wrappers, gate, adaptive bookkeeping, session and device backend alone: the "
         "stand-in runner's loop over a no-op transport, a no-op FFN and a device module whose streams and "
         "events do nothing. Per shape and round, blocks of unpatched, engaged (overlap on every step) and "
         "pass-through (applied, adaptive engage decided for serial) steps run in a rotating order; each "
-        "timed step minus the round's median unpatched step, per (layer, stage) or per wrapped call, is one "
-        "sample. Prints medians and p90s; --json schema: docs/benchmark.md.",
+        "timed step minus the round's median unpatched step, per (layer, stage), per step or per wrapped call, "
+        "is one sample. Then the decided-serial A/B on the emulated world of the sweep's smallest work point: "
+        "rounds alternating unpatched and applied-and-decided-serial blocks, the extra step time in %. Prints "
+        "medians and p90s; --json schema: docs/benchmark.md.",
     )
     overhead.add_argument("--layers", type=_ints, default=OverheadParams.layers, help="layer counts (default 4,16,61)")
     overhead.add_argument("--stages", type=_ints, default=OverheadParams.stages, help="stage counts (default 1,2,3)")
@@ -306,6 +309,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="busy wait added to every no-op receive: a cost outside our code, which must cancel out",
+    )
+    overhead.add_argument(
+        "--ab-rounds",
+        type=int,
+        default=OverheadParams.ab_rounds,
+        help="rounds of the decided-serial A/B; 0 skips it (default %(default)s)",
+    )
+    overhead.add_argument(
+        "--ab-steps",
+        type=int,
+        default=OverheadParams.ab_steps,
+        help="timed steps per arm and round of the decided-serial A/B (default %(default)s)",
     )
     overhead.add_argument("--json", metavar="PATH", help="write the result as JSON")
 
@@ -486,6 +501,8 @@ def _overhead(args: argparse.Namespace) -> int:
         steps=args.steps,
         rounds=args.rounds,
         delay_us=args.delay_us,
+        ab_rounds=args.ab_rounds,
+        ab_steps=args.ab_steps,
     )
     try:
         params.validate()

@@ -51,7 +51,7 @@ from camp2p_overlap.core.patching.versions import (
     VLLM_ASCEND_DIST,
     VLLM_DIST,
     VersionCheck,
-    commit_of,
+    built_from,
     installed_version,
     same_release,
 )
@@ -224,10 +224,10 @@ def vllm_ascend_check(manifest: StackManifest, found: str | None) -> dict[str, A
     if found is None:
         row.update(status="not-installed", detail=f"no {VLLM_ASCEND_DIST} distribution is installed")
     elif commit is not None:
-        node = commit_of(found)
+        ok, node = built_from(found, commit)
         if node is None:
             row["detail"] = f"{found} names no commit; check that vllm-ascend is commit {commit[:COMMIT_SHOWN]}"
-        elif commit.startswith(node):
+        elif ok:
             row.update(status="ok", detail=f"{found} is built from commit {commit[:COMMIT_SHOWN]}")
         else:
             row.update(status="differs", detail=f"{found} is built from commit {node}, not {commit[:COMMIT_SHOWN]}")

@@ -10,22 +10,40 @@ which the unpatched runs measure and which is subtracted.
 Per shape (layers x stages), in every round, three blocks run back to back
 in a rotating order: ``unpatched`` (no engine applied), ``engaged`` (the
 overlap on every step, adaptive engage off) and ``pass-through`` (applied,
-adaptive engage decided for serial: the original path under our
-wrappers). Each timed step of a block gives one sample: its time minus the
-median unpatched step time of the same round, divided by the (layer,
-stage) count (engaged) or by the wrapped calls of the step (pass-through:
-``_ffn_forward`` once plus a receive and a send per (layer, stage)).
-Figures are medians and 90th percentiles of those samples; the garbage
-collector stays on, so its pauses count where our allocations cause them.
+adaptive engage decided for serial: the original path under whatever of
+ours is installed). Each timed step of a block, minus the median unpatched
+step time of the same round, gives one sample: per (layer, stage)
+(engaged), per whole step (pass-through: the wrapped ``_ffn_forward`` and
+every connector call of the step), and per wrapped call (that per-step
+figure over the step's calls that meet a frame of ours). Those calls are
+counted on one probe step, not assumed: each manifest target on the
+runner's class counts once a step, each on the connector's class once per
+(layer, stage), wherever the instance resolves it, at that moment, to
+something other than upstream's attribute. Figures are medians and 90th
+percentiles of the samples; the garbage collector stays on, so its pauses
+count where our allocations cause them.
+
+The decided-serial A/B runs on the emulated world of the sweep's smallest
+work point (``camp2p-overlap sweep``: the ``ffn-bound`` preset with the
+sweep's defaults, the smallest hidden size and tokens per stage), not on
+the no-op world: rounds of two blocks, unpatched and applied with the
+adaptive bucket decided serial, alternating which runs first. Each round
+gives one paired figure, the applied block's median step over the
+unpatched block's, as extra step time in %; reported are its median over
+the rounds, a bootstrap 95 % interval of that median, and its min and max.
 """
 
 from __future__ import annotations
 
+import inspect
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
+
+import torch
 
 from camp2p_overlap.core.config import MAX_REPROBE, MAX_STAGES, OverlapConfig
 from camp2p_overlap.core.layer import Layer
@@ -33,11 +51,38 @@ from camp2p_overlap.core.overlap.step import bucket_of
 from camp2p_overlap.core.overlap.streams.streamset import StreamSetRegistry
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.noop import NoopModel, NoopTransport, noop_backend
-from camp2p_overlap.emulation.standin_layer import emulated_layer, release_site, standin_site
+from camp2p_overlap.emulation.standin_layer import StandinSite, emulated_layer, release_site, standin_site
 from camp2p_overlap.emulation.world import World, WorldSpec, build_world
+from camp2p_overlap.tools.bench.runner import BenchParams, percentile, resolve_params
+from camp2p_overlap.tools.bench.sweep import (
+    DEFAULT_WORK_HIDDEN,
+    DEFAULT_WORK_TOKENS,
+    SWEEP_DEFAULTS,
+    WORK_POINT_CHANGES,
+)
 
 PATHS = ("engaged", "pass-through")
 SCHEMA = "camp2p-overlap/overhead/v1"
+#: The arms of the decided-serial A/B, in the order of its even rounds.
+AB_ARMS = ("unpatched", "decided-serial")
+#: The sweep's preset, whose smallest work point the A/B runs on.
+AB_SCENARIO = "ffn-bound"
+AB_BOOTSTRAP = 1000
+#: The benchmark parameters the A/B reports as its world.
+AB_WORLD_KEYS = (
+    "layers",
+    "stages",
+    "tokens",
+    "hidden",
+    "ffn",
+    "experts",
+    "top_k",
+    "link_gbps",
+    "link_latency_us",
+    "attn_us",
+    "comm_cores",
+    "threads",
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +95,10 @@ class OverheadParams:
     rounds: int = 10
     #: Busy wait added to every no-op receive (a cost outside our code).
     delay_us: float = 0.0
+    #: The decided-serial A/B: rounds (0 skips it), timed and warm-up steps per arm and round.
+    ab_rounds: int = 40
+    ab_steps: int = 30
+    ab_warmup: int = 3
 
     def validate(self) -> None:
         if not self.layers or any(n < 1 for n in self.layers):
@@ -60,6 +109,8 @@ class OverheadParams:
             raise ValueError("need steps >= 5, rounds >= 1 and warmup >= 0")
         if self.delay_us < 0:
             raise ValueError(f"delay_us must be >= 0, got {self.delay_us}")
+        if self.ab_rounds != 0 and (self.ab_rounds < 2 or self.ab_steps < 5 or self.ab_warmup < 0):
+            raise ValueError("the decided-serial A/B needs ab_rounds 0 (skip) or >= 2, ab_steps >= 5, ab_warmup >= 0")
 
 
 def _figure(samples: Sequence[float]) -> dict[str, float]:
@@ -68,7 +119,7 @@ def _figure(samples: Sequence[float]) -> dict[str, float]:
     return {"median": round(statistics.median(ordered), 3), "p90": round(p90, 3), "samples": len(ordered)}
 
 
-def _noop_world(layers: int, stages: int, delay_us: float, root: str) -> World:
+def noop_world(layers: int, stages: int, delay_us: float, root: str) -> World:
     world = build_world(
         WorldSpec(layers=layers, stage_ids=tuple(range(stages)), tokens=1, shape=MoEShape(hidden=16)), root=root
     )
@@ -112,22 +163,94 @@ def _time_block(step: Callable[[], Any], warmup: int, steps: int) -> list[int]:
     return times
 
 
+# ---------------------------------------------------------------------------
+# the calls of a pass-through step that meet a frame of ours
+
+
+def _target_names(manifest: Any, obj: Any) -> list[str]:
+    """The manifest's targets that are attributes of ``obj``'s class."""
+    cls = type(obj).__name__
+    return [t.attribute for t in manifest.targets() if t.owner_path[-1:] == (cls,)]
+
+
+def _resolved(obj: Any, names: Sequence[str]) -> dict[str, Any]:
+    """What ``obj`` resolves each name to, without calling a descriptor."""
+    return {name: inspect.getattr_static(obj, name, None) for name in names}
+
+
+class _ProbeModel(NoopModel):
+    """The no-op FFN, calling ``probe`` on each (layer, stage): between that
+    pair's receive and its send, inside the step."""
+
+    def __init__(self, probe: Callable[[], None]) -> None:
+        self.probe = probe
+
+    def compute_ffn_output(self, *, hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        self.probe()
+        return hidden_states
+
+
+def resolved_targets(world: World, manifest: Any) -> dict[str, dict[str, Any]]:
+    """What the runner and the connector resolve each of their manifest
+    targets to now (before any engine is applied: upstream's)."""
+    return {
+        "runner": _resolved(world.runner, _target_names(manifest, world.runner)),
+        "connector": _resolved(world.connector, _target_names(manifest, world.connector)),
+    }
+
+
+def wrapped_calls(world: World, step: Callable[[], Any], manifest: Any, upstream: dict[str, dict[str, Any]]) -> int:
+    """Run ``step`` once and count its calls that meet a frame of ours (see
+    the module docstring); ``upstream`` is :func:`resolved_targets` taken
+    before any engine was applied."""
+    runner_names, connector_names = list(upstream["runner"]), list(upstream["connector"])
+    ours = {"runner": 0, "connector": 0, "pairs": 0}
+
+    def probe() -> None:
+        now = _resolved(world.connector, connector_names)
+        ours["connector"] += sum(now[n] is not upstream["connector"][n] for n in connector_names)
+        ours["pairs"] += 1
+
+    now = _resolved(world.runner, runner_names)
+    ours["runner"] = sum(now[n] is not upstream["runner"][n] for n in runner_names)
+    model = world.runner.model
+    world.runner.model = _ProbeModel(probe)
+    try:
+        step()
+    finally:
+        world.runner.model = model
+    pairs = len(world.layer_list()) * len(world.spec.stage_ids)
+    if ours["pairs"] != pairs or not ours["runner"]:
+        raise RuntimeError(f"the probe step did not run as planned: {ours}, expected {pairs} (layer, stage) pairs")
+    return ours["runner"] + ours["connector"]
+
+
+# ---------------------------------------------------------------------------
+# per shape: unpatched, engaged, pass-through
+
+
 def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, manifest: Any) -> dict[str, Any]:
-    world = _noop_world(layers, stages, params.delay_us, root)
+    world = noop_world(layers, stages, params.delay_us, root)
     dp = world.dp_metadata()
 
     def step() -> None:
         world.runner._ffn_forward(dp_metadata_list=dp)
 
     pairs = layers * stages
-    calls = 1 + 2 * pairs
-    samples: dict[str, list[float]] = {p: [] for p in PATHS}
+    upstream = resolved_targets(world, manifest)
+    samples: dict[str, list[float]] = {"engaged": [], "pass-through": [], "pass-through-step": []}
     base_medians: list[float] = []
     engines = {"engaged": emulated_layer(), "pass-through": emulated_layer()}
     for layer in engines.values():
         layer.runtime.streamsets = StreamSetRegistry(range(MAX_STAGES), make=noop_backend)
     _decide_serial(engines["pass-through"], world)
     configs = {"engaged": _engaged_config(), "pass-through": _passthrough_config()}
+    engines["pass-through"].engine.apply(config=configs["pass-through"], manifest=manifest, strict=True)
+    try:
+        calls = wrapped_calls(world, step, manifest, upstream)
+    finally:
+        if not engines["pass-through"].engine.unpatch(timeout=30.0):
+            raise RuntimeError("the overhead harness could not unpatch its engine")
     order = ["unpatched", *PATHS]
     for r in range(params.rounds):
         times: dict[str, list[int]] = {}
@@ -143,11 +266,12 @@ def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, 
         base = statistics.median(times["unpatched"])
         base_medians.append(base)
         samples["engaged"] += [(t - base) / 1e3 / pairs for t in times["engaged"]]
+        samples["pass-through-step"] += [(t - base) / 1e3 for t in times["pass-through"]]
         samples["pass-through"] += [(t - base) / 1e3 / calls for t in times["pass-through"]]
     counters = engines["engaged"].runtime.counters.to_dict()["steps"]
     passed = engines["pass-through"].runtime.counters.to_dict()["steps"]
     expected = params.rounds * (params.warmup + params.steps)
-    if counters["overlap"] != expected or passed["serial"] != expected or passed["overlap"]:
+    if counters["overlap"] != expected or passed["serial"] != expected + 1 or passed["overlap"]:
         raise RuntimeError(f"the paths were not taken as planned: engaged {counters}, pass-through {passed}")
     return {
         "layers": layers,
@@ -155,9 +279,90 @@ def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, 
         "wrapped_calls_per_step": calls,
         "unpatched_us_per_layer_stage": round(statistics.median(base_medians) / 1e3 / pairs, 3),
         "engaged_us_per_layer_stage": _figure(samples["engaged"]),
+        "passthrough_us_per_step": _figure(samples["pass-through-step"]),
         "passthrough_us_per_call": _figure(samples["pass-through"]),
         "_samples": samples,
     }
+
+
+# ---------------------------------------------------------------------------
+# the decided-serial A/B
+
+
+def smallest_work_point() -> BenchParams:
+    """The benchmark parameters of the sweep's smallest work point (its
+    default run: the ``ffn-bound`` preset with the sweep's defaults)."""
+    base = resolve_params(SWEEP_DEFAULTS, AB_SCENARIO)
+    return replace(base, tokens=min(DEFAULT_WORK_TOKENS), hidden=min(DEFAULT_WORK_HIDDEN), **WORK_POINT_CHANGES)
+
+
+def _ab_interval(extra: Sequence[float]) -> list[float]:
+    """A bootstrap 95 % interval of the median of the rounds' figures."""
+    rng = random.Random(0)
+    medians = [statistics.median(rng.choices(extra, k=len(extra))) for _ in range(AB_BOOTSTRAP)]
+    return [round(percentile(medians, 2.5), 3), round(percentile(medians, 97.5), 3)]
+
+
+def _decided_serial_ab(params: OverheadParams, site: StandinSite) -> dict[str, Any]:
+    point = smallest_work_point()
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(point.threads)
+    world = build_world(point.world_spec(), root=site.root)
+    try:
+        layer = emulated_layer()
+        _decide_serial(layer, world)
+        config = _passthrough_config()
+        upstream = inspect.getattr_static(world.runner, "_ffn_forward")
+        per_round = []
+        for r in range(params.ab_rounds):
+            arms = AB_ARMS if r % 2 == 0 else AB_ARMS[::-1]
+            medians: dict[str, float] = {}
+            for arm in arms:
+                applied = arm == "decided-serial"
+                if applied:
+                    layer.engine.apply(config=config, manifest=site.manifest, strict=True)
+                try:
+                    if (inspect.getattr_static(world.runner, "_ffn_forward") is not upstream) != applied:
+                        raise RuntimeError(f"the A/B arm {arm!r} did not run as planned (layer applied: {not applied})")
+                    medians[arm] = statistics.median(_time_block(world.run_step, params.ab_warmup, params.ab_steps))
+                finally:
+                    if applied and not layer.engine.unpatch(timeout=30.0):
+                        raise RuntimeError("the overhead harness could not unpatch its engine")
+            per_round.append(
+                {
+                    "first": arms[0],
+                    "unpatched_us": round(medians["unpatched"] / 1e3, 3),
+                    "decided_serial_us": round(medians["decided-serial"] / 1e3, 3),
+                    "extra_pct": round(100.0 * (medians["decided-serial"] / medians["unpatched"] - 1.0), 3),
+                }
+            )
+        steps = layer.runtime.counters.to_dict()["steps"]
+        expected = params.ab_rounds * (params.ab_warmup + params.ab_steps)
+        if steps.get("serial") != expected or steps.get("overlap"):
+            raise RuntimeError(f"the decided-serial arm did not take the serial path on every step: {steps}")
+    finally:
+        world.close()
+        torch.set_num_threads(previous_threads)
+    extra = [r["extra_pct"] for r in per_round]
+    return {
+        "world": {k: getattr(point, k) for k in AB_WORLD_KEYS},
+        "rounds": params.ab_rounds,
+        "steps": params.ab_steps,
+        "warmup": params.ab_warmup,
+        "unpatched_us_per_step": round(statistics.median(r["unpatched_us"] for r in per_round), 3),
+        "decided_serial_us_per_step": round(statistics.median(r["decided_serial_us"] for r in per_round), 3),
+        "extra_pct": {
+            "median": round(statistics.median(extra), 3),
+            "ci95": _ab_interval(extra),
+            "min": min(extra),
+            "max": max(extra),
+        },
+        "per_round": per_round,
+    }
+
+
+# ---------------------------------------------------------------------------
+# the run
 
 
 def measure_overhead(params: OverheadParams) -> dict[str, Any]:
@@ -171,15 +376,18 @@ def measure_overhead(params: OverheadParams) -> dict[str, Any]:
             for layers in params.layers
             for stages in params.stages
         ]
+        ab = _decided_serial_ab(params, site) if params.ab_rounds else None
     finally:
         release_site(site)
     shape_samples = [s.pop("_samples") for s in shapes]
-    pooled = {p: [x for samples in shape_samples for x in samples[p]] for p in PATHS}
+    pooled = {p: [x for samples in shape_samples for x in samples[p]] for p in shape_samples[0]}
     return {
         "schema": SCHEMA,
         "engaged_us_per_layer_stage": _figure(pooled["engaged"]),
+        "passthrough_us_per_step": _figure(pooled["pass-through-step"]),
         "passthrough_us_per_call": _figure(pooled["pass-through"]),
         "shapes": shapes,
+        "decided_serial_ab": ab,
         "params": asdict(params),
         "wall_s": round(time.perf_counter() - wall0, 2),
     }
@@ -188,17 +396,32 @@ def measure_overhead(params: OverheadParams) -> dict[str, Any]:
 def format_overhead(result: dict[str, Any]) -> str:
     """The result as the table ``camp2p-overlap overhead`` prints."""
     e, p = result["engaged_us_per_layer_stage"], result["passthrough_us_per_call"]
+    ps = result["passthrough_us_per_step"]
     lines = [
         "host cost of camp2p-overlap's own code (no-op device, transport and FFN)",
         f"  engaged:      {e['median']:.2f} us per (layer, stage), p90 {e['p90']:.2f}",
-        f"  pass-through: {p['median']:.2f} us per wrapped call, p90 {p['p90']:.2f}",
+        f"  pass-through: {ps['median']:.2f} us per step, p90 {ps['p90']:.2f}; "
+        f"{p['median']:.2f} us per wrapped call, p90 {p['p90']:.2f}",
         "",
-        f"{'layers':>6} {'stages':>6} {'loop us/(L,s)':>14} {'engaged med':>12} {'p90':>8} {'pass med':>9} {'p90':>8}",
+        f"{'layers':>6} {'stages':>6} {'loop us/(L,s)':>14} {'engaged med':>12} {'p90':>8} "
+        f"{'pass us/step':>12} {'p90':>8} {'calls':>6} {'us/call':>8} {'p90':>8}",
     ]
     for s in result["shapes"]:
-        se, sp = s["engaged_us_per_layer_stage"], s["passthrough_us_per_call"]
+        se, sps, sp = s["engaged_us_per_layer_stage"], s["passthrough_us_per_step"], s["passthrough_us_per_call"]
         lines.append(
             f"{s['layers']:>6} {s['stages']:>6} {s['unpatched_us_per_layer_stage']:>14.2f} "
-            f"{se['median']:>12.2f} {se['p90']:>8.2f} {sp['median']:>9.2f} {sp['p90']:>8.2f}"
+            f"{se['median']:>12.2f} {se['p90']:>8.2f} {sps['median']:>12.2f} {sps['p90']:>8.2f} "
+            f"{s['wrapped_calls_per_step']:>6} {sp['median']:>8.2f} {sp['p90']:>8.2f}"
         )
+    ab = result.get("decided_serial_ab")
+    if ab:
+        w, x = ab["world"], ab["extra_pct"]
+        lines += [
+            "",
+            f"decided serial vs not applied, on the sweep's smallest work point ({w['layers']} layers x "
+            f"{w['stages']} stages, hidden {w['hidden']}, {w['tokens']} token(s) per stage; emulated world):",
+            f"  {ab['unpatched_us_per_step']:.1f} us unpatched, {ab['decided_serial_us_per_step']:.1f} us applied "
+            f"per step; extra {x['median']:+.2f} % median, 95 % interval [{x['ci95'][0]:+.2f}, {x['ci95'][1]:+.2f}], "
+            f"min {x['min']:+.2f}, max {x['max']:+.2f} over {ab['rounds']} rounds x {ab['steps']} steps per arm",
+        ]
     return "\n".join(lines)

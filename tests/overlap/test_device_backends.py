@@ -5,16 +5,15 @@ the gpu/npu-marked tests (which skip with a reason elsewhere)."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import itertools
 import logging
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from support.host_device import HostDevice, use_host_device
 from support.overlap import (
     SHAPE,
     Schedule,
@@ -30,13 +29,11 @@ from support.overlap import (
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.observe import trace
-from camp2p_overlap.core.overlap import decision as step_decision
 from camp2p_overlap.core.overlap.streams import (
     BackendUnavailable,
     TorchDeviceBackend,
     device_module,
     make_backend,
-    streamset,
 )
 from camp2p_overlap.verify import edges
 
@@ -68,90 +65,18 @@ def test_unknown_device_kind_and_incomplete_modules_are_refused() -> None:
 
 
 # ---------------------------------------------------------------------------
-# A stand-in device module: the stream/event API shape of torch.cuda/torch.npu,
-# work runs on the host when enqueued (so the issue order must itself be a
-# legal protocol order), events carry the time they were last recorded.
-
-
-class FakeDevice:
-    def __init__(self) -> None:
-        self.__name__ = "fakedev"
-        self.clock = itertools.count(1)
-        self.events_created = 0
-        self.streams_created = 0
-        self.capturing = False
-        self.waits: list[tuple[str, Any, int]] = []
-        self.syncs = 0
-        self.queries = 0
-        dev = self
-
-        class Stream:
-            def __init__(self, device: Any = None) -> None:
-                dev.streams_created += 1
-                self.label = "side"
-
-            def wait_event(self, event: Any) -> None:
-                assert event.t is not None, "wait on an event that was never recorded"
-                dev.waits.append((getattr(self, "name", "?"), event, event.t))
-
-            def synchronize(self) -> None:
-                dev.syncs += 1
-
-        class Event:
-            def __init__(self, enable_timing: bool = False) -> None:
-                dev.events_created += 1
-                self.t: int | None = None
-
-            def record(self, stream: Any = None) -> None:
-                self.t = next(dev.clock)
-
-            def query(self) -> bool:
-                dev.queries += 1
-                return True
-
-            def synchronize(self) -> None:
-                dev.syncs += 1
-
-            def elapsed_time(self, end: Any) -> float:
-                return float(end.t - self.t)  # clock ticks as "ms"
-
-        self.Stream = Stream
-        self.Event = Event
-        self.current: list[Any] = [Stream()]  # the default (compute) stream
-
-    def current_stream(self) -> Any:
-        return self.current[-1]
-
-    @contextlib.contextmanager
-    def stream(self, s: Any) -> Iterator[None]:
-        self.current.append(s)
-        try:
-            yield
-        finally:
-            self.current.pop()
-
-    def is_current_stream_capturing(self) -> bool:
-        return self.capturing
-
-    def now(self) -> int:
-        return next(self.clock)
-
-    def synchronize(self) -> None:
-        self.syncs += 1
+# The host stand-in device module (support.host_device), with a tick clock.
 
 
 @pytest.fixture
-def fake_device(monkeypatch: pytest.MonkeyPatch) -> FakeDevice:
-    dev = FakeDevice()
-    monkeypatch.setattr(step_decision, "resolve_backend_name", lambda requested, device: "fake")
-    monkeypatch.setattr(streamset, "make_backend", lambda name, device=None: TorchDeviceBackend("fake", dev))
-    # The registry binds its backend factory when built: give the process-wide one the fake.
-    monkeypatch.setattr(LAYER.runtime.streamsets, "_make", lambda name, device=None: TorchDeviceBackend("fake", dev))
+def fake_device(monkeypatch: pytest.MonkeyPatch) -> HostDevice:
+    dev = HostDevice(name="fakedev", clock=itertools.count(1).__next__, tick_ms=1.0)
+    use_host_device(monkeypatch, dev)
     return dev
 
 
 def test_device_backend_schedule_equals_serial_and_reuses_events(
-    fake_device: FakeDevice, monkeypatch: pytest.MonkeyPatch
+    fake_device: HostDevice, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     w = world(layers=4, stage_ids=(0, 1, 2))
     scheds = [Schedule(4, (0, 1, 2), (3 + i, 9, 16 - i), step=i + 1) for i in range(6)]
@@ -177,7 +102,7 @@ def test_device_backend_schedule_equals_serial_and_reuses_events(
     assert sessions.count == len(scheds)
 
 
-def test_device_capture_gates_unless_graph_mode(fake_device: FakeDevice, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_device_capture_gates_unless_graph_mode(fake_device: HostDevice, monkeypatch: pytest.MonkeyPatch) -> None:
     w = world(layers=2, stage_ids=(0, 1))
     sched = Schedule(2, (0, 1), (5, 5), step=1)
     (ref,) = serial_results(w, [sched])
@@ -200,7 +125,7 @@ def test_device_capture_gates_unless_graph_mode(fake_device: FakeDevice, monkeyp
 
 
 def test_first_engaged_step_inside_capture_creates_no_streams(
-    fake_device: FakeDevice, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    fake_device: HostDevice, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     w = world(layers=2, stage_ids=(0, 1))
     sched = Schedule(2, (0, 1), (5, 5), step=1)
@@ -298,7 +223,7 @@ def test_emulated_world_on_a_real_device(monkeypatch: pytest.MonkeyPatch, kind: 
         release_site(site)
 
 
-def test_adaptive_device_steps_read_events_and_never_synchronize(fake_device: FakeDevice) -> None:
+def test_adaptive_device_steps_read_events_and_never_synchronize(fake_device: HostDevice) -> None:
     """Adaptive engage on a device backend: step times come from timing
     events queried later; no step synchronizes anything; outputs stay equal
     across the learning steps that switch between overlap and serial."""

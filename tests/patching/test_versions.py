@@ -249,6 +249,8 @@ def test_commit_pinned_afd_plugin(found: str, ok: bool) -> None:
     vllm_ok = judge_vllm_version("0.26.0", "0.26.0")
     vc = versions.judge_afd_plugin_commit(vllm_ok, found, MAIN)
     assert vc.ok is ok and vc.vllm_ok
+    # The match the doctor's vllm-ascend row shares.
+    assert versions.built_from(found, MAIN) == (ok, versions.commit_of(found))
     if ok:
         assert vc.reason.endswith(f"afd-plugin {found} is built from commit 2e4378f2d")
     else:

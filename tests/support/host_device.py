@@ -1,15 +1,18 @@
-"""A host stand-in of a torch device module (``torch.cuda``'s stream/event
-shape) whose work runs on the host when enqueued, and whose events carry
-the host time (``time.perf_counter_ns``) they were recorded at: the device
-world and the device backend run on it without a GPU, with real times in
-their traces. Because work runs at enqueue, the host issue order must itself
-be a legal protocol order (as on one in-order device queue)."""
+"""The one host stand-in of a torch device module (``torch.cuda``'s
+stream/event shape) of the suite: work runs on the host when enqueued (so
+the host issue order must itself be a legal protocol order, as on one
+in-order device queue), events carry the clock time they were last
+recorded at (``time.perf_counter_ns`` by default: the device world and the
+device backend run on it without a GPU, with real times in their traces;
+a counter where a test wants ticks), and it counts what the layer asked of
+it: streams and events made, waits, synchronizes, queries.
+``use_host_device`` makes the layer's stream sets use it."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -19,44 +22,64 @@ from camp2p_overlap.core.overlap.streams import TorchDeviceBackend, streamset
 
 
 class HostDevice:
-    def __init__(self) -> None:
-        self.__name__ = "hostdev"
-        self.waits: list[tuple[str, int]] = []
+    def __init__(
+        self, *, name: str = "hostdev", clock: Callable[[], int] = time.perf_counter_ns, tick_ms: float = 1e-6
+    ) -> None:
+        """``clock``: the time events record, in units of ``tick_ms``
+        milliseconds (``elapsed_time`` answers in ms, as torch.cuda's)."""
+        self.__name__ = name
+        self.clock = clock
+        self.tick_ms = tick_ms
+        self.events_created = 0
+        self.streams_created = 0
+        #: What ``is_current_stream_capturing`` answers.
+        self.capturing = False
+        #: (stream name, event, the event's time) of every wait, in order.
+        self.waits: list[tuple[str, Any, int]] = []
+        self.syncs = 0
+        self.queries = 0
         dev = self
 
         class Stream:
             def __init__(self, device: Any = None) -> None:
-                self.name = "?"
+                dev.streams_created += 1
+                self.name = "?"  # the backend names the streams it uses
 
             def wait_event(self, event: Any) -> None:
                 assert event.t is not None, "wait on an event that was never recorded"
-                dev.waits.append((self.name, event.t))
+                dev.waits.append((self.name, event, event.t))
 
             def synchronize(self) -> None:
-                pass
+                dev.syncs += 1
 
         class Event:
             def __init__(self, enable_timing: bool = False) -> None:
+                dev.events_created += 1
                 self.t: int | None = None
 
             def record(self, stream: Any = None) -> None:
-                self.t = time.perf_counter_ns()
+                self.t = dev.clock()
 
             def query(self) -> bool:
+                dev.queries += 1
                 return True
 
             def synchronize(self) -> None:
-                pass
+                dev.syncs += 1
 
             def elapsed_time(self, end: Any) -> float:
-                return (end.t - self.t) / 1e6  # ms, as torch.cuda.Event
+                return (end.t - self.t) * dev.tick_ms
 
         self.Stream = Stream
         self.Event = Event
-        self.current: list[Any] = [Stream()]
+        self.current: list[Any] = [Stream()]  # the default (compute) stream
 
     def current_stream(self) -> Any:
         return self.current[-1]
+
+    def current_stream_name(self) -> str:
+        """The name of the stream work enqueued now runs on (``?`` unnamed)."""
+        return self.current[-1].name
 
     def current_device(self) -> int:
         return 0
@@ -70,14 +93,17 @@ class HostDevice:
             self.current.pop()
 
     def is_current_stream_capturing(self) -> bool:
-        return False
+        return self.capturing
+
+    def now(self) -> int:
+        return self.clock()
 
     def synchronize(self) -> None:
-        pass
+        self.syncs += 1
 
 
 def use_host_device(monkeypatch: pytest.MonkeyPatch, dev: HostDevice) -> None:
-    """Make the patch layer's stream sets use ``dev`` through the shared
-    device backend, whatever backend the configuration names."""
-    monkeypatch.setattr(step_decision, "resolve_backend_name", lambda requested, device: "hostdev")
-    monkeypatch.setattr(streamset, "make_backend", lambda name, device=None: TorchDeviceBackend("hostdev", dev))
+    """Make every layer's stream sets use ``dev`` through the shared device
+    backend, whatever backend the configuration names."""
+    monkeypatch.setattr(step_decision, "resolve_backend_name", lambda requested, device: dev.__name__)
+    monkeypatch.setattr(streamset, "make_backend", lambda name, device=None: TorchDeviceBackend(dev.__name__, dev))

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from support.overlap import Schedule, apply_cpu, run_step, world
 
+from camp2p_overlap.core.keys import EventKey
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, TraceOp
 from camp2p_overlap.verify import edges
@@ -156,29 +157,32 @@ def test_event_graph_edges(good: Any, source: str) -> None:
         assert not res.ok, "the checker accepted a broken trace"
         return str(res)
 
-    # A wait on an event never recorded in this step.
-    text = violations(_without(ops, source, "record", "('a', 1, 0)"))
-    assert "C waits on event ('a', 1, 0) that was not recorded before in this step" in text
+    # A wait on an event never recorded in this step (a detail is the event's label).
+    a_1_0 = EventKey("a", 1, 0).label()
+    assert a_1_0 == "a L1 s0" and EventKey.parse(a_1_0) == EventKey("a", 1, 0)
+    text = violations(_without(ops, source, "record", a_1_0))
+    assert "C waits on event a L1 s0 that was not recorded before in this step" in text
     assert "edge 3 (FFN waits its A2E): nothing orders a2e(L1,s0) on K0 before ffn(L1,s0) on C" in text
 
     # The compute stream does not wait a_done (edge 3), K does not wait f_done (edge 4).
-    text = violations(_without(ops, source, "wait", "('a', 2, 1)"))
+    text = violations(_without(ops, source, "wait", EventKey("a", 2, 1).label()))
     assert "edge 3 (FFN waits its A2E): nothing orders a2e(L2,s1)" in text
-    text = violations(_without(ops, source, "wait", "('f', 0, 0)"))
+    text = violations(_without(ops, source, "wait", EventKey("f", 0, 0).label()))
     assert "edge 4 (E2A waits its FFN): nothing orders ffn(L0,s0)" in text
 
     # Fork and join.
-    assert "edge 1 (fork): K1 starts with" in violations(_without(ops, source, "wait", "('fork',)", "K1"))
-    text = violations(_without(ops, source, "wait", "('join', 0)"))
+    assert "edge 1 (fork): K1 starts with" in violations(_without(ops, source, "wait", EventKey.fork().label(), "K1"))
+    text = violations(_without(ops, source, "wait", EventKey.join(0).label()))
     assert "edge 7 (join): the work of K0 is not waited by C" in text
 
     # An edge between two stages' streams: K1 waits an event recorded on K0.
     broken = list(ops)
-    i = next(j for j, o in enumerate(broken) if o.kind == "wait" and o.source == source and o.detail == "('f', 1, 1)")
-    rec = next(o for o in broken if o.kind == "record" and o.source == source and o.detail == "('a', 1, 0)")
+    f_1_1 = EventKey("f", 1, 1).label()
+    i = next(j for j, o in enumerate(broken) if o.kind == "wait" and o.source == source and o.detail == f_1_1)
+    rec = next(o for o in broken if o.kind == "record" and o.source == source and o.detail == a_1_0)
     broken[i] = dataclasses.replace(broken[i], detail=rec.detail, event=rec.event)
     text = violations(broken)
-    assert "K1 waits on event ('a', 1, 0) recorded on K0: an edge between stage streams" in text
+    assert "K1 waits on event a L1 s0 recorded on K0: an edge between stage streams" in text
 
     # The lookahead A2E queued before its group's E2A (stream order on K0).
     broken = list(ops)
@@ -194,12 +198,12 @@ def test_backend_waits_must_return_after_their_event_fired(good: Any) -> None:
     placed in its execution order."""
     ops, expected = good
     broken = list(ops)
-    key = "('a', 1, 1)"
+    key = EventKey("a", 1, 1).label()
     i = next(j for j, o in enumerate(broken) if o.kind == "wait" and o.source == "backend" and o.detail == key)
     rec = next(o for o in broken if o.kind == "record" and o.source == "backend" and o.detail == key)
     broken[i] = dataclasses.replace(broken[i], end_ns=rec.end_ns - 1)
     text = str(edges.check_step(broken, expected))
-    assert "C's wait on event ('a', 1, 1) returned before that event fired" in text
+    assert "C's wait on event a L1 s1 returned before that event fired" in text
     assert edges.check_step(broken, expected, source="session").ok  # the session's record cannot tell
 
     broken = list(ops)

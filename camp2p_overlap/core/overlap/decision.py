@@ -100,11 +100,12 @@ def connector_problem(engine: PatchEngine, connector: Any) -> str | None:
         slots = vars(connector)
     except TypeError:
         return f"connector {type(connector).__name__} has no instance __dict__ to route its calls through"
-    for owner, spec in routes:
+    cls = type(connector)
+    for _, spec in routes:
         if is_router(slots.get(spec.attribute)):
             return "the connector's calls are routed to a step on another thread"
-        if hasattr(type(inspect.getattr_static(owner, spec.attribute, None)), "__set__"):
-            return f"connector {owner.__name__}.{spec.attribute} cannot be routed per instance (a data descriptor)"
+        if hasattr(type(inspect.getattr_static(cls, spec.attribute, None)), "__set__"):
+            return f"connector {cls.__name__}.{spec.attribute} cannot be routed per instance (a data descriptor)"
     return None
 
 

@@ -121,6 +121,14 @@ def commit_of(found: str) -> str | None:
     return m.group(1) if m else None
 
 
+def built_from(found: str, commit: str) -> tuple[bool, str | None]:
+    """Whether the installed version ``found`` is built from ``commit`` (a
+    full id: its setuptools-scm label names an abbreviation of it), and the
+    commit the label names (None: it names none)."""
+    node = commit_of(found)
+    return node is not None and commit.startswith(node), node
+
+
 def judge_afd_plugin_commit(vllm_check: VersionCheck, found: str | None, commit: str) -> VersionCheck:
     """An installed afd-plugin built from ``commit`` (full id) passes: its
     version's setuptools-scm label names an abbreviation of it. The public
@@ -128,9 +136,9 @@ def judge_afd_plugin_commit(vllm_check: VersionCheck, found: str | None, commit:
     history, which a shallow clone shortens."""
     if found is None:
         return _not_installed(vllm_check)
-    node = commit_of(found)
+    ok, node = built_from(found, commit)
     shown = commit[:COMMIT_SHOWN]
-    if node is not None and commit.startswith(node):
+    if ok:
         return replace(vllm_check, reason=f"{vllm_check.reason}; afd-plugin {found} is built from commit {shown}")
     note = f" (commit {node})" if node else " (its version names no commit)"
     return _afd_refused(vllm_check, found, f"afd-plugin commit {shown}", note)

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from camp2p_overlap.core.keys import COMPUTE_STREAM
 from camp2p_overlap.core.observe.trace import TraceOp
 
 KIND_COLORS = {"a2e": "#4C72B0", "ffn": "#DD8452", "e2a": "#55A868", "wait": "#C7C7C7"}
@@ -33,7 +34,7 @@ def _figure(width: float, height: float) -> Any:
 
 
 def _stream_order(name: str) -> tuple[int, str]:
-    return (0 if name == "C" else 1, name)
+    return (0 if name == COMPUTE_STREAM else 1, name)
 
 
 def bench_plot(timelines: Mapping[str, Sequence[TraceOp]], report: Mapping[str, Any], path: str | Path) -> None:

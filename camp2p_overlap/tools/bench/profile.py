@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.keys import COMPUTE_STREAM
 from camp2p_overlap.core.observe.trace import ExpectedSchedule
 from camp2p_overlap.core.overlap.streams import StreamBackend, device_module
-from camp2p_overlap.core.overlap.streams.device import profiler_range
+from camp2p_overlap.core.overlap.streams.device import RANGE_PREFIX, profiler_range
 from camp2p_overlap.emulation.standin_layer import emulated_layer
 from camp2p_overlap.verify.device_timeline import DeviceTimeline, parse
 from camp2p_overlap.verify.edges import check_step
@@ -47,13 +48,13 @@ def mark_streams(mod: Any, streams: Mapping[str, Any], launch: Callable[[], None
     """One marker kernel per stream inside ``camp2p:stream <name>``: how the
     trace's device stream ids get our names."""
     for name, stream in streams.items():
-        with mod.stream(stream), profiler_range(f"camp2p:stream {name}"):
+        with mod.stream(stream), profiler_range(f"{RANGE_PREFIX}stream {name}"):
             launch()
 
 
 def fence(name: str, launch: Callable[[], None]) -> None:
     """A marker kernel on the current stream (C) inside ``camp2p:<name>``."""
-    with profiler_range(f"camp2p:{name}"):
+    with profiler_range(f"{RANGE_PREFIX}{name}"):
         launch()
 
 
@@ -77,7 +78,7 @@ def profiled_step(
     launch: Callable[[], None],
 ) -> Any:
     """The step between two fences, every stream marked, ops annotated."""
-    mark_streams(mod, {"C": backend.compute_stream(), **side}, launch)
+    mark_streams(mod, {COMPUTE_STREAM: backend.compute_stream(), **side}, launch)
     with annotated([backend]):
         fence("step-begin", launch)
         out = run_step()

@@ -47,6 +47,7 @@ import torch
 
 import camp2p_overlap
 from camp2p_overlap.core.config import MAX_STAGES, OverlapConfig
+from camp2p_overlap.core.keys import COMPUTE_STREAM
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, TraceOp, TraceRecorder, recording
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.standin_layer import emulated_layer, release_site, standin_site
@@ -508,7 +509,7 @@ def _run_policies(
                 finally:
                     if not engine.unpatch(timeout=30.0):
                         raise RuntimeError("the benchmark's patch engine could not unpatch; see the log")
-                engaged = any(o.kind in ("a2e", "e2a") and o.stream != "C" for o in ops)
+                engaged = any(o.kind in ("a2e", "e2a") and o.stream != COMPUTE_STREAM for o in ops)
                 if handle.edges_checkable:
                     sides = POLICIES[policy] or (False, False)
                     if len(stages) < passthrough.min_stages or (policy in ADAPTIVE_POLICIES and not engaged):
@@ -552,7 +553,7 @@ def _step_terms(
         a: dict[int, list[float]] = {s: [] for s in stages}
         e: dict[int, list[float]] = {s: [] for s in stages}
         for o in ops:
-            if o.stream != "C" or o.stage not in a:
+            if o.stream != COMPUTE_STREAM or o.stage not in a:
                 continue
             if o.kind == "ffn":
                 f.append(o.duration_ns / 1e9)

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from camp2p_overlap.core.keys import COMPUTE_STREAM
 from camp2p_overlap.core.observe.trace import TraceOp
 from camp2p_overlap.tools.bench.runner import POLICIES, BenchRun
 from camp2p_overlap.verify.edges import to_chrome_trace
@@ -28,7 +29,7 @@ def fmt_time(us: float | None) -> str:
 
 def _sides(policy: str) -> tuple[str, str]:
     sides = POLICIES[policy] or (False, False)
-    return ("K_s" if sides[0] else "C", "K_s" if sides[1] else "C")
+    return ("K_s" if sides[0] else COMPUTE_STREAM, "K_s" if sides[1] else COMPUTE_STREAM)
 
 
 def _ci(interval: Sequence[float] | None) -> str:

@@ -1,0 +1,217 @@
+"""Connectors left alone outside a step (``core/overlap/connector_routes.py``):
+between steps a connector call runs upstream's method with no frame of
+ours; during an engaged step only that step's thread, on that connector
+instance, is routed to the session; a user's instance attribute keeps being
+the callee and comes back as the very same object; nothing of ours is left
+on any class or instance, also after a step that raised."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+import pytest
+from support.overlap import apply_cpu, assert_same, run_step, serial_results, world
+
+from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.observe.trace import TraceRecorder
+from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes, is_router
+from camp2p_overlap.core.overlap.step import ROUTERS
+
+pytestmark = pytest.mark.usefixtures("standin_stack")
+ROUTED = ("recv_attn_output", "send_ffn_output")
+PACKAGE_DIR = "camp2p_overlap"
+
+
+def _our_frames(call: Any) -> list[str]:
+    """Every function of this package that ran (as a Python frame) while ``call()`` ran."""
+    seen: list[str] = []
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and f"/{PACKAGE_DIR}/" in frame.f_code.co_filename.replace("\\", "/"):
+            if "/emulation/" not in frame.f_code.co_filename:  # the stand-in's own code is upstream's here
+                seen.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@pytest.fixture
+def applied() -> Iterator[None]:
+    LAYER.engine.unpatch()
+    yield
+    assert LAYER.engine.unpatch() is True
+
+
+def test_between_steps_a_connector_call_runs_no_frame_of_ours(applied: None) -> None:
+    w = world(layers=2, stage_ids=(0, 1))
+    originals = {name: vars(type(w.connector))[name] for name in ROUTED}
+    apply_cpu()
+    run_step(w)  # an engaged step ran and ended
+    assert LAYER.runtime.counters.to_dict()["steps"]["overlap"] >= 1
+    for name in ROUTED:
+        assert vars(type(w.connector))[name] is originals[name]
+        assert name not in vars(w.connector)
+    probe = type(w.connector).recv_attn_output  # the class's own function, as upstream's loop reaches it
+    assert probe is originals["recv_attn_output"]
+    frames = _our_frames(lambda: w.connector.recv_attn_output)
+    assert frames == []
+
+
+def test_the_profile_check_sees_a_frame_of_ours(applied: None) -> None:
+    """The check above can fail: while a route is in place, a call runs a frame of ours."""
+    w = world(layers=2, stage_ids=(0, 1))
+    apply_cpu()
+    w.connector.recv_attn_output = lambda *a, **k: "payload"  # the callee: no transport needed
+    routes = ConnectorRoutes(w.connector)
+    router = ROUTERS["recv_attn_output"].to_trace(TraceRecorder())
+    assert routes.install([("recv_attn_output", router)]) is None
+    try:
+        assert _our_frames(lambda: w.connector.recv_attn_output(0, layer_idx=0)) != []
+    finally:
+        routes.remove()
+    assert vars(w.connector)["recv_attn_output"]() == "payload"  # the user's attribute is back
+
+
+def test_during_an_engaged_step_only_this_instance_is_routed(applied: None) -> None:
+    w, other = world(layers=2, stage_ids=(0, 1)), world(layers=2, stage_ids=(0, 1))
+    apply_cpu()
+    seen: list[tuple[bool, bool]] = []
+    compute = w.runner.model.compute_ffn_output
+
+    def spying_compute(**kw: Any) -> Any:  # runs on the loop thread, inside the step
+        seen.append((is_router(vars(w.connector).get("recv_attn_output")), "recv_attn_output" in vars(other.connector)))
+        return compute(**kw)
+
+    w.runner.model.compute_ffn_output = spying_compute
+    run_step(w)
+    assert seen == [(True, False)] * 4  # layers x stages: routed here, never on the other connector
+    assert "recv_attn_output" not in vars(w.connector) and "send_ffn_output" not in vars(w.connector)
+
+
+def test_a_step_that_raises_leaves_nothing_on_the_instance(applied: None) -> None:
+    w = world(layers=2, stage_ids=(0, 1))
+    apply_cpu()
+
+    def failing(**kw: Any) -> Any:
+        raise RuntimeError("ffn failed")
+
+    w.runner.model.compute_ffn_output = failing
+    with pytest.raises(RuntimeError, match="ffn failed"):
+        run_step(w)
+    assert not any(name in vars(w.connector) for name in ROUTED)
+
+
+def test_a_users_instance_attribute_is_kept_and_called_where_the_loop_would(applied: None) -> None:
+    w = world(layers=2, stage_ids=(0, 1))
+    (reference,) = serial_results(w, [None])
+    calls: list[int] = []
+    bound = w.connector.send_ffn_output
+
+    def users_send(*args: Any, **kwargs: Any) -> Any:
+        calls.append(threading.get_ident())
+        return bound(*args, **kwargs)
+
+    w.connector.send_ffn_output = users_send
+    apply_cpu()
+    w.steps_run = 0  # the reference's step again
+    got = run_step(w)
+    assert_same(got, reference)
+    assert LAYER.runtime.counters.to_dict()["steps"]["overlap"] >= 1
+    assert len(calls) == 2 * 2  # every send of the loop reached the user's attribute
+    assert all(t != threading.get_ident() for t in calls)  # on the side streams: the step engaged
+    assert vars(w.connector)["send_ffn_output"] is users_send  # the very same object is back
+
+
+def test_another_thread_calling_the_routed_instance_gets_the_callee() -> None:
+    class Conn:
+        def recv(self, x: int) -> tuple[str, int]:
+            return ("upstream", x)
+
+    conn = Conn()
+
+    def make(callee: Any, thread: int) -> Any:
+        def routed(x: int) -> Any:
+            return ("session", x) if threading.get_ident() == thread else callee(x)
+
+        return routed
+
+    routes = ConnectorRoutes(conn)
+    assert routes.install([("recv", make)]) is None
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(conn.recv(2)))
+    t.start()
+    t.join(10)
+    assert conn.recv(1) == ("session", 1) and out == [("upstream", 2)]
+    routes.remove()
+    assert "recv" not in vars(conn) and conn.recv(3) == ("upstream", 3)
+
+
+def test_routes_refuse_a_slotted_instance_a_data_descriptor_and_a_second_route() -> None:
+    class Slotted:
+        __slots__ = ()
+
+        def recv(self) -> str:
+            return "upstream"
+
+    assert "no instance __dict__" in str(ConnectorRoutes(Slotted()).install([("recv", lambda c, t: c)]))
+
+    class Described:
+        recv = property(lambda self: lambda: "upstream")
+
+    obj = Described()
+    reason = ConnectorRoutes(obj).install([("recv", lambda c, t: c)])
+    assert reason is not None and "descriptor" in reason and "recv" not in vars(obj)
+
+    class Plain:
+        def recv(self) -> str:
+            return "upstream"
+
+    plain = Plain()
+    first = ConnectorRoutes(plain)
+    assert first.install([("recv", lambda c, t: lambda: "first")]) is None
+    assert "another thread" in str(ConnectorRoutes(plain).install([("recv", lambda c, t: c)]))
+    first.remove()
+    assert vars(plain) == {} and plain.recv() == "upstream"
+
+
+def test_a_route_replaced_during_the_step_is_left_as_it_was_set() -> None:
+    class Plain:
+        def recv(self) -> str:
+            return "upstream"
+
+    plain = Plain()
+    routes = ConnectorRoutes(plain)
+    assert routes.install([("recv", lambda c, t: lambda: "routed")]) is None
+    replacement = lambda: "theirs"  # noqa: E731
+    plain.recv = replacement  # type: ignore[method-assign]
+    routes.remove()
+    assert vars(plain)["recv"] is replacement
+
+
+def test_a_connector_that_cannot_be_routed_is_a_serial_reason_and_a_plain_one_engages(applied: None) -> None:
+    from camp2p_overlap.core.overlap.decision import connector_problem
+
+    w = world(layers=2, stage_ids=(0, 1))
+    (reference,) = serial_results(w, [None])
+    apply_cpu()
+    cls = type(w.connector)
+    sub = type("DescribedConnector", (cls,), {"send_ffn_output": property(lambda self: None)})
+    w.connector.__class__ = sub
+    try:
+        problem = connector_problem(LAYER.engine, w.connector)
+        assert problem is not None and "cannot be routed per instance" in problem
+    finally:
+        w.connector.__class__ = cls
+    assert connector_problem(LAYER.engine, w.connector) is None
+    before = LAYER.runtime.counters.to_dict()["steps"]["overlap"]
+    w.steps_run = 0
+    assert_same(run_step(w), reference)
+    assert LAYER.runtime.counters.to_dict()["steps"]["overlap"] == before + 1
