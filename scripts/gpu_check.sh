@@ -19,7 +19,9 @@
 #      CUDA graph capture incl. VLLM_CAMP2P_MULTISTREAM_GRAPH=1)   limit 240 s
 #   2. camp2p-overlap bench --device cuda --scenario gpu-ffn-bound --comm-cores 8  limit 60 s
 #   3. camp2p-overlap sweep --device cuda (ratios, --comm-cores points)       limit 110 s
-#   4. camp2p-overlap overhead --json $OUT/overhead.json                      limit 40 s
+#   4. camp2p-overlap overhead --ab-rounds 20 --json $OUT/overhead.json       limit 40 s
+#      (host cost per (layer, stage) and per pass-through step; the decided-serial A/B
+#      in 20 rounds, OVERHEAD_AB_ROUNDS overrides)
 # Files under $OUT (8, the most a device run hands back):
 #   gpu_check.json  summary: status (passed / failed / skipped), reason, the
 #                   set-up, each part's exit code, time, limit and headline
@@ -136,7 +138,10 @@ for name, file in (("bench", "bench_cuda.json"), ("sweep", "sweep_cuda.json"), (
         ]
     else:
         s["parts"][name]["result"] = {k: v for k, v in data.items() if not isinstance(v, (list, dict)) or k in (
-            "engaged_us_per_layer_stage", "passthrough_us_per_call")}
+            "engaged_us_per_layer_stage", "passthrough_us_per_step", "passthrough_us_per_call")}
+        ab = data.get("decided_serial_ab")
+        if isinstance(ab, dict):
+            s["parts"][name]["result"]["decided_serial_ab"] = {k: v for k, v in ab.items() if k != "per_round"}
 env = out / "env.txt"
 if env.exists():
     s["env"] = env.read_text().strip().splitlines()[:20]
@@ -291,7 +296,8 @@ run_part bench "${BENCH_LIMIT:-60}" "$OUT/tools.log" "${CLI[@]}" bench --device 
 run_part sweep "${SWEEP_LIMIT:-110}" "$OUT/tools.log" "${CLI[@]}" sweep --device cuda --scenario gpu-ffn-bound \
   --layers 4 --steps 4 --warmup 1 --reps 2 --ratios 0.5,1.5 --stage-counts 2 --comm-core-points 0,8,32,96 \
   --work-tokens none --no-progress --json "$OUT/sweep_cuda.json"
-run_part overhead "${OVERHEAD_LIMIT:-40}" "$OUT/tools.log" "${CLI[@]}" overhead --json "$OUT/overhead.json"
+run_part overhead "${OVERHEAD_LIMIT:-40}" "$OUT/tools.log" "${CLI[@]}" overhead \
+  --ab-rounds "${OVERHEAD_AB_ROUNDS:-20}" --json "$OUT/overhead.json"
 
 failed=()
 for p in pytest bench sweep overhead; do

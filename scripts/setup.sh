@@ -51,7 +51,7 @@ if [[ $want_test == 1 ]]; then
 
   # The second supported stack's real vLLM 0.26.0 wheel, in a venv of its own
   # (one venv holds one vLLM): CPU torch, this package (its entry point) and
-  # the wheel. tests/test_plugin_vllm.py runs its loader tests in this venv's
+  # the wheel. tests/package/test_plugin_vllm.py runs its loader tests in this venv's
   # interpreter too.
   make_venv .venv-vllm026
   vpip .venv-vllm026 install -e .

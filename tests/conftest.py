@@ -19,7 +19,7 @@ from support.logs import PackageLogs
 from support.stacks import STACK_DISTS, use_stack
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.layer import LAYER, Layer, build_layer
 from camp2p_overlap.core.log import reset_log_once
 from camp2p_overlap.emulation import standins
 
@@ -80,6 +80,17 @@ def forget_stuck() -> Iterator[None]:
     yield
     LAYER.engine.unpatch(timeout=10)
     LAYER.engine.installer.stuck.clear()
+
+
+@pytest.fixture
+def layer() -> Iterator[Layer]:
+    """A patch layer of the test's own (``build_layer()``: its engine, runtime,
+    stream sets and sessions), unpatched after the test; the process-wide
+    ``LAYER`` stays for the tests about it and about the public API."""
+    own = build_layer()
+    yield own
+    own.engine.unpatch(timeout=10)
+    own.engine.installer.stuck.clear()
 
 
 @pytest.fixture

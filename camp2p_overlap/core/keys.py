@@ -15,7 +15,7 @@ from typing import NamedTuple
 #: schedule, its traces and stall reports.
 COMPUTE_STREAM = "C"
 
-#: What each event kind orders (``docs/design.md``, "Edges").
+#: What each event kind orders (``docs/design.md``, "Edges of one step").
 A_DONE = "a"  # A2E(L, s) done on K_s: C may compute (L, s)
 F_DONE = "f"  # FFN(L, s) done on C: K_s may send E2A(L, s)
 E_DONE = "e"  # E2A(L, s) done on K_s

@@ -23,8 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-#: Side length of the matmul one spin iteration runs (tens of microseconds
-#: on one core), so a spin overshoots its end by at most about that much.
+#: Side length of the matmul one spin iteration runs (a short one), so a
+#: spin overshoots its end by at most about one iteration.
 SPIN_CHUNK = 96
 #: How many ops may spin at once (one per stage group, plus C) before a
 #: helper must wait for a free thread.

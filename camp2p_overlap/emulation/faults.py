@@ -20,8 +20,8 @@ What each action does, per op:
   E2A waits ``op_timeout_s`` and raises the same error. ``stop`` does not
   apply to the FFN.
 
-Used by ``tests/test_faults.py``, ``tests/test_watchdog.py`` and
-``tests/test_patch_orders.py``; also handy for trying the watchdog by hand.
+Used by ``tests/overlap/test_faults.py``, ``tests/overlap/test_watchdog.py`` and
+``tests/patching/test_patch_orders.py``; also handy for trying the watchdog by hand.
 """
 
 from __future__ import annotations

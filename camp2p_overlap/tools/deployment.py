@@ -12,7 +12,7 @@ holding any of:
 * vLLM's micro-batching settings ``enable_dbo`` and ``ubatch_size`` (top
   level or under ``parallel_config``), or an explicit ``num_ubatches``.
 
-What it reports (docs/design.md, "What doctor reads"): the connector class
+What it reports (docs/design.md, "What `doctor --config` reads"): the connector class
 and role; ``num_ubatches`` as the connector computes it (2 with DBO, else
 ``ubatch_size``, at least 1), and from it the HCCL group of each of CAMP2P's
 three stages by the connector's fallback rule, with stages that share a

@@ -199,11 +199,13 @@ def resolved_targets(world: World, manifest: Any) -> dict[str, dict[str, Any]]:
     }
 
 
-def wrapped_calls(world: World, step: Callable[[], Any], manifest: Any, upstream: dict[str, dict[str, Any]]) -> int:
+def wrapped_calls(world: World, step: Callable[[], Any], upstream: dict[str, dict[str, Any]]) -> int:
     """Run ``step`` once and count its calls that meet a frame of ours (see
     the module docstring); ``upstream`` is :func:`resolved_targets` taken
     before any engine was applied."""
     runner_names, connector_names = list(upstream["runner"]), list(upstream["connector"])
+    if not runner_names or not connector_names:
+        raise RuntimeError(f"the manifest names no target on the runner's or the connector's class: {upstream}")
     ours = {"runner": 0, "connector": 0, "pairs": 0}
 
     def probe() -> None:
@@ -247,7 +249,7 @@ def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, 
     configs = {"engaged": _engaged_config(), "pass-through": _passthrough_config()}
     engines["pass-through"].engine.apply(config=configs["pass-through"], manifest=manifest, strict=True)
     try:
-        calls = wrapped_calls(world, step, manifest, upstream)
+        calls = wrapped_calls(world, step, upstream)
     finally:
         if not engines["pass-through"].engine.unpatch(timeout=30.0):
             raise RuntimeError("the overhead harness could not unpatch its engine")
@@ -303,7 +305,7 @@ def _ab_interval(extra: Sequence[float]) -> list[float]:
     return [round(percentile(medians, 2.5), 3), round(percentile(medians, 97.5), 3)]
 
 
-def _decided_serial_ab(params: OverheadParams, site: StandinSite) -> dict[str, Any]:
+def decided_serial_ab(params: OverheadParams, site: StandinSite) -> dict[str, Any]:
     point = smallest_work_point()
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(point.threads)
@@ -376,7 +378,7 @@ def measure_overhead(params: OverheadParams) -> dict[str, Any]:
             for layers in params.layers
             for stages in params.stages
         ]
-        ab = _decided_serial_ab(params, site) if params.ab_rounds else None
+        ab = decided_serial_ab(params, site) if params.ab_rounds else None
     finally:
         release_site(site)
     shape_samples = [s.pop("_samples") for s in shapes]

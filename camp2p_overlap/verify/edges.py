@@ -1,5 +1,5 @@
 """The edge checker: whether every edge of the design (``docs/design.md``,
-"Edges") held in a step's trace, and the Chrome trace export of traces."""
+"Edges of one step") held in a step's trace, and the Chrome trace export of traces."""
 
 from __future__ import annotations
 

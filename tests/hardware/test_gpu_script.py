@@ -208,7 +208,9 @@ def test_the_scripts_command_lines_pass_validation_and_stop_only_for_the_device(
         assert cli.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert "--device cuda: torch.cuda reports no CUDA device" in err, (argv, err)
-    assert parts["overhead"][1:] == ["--json", "overhead.json"]
+    assert parts["overhead"][1:] == ["--ab-rounds", "20", "--json", "overhead.json"]
+    args = cli.build_parser().parse_args(parts["overhead"])  # the flags exist; the run is covered below
+    assert (args.ab_rounds, args.json) == (20, "overhead.json")
 
 
 def test_the_gpu_test_files_collect_without_what_the_gpu_box_lacks() -> None:
@@ -223,7 +225,9 @@ def test_the_gpu_test_files_collect_without_what_the_gpu_box_lacks() -> None:
     assert "test_cuda_tensor_ownership_without_record_stream" in res.stdout
 
 
-def test_the_parts_run_within_the_budget_and_the_summary_reads_them(tmp_path: Path) -> None:
+def test_the_parts_run_within_the_budget_and_the_summary_reads_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The script past its device check, on this CPU machine: a start-up hook
     of the throwaway environment makes ``torch.cuda.is_available()`` answer
     True, so every part runs and the cuda ones fail fast (there is no CUDA).
@@ -243,6 +247,7 @@ def test_the_parts_run_within_the_budget_and_the_summary_reads_them(tmp_path: Pa
         "    import torch\n"
         "    torch.cuda.is_available = lambda: True\n"
     )
+    monkeypatch.setenv("OVERHEAD_AB_ROUNDS", "2")  # the decided-serial A/B's plumbing, not its figure
     os.environ["CAMP2P_TEST_PRETEND_CUDA"] = "1"
     try:
         rc, s, out = _run(tmp_path, python=py, gpu=True)
@@ -257,7 +262,9 @@ def test_the_parts_run_within_the_budget_and_the_summary_reads_them(tmp_path: Pa
     assert parts["pytest"]["not_passed"], parts["pytest"]
     assert parts["bench"]["rc"] not in (0, None) and parts["sweep"]["rc"] not in (0, None), parts
     assert parts["overhead"]["rc"] == 0, (out / "tools.log").read_text()[-3000:]
-    assert set(parts["overhead"]["result"]) >= {"engaged_us_per_layer_stage", "passthrough_us_per_call"}
+    result = parts["overhead"]["result"]
+    assert set(result) >= {"engaged_us_per_layer_stage", "passthrough_us_per_step", "passthrough_us_per_call"}
+    assert result["decided_serial_ab"]["rounds"] == 2 and "per_round" not in result["decided_serial_ab"]
     for name in ("pytest", "bench", "sweep", "overhead"):
         assert parts[name]["seconds"] <= parts[name]["limit_s"] + 10, parts[name]
     assert "parts not passed: pytest" in s["reason"]

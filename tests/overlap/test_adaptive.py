@@ -413,13 +413,13 @@ def test_runtime_collect_reads_only_completed_timings_in_order() -> None:
             dev.clock[0] += 0.010 * (i + 1)
             backend.timing_stop(t)
             tokens.append(t)
-            LAYER.runtime.timed(key, mode, backend, t)  # type: ignore[arg-type]
+            LAYER.runtime.record_step_time(key, mode, backend, t)  # type: ignore[arg-type]
         assert recorded == []  # nothing completed: nothing read, nothing waited for
         tokens[1][1].done = tokens[1][0].done = True
-        LAYER.runtime.collect()
+        LAYER.runtime.read_ready_step_times()
         assert recorded == []  # the older one is not done: order is kept
         tokens[0][1].done = tokens[0][0].done = True
-        LAYER.runtime.collect()
+        LAYER.runtime.read_ready_step_times()
         assert recorded == [("overlap", 0.01), ("serial", 0.02)]
     finally:
         a.record = real  # type: ignore[method-assign]
@@ -488,13 +488,13 @@ def test_a_runners_planned_shape_is_forgotten_when_the_runner_is_collected() -> 
     runtime = OverlapRuntime()
     shape = PlannedShape("Runner#0", 4, CpuBackend())
     runner, other = Runner(), Runner()
-    runtime.set_planned(runner, shape)
-    assert runtime.planned(runner) is shape and runtime.planned(other) is None
+    runtime.remember_planned_shape(runner, shape)
+    assert runtime.planned_shape(runner) is shape and runtime.planned_shape(other) is None
     newer = PlannedShape("Runner#0", 6, shape.backend)
-    runtime.set_planned(runner, newer)
-    assert runtime.planned(runner) is newer
+    runtime.remember_planned_shape(runner, newer)
+    assert runtime.planned_shape(runner) is newer
     del runner
     gc.collect()
     assert runtime._planned == {}
-    runtime.set_planned(7, shape)  # not weak-referenceable: never remembered
-    assert runtime.planned(7) is None
+    runtime.remember_planned_shape(7, shape)  # not weak-referenceable: never remembered
+    assert runtime.planned_shape(7) is None

@@ -17,6 +17,7 @@ import pytest
 import torch
 from support.overlap import Schedule, apply_cpu, assert_same, run_step, serial_results, world, wrap_model
 
+from camp2p_overlap.core.keys import A_DONE, F_DONE, EventKey
 from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.observe.trace import ExpectedSchedule
@@ -33,15 +34,15 @@ EDGE4 = "edge 4 (E2A waits its FFN)"
 
 
 class SessionSkipsComputeWaitForA2E(OverlapSession):
-    def _wait(self, stream: Any, key: Any) -> None:
-        if stream is self.C and key[0] == "a":
+    def _wait(self, stream: Any, key: EventKey) -> None:
+        if stream is self.compute and key.kind == A_DONE:
             return
         super()._wait(stream, key)
 
 
 class SessionSkipsStageWaitForFFN(OverlapSession):
-    def _wait(self, stream: Any, key: Any) -> None:
-        if stream is not self.C and key[0] == "f":
+    def _wait(self, stream: Any, key: EventKey) -> None:
+        if stream is not self.compute and key.kind == F_DONE:
             return
         super()._wait(stream, key)
 
@@ -52,7 +53,7 @@ def _backend_dropping(stream_type: type, kind: str) -> Callable[..., None]:
     original = CpuBackend.wait
 
     def wait(self: CpuBackend, stream: Any, event: Any) -> None:
-        if isinstance(stream, stream_type) and event.key[0] == kind:
+        if isinstance(stream, stream_type) and event.key.kind == kind:
             return
         original(self, stream, event)
 
@@ -135,13 +136,13 @@ def test_session_without_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_backend_dropping_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch) -> None:
-    got, ref, ops = _run_broken(monkeypatch, wait=_backend_dropping(HostStream, "a"), hold=True)
+    got, ref, ops = _run_broken(monkeypatch, wait=_backend_dropping(HostStream, A_DONE), hold=True)
     assert _differs(got, ref) == sorted(ref)
     performed = str(edges.check_step(ops, EXPECTED))
     asked = str(edges.check_step(ops, EXPECTED, source="session"))
     assert f"{EDGE3}: nothing orders a2e(L1,s0) on K0 before ffn(L1,s0) on C" in performed
     # The session's own record says it waited: its graph has every edge 3.
-    assert any(o.kind == "wait" and o.source == "session" and o.detail == "('a', 1, 0)" for o in ops)
+    assert any(o.kind == "wait" and o.source == "session" and o.detail == EventKey(A_DONE, 1, 0).label() for o in ops)
     assert EDGE3 not in asked
 
 
@@ -155,7 +156,7 @@ def test_session_without_stage_wait_for_ffn(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_backend_dropping_stage_wait_for_ffn(monkeypatch: pytest.MonkeyPatch) -> None:
-    got, ref, ops = _run_broken(monkeypatch, wait=_backend_dropping(WorkerStream, "f"))
+    got, ref, ops = _run_broken(monkeypatch, wait=_backend_dropping(WorkerStream, F_DONE))
     assert_same(got, ref)  # as above: the host finished the FFN before the send
     performed = str(edges.check_step(ops, EXPECTED))
     asked = edges.check_step(ops, EXPECTED, source="session")
@@ -185,7 +186,7 @@ def test_skipped_wait_reads_the_unfilled_buffer_directly() -> None:
             return out
 
         h = b.submit(k, op, label="a2e L0 s0")
-        ev = b.record(k, ("a", 0, 0))
+        ev = b.record(k, EventKey(A_DONE, 0, 0))
         early = h.result()  # no wait: the value, unfilled
         assert torch.isnan(early).all() and not h.done() and not ev.query()
         gate.set()

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from camp2p_overlap.core.keys import A_DONE, E_DONE, F_DONE, EventKey
 from camp2p_overlap.core.overlap.streams import CpuBackend, StreamPoisonedError, make_backend, resolve_backend_name
 from camp2p_overlap.core.overlap.streams.cpu import CpuEvent, WorkerStream
 
@@ -43,7 +44,7 @@ def test_compute_stream_is_the_calling_thread(backend: CpuBackend) -> None:
     bad = backend.submit(c, lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         bad.result()
-    ev = backend.record(c, ("x",))
+    ev = backend.record(c, EventKey(F_DONE, 0, 0))
     assert ev.query()  # C has reached it: the host is C
 
 
@@ -51,7 +52,7 @@ def test_event_recorded_on_a_side_stream_completes_when_reached(backend: CpuBack
     k = backend.new_stream("K0")
     gate = threading.Event()
     h = backend.submit(k, lambda: gate.wait(10) and "ran")
-    ev = backend.record(k, ("a", 0, 0))
+    ev = backend.record(k, EventKey(A_DONE, 0, 0))
     assert not ev.query()
     gate.set()
     backend.wait(backend.compute_stream(), ev)  # the host blocks until K0 reaches it
@@ -61,7 +62,7 @@ def test_event_recorded_on_a_side_stream_completes_when_reached(backend: CpuBack
 
 def test_side_stream_waits_an_event_before_later_work(backend: CpuBackend) -> None:
     k = backend.new_stream("K0")
-    ev = CpuEvent(("f", 0, 0), "C")
+    ev = CpuEvent(EventKey(F_DONE, 0, 0), "C")
     backend.wait(k, ev)
     h = backend.submit(k, lambda: "after")
     assert not k.drain(timeout=0.05)  # stuck behind the unrecorded event
@@ -70,7 +71,7 @@ def test_side_stream_waits_an_event_before_later_work(backend: CpuBackend) -> No
         if k.current is not None:
             break
         time.sleep(0.005)
-    assert k.current is not None and "wait" in k.current  # what a stall report shows
+    assert k.current == "wait f L0 s0"  # what the stream is doing, by the event's label
     ev.set()
     assert k.drain(timeout=10)
     assert h.result() == "after"
@@ -103,7 +104,7 @@ def test_failed_op_poisons_the_stream_until_the_next_step(backend: CpuBackend) -
 
     bad = backend.submit(k, fail, label="a2e L0 s0")
     later = backend.submit(k, lambda: "never", label="e2a L0 s0")
-    ev = backend.record(k, ("e", 0, 0))
+    ev = backend.record(k, EventKey(E_DONE, 0, 0))
     backend.wait(backend.compute_stream(), ev)  # records still complete: nothing hangs
     with pytest.raises(KeyError) as info:
         bad.result()
@@ -209,7 +210,7 @@ def test_a_failed_kernel_poisons_its_stream_after_the_value_is_out(backend: CpuB
 
     h = backend.submit(k, lambda: launch(kernel) or "value")
     later = backend.submit(k, lambda: "never")
-    ev = backend.record(k, ("a", 0, 0))
+    ev = backend.record(k, EventKey(A_DONE, 0, 0))
     assert h.result() == "value"  # out before its kernel ran (and failed)
     gate.set()
     backend.wait(backend.compute_stream(), ev)  # records still complete
@@ -224,32 +225,33 @@ def test_the_stream_log_holds_what_each_stream_performed(backend: CpuBackend) ->
     k0, k1 = backend.new_stream("K0"), backend.new_stream("K1")
     c = backend.compute_stream()
     assert backend.start_log()
-    fork = backend.record(c, ("fork",))
+    fork = backend.record(c, EventKey.fork())
     backend.wait(k0, fork)
-    a = backend.record(k0, ("a", 0, 0))
+    a = backend.record(k0, EventKey(A_DONE, 0, 0))
     backend.wait(c, a)
     backend.wait(k1, a)  # queued, performed once K0 reached the record
-    j = backend.record(k1, ("join", 1))
+    j = backend.record(k1, EventKey.join(1))
     backend.wait(c, j)
     log = backend.stop_log()
     got = [(e.stream, e.kind, e.key) for e in log]
     assert sorted(got) == sorted(
         [
-            ("C", "record", ("fork",)),
-            ("K0", "wait", ("fork",)),
-            ("K0", "record", ("a", 0, 0)),
-            ("C", "wait", ("a", 0, 0)),
-            ("K1", "wait", ("a", 0, 0)),
-            ("K1", "record", ("join", 1)),
-            ("C", "wait", ("join", 1)),
+            ("C", "record", EventKey("fork")),
+            ("K0", "wait", EventKey("fork")),
+            ("K0", "record", EventKey("a", 0, 0)),
+            ("C", "wait", EventKey("a", 0, 0)),
+            ("K1", "wait", EventKey("a", 0, 0)),
+            ("K1", "record", EventKey("join", None, 1)),
+            ("C", "wait", EventKey("join", None, 1)),
         ]
     )
     assert [e.order for e in log] == sorted(e.order for e in log)
     fired = {e.event: e.end_ns for e in log if e.kind == "record"}
     for w in (e for e in log if e.kind == "wait"):
         assert w.event in fired and w.end_ns >= fired[w.event]  # let go only once its event fired
-    assert {e.event for e in log if e.key == ("a", 0, 0)} == {a.seq}  # bound to the event itself
-    backend.wait(c, backend.record(k0, ("x",)))
+    assert all(isinstance(e.key, EventKey) for e in log)
+    assert {e.event for e in log if e.key == EventKey(A_DONE, 0, 0)} == {a.seq}  # bound to the event itself
+    backend.wait(c, backend.record(k0, EventKey(E_DONE, 0, 0)))
     assert backend.stop_log() == []  # closed: nothing more is logged
 
 
@@ -258,8 +260,8 @@ def test_a_log_left_open_is_closed_by_the_next_step(backend: CpuBackend) -> None
     c = backend.compute_stream()
     backend.start_log()
     backend.begin_step([k])  # the step that opened it: kept
-    backend.wait(c, backend.record(c, ("a",)))
+    backend.wait(c, backend.record(c, EventKey(A_DONE, 0, 0)))
     backend.begin_step([k])  # a later step that did not open it (the first never closed)
-    backend.wait(c, backend.record(c, ("b",)))
+    backend.wait(c, backend.record(c, EventKey(A_DONE, 1, 0)))
     assert backend.stop_log() == []
     assert k.log is None

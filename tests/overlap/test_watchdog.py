@@ -66,8 +66,8 @@ def test_stopped_peer_a2e_is_reported_once_with_the_pending_op(make_world, logs)
     # What was issued and finished for the stuck stage, and its pending event.
     assert "stage 1 (stream K1, group afd1): 3 op(s) issued" in text
     assert "a2e(L0,s1) on K1: done" in text and "e2a(L0,s1) on K1: done" in text
-    assert "event ('a', 1, 1): pending" in text
-    assert "event ('a', 1, 0): done" in text
+    assert "event a L1 s1: pending" in text  # events by their EventKey label
+    assert "event a L1 s0: done" in text
     assert text.rstrip().endswith("ops not finished: a2e(L1,s1) on K1")
     # Other stages are not blamed.
     assert text.count("likely missing peer op") == 1
@@ -101,8 +101,45 @@ def test_a2e_on_the_compute_stream_is_named_when_it_stalls(make_world, logs) -> 
         out = run_step_bounded(w, 2, STEP_BOUND_S)
     assert isinstance(out.error, PeerTimeoutError), out
     (text,) = stall_reports(logs)
-    assert "compute stream C is blocked in receive (L1,s0)" in text
-    assert "likely missing peer op: a2e(L1,s0) on C" in text
+    assert "compute stream C is blocked in receive (L1,s0), running a2e(L1,s0) on the compute stream" in text
+    assert "compute stream C is blocked in a2e(L1,s0), issued on the compute stream" in text
+    assert "likely missing peer op: a2e(L1,s0) on C (RUNNING for" in text
+    assert text.count("likely missing peer op") == 1
+
+
+def test_a2e_on_the_compute_stream_behind_a_stalled_e2a_blames_the_e2a(make_world, logs) -> None:
+    """A2E on C, E2A on K_s: the next receive of the stage waits the stage's
+    last E2A before it issues its A2E. The A2E is not issued, so it is not
+    blamed: the E2A the peer never acknowledged is."""
+    w = make_world(layers=2, stage_ids=(0, 1), tokens=8, op_timeout_s=1.0)
+    _apply(watchdog_s=0.25, a2e_on_side_stream=False)
+    with FaultPlan(w, [Fault("stop", "e2a", 0, 0)]) as plan:
+        plan.arm()
+        out = run_step_bounded(w, 2, STEP_BOUND_S)
+    assert isinstance(out.error, PeerTimeoutError), out
+    (text,) = stall_reports(logs)
+    assert "compute stream C is blocked in receive (L1,s0), waiting for the last e2a of stage 0 on K0" in text
+    assert "e2a(L0,s0) on K0: RUNNING for" in text
+    assert "likely missing peer op: e2a(L0,s0) on K0" in text
+    assert "a2e(L1,s0)" not in text  # never issued: neither listed nor blamed
+    assert text.count("likely missing peer op") == 1
+
+
+def test_e2a_on_the_compute_stream_is_named_once_when_it_stalls(make_world, logs) -> None:
+    w = make_world(layers=2, stage_ids=(0, 1), tokens=8, op_timeout_s=1.0)
+    _apply(watchdog_s=0.25, e2a_on_side_stream=False)
+    with FaultPlan(w, [Fault("stop", "e2a", 0, 0)]) as plan:
+        plan.arm()
+        out = run_step_bounded(w, 2, STEP_BOUND_S)
+    assert isinstance(out.error, PeerTimeoutError), out
+    (text,) = stall_reports(logs)
+    assert "compute stream C is not waiting on a receive (FFN or E2A issue); next receive (L0,s1)" in text
+    assert "compute stream C is blocked in e2a(L0,s0), issued on the compute stream" in text
+    assert "e2a(L0,s0) on C: RUNNING for" in text
+    assert "likely missing peer op: e2a(L0,s0) on C (RUNNING for" in text
+    assert "the attention peer of stage 0 (group afd) has not acknowledged" in text
+    assert text.count("likely missing peer op") == 1
+    assert text.rstrip().endswith("ops not finished: e2a(L0,s0) on C")
 
 
 def test_fast_steps_log_no_stall(make_world, logs) -> None:
@@ -196,8 +233,10 @@ def test_report_on_a_device_backend_reads_events_not_handles() -> None:
     class Event:
         def __init__(self) -> None:
             self.done = False
+            self.queries = 0
 
         def query(self) -> bool:
+            self.queries += 1
             return self.done
 
         def synchronize(self) -> None:
@@ -245,6 +284,9 @@ def test_report_on_a_device_backend_reads_events_not_handles() -> None:
     assert "a2e(L0,s2) on K2: enqueued, not complete on the device" in text
     assert "likely missing peer op: a2e(L0,s2) on K2 (enqueued, not complete on the device)" in text
     assert "ops not finished: a2e(L0,s0) on K0, a2e(L0,s2) on K2" in text
+    # One report queries each event once, although each op's state is read
+    # for its stage line, the culprit and the unfinished list.
+    assert dev.events and [ev.queries for ev in dev.events] == [1] * len(dev.events)
     for ev in dev.events:
         ev.done = True
     text = stall_report(session.snapshot())

@@ -30,10 +30,12 @@ from support.patching import (
     WRAPPED,
     assert_wrapped_once,
     import_targets,
+    raw_targets,
     run_traced,
     synthetic_manifest,
 )
 
+from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.patching.lifecycle import PatchRefused
 from camp2p_overlap.core.patching.manifest import load_manifest
@@ -110,6 +112,62 @@ def test_apply_twice_then_import_leaves_one_wrapper_and_restores_identity() -> N
     for c, entries in rest.items():
         assert all(vars(cls[c])[k] is v for k, v in entries.items())
         assert set(vars(cls[c])) == set(entries) | {a for (cc, a) in inner if cc == c}
+
+
+def ours_in_chain(engine: Any, entry: Any) -> int:
+    """How many wrappers of ``engine`` the ``__wrapped__`` links from the
+    class-dict ``entry`` down pass through (walked by hand, not by wrapt)."""
+    n, seen = 0, set()
+    while entry is not None and id(entry) not in seen:
+        seen.add(id(entry))
+        n += engine.is_ours(entry)
+        entry = getattr(entry, "__wrapped__", None)
+    return n
+
+
+def test_repeated_apply_keeps_the_one_wrapper_it_installed(layer: Any) -> None:
+    """apply() on an applied layer, before and after the import, wraps
+    nothing again and keeps its configuration: each wrap target's chain
+    holds exactly one of ours, the very wrapper the first install put there."""
+    standins.install()
+    assert layer.engine.apply(config=CFG).applied
+    for _ in range(2):  # another configuration is ignored: the layer is applied already
+        assert layer.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", min_stages=3)).applied
+    assert layer.engine.config is CFG
+    cls = import_targets()
+    first = {(c, a): vars(cls[c])[a] for _, c, a in WRAPPED}
+    for _ in range(3):
+        assert layer.engine.apply(config=CFG).engaged and layer.engine.config is CFG
+        for (c, a), entry in first.items():
+            assert vars(cls[c])[a] is entry, f"{c}.{a} was wrapped again"
+            assert ours_in_chain(layer.engine, entry) == 1
+            assert not layer.engine.is_ours(entry.__wrapped__)
+    assert layer.engine.unpatch() is True
+    for (c, a), entry in first.items():
+        assert vars(cls[c])[a] is entry.__wrapped__ and ours_in_chain(layer.engine, vars(cls[c])[a]) == 0
+
+
+def test_installing_a_module_twice_keeps_the_one_wrapper(layer: Any) -> None:
+    """The installer, handed the same (unreloaded) module twice, keeps its
+    first wrap: one of ours in the chain, one record, the same wrapper."""
+    cls = import_targets()
+    raw = raw_targets()
+    assert layer.engine.apply(config=CFG).engaged
+    installer, manifest = layer.engine.installer, layer.engine.manifest
+    entries = {(c, a): vars(cls[c])[a] for _, c, a in WRAPPED}
+    records = {m: list(r) for m, r in installer.records.items()}
+    wrappers = layer.engine.wrappers
+    for mspec in manifest.modules:
+        for _ in range(2):
+            statuses = installer.install(mspec, sys.modules[mspec.name], wrappers)
+            assert {s.state for s in statuses.values()} <= {TargetState.WRAPPED, TargetState.CHECKED}
+    for (c, a), entry in entries.items():
+        assert ours_in_chain(layer.engine, vars(cls[c])[a]) == 1, f"{c}.{a}: not exactly one of ours"
+        assert vars(cls[c])[a] is entry, f"{c}.{a} was wrapped again"
+    assert {m: list(r) for m, r in installer.records.items()} == records
+    assert layer.engine.unpatch() is True
+    for (c, a), original in raw.items():
+        assert vars(cls[c])[a] is original
 
 
 def test_import_then_apply_then_unpatch_restores_every_dict_entry_and_no_subclass_residue() -> None:

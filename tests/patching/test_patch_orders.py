@@ -37,6 +37,7 @@ from support.child import SUPPORT, run_program
 from support.overlap import assert_same, count_our_wrappers
 from support.patching import (
     CFG,
+    ROUTED,
     WRAPPED,
     assert_wrapped_once,
     classes,
@@ -46,6 +47,7 @@ from support.patching import (
 )
 
 from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.overlap.connector_routes import is_router
 from camp2p_overlap.core.patching.status_report import TargetState
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.faults import run_step_bounded
@@ -399,16 +401,17 @@ def _serial_refs(world: World, steps: range) -> dict[int, dict]:
 
 
 class Gate:
-    """Blocks the E2A of one (layer, stage) on a side stream until opened."""
+    """Blocks the E2A (or the A2E: ``kind``) of one (layer, stage), inside
+    the connector's send (receive), until opened."""
 
-    def __init__(self, world: World, layer: int = 0, stage: int = 0) -> None:
+    def __init__(self, world: World, layer: int = 0, stage: int = 0, kind: str = "e2a") -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
-        self.layer, self.stage = layer, stage
+        self.layer, self.stage, self.kind = layer, stage, kind
         world.transport.fault_hook = self._hook
 
     def _hook(self, kind: str, layer: int, stage: int) -> None:
-        if kind == "e2a" and (layer, stage) == (self.layer, self.stage):
+        if kind == self.kind and (layer, stage) == (self.layer, self.stage):
             self.entered.set()
             if not self.release.wait(STEP_BOUND_S):
                 raise TimeoutError("gate never opened")
@@ -565,6 +568,40 @@ def test_unpatch_timeout_refuses_cleanly_and_leaves_the_layer_working(make_world
     assert_same(nxt.results, refs[3])
     assert comm.mode(3, "camp2p-test-step-3") == "wrapped"
     assert LAYER.engine.unpatch(timeout=10) is True
+
+
+def test_unpatch_refuses_while_a_step_waits_in_the_connectors_receive(make_world, layer) -> None:
+    """A step of a layer of the test's own, held inside the connector's
+    receive (an A2E waiting on an Event) on another thread: unpatch(timeout=0.2)
+    returns False and leaves the wrappers and the step's connector routes in
+    place; once the receive is released the step ends bitwise and unpatch()
+    returns True with nothing of ours left on the class or the instance."""
+    w = make_world(layers=3, stage_ids=(0, 1), tokens=8)
+    ref = _serial_refs(w, range(2, 3))[2]
+    routed = [a for _, _, a in ROUTED]
+    plain = raw_targets()
+    assert layer.engine.apply(config=CFG, strict=True).engaged
+    wrapped = raw_targets()
+    assert all(layer.engine.is_ours(v) for v in wrapped.values())
+    gate = Gate(w, layer=1, stage=1, kind="a2e")
+    box: dict[str, Any] = {}
+    st = threading.Thread(target=lambda: box.setdefault("out", run_step_bounded(w, 2, STEP_BOUND_S)))
+    st.start()
+    try:
+        assert gate.entered.wait(STEP_BOUND_S), "the step never reached the receive"
+        assert layer.engine.gate.running() == 1
+        assert layer.engine.unpatch(timeout=0.2) is False
+        assert layer.engine.is_applied() and not layer.engine.gate.draining
+        assert all(raw_targets()[k] is wrapped[k] for k in wrapped), "a wrapper went while the step ran"
+        assert all(is_router(vars(w.connector).get(a)) for a in routed), "the step's routes went while it ran"
+    finally:
+        gate.release.set()
+        st.join(STEP_BOUND_S)
+    assert box["out"].error is None and not box["out"].hung
+    assert_same(box["out"].results, ref)
+    assert layer.engine.unpatch(timeout=10) is True
+    assert all(raw_targets()[k] is plain[k] for k in plain)
+    assert not set(routed) & set(vars(w.connector)), "a route of ours is left on the connector instance"
 
 
 @pytest.mark.parametrize("stages", [(0, 1), (1,)], ids=["overlap-step", "serial-gate-step"])

@@ -10,6 +10,7 @@ import sys
 import torch
 
 from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.keys import A_DONE
 from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.emulation.device_world import build_device_world
 from camp2p_overlap.emulation.moe import MoEShape
@@ -34,7 +35,7 @@ if mode == "race":
     orig_wait = OverlapSession._wait
 
     def _wait(self, stream, key):
-        if stream is self.C and isinstance(key, tuple) and key[0] == "a":
+        if stream is self.compute and key.kind == A_DONE:
             return
         return orig_wait(self, stream, key)
 

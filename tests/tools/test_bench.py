@@ -312,7 +312,7 @@ def test_outputs_flag_fails_when_the_overlap_changes_a_result(monkeypatch: pytes
     def perturbed(self: EmulatedModel, *, hidden_states: torch.Tensor, layer_idx: int) -> Any:
         out = original(self, hidden_states=hidden_states, layer_idx=layer_idx)
         sessions = [s for layer in layers if (s := layer.runtime.active_session()) is not None]
-        if sessions and sessions[0].dir.a2e_side:
+        if sessions and sessions[0].directions.a2e_side:
             out.routed_output = out.routed_output + 1e-3
         return out
 

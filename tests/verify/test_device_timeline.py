@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from camp2p_overlap.core.keys import A_DONE, F_DONE, EventKey, OpKey
 from camp2p_overlap.core.observe.trace import ExpectedSchedule
 from camp2p_overlap.core.overlap.session import OverlapSession, StepPlan
 from camp2p_overlap.core.overlap.streams import TorchDeviceBackend
@@ -193,15 +194,15 @@ def test_a_correct_step_holds_every_edge_on_device_times(simulated: Any, tmp_pat
 
 
 class NoComputeWaitForA2E(OverlapSession):
-    def _wait(self, stream: Any, key: Any) -> None:
-        if stream is self.C and key[0] == "a":
+    def _wait(self, stream: Any, key: EventKey) -> None:
+        if stream is self.compute and key.kind == A_DONE:
             return
         super()._wait(stream, key)
 
 
 class NoStageWaitForFFN(OverlapSession):
-    def _wait(self, stream: Any, key: Any) -> None:
-        if stream is not self.C and key[0] == "f":
+    def _wait(self, stream: Any, key: EventKey) -> None:
+        if stream is not self.compute and key.kind == F_DONE:
             return
         super()._wait(stream, key)
 
@@ -273,19 +274,28 @@ def test_host_ranges_from_torch_profiler_on_cpu(tmp_path: Any) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from camp2p_overlap.core.overlap.streams.device import profiler_range
+    from camp2p_overlap.core.overlap.streams.device import (
+        event_range_name,
+        op_range_name,
+        parse_event_range,
+        profiler_range,
+    )
 
     x = torch.ones(64, 64)
+    f_done = EventKey(F_DONE, 0, 1)
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-        with profiler_range("camp2p:a2e L0 s1"):
+        with profiler_range(op_range_name(OpKey("a2e", 0, 1).label())):
             x @ x
-        with profiler_range("camp2p:record C ('f', 0, 1)"):
+        with profiler_range(event_range_name("record", "C", f_done)):
             pass
     path = tmp_path / "cpu.json"
     prof.export_chrome_trace(str(path))
     tl = device_timeline.load(str(path))
     names = [r.name for r in tl.ranges]
-    assert names == ["a2e L0 s1", "record C ('f', 0, 1)"]
+    assert names == ["a2e L0 s1", "record C f L0 s1"]
+    # Read back as the keys they were made from, with no parsing of a repr.
+    assert OpKey.parse(names[0]) == OpKey("a2e", 0, 1)
+    assert parse_event_range(names[1]) == ("record", "C", f_done)
     a, r = tl.ranges
     assert a.thread == r.thread and a.start_ns < a.end_ns <= r.start_ns
     assert tl.activities == []  # no device activity on CPU

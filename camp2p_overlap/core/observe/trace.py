@@ -1,10 +1,12 @@
-"""A trace of what ran where and when, and a checker that every edge of the
-design (``docs/design.md``, "Edges") held in it.
+"""A trace of what ran where and when; the edge checker that reads it, for
+every edge of the design (``docs/design.md``, "Edges of one step"), is
+``verify/edges.py``.
 
-A recorder is opt-in (:func:`recording`); with none active, the wrappers pay
-nothing for tracing. Times are ``time.perf_counter_ns()`` on the host (CPU
-backend: real op times), or device times resolved from timing events when a
-device backend was asked for them, or kernel times from a profiler trace
+A recorder is opt-in (:func:`recording`); with none active, a step pays one
+read of the active recorder and nothing more for tracing. Times are
+``time.perf_counter_ns()`` on the host (CPU backend: real op times), or
+device times resolved from timing events when a device backend was asked
+for them, or kernel times from a profiler trace
 (``verify/device_timeline.py``).
 
 Two records of a step's events can be in a trace: the session's (what it

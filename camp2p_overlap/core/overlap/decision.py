@@ -33,18 +33,18 @@ class Decision:
 
 
 def decide(
-    engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], *, in_session: bool, incomplete: str | None
+    engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], *, in_session: bool, unready: str | None
 ) -> Decision:
     """The decision for this call; ``in_session``: a step is already active
-    on this thread (a re-entrant call); ``incomplete``: what
-    ``engine.refresh()`` just returned for this step, if it ran."""
+    on this thread (a re-entrant call); ``unready``: what
+    ``engine.refresh_and_report_unready()`` just returned for this step."""
     cfg = engine.config
     if not cfg.enabled:
         return Decision("switched off")
     if in_session:
         return Decision("re-entrant FFN forward inside an active step")
-    if incomplete:
-        return Decision(f"not every target of the stack is patched ({incomplete})")
+    if unready:
+        return Decision(f"not every target of the stack is patched ({unready})")
     connector = getattr(runner, "connector", None)
     problem = connector_problem(engine, connector)
     if problem is not None:

@@ -161,10 +161,10 @@ class FfnStep:
     def decide(self) -> tuple[Decision, StreamSet | None]:
         """The decision and, when it engages, the runner's stream set."""
         engine, runtime = self.engine, self.runtime
-        incomplete = engine.refresh()  # a reloaded target module is wrapped again here
+        unready = engine.refresh_and_report_unready()  # a reloaded target module is wrapped again here
         try:
             in_session = runtime.active_session() is not None
-            decision = decide(engine, self.runner, self.kwargs, in_session=in_session, incomplete=incomplete)
+            decision = decide(engine, self.runner, self.kwargs, in_session=in_session, unready=unready)
         except Exception as exc:  # noqa: BLE001 - planning must never break the original call
             return Decision(f"could not plan the step ({type(exc).__name__}: {exc})"), None
         if decision.reason is not None:

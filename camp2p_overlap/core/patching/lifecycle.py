@@ -154,23 +154,28 @@ class PatchEngine:
         finally:
             self.gate.end_drain()
 
-    def refresh(self) -> str | None:
+    def refresh(self) -> None:
         """Wrap what no hook saw: a target module reloaded since it was
         wrapped (its classes are new objects), or imported on another thread
         while ``apply()`` ran, before its hook existed. ``apply()`` on an
-        applied engine and every wrapped step call this; ``status()`` never
-        does. Returns None when every target is then wrapped or checked,
-        else why not (a step reads both from one pass over the targets)."""
+        applied engine calls this, and every wrapped step calls
+        :meth:`refresh_and_report_unready`; ``status()`` never does."""
+        self.refresh_and_report_unready()
+
+    def refresh_and_report_unready(self) -> str | None:
+        """:meth:`refresh`, then why the stack is not ready to engage (the
+        first target neither wrapped nor checked, with why), or None when it
+        is: a step reads both from one pass over the targets."""
         with self._lock:
             if not self.applied or self.manifest is None:
-                return self._incomplete(())
+                return self._unready(())
             missed = self.installer.needing_install(self.manifest, self._waiting)
             for mspec, module, _ in missed:
                 self._install(mspec, module)
             if not missed:
-                return self._incomplete(())
+                return self._unready(())
             self.board.log_when_settled(self.report())
-            return self._incomplete(self.installer.needing_install(self.manifest, self._waiting))
+            return self._unready(self.installer.needing_install(self.manifest, self._waiting))
 
     # -- reading -----------------------------------------------------------
     def is_applied(self) -> bool:
@@ -181,13 +186,19 @@ class PatchEngine:
         """Whether ``obj`` is a wrapper this engine installed (or its bound form)."""
         return self.installer.is_ours(obj)
 
+    @property
+    def wrappers(self) -> Mapping[str, Wrapper]:
+        """The wrappers (and routers) the last ``apply()`` bound to this
+        engine, by their manifest name; empty while unpatched."""
+        return self._wrappers
+
     def status(self) -> PatchReport:
         """The state of every target; a module reloaded since it was wrapped
         shows as waiting until :meth:`refresh` wraps it again."""
         with self._lock:
             return self.report()
 
-    def _incomplete(self, pending: Iterable[tuple[ModuleSpec, Any, str]]) -> str | None:
+    def _unready(self, pending: Iterable[tuple[ModuleSpec, Any, str]]) -> str | None:
         for mspec, _, why in pending:
             return f"{mspec.targets[0].id} is {TargetState.NOT_IMPORTED.value}: {why}"
         return PatchReport.unready_of(self.board.targets.values())

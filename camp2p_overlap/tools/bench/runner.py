@@ -171,9 +171,9 @@ class BenchParams:
 #: Presets; a flag given explicitly on the command line overrides its value.
 SCENARIOS: dict[str, dict[str, Any]] = {
     # FFN compute-bound: per (layer, stage) the FFN takes longer than its A2E
-    # and E2A together, which are not negligible (on the reference 2-core CPU:
-    # f ~ 16 ms, a + e ~ 9 ms, i.e. about 55 % of f), and S * f exceeds one
-    # group's cycle a + f + e + attn, so the compute stream is the bottleneck.
+    # and E2A together, which are not negligible (measured f, a and e: the
+    # bench table in docs/benchmark.md), and S * f exceeds one group's cycle
+    # a + f + e + attn, so the compute stream is the bottleneck.
     "ffn-bound": {
         "layers": 6,
         "stages": 2,

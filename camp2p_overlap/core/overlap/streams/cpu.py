@@ -169,7 +169,9 @@ class WorkerStream:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0
-        self.current: str | None = None  # what the worker is doing now (watchdog)
+        #: What the worker is doing now (see :attr:`current`): an op's label,
+        #: or the event it waits on (named only when asked: no text per wait).
+        self._doing: str | CpuEvent | None = None
         #: Where records and waits performed are logged (None: not logging).
         self.log: list[StreamLogEntry] | None = None
         #: Kernels launched by the op now running (this thread's launch() target).
@@ -197,6 +199,16 @@ class WorkerStream:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def current(self) -> str | None:
+        """What the worker is doing now: an op's label, ``wait <event label>``,
+        or None when idle (diagnostics: read from any thread)."""
+        doing = self._doing
+        if doing is None or isinstance(doing, str):
+            return doing
+        key = getattr(doing, "key", None)
+        return f"wait {key.label()}" if isinstance(key, EventKey) else "wait"
+
     # -- worker side ---------------------------------------------------
     def _run(self) -> None:
         _launching.kernels = self._kernels
@@ -211,13 +223,13 @@ class WorkerStream:
                 elif kind == "record":
                     _fire(item[1], self.name, self.log)
                 elif kind == "wait":
-                    self.current = f"wait {item[1].key.label()}"
+                    self._doing = item[1]
                     _perform_wait(item[1], self.name, self.log)
             finally:
                 # Drop the item (its closure holds the op's arguments) before
                 # blocking on the next one.
                 del item
-                self.current = None
+                self._doing = None
                 with self._idle:
                     self._pending -= 1
                     if self._pending == 0:
@@ -232,7 +244,7 @@ class WorkerStream:
                 )
             )
             return
-        self.current = label
+        self._doing = label
         handle.order = next(_order)
         handle.start_ns = time.perf_counter_ns()
         kernels = self._kernels  # what fn() launches (see launch())
@@ -244,7 +256,7 @@ class WorkerStream:
         handle._publish(value)  # out now; its kernels fill it below
         if kernels:
             try:
-                self.current = f"{label} (kernel)"
+                self._doing = f"{label} (kernel)"
                 for kernel in kernels:
                     kernel()
             except BaseException as exc:  # noqa: BLE001 - an asynchronous error, as on a device

@@ -1,0 +1,229 @@
+"""The docs: generated blocks are what ``camp2p-overlap docs`` writes from
+``docs/results/``, a hand edit inside one fails ``--check``, the README
+keeps the two set-up-and-go commands and its troubleshooting names the
+layer's serial reasons, section references name real headings, and
+docs/design.md's folder tree lists the package's modules."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from camp2p_overlap.core.overlap.decision import GRAPH_OFF
+from camp2p_overlap.core.overlap.step import NO_STREAMS_IN_CAPTURE, NOT_APPLIED, SERIAL_FASTER, SERIAL_PROBE
+from camp2p_overlap.tools.cli import main
+from camp2p_overlap.tools.docgen import DOC_BLOCKS, RESULTS_DIR, run_docs
+
+REPO = Path(__file__).resolve().parents[1]
+MAIN_JOB = "bash scripts/setup.sh && .venv/bin/camp2p-overlap bench --scenario ffn-bound"
+TEST_JOB = (
+    "bash scripts/setup.sh --test && .venv/bin/ruff check . && .venv/bin/ruff format --check . "
+    "&& .venv/bin/lint-imports && .venv/bin/python -m pytest -q"
+)
+
+
+def _check(root: Path) -> tuple[int, str]:
+    out = io.StringIO()
+    return run_docs(root, check=True, out=out), out.getvalue()
+
+
+@pytest.fixture
+def checkout(tmp_path: Path) -> Path:
+    """A copy of the files ``docs`` reads and writes."""
+    for rel in DOC_BLOCKS:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / rel, tmp_path / rel)
+    shutil.copytree(REPO / RESULTS_DIR, tmp_path / RESULTS_DIR)
+    return tmp_path
+
+
+def _block_body(text: str, name: str) -> str:
+    m = re.search(
+        rf"<!-- BEGIN generated: {re.escape(name)}[^>]*-->\n(.*?)<!-- END generated: {re.escape(name)} -->", text, re.S
+    )
+    assert m is not None, name
+    return m.group(1)
+
+
+def test_the_repos_docs_are_what_docs_writes() -> None:
+    code, out = _check(REPO)
+    assert code == 0, out
+
+
+def test_the_cli_subcommand_checks_a_checkout(checkout: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["docs", "--check", "--root", str(checkout)]) == 0
+    assert "up to date" in capsys.readouterr().out
+
+
+def test_a_hand_edit_inside_a_block_fails_the_check_and_docs_puts_it_back(checkout: Path) -> None:
+    bench = checkout / "docs/benchmark.md"
+    original = bench.read_text(encoding="utf-8")
+    body = _block_body(original, "bench table")
+    edited_body = re.sub(r"\d+\.\d\dx", "9.99x", body, count=1)
+    assert edited_body != body
+    bench.write_text(original.replace(body, edited_body), encoding="utf-8")
+
+    code, out = _check(checkout)
+    assert code == 1
+    assert "docs/benchmark.md: block 'bench table' differs" in out
+    assert "README.md" not in out  # only the edited block is named
+
+    assert run_docs(checkout, check=False, out=io.StringIO()) == 0
+    assert bench.read_text(encoding="utf-8") == original
+    assert _check(checkout)[0] == 0
+
+
+def test_text_outside_the_blocks_is_left_alone(checkout: Path) -> None:
+    readme = checkout / "README.md"
+    text = readme.read_text(encoding="utf-8") + "\nA note of the reader's own.\n"
+    readme.write_text(text, encoding="utf-8")
+    assert _check(checkout)[0] == 0
+    assert run_docs(checkout, check=False, out=io.StringIO()) == 0
+    assert readme.read_text(encoding="utf-8") == text
+
+
+def test_the_figures_come_from_the_reports(checkout: Path) -> None:
+    path = checkout / RESULTS_DIR / "bench.json"
+    report = json.loads(path.read_text(encoding="utf-8"))
+    overlap = next(p for p in report["policies"] if p["policy"] == "overlap")
+    overlap["speedup"] = 7.77
+    path.write_text(json.dumps(report), encoding="utf-8")
+
+    code, out = _check(checkout)
+    assert code == 1
+    for stale in (
+        "README.md: block 'headline figures'",
+        "docs/benchmark.md: block 'headline figures'",
+        "docs/benchmark.md: block 'bench table'",
+    ):
+        assert stale in out
+    assert "sweep tables" not in out and "overhead table" not in out
+    run_docs(checkout, check=False, out=io.StringIO())
+    for rel in ("README.md", "docs/benchmark.md"):
+        assert "7.77x" in _block_body((checkout / rel).read_text(encoding="utf-8"), "headline figures")
+
+
+def test_broken_markers_and_missing_inputs_are_errors(checkout: Path) -> None:
+    readme = checkout / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    readme.write_text(text.replace("<!-- END generated: headline figures -->\n", ""), encoding="utf-8")
+    code, out = _check(checkout)
+    assert code == 2 and "README.md" in out and "'headline figures'" in out
+
+    typo = text.replace("generated: headline figures -->", "generated: headline typo -->")
+    readme.write_text(typo, encoding="utf-8")
+    code, out = _check(checkout)
+    assert code == 2 and "no generator for block(s) 'headline typo'" in out
+
+    readme.write_text(text, encoding="utf-8")
+    (checkout / RESULTS_DIR / "overhead.json").unlink()
+    code, out = _check(checkout)
+    assert code == 2 and "overhead.json is missing" in out and "camp2p-overlap overhead" in out
+
+
+def test_the_readme_keeps_the_two_commands_ci_runs() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert f"```bash\n{MAIN_JOB}\n```" in readme
+    assert f"```bash\n{TEST_JOB}\n```" in readme
+    ci = (REPO / ".ci/run").read_text(encoding="utf-8").strip().splitlines()
+    assert ci[-1] == TEST_JOB
+
+
+def test_the_readme_is_a_users_page_in_the_order_a_user_works() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(readme.encode("utf-8")) <= 12_800
+    headings = [line[3:] for line in readme.splitlines() if line.startswith("## ")]
+    order = ["Install and switch on", "Verify", "Roll out", "Tune", "Troubleshoot", "Limits"]
+    assert [h for h in headings if h in order] == order
+    assert headings.index("Limits") < next(i for i, h in enumerate(headings) if h.startswith("For developers"))
+    assert "pip install camp2p-overlap" not in readme  # it is on no package index
+
+
+def test_the_troubleshooting_names_the_layers_fixed_serial_reasons() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    troubleshoot = readme[readme.index("## Troubleshoot") : readme.index("## Limits")]
+    for reason in (NOT_APPLIED, SERIAL_PROBE, SERIAL_FASTER, GRAPH_OFF, NO_STREAMS_IN_CAPTURE):
+        assert reason.split(";")[0] in troubleshoot, reason
+
+
+_CITATION = re.compile(
+    r"(docs/(?:design|benchmark|validation)\.md|README(?:\.md)?)`{0,2}\)?(?:,\s*\(?|\s*\()\s*\"([^\"]+)\"",
+)
+
+
+def _headings(path: Path) -> list[str]:
+    return [
+        line.lstrip("#").strip().replace("`", "")
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.startswith("#")
+    ]
+
+
+def _names(heading: str, cited: str) -> bool:
+    return heading == cited or heading.startswith((cited + " (", cited + ":"))
+
+
+def test_section_references_name_real_headings() -> None:
+    files = [REPO / "README.md"]
+    for root in ("camp2p_overlap", "docs", "patches", "tests", "scripts"):
+        files += [p for p in (REPO / root).rglob("*") if p.suffix in (".py", ".md", ".toml", ".sh")]
+    docs = {"README": REPO / "README.md", "README.md": REPO / "README.md"}
+    docs.update({f"docs/{n}.md": REPO / f"docs/{n}.md" for n in ("design", "benchmark", "validation")})
+    headings = {key: _headings(path) for key, path in docs.items()}
+    found, broken = 0, []
+    for path in files:
+        if path.resolve() == Path(__file__).resolve() or "__pycache__" in path.parts:
+            continue
+        text = re.sub(r"\s+", " ", path.read_text(encoding="utf-8"))
+        for m in _CITATION.finditer(text):
+            doc, cited = m.group(1), m.group(2).replace("`", "").strip()
+            found += 1
+            if not any(_names(h, cited) for h in headings[doc]):
+                broken.append(f"{path.relative_to(REPO)}: {doc} {cited!r}")
+    assert found >= 10
+    assert broken == []
+
+
+def _tree_modules(design: str) -> set[str]:
+    """The modules the folder tree under "Layout" lists, as paths relative
+    to the package; a folder listed without children stands for all of it."""
+    block = design[design.index("## Layout") :]
+    block = block[block.index("```\n") + 4 :]
+    block = block[: block.index("```")]
+    listed: set[str] = set()
+    stack: list[tuple[int, str]] = []
+    for line in block.splitlines()[1:]:  # below "camp2p_overlap/"
+        name = line.strip().split()[0]
+        depth = len(line) - len(line.lstrip())
+        while stack and stack[-1][0] >= depth:
+            stack.pop()
+        path = "/".join([*(p for _, p in stack), name.rstrip("/")])
+        if name.endswith("/"):
+            stack.append((depth, name.rstrip("/")))
+            listed.add(path + "/")
+        else:
+            listed.add(path)
+    return listed
+
+
+def test_the_design_tree_lists_exactly_the_packages_modules() -> None:
+    listed = _tree_modules((REPO / "docs/design.md").read_text(encoding="utf-8"))
+    package = REPO / "camp2p_overlap"
+    on_disk = set()
+    for dirpath, dirnames, filenames in os.walk(package):  # does not follow the patches/ link
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        rel = Path(dirpath).relative_to(package)
+        on_disk |= {(rel / f).as_posix() for f in filenames if f.endswith(".py")}
+    folders = {f for f in listed if f.endswith("/")}
+    collapsed = {f for f in folders if not any(m.startswith(f) and m != f for m in listed)}
+    covered = {m for m in on_disk if any(m.startswith(f) for f in collapsed)}
+    modules = {m for m in listed if not m.endswith("/")}
+    assert sorted(on_disk - covered - modules) == [], "modules missing from the tree"
+    assert sorted(modules - on_disk) == [], "the tree lists modules that do not exist"
+    assert len(modules) > 40
