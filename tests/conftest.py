@@ -27,7 +27,8 @@ from camp2p_overlap.emulation import standins
 # real emulated steps, so "ci" keeps the budget small and the draw fixed
 # (derandomized: the same examples on every run, no example database), to
 # bound the suite's time; "dev" explores fresh examples; "thorough" is for a
-# long run before a release (with ``-m slow``).
+# long run before a release (with ``-m slow``: the default run leaves the
+# ``slow`` tier out, see ``addopts`` in pyproject.toml).
 # (The GPU box runs only the gpu-marked files, without hypothesis.)
 if settings is not None:
     _COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow], "print_blob": True}

@@ -48,7 +48,7 @@ def build_layer(*, on_unpatch: Callable[[], None] | None = None, **engine_option
     return Layer(engine, runtime)
 
 
-def _stop_reporting() -> None:
+def reset_reporting() -> None:
     """On unpatch: the reporter's thread and endpoint end (nothing is counted
     any more); the next step after a new apply starts them again."""
     metrics.stop_reporting()
@@ -56,7 +56,7 @@ def _stop_reporting() -> None:
 
 
 #: The process-wide layer behind ``camp2p_overlap.apply()``/``unpatch()``/``status()``/``stats()``.
-LAYER = build_layer(on_unpatch=_stop_reporting)
+LAYER = build_layer(on_unpatch=reset_reporting)
 
 
 def _start_reporting() -> None:

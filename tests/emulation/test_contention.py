@@ -15,6 +15,9 @@ from typing import Any
 import pytest
 from support.overlap import SHAPE, Schedule, apply_cpu, assert_same, run_step, serial_results
 
+from camp2p_overlap.core.keys import A2E, E2A, side_stream_name
+from camp2p_overlap.core.layer import Layer
+from camp2p_overlap.core.observe import trace
 from camp2p_overlap.emulation.contention import CoreSpinner
 from camp2p_overlap.emulation.world import LinkModel, WorldSpec, build_world
 from camp2p_overlap.tools import cli
@@ -83,7 +86,7 @@ def test_the_peer_wait_spins_too() -> None:
     assert cpu1 - cpu0 >= 0.25 * 0.2, f"peer waits took {cpu1 - cpu0:.3f} s more CPU with --comm-cores 1"
 
 
-def test_busy_comm_keeps_outputs_bitwise_and_the_overlap_engaged() -> None:
+def test_busy_comm_keeps_outputs_bitwise_and_the_overlap_engaged(layer: Layer) -> None:
     w = build_world(
         WorldSpec(
             layers=3,
@@ -98,10 +101,16 @@ def test_busy_comm_keeps_outputs_bitwise_and_the_overlap_engaged() -> None:
     )
     try:
         scheds = [Schedule(3, (0, 1), (8, 5), step=i + 1) for i in range(3)]
-        refs = serial_results(w, scheds)
-        apply_cpu()
-        for sched, ref in zip(scheds, refs, strict=True):
-            assert_same(run_step(w, sched), ref)
+        refs = serial_results(w, scheds, layer)
+        apply_cpu(layer=layer)
+        with trace.recording() as rec:
+            for sched, ref in zip(scheds, refs, strict=True):
+                assert_same(run_step(w, sched), ref)
+        # Engaged: every step's A2E and E2A ran on its stage's side stream.
+        assert len(rec.steps()) == len(scheds)
+        for step in rec.steps():
+            comm = {(o.kind, o.stream) for o in rec.ops(step) if o.kind in (A2E, E2A)}
+            assert comm == {(k, side_stream_name(s)) for k in (A2E, E2A) for s in (0, 1)}, (step, comm)
     finally:
         w.close()
 

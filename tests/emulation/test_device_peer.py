@@ -139,16 +139,16 @@ def test_an_a2e_queued_before_its_e2a_times_out_on_the_device(site: Any, monkeyp
     orig_send = OverlapSession.send
 
     def send_a2e_first(self: OverlapSession, call: Any, output: Any, context: Any, stage: Any) -> None:
-        key = self._contexts.get(id(context))
+        key = self.stage_layer_of(context)
         if key is not None and self.plan.next_layer(key[0]) is not None:
             nxt = self.plan.next_layer(key[0])
-            self._issue_a2e(nxt, key[1])  # the lookahead, ahead of its E2A
-            real_issue = self._issue_a2e
-            self._issue_a2e = lambda layer, s: None  # type: ignore[method-assign]
+            self.issue_a2e(nxt, key[1])  # the lookahead, ahead of its E2A
+            real_issue = self.issue_a2e
+            self.issue_a2e = lambda layer, s: None  # type: ignore[method-assign]
             try:
                 return orig_send(self, call, output, context, stage)
             finally:
-                self._issue_a2e = real_issue  # type: ignore[method-assign]
+                self.issue_a2e = real_issue  # type: ignore[method-assign]
         return orig_send(self, call, output, context, stage)
 
     monkeypatch.setattr(OverlapSession, "send", send_a2e_first)
@@ -360,8 +360,7 @@ def test_ffn_outputs_stay_referenced_until_c_waited_their_e2a(
 
         def send_and_forget(self: Any, call: Any, output: Any, context: Any, stage: Any) -> None:
             orig_send(self, call, output, context, stage)
-            for refs in self._f_refs.values():
-                refs.clear()
+            self.release_sent_outputs()
 
         monkeypatch.setattr(OverlapSession, "send", send_and_forget)
     with _overlap(site):

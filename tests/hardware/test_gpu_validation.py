@@ -326,17 +326,17 @@ def test_cuda_a2e_ahead_of_its_e2a_times_out_instead_of_hanging(site: Any, monke
     orig_send = OverlapSession.send
 
     def send_a2e_first(self: Any, call: Any, output: Any, context: Any, stage: Any) -> None:
-        key = self._contexts.get(id(context))
+        key = self.stage_layer_of(context)
         nxt = None if key is None else self.plan.next_layer(key[0])
         if nxt is None:
             return orig_send(self, call, output, context, stage)
-        self._issue_a2e(nxt, key[1])  # the lookahead A2E queued on K_s before its E2A: a deadlock on hardware
-        real = self._issue_a2e
-        self._issue_a2e = lambda layer, s: None
+        self.issue_a2e(nxt, key[1])  # the lookahead A2E queued on K_s before its E2A: a deadlock on hardware
+        real = self.issue_a2e
+        self.issue_a2e = lambda layer, s: None
         try:
             return orig_send(self, call, output, context, stage)
         finally:
-            self._issue_a2e = real
+            self.issue_a2e = real
 
     with overlap_on(site, adaptive=False):
         monkeypatch.setattr(OverlapSession, "send", send_a2e_first)
@@ -393,8 +393,7 @@ def test_cuda_tensor_ownership_without_record_stream(
 
         def send_and_forget(self: Any, call: Any, output: Any, context: Any, stage: Any) -> None:
             orig_send(self, call, output, context, stage)
-            for refs in self._f_refs.values():
-                refs.clear()
+            self.release_sent_outputs()
 
         monkeypatch.setattr(OverlapSession, "send", send_and_forget)
     with overlap_on(site, adaptive=False):

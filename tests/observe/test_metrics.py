@@ -28,12 +28,11 @@ from camp2p_overlap.core.observe import metrics
 
 
 @pytest.fixture
-def fresh_reporting(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def fresh_reporting() -> Iterator[None]:
     """No reporter running; the process layer starts one on its next step."""
-    metrics.stop_reporting()
-    monkeypatch.setattr(LAYER.runtime.counters, "on_first_step", process._start_reporting)
+    process.reset_reporting()
     yield
-    metrics.stop_reporting()
+    process.reset_reporting()
 
 
 def scrape(port: int) -> dict[str, Any]:
@@ -54,7 +53,7 @@ def test_endpoint_is_scraped_over_loopback(fresh_reporting: None) -> None:
         strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, metrics_port=0, summary_s=0)
     )
     bounded(lambda: run_step(w))  # the first step starts the reporter
-    reporter = metrics._reporter
+    reporter = metrics.current_reporter()
     assert reporter is not None and reporter.port, "no endpoint started"
     bounded(lambda: run_step(w, Schedule(2, (0,), (4,), 2)))  # one stage: serial
     fams = scrape(reporter.port)
@@ -76,7 +75,7 @@ def test_no_endpoint_unless_asked(fresh_reporting: None) -> None:
     w = world(layers=2, stage_ids=(0, 1))
     LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, summary_s=0))
     bounded(lambda: run_step(w))
-    reporter = metrics._reporter
+    reporter = metrics.current_reporter()
     assert reporter is not None and reporter.server is None and reporter.port is None
 
 

@@ -24,10 +24,12 @@ from support.overlap import (
     run_step,
     serial_results,
     world,
+    wrap_model,
 )
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.keys import A2E, COMPUTE_STREAM, E2A, side_stream_name
+from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.overlap.streams import (
     BackendUnavailable,
@@ -75,20 +77,47 @@ def fake_device(monkeypatch: pytest.MonkeyPatch) -> HostDevice:
     return dev
 
 
+def streams_ops_ran_on(w: Any, dev: HostDevice) -> dict[tuple[str, int, int], str]:
+    """Fill, as the world's ops run, (kind, layer, stage) -> the name of the
+    device's current stream when the op's work ran (the A2E and E2A work
+    inside the connector's kernels, the FFN in the model)."""
+    ran_on: dict[tuple[str, int, int], str] = {}
+
+    def comm(kind: str, layer: int, stage: int) -> None:
+        ran_on[(kind, layer, stage)] = dev.current_stream_name()
+
+    w.transport.fault_hook = comm
+    wrap_model(w, before_with_stage=lambda layer, stage: comm("ffn", layer, stage))
+    return ran_on
+
+
 def test_device_backend_schedule_equals_serial_and_reuses_events(
-    fake_device: HostDevice, monkeypatch: pytest.MonkeyPatch
+    fake_device: HostDevice,
+    monkeypatch: pytest.MonkeyPatch,
+    layer: Layer,
 ) -> None:
     w = world(layers=4, stage_ids=(0, 1, 2))
     scheds = [Schedule(4, (0, 1, 2), (3 + i, 9, 16 - i), step=i + 1) for i in range(6)]
-    refs = serial_results(w, scheds)
-    apply_cpu()
-    sessions = SessionSpy(monkeypatch)
+    refs = serial_results(w, scheds, layer=layer)
+    apply_cpu(layer=layer)
+    sessions = SessionSpy(monkeypatch, layer=layer)
+    ran_on = streams_ops_ran_on(w, fake_device)
     created_after_first = None
     for i, (sched, ref) in enumerate(zip(scheds, refs, strict=True)):
         step_start = fake_device.now()
         fake_device.waits.clear()
+        ran_on.clear()
         with trace.recording() as rec:
             assert_same(bounded(lambda sched=sched: run_step(w, sched)), ref)
+        # Each op ran inside its stream's context: A2E and E2A of stage s on
+        # K_s, the FFN on the compute stream.
+        want = {
+            (kind, L, s): side_stream_name(s) if kind in (A2E, E2A) else COMPUTE_STREAM
+            for L in range(4)
+            for s in (0, 1, 2)
+            for kind in (A2E, "ffn", E2A)
+        }
+        assert ran_on == want, {k: (v, want.get(k)) for k, v in ran_on.items() if v != want.get(k)}
         # Every wait (on C and on each K_s) bound to a record made in this very step.
         assert {name for name, _, _ in fake_device.waits} == {"C", "K0", "K1", "K2"}
         assert all(t > step_start for _, _, t in fake_device.waits)
@@ -102,20 +131,22 @@ def test_device_backend_schedule_equals_serial_and_reuses_events(
     assert sessions.count == len(scheds)
 
 
-def test_device_capture_gates_unless_graph_mode(fake_device: HostDevice, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_device_capture_gates_unless_graph_mode(
+    fake_device: HostDevice, monkeypatch: pytest.MonkeyPatch, layer: Layer
+) -> None:
     w = world(layers=2, stage_ids=(0, 1))
     sched = Schedule(2, (0, 1), (5, 5), step=1)
-    (ref,) = serial_results(w, [sched])
-    apply_cpu()
-    sessions = SessionSpy(monkeypatch)
+    (ref,) = serial_results(w, [sched], layer=layer)
+    apply_cpu(layer=layer)
+    sessions = SessionSpy(monkeypatch, layer=layer)
     fake_device.capturing = True
     assert_same(run_step(w, sched), ref)
     assert sessions.count == 0
-    LAYER.engine.unpatch(timeout=10)
-    LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
+    layer.engine.unpatch(timeout=10)
+    layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
     # An eager step first creates the side streams; the capture then reuses them.
     fake_device.capturing = False
-    sessions = SessionSpy(monkeypatch)
+    sessions = SessionSpy(monkeypatch, layer=layer)
     assert_same(run_step(w, sched), ref)
     streams_before_capture = fake_device.streams_created
     fake_device.capturing = True
@@ -125,13 +156,16 @@ def test_device_capture_gates_unless_graph_mode(fake_device: HostDevice, monkeyp
 
 
 def test_first_engaged_step_inside_capture_creates_no_streams(
-    fake_device: HostDevice, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    fake_device: HostDevice,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    layer: Layer,
 ) -> None:
     w = world(layers=2, stage_ids=(0, 1))
     sched = Schedule(2, (0, 1), (5, 5), step=1)
-    (ref,) = serial_results(w, [sched])
-    LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
-    sessions = SessionSpy(monkeypatch)
+    (ref,) = serial_results(w, [sched], layer=layer)
+    layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
+    sessions = SessionSpy(monkeypatch, layer=layer)
     streams_before = fake_device.streams_created
     fake_device.capturing = True
     with caplog.at_level(logging.INFO):
@@ -232,7 +266,7 @@ def test_adaptive_device_steps_read_events_and_never_synchronize(fake_device: Ho
     w = world(layers=3, stage_ids=(0, 1))
     scheds = [Schedule(3, (0, 1), (8, 8), step=i + 1) for i in range(10)]
     refs = serial_results(w, scheds)
-    apply_cpu(adaptive=True)
+    apply_cpu(adaptive=True)  # the process-wide layer: stats() reads it
     before = camp2p_overlap.stats()["steps"]
     for sched, ref in zip(scheds, refs, strict=True):
         assert_same(bounded(lambda sched=sched: run_step(w, sched)), ref)

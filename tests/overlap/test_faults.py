@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -56,7 +56,7 @@ from support.overlap import (
 from support.strategies import DIRECTIONS, OP_KINDS, FaultRun, fault_runs, schedules, tokens_for
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.layer import Layer, build_layer
 from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.core.overlap.streams import CpuBackend, StreamPoisonedError
 from camp2p_overlap.core.overlap.streams.cpu import WorkerStream
@@ -107,12 +107,14 @@ def error_world(standin_stack: str) -> World:
 @example(p={**POINT, "where": "a2e", "dirs": (True, True)})
 @example(p={**POINT, "where": "ffn", "dirs": (False, True)})
 @example(p={**POINT, "where": "e2a", "dirs": (True, False)})
-def test_injected_errors_surface_unchanged_and_the_next_step_is_correct(error_world: World, p: dict[str, Any]) -> None:
+def test_injected_errors_surface_unchanged_and_the_next_step_is_correct(
+    error_world: World, layer: Layer, p: dict[str, Any]
+) -> None:
     w = error_world
     steps = itertools.count(2 * next(_STEP_NUMBERS) + 1)
     p = {**p, "sched": replace(p["sched"], step=next(steps)), "next": replace(p["next"], step=next(steps))}
-    LAYER.engine.unpatch(timeout=10)
-    (ref,) = serial_results(w, [p["next"]])
+    layer.engine.unpatch(timeout=10)
+    (ref,) = serial_results(w, [p["next"]], layer)
     raised: dict[str, Any] = {}
     target: dict[str, Any] = {}
 
@@ -131,7 +133,7 @@ def test_injected_errors_surface_unchanged_and_the_next_step_is_correct(error_wo
     w.transport.fault_hook = hook
     try:
         a2e, e2a = p["dirs"]
-        apply_cpu(a2e_on_side_stream=a2e, e2a_on_side_stream=e2a)
+        apply_cpu(layer=layer, a2e_on_side_stream=a2e, e2a_on_side_stream=e2a)
         target.clear()
         target.update(where=p["where"], layer=p["layer"], stage=p["stage"])
         raised.clear()
@@ -140,7 +142,7 @@ def test_injected_errors_surface_unchanged_and_the_next_step_is_correct(error_wo
             bounded(lambda p=p: run_step(w, p["sched"]), timeout=30)
         assert info.value is raised["exc"], "the caller must get the injected exception object itself"
         assert str(info.value) == f"injected {p['where']} fault at layer {p['layer']} stage {p['stage']}"
-        assert_streams_idle(timeout=5)
+        assert_streams_idle(timeout=5, layer=layer)
         if p["where"] == "a2e":
             # Prefetched or not, an A2E error surfaces exactly when the loop
             # asks for that (layer, stage): every FFN before it in loop order
@@ -150,21 +152,21 @@ def test_injected_errors_surface_unchanged_and_the_next_step_is_correct(error_wo
             assert ffn_calls == order[: order.index((p["layer"], p["stage"]))]
         target.clear()
         assert_same(bounded(lambda p=p: run_step(w, p["next"]), timeout=30), ref)
-        assert_streams_idle(timeout=5)
+        assert_streams_idle(timeout=5, layer=layer)
     finally:
-        LAYER.engine.unpatch(timeout=10)
+        layer.engine.unpatch(timeout=10)
         w.transport.fault_hook = None
         vars(w.transport).pop("a2e", None)  # the examples share the world: undo wrap_model
         vars(w.runner.model).pop("compute_ffn_output", None)
         assert w.runner.model.compute_ffn_output == original
 
 
-def test_error_in_first_prefetch_of_another_stage_surfaces_at_its_receive() -> None:
+def test_error_in_first_prefetch_of_another_stage_surfaces_at_its_receive(layer: Layer) -> None:
     w = world(layers=3, stage_ids=(0, 1))
     sched = Schedule(3, (0, 1), (8, 8), step=1)
     nxt = Schedule(3, (0, 1), (8, 8), step=2)
-    (ref,) = serial_results(w, [nxt])
-    apply_cpu()
+    (ref,) = serial_results(w, [nxt], layer=layer)
+    apply_cpu(layer=layer)
     ffn_layers: list[int] = []
     wrap_model(w, before=ffn_layers.append)
 
@@ -180,12 +182,12 @@ def test_error_in_first_prefetch_of_another_stage_surfaces_at_its_receive() -> N
     assert_same(bounded(lambda: run_step(w, nxt)), ref)
 
 
-def test_model_error_surfaces_and_streams_join() -> None:
+def test_model_error_surfaces_and_streams_join(layer: Layer) -> None:
     w = world(layers=4, stage_ids=(0, 1, 2))
     sched = Schedule(4, (0, 1, 2), (4, 9, 16), step=5)
     nxt = Schedule(4, (0, 1, 2), (16, 1, 7), step=6)
-    (ref,) = serial_results(w, [nxt])
-    apply_cpu()
+    (ref,) = serial_results(w, [nxt], layer=layer)
+    apply_cpu(layer=layer)
     calls: list[int] = []
 
     def before(layer: int) -> None:
@@ -196,14 +198,14 @@ def test_model_error_surfaces_and_streams_join() -> None:
     original = wrap_model(w, before=before)
     with pytest.raises(ZeroDivisionError, match=r"^model blew up at its 8th call$"):
         bounded(lambda: run_step(w, sched))
-    assert_streams_idle()
+    assert_streams_idle(layer=layer)
     w.runner.model.compute_ffn_output = original
     assert_same(bounded(lambda: run_step(w, nxt)), ref)
 
 
-def test_a_silent_peer_is_reported_as_a_stall_then_times_out(logs: PackageLogs) -> None:
+def test_a_silent_peer_is_reported_as_a_stall_then_times_out(logs: PackageLogs, layer: Layer) -> None:
     w = world(layers=3, stage_ids=(0, 1), op_timeout_s=1.0)
-    apply_cpu(watchdog_s=0.2)
+    apply_cpu(layer=layer, watchdog_s=0.2)
 
     def hook(kind: str, layer: int, stage: int) -> None:
         if (kind, layer, stage) == ("a2e", 1, 1):
@@ -216,7 +218,7 @@ def test_a_silent_peer_is_reported_as_a_stall_then_times_out(logs: PackageLogs) 
     # It names the op that waits for the silent peer, and its pending event.
     assert "a2e(L1,s1) on K1" in report
     assert "event a L1 s1: pending" in report
-    assert_streams_idle()
+    assert_streams_idle(layer=layer)
 
 
 # ---------------------------------------------------------------------------
@@ -233,8 +235,8 @@ def _stream_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("camp2p-overlap-stream-")]
 
 
-def _side_streams() -> list[WorkerStream]:
-    return [k for s in stream_sets() for k in s.streams.values() if isinstance(k, WorkerStream)]
+def _side_streams(layer: Layer) -> list[WorkerStream]:
+    return [k for s in stream_sets(layer) for k in s.streams.values() if isinstance(k, WorkerStream)]
 
 
 class Runner:
@@ -242,6 +244,8 @@ class Runner:
         self.make_world = make_world
         self.op_timeout_s = op_timeout_s
         self.worlds: dict[tuple[int, tuple[int, ...]], World] = {}
+        #: The runner's own patch layer (not the process-wide one).
+        self.layer = build_layer()
 
     def world(self, run: FaultRun) -> World:
         key = (run.layers, run.stages)
@@ -261,8 +265,8 @@ class Runner:
         fault = run.fault
         n = next(_STEP_NUMBERS)
         a, b = 2 * n + 11, 2 * n + 12  # step numbers: peers send per-step data
-        LAYER.engine.unpatch(timeout=10)  # a failed example may have left it applied
-        assert not LAYER.engine.is_applied()
+        self.layer.engine.unpatch(timeout=10)  # a failed example may have left it applied
+        assert not self.layer.engine.is_applied()
         ref_a = self.step(w, a, run.tokens)
         ref_b = self.step(w, b, run.tokens)
         assert ref_a.error is None and ref_b.error is None
@@ -287,7 +291,7 @@ class Runner:
             e2a_on_side_stream=e2a_side,
             mode=run.mode,  # type: ignore[arg-type]
         )
-        report = LAYER.engine.apply(config=cfg, strict=True)
+        report = self.layer.engine.apply(config=cfg, strict=True)
         assert report.applied
         assert_stack(report)
         try:
@@ -298,7 +302,7 @@ class Runner:
                 busy = {s: p.busy for s, p in w.transport.peers.items() if p.busy is not None}
             assert not busy, f"{run}: ops still running after the step returned: {busy}"
             assert len(plan.fired) == 1, f"{run}: fault fired {len(plan.fired)} times"
-            for k in _side_streams():
+            for k in _side_streams(self.layer):
                 assert k.drain(timeout=5.0), f"{run}: side stream {k.name} not idle"
             want = fault.expected_error()
             if want is None:
@@ -312,7 +316,7 @@ class Runner:
             assert nxt.error is None, f"{run}: the next step failed: {nxt.error!r}"
             assert_same(nxt.results, ref_b.results, f"{run}: the next step's outputs differ")
         finally:
-            assert LAYER.engine.unpatch(timeout=10)
+            assert self.layer.engine.unpatch(timeout=10)
         assert not _stream_threads(), f"{run}: stream threads left after unpatch: {_stream_threads()}"
         for t in _camp2p_threads():  # cancelled watchdog timers end on their own
             t.join(5.0)
@@ -321,9 +325,12 @@ class Runner:
 
 
 @pytest.fixture
-def runners() -> dict[float, Runner]:
-    """One runner (and its worlds) per op timeout; the examples of a test share them."""
-    return {}
+def runners() -> Iterator[dict[float, Runner]]:
+    """One runner (its worlds, its layer) per op timeout; the examples of a test share them."""
+    made: dict[float, Runner] = {}
+    yield made
+    for r in made.values():
+        r.layer.engine.unpatch(timeout=10)
 
 
 def _runner(runners: dict[float, Runner], op_timeout_s: float) -> Runner:
@@ -384,11 +391,11 @@ def test_fault_injection_many_examples(runners: dict[float, Runner], run: FaultR
     _runner(runners, 0.3 if run.fault.action == "stop" else 10.0).check(run)
 
 
-def test_the_harness_catches_a_hang() -> None:
+def test_the_harness_catches_a_hang(layer: Layer) -> None:
     """The bound is real: a delay longer than the bound is reported as hung
     (so a deadlocked overlap would fail a run rather than block the suite)."""
     w = world(layers=1, stage_ids=(0, 1), tokens=4)
-    assert LAYER.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True).applied
+    assert layer.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True).applied
     with FaultPlan(w, [Fault("delay", "e2a", 0, 1, delay_s=1.5)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 1, 0.2)
@@ -397,7 +404,7 @@ def test_the_harness_catches_a_hang() -> None:
         for t in threading.enumerate():
             if t.name == "camp2p-test-step-1":
                 t.join(10)
-    assert LAYER.engine.unpatch(timeout=10)
+    assert layer.engine.unpatch(timeout=10)
 
 
 # ---------------------------------------------------------------------------
@@ -409,30 +416,30 @@ class LookaheadBeforeE2A(OverlapSession):
     K_s ahead of that stage's E2A."""
 
     def send(self, call: Any, output: Any, context: Any, stage: int | None) -> Any:
-        key = self._contexts.get(id(context))
+        key = self.stage_layer_of(context)
         if key is not None:
             nxt = self.plan.next_layer(key[0])
             if nxt is not None:
-                self._issue_a2e(nxt, key[1])
+                self.issue_a2e(nxt, key[1])
         return super().send(call, output, context, stage)
 
-    def _issue_a2e(self, layer: int, stage: int) -> None:
-        if (layer, stage) in self._a_handle:
+    def issue_a2e(self, layer: int, stage: int) -> None:
+        if self.a2e_issued(layer, stage):
             return  # already queued, too early
-        super()._issue_a2e(layer, stage)
+        super().issue_a2e(layer, stage)
 
 
-def test_lookahead_queued_before_its_e2a_deadlocks_until_the_op_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    from camp2p_overlap.core.layer import LAYER
-
+def test_lookahead_queued_before_its_e2a_deadlocks_until_the_op_timeout(
+    monkeypatch: pytest.MonkeyPatch, layer: Layer
+) -> None:
     w = world(layers=3, stage_ids=(0, 1), op_timeout_s=0.5)
-    apply_cpu()
+    apply_cpu(layer=layer)
     # Control: the real order completes with the same short timeout.
     run_step(w, Schedule(3, (0, 1), (8, 8), step=1))
-    monkeypatch.setattr(LAYER.runtime, "session_class", LookaheadBeforeE2A)
+    monkeypatch.setattr(layer.runtime, "session_class", LookaheadBeforeE2A)
     with pytest.raises(PeerTimeoutError, match=r"a2e\(L1\) on afd: no data from attention after 0.5 s"):
         bounded(lambda: run_step(w, Schedule(3, (0, 1), (8, 8), step=2)), timeout=30)
-    assert_streams_idle()
+    assert_streams_idle(layer=layer)
 
 
 def test_wrong_order_on_one_stream_deadlocks_driving_the_backend_directly() -> None:

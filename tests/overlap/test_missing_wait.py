@@ -18,7 +18,7 @@ import torch
 from support.overlap import Schedule, apply_cpu, assert_same, run_step, serial_results, world, wrap_model
 
 from camp2p_overlap.core.keys import A_DONE, F_DONE, EventKey
-from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.layer import Layer, build_layer
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.observe.trace import ExpectedSchedule
 from camp2p_overlap.core.overlap.session import OverlapSession
@@ -34,17 +34,17 @@ EDGE4 = "edge 4 (E2A waits its FFN)"
 
 
 class SessionSkipsComputeWaitForA2E(OverlapSession):
-    def _wait(self, stream: Any, key: EventKey) -> None:
+    def wait_event(self, stream: Any, key: EventKey) -> None:
         if stream is self.compute and key.kind == A_DONE:
             return
-        super()._wait(stream, key)
+        super().wait_event(stream, key)
 
 
 class SessionSkipsStageWaitForFFN(OverlapSession):
-    def _wait(self, stream: Any, key: EventKey) -> None:
+    def wait_event(self, stream: Any, key: EventKey) -> None:
         if stream is not self.compute and key.kind == F_DONE:
             return
-        super()._wait(stream, key)
+        super().wait_event(stream, key)
 
 
 def _backend_dropping(stream_type: type, kind: str) -> Callable[..., None]:
@@ -87,11 +87,13 @@ def _hold_a2e_fill_until_its_ffn_ran(w: Any) -> None:
 
 
 def _run_broken(monkeypatch: pytest.MonkeyPatch, *, session: type | None = None, wait: Any = None, hold: bool = False):
+    """One step of a layer of its own with the schedule broken as asked."""
     w = world(layers=3, stage_ids=STAGES)
-    (ref,) = serial_results(w, [SCHED])
-    apply_cpu()
+    layer = build_layer()
+    (ref,) = serial_results(w, [SCHED], layer)
+    apply_cpu(layer=layer)
     if session is not None:
-        monkeypatch.setattr(LAYER.runtime, "session_class", session)
+        monkeypatch.setattr(layer.runtime, "session_class", session)
     if wait is not None:
         monkeypatch.setattr(CpuBackend, "wait", wait)
     if hold:
@@ -100,7 +102,7 @@ def _run_broken(monkeypatch: pytest.MonkeyPatch, *, session: type | None = None,
         with trace.recording() as rec:
             got = run_step(w, SCHED)
     finally:
-        LAYER.engine.unpatch(timeout=10)
+        assert layer.engine.unpatch(timeout=10)
     return got, ref, rec.ops(rec.steps()[0])
 
 
@@ -109,23 +111,23 @@ def _differs(got: dict, ref: dict) -> list[tuple[int, int]]:
     return [k for k in ref if not torch.equal(got[k], ref[k])]
 
 
-def test_control_every_wait_in_place_passes() -> None:
+def test_control_every_wait_in_place_passes(layer: Layer) -> None:
     """Control: the same world and step with every wait in place gives the
     serial outputs and a clean check."""
     w = world(layers=3, stage_ids=STAGES)
-    (ref,) = serial_results(w, [SCHED])
-    apply_cpu()
+    (ref,) = serial_results(w, [SCHED], layer=layer)
+    apply_cpu(layer=layer)
     try:
         with trace.recording() as rec:
             got = run_step(w, SCHED)
     finally:
-        LAYER.engine.unpatch(timeout=10)
+        layer.engine.unpatch(timeout=10)
     assert_same(got, ref)
     res = edges.check_step(rec.ops(rec.steps()[0]), EXPECTED)
     assert res.ok, str(res)
 
 
-def test_session_without_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_session_without_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch, layer: Layer) -> None:
     got, ref, ops = _run_broken(monkeypatch, session=SessionSkipsComputeWaitForA2E, hold=True)
     assert _differs(got, ref) == sorted(ref)  # every FFN read an unfilled buffer
     text = str(edges.check_step(ops, EXPECTED))

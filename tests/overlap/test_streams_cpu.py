@@ -146,7 +146,7 @@ def test_worker_drops_finished_work(backend: CpuBackend) -> None:
 def test_close_stops_the_worker_threads() -> None:
     b = CpuBackend()
     streams = [b.new_stream(f"K{i}") for i in range(3)]
-    threads = [s._thread for s in streams]
+    threads = [s.thread for s in streams]
     assert all(t.is_alive() and t in threading.enumerate() for t in threads)
     assert [t.name for t in threads] == [f"camp2p-overlap-stream-K{i}" for i in range(3)]
     b.close()

@@ -12,7 +12,7 @@ from support.logs import PackageLogs
 from support.overlap import assert_same
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, recording
 from camp2p_overlap.emulation.faults import Fault, FaultPlan, run_step_bounded
 from camp2p_overlap.emulation.world import PeerTimeoutError
@@ -32,24 +32,24 @@ def _wait_watchdogs_gone(timeout: float = 5.0) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "camp2p-overlap-watchdog"]
 
 
-def _serial(world, step: int) -> dict:
-    assert not LAYER.engine.is_applied()
+def _serial(layer: Layer, world, step: int) -> dict:
+    assert not layer.engine.is_applied()
     out = run_step_bounded(world, step, STEP_BOUND_S)
     assert not out.hung and out.error is None, out
     return out.results
 
 
-def _apply(**overrides: object) -> None:
-    LAYER.engine.unpatch()
-    report = LAYER.engine.apply(
+def _apply(layer: Layer, **overrides: object) -> None:
+    layer.engine.unpatch()
+    report = layer.engine.apply(
         config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, **overrides), strict=True
     )
     assert report.applied
 
 
-def test_stopped_peer_a2e_is_reported_once_with_the_pending_op(make_world, logs) -> None:
+def test_stopped_peer_a2e_is_reported_once_with_the_pending_op(make_world, logs, layer: Layer) -> None:
     w = make_world(layers=3, stage_ids=(0, 1, 2), tokens=8, op_timeout_s=1.2)
-    _apply(watchdog_s=0.25)
+    _apply(layer, watchdog_s=0.25)
     with FaultPlan(w, [Fault("stop", "a2e", 1, 1)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 5, STEP_BOUND_S)
@@ -74,9 +74,9 @@ def test_stopped_peer_a2e_is_reported_once_with_the_pending_op(make_world, logs)
     assert not _wait_watchdogs_gone()
 
 
-def test_stopped_peer_e2a_reports_it_and_the_a2e_queued_behind_it(make_world, logs) -> None:
+def test_stopped_peer_e2a_reports_it_and_the_a2e_queued_behind_it(make_world, logs, layer: Layer) -> None:
     w = make_world(layers=3, stage_ids=(0, 2), tokens=8, op_timeout_s=1.2)
-    _apply(watchdog_s=0.3)
+    _apply(layer, watchdog_s=0.3)
     with FaultPlan(w, [Fault("stop", "e2a", 0, 0)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 3, STEP_BOUND_S)
@@ -93,9 +93,9 @@ def test_stopped_peer_e2a_reports_it_and_the_a2e_queued_behind_it(make_world, lo
     assert "ops not finished: e2a(L0,s0) on K0, a2e(L1,s0) on K0" in text
 
 
-def test_a2e_on_the_compute_stream_is_named_when_it_stalls(make_world, logs) -> None:
+def test_a2e_on_the_compute_stream_is_named_when_it_stalls(make_world, logs, layer: Layer) -> None:
     w = make_world(layers=2, stage_ids=(0, 1), tokens=8, op_timeout_s=1.0)
-    _apply(watchdog_s=0.25, a2e_on_side_stream=False)
+    _apply(layer, watchdog_s=0.25, a2e_on_side_stream=False)
     with FaultPlan(w, [Fault("stop", "a2e", 1, 0)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 2, STEP_BOUND_S)
@@ -107,12 +107,12 @@ def test_a2e_on_the_compute_stream_is_named_when_it_stalls(make_world, logs) -> 
     assert text.count("likely missing peer op") == 1
 
 
-def test_a2e_on_the_compute_stream_behind_a_stalled_e2a_blames_the_e2a(make_world, logs) -> None:
+def test_a2e_on_the_compute_stream_behind_a_stalled_e2a_blames_the_e2a(make_world, logs, layer: Layer) -> None:
     """A2E on C, E2A on K_s: the next receive of the stage waits the stage's
     last E2A before it issues its A2E. The A2E is not issued, so it is not
     blamed: the E2A the peer never acknowledged is."""
     w = make_world(layers=2, stage_ids=(0, 1), tokens=8, op_timeout_s=1.0)
-    _apply(watchdog_s=0.25, a2e_on_side_stream=False)
+    _apply(layer, watchdog_s=0.25, a2e_on_side_stream=False)
     with FaultPlan(w, [Fault("stop", "e2a", 0, 0)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 2, STEP_BOUND_S)
@@ -125,9 +125,9 @@ def test_a2e_on_the_compute_stream_behind_a_stalled_e2a_blames_the_e2a(make_worl
     assert text.count("likely missing peer op") == 1
 
 
-def test_e2a_on_the_compute_stream_is_named_once_when_it_stalls(make_world, logs) -> None:
+def test_e2a_on_the_compute_stream_is_named_once_when_it_stalls(make_world, logs, layer: Layer) -> None:
     w = make_world(layers=2, stage_ids=(0, 1), tokens=8, op_timeout_s=1.0)
-    _apply(watchdog_s=0.25, e2a_on_side_stream=False)
+    _apply(layer, watchdog_s=0.25, e2a_on_side_stream=False)
     with FaultPlan(w, [Fault("stop", "e2a", 0, 0)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 2, STEP_BOUND_S)
@@ -142,10 +142,10 @@ def test_e2a_on_the_compute_stream_is_named_once_when_it_stalls(make_world, logs
     assert text.rstrip().endswith("ops not finished: e2a(L0,s0) on C")
 
 
-def test_fast_steps_log_no_stall(make_world, logs) -> None:
+def test_fast_steps_log_no_stall(make_world, logs, layer: Layer) -> None:
     w = make_world(layers=3, stage_ids=(0, 1), tokens=8)
-    ref = [_serial(w, n) for n in (1, 2, 3)]
-    _apply(watchdog_s=20.0)
+    ref = [_serial(layer, w, n) for n in (1, 2, 3)]
+    _apply(layer, watchdog_s=20.0)
     for n in (1, 2, 3):
         out = run_step_bounded(w, n, STEP_BOUND_S)
         assert out.error is None and not out.hung
@@ -155,9 +155,9 @@ def test_fast_steps_log_no_stall(make_world, logs) -> None:
     assert not _wait_watchdogs_gone()
 
 
-def _expected(world) -> ExpectedSchedule:
-    """The schedule a world's step should have under the applied config."""
-    cfg = LAYER.engine.config
+def _expected(layer: Layer, world) -> ExpectedSchedule:
+    """The schedule a world's step should have under ``layer``'s config."""
+    cfg = layer.engine.config
     return ExpectedSchedule(
         tuple(world.layer_list()), tuple(world.spec.stage_ids), cfg.a2e_on_side_stream, cfg.e2a_on_side_stream
     )
@@ -172,15 +172,15 @@ def _shape(ops) -> list[tuple]:
     [Fault("delay", "e2a", 1, 0, delay_s=0.4), Fault("delay", "a2e", 2, 1, delay_s=0.4)],
     ids=lambda f: f.describe(),
 )
-def test_watchdog_only_reads_a_slow_step_has_the_same_outcome(make_world, logs, fault) -> None:
+def test_watchdog_only_reads_a_slow_step_has_the_same_outcome(make_world, logs, fault, layer: Layer) -> None:
     """A step slower than the watchdog: the report fires mid-step and the
     outputs, the ops and their streams are those of the same step without
     a watchdog (and of the serial path)."""
     w = make_world(layers=3, stage_ids=(0, 1), tokens=8)
-    ref = _serial(w, 7)
+    ref = _serial(layer, w, 7)
     outcomes = {}
     for watchdog in (None, 0.05):
-        _apply(watchdog_s=watchdog)
+        _apply(layer, watchdog_s=watchdog)
         with FaultPlan(w, [fault]) as plan, recording() as rec:
             plan.arm()
             out = run_step_bounded(w, 7, STEP_BOUND_S)
@@ -188,7 +188,7 @@ def test_watchdog_only_reads_a_slow_step_has_the_same_outcome(make_world, logs, 
         assert out.error is None and not out.hung, out
         (step,) = rec.steps()
         ops = rec.ops(step)
-        assert check_step(ops, _expected(w)).ok
+        assert check_step(ops, _expected(layer, w)).ok
         outcomes[watchdog] = (out.results, _shape(ops), len(stall_reports(logs)))
     (res_off, shape_off, n_off), (res_on, shape_on, n_on) = outcomes[None], outcomes[0.05]
     assert n_off == 0 and n_on == 1
@@ -201,12 +201,12 @@ def test_watchdog_only_reads_a_slow_step_has_the_same_outcome(make_world, logs, 
     assert f"{fault.op}(L{fault.layer},s{fault.stage}) on K{fault.stage}: RUNNING" in text
 
 
-def test_watchdog_only_reads_a_failing_step_fails_the_same_way(make_world, logs) -> None:
+def test_watchdog_only_reads_a_failing_step_fails_the_same_way(make_world, logs, layer: Layer) -> None:
     w = make_world(layers=2, stage_ids=(0, 1), tokens=8, op_timeout_s=0.6)
-    ref_next = _serial(w, 9)
+    ref_next = _serial(layer, w, 9)
     errors = {}
     for watchdog in (None, 0.1):
-        _apply(watchdog_s=watchdog)
+        _apply(layer, watchdog_s=watchdog)
         with FaultPlan(w, [Fault("stop", "a2e", 1, 1)]) as plan:
             plan.arm()
             out = run_step_bounded(w, 8, STEP_BOUND_S)

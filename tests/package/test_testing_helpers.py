@@ -54,7 +54,8 @@ def test_context_manager_unpatches_when_the_body_raises() -> None:
     runner, conn = _classes()
     snap = {runner: dict(vars(runner)), conn: dict(vars(conn))}
     with pytest.raises(KeyError, match="body failed"), overlap_patched(backend="cpu"):
-        assert LAYER.engine.is_ours(vars(conn)["send_ffn_output"])
+        assert LAYER.engine.is_ours(vars(runner)["_ffn_forward"])
+        assert vars(conn)["send_ffn_output"] is snap[conn]["send_ffn_output"]  # routed per step, never wrapped
         raise KeyError("body failed")
     assert not LAYER.engine.is_applied()
     assert _restored(snap)

@@ -27,7 +27,7 @@ from support.overlap import (
 )
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.emulation.world import World
 from camp2p_overlap.verify import edges
@@ -66,10 +66,8 @@ class Case:
     skip_if: Callable[[], str | None] | None = None
     #: Whether the serial reference (made before the case's set-up) applies.
     compare: bool = True
-
-
-def _switch_off(w: World, mp: pytest.MonkeyPatch) -> None:
-    mp.setattr(LAYER.engine, "config", LAYER.engine.config.with_overrides(enabled=False))
+    #: Switch the applied layer's configuration off before the steps.
+    switch_off_after_apply: bool = False
 
 
 def _camasync(w: World, mp: pytest.MonkeyPatch) -> None:
@@ -129,7 +127,7 @@ def _no_cuda() -> str | None:
 
 
 CASES: dict[str, Case] = {
-    "switched-off": Case("switched off", after_apply=_switch_off),
+    "switched-off": Case("switched off", switch_off_after_apply=True),
     "not-camp2p": Case("connector is CAMAsyncAFDConnector, not CAMP2pAFDConnector", after_apply=_camasync),
     "role-attention": Case("AFD role is 'attention', not 'ffn'", after_apply=_attention_role),
     "one-stage": Case("1 stage(s), fewer than the minimum 2", stages=(0,)),
@@ -201,7 +199,10 @@ def _run(w: World, stages: tuple[int, ...], step: int, forward: dict[str, Any]) 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_gate_runs_the_original_with_the_same_arguments(
-    monkeypatch: pytest.MonkeyPatch, logs: PackageLogs, name: str
+    monkeypatch: pytest.MonkeyPatch,
+    logs: PackageLogs,
+    name: str,
+    layer: Layer,
 ) -> None:
     case = CASES[name]
     if case.skip_if is not None and (why := case.skip_if()):
@@ -209,15 +210,17 @@ def test_gate_runs_the_original_with_the_same_arguments(
     w = world(layers=3, stage_ids=(0, 1, 2))
     refs = None
     if case.error is None:
-        refs = serial_results(w, [Schedule(3, case.stages, (6,) * len(case.stages), step) for step in (1, 2)])
-    calls = spy_forward(type(w.runner))
+        refs = serial_results(w, [Schedule(3, case.stages, (6,) * len(case.stages), step) for step in (1, 2)], layer)
+    calls = spy_forward(type(w.runner), layer=layer)
     if case.before_apply is not None:
         case.before_apply(w, monkeypatch)
     cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False).with_overrides(**case.config)
-    assert_stack(LAYER.engine.apply(strict=case.strict, config=cfg))
+    assert_stack(layer.engine.apply(strict=case.strict, config=cfg))
     if case.after_apply is not None:
         case.after_apply(w, monkeypatch)
-    sessions = SessionSpy(monkeypatch)
+    if case.switch_off_after_apply:
+        monkeypatch.setattr(layer.engine, "config", layer.engine.config.with_overrides(enabled=False))
+    sessions = SessionSpy(monkeypatch, layer=layer)
     with trace.recording() as rec:
         for step in (1, 2):
             if case.error is not None:
@@ -248,9 +251,9 @@ def test_gate_runs_the_original_with_the_same_arguments(
     assert not side
 
 
-def test_each_distinct_reason_is_logged_once(monkeypatch: pytest.MonkeyPatch, logs: PackageLogs) -> None:
+def test_each_distinct_reason_is_logged_once(monkeypatch: pytest.MonkeyPatch, logs: PackageLogs, layer: Layer) -> None:
     w = world(layers=2, stage_ids=(0, 1, 2))
-    LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, min_stages=3))
+    layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, min_stages=3))
     _run(w, (0, 1), 1, {})
     _run(w, (0,), 2, {})
     _run(w, (0, 1), 3, {})
@@ -262,12 +265,12 @@ def test_each_distinct_reason_is_logged_once(monkeypatch: pytest.MonkeyPatch, lo
     assert "1 stage(s), fewer than the minimum 3" in logged[1]
 
 
-def test_graph_capture_engages_with_the_graph_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_graph_capture_engages_with_the_graph_switch(monkeypatch: pytest.MonkeyPatch, layer: Layer) -> None:
     w = world(layers=3, stage_ids=(0, 1))
     (ref,) = serial_results(w, [Schedule(3, (0, 1), (6, 6), 1)])
-    calls = spy_forward(type(w.runner))
-    LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
-    sessions = SessionSpy(monkeypatch)
+    calls = spy_forward(type(w.runner), layer=layer)
+    layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
+    sessions = SessionSpy(monkeypatch, layer=layer)
     with trace.recording() as rec:
         got, dp = _run(w, (0, 1), 1, {"is_graph_capturing": True})
     assert_same(got, ref)
@@ -277,14 +280,14 @@ def test_graph_capture_engages_with_the_graph_switch(monkeypatch: pytest.MonkeyP
     assert res.ok, str(res)
 
 
-def test_reentrant_forward_runs_the_original(monkeypatch: pytest.MonkeyPatch, logs: PackageLogs) -> None:
+def test_reentrant_forward_runs_the_original(monkeypatch: pytest.MonkeyPatch, logs: PackageLogs, layer: Layer) -> None:
     outer = world(layers=3, stage_ids=(0, 1))
     inner = world(layers=2, stage_ids=(0, 1), seed=5)
     (ref_outer,) = serial_results(outer, [Schedule(3, (0, 1), (6, 6), 1)])
     (ref_inner,) = serial_results(inner, [Schedule(2, (0, 1), (6, 6), 7)])
-    calls = spy_forward(type(outer.runner))
-    LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False))
-    sessions = SessionSpy(monkeypatch)
+    calls = spy_forward(type(outer.runner), layer=layer)
+    layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False))
+    sessions = SessionSpy(monkeypatch, layer=layer)
     model = outer.runner.model
     original = type(model).compute_ffn_output.__get__(model)
     inner_out: dict[str, Any] = {}
@@ -306,11 +309,11 @@ def test_reentrant_forward_runs_the_original(monkeypatch: pytest.MonkeyPatch, lo
     assert "re-entrant FFN forward inside an active step" in msg
 
 
-def test_planning_error_runs_the_original(monkeypatch: pytest.MonkeyPatch, logs: PackageLogs) -> None:
+def test_planning_error_runs_the_original(monkeypatch: pytest.MonkeyPatch, logs: PackageLogs, layer: Layer) -> None:
     """A failure while planning (here the layer list holds a non-integer)
     never breaks the call: the original runs (and fails or not on its own)."""
     w = world(layers=2, stage_ids=(0, 1))
-    LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False))
+    layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False))
     plan_calls = {"n": 0}
     real = w.modules[0]._ffn_layer_indices
 

@@ -7,7 +7,7 @@ import importlib
 import pytest
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import LAYER, build_layer
+from camp2p_overlap.core.layer import build_layer
 from camp2p_overlap.core.overlap.step import make_wrappers
 from camp2p_overlap.core.patching.lifecycle import PatchRefused
 from camp2p_overlap.core.patching.manifest import (
@@ -39,7 +39,8 @@ def test_shipped_manifest_loads() -> None:
         "recv_attn_output",
         "send_ffn_output",
     }
-    wrappers = make_wrappers(LAYER.engine, runtime=LAYER.runtime)
+    own = build_layer()
+    wrappers = make_wrappers(own.engine, runtime=own.runtime)
     for t in man.targets():
         assert t.changes and t.why
         if t.action == "wrap":

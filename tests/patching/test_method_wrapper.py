@@ -110,6 +110,6 @@ def test_a_modules_function_gets_a_wrapt_wrapper_with_no_instance() -> None:
 def test_the_installer_knows_a_bound_method_of_its_plain_wrapper(installed: Any) -> None:
     _, handle, _ = installed
     installer = Installer()
-    installer._handles.add(id(handle))
+    installer.claim(handle)
     assert installer.handle_of(Target().plain) is handle and installer.handle_of(handle) is handle
     assert installer.handle_of(Target.static) is None

@@ -32,21 +32,19 @@ tokens = {0: 64, 1: 48}
 
 if mode == "race":
     # Drop edge 3 (FFN on C waits for its A2E): C reads what K_s writes.
-    orig_wait = OverlapSession._wait
+    orig_wait = OverlapSession.wait_event
 
     def _wait(self, stream, key):
         if stream is self.compute and key.kind == A_DONE:
             return
         return orig_wait(self, stream, key)
 
-    OverlapSession._wait = _wait
+    OverlapSession.wait_event = _wait
 
 
 def no_join(self):
     # Edge 7 dropped: K_s never rejoins C before the forward returns.
-    for refs in self._f_refs.values():
-        refs.clear()
-    self._inflight.clear()
+    self.release_buffers()
 
 
 if mode == "graph-env":
@@ -117,7 +115,7 @@ with emulation_engine() as engine:
             dw.world.run_step(tokens)
         torch.cuda.synchronize()
         print("CAPTURE_WITH_JOIN_OK")
-        OverlapSession._join = no_join
+        OverlapSession.join = no_join
         g2 = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(g2):  # B: without it, capture must fail

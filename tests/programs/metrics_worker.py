@@ -16,5 +16,5 @@ w = build_world(WorldSpec(layers=2, stage_ids=(0, 1), tokens=8, shape=MoEShape(h
 assert camp2p_overlap.status().engaged, str(camp2p_overlap.status())
 for _ in range(3):
     w.run_step()
-metrics._reporter.metrics.sync()  # what the reporter thread does every few seconds
+metrics.current_reporter().metrics.sync()  # what the reporter thread does every few seconds
 print("STATS=" + json.dumps(camp2p_overlap.stats()["steps"]))

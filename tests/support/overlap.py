@@ -15,7 +15,7 @@ import torch
 import wrapt
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.layer import LAYER, Layer
 from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.core.patching.status_report import PatchReport
 from camp2p_overlap.emulation import standins
@@ -33,12 +33,13 @@ def world(**kw: Any) -> World:
     return build_world(WorldSpec(**kw))
 
 
-def apply_cpu(**overrides: Any) -> PatchReport:
-    """Apply (strict) switched on with the CPU backend plus ``overrides``;
-    the engine must have picked the stack whose stand-ins are installed."""
-    LAYER.engine.unpatch(timeout=10)
+def apply_cpu(*, layer: Layer = LAYER, **overrides: Any) -> PatchReport:
+    """Apply ``layer`` (strict; default the process-wide one) switched on
+    with the CPU backend plus ``overrides``; the engine must have picked the
+    stack whose stand-ins are installed."""
+    layer.engine.unpatch(timeout=10)
     overrides.setdefault("adaptive", False)  # the schedule tests want every allowed step engaged
-    report = LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", **overrides))
+    report = layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", **overrides))
     assert report.engaged, str(report)
     assert_stack(report)
     return report
@@ -80,9 +81,9 @@ def run_step(w: World, sched: Schedule | None = None, **forward_kwargs: Any) -> 
     return dict(w.transport.results)
 
 
-def serial_results(w: World, scheds: Sequence[Schedule]) -> list[Results]:
+def serial_results(w: World, scheds: Sequence[Schedule], layer: Layer = LAYER) -> list[Results]:
     """What the unpatched (upstream) code delivers for each schedule."""
-    assert not LAYER.engine.is_applied()
+    assert not layer.engine.is_applied()
     assert "_ffn_forward" in vars(type(w.runner)) and not hasattr(vars(type(w.runner))["_ffn_forward"], "__wrapped__")
     return [run_step(w, s) for s in scheds]
 
@@ -127,12 +128,12 @@ def bounded(fn: Callable[[], Any], timeout: float = 30.0) -> Any:
     return box.get("value")
 
 
-def stream_sets() -> list[Any]:
-    return LAYER.runtime.streamsets.sets()
+def stream_sets(layer: Layer = LAYER) -> list[Any]:
+    return layer.runtime.streamsets.sets()
 
 
-def assert_streams_idle(timeout: float = 5.0) -> None:
-    sets = stream_sets()
+def assert_streams_idle(timeout: float = 5.0, layer: Layer = LAYER) -> None:
+    sets = stream_sets(layer)
     assert sets, "no stream set was created"
     for sset in sets:
         for s, stream in sset.streams.items():
@@ -192,11 +193,19 @@ def wrap_model(
 
 
 class SessionSpy:
-    """Make the process runtime build sessions of a subclass that remembers
-    every session it builds (weakly unless ``keep``) and, for kept ones,
-    the ops it issued (``issued_ops``, taken when the session closes)."""
+    """Make ``layer``'s runtime (default the process-wide one) build sessions
+    of a subclass that remembers every session it builds (weakly unless
+    ``keep``) and, for kept ones, the ops it issued (``issued_ops``, taken
+    when the session closes)."""
 
-    def __init__(self, monkeypatch: Any, base: type[OverlapSession] = OverlapSession, *, keep: bool = False) -> None:
+    def __init__(
+        self,
+        monkeypatch: Any,
+        base: type[OverlapSession] = OverlapSession,
+        *,
+        keep: bool = False,
+        layer: Layer = LAYER,
+    ) -> None:
         import weakref
 
         self.refs: list[weakref.ref[OverlapSession]] = []
@@ -216,16 +225,17 @@ class SessionSpy:
                     self.issued_ops = self.issued()
                 super().close(raising=raising)
 
-        monkeypatch.setattr(LAYER.runtime, "session_class", Recorded)
+        monkeypatch.setattr(layer.runtime, "session_class", Recorded)
 
     @property
     def count(self) -> int:
         return len(self.refs)
 
 
-def spy_forward(runner_cls: type) -> list[dict[str, Any]]:
+def spy_forward(runner_cls: type, layer: Layer = LAYER) -> list[dict[str, Any]]:
     """Replace ``_ffn_forward`` in the class dict (before apply) by a function
-    of the same signature that records its arguments and calls the original."""
+    of the same signature that records its arguments (and ``layer``'s active
+    session) and calls the original."""
     original = vars(runner_cls)["_ffn_forward"]
     calls: list[dict[str, Any]] = []
 
@@ -244,7 +254,7 @@ def spy_forward(runner_cls: type) -> list[dict[str, Any]]:
                 "aclgraph_runtime_mode": aclgraph_runtime_mode,
                 "is_graph_capturing": is_graph_capturing,
                 "update_connector_state": update_connector_state,
-                "session": LAYER.runtime.active_session(),
+                "session": layer.runtime.active_session(),
             }
         )
         return original(

@@ -194,21 +194,21 @@ def test_a_correct_step_holds_every_edge_on_device_times(simulated: Any, tmp_pat
 
 
 class NoComputeWaitForA2E(OverlapSession):
-    def _wait(self, stream: Any, key: EventKey) -> None:
+    def wait_event(self, stream: Any, key: EventKey) -> None:
         if stream is self.compute and key.kind == A_DONE:
             return
-        super()._wait(stream, key)
+        super().wait_event(stream, key)
 
 
 class NoStageWaitForFFN(OverlapSession):
-    def _wait(self, stream: Any, key: EventKey) -> None:
+    def wait_event(self, stream: Any, key: EventKey) -> None:
         if stream is not self.compute and key.kind == F_DONE:
             return
-        super()._wait(stream, key)
+        super().wait_event(stream, key)
 
 
 class NoJoin(OverlapSession):
-    def _join(self) -> None:
+    def join(self) -> None:
         return
 
 

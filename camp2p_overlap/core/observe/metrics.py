@@ -265,6 +265,11 @@ def start_reporting(stats: StatsFn, *, port: int | None, summary_s: float, mode:
         return _reporter
 
 
+def current_reporter() -> Reporter | None:
+    """The process's running reporter, or None while none runs."""
+    return _reporter
+
+
 def stop_reporting() -> None:
     """Stop the process's reporter thread and endpoint (on unpatch); the
     counters stay, and a later start serves them again."""

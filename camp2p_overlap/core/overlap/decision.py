@@ -32,19 +32,11 @@ class Decision:
     mode: str = "overlap"
 
 
-def decide(
-    engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], *, in_session: bool, unready: str | None
-) -> Decision:
-    """The decision for this call; ``in_session``: a step is already active
-    on this thread (a re-entrant call); ``unready``: what
-    ``engine.refresh_and_report_unready()`` just returned for this step."""
+def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any]) -> Decision:
+    """Whether this call of ``runner._ffn_forward(**kwargs)`` engages, and
+    its plan; the step has already checked that the layer is on, the call is
+    not re-entrant and every target is ready (``FfnStep.blocking_reason``)."""
     cfg = engine.config
-    if not cfg.enabled:
-        return Decision("switched off")
-    if in_session:
-        return Decision("re-entrant FFN forward inside an active step")
-    if unready:
-        return Decision(f"not every target of the stack is patched ({unready})")
     connector = getattr(runner, "connector", None)
     problem = connector_problem(engine, connector)
     if problem is not None:

@@ -263,7 +263,10 @@ class OverlapSession:
             self._trace.event("record", key, stream.name, now, now, next(self._seq))
         return ev
 
-    def _wait(self, stream: Stream, key: EventKey) -> None:
+    def wait_event(self, stream: Stream, key: EventKey) -> None:
+        """Make ``stream`` wait the event of ``key`` recorded in this step:
+        every wait of the schedule goes through here (a test's broken
+        schedule overrides it to drop one)."""
         ev = self._events.get(key)
         if ev is None:
             raise SessionError(f"wait on event {key.label()!r} that was not recorded in this step")
@@ -327,10 +330,13 @@ class OverlapSession:
         fork = EventKey.fork()
         self._record(self.compute, fork)
         for k in self.side_streams.values():
-            self._wait(k, fork)
+            self.wait_event(k, fork)
         self.forked = True
 
-    def _issue_a2e(self, layer: int, stage: int) -> None:
+    def issue_a2e(self, layer: int, stage: int) -> None:
+        """Queue the receive (A2E) of ``(layer, stage)`` on the stage's side
+        stream and record its ``a_done``: every receive the session issues
+        goes through here."""
         fn = self._recv_fn
         assert fn is not None
         key = (layer, stage)
@@ -362,15 +368,15 @@ class OverlapSession:
             self._fork()
             if self.directions.a2e_side:
                 for stage in self.plan.stages:  # the prologue
-                    self._issue_a2e(self.plan.layers[0], stage)
+                    self.issue_a2e(self.plan.layers[0], stage)
         self.next_recv += 1
         if self.directions.a2e_side:
-            self._wait(self.compute, self._keys[expected].a_done)
+            self.wait_event(self.compute, self._keys[expected].a_done)
             payload = self._take_prefetched(L, s)
         else:
             # A2E on C: the group's previous E2A (on K_s) must be done first.
             if self.directions.e2a_side and s in self._e_done_c:
-                self._wait(self.compute, self._e_done_c[s])
+                self.wait_event(self.compute, self._e_done_c[s])
                 # That E2A failed (host-visible, CPU backend): raise it as the
                 # serial path would, instead of an A2E no peer will answer.
                 failed = self.backend.step_errors([self.side_streams[s]])
@@ -418,7 +424,7 @@ class OverlapSession:
         self._record(self.compute, keys.f_done)
         if self.directions.e2a_side:
             k = self.side_streams[s]
-            self._wait(k, keys.f_done)
+            self.wait_event(k, keys.f_done)
             h = self._submit(k, E2A, L, s, call, keys.e2a_label)
             self._record(k, keys.e_done)
             self._f_refs[s].append((output, context, call))
@@ -433,9 +439,9 @@ class OverlapSession:
         nxt = self.plan.next_of[L]
         if nxt is not None and self.directions.a2e_side:
             if not self.directions.e2a_side:
-                self._wait(self.side_streams[s], keys.e_done_c)
+                self.wait_event(self.side_streams[s], keys.e_done_c)
                 self._inflight.pop(key, None)
-            self._issue_a2e(nxt, s)
+            self.issue_a2e(nxt, s)
         return None
 
     # ------------------------------------------------------------------
@@ -451,7 +457,7 @@ class OverlapSession:
             expected,
         )
         self.fallen_back = True
-        self._join()
+        self.join()
 
     def _recv_after_fallback(self, kw: dict[str, Any], got: tuple[Any, Any], run: Callable[[], Any]) -> Any:
         if got in self._a_handle and self._a_kwargs.get(got) == kw:  # type: ignore[comparison-overlap]
@@ -479,17 +485,31 @@ class OverlapSession:
 
     # ------------------------------------------------------------------
     # join
-    def _join(self) -> None:
+    def join(self) -> None:
+        """Make the compute stream wait the last work of every side stream,
+        then release the buffers held for them (:meth:`release_buffers`)."""
         if not self.forked:
             return
         for s, k in self.side_streams.items():
             join = EventKey.join(s)
             self._record(k, join)
-            self._wait(self.compute, join)
+            self.wait_event(self.compute, join)
         # Every side-stream op has completed (CPU) or is ordered before C's
         # next work (device): nothing the step allocated needs holding.
+        self.release_buffers()
+
+    def release_sent_outputs(self) -> None:
+        """Drop the references to the FFN outputs the step's sends (E2A)
+        read, which the session holds until the compute stream has waited
+        the side stream's later work."""
         for refs in self._f_refs.values():
             refs.clear()
+
+    def release_buffers(self) -> None:
+        """Drop every buffer reference held for the side streams: the FFN
+        outputs sent (:meth:`release_sent_outputs`) and the received A2E
+        outputs whose FFN the side stream has not waited yet."""
+        self.release_sent_outputs()
         self._inflight.clear()
 
     def close(self, *, raising: bool = False) -> None:
@@ -500,7 +520,7 @@ class OverlapSession:
             return
         self.closed = True
         try:
-            self._join()
+            self.join()
         finally:
             errors = self.backend.step_errors(list(self.side_streams.values()))
             unconsumed = [k for k in self._a_handle if k not in self._consumed]
@@ -538,6 +558,29 @@ class OverlapSession:
     # ------------------------------------------------------------------
     def expected_schedule(self) -> ExpectedSchedule:
         return ExpectedSchedule(self.plan.layers, self.plan.stages, self.directions.a2e_side, self.directions.e2a_side)
+
+    def stage_layer_of(self, context: Any) -> StageLayer | None:
+        """The ``(layer, stage)`` whose received payload carried ``context``
+        (what the loop hands back to the send), or None."""
+        return self._contexts.get(id(context))
+
+    def a2e_issued(self, layer: int, stage: int) -> bool:
+        """Whether this step has issued the receive of ``(layer, stage)``."""
+        return (layer, stage) in self._a_handle
+
+    def held(self) -> dict[str, int]:
+        """How many entries each per-step record holds (the receive
+        function counts 1 while set); every count is 0 once closed."""
+        return {
+            "recv_fn": int(self._recv_fn is not None),
+            "a2e_handles": len(self._a_handle),
+            "a2e_kwargs": len(self._a_kwargs),
+            "contexts": len(self._contexts),
+            "received_buffers": len(self._inflight),
+            "sent_outputs": sum(len(refs) for refs in self._f_refs.values()),
+            "events": len(self._events),
+            "ops": len(self._ops),
+        }
 
     def issued(self) -> list[tuple[str, int | None, int | None]]:
         """``(kind, layer, stage)`` of every op issued so far, in issue order."""

@@ -128,7 +128,6 @@ class FfnStep:
             log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", decision.reason)
             return self.run_original()
         if self.follows_static_setting(decision, streamset):
-            self.runtime.counters.engaged(decision.mode)
             return self.run_engaged(decision, streamset)
         return self.run_adaptive(decision, streamset)
 
@@ -161,10 +160,11 @@ class FfnStep:
     def decide(self) -> tuple[Decision, StreamSet | None]:
         """The decision and, when it engages, the runner's stream set."""
         engine, runtime = self.engine, self.runtime
-        unready = engine.refresh_and_report_unready()  # a reloaded target module is wrapped again here
+        blocked = self.blocking_reason()
+        if blocked is not None:
+            return Decision(blocked), None
         try:
-            in_session = runtime.active_session() is not None
-            decision = decide(engine, self.runner, self.kwargs, in_session=in_session, unready=unready)
+            decision = decide(engine, self.runner, self.kwargs)
         except Exception as exc:  # noqa: BLE001 - planning must never break the original call
             return Decision(f"could not plan the step ({type(exc).__name__}: {exc})"), None
         if decision.reason is not None:
@@ -178,6 +178,18 @@ class FfnStep:
         if streamset.backend.is_capturing() and not engine.config.graph:
             return Decision(GRAPH_OFF), None
         return decision, streamset
+
+    def blocking_reason(self) -> str | None:
+        """Why no step may engage now, whatever the call: the layer is
+        switched off, the call is re-entrant inside an active step, or a
+        target is not ready (after the refresh that wraps a reloaded target
+        module again)."""
+        if not self.engine.config.enabled:
+            return "switched off"
+        if self.runtime.active_session() is not None:
+            return "re-entrant FFN forward inside an active step"
+        unready = self.engine.refresh_and_report_unready()
+        return None if unready is None else f"not every target of the stack is patched ({unready})"
 
     # -- 4. the choice -------------------------------------------------------
     def follows_static_setting(self, decision: Decision, streamset: StreamSet) -> bool:
@@ -201,7 +213,6 @@ class FfnStep:
         if path != "overlap":
             return self.run_adaptive_serial(bucket, probe=probe)
         token = backend.timing_start()
-        runtime.counters.overlap()
         result = self.run_engaged(decision, streamset)
         backend.timing_stop(token)  # a step that raised is not timed
         runtime.record_step_time(bucket.key, path, backend, token)
@@ -228,6 +239,8 @@ class FfnStep:
 
     # -- 5. the engaged step -------------------------------------------------
     def run_engaged(self, decision: Decision, streamset: StreamSet) -> Any:
+        """The step under a session, counted under its rollout mode once the
+        connector is routed to it."""
         runtime, recorder = self.runtime, self.recorder
         step_id = recorder.next_step() if recorder is not None else 0
         with streamset.lock:
@@ -245,8 +258,10 @@ class FfnStep:
             refused = routes.install(self.session_routers(session))
             if refused is not None:  # decide() checked it: only a race with another thread's step lands here
                 session.close(raising=True)  # nothing was issued: closing only releases it
-                log_once(logging.WARNING, "route", "camp2p-overlap: step %d ran serially: %s", step_id, refused)
+                runtime.counters.serial(refused)
+                log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", refused)
                 return self.run_original()
+            runtime.counters.engaged(decision.mode)
             watchdog = start_watchdog(self.engine.config.watchdog_s, session.snapshot, step_id)
             t0 = time.perf_counter_ns()
             runtime.set_session(session)

@@ -150,6 +150,12 @@ class Installer:
     def is_ours(self, obj: Any) -> bool:
         return self.handle_of(obj) is not None
 
+    def claim(self, handle: Any) -> None:
+        """Count ``handle`` (a wrapper object) as one of this installer's:
+        :meth:`handle_of` and :meth:`is_ours` then recognise it and its
+        bound forms."""
+        self._handles.add(id(handle))
+
     def owner_of(self, qualname: str) -> Any:
         """The owner object (class or module) of an installed target."""
         for recs in list(self.records.values()):
@@ -283,7 +289,7 @@ class Installer:
                 wrapper = wrappers[t.wrapper]  # type: ignore[index]
                 on_class = isinstance(owner, type)
                 handle = wrapt.wrap_object(owner, t.attribute, _marked_wrapper, (wrapper, on_class))
-                self._handles.add(id(handle))
+                self.claim(handle)
                 done.append(WrapRecord(mspec.name, owner, t.attribute, raw, handle, t))
         except Exception as exc:  # noqa: BLE001 - rolled back and reported
             for rec in reversed(done):

@@ -200,6 +200,11 @@ class WorkerStream:
         return self._thread.is_alive()
 
     @property
+    def thread(self) -> threading.Thread:
+        """The worker thread that runs this stream's work, in FIFO order."""
+        return self._thread
+
+    @property
     def current(self) -> str | None:
         """What the worker is doing now: an op's label, ``wait <event label>``,
         or None when idle (diagnostics: read from any thread)."""

@@ -20,7 +20,7 @@ from camp2p_overlap.core.overlap.step import NO_STREAMS_IN_CAPTURE, NOT_APPLIED,
 from camp2p_overlap.tools.cli import main
 from camp2p_overlap.tools.docgen import DOC_BLOCKS, RESULTS_DIR, run_docs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MAIN_JOB = "bash scripts/setup.sh && .venv/bin/camp2p-overlap bench --scenario ffn-bound"
 TEST_JOB = (
     "bash scripts/setup.sh --test && .venv/bin/ruff check . && .venv/bin/ruff format --check . "
