@@ -1,7 +1,7 @@
 """Fresh interpreters for the tests that need one: ``run_program`` runs a
 program of ``tests/programs/`` (a real file, linted like the rest), with
 its parameters as arguments and environment variables; ``run_cli`` runs
-the command-line tool; ``run_python`` runs a short snippet. Both run this venv's interpreter unless told another (the
+the command-line tool. Both run this venv's interpreter unless told another (the
 vLLM 0.26.0 venv's), without the caller's ``VLLM_CAMP2P_*`` variables, with
 the checkout on ``PYTHONPATH`` and the checkout as the working folder."""
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 #: The repository root (the checkout the tests run from).
@@ -63,21 +62,6 @@ def run_cli(
     in a fresh interpreter, as :func:`run_program` runs a program."""
     return subprocess.run(
         [python or sys.executable, "-m", "camp2p_overlap.tools.cli", *argv],
-        capture_output=True,
-        text=True,
-        env=child_env(env),
-        timeout=timeout,
-        cwd=str(REPO),
-    )
-
-
-def run_python(
-    code: str, *, env: dict[str, str] | None = None, timeout: float = 120, python: str | None = None
-) -> subprocess.CompletedProcess:
-    """Run the snippet ``code`` in a fresh interpreter (see the module
-    docstring); longer programs belong in ``tests/programs/``."""
-    return subprocess.run(
-        [python or sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
         text=True,
         env=child_env(env),
