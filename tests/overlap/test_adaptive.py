@@ -17,7 +17,7 @@ from support.overlap import Schedule, apply_cpu, assert_same, bounded, run_step,
 import camp2p_overlap
 from camp2p_overlap.core.config import ENV_ADAPTIVE, ENV_REPROBE, ConfigError, load_config
 from camp2p_overlap.core.layer import LAYER
-from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey, pow2_ceil
+from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey, Passed, pow2_ceil
 from camp2p_overlap.core.overlap.streams.device import TorchDeviceBackend
 
 KEY = BucketKey("runner#0", 2, 6, 128)
@@ -218,13 +218,24 @@ def test_pass_serial_counts_a_decided_serial_step_and_refuses_probes() -> None:
     drive(a, KEY, {"overlap": 0.020, "serial": 0.015}, 7)
     assert a.decision(KEY) == "serial"
     passed = [a.pass_serial(KEY) for _ in range(4)]
-    assert passed == [True, True, True, False]  # the 4th step is due to probe: the caller plans it
+    assert [bool(p) for p in passed] == [True, True, True, False]  # the 4th is due to probe: the caller plans it
     assert a.choose(KEY) == ("overlap", True)
     (snap,) = a.snapshot()
     assert snap["steps"] == 7 + 3 + 1
     b = AdaptiveEngage()
     drive(b, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
     assert b.decision(KEY) == "overlap" and not b.pass_serial(KEY)
+
+
+def test_a_decided_serial_step_is_timed_one_in_serial_time_every() -> None:
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=1000, serial_time_every=4))
+    drive(a, KEY, {"overlap": 0.020, "serial": 0.015}, 7)
+    assert a.decision(KEY) == "serial"
+    passed = [a.pass_serial(KEY) for _ in range(12)]
+    assert passed == [Passed.TIMED, Passed.UNTIMED, Passed.UNTIMED, Passed.UNTIMED] * 3
+    every = AdaptiveEngage(AdaptiveSettings(reprobe_every=1000, serial_time_every=1))
+    drive(every, KEY, {"overlap": 0.020, "serial": 0.015}, 7)
+    assert [every.pass_serial(KEY) for _ in range(5)] == [Passed.TIMED] * 5
 
 
 def test_buckets_are_isolated() -> None:

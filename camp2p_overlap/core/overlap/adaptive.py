@@ -39,6 +39,7 @@ Each decision is logged once, when it changes, with its figures.
 
 from __future__ import annotations
 
+import enum
 import statistics
 import threading
 from collections import deque
@@ -60,6 +61,15 @@ def other(path: Path) -> Path:
 def pow2_ceil(n: int) -> int:
     """``n`` rounded up to a power of two (0 for 0: unknown)."""
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+class Passed(enum.IntEnum):
+    """What :meth:`AdaptiveEngage.pass_serial` says of a step: not a
+    decided-serial step (false), or one to run serially, timed or not."""
+
+    NO = 0
+    TIMED = 1
+    UNTIMED = 2
 
 
 class BucketKey(NamedTuple):
@@ -90,6 +100,11 @@ class AdaptiveSettings:
     max_backoff: int = 8
     close_call: float = 0.10
     close_recheck: int = 16
+    #: A decided-serial step (not a probe) is timed one in this many: its
+    #: times only keep the current path's median fresh for the next probe
+    #: round to be judged against (``window`` samples span this many times
+    #: as many steps), and the timing costs the step host time.
+    serial_time_every: int = 4
 
 
 @dataclass
@@ -152,19 +167,25 @@ class AdaptiveEngage:
             b.issued[path] += 1
             return path, probe
 
-    def pass_serial(self, key: BucketKey) -> bool:
+    def pass_serial(self, key: BucketKey) -> Passed:
         """``choose(key)`` when that gives the bucket's decided serial path
-        (not a probe): counts the step as ``choose`` would and returns True.
-        Else changes nothing and returns False (the caller plans the step
-        and calls ``choose``). Lets a decided-serial step skip planning."""
+        (not a probe): counts the step as ``choose`` would and returns
+        :attr:`Passed.TIMED` or, for all but one in ``serial_time_every``
+        such steps, :attr:`Passed.UNTIMED` (the caller does not time it).
+        Else changes nothing and returns :attr:`Passed.NO` (false: the
+        caller plans the step and calls ``choose``). Lets a decided-serial
+        step skip planning."""
+        cfg = self.settings
         with self._lock:
             b = self._buckets.get(key)
-            if b is None or b.decision != "serial" or b.probes_left > 0 or _probe_due(b, self.settings):
-                return False
+            if b is None or b.decision != "serial" or b.probes_left > 0 or _probe_due(b, cfg):
+                return Passed.NO
             b.steps += 1
             b.since_probe += 1
             b.issued["serial"] += 1
-            return True
+            return (
+                Passed.TIMED if b.since_probe % cfg.serial_time_every == 1 % cfg.serial_time_every else Passed.UNTIMED
+            )
 
     def record(self, key: BucketKey, path: Path, seconds: float) -> None:
         """The measured time of one step of ``key`` that ran ``path``."""

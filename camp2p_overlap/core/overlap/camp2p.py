@@ -126,16 +126,24 @@ def max_stage_tokens(dp_metadata_list: Any) -> int:
     for meta in (dp_metadata_list or {}).values():
         count = getattr(meta, "num_tokens", None)
         if count is None:
-            across = getattr(meta, "num_tokens_across_dp_cpu", None)
-            try:
-                count = int(across.sum()) if across is not None else 0
-            except (TypeError, ValueError, AttributeError):
-                count = 0
+            count = _tokens_across_dp(meta)
+        if type(count) is int:  # the common case, without int()'s checks
+            if count > best:
+                best = count
+            continue
         try:
             best = max(best, int(count))
         except (TypeError, ValueError):
             continue
     return best
+
+
+def _tokens_across_dp(meta: Any) -> Any:
+    across = getattr(meta, "num_tokens_across_dp_cpu", None)
+    try:
+        return int(across.sum()) if across is not None else 0
+    except (TypeError, ValueError, AttributeError):
+        return 0
 
 
 def recv_kwargs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:

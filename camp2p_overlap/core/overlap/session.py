@@ -139,7 +139,7 @@ class Directions:
     e2a_side: bool = True
 
 
-@dataclass
+@dataclass(slots=True)
 class IssuedOp:
     """A connector op the session issued, in issue order."""
 

@@ -34,7 +34,7 @@ from camp2p_overlap.core.keys import COMPUTE_STREAM
 from camp2p_overlap.core.log import log_once
 from camp2p_overlap.core.observe.trace import TraceOp, TraceRecorder, current_recorder
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, pow2_ceil
+from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Passed
 from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes, RouterFactory
 from camp2p_overlap.core.overlap.decision import GRAPH_OFF, Decision, decide
 from camp2p_overlap.core.overlap.rollout import streams_for
@@ -78,15 +78,24 @@ def bucket_of(runner: str, layers: int, dp_metadata_list: Any) -> BucketKey:
     """The adaptive bucket of a step of runner ``runner`` (its name) with
     ``layers`` FFN layers: its stage count and its largest stage's tokens
     rounded up to a power of two."""
-    stages = camp2p.stage_count(dp_metadata_list)
-    return BucketKey(runner, stages, layers, pow2_ceil(camp2p.max_stage_tokens(dp_metadata_list)))
+    tokens = camp2p.max_stage_tokens(dp_metadata_list)
+    # tuple.__new__: a NamedTuple's own constructor is a Python function
+    return _new_tuple(
+        BucketKey,
+        (runner, camp2p.stage_count(dp_metadata_list), layers, 1 << (tokens - 1).bit_length() if tokens > 0 else 0),
+    )
+
+
+_new_tuple = tuple.__new__
 
 
 class TimedBucket(NamedTuple):
-    """The adaptive bucket a step is counted in, and the backend that times it."""
+    """The adaptive bucket a step is counted in, the backend that times it,
+    and whether this step is timed."""
 
     key: BucketKey
     backend: StreamBackend
+    timed: bool = True
 
 
 class FfnStep:
@@ -121,7 +130,10 @@ class FfnStep:
     def run_admitted(self) -> Any:
         decided = self.decided_serial_bucket() if self.recorder is None else None
         if decided is not None:
-            return self.run_adaptive_serial(decided, probe=False)
+            if decided.timed:
+                return self.run_adaptive_serial(decided, probe=False)
+            self.runtime.counters.serial(SERIAL_FASTER)
+            return self.wrapped(*self.args, **self.kwargs)
         decision, streamset = self.decide()
         if streamset is None:  # decide() gives a reason whenever it gives no streams
             self.runtime.counters.serial(str(decision.reason))
@@ -154,7 +166,10 @@ class FfnStep:
             key = bucket_of(shape.runner, shape.layers, self.kwargs["dp_metadata_list"])
         except Exception:  # noqa: BLE001 - the planned path gives the reason
             return None
-        return TimedBucket(key, shape.backend) if self.adaptive().pass_serial(key) else None
+        # The re-probe interval was synced on the planned step before (the
+        # engine's configuration does not change while it is applied).
+        passed = runtime.adaptive.pass_serial(key)
+        return _new_tuple(TimedBucket, (key, shape.backend, passed is Passed.TIMED)) if passed else None
 
     # -- 3. refresh and decision -----------------------------------------------
     def decide(self) -> tuple[Decision, StreamSet | None]:
@@ -334,7 +349,8 @@ def _session_recv(session: OverlapSession) -> RouterFactory:
         def recv_attn_output(*args: Any, **kwargs: Any) -> Any:
             if get_ident() != thread:
                 return callee(*args, **kwargs)
-            return recv(callee, parse(args, kwargs), lambda: callee(*args, **kwargs))
+            # the session calls callee(**kw): the same call (ubatch_idx by name)
+            return recv(callee, parse(args, kwargs))
 
         return recv_attn_output
 

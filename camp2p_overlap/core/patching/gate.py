@@ -9,16 +9,23 @@ import threading
 import weakref
 
 
+class _Depth(threading.local):
+    """How many wrapped steps this thread is inside (re-entrant calls nest)."""
+
+    n = 0
+
+
 class StepGate:
-    """Per thread, how many wrapped steps are running; and whether the
-    layer is being removed (then no step may enter)."""
+    """How many wrapped steps are running, over all threads and on this
+    one; and whether the layer is being removed (then no step may enter)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._open = False
         self._drainers = 0
-        self._active: dict[int, int] = {}
+        self._running = 0
+        self._here = _Depth()
         if hasattr(os, "register_at_fork"):
             ref = weakref.WeakMethod(self._after_fork_in_child)
             os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
@@ -38,30 +45,26 @@ class StepGate:
         with self._lock:
             if not self._open or self._drainers:
                 return False
-            me = threading.get_ident()
-            self._active[me] = self._active.get(me, 0) + 1
-            return True
+            self._running += 1
+        self._here.n += 1
+        return True
 
     def exit(self) -> None:
+        """Count a step out (paired with an :meth:`enter` that returned True)."""
+        self._here.n -= 1
         with self._lock:  # the lock of self._idle
-            me = threading.get_ident()
-            n = self._active.get(me, 0) - 1
-            if n <= 0:
-                self._active.pop(me, None)
-            else:
-                self._active[me] = n
-            if not self._active and self._drainers:  # only a drain waits on it
+            self._running -= 1
+            if not self._running and self._drainers:  # only a drain waits on it
                 self._idle.notify_all()
 
     def running_here(self) -> bool:
         """Whether this thread is inside a wrapped step."""
-        with self._lock:
-            return bool(self._active.get(threading.get_ident()))
+        return self._here.n > 0
 
     def running(self) -> int:
         """How many wrapped steps run now, over all threads."""
         with self._lock:
-            return sum(self._active.values())
+            return self._running
 
     @property
     def draining(self) -> bool:
@@ -73,7 +76,7 @@ class StepGate:
         for the running ones. Every call is paired with :meth:`end_drain`."""
         with self._idle:
             self._drainers += 1
-            return self._idle.wait_for(lambda: not self._active, timeout)
+            return self._idle.wait_for(lambda: not self._running, timeout)
 
     def end_drain(self) -> None:
         with self._lock:
@@ -83,9 +86,7 @@ class StepGate:
         """Only the forking thread survives a fork: the steps other threads
         were running are gone (unpatch must not wait for them), and a lock
         one of them held would stay held forever."""
-        me = threading.get_ident()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        mine = self._active.get(me)
-        self._active = {me: mine} if mine else {}
+        self._running = self._here.n  # the forking thread's own steps (its thread-local survives)
         self._drainers = 0

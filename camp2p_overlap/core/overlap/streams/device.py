@@ -83,22 +83,31 @@ class TorchDeviceBackend(StreamBackend):
         return stream
 
     def submit(self, stream: Any, fn: Callable[[], Any], label: str = "op") -> OpHandle:
-        start_ev = end_ev = None
+        if self.timing:
+            return self._timed_submit(stream, fn)
+        clock = time.perf_counter_ns
         with self.mod.stream(stream):
-            if self.timing:
-                start_ev = self.mod.Event(enable_timing=True)
-                start_ev.record(stream)
+            t0 = clock()
+            try:
+                value = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed back
+                return DoneHandle(exc=exc, start_ns=t0, end_ns=clock())
+        return DoneHandle(value, start_ns=t0, end_ns=clock())
+
+    def _timed_submit(self, stream: Any, fn: Callable[[], Any]) -> OpHandle:
+        """:meth:`submit` bracketed with timing events (traces)."""
+        with self.mod.stream(stream):
+            start_ev = self.mod.Event(enable_timing=True)
+            start_ev.record(stream)
             t0 = time.perf_counter_ns()
             try:
                 value = fn()
             except BaseException as exc:  # noqa: BLE001 - handed back
                 return DoneHandle(exc=exc, start_ns=t0, end_ns=time.perf_counter_ns())
-            if self.timing:
-                end_ev = self.mod.Event(enable_timing=True)
-                end_ev.record(stream)
+            end_ev = self.mod.Event(enable_timing=True)
+            end_ev.record(stream)
         handle = DoneHandle(value, start_ns=t0, end_ns=time.perf_counter_ns())
-        if self.timing:
-            self._timed.append((handle, start_ev, end_ev))
+        self._timed.append((handle, start_ev, end_ev))
         return handle
 
     def record(self, stream: Any, key: EventKey) -> Any:
