@@ -157,10 +157,10 @@ def recv_kwargs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, A
 
 def send_parts(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
     """``send_ffn_output(self, ffn_output, context, **kwargs)`` -> (output, context)."""
-    rest = list(args)
-    out = rest.pop(0) if rest else kwargs.get("ffn_output")
-    ctx = rest.pop(0) if rest else kwargs.get("context")
-    return out, ctx
+    n = len(args)
+    if n >= 2:
+        return args[0], args[1]
+    return (args[0] if n else kwargs.get("ffn_output")), kwargs.get("context")
 
 
 def send_stage(ctx: Any, kwargs: Mapping[str, Any]) -> int | None:

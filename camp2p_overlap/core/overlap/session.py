@@ -291,7 +291,7 @@ class OverlapSession:
         seq = next(self._seq) if self._trace is not None else -1
         text = label or OpKey(kind, layer, stage).label()
         if stream is not self.compute:
-            h = self.backend.submit(stream, fn, label=text)
+            h = self.backend.submit(stream, fn, text)
             self._ops.append(IssuedOp(kind, layer, stage, stream.name, h, seq))
             return h
         # The host runs a compute-stream op: listed before it runs, so a
@@ -386,10 +386,11 @@ class OverlapSession:
         # C has now waited an event recorded on K_s after every earlier E2A
         # of this stage: their FFN outputs may be freed.
         self._f_refs[s].clear()
-        self._consumed.add((L, s))
-        self._inflight[(L, s)] = payload
-        self._contexts[id(self._context_of(payload))] = (L, s)
-        self._ffn_started((L, s))
+        self._consumed.add(expected)
+        self._inflight[expected] = payload
+        self._contexts[id(self._context_of(payload))] = expected
+        if self._trace is not None:
+            self._ffn_started(expected)
         return payload
 
     def _take_prefetched(self, L: int, s: int) -> Any:
@@ -420,7 +421,8 @@ class OverlapSession:
         L, s = key
         keys = self._keys[key]
         self._sent.add(key)
-        self._ffn_ended(key)
+        if self._trace is not None:
+            self._ffn_ended(key)
         self._record(self.compute, keys.f_done)
         if self.directions.e2a_side:
             k = self.side_streams[s]

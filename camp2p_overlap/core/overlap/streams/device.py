@@ -91,8 +91,8 @@ class TorchDeviceBackend(StreamBackend):
             try:
                 value = fn()
             except BaseException as exc:  # noqa: BLE001 - handed back
-                return DoneHandle(exc=exc, start_ns=t0, end_ns=clock())
-        return DoneHandle(value, start_ns=t0, end_ns=clock())
+                return DoneHandle(None, exc, t0, clock())
+        return DoneHandle(value, None, t0, clock())
 
     def _timed_submit(self, stream: Any, fn: Callable[[], Any]) -> OpHandle:
         """:meth:`submit` bracketed with timing events (traces)."""
