@@ -34,12 +34,8 @@ from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.session import (
-    Directions,
-    OverlapSession,
-    ScheduleMismatchError,
-    StepPlan,
-)
+from camp2p_overlap.core.overlap.plan import Directions, StepPlan
+from camp2p_overlap.core.overlap.session import OverlapSession, ScheduleMismatchError
 from camp2p_overlap.core.overlap.streams import CpuBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.emulation.world import LinkModel, ProtocolError

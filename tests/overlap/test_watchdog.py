@@ -225,7 +225,8 @@ def test_report_on_a_device_backend_reads_events_not_handles() -> None:
     never by a sync."""
     from types import SimpleNamespace
 
-    from camp2p_overlap.core.overlap.session import OverlapSession, StepPlan
+    from camp2p_overlap.core.overlap.plan import StepPlan
+    from camp2p_overlap.core.overlap.session import OverlapSession
     from camp2p_overlap.core.overlap.streams.base import DoneHandle, StreamBackend
     from camp2p_overlap.core.overlap.streams.streamset import StreamSet
     from camp2p_overlap.core.overlap.watchdog import stall_report

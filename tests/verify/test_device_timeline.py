@@ -20,7 +20,8 @@ import torch
 
 from camp2p_overlap.core.keys import A_DONE, F_DONE, EventKey, OpKey
 from camp2p_overlap.core.observe.trace import ExpectedSchedule
-from camp2p_overlap.core.overlap.session import OverlapSession, StepPlan
+from camp2p_overlap.core.overlap.plan import StepPlan
+from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.core.overlap.streams import TorchDeviceBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.tools.bench import profile

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 from camp2p_overlap.core.config import MAX_STAGES
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.connector_routes import is_router
+from camp2p_overlap.core.overlap.plan import BOTH_SIDES, Directions, StepPlan, step_plan
 from camp2p_overlap.core.overlap.rollout import mode_directions
-from camp2p_overlap.core.overlap.session import Directions, StepPlan, step_plan
 from camp2p_overlap.core.overlap.streams import BackendUnavailable, resolve_backend_name
 from camp2p_overlap.core.patching.installer import live_target
 
@@ -27,7 +27,7 @@ class Decision:
     reason: str | None  # None: engage
     plan: StepPlan | None = None
     backend: str | None = None
-    directions: Directions = Directions()
+    directions: Directions = BOTH_SIDES
     #: The rollout mode the step engages in (VLLM_CAMP2P_MULTISTREAM_MODE).
     mode: str = "overlap"
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.overlap.session import Directions
+from camp2p_overlap.core.overlap.plan import Directions
 from camp2p_overlap.core.overlap.streams.base import Stream, StreamBackend
 
 #: The rungs in the order a new deployment climbs them.
