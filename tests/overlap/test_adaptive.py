@@ -501,11 +501,12 @@ def test_a_runners_planned_shape_is_forgotten_when_the_runner_is_collected() -> 
     runner, other = Runner(), Runner()
     runtime.remember_planned_shape(runner, shape)
     assert runtime.planned_shape(runner) is shape and runtime.planned_shape(other) is None
+    assert runtime.planned_shape_count() == 1
     newer = PlannedShape("Runner#0", 6, shape.backend)
     runtime.remember_planned_shape(runner, newer)
     assert runtime.planned_shape(runner) is newer
     del runner
     gc.collect()
-    assert runtime._planned == {}
+    assert runtime.planned_shape_count() == 0
     runtime.remember_planned_shape(7, shape)  # not weak-referenceable: never remembered
     assert runtime.planned_shape(7) is None

@@ -89,6 +89,11 @@ class OverlapRuntime:
             return
         planned[rid] = (ref, shape)
 
+    def planned_shape_count(self) -> int:
+        """How many runners' planned shapes are remembered (a collected
+        runner's is forgotten)."""
+        return len(self._planned)
+
     def planned_shape(self, runner: Any) -> PlannedShape | None:
         """The runner's last planned shape, if any."""
         entry = self._planned.get(id(runner))
