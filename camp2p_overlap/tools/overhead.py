@@ -128,15 +128,15 @@ def noop_world(layers: int, stages: int, delay_us: float, root: str) -> World:
     return world
 
 
-def _engaged_config() -> OverlapConfig:
+def engaged_config() -> OverlapConfig:
     return OverlapConfig(enabled=True, backend="cpu", min_stages=1, adaptive=False)
 
 
-def _passthrough_config() -> OverlapConfig:
+def passthrough_config() -> OverlapConfig:
     return OverlapConfig(enabled=True, backend="cpu", min_stages=1, adaptive=True, reprobe_every=MAX_REPROBE)
 
 
-def _decide_serial(layer: Layer, world: World) -> None:
+def decide_serial(layer: Layer, world: World) -> None:
     """Teach the layer's adaptive engage that serial is faster for this
     shape, so that every step takes the pass-through path (no probe runs:
     the re-probe interval is the largest allowed)."""
@@ -151,7 +151,7 @@ def _decide_serial(layer: Layer, world: World) -> None:
         raise RuntimeError("the overhead harness could not set the pass-through decision")
 
 
-def _time_block(step: Callable[[], Any], warmup: int, steps: int) -> list[int]:
+def time_block(step: Callable[[], Any], warmup: int, steps: int) -> list[int]:
     for _ in range(warmup):
         step()
     clock = time.perf_counter_ns
@@ -245,8 +245,8 @@ def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, 
     engines = {"engaged": emulated_layer(), "pass-through": emulated_layer()}
     for layer in engines.values():
         layer.runtime.streamsets = StreamSetRegistry(range(MAX_STAGES), make=noop_backend)
-    _decide_serial(engines["pass-through"], world)
-    configs = {"engaged": _engaged_config(), "pass-through": _passthrough_config()}
+    decide_serial(engines["pass-through"], world)
+    configs = {"engaged": engaged_config(), "pass-through": passthrough_config()}
     engines["pass-through"].engine.apply(config=configs["pass-through"], manifest=manifest, strict=True)
     try:
         calls = wrapped_calls(world, step, upstream)
@@ -261,7 +261,7 @@ def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, 
             if layer is not None:
                 layer.engine.apply(config=configs[name], manifest=manifest, strict=True)
             try:
-                times[name] = _time_block(step, params.warmup, params.steps)
+                times[name] = time_block(step, params.warmup, params.steps)
             finally:
                 if layer is not None and not layer.engine.unpatch(timeout=30.0):
                     raise RuntimeError("the overhead harness could not unpatch its engine")
@@ -312,8 +312,8 @@ def decided_serial_ab(params: OverheadParams, site: StandinSite) -> dict[str, An
     world = build_world(point.world_spec(), root=site.root)
     try:
         layer = emulated_layer()
-        _decide_serial(layer, world)
-        config = _passthrough_config()
+        decide_serial(layer, world)
+        config = passthrough_config()
         upstream = inspect.getattr_static(world.runner, "_ffn_forward")
         per_round = []
         for r in range(params.ab_rounds):
@@ -326,7 +326,7 @@ def decided_serial_ab(params: OverheadParams, site: StandinSite) -> dict[str, An
                 try:
                     if (inspect.getattr_static(world.runner, "_ffn_forward") is not upstream) != applied:
                         raise RuntimeError(f"the A/B arm {arm!r} did not run as planned (layer applied: {not applied})")
-                    medians[arm] = statistics.median(_time_block(world.run_step, params.ab_warmup, params.ab_steps))
+                    medians[arm] = statistics.median(time_block(world.run_step, params.ab_warmup, params.ab_steps))
                 finally:
                     if applied and not layer.engine.unpatch(timeout=30.0):
                         raise RuntimeError("the overhead harness could not unpatch its engine")

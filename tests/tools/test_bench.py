@@ -375,7 +375,7 @@ def test_a_second_engine_refuses_targets_another_engine_wrapped() -> None:
 
 def test_emulation_engine_refuses_when_the_process_engine_is_applied(monkeypatch: pytest.MonkeyPatch) -> None:
     build_world(_tiny_spec())
-    monkeypatch.setattr(LAYER.engine, "_version_check", emulated_version_check)
+    monkeypatch.setattr(LAYER.engine, "version_check", emulated_version_check)
     LAYER.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True)
     try:
         with pytest.raises(RuntimeError, match="process-wide camp2p-overlap patch layer is applied"):
@@ -555,6 +555,6 @@ def test_work_points_run_short_interleaved_blocks(
         return BenchRun({"policies": [{"policy": "serial", "per_layer_us": {"median": per_layer_us}}]}, {})
 
     monkeypatch.setattr(sweep, "run_bench", fake_bench)
-    assert sweep._work_run(params, sweep.WORK_TIMED_S) == expected
+    assert sweep.work_run(params, sweep.WORK_TIMED_S) == expected
     (probe,) = probes
     assert probe.policies == ("serial",) and probe.reps == 1

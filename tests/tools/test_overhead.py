@@ -90,8 +90,8 @@ def test_a_delay_in_the_step_wrapper_counts_once_per_pass_through_step(monkeypat
 
 def test_the_paths_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     """A harness whose pass-through engine engages would time the wrong path: it refuses."""
-    monkeypatch.setattr(overhead, "_passthrough_config", overhead._engaged_config)
-    monkeypatch.setattr(overhead, "_decide_serial", lambda layer, world: None)
+    monkeypatch.setattr(overhead, "passthrough_config", overhead.engaged_config)
+    monkeypatch.setattr(overhead, "decide_serial", lambda layer, world: None)
     with pytest.raises(RuntimeError, match="not taken as planned"):
         measure_overhead(_small())
 
@@ -137,7 +137,7 @@ def test_the_decided_serial_ab_alternates_unpatched_and_applied(monkeypatch: pyt
     has our wrapper on the runner and the unpatched one has none; the world
     is the sweep's smallest work point, not the no-op world."""
     blocks: list[bool] = []
-    real = overhead._time_block
+    real = overhead.time_block
 
     def spy(step: Callable[[], Any], warmup: int, steps: int) -> list[int]:
         world = getattr(step, "__self__", None)  # the A/B times world.run_step; the shapes a closure
@@ -145,7 +145,7 @@ def test_the_decided_serial_ab_alternates_unpatched_and_applied(monkeypatch: pyt
             blocks.append(hasattr(inspect.getattr_static(world.runner, "_ffn_forward"), "__wrapped__"))
         return real(step, warmup, steps)
 
-    monkeypatch.setattr(overhead, "_time_block", spy)
+    monkeypatch.setattr(overhead, "time_block", spy)
     result = measure_overhead(_small(ab_rounds=4))
     ab = result["decided_serial_ab"]
     assert blocks == [False, True, True, False, False, True, True, False]
@@ -164,8 +164,8 @@ def test_the_decided_serial_ab_alternates_unpatched_and_applied(monkeypatch: pyt
 
 
 def test_the_ab_refuses_an_applied_arm_that_engaged(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(overhead, "_passthrough_config", overhead._engaged_config)
-    monkeypatch.setattr(overhead, "_decide_serial", lambda layer, world: None)
+    monkeypatch.setattr(overhead, "passthrough_config", overhead.engaged_config)
+    monkeypatch.setattr(overhead, "decide_serial", lambda layer, world: None)
     site = standin_site()
     try:
         with pytest.raises(RuntimeError, match="did not take the serial path"):

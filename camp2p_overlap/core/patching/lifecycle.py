@@ -50,7 +50,9 @@ class PatchEngine:
         self._wrapper_factory = wrapper_factory
         self._on_unpatch = on_unpatch
         self._manifest_loader = manifest_loader
-        self._version_check = version_check
+        #: The version gate each apply() judges a stack with (the emulation
+        #: and tests replace it to accept an emulated stack).
+        self.version_check = version_check
         self._lock = threading.RLock()
         self.gate = StepGate()
         self.installer = Installer()
@@ -99,7 +101,7 @@ class PatchEngine:
                 logger.info("camp2p-overlap: %s; nothing patched (pid %d)", self.board.reason, os.getpid())
                 return self.report(enabled=False)
             try:
-                man, vc = select_stack((manifest,) if manifest else self._manifest_loader(), self._version_check)
+                man, vc = select_stack((manifest,) if manifest else self._manifest_loader(), self.version_check)
             except (ManifestError, OSError) as exc:
                 self.board.settle(f"manifest error: {exc}", {})
                 return self._refusal(strict, exc)

@@ -73,7 +73,7 @@ def link_for_ratio(params: BenchParams, f_s: float, ratio: float) -> tuple[float
     return latency_s * 1e6, gbps
 
 
-def _work_run(params: BenchParams, timed_s: float) -> tuple[int, int]:
+def work_run(params: BenchParams, timed_s: float) -> tuple[int, int]:
     """(timed steps per block, repetitions) for a work point, from a short
     serial probe's step time: blocks of about ``WORK_BLOCK_S`` seconds
     (``params.steps``..``WORK_MAX_STEPS`` steps), enough of them for about
@@ -154,7 +154,7 @@ def run_sweep(
             warmup=max(base.warmup, WORK_MIN_RUN["warmup"]),
             reps=max(base.reps, WORK_MIN_RUN["reps"]),
         )
-        steps, reps = _work_run(params, work_timed_s)
+        steps, reps = work_run(params, work_timed_s)
         params = replace(params, steps=steps, reps=reps)
         report = point(params, f"{tokens} tokens per stage, hidden {hidden}")
         work_points.append(
