@@ -365,8 +365,10 @@ def _session_send(session: OverlapSession) -> RouterFactory:
         def send_ffn_output(*args: Any, **kwargs: Any) -> Any:
             if get_ident() != thread:
                 return callee(*args, **kwargs)
-            output, context = parts(args, kwargs)
-            return send(lambda: callee(*args, **kwargs), output, context, stage_of(context, kwargs))
+            # upstream's call, send_ffn_output(output, context, ubatch_idx=s), read inline
+            output, context = (args[0], args[1]) if len(args) >= 2 else parts(args, kwargs)
+            stage = int(kwargs["ubatch_idx"]) if "ubatch_idx" in kwargs else stage_of(context, kwargs)
+            return send(lambda: callee(*args, **kwargs), output, context, stage)
 
         return send_ffn_output
 
