@@ -23,9 +23,10 @@ sees no receive, runs the loop's order on the compute stream and logs it.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from camp2p_overlap.core.log import log_once
@@ -44,6 +45,24 @@ def is_router(obj: Any) -> bool:
     return getattr(obj, ROUTER_MARK, False) is True
 
 
+def route_problem(instance: Any, attributes: Iterable[str]) -> str | None:
+    """Why ``instance``'s ``attributes`` cannot be routed per instance, or
+    None: it needs an instance ``__dict__``, no data descriptor of that name
+    on its class (it would win over the instance attribute), and no route
+    of another thread's step already in place."""
+    try:
+        slots = vars(instance)
+    except TypeError:
+        return f"connector {type(instance).__name__} has no instance __dict__ to route its calls through"
+    cls = type(instance)
+    for attribute in attributes:
+        if is_router(slots.get(attribute)):
+            return "the connector's calls are routed to a step on another thread"
+        if hasattr(type(inspect.getattr_static(cls, attribute, None)), "__set__"):
+            return f"connector {cls.__name__}.{attribute} cannot be routed per instance (a data descriptor)"
+    return None
+
+
 class ConnectorRoutes:
     """The routers of one step on one connector instance. :meth:`install`
     sets them (all or none), :meth:`remove` takes them away exactly."""
@@ -59,23 +78,20 @@ class ConnectorRoutes:
         """Route each ``(attribute, factory)``; None when every route is in
         place, else why none is (nothing is left set)."""
         instance = self._instance
-        try:
-            slots = vars(instance)
-        except TypeError:
-            return f"connector {type(instance).__name__} has no instance __dict__ to route its calls through"
+        problem = route_problem(instance, [attribute for attribute, _ in routers])
+        if problem is not None:
+            return problem
+        slots = vars(instance)
         thread = threading.get_ident()
         for attribute, make in routers:
             before = slots.get(attribute, _MISSING)
-            if is_router(before):
-                self.remove()
-                return "the connector's calls are routed to a step on another thread"
             router = make(getattr(instance, attribute), thread)
             setattr(router, ROUTER_MARK, True)
             slots[attribute] = router
             self._set.append((attribute, router, before))
-            if getattr(instance, attribute) is not router:  # a data descriptor on the class wins
+            if getattr(instance, attribute) is not router:  # e.g. a __getattribute__ of its own
                 self.remove()
-                return f"connector {type(instance).__name__}.{attribute} cannot be routed per instance (a descriptor)"
+                return f"connector {type(instance).__name__}.{attribute} cannot be routed per instance"
         return None
 
     def remove(self) -> None:

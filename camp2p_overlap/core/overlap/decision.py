@@ -3,14 +3,13 @@ engages the overlap, and with what plan; else the reason it runs serially."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from camp2p_overlap.core.config import MAX_STAGES
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.connector_routes import is_router
+from camp2p_overlap.core.overlap.connector_routes import route_problem
 from camp2p_overlap.core.overlap.plan import BOTH_SIDES, Directions, StepPlan, step_plan
 from camp2p_overlap.core.overlap.rollout import mode_directions
 from camp2p_overlap.core.overlap.streams import BackendUnavailable, resolve_backend_name
@@ -81,24 +80,13 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any]) -> Decis
 def connector_problem(engine: PatchEngine, connector: Any) -> str | None:
     """Why the runner's connector cannot serve an engaged step, or None: it
     must be an instance of the class that holds the manifest's ``route``
-    targets, and each of them must be routable on the instance (an instance
-    ``__dict__``, no data descriptor of that name on the class, not routed
-    by another thread's step)."""
+    targets, and each of them must be routable on the instance
+    (:func:`~camp2p_overlap.core.overlap.connector_routes.route_problem`)."""
     routes = engine.installer.routes()
     if not routes or not all(isinstance(connector, owner) for owner, _ in routes):
         wanted = sorted({spec.owner_path[-1] for spec in _route_specs(engine)}) or ["the routed connector class"]
         return f"connector is {type(connector).__name__}, not {' or '.join(wanted)}"
-    try:
-        slots = vars(connector)
-    except TypeError:
-        return f"connector {type(connector).__name__} has no instance __dict__ to route its calls through"
-    cls = type(connector)
-    for _, spec in routes:
-        if is_router(slots.get(spec.attribute)):
-            return "the connector's calls are routed to a step on another thread"
-        if hasattr(type(inspect.getattr_static(cls, spec.attribute, None)), "__set__"):
-            return f"connector {cls.__name__}.{spec.attribute} cannot be routed per instance (a data descriptor)"
-    return None
+    return route_problem(connector, [spec.attribute for _, spec in routes])
 
 
 def _route_specs(engine: PatchEngine) -> list[Any]:

@@ -34,7 +34,7 @@ from camp2p_overlap.core.keys import COMPUTE_STREAM
 from camp2p_overlap.core.log import log_once
 from camp2p_overlap.core.observe.trace import TraceOp, TraceRecorder, current_recorder
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Passed
+from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Passed, pow2_ceil
 from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes, RouterFactory
 from camp2p_overlap.core.overlap.decision import GRAPH_OFF, Decision, decide
 from camp2p_overlap.core.overlap.rollout import streams_for
@@ -78,12 +78,9 @@ def bucket_of(runner: str, layers: int, dp_metadata_list: Any) -> BucketKey:
     """The adaptive bucket of a step of runner ``runner`` (its name) with
     ``layers`` FFN layers: its stage count and its largest stage's tokens
     rounded up to a power of two."""
-    tokens = camp2p.max_stage_tokens(dp_metadata_list)
+    tokens = pow2_ceil(camp2p.max_stage_tokens(dp_metadata_list))
     # tuple.__new__: a NamedTuple's own constructor is a Python function
-    return _new_tuple(
-        BucketKey,
-        (runner, camp2p.stage_count(dp_metadata_list), layers, 1 << (tokens - 1).bit_length() if tokens > 0 else 0),
-    )
+    return _new_tuple(BucketKey, (runner, camp2p.stage_count(dp_metadata_list), layers, tokens))
 
 
 _new_tuple = tuple.__new__
@@ -284,16 +281,14 @@ class FfnStep:
                 try:
                     result = self.wrapped(*self.args, **self.kwargs)
                 except BaseException:
-                    routes.remove()
                     runtime.set_session(None)
                     session.close(raising=True)
                     raise
-                routes.remove()
                 runtime.set_session(None)
                 session.close()
                 return result
             finally:
-                routes.remove()  # idempotent: nothing of ours stays on the instance
+                routes.remove()  # on every exit path: nothing of ours stays on the instance
                 runtime.set_session(None)
                 if watchdog is not None:
                     watchdog.cancel()
