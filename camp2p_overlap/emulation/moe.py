@@ -1,11 +1,14 @@
 """A MoE-shaped FFN block doing real tensor work: a router, top-k routed
-experts (SiLU-gated MLPs) and a shared expert. Deterministic for a seed."""
+experts (SiLU-gated MLPs) and a shared expert. Deterministic for a seed.
+On the CPU it runs as a kernel of the emulated device."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from camp2p_overlap.core.overlap.streams.emulated import launch
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,45 @@ class MoEFFN:
         self.groups = moe_weights(shape, seed=seed, device=device, dtype=dtype, groups=weight_groups)
 
     def __call__(self, x: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(routed, shared)`` for ``x``. On the CPU the work is a kernel of
+        the emulated device's current stream: the outputs are allocated now
+        and filled when the stream runs it (after whatever fills ``x``); on
+        a device, torch's own kernels are already asynchronous."""
+        if x.device.type != "cpu":
+            return self.compute(x, layer_idx)
+        # NaN until the kernel fills them (a debug allocator's pattern): a
+        # reader not ordered after the kernel cannot match the serial run.
+        routed = torch.full_like(x, float("nan"))
+        shared = torch.full_like(x, float("nan")) if self.shape.shared_expert else None
+
+        def kernel() -> None:
+            r, sh = self.compute(x, layer_idx)
+            routed.copy_(r)
+            if shared is not None and sh is not None:
+                shared.copy_(sh)
+
+        launch(kernel, writes=(routed,) if shared is None else (routed, shared))
+        return routed, shared
+
+    def combined(self, x: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """``routed + shared`` (routed alone without a shared expert), as one kernel."""
+        if x.device.type != "cpu":
+            routed, shared = self.compute(x, layer_idx)
+            return routed if shared is None else routed + shared
+        out = torch.full_like(x, float("nan"))
+
+        def kernel() -> None:
+            routed, shared = self.compute(x, layer_idx)
+            if shared is None:
+                out.copy_(routed)
+            else:
+                torch.add(routed, shared, out=out)
+
+        launch(kernel, writes=(out,))
+        return out
+
+    def compute(self, x: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block's arithmetic, run where it is called."""
         wts = self.groups[layer_idx % len(self.groups)]
         logits = x @ wts["router"]
         weights, experts = torch.topk(torch.softmax(logits, dim=-1), self.shape.top_k, dim=-1)

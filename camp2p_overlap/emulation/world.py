@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
-from camp2p_overlap.core.overlap.streams.cpu import launch
+from camp2p_overlap.emulation import device as emulated_device
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.contention import CoreSpinner
+from camp2p_overlap.emulation.device import launch
 from camp2p_overlap.emulation.moe import MoEFFN, MoEShape
 
 
@@ -186,13 +187,14 @@ class EmulatedTransport:
         self, *, group: str, stage: int, layer: int, num_tokens: int, max_num_tokens: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Like the ``a2e`` custom op: allocate the receive buffer and launch
-        the kernel that fills it (on a CPU side stream it runs after this
-        returns; on the compute stream at once). The buffer starts as NaN,
-        the pattern a debug allocator leaves: a reader that did not wait for
-        the kernel sees it, and its output cannot equal the serial run's."""
+        the kernel that fills it on the current stream of the emulated
+        device (it runs after this returns, on every path). The buffer
+        starts as NaN, the pattern a debug allocator leaves: a reader that
+        did not wait for the kernel sees it, and its output cannot equal
+        the serial run's."""
         n = int(num_tokens)
         hidden = torch.full((n, self.hidden), float("nan"), dtype=self.dtype)
-        launch(lambda: self._a2e_kernel(group, stage, layer, n, hidden))
+        launch(lambda: self._a2e_kernel(group, stage, layer, n, hidden), writes=(hidden,))
         return hidden, torch.tensor([n])
 
     def _a2e_kernel(self, group: str, stage: int, layer: int, n: int, out: torch.Tensor) -> None:
@@ -250,7 +252,7 @@ class EmulatedTransport:
         atten_batch_size: torch.Tensor,
     ) -> None:
         """Like the ``e2a`` custom op: launch the kernel that reads the FFN
-        output and delivers it (on a side stream, after this returns)."""
+        output and delivers it (after this returns)."""
         launch(lambda: self._e2a_kernel(group, stage, layer, routed, shared, atten_batch_size))
 
     def _e2a_kernel(
@@ -307,10 +309,10 @@ class EmulatedModel:
         self.payload_cls = payload_cls
 
     def compute_ffn_output(self, *, hidden_states: torch.Tensor, layer_idx: int) -> Any:
-        routed, shared = self.moe(hidden_states, layer_idx)
         if self.return_payload and self.payload_cls is not None:
+            routed, shared = self.moe(hidden_states, layer_idx)
             return self.payload_cls(routed_output=routed, shared_output=shared)
-        return routed if shared is None else routed + shared
+        return self.moe.combined(hidden_states, layer_idx)
 
 
 @dataclass
@@ -381,7 +383,18 @@ class World:
             self.runner._ffn_forward(dp_metadata_list=dp, **forward_kwargs)
         else:
             self.runner.execute_ffn_step(dp_metadata_list=dp)
+        # The host ran ahead of the device: attention's results are read
+        # once every stream has run the step (a kernel's error raises here).
+        self.synchronize()
         return dict(self.transport.results)
+
+    def synchronize(self) -> None:
+        """Wait for the device (the emulated one on CPU) to run everything
+        queued, raising the first error a kernel hit."""
+        if self.spec.device == "cpu":
+            emulated_device.synchronize()
+        elif self.spec.device.startswith("cuda"):
+            torch.cuda.synchronize()
 
     def close(self) -> None:
         """Release what the transport holds (busy-wait helper threads)."""

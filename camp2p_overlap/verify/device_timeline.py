@@ -14,10 +14,12 @@ stream markers and the step fences):
   ``camp2p:record <stream> <key>`` and ``camp2p:wait <stream> <key>``
   around each event record and wait (the event's ``EventKey.label()``,
   ``streams/device.py``'s ``event_range_name``);
-* ``camp2p:stream <name>`` around a marker kernel launched on each stream
-  (``C``, ``K0``, ...): it names the device stream ids;
-* ``camp2p:step-begin`` / ``camp2p:step-end`` around a marker kernel on C
-  right before and right after the step.
+* ``camp2p:stream <name>`` around a marker launched on each stream
+  (``C``, ``K0``, ...): its kernels name the device stream ids;
+* ``camp2p:step-begin`` / ``camp2p:step-end`` around a marker on C right
+  before and right after the step. A fence is every activity launched
+  inside its range, from the first one's start to the last one's end (a
+  marker may be more than one kernel), and each range is entered once.
 
 Each device activity (kernel, memcpy, memset) is tied to the host call
 that launched it (the ``correlation`` id Kineto gives the launch and the
@@ -104,7 +106,8 @@ class DeviceTimeline:
     def trace_ops(self, step: int = 0) -> list[TraceOp]:
         """One :class:`TraceOp` per op and stream it ran on (its first
         activity's start to its last one's end), and the step span (from the
-        end of the fence before the step to the start of the fence after it)."""
+        end of the fence before the step to the start of the fence after it;
+        none if either fence is missing)."""
         spans: dict[tuple[Any, ...], list[int]] = {}
         for a, who in zip(self.activities, self.owner, strict=True):
             if who is None or who[0] not in ("a2e", "ffn", "e2a"):
@@ -113,10 +116,10 @@ class DeviceTimeline:
             span = spans.setdefault(key, [a.start_ns, a.end_ns])
             span[0], span[1] = min(span[0], a.start_ns), max(span[1], a.end_ns)
         ops = [TraceOp(k, L, s, stream, t0, t1, step) for (k, L, s, stream), (t0, t1) in spans.items()]
-        begin = self._fence("step-begin")
-        end = self._fence("step-end")
+        begin = self.fence("step-begin")
+        end = self.fence("step-end")
         if begin is not None and end is not None:
-            ops.append(TraceOp("step", None, None, COMPUTE_STREAM, begin.end_ns, end.start_ns, step))
+            ops.append(TraceOp("step", None, None, COMPUTE_STREAM, begin[1], end[0], step))
         return sorted(ops, key=lambda o: (o.start_ns, o.end_ns))
 
     def kernel_ops(self, step: int = 0) -> list[TraceOp]:
@@ -140,9 +143,16 @@ class DeviceTimeline:
         """The ops and their kernels, one track per named stream (Perfetto)."""
         return to_chrome_trace([*self.trace_ops(step), *self.kernel_ops(step)], process=process)
 
-    def _fence(self, name: str) -> DeviceActivity | None:
+    def fence(self, name: str) -> tuple[int, int] | None:
+        """The device span (first start, last end) of every activity launched
+        inside the one ``camp2p:<name>`` range; None if that range is not in
+        the trace exactly once or launched nothing that reached the device."""
+        if sum(1 for r in self.ranges if r.name == name) != 1:
+            return None
         found = [a for a, who in zip(self.activities, self.owner, strict=True) if who == ("marker", name)]
-        return found[0] if len(found) == 1 else None
+        if not found:
+            return None
+        return min(a.start_ns for a in found), max(a.end_ns for a in found)
 
 
 # ---------------------------------------------------------------------------

@@ -9,7 +9,19 @@ check and the import of the manifests all really run. Then:
 * nvidia-smi sees a GPU and torch cannot use it (CPU torch): failed, exit 1;
 * nvidia-smi sees no GPU: skipped, exit 0;
 * no Python that imports torch, with a GPU seen: failed;
-* a carried wrapt older than 2.5 shadowing the good one: failed.
+* a carried wrapt older than 2.5 shadowing the good one: failed;
+* a carried setuptools older than pyproject.toml's build requirement: the
+  editable install fails, the checkout is used through PYTHONPATH and the
+  summary says so (setup and warnings), not silently.
+
+Past the device check (``torch.cuda.is_available()`` made to answer True):
+the parts run within the budget and their limits, clipped to what is left;
+a part that outlives its limit gets SIGINT, so pytest still writes its JUnit
+XML and its failures, and the summary says the part was cut (with SIGKILL
+after the grace, the outcomes come from pytest's -v log); a provisional
+summary (status "running") is there while a part runs. The default limits
+leave the set-up its allowance, and the pinned wheels of
+``scripts/gpu_wheels.sh`` meet pyproject.toml.
 
 Also: the manifests load from a source checkout used without installing
 (through the package ``camp2p_overlap.patches``, the checkout's link to
@@ -26,13 +38,21 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 import zipfile
 from pathlib import Path
 
 import pytest
 from support.child import REPO, run_program
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
+WHEELS_SCRIPT = REPO / "scripts" / "gpu_wheels.sh"
+PARTS = ("pytest", "bench", "sweep", "overhead")
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash")
 
@@ -76,7 +96,32 @@ def _wheel(folder: Path, name: str, version: str, code: str) -> Path:
     return path
 
 
-def _run(tmp: Path, *, python: Path, gpu: bool | None, wheels: Path | None = None) -> tuple[int, dict, Path]:
+def _purelib(py: Path) -> Path:
+    return Path(
+        subprocess.run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+
+
+def _pretend_cuda_venv(path: Path) -> Path:
+    """A throwaway environment whose start-up hook makes
+    ``torch.cuda.is_available()`` answer True while CAMP2P_TEST_PRETEND_CUDA
+    is set: the script goes past its device check and runs its parts."""
+    py = _venv(path, see_this_env=True)
+    (_purelib(py) / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('CAMP2P_TEST_PRETEND_CUDA'):\n"
+        "    import torch\n"
+        "    torch.cuda.is_available = lambda: True\n"
+    )
+    return py
+
+
+def _env(tmp: Path, *, python: Path, gpu: bool | None, wheels: Path | None = None, **extra: str) -> dict[str, str]:
     out = tmp / "out"
     bindir = tmp / "bin"
     path = os.environ["PATH"]
@@ -94,6 +139,15 @@ def _run(tmp: Path, *, python: Path, gpu: bool | None, wheels: Path | None = Non
         SITE=str(tmp / "site"),
         GPU_CHECK_BUDGET_S="120",
     )
+    env.update(extra)
+    return env
+
+
+def _run(
+    tmp: Path, *, python: Path, gpu: bool | None, wheels: Path | None = None, **extra: str
+) -> tuple[int, dict, Path]:
+    out = tmp / "out"
+    env = _env(tmp, python=python, gpu=gpu, wheels=wheels, **extra)
     res = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=150, cwd=str(tmp))
     summary = json.loads((out / "gpu_check.json").read_text())
     assert json.loads(res.stdout.strip().splitlines()[-1])["status"] == summary["status"], res.stdout + res.stderr
@@ -110,19 +164,16 @@ def test_gpu_seen_but_torch_cannot_use_it_fails_after_the_offline_set_up(tmp_pat
     assert "nvidia-smi sees a GPU, but torch" in s["reason"] and "cannot use it" in s["reason"], s["reason"]
     setup = s["setup"]
     assert setup["install"] == "editable", setup
+    # What imports is the editable install (checked from outside the checkout, without it on PYTHONPATH).
+    assert setup["import_via"] == "editable install", setup
+    assert setup["import_from"] == str(REPO.resolve() / "camp2p_overlap" / "__init__.py")
+    assert setup["setuptools"].endswith(": meets setuptools>=77"), setup
+    assert s["warnings"] == [], s["warnings"]
     assert setup["import"] == "ok" and setup["wheels"] == 1 and setup["site"] == str(tmp_path / "site")
     assert (tmp_path / "site" / "camp2p_carried_marker" / "__init__.py").exists()
     assert tuple(int(x) for x in setup["wrapt"].split(".")[:2]) >= (2, 5)
     # The editable install went into the throwaway environment, not this one.
-    venv_site = Path(
-        subprocess.run(
-            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    )
-    assert list(venv_site.glob("__editable__*camp2p_overlap*"))
+    assert list(_purelib(py).glob("__editable__*camp2p_overlap*"))
     assert "NVIDIA H200" in (out / "env.txt").read_text()
     assert "manifests ['vllm-0.19.1', 'vllm-0.26.0']" in (out / "tools.log").read_text()
     assert s["parts"]["pytest"].get("rc") is None  # no part ran
@@ -157,6 +208,28 @@ def test_an_old_wrapt_fails_the_set_up(tmp_path: Path) -> None:
     rc, s, _ = _run(tmp_path, python=py, gpu=True, wheels=wheels)
     assert rc == 1 and s["status"] == "failed", s
     assert "wrapt>=2.5 is needed, found 1.17.0" in s["reason"]
+
+
+def test_an_old_setuptools_is_reported_and_the_fallback_is_not_silent(tmp_path: Path) -> None:
+    """A carried setuptools older than the build requirement (a stand-in
+    without ``build_meta``) goes first on PYTHONPATH: the check names it, the
+    editable install fails, the checkout is imported through PYTHONPATH, and
+    the summary says all of it (setup, warnings, the final reason)."""
+    py = _venv(tmp_path / "venv", see_this_env=True)
+    wheels = tmp_path / "wheels"
+    _wheel(wheels, "setuptools", "60.0.0", "__version__ = '60.0.0'\n")
+    rc, s, _ = _run(tmp_path, python=py, gpu=True, wheels=wheels)
+    assert rc == 1 and "cannot use it" in s["reason"], s  # the set-up went on to the device check
+    setup = s["setup"]
+    assert setup["setuptools"] == f"60.0.0 at {tmp_path / 'site'}: does not meet setuptools>=77", setup
+    assert setup["install"].startswith("failed (pip exit "), setup
+    assert setup["import_via"] == f"PYTHONPATH={REPO}" and setup["import"] == "ok", setup
+    assert setup["import_from"] == str(REPO.resolve() / "camp2p_overlap" / "__init__.py")
+    assert len(s["warnings"]) == 2, s["warnings"]
+    assert "does not meet setuptools>=77" in s["warnings"][0] and "scripts/gpu_wheels.sh" in s["warnings"][0]
+    assert "the parts import the checkout through PYTHONPATH" in s["warnings"][1]
+    assert "warnings: " in s["reason"] and "through PYTHONPATH" in s["reason"], s["reason"]
+    assert not list(_purelib(py).glob("__editable__*camp2p_overlap*"))
 
 
 def test_manifests_load_from_a_checkout_that_is_not_installed() -> None:
@@ -234,19 +307,7 @@ def test_the_parts_run_within_the_budget_and_the_summary_reads_them(
     What is checked is the plumbing: each part ran under its limit, the
     summary read the JUnit counts of the gpu test files, the exit codes and
     the overhead figures (that command needs no device and passes)."""
-    py = _venv(tmp_path / "venv", see_this_env=True)
-    site = subprocess.run(
-        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    Path(site, "sitecustomize.py").write_text(
-        "import os\n"
-        "if os.environ.get('CAMP2P_TEST_PRETEND_CUDA'):\n"
-        "    import torch\n"
-        "    torch.cuda.is_available = lambda: True\n"
-    )
+    py = _pretend_cuda_venv(tmp_path / "venv")
     monkeypatch.setenv("OVERHEAD_AB_ROUNDS", "2")  # the decided-serial A/B's plumbing, not its figure
     os.environ["CAMP2P_TEST_PRETEND_CUDA"] = "1"
     try:
@@ -265,7 +326,155 @@ def test_the_parts_run_within_the_budget_and_the_summary_reads_them(
     result = parts["overhead"]["result"]
     assert set(result) >= {"engaged_us_per_layer_stage", "passthrough_us_per_step", "passthrough_us_per_call"}
     assert result["decided_serial_ab"]["rounds"] == 2 and "per_round" not in result["decided_serial_ab"]
-    for name in ("pytest", "bench", "sweep", "overhead"):
-        assert parts[name]["seconds"] <= parts[name]["limit_s"] + 10, parts[name]
+    plan = s["plan"]
+    reserve = plan["kill_grace_s"] + plan["end_reserve_s"]
+    for name in PARTS:
+        p = parts[name]
+        # Each limit is its own, clipped to what was left of the budget less the reserves.
+        assert p["limit_s"] == min(p["asked_limit_s"], p["left_s"] - reserve), p
+        assert p["seconds"] <= p["limit_s"] + plan["kill_grace_s"] and p["cut"] is False, p
+    assert parts["pytest"]["asked_limit_s"] == plan["limits_s"]["pytest"]
+    assert parts["pytest"]["limit_s"] < parts["pytest"]["asked_limit_s"]  # a 120 s budget clips it
+    assert s["cut_by_limit"] == [] and "running" not in s
     assert "parts not passed: pytest" in s["reason"]
-    assert s["seconds"] <= s["budget_s"] + 15
+    assert s["seconds"] <= s["budget_s"]
+
+
+_SLOW_TESTS = """
+import os
+import pathlib
+import signal
+import time
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_passes():
+    pass
+
+
+def test_fails_with_details():
+    got = {"ffn": 3}
+    assert got == {"ffn": 4}, "a detail the log must keep"
+
+
+def test_outlives_the_limit():
+    if os.environ.get("IGNORE_SIGINT"):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pathlib.Path(os.environ["SLEEP_MARK"]).write_text("sleeping")
+    time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("stops_on_sigint", [True, False], ids=["sigint", "sigkill-after-grace"])
+def test_a_part_cut_by_its_limit_keeps_its_results_and_is_reported(tmp_path: Path, stops_on_sigint: bool) -> None:
+    """Part 1 with a gpu test that outlives the part's limit. While it runs,
+    gpu_check.json is the provisional summary (status "running", the part
+    running). At the limit pytest gets SIGINT: it writes its JUnit XML (the
+    tests that ended) and its failures in full; the summary marks the part
+    cut. A part that ignores SIGINT is killed after the grace: no XML, so
+    the outcomes come from the -v lines of its log."""
+    py = _pretend_cuda_venv(tmp_path / "venv")
+    tests = tmp_path / "gputests"
+    tests.mkdir()
+    (tests / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: a gpu test\n")
+    (tests / "test_slow.py").write_text(_SLOW_TESTS)
+    mark = tmp_path / "sleeping"
+    limit = 12
+    env = _env(
+        tmp_path,
+        python=py,
+        gpu=True,
+        CAMP2P_TEST_PRETEND_CUDA="1",
+        GPU_CHECK_TESTS=str(tests / "test_slow.py"),
+        GPU_CHECK_PARTS="pytest",
+        PYTEST_LIMIT=str(limit),
+        GPU_CHECK_KILL_GRACE_S="3",
+        SLEEP_MARK=str(mark),
+        **({} if stops_on_sigint else {"IGNORE_SIGINT": "1"}),
+    )
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path)
+    )
+    try:
+        deadline = time.monotonic() + 100
+        while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert mark.exists(), "the slow test never started"
+        running = json.loads((out / "gpu_check.json").read_text())
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert running["status"] == "running" and running["running"] == "pytest", running
+    assert running["parts"]["pytest"]["limit_s"] == limit and running["setup"]["import"] == "ok", running
+    assert proc.returncode == 1, stdout + stderr
+    s = json.loads((out / "gpu_check.json").read_text())
+    assert json.loads(stdout.strip().splitlines()[-1])["status"] == s["status"] == "failed"
+    part = s["parts"]["pytest"]
+    assert part["cut"] is True and s["cut_by_limit"] == ["pytest"], s
+    assert "cut by their time limit: pytest" in s["reason"], s["reason"]
+    assert all(s["parts"][p].get("selected") is False and "rc" not in s["parts"][p] for p in PARTS[1:]), s
+    log = (out / "pytest_gpu.log").read_text()
+    assert "test_slow.py::test_passes PASSED" in log and "test_slow.py::test_fails_with_details FAILED" in log
+    if stops_on_sigint:
+        assert part["rc"] == 124 and "(SIGINT)" in part["why"], part
+        assert limit <= part["seconds"] < limit + 3, part
+        assert part["counts"] == {"tests": 2, "failures": 1, "errors": 0, "skipped": 0, "passed": 1}, part
+        assert len(part["not_passed"]) == 1 and "test_fails_with_details" in part["not_passed"][0], part
+        assert "a detail the log must keep" in log and "KeyboardInterrupt" in log, log[-3000:]
+    else:
+        assert part["rc"] == 137 and "SIGKILL" in part["why"], part
+        assert not (out / "pytest_gpu.xml").exists()
+        assert part["outcomes_from_log"] == {"passed": 1, "failed": 1}, part
+        (not_passed,) = part["not_passed"]
+        assert not_passed.endswith("test_slow.py::test_fails_with_details: FAILED"), part
+
+
+def test_the_default_limits_leave_the_set_up_its_allowance(tmp_path: Path) -> None:
+    """The part limits, as the script sets them and as its header documents
+    them, leave the set-up (pip, 3-4 cold ``import torch``: 20-60 s) its
+    allowance and the kill grace and summary reserve within the budget."""
+    bare = _venv(tmp_path / "bare", see_this_env=False)
+    env = _env(tmp_path, python=bare, gpu=False)
+    del env["GPU_CHECK_BUDGET_S"]
+    res = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=60, cwd=str(tmp_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    plan = json.loads((tmp_path / "out" / "gpu_check.json").read_text())["plan"]
+    assert plan["budget_s"] == 450 and set(plan["limits_s"]) == set(PARTS), plan
+    assert plan["limits_sum_s"] == sum(plan["limits_s"].values()) <= 360, plan
+    assert plan["setup_allowance_s"] >= 60, plan
+    spare = plan["budget_s"] - plan["limits_sum_s"] - plan["kill_grace_s"] - plan["end_reserve_s"]
+    assert spare >= plan["setup_allowance_s"], plan
+    header = SCRIPT.read_text().split("\nset -u\n", 1)[0].replace("#", " ")
+    documented = [int(x) for x in re.findall(r"limit (\d+) s", header)]
+    assert documented == [plan["limits_s"][p] for p in PARTS], (documented, plan["limits_s"])
+    assert f"default {plan['budget_s']} s" in header and f"add up to {plan['limits_sum_s']} s" in header
+    assert f"SETUP_ALLOWANCE_S={plan['setup_allowance_s']}" in header
+
+
+def _pins() -> dict[str, str]:
+    """The wheels scripts/gpu_wheels.sh fetches by default: name -> pin."""
+    text = WHEELS_SCRIPT.read_text()
+    return dict(re.findall(r"^[A-Z]+=\$\{[A-Z]+:-([A-Za-z_.-]+)(==[^}]+)\}$", text, re.M))
+
+
+def test_the_carried_wheels_meet_pyproject() -> None:
+    """The pinned setuptools gpu_wheels.sh fetches meets pyproject.toml's
+    [build-system] requires (the editable install on the GPU box builds with
+    it), and the pinned wrapt meets the project's dependency."""
+    from packaging.requirements import Requirement
+
+    pins = _pins()
+    assert set(pins) == {"setuptools", "wrapt"}, pins
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    build = [Requirement(r) for r in pyproject["build-system"]["requires"]]
+    deps = [Requirement(r) for r in pyproject["project"]["dependencies"]]
+    for name, reqs in (("setuptools", build), ("wrapt", deps)):
+        (req,) = [r for r in reqs if r.name == name]
+        version = pins[name].removeprefix("==")
+        assert req.specifier.contains(version), f"{name}{pins[name]} (gpu_wheels.sh) does not meet {req}"

@@ -267,11 +267,14 @@ def test_cuda_comm_kernel_holds_n_whole_sms() -> None:
                  record_sm=True)  # fmt: skip
     torch.cuda.synchronize()
     sms = [r[3:].tolist() for r in recs]
-    starts_ends = [(r[0].item(), r[2].item()) for r in recs]
+    (start0, end0), (start1, end1) = [(r[0].item(), r[2].item()) for r in recs]
     assert all(len(set(x)) == n for x in sms), f"each op's {n} blocks should run on {n} distinct SMs: {sms}"
-    if starts_ends[0][0] < starts_ends[1][1] and starts_ends[1][0] < starts_ends[0][1]:
-        # They ran at the same time: no SM may host a block of both.
-        assert not set(sms[0]) & set(sms[1]), f"two comm ops shared an SM while both held it: {sms}"
+    # The SM check below proves something only if both ops held their SMs at once.
+    assert start0 < end1 and start1 < end0, (
+        f"the two 20 ms comm ops on two streams did not run at the same time (device ns: op 0 {start0}..{end0}, "
+        f"op 1 {start1}..{end1}), so SM disjointness cannot be checked: concurrent kernels are off here"
+    )
+    assert not set(sms[0]) & set(sms[1]), f"two comm ops shared an SM while both held it: {sms}"
 
 
 def _peer_world(site: Any, **kw: Any) -> Any:
@@ -344,18 +347,57 @@ def test_cuda_a2e_ahead_of_its_e2a_times_out_instead_of_hanging(site: Any, monke
             _traced(dw, 1)
 
 
+def _tensors_of(ffn_out: Any) -> list[torch.Tensor]:
+    """The tensors an FFN output holds (a tensor, or upstream's payload of
+    routed and shared outputs)."""
+    if isinstance(ffn_out, torch.Tensor):
+        return [ffn_out]
+    found = (getattr(ffn_out, name, None) for name in ("routed_output", "shared_output"))
+    return [t for t in found if isinstance(t, torch.Tensor)]
+
+
+def poison_free_blocks(like: torch.Tensor) -> list[tuple[int, int]]:
+    """Fill with NaN every free block of the caching allocator on the current
+    stream that a tensor like ``like`` fits, then give them back; return the
+    (address, bytes) taken. Tensors like ``like`` are taken one by one until
+    the allocator reserves more device memory, which it does only once no
+    free block of this stream fits the request (best fit over the free
+    blocks of the stream's pool; a free block larger than the request is
+    split and its rest taken by the next ones, so at most a tail smaller
+    than ``like`` of a free region is left). Each request served from the
+    cache takes at least ``like``'s bytes of what is cached and free, which
+    bounds the loop."""
+    nbytes = max(like.numel() * like.element_size(), 1)
+    reserved = torch.cuda.memory_reserved()
+    bound = (reserved - torch.cuda.memory_allocated()) // nbytes + 2
+    junk: list[torch.Tensor] = []
+    for _ in range(bound):
+        junk.append(torch.full_like(like, float("nan")))
+        if torch.cuda.memory_reserved() > reserved:
+            break
+    else:
+        raise AssertionError(
+            f"{bound} tensors of {nbytes} bytes did not exhaust the allocator's free blocks "
+            "(reserved memory never grew): the poisoning's premise does not hold on this torch"
+        )
+    return [(t.data_ptr(), t.numel() * t.element_size()) for t in junk]
+
+
 @pytest.mark.parametrize("drop_refs", [False, True], ids=["session-ownership", "control-refs-dropped"])
 def test_cuda_tensor_ownership_without_record_stream(
     site: Any, monkeypatch: pytest.MonkeyPatch, drop_refs: bool
 ) -> None:
     """FFN outputs are allocated on C and read by E2A on K_s. Each E2A is held
     back on K_s (a long device wait before it reads), and before every FFN
-    the free blocks of the outputs' size on C are taken from the caching
-    allocator, filled with NaN and given back: if the session let go of an
-    FFN output before C waited for that E2A, its block would be among them
-    (and the next FFN's own buffers) before the E2A read it. With the
-    session's ownership the outputs stay bitwise; the control drops the
-    references and must differ, so the check can fail."""
+    every free block of the caching allocator on C that an output fits is
+    taken, filled with NaN and given back (:func:`poison_free_blocks`): if
+    the session let go of an FFN output before C waited for that E2A, its
+    block is among them, written before the E2A read it. With the session's
+    ownership the outputs stay bitwise; the control drops the references and
+    must differ, so the check can fail (and it checks that a sent output's
+    block was indeed handed to the poisoning)."""
+    import weakref
+
     from camp2p_overlap.core.overlap.session import OverlapSession
     from camp2p_overlap.emulation.device_world import DeviceTransport, TimedModel, build_device_world
     from camp2p_overlap.emulation.world import LinkModel
@@ -374,18 +416,28 @@ def test_cuda_tensor_ownership_without_record_stream(
     orig_e2a = DeviceTransport.e2a
 
     def late_e2a(self: Any, **kw: Any) -> None:
-        torch.cuda._sleep(50_000_000)  # K_s stalls before the E2A reads the FFN output
+        # K_s stalls before the E2A reads the FFN output: 2e8 cycles, about 0.1 s, far longer than the
+        # host takes to reach the poisoning before the next FFNs (a few ms each) and C to run it.
+        torch.cuda._sleep(200_000_000)
         return orig_e2a(self, **kw)
 
     monkeypatch.setattr(DeviceTransport, "e2a", late_e2a)
     orig_ffn = TimedModel.compute_ffn_output
+    #: (weak reference, address, bytes) of each FFN output tensor of the step.
+    outputs: list[tuple[Any, int, int]] = []
+    #: Blocks of FFN outputs already freed that the poisoning took; how many blocks it took.
+    reused: list[int] = []
+    taken = [0]
 
     def ffn_after_poisoning_free_blocks(self: Any, *, hidden_states: torch.Tensor, layer_idx: int) -> Any:
-        # Through the caching allocator: take every free block of the FFN
-        # outputs' size on C, fill it with NaN, give it back.
-        junk = [torch.full_like(hidden_states, float("nan")) for _ in range(8)]
-        del junk
-        return orig_ffn(self, hidden_states=hidden_states, layer_idx=layer_idx)
+        freed = [(ptr, size) for ref, ptr, size in outputs if ref() is None]
+        blocks = poison_free_blocks(hidden_states)
+        taken[0] += len(blocks)
+        for ptr, size in blocks:
+            reused.extend(p for p, n in freed if ptr < p + n and p < ptr + size)
+        out = orig_ffn(self, hidden_states=hidden_states, layer_idx=layer_idx)
+        outputs.extend((weakref.ref(t), t.data_ptr(), t.numel() * t.element_size()) for t in _tensors_of(out))
+        return out
 
     monkeypatch.setattr(TimedModel, "compute_ffn_output", ffn_after_poisoning_free_blocks)
     if drop_refs:
@@ -398,8 +450,16 @@ def test_cuda_tensor_ownership_without_record_stream(
         monkeypatch.setattr(OverlapSession, "send", send_and_forget)
     with overlap_on(site, adaptive=False):
         got = step(1)
+    assert outputs, "no FFN output was seen: the check did not run"
     differ = [k for k in serial if not torch.equal(got[k], serial[k])]
     if drop_refs:
-        assert differ, "the control (references dropped) did not corrupt any output: the check cannot fail"
+        assert reused, (
+            f"the control never had a sent FFN output's block handed to the poisoning ({taken[0]} blocks taken "
+            f"over {len(outputs)} FFN output tensors): no reference was dropped, or the allocator kept the block"
+        )
+        assert differ, (
+            f"the control (references dropped, {len(set(reused))} freed output blocks poisoned) did not corrupt "
+            "any output: the E2A read before C wrote, or the check cannot fail"
+        )
     else:
         assert not differ, f"outputs differ from serial at {differ}: a block was reused while K_s still read it"

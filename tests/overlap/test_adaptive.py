@@ -491,13 +491,13 @@ def test_a_runners_planned_shape_is_forgotten_when_the_runner_is_collected() -> 
     import gc
 
     from camp2p_overlap.core.overlap.runtime import OverlapRuntime, PlannedShape
-    from camp2p_overlap.core.overlap.streams.cpu import CpuBackend
+    from camp2p_overlap.core.overlap.streams import make_backend
 
     class Runner:
         pass
 
     runtime = OverlapRuntime()
-    shape = PlannedShape("Runner#0", 4, CpuBackend())
+    shape = PlannedShape("Runner#0", 4, make_backend("cpu"))
     runner, other = Runner(), Runner()
     runtime.remember_planned_shape(runner, shape)
     assert runtime.planned_shape(runner) is shape and runtime.planned_shape(other) is None

@@ -1,11 +1,15 @@
 """Fault injection: a schedule missing one event wait, run end to end on the
-CPU backend, is caught by the outputs (a consumer reads a buffer its
+emulated device, is caught by the outputs (a consumer reads a buffer its
 producer's kernel has not filled) and by the edge checker reading what the
-backend's streams performed, not what the session says it asked for.
+device's streams performed, not what the session says it asked for.
 
-The waits are removed in two places: in the session (a subclass that skips
-the wait) and in the backend (``CpuBackend.wait`` drops it while the
-session still records that it asked for it)."""
+The emulated device lets the host run ahead of every stream, the compute
+stream included, so a missing wait of either kind changes outputs: the
+FFN reading an A2E buffer not yet filled (edge 3), and an E2A sending an
+FFN output not yet computed (edge 4). Holds make the stale read certain,
+not likely. The waits are removed in two places: in the session (a
+subclass that skips the wait) and in the backend (its ``wait`` drops it
+while the session still records that it asked for it)."""
 
 from __future__ import annotations
 
@@ -17,12 +21,14 @@ import pytest
 import torch
 from support.overlap import Schedule, apply_cpu, assert_same, run_step, serial_results, world, wrap_model
 
-from camp2p_overlap.core.keys import A_DONE, F_DONE, EventKey
+from camp2p_overlap.core.keys import A_DONE, COMPUTE_STREAM, F_DONE, EventKey
 from camp2p_overlap.core.layer import Layer, build_layer
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.observe.trace import ExpectedSchedule
 from camp2p_overlap.core.overlap.session import OverlapSession
-from camp2p_overlap.core.overlap.streams.cpu import CpuBackend, HostStream, WorkerStream
+from camp2p_overlap.core.overlap.streams import make_backend
+from camp2p_overlap.core.overlap.streams.device import TorchDeviceBackend
+from camp2p_overlap.emulation import device
 from camp2p_overlap.verify import edges
 
 LAYERS = (0, 1, 2)
@@ -47,46 +53,84 @@ class SessionSkipsStageWaitForFFN(OverlapSession):
         super().wait_event(stream, key)
 
 
-def _backend_dropping(stream_type: type, kind: str) -> Callable[..., None]:
-    """A ``CpuBackend.wait`` that silently drops waits of ``stream_type`` on
-    events of ``kind`` (the session believes it waited)."""
-    original = CpuBackend.wait
+def _backend_dropping(on_compute: bool, kind: str) -> Callable[..., None]:
+    """A backend ``wait`` that silently drops waits of the compute stream
+    (``on_compute``) or of the side streams on events of ``kind`` (the
+    session believes it waited)."""
+    original = TorchDeviceBackend.wait
 
-    def wait(self: CpuBackend, stream: Any, event: Any) -> None:
-        if isinstance(stream, stream_type) and event.key.kind == kind:
+    def wait(self: TorchDeviceBackend, stream: Any, event: Any) -> None:
+        if (stream.name == COMPUTE_STREAM) == on_compute and event.key.kind == kind:
             return
         original(self, stream, event)
 
     return wait
 
 
-def _hold_a2e_fill_until_its_ffn_ran(w: Any) -> None:
-    """Make a stale read certain, not likely: each A2E kernel fills its
-    buffer only once the FFN of its (layer, stage) has finished (or after 10 s:
-    a correct schedule would wait that long, so only broken ones use this)."""
-    ran: dict[tuple[int, int], threading.Event] = {}
-    lock = threading.Lock()
-    current: list[tuple[int, int]] = []
+class _Flags:
+    """One flag per (layer, stage), set from a kernel and waited by another."""
 
-    def flag(key: tuple[int, int]) -> threading.Event:
-        with lock:
-            return ran.setdefault(key, threading.Event())
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._flags: dict[tuple[int, int], threading.Event] = {}
+
+    def __call__(self, key: tuple[int, int]) -> threading.Event:
+        with self._lock:
+            return self._flags.setdefault(key, threading.Event())
+
+
+def _hold_a2e_fill_until_its_ffn_ran(w: Any) -> None:
+    """Each A2E kernel fills its buffer only once the FFN kernel of its
+    (layer, stage) has run (or after 10 s: a correct schedule would wait
+    that long, so only broken ones use this)."""
+    ran = _Flags()
+    current: list[tuple[int, int]] = []
 
     def before(layer: int, stage: int) -> None:
         current.append((layer, stage))
 
     def after(_: Any) -> None:
-        flag(current.pop()).set()
+        flag = ran(current.pop())
+        device.launch(flag.set)  # on C, right after the FFN's kernel
 
     def hook(kind: str, layer: int, stage: int) -> None:
         if kind == "a2e":
-            flag((layer, stage)).wait(10.0)
+            ran((layer, stage)).wait(10.0)
 
     wrap_model(w, after=after, before_with_stage=before)
     w.transport.fault_hook = hook
 
 
-def _run_broken(monkeypatch: pytest.MonkeyPatch, *, session: type | None = None, wait: Any = None, hold: bool = False):
+def _hold_ffn_until_its_e2a_ran(w: Any) -> None:
+    """Each FFN kernel starts only once the E2A of its (layer, stage) has
+    sent (or after 10 s), so an E2A not ordered after its FFN sends the
+    output buffer unfilled."""
+    sent = _Flags()
+    transport = w.transport
+    e2a_kernel = type(transport)._e2a_kernel.__get__(transport)
+
+    def e2a_then_flag(group: str, stage: int, layer: int, *args: Any) -> None:
+        try:
+            e2a_kernel(group, stage, layer, *args)
+        finally:
+            sent((layer, stage)).set()
+
+    transport._e2a_kernel = e2a_then_flag  # type: ignore[method-assign]
+
+    def before(layer: int, stage: int) -> None:
+        flag = sent((layer, stage))
+        device.launch(lambda: flag.wait(10.0))  # on C, right before the FFN's kernel
+
+    wrap_model(w, before_with_stage=before)
+
+
+def _run_broken(
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    session: type | None = None,
+    wait: Any = None,
+    hold: Callable[[Any], None] | None = None,
+):
     """One step of a layer of its own with the schedule broken as asked."""
     w = world(layers=3, stage_ids=STAGES)
     layer = build_layer()
@@ -95,9 +139,9 @@ def _run_broken(monkeypatch: pytest.MonkeyPatch, *, session: type | None = None,
     if session is not None:
         monkeypatch.setattr(layer.runtime, "session_class", session)
     if wait is not None:
-        monkeypatch.setattr(CpuBackend, "wait", wait)
-    if hold:
-        _hold_a2e_fill_until_its_ffn_ran(w)
+        monkeypatch.setattr(TorchDeviceBackend, "wait", wait)
+    if hold is not None:
+        hold(w)
     try:
         with trace.recording() as rec:
             got = run_step(w, SCHED)
@@ -128,7 +172,7 @@ def test_control_every_wait_in_place_passes(layer: Layer) -> None:
 
 
 def test_session_without_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch, layer: Layer) -> None:
-    got, ref, ops = _run_broken(monkeypatch, session=SessionSkipsComputeWaitForA2E, hold=True)
+    got, ref, ops = _run_broken(monkeypatch, session=SessionSkipsComputeWaitForA2E, hold=_hold_a2e_fill_until_its_ffn_ran)
     assert _differs(got, ref) == sorted(ref)  # every FFN read an unfilled buffer
     text = str(edges.check_step(ops, EXPECTED))
     for L in LAYERS:
@@ -138,7 +182,7 @@ def test_session_without_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch, l
 
 
 def test_backend_dropping_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch) -> None:
-    got, ref, ops = _run_broken(monkeypatch, wait=_backend_dropping(HostStream, A_DONE), hold=True)
+    got, ref, ops = _run_broken(monkeypatch, wait=_backend_dropping(True, A_DONE), hold=_hold_a2e_fill_until_its_ffn_ran)
     assert _differs(got, ref) == sorted(ref)
     performed = str(edges.check_step(ops, EXPECTED))
     asked = str(edges.check_step(ops, EXPECTED, source="session"))
@@ -149,30 +193,32 @@ def test_backend_dropping_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_session_without_stage_wait_for_ffn(monkeypatch: pytest.MonkeyPatch) -> None:
-    got, ref, ops = _run_broken(monkeypatch, session=SessionSkipsStageWaitForFFN)
-    # The outputs cannot tell on CPU: the compute stream is the host, so the
-    # FFN has finished before the loop even issues its send.
-    assert_same(got, ref)
+    got, ref, ops = _run_broken(monkeypatch, session=SessionSkipsStageWaitForFFN, hold=_hold_ffn_until_its_e2a_ran)
+    # The host ran ahead of the compute stream: every E2A sent its FFN's
+    # output before the FFN had filled it.
+    assert _differs(got, ref) == sorted(ref)
     text = str(edges.check_step(ops, EXPECTED))
-    assert f"{EDGE4}: nothing orders ffn(L1,s1) on C before e2a(L1,s1) on K1" in text
+    for L in LAYERS:
+        for s in STAGES:
+            assert f"{EDGE4}: nothing orders ffn(L{L},s{s}) on C before e2a(L{L},s{s}) on K{s}" in text
 
 
 def test_backend_dropping_stage_wait_for_ffn(monkeypatch: pytest.MonkeyPatch) -> None:
-    got, ref, ops = _run_broken(monkeypatch, wait=_backend_dropping(WorkerStream, F_DONE))
-    assert_same(got, ref)  # as above: the host finished the FFN before the send
+    got, ref, ops = _run_broken(monkeypatch, wait=_backend_dropping(False, F_DONE), hold=_hold_ffn_until_its_e2a_ran)
+    assert _differs(got, ref) == sorted(ref)
     performed = str(edges.check_step(ops, EXPECTED))
     asked = edges.check_step(ops, EXPECTED, source="session")
     assert f"{EDGE4}: nothing orders ffn(L0,s0) on C before e2a(L0,s0) on K0" in performed
     assert asked.ok, str(asked)  # only what the streams performed shows it
 
 
-def test_skipped_wait_reads_the_unfilled_buffer_directly() -> None:
-    """The backend contract under the outputs above: a side-stream op's
-    value is out before its launched kernel has filled it; an event recorded
-    after the op fires only once the kernel has run."""
-    from camp2p_overlap.core.overlap.streams.cpu import launch
-
-    b = CpuBackend()
+def test_a_host_that_reads_without_waiting_reads_stale_data() -> None:
+    """The contract under the outputs above: a side-stream op's value is
+    out before its kernel has filled it (the host ran ahead); an event
+    recorded after the op fires only once the kernel has run, and a host
+    read after a wait on it (here: a synchronize of the compute stream)
+    sees the filled buffer."""
+    b = make_backend("cpu")
     try:
         k = b.new_stream("K0")
         gate = threading.Event()
@@ -184,15 +230,18 @@ def test_skipped_wait_reads_the_unfilled_buffer_directly() -> None:
                 gate.wait(10)
                 out.fill_(1.0)
 
-            launch(kernel)
+            device.launch(kernel, writes=(out,))
             return out
 
         h = b.submit(k, op, label="a2e L0 s0")
         ev = b.record(k, EventKey(A_DONE, 0, 0))
         early = h.result()  # no wait: the value, unfilled
         assert torch.isnan(early).all() and not h.done() and not ev.query()
+        c = b.compute_stream()
+        b.wait(c, ev)
+        assert torch.isnan(early).all()  # the wait is queued on C: the host did not block
         gate.set()
-        b.wait(b.compute_stream(), ev)
-        assert h.done() and torch.equal(early, torch.ones(4))
+        b.synchronize(c)
+        assert h.done() and ev.query() and torch.equal(early, torch.ones(4))
     finally:
         b.close()

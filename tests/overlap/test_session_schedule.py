@@ -36,7 +36,7 @@ from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.plan import Directions, StepPlan
 from camp2p_overlap.core.overlap.session import OverlapSession, ScheduleMismatchError
-from camp2p_overlap.core.overlap.streams import CpuBackend
+from camp2p_overlap.core.overlap.streams import make_backend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.emulation.world import LinkModel, ProtocolError
 from camp2p_overlap.verify import edges
@@ -316,7 +316,7 @@ def test_ownership_inside_the_step(direction: str) -> None:
     recorded after their E2A (the next receive of the stage), no longer."""
     a2e, e2a = DIRECTIONS[direction]
     recv, send, _ = _fake_connector()
-    sset = StreamSet(CpuBackend(), [0, 1])
+    sset = StreamSet(make_backend("cpu"), [0, 1])
     layers, stages = (0, 1, 2), (0, 1)
     try:
         session = OverlapSession(
@@ -483,7 +483,7 @@ def test_stage_order_change_mid_step_hands_over_the_prefetched_data(logs: Packag
     """Session-level: the loop swaps the stage order of layer 1. The session
     falls back after draining and hands each (layer, stage) its own data."""
     recv, send, log = _fake_connector()
-    sset = StreamSet(CpuBackend(), [0, 1])
+    sset = StreamSet(make_backend("cpu"), [0, 1])
     try:
         session = OverlapSession(
             connector=object(),

@@ -194,6 +194,7 @@ def _run(w: World, stages: tuple[int, ...], step: int, forward: dict[str, Any]) 
     w.steps_run = step
     w.transport.begin_step(step, w.layer_list(), sorted(dp))
     w.runner._ffn_forward(dp_metadata_list=dp, aclgraph_runtime_mode=SENTINEL, **forward)
+    w.synchronize()
     return dict(w.transport.results), dp
 
 

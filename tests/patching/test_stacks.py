@@ -148,6 +148,7 @@ def test_a_runner_without_afd_config(stack: str, layer: Layer) -> None:
             w.transport.begin_step(sched.step, [0, 1], sched.stages)
             try:
                 w.runner.execute_ffn_step(dp_metadata_list=sched.dp())
+                w.synchronize()
                 outcomes.append(("ok", sorted(w.transport.results)))
             except AttributeError as exc:
                 outcomes.append(("AttributeError", str(exc)))

@@ -78,6 +78,7 @@ def run_step(w: World, sched: Schedule | None = None, **forward_kwargs: Any) -> 
         w.runner._ffn_forward(dp_metadata_list=dp, **forward_kwargs)
     else:
         w.runner.execute_ffn_step(dp_metadata_list=dp)
+    w.synchronize()  # the host ran ahead of the (emulated) device
     return dict(w.transport.results)
 
 

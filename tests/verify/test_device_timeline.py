@@ -147,8 +147,16 @@ def simulated(monkeypatch: pytest.MonkeyPatch) -> Any:
     device; return its parsed timeline."""
     from camp2p_overlap.core.overlap.streams import device as device_backend
 
-    def run(session_class: type = OverlapSession, **sim_kw: Any) -> tuple[device_timeline.DeviceTimeline, SimDevice]:
+    def run(
+        session_class: type = OverlapSession, marker_kernels: int = 1, **sim_kw: Any
+    ) -> tuple[device_timeline.DeviceTimeline, SimDevice]:
         sim = SimDevice(**sim_kw)
+
+        def marker() -> None:  # the marker's kernels: a fill then "marker", as two-kernel markers are
+            for _ in range(marker_kernels - 1):
+                sim.launch("marker_fill", 1000)
+            sim.launch("marker", 1000)
+
         monkeypatch.setattr(device_backend, "profiler_range", sim.range)
         monkeypatch.setattr(profile, "profiler_range", sim.range)
         backend = TorchDeviceBackend("cuda", sim)  # type: ignore[arg-type]
@@ -158,19 +166,21 @@ def simulated(monkeypatch: pytest.MonkeyPatch) -> Any:
         def step() -> None:
             _loop(session_class(connector=object(), plan=StepPlan(LAYERS, STAGES), streamset=sset), sim)
 
-        profile.profiled_step(step, mod=sim, backend=backend, side=side, launch=lambda: sim.launch("marker", 1000))
+        profile.profiled_step(step, mod=sim, backend=backend, side=side, launch=marker)
         assert not backend.annotate and "submit" not in vars(backend)  # annotation off again: plain methods
         return parse(json.loads(json.dumps(sim.trace()))), sim
 
     return run
 
 
-def test_a_correct_step_holds_every_edge_on_device_times(simulated: Any, tmp_path: Any) -> None:
-    timeline, _ = simulated()
+@pytest.mark.parametrize("marker_kernels", [1, 2], ids=["one-kernel-marker", "two-kernel-marker"])
+def test_a_correct_step_holds_every_edge_on_device_times(simulated: Any, tmp_path: Any, marker_kernels: int) -> None:
+    timeline, _ = simulated(marker_kernels=marker_kernels)
     assert set(timeline.names.values()) == {"C", "K0", "K1"}
     per = timeline.per_stream()
-    assert {a.name for a in per["C"]} == {"marker", "moe_gemm", "silu_mul"}
-    assert {a.name for a in per["K0"]} == {"marker", "a2e_copy", "e2a_copy"}
+    marker_names = {"marker", "marker_fill"} if marker_kernels == 2 else {"marker"}
+    assert {a.name for a in per["C"]} == {*marker_names, "moe_gemm", "silu_mul"}
+    assert {a.name for a in per["K0"]} == {*marker_names, "a2e_copy", "e2a_copy"}
     ops = timeline.trace_ops(step=3)
     kinds = {(o.kind, o.layer, o.stage, o.stream) for o in ops}
     for L in LAYERS:
@@ -186,12 +196,48 @@ def test_a_correct_step_holds_every_edge_on_device_times(simulated: Any, tmp_pat
 
     summary = profile.write_profile(timeline, str(tmp_path / "p.json"), layers=LAYERS, stages=STAGES)
     assert summary["edges_ok"] and summary["ops"] == 3 * len(LAYERS) * len(STAGES)
-    assert summary["streams"]["C"] == 2 + 2 * len(LAYERS) * len(STAGES) + 1  # fences, FFN kernels, marker
+    # The two fences and the stream marker, each marker_kernels kernels, and two kernels per FFN.
+    assert summary["streams"]["C"] == 3 * marker_kernels + 2 * len(LAYERS) * len(STAGES)
     assert summary["unnamed_streams"] == []
     events = json.loads((tmp_path / "p.json").read_text())["traceEvents"]
     tracks = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     assert tracks == {"C", "K0", "K1"}
     assert any(e.get("cat") == "kernel" and e["name"] == "moe_gemm" for e in events)
+
+
+def test_a_fence_is_every_kernel_its_marker_launched(simulated: Any) -> None:
+    """A marker of two kernels (``torch.ones(1).mul_(2)`` on CUDA: a fill and
+    a multiply) fences from its first kernel's start to its last one's end:
+    the step span starts after the whole begin fence and ends before the
+    end fence, and the step is found (it was not while a fence had to be
+    exactly one kernel)."""
+    timeline, _ = simulated(marker_kernels=2)
+    fences = {}
+    for name in ("step-begin", "step-end"):
+        kernels = [a for a, who in zip(timeline.activities, timeline.owner, strict=True) if who == ("marker", name)]
+        assert [a.name for a in kernels] == ["marker_fill", "marker"], kernels
+        fences[name] = (kernels[0].start_ns, kernels[-1].end_ns)
+        assert timeline.fence(name) == fences[name]
+    (step,) = [o for o in timeline.trace_ops() if o.kind == "step"]
+    assert (step.start_ns, step.end_ns) == (fences["step-begin"][1], fences["step-end"][0])
+    assert check_step(timeline.trace_ops(), EXPECTED, source="device").ok
+
+
+def test_the_profilers_marker_is_one_op_that_allocates_nothing() -> None:
+    """The marker ``bench --profile-trace`` launches: one in-place op on a
+    tensor made beforehand (one kernel on CUDA), not a factory call and an
+    op (two kernels). Checked on CPU through the operators it dispatches."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    launch = profile.marker(torch.device("cpu"))
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        launch()
+    assert [e.name for e in prof.events()] == ["aten::fill_"]
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:  # the control: the old marker is two ops
+        torch.ones(1).mul_(2)
+    names = [e.name for e in prof.events()]
+    assert "aten::ones" in names and "aten::mul_" in names, names
 
 
 class NoComputeWaitForA2E(OverlapSession):
@@ -259,6 +305,24 @@ def test_parser_links_kernels_by_correlation_and_by_flow_events() -> None:
     assert (op.layer, op.stage, op.stream, op.start_ns, op.end_ns) == (2, 0, "K0", 40_250, 42_750)
     assert set(tl.per_stream()) == {"K0", "stream 3"}
     assert tl.owner[-1] is None
+
+
+def test_a_fence_entered_twice_or_that_reached_no_device_gives_no_step() -> None:
+    def fenced(ts: float, name: str, corr: int) -> list[dict[str, Any]]:
+        return [
+            _x(f"camp2p:{name}", "user_annotation", 1, 1, ts, 3.0),
+            _x("cudaLaunchKernel", "cuda_runtime", 1, 1, ts + 1.0, 0.5, correlation=corr),
+            _x("fill", "kernel", 0, 7, ts + 5.0, 1.0, stream=7, correlation=corr),
+        ]
+
+    once = [*fenced(10.0, "step-begin", 1), *fenced(50.0, "step-end", 2)]
+    (step,) = [o for o in parse(once).trace_ops() if o.kind == "step"]
+    assert (step.start_ns, step.end_ns) == (16_000, 55_000)
+    twice = [*once, *fenced(90.0, "step-end", 3)]
+    assert parse(twice).fence("step-end") is None
+    assert not [o for o in parse(twice).trace_ops() if o.kind == "step"]
+    unlaunched = [*fenced(10.0, "step-begin", 1), _x("camp2p:step-end", "user_annotation", 1, 1, 50.0, 3.0)]
+    assert parse(unlaunched).fence("step-end") is None
 
 
 def test_parser_refuses_what_is_not_a_trace() -> None:

@@ -6,14 +6,14 @@ A recorder is opt-in (:func:`recording`); with none active, a step pays one
 read of the active recorder and nothing more for tracing. Times are
 ``time.perf_counter_ns()`` on the host (CPU backend: real op times), or
 device times resolved from timing events when a device backend was asked
-for them, or kernel times from a profiler trace
-(``verify/device_timeline.py``).
+for them, the emulated device's own log of what its streams ran, or kernel
+times from a profiler trace (``verify/device_timeline.py``).
 
 Two records of a step's events can be in a trace: the session's (what it
 asked for: ``source="session"``, in host issue order ``seq``) and the
 backend's (what the streams performed: ``source="backend"``, in execution
 order ``order``, each wait bound to the very event it waited on). The
-checker reads the backend's where there is one (the CPU backend keeps it).
+checker reads the backend's where there is one (the emulated device keeps it).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +66,8 @@ class TraceRecorder:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ops: list[TraceOp] = []
+        #: Steps whose device evidence is still arriving: resolved on read.
+        self._pending: list[Callable[[], list[TraceOp]]] = []
         self._steps = 0
         #: Serial-path bookkeeping: per thread, per stage, when FFN started.
         self._serial = threading.local()
@@ -83,7 +85,23 @@ class TraceRecorder:
         with self._lock:
             self._ops.extend(ops)
 
+    def defer(self, resolve: Callable[[], list[TraceOp]]) -> None:
+        """Add a step's ops when they are read: a device backend's streams
+        perform the step after the host has returned from it, so its trace
+        is built once the reader has synchronized."""
+        with self._lock:
+            self._pending.append(resolve)
+
+    def _resolve(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for resolve in pending:
+            ops = resolve()
+            with self._lock:
+                self._ops.extend(ops)
+
     def ops(self, step: int | None = None) -> list[TraceOp]:
+        self._resolve()
         with self._lock:
             ops = list(self._ops)
         if step is not None:
@@ -91,12 +109,14 @@ class TraceRecorder:
         return sorted(ops, key=lambda o: (o.start_ns, o.end_ns))
 
     def steps(self) -> list[int]:
+        self._resolve()
         with self._lock:
             return sorted({o.step for o in self._ops})
 
     def clear(self) -> None:
         with self._lock:
             self._ops.clear()
+            self._pending.clear()
 
     # -- serial (not engaged) path --------------------------------------
     def serial_state(self) -> dict[str, object]:
@@ -132,42 +152,57 @@ def recording(recorder: TraceRecorder | None = None) -> Iterator[TraceRecorder]:
 class StepTrace:
     """One engaged step's trace bookkeeping, kept apart from the schedule:
     the session calls it only when a recorder is active. With a ``backend``
-    that keeps a stream log (CPU), the records and waits its streams
-    performed go into the trace as well, with every op's execution order."""
+    that keeps a stream log (the emulated device), what its streams
+    performed goes into the trace too: every record and wait, and each op's
+    and each FFN's kernels, in execution order. The trace is built when the
+    recorder is read (:meth:`TraceRecorder.defer`), after the reader has
+    synchronized the device."""
 
-    def __init__(self, recorder: TraceRecorder, step_id: int, backend: Any = None) -> None:
+    def __init__(self, recorder: TraceRecorder, step_id: int, backend: Any = None, log: Any = None) -> None:
         self.recorder = recorder
         self.step_id = step_id
         self._ops: list[TraceOp] = []
         self._backend = backend if backend is not None and backend.start_log() else None
+        #: A stream log kept by the caller (the serial path), read at resolve time.
+        self._log = log
+        #: Ops handed in one by one (the serial path), emitted with the rest.
+        self._issued: list[tuple[str, int | None, int | None, str, Any, int]] = []
+
+    def op(self, kind: str, layer: int | None, stage: int | None, stream: str, handle: Any) -> None:
+        """An op and its handle (times resolved when the trace is read)."""
+        self._issued.append((kind, layer, stage, stream, handle, -1))
 
     def event(self, kind: str, key: EventKey, stream: str, t0: int, t1: int, seq: int) -> None:
         """A record or a wait of the event ``key`` (its label is the op's ``detail``)."""
         self._ops.append(TraceOp(kind, key.layer, key.stage, stream, t0, t1, self.step_id, key.label(), seq))
 
     def ffn(self, layer: int, stage: int, t0: int, t1: int, seq: int) -> None:
+        """The host window in which the loop issued the FFN of ``(layer, stage)``."""
         self._ops.append(TraceOp("ffn", layer, stage, COMPUTE_STREAM, t0, t1, self.step_id, "", seq))
 
-    def emit(self, ops: Iterable[tuple[str, int | None, int | None, str, Any, int]]) -> None:
+    def emit(self, ops: Iterable[tuple[str, int | None, int | None, str, Any, int]] = ()) -> None:
         """Hand the step's trace to the recorder, with every op that ran:
         ``(kind, layer, stage, stream, handle, seq)``."""
-        for kind, layer, stage, stream, h, seq in ops:
-            if h.start_ns is not None and h.end_ns is not None:
-                op = TraceOp(kind, layer, stage, stream, h.start_ns, h.end_ns, self.step_id, "", seq)  # type: ignore[arg-type]
-                op.order = _spaced(h.order)
-                self._ops.append(op)
-        if self._backend is not None:
-            self._add_stream_log(self._backend.stop_log())
-            self._backend = None
-        self.recorder.extend(self._ops)
-        self._ops = []
+        issued = [*self._issued, *ops]
+        self._issued = []
+        log = self._backend.stop_log() if self._backend is not None else self._log
+        self._backend = None
+        host, self._ops = self._ops, []
+        self.recorder.defer(lambda: self._resolve(issued, host, log))
 
-    def _add_stream_log(self, log: Sequence[Any]) -> None:
-        """The records and waits the streams performed, and the FFN's place in
-        the compute stream's execution order. C is the host: its entries are
-        sequential in time, and the FFN ran between the wait that returned
-        before it started and the record that fired after it ended."""
-        performed = [
+    def _resolve(self, issued: list[tuple[Any, ...]], host: list[TraceOp], log: Any) -> list[TraceOp]:
+        out: list[TraceOp] = []
+        for kind, layer, stage, stream, h, seq in issued:
+            if h.start_ns is not None and h.end_ns is not None:
+                op = TraceOp(kind, layer, stage, stream, h.start_ns, h.end_ns, self.step_id, "", seq)
+                op.order = _spaced(h.order)
+                out.append(op)
+        entries = list(log.entries() if hasattr(log, "entries") else log or [])
+        if entries:
+            self._place_ffn(host, entries)
+            self._widen_step_span(entries)
+        out.extend(host)
+        out.extend(
             TraceOp(
                 e.kind,
                 e.key.layer,
@@ -181,24 +216,44 @@ class StepTrace:
                 event=e.event,
                 source="backend",
             )
-            for e in log
-        ]
-        on_c = sorted(
-            (o.end_ns, o.order)
-            for o in [*performed, *self._ops]
-            if o.stream == COMPUTE_STREAM and o.order >= 0 and o.kind != "ffn"
+            for e in entries
+            if e.kind in ("record", "wait") and isinstance(e.key, EventKey)
         )
-        ends = [end for end, _ in on_c]
-        for o in self._ops:
-            if o.kind == "ffn":
-                i = bisect.bisect_right(ends, o.start_ns)
-                o.order = on_c[i - 1][1] + 1 if i else -1  # odd: right after that entry
-        self._ops.extend(performed)
+        return out
+
+    @staticmethod
+    def _place_ffn(host: list[TraceOp], entries: list[Any]) -> None:
+        """Each FFN as the compute stream ran it: the kernels the loop
+        launched on C inside the FFN's host window (not an op's)."""
+        kernels = sorted(
+            (e.launched_ns, e) for e in entries if e.kind == "kernel" and e.stream == COMPUTE_STREAM and not e.label
+        )
+        starts = [k for k, _ in kernels]
+        for o in host:
+            if o.kind != "ffn":
+                continue
+            lo, hi = bisect.bisect_left(starts, o.start_ns), bisect.bisect_right(starts, o.end_ns)
+            mine = [e for _, e in kernels[lo:hi]]
+            if mine:
+                o.start_ns = min(e.start_ns for e in mine)
+                o.end_ns = max(e.end_ns for e in mine)
+                o.order = _spaced(min(e.order for e in mine))
+
+    def _widen_step_span(self, entries: list[Any]) -> None:
+        """The step ends when the compute stream has run its last work of
+        the step (the joins), not when the host returned."""
+        c_end = max((e.end_ns for e in entries if e.stream == COMPUTE_STREAM), default=None)
+        if c_end is None:
+            return
+        with self.recorder._lock:
+            for o in self.recorder._ops:
+                if o.kind == "step" and o.step == self.step_id and o.end_ns < c_end:
+                    o.end_ns = c_end
 
 
 def _spaced(order: int) -> int:
-    """A backend execution order, doubled so that a host-side FFN can sit
-    between two entries of C (at an odd position)."""
+    """A backend execution order, doubled (orders of the trace stay even,
+    leaving room between two entries for what a reader inserts)."""
     return 2 * order if order >= 0 else -1
 
 

@@ -30,9 +30,9 @@ from dataclasses import replace
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from camp2p_overlap.core.keys import COMPUTE_STREAM
+from camp2p_overlap.core.keys import A2E, COMPUTE_STREAM, E2A, OpKey
 from camp2p_overlap.core.log import log_once
-from camp2p_overlap.core.observe.trace import TraceOp, TraceRecorder, current_recorder
+from camp2p_overlap.core.observe.trace import StepTrace, TraceOp, TraceRecorder, current_recorder
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Passed, pow2_ceil
 from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes, RouterFactory
@@ -308,8 +308,15 @@ class FfnStep:
             return self.wrapped(*self.args, **self.kwargs)
         state = recorder.serial_state()
         step_id = recorder.next_step()
-        previous = state["step"]
-        state["step"] = step_id
+        previous = state["step"], state.get("trace")
+        # What the emulated device's streams perform for this thread's work
+        # (nothing on a real device): the trace is built from it when read.
+        # Imported here: apply() and an untraced step import no torch.
+        from camp2p_overlap.core.overlap.streams import emulated
+
+        log = emulated.StreamLog()
+        saved_log = emulated.set_log(log)
+        state["step"], state["trace"] = step_id, StepTrace(recorder, step_id, log=log)
         routes = self.traced_routes(recorder)
         t0 = time.perf_counter_ns()
         try:
@@ -317,8 +324,10 @@ class FfnStep:
         finally:
             if routes is not None:
                 routes.remove()
+            emulated.set_log(saved_log)
+            state["trace"].emit()
             recorder.add(TraceOp("step", None, None, COMPUTE_STREAM, t0, time.perf_counter_ns(), step_id))
-            state["step"] = previous
+            state["step"], state["trace"] = previous
 
     def traced_routes(self, recorder: TraceRecorder) -> ConnectorRoutes | None:
         """The connector routed to the serial path's trace for this step,
@@ -375,14 +384,15 @@ def _traced_recv(recorder: TraceRecorder) -> RouterFactory:
         def recv_attn_output(*args: Any, **kwargs: Any) -> Any:
             if get_ident() != thread:
                 return callee(*args, **kwargs)
+            from camp2p_overlap.core.overlap.streams.emulated import tracked
+
             kw = camp2p.recv_kwargs(args, kwargs)
-            t0 = time.perf_counter_ns()
-            payload = callee(*args, **kwargs)
-            t1 = time.perf_counter_ns()
-            state = recorder.serial_state()
             layer, stage = kw.get("layer_idx"), kw.get("ubatch_idx")
-            recorder.add(TraceOp("a2e", layer, stage, COMPUTE_STREAM, t0, t1, state["step"]))  # type: ignore[arg-type]
-            state["ffn_start"][id(camp2p.context_of(payload))] = (layer, stage, t1)  # type: ignore[index]
+            h = tracked(lambda: callee(*args, **kwargs), OpKey(A2E, layer, stage).label())
+            state = recorder.serial_state()
+            state["trace"].op(A2E, layer, stage, COMPUTE_STREAM, h)  # type: ignore[union-attr]
+            payload = h.result()
+            state["ffn_start"][id(camp2p.context_of(payload))] = (layer, stage, time.perf_counter_ns())  # type: ignore[index]
             return payload
 
         return recv_attn_output
@@ -404,13 +414,14 @@ def _traced_send(recorder: TraceRecorder) -> RouterFactory:
             started = state["ffn_start"].pop(id(ctx), None)  # type: ignore[attr-defined]
             stage = camp2p.send_stage(ctx, kwargs)
             layer = started[0] if started else camp2p.context_layer(ctx)
-            step = state["step"]
+            trace = state["trace"]
             if started:
-                recorder.add(TraceOp("ffn", layer, stage, COMPUTE_STREAM, started[2], t0, step))  # type: ignore[arg-type]
-            try:
-                return callee(*args, **kwargs)
-            finally:
-                recorder.add(TraceOp("e2a", layer, stage, COMPUTE_STREAM, t0, time.perf_counter_ns(), step))  # type: ignore[arg-type]
+                trace.ffn(layer, stage, started[2], t0, -1)  # type: ignore[union-attr]
+            from camp2p_overlap.core.overlap.streams.emulated import tracked
+
+            h = tracked(lambda: callee(*args, **kwargs), OpKey(E2A, layer, stage).label())
+            trace.op(E2A, layer, stage, COMPUTE_STREAM, h)  # type: ignore[union-attr]
+            return h.result()
 
         return send_ffn_output
 

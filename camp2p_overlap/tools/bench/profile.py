@@ -36,16 +36,20 @@ PROFILE_STEP_ID = 10_000
 
 
 def marker(device: Any) -> Callable[[], None]:
-    """A tiny kernel on the current stream (names a stream, or fences the step)."""
+    """One tiny kernel on the current stream (names a stream, or fences the
+    step): an in-place fill of a one-element tensor made here, before the
+    profile, so that a launch allocates nothing and is a single kernel
+    (``torch.ones(...).mul_(2)`` is two on CUDA: a fill and a multiply)."""
+    buf = torch.zeros(1, device=device)
 
     def launch() -> None:
-        torch.ones(1, device=device).mul_(2)
+        buf.fill_(1.0)
 
     return launch
 
 
 def mark_streams(mod: Any, streams: Mapping[str, Any], launch: Callable[[], None]) -> None:
-    """One marker kernel per stream inside ``camp2p:stream <name>``: how the
+    """A marker launch per stream inside ``camp2p:stream <name>``: how the
     trace's device stream ids get our names."""
     for name, stream in streams.items():
         with mod.stream(stream), profiler_range(f"{RANGE_PREFIX}stream {name}"):
@@ -53,7 +57,8 @@ def mark_streams(mod: Any, streams: Mapping[str, Any], launch: Callable[[], None
 
 
 def fence(name: str, launch: Callable[[], None]) -> None:
-    """A marker kernel on the current stream (C) inside ``camp2p:<name>``."""
+    """A marker launch on the current stream (C) inside ``camp2p:<name>``
+    (the timeline takes every kernel it launched as the fence)."""
     with profiler_range(f"{RANGE_PREFIX}{name}"):
         launch()
 

@@ -1,5 +1,6 @@
-"""Stream backends: ``cpu`` (worker threads), ``cuda`` and ``npu`` (torch
-streams and events), chosen from the runner's device."""
+"""Stream backends: one device backend over ``torch.npu``, ``torch.cuda``
+or, for ``cpu``, the emulated device (``streams/emulated``: worker-thread
+streams on the host), chosen from the runner's device."""
 
 from __future__ import annotations
 
@@ -16,12 +17,10 @@ from camp2p_overlap.core.overlap.streams.base import (
     StreamBackend,
     StreamPoisonedError,
 )
-from camp2p_overlap.core.overlap.streams.cpu import CpuBackend
 from camp2p_overlap.core.overlap.streams.device import TorchDeviceBackend
 
 __all__ = [
     "BackendUnavailable",
-    "CpuBackend",
     "DoneHandle",
     "Event",
     "OpHandle",
@@ -79,7 +78,9 @@ def resolve_backend_name(requested: str, device: Any) -> str:
 
 def make_backend(name: str, device: Any = None) -> StreamBackend:
     if name == "cpu":
-        return CpuBackend()
+        from camp2p_overlap.core.overlap.streams import emulated
+
+        return TorchDeviceBackend("cpu", emulated, device)
     try:
         mod = device_module(name)
     except BackendUnavailable as exc:

@@ -71,6 +71,16 @@ class TorchDeviceBackend(StreamBackend):
         #: Free (start, end) timing-event pairs for step timing.
         self._step_events: list[tuple[Any, Any]] = []
         self._origin: Any = None
+        #: Streams this backend made (closed with it where they can be).
+        self._made: list[Any] = []
+        # What only the emulated device offers (absent on torch.npu/cuda):
+        # op handles that follow their kernels, asynchronous errors per
+        # stream, and a log of what the streams performed.
+        self._tracked = getattr(device_module, "tracked", None)
+        self._peek_errors = getattr(device_module, "peek_errors", None)
+        self._take_errors = getattr(device_module, "take_errors", None)
+        self._set_log = getattr(device_module, "set_log", None)
+        self._log_saved: list[Any] = []
 
     def compute_stream(self) -> Any:
         stream = self.mod.current_stream()
@@ -80,11 +90,15 @@ class TorchDeviceBackend(StreamBackend):
     def new_stream(self, name: str) -> Any:
         stream = self.mod.Stream(device=self.device) if self.device is not None else self.mod.Stream()
         _name(stream, name)
+        self._made.append(stream)
         return stream
 
     def submit(self, stream: Any, fn: Callable[[], Any], label: str = "op") -> OpHandle:
         if self.timing:
             return self._timed_submit(stream, fn)
+        if self._tracked is not None:
+            with self.mod.stream(stream):
+                return self._tracked(fn, label)
         clock = time.perf_counter_ns
         with self.mod.stream(stream):
             t0 = clock()
@@ -115,6 +129,7 @@ class TorchDeviceBackend(StreamBackend):
         if event is None:
             event = self._events[key] = self.mod.Event()
             self._keys[id(event)] = key
+            _name(event, key, "key")
         event.record(stream)
         return event
 
@@ -157,6 +172,42 @@ class TorchDeviceBackend(StreamBackend):
 
     def synchronize(self, stream: Any) -> None:
         stream.synchronize()
+
+    # -- asynchronous errors and the stream log (the emulated device) ----
+    def begin_step(self, streams: list[Any]) -> None:
+        """Clear the side streams' asynchronous errors of an earlier step."""
+        if self._take_errors is not None:
+            self._take_errors(streams)
+
+    def step_errors(self, streams: list[Any]) -> list[BaseException]:
+        """The asynchronous errors kernels of ``streams`` hit (emulated
+        device; a real device reports them at its next synchronize)."""
+        return self._peek_errors(streams) if self._peek_errors is not None else []
+
+    def start_log(self) -> bool:
+        """Log what the streams perform for work this thread enqueues
+        (emulated device only): the edge checker's evidence."""
+        if self._set_log is None:
+            return False
+        log = self.mod.StreamLog()
+        self._log_saved.append(self._set_log(log))
+        return True
+
+    def stop_log(self) -> Any:
+        """Stop logging; returns the log, which the streams go on filling
+        with the work already queued (read it after a synchronize)."""
+        if self._set_log is None or not self._log_saved:
+            return []
+        return self._set_log(self._log_saved.pop())
+
+    def close(self) -> None:
+        """Stop the worker threads of the streams this backend made (the
+        emulated device's; device streams have nothing to close)."""
+        made, self._made = self._made, []
+        for stream in made:
+            close = getattr(stream, "close", None)
+            if callable(close):
+                close()
 
     # -- step timing for adaptive engage ---------------------------------
     def timing_start(self) -> Any:
@@ -215,8 +266,8 @@ def _stream_name(stream: Any) -> str:
     return str(getattr(stream, "name", "?"))
 
 
-def _name(stream: Any, name: str) -> None:
+def _name(obj: Any, name: Any, attr: str = "name") -> None:
     try:
-        stream.name = name  # type: ignore[attr-defined]
+        setattr(obj, attr, name)
     except (AttributeError, TypeError):
         pass

@@ -1,0 +1,620 @@
+"""The emulated device's streams, events and kernels.
+
+Every stream, the default one included, is one worker thread draining a
+FIFO: the host only enqueues (a kernel, an event record, a wait) and returns
+at once, so the host runs ahead of every stream as it does of a real device.
+An event record fires when its stream reaches it; a wait binds, when it is
+enqueued, to the event's most recent record (as ``cudaStreamWaitEvent``
+does) and holds its stream until that record has fired.
+
+A kernel that raises *poisons* its stream: later kernels queued there are
+skipped (records and waits still run, so nothing downstream hangs), and
+the error is kept as the stream's asynchronous error until it is taken
+(:func:`take_errors`, or a device :func:`synchronize`, which raises it).
+
+While a graph capture is in progress (``capture.py``) work queued on a
+capturing stream goes into the graph instead (:data:`hooks`), and the calls
+capture forbids raise :class:`CaptureViolation` from any thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from camp2p_overlap.core.overlap.streams.base import OpHandle, StreamPoisonedError
+
+#: Execution order across every stream: taken when a stream starts an item.
+_order = itertools.count()
+#: Identity of each event record (a wait binds to one record, not a name).
+_record_ids = itertools.count()
+_stream_ids = itertools.count()
+_tls = threading.local()
+_STOP = ("stop",)
+
+
+class CaptureViolation(RuntimeError):
+    """A call a device graph capture forbids, made while a capture was in
+    progress (the message names the call and the rule it breaks)."""
+
+
+class Hooks:
+    """Where the capture module plugs in (None: no capture in progress)."""
+
+    #: The capture in progress, or None. Read without a lock on every
+    #: enqueue: a capture begins and ends with the device idle.
+    capture: Any = None
+
+
+hooks = Hooks()
+
+
+def forbid_in_capture(call: str, rule: str) -> None:
+    """Raise :class:`CaptureViolation` while any capture is in progress (the
+    global capture mode: the rule holds for every thread of the process)."""
+    cap = hooks.capture
+    if cap is not None:
+        cap.violated(f"{call} while a graph capture is in progress: {rule}")
+
+
+# ---------------------------------------------------------------------------
+# the log of what streams performed (the edge checker's evidence)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamLogEntry:
+    """One item a stream performed, as it performed it: an event record
+    (``start == end``: when it fired), a wait (when the stream began
+    waiting, when the record let it go) or a kernel (when it ran)."""
+
+    stream: str
+    kind: str  # "record" | "wait" | "kernel"
+    #: A record's or a wait's event key (what the backend named the event), or None.
+    key: Any
+    #: The record's identity: a wait binds to the record of this very event.
+    event: int
+    order: int
+    start_ns: int
+    end_ns: int
+    #: A kernel's op label (launched inside a tracked op), else "".
+    label: str = ""
+    #: When the host launched the kernel (host clock), else -1.
+    launched_ns: int = -1
+
+
+class StreamLog:
+    """What the streams performed for one host scope (:func:`logging_to`),
+    appended by the workers as they perform it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: list[StreamLogEntry] = []
+
+    def add(self, entry: StreamLogEntry) -> None:
+        with self._lock:
+            self._entries.append(entry)
+
+    def entries(self) -> list[StreamLogEntry]:
+        """Everything performed so far, in execution order."""
+        with self._lock:
+            return sorted(self._entries, key=lambda e: e.order)
+
+
+def current_log() -> StreamLog | None:
+    return getattr(_tls, "log", None)
+
+
+def set_log(log: StreamLog | None) -> StreamLog | None:
+    """Log what the streams perform for work this thread enqueues from now
+    on into ``log`` (None: stop); returns the previous log."""
+    previous = getattr(_tls, "log", None)
+    _tls.log = log
+    return previous
+
+
+# ---------------------------------------------------------------------------
+# events
+
+
+class Record:
+    """One record of an event: fires once, when its stream reaches it."""
+
+    __slots__ = ("event", "fired", "ns", "seq")
+
+    def __init__(self, event: Event | None = None) -> None:
+        self.fired = threading.Event()
+        self.ns = 0
+        self.seq = next(_record_ids)
+        self.event = event
+
+    def fire(self) -> None:
+        self.ns = time.perf_counter_ns()
+        self.fired.set()
+
+
+class Event:
+    """An event: ``record`` on a stream, ``wait`` from another, ``query``,
+    ``synchronize`` and ``elapsed_time`` (with ``enable_timing``)."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+        #: The most recent record (a :class:`Record`, or a capture node's
+        #: stand-in while it was recorded inside a capture), or None.
+        self.last: Any = None
+        #: What the backend calls this event (its pool key), for logs.
+        self.key: Any = None
+
+    def record(self, stream: Stream | None = None) -> None:
+        (stream or current_stream()).record_event(self)
+
+    def wait(self, stream: Stream | None = None) -> None:
+        (stream or current_stream()).wait_event(self)
+
+    def query(self) -> bool:
+        forbid_in_capture("Event.query()", "querying an event is an unsafe call in global capture mode")
+        rec = self.last
+        return rec is None or not isinstance(rec, Record) or rec.fired.is_set()
+
+    def synchronize(self) -> None:
+        forbid_in_capture("Event.synchronize()", "a synchronize is illegal during capture")
+        rec = self.last
+        if isinstance(rec, Record):
+            rec.fired.wait()
+
+    def elapsed_time(self, end: Event) -> float:
+        """Milliseconds from this event's last record to ``end``'s."""
+        forbid_in_capture("Event.elapsed_time()", "reading event times is a query, unsafe during capture")
+        if not (self.enable_timing and end.enable_timing):
+            raise RuntimeError("elapsed_time needs both events created with enable_timing=True")
+        a, b = self.last, end.last
+        if not (isinstance(a, Record) and isinstance(b, Record)) or not (a.fired.is_set() and b.fired.is_set()):
+            raise RuntimeError("elapsed_time: both events must have been recorded and have completed")
+        return (b.ns - a.ns) / 1e6
+
+    def __repr__(self) -> str:
+        return f"Event({self.key!r})"
+
+
+# ---------------------------------------------------------------------------
+# tracked ops: a handle that follows the kernels an op launched
+
+
+class TrackedOp(OpHandle):
+    """The handle of an op whose kernels run on a stream: its value is the
+    host's return value (its tensors filled later), ``done()`` once every
+    kernel it launched has run, its times and order those of its kernels
+    (the host's when it launched none). A kernel's failure is the op's
+    error (:meth:`exception`), and its stream's asynchronous error."""
+
+    __slots__ = ("_exc", "_host_exc", "_lock", "_pending", "_sealed", "_value", "end_ns", "label", "order", "start_ns")
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self._value: Any = None
+        self._exc: BaseException | None = None
+        self._host_exc: BaseException | None = None
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._sealed = False
+        self.start_ns: int | None = None
+        self.end_ns: int | None = None
+        self.order = -1
+
+    def queued(self) -> None:
+        with self._lock:
+            self._pending += 1
+
+    def started(self, ns: int, order: int) -> None:
+        if self.start_ns is None:
+            self.start_ns, self.order = ns, order
+
+    def finished(self, ns: int, exc: BaseException | None) -> None:
+        with self._lock:
+            self._pending -= 1
+            self.end_ns = ns
+            if exc is not None and self._exc is None:
+                self._exc = exc
+
+    def seal(self, value: Any, exc: BaseException | None, t0: int, t1: int) -> None:
+        """The host has returned from the op (``value``) or raised (``exc``)."""
+        with self._lock:
+            self._value = value
+            if exc is not None:
+                self._host_exc = exc
+                self._exc = self._exc or exc
+            if self._pending == 0 and self.start_ns is None:  # no kernel: host times
+                self.start_ns, self.end_ns = t0, t1
+            self._sealed = True
+
+    def result(self) -> Any:
+        """The op's value (its kernels may still be filling it), or the
+        host's error. Kernel errors are asynchronous: :meth:`exception`."""
+        if self._host_exc is not None:
+            raise self._host_exc
+        return self._value
+
+    def exception(self) -> BaseException | None:
+        return self._exc
+
+    def done(self) -> bool:
+        return self._sealed and self._pending == 0
+
+    def release(self) -> None:
+        self._value = None
+
+
+def tracked(fn: Callable[[], Any], label: str = "op") -> TrackedOp:
+    """Run ``fn()`` on the host with every kernel it launches tracked by the
+    returned handle."""
+    handle = TrackedOp(label)
+    previous = getattr(_tls, "op", None)
+    _tls.op = handle
+    t0 = time.perf_counter_ns()
+    try:
+        value = fn()
+    except BaseException as exc:  # noqa: BLE001 - handed back
+        handle.seal(None, exc, t0, time.perf_counter_ns())
+        return handle
+    finally:
+        _tls.op = previous
+    handle.seal(value, None, t0, time.perf_counter_ns())
+    return handle
+
+
+# ---------------------------------------------------------------------------
+# streams
+
+
+class _Worker:
+    """A stream's thread and FIFO; holds no reference to its :class:`Stream`
+    (a stream nobody holds is collected and its thread told to stop)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        #: Asynchronous errors not taken yet: (execution order of the kernel, error).
+        self.errors: list[tuple[int, BaseException]] = []
+        self.poisoned: BaseException | None = None
+        self.put_count = 0
+        self.done_count = 0
+        #: What the worker is doing now (diagnostics): a label, or None.
+        self.doing: str | None = None
+        #: Set in a forked child: the thread does not exist there.
+        self.dead = False
+        #: Set once told to stop (its stream closed or collected): nothing
+        #: queued after that would run, so it takes no more work.
+        self.stopped = False
+        self.thread = threading.Thread(target=self.run, name=f"camp2p-overlap-stream-{name}", daemon=True)
+        self.thread.start()
+
+    def put(self, item: tuple[Any, ...]) -> None:
+        if self.dead:
+            raise RuntimeError(f"stream {self.name} belongs to the parent process (its thread does not exist here)")
+        if self.stopped:
+            raise RuntimeError(f"stream {self.name} is closed (its worker thread has been told to stop)")
+        self.put_count += 1
+        self.queue.put(item)
+
+    def stop(self) -> None:
+        if not self.dead and not self.stopped:
+            self.stopped = True
+            self.queue.put(_STOP)
+
+    def run(self) -> None:
+        get = self.queue.get
+        while True:
+            item = get()
+            kind = item[0]
+            if kind == "stop":
+                return
+            try:
+                if kind == "kernel":
+                    self._kernel(*item[1:])
+                elif kind == "record":
+                    self._record(*item[1:])
+                else:
+                    self._wait(*item[1:])
+            finally:
+                del item
+                self.doing = None
+                self.done_count += 1
+
+    def _kernel(self, fn: Callable[[], None], op: TrackedOp | None, log: StreamLog | None, launched: int) -> None:
+        order, t0 = next(_order), time.perf_counter_ns()
+        if op is not None:
+            op.started(t0, order)
+        exc: BaseException | None = None
+        if self.poisoned is not None:
+            exc = StreamPoisonedError(
+                f"{op.label if op is not None else 'kernel'} skipped on stream {self.name}: an earlier kernel "
+                f"failed ({type(self.poisoned).__name__}: {self.poisoned})"
+            )
+        else:
+            self.doing = op.label if op is not None else "kernel"
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - an asynchronous error, as on a device
+                exc = e
+                self.poisoned = e
+                self.errors.append((order, e))
+        t1 = time.perf_counter_ns()
+        if log is not None:
+            log.add(StreamLogEntry(self.name, "kernel", None, -1, order, t0, t1, op.label if op else "", launched))
+        if op is not None:
+            op.finished(t1, exc)
+
+    def _record(self, rec: Record, log: StreamLog | None) -> None:
+        if log is not None:  # logged before the record lets anyone go
+            order, now = next(_order), time.perf_counter_ns()
+            key = rec.event.key if rec.event is not None else None
+            log.add(StreamLogEntry(self.name, "record", key, rec.seq, order, now, now))
+        rec.fire()
+
+    def _wait(self, rec: Record, log: StreamLog | None) -> None:
+        if log is None:
+            if not rec.fired.is_set():
+                self.doing = "wait"
+                rec.fired.wait()
+            return
+        order, t0 = next(_order), time.perf_counter_ns()
+        self.doing = "wait"
+        rec.fired.wait()
+        key = rec.event.key if rec.event is not None else None
+        log.add(StreamLogEntry(self.name, "wait", key, rec.seq, order, t0, time.perf_counter_ns()))
+
+
+#: Every live worker (device synchronize drains them all).
+_workers: weakref.WeakSet[_Worker] = weakref.WeakSet()
+_workers_lock = threading.Lock()
+
+
+class Stream:
+    """A stream: one worker thread running its work in FIFO order."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
+        forbid_in_capture("Stream()", "creating a stream is not allowed inside a graph capture")
+        self.device = device
+        self.priority = priority
+        self.id = next(_stream_ids)
+        self._w = _Worker(f"emulated-{self.id}")
+        with _workers_lock:
+            _workers.add(self._w)
+        self._finalizer = weakref.finalize(self, self._w.stop)
+
+    @property
+    def name(self) -> str:
+        """The stream's name, as its log entries and stall reports give it."""
+        return self._w.name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self._w.name = value
+        self._w.thread.name = f"camp2p-overlap-stream-{value}"
+
+    # -- what a stream is asked to do ----------------------------------
+    def launch(self, fn: Callable[[], None], writes: Iterable[Any] = ()) -> None:
+        cap = hooks.capture
+        if cap is not None and cap.owns(self):
+            cap.add_kernel(self, fn, writes)
+            return
+        op = getattr(_tls, "op", None)
+        log = getattr(_tls, "log", None)
+        if op is not None:
+            op.queued()
+        self._w.put(("kernel", fn, op, log, time.perf_counter_ns() if log is not None else -1))
+
+    def record_event(self, event: Event | None = None) -> Event:
+        event = event if event is not None else Event()
+        cap = hooks.capture
+        if cap is not None and cap.owns(self):
+            cap.add_record(self, event)
+            return event
+        rec = Record(event)
+        event.last = rec
+        self._w.put(("record", rec, getattr(_tls, "log", None)))
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        rec = event.last
+        if rec is None:
+            return  # never recorded: nothing to wait for
+        cap = hooks.capture
+        if cap is not None and (cap.owns(self) or cap.recorded(rec)):
+            cap.add_wait(self, rec)
+            return
+        if not isinstance(rec, Record):
+            raise CaptureViolation(f"stream {self.name} waits on an event last recorded inside a finished capture")
+        self._w.put(("wait", rec, getattr(_tls, "log", None)))
+
+    def wait_stream(self, other: Stream) -> None:
+        self.wait_event(other.record_event())
+
+    def enqueue_record(self, rec: Record) -> None:
+        """Queue a record made elsewhere (a graph replay's)."""
+        self._w.put(("record", rec, getattr(_tls, "log", None)))
+
+    def enqueue_wait(self, rec: Record) -> None:
+        self._w.put(("wait", rec, getattr(_tls, "log", None)))
+
+    def enqueue_kernel(self, fn: Callable[[], None]) -> None:
+        log = getattr(_tls, "log", None)
+        self._w.put(("kernel", fn, None, log, time.perf_counter_ns() if log is not None else -1))
+
+    # -- host side -----------------------------------------------------
+    def query(self) -> bool:
+        forbid_in_capture("Stream.query()", "querying a stream is an unsafe call in global capture mode")
+        return self._w.done_count >= self._w.put_count
+
+    def synchronize(self) -> None:
+        forbid_in_capture(f"Stream.synchronize() of {self.name}", "a synchronize is illegal during capture")
+        self.drain()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Block until everything queued so far has run (no capture check:
+        the module's own synchronizes call it)."""
+        rec = Record()
+        self._w.put(("record", rec, None))
+        return rec.fired.wait(timeout)
+
+    def close(self, timeout: float | None = 5.0) -> bool:
+        """Stop the worker thread (work queued before still runs) and wait
+        up to ``timeout`` for it to end; returns whether it has ended."""
+        self._finalizer()
+        thread = self._w.thread
+        if not self._w.dead and thread is not threading.current_thread():
+            thread.join(timeout)
+        return not thread.is_alive()
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._w.thread
+
+    @property
+    def alive(self) -> bool:
+        return self._w.thread.is_alive()
+
+    @property
+    def current(self) -> str | None:
+        """What the worker is doing now (diagnostics)."""
+        return self._w.doing
+
+    @property
+    def errors(self) -> list[BaseException]:
+        return [e for _, e in self._w.errors]
+
+    @property
+    def poisoned(self) -> BaseException | None:
+        return self._w.poisoned
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __repr__(self) -> str:
+        return f"Stream({self.name})"
+
+
+class DefaultStream(Stream):
+    """The device's default stream: current on a thread that set no other."""
+
+
+_default: list[DefaultStream | None] = [None]
+_default_lock = threading.Lock()
+
+
+def default_stream() -> DefaultStream:
+    s = _default[0]
+    if s is None:
+        with _default_lock:
+            s = _default[0]
+            if s is None:
+                saved, hooks.capture = hooks.capture, None  # made on first use, even inside a capture
+                try:
+                    s = _default[0] = DefaultStream()
+                finally:
+                    hooks.capture = saved
+                s.name = "default"
+    return s
+
+
+def current_stream(device: Any = None) -> Stream:
+    s = getattr(_tls, "stream", None)
+    return s if s is not None else default_stream()
+
+
+def set_stream(stream: Stream | None) -> None:
+    _tls.stream = stream
+
+
+class stream:  # lower case: the device modules' name
+    """``with stream(s):`` makes ``s`` this thread's current stream."""
+
+    def __init__(self, s: Stream | None) -> None:
+        self.s = s
+        self.previous: Stream | None = None
+
+    def __enter__(self) -> Stream | None:
+        self.previous = getattr(_tls, "stream", None)
+        if self.s is not None:
+            _tls.stream = self.s
+        return self.s
+
+    def __exit__(self, *exc: object) -> None:
+        _tls.stream = self.previous
+
+
+def launch(kernel: Callable[[], None], *, writes: Iterable[Any] = ()) -> None:
+    """Enqueue ``kernel`` on this thread's current stream: it runs on the
+    stream's worker after everything queued there before, and the host
+    returns at once. ``writes``: the tensors it fills (allocated by the
+    caller before the launch), which a capture keeps the host from reading."""
+    current_stream().launch(kernel, writes)
+
+
+def live_workers() -> list[Any]:
+    with _workers_lock:
+        return [w for w in _workers if not w.dead and not w.stopped]
+
+
+def synchronize(device: Any = None) -> None:
+    """Block until every stream has run everything queued so far, then raise
+    the first asynchronous error a kernel hit since the last one taken (and
+    clear them all), as a device reports a failed kernel at a synchronize."""
+    forbid_in_capture("synchronize()", "a device synchronize is illegal during capture")
+    drain_all()
+    errors = take_errors()
+    if errors:
+        raise errors[0]
+
+
+def drain_all(timeout: float | None = None) -> bool:
+    ok = True
+    default_stream()
+    for w in live_workers():
+        rec = Record()
+        w.put(("record", rec, None))
+        ok = rec.fired.wait(timeout) and ok
+    return ok
+
+
+def peek_errors(streams: Iterable[Stream]) -> list[BaseException]:
+    """The asynchronous errors of ``streams`` not taken yet, in order."""
+    return [e for s in streams if isinstance(s, Stream) for _, e in s._w.errors]
+
+
+def take_errors(streams: Iterable[Stream] | None = None) -> list[BaseException]:
+    """Take (and clear) the asynchronous errors of ``streams`` (None: every
+    stream, in the order their kernels ran), which also lifts their poison."""
+    workers = live_workers() if streams is None else [s._w for s in streams if isinstance(s, Stream)]
+    out: list[tuple[int, BaseException]] = []
+    for w in workers:
+        n = len(w.errors)  # an error appended meanwhile stays for the next take
+        out.extend(w.errors[:n])
+        del w.errors[:n]
+        w.poisoned = None
+    if streams is None:  # no stream order asked for: the order they happened in
+        out.sort(key=lambda pair: pair[0])
+    return [e for _, e in out]
+
+
+def _forget_in_child() -> None:
+    """After a fork no worker thread exists in the child: streams inherited
+    refuse work, and the child gets a fresh default stream on first use."""
+    for w in list(_workers):
+        w.dead = True
+    _default[0] = None
+    hooks.capture = None
+    globals()["_tls"] = threading.local()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)

@@ -1,0 +1,491 @@
+"""Graph capture on the emulated device: every capture rule fails when it
+is broken, naming the call (from the capturing thread and, for queries and
+synchronizes, from any other thread); a violation clears the capture and
+leaves a graph that cannot be replayed; a fork/join capture replays with
+its edges, re-reading static inputs, and updates the events it records."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from camp2p_overlap.core.overlap.streams import emulated as dev
+from camp2p_overlap.core.overlap.streams.emulated import worker
+from camp2p_overlap.core.overlap.streams.emulated.capture import capture_in_progress
+from camp2p_overlap.core.overlap.streams.emulated.worker import CaptureViolation
+
+BOUND_S = 10.0  # generous: how long a test waits for what must happen soon
+N = 16
+
+
+@dataclass
+class Streams:
+    capture: dev.Stream
+    s1: dev.Stream
+    s2: dev.Stream
+
+
+@pytest.fixture
+def st() -> Iterator[Streams]:
+    made = []
+    for name in ("cap", "S1", "S2"):
+        s = dev.Stream()
+        s.name = name
+        made.append(s)
+    yield Streams(*made)
+    if worker.hooks.capture is not None:  # a failed test: do not leak the capture
+        worker.hooks.capture.graph.abort()
+        pytest.fail("a capture was left in progress")
+    dev.drain_all(timeout=BOUND_S)
+    dev.take_errors()
+    for s in made:
+        s.close()
+
+
+def capture(g: dev.Graph, st: Streams) -> dev.graph:
+    return dev.graph(g, stream=st.capture)
+
+
+def kernel_into(t: torch.Tensor, value: float = 1.0) -> None:
+    """Launch a kernel that fills ``t`` on the current stream."""
+    dev.launch(lambda: t.fill_(value), writes=[t])
+
+
+def assert_capture_cleared(st: Streams, failed: dev.Graph) -> None:
+    """Nothing is capturing; the failed graph refuses replay; a new capture
+    on the same stream works."""
+    assert worker.hooks.capture is None and not capture_in_progress()
+    with dev.stream(st.capture):
+        assert not dev.is_current_stream_capturing()
+    assert failed.node_count == 0
+    with pytest.raises(RuntimeError, match=r"replay of a graph that captured nothing \(or whose capture failed\)"):
+        failed.replay()
+    out = torch.zeros(4)
+    g = dev.Graph()
+    with capture(g, st):
+        kernel_into(out, 3.0)
+    g.replay()
+    dev.synchronize()
+    assert torch.equal(out, torch.full((4,), 3.0))
+
+
+# ---------------------------------------------------------------------------
+# the calls a capture forbids, from the capturing thread and from another
+
+
+@dataclass
+class Outside:
+    """Things made before the capture, for the forbidden calls to use."""
+
+    st: Streams
+    event: dev.Event
+    timed: tuple[dev.Event, dev.Event]
+
+
+@pytest.fixture
+def outside(st: Streams) -> Outside:
+    event = dev.Event()
+    event.record(st.s1)
+    t0, t1 = dev.Event(enable_timing=True), dev.Event(enable_timing=True)
+    t0.record(st.s1)
+    t1.record(st.s1)
+    dev.synchronize()
+    return Outside(st, event, (t0, t1))
+
+
+FORBIDDEN: dict[str, Callable[[Outside], object]] = {
+    "synchronize()": lambda o: dev.synchronize(),
+    "Stream.synchronize()": lambda o: o.st.s1.synchronize(),
+    "Event.synchronize()": lambda o: o.event.synchronize(),
+    "Event.query()": lambda o: o.event.query(),
+    "Stream.query()": lambda o: o.st.s1.query(),
+    "Event.elapsed_time()": lambda o: o.timed[0].elapsed_time(o.timed[1]),
+    "Stream()": lambda o: dev.Stream(),
+}
+QUERIES_AND_SYNCS = [c for c in FORBIDDEN if c != "Stream()"]
+
+
+@pytest.mark.parametrize("call", list(FORBIDDEN))
+def test_a_forbidden_call_in_a_capture_fails_naming_the_call(call: str, outside: Outside) -> None:
+    FORBIDDEN[call](outside)  # allowed outside a capture
+    out = torch.zeros(4)
+    g = dev.Graph()
+    with pytest.raises(CaptureViolation, match=re.escape(call)) as info:
+        with capture(g, outside.st):
+            kernel_into(out)
+            FORBIDDEN[call](outside)
+    assert "graph capture is in progress" in str(info.value)
+    assert_capture_cleared(outside.st, g)
+
+
+def test_a_synchronize_of_the_capturing_stream_itself_fails(st: Streams) -> None:
+    g = dev.Graph()
+    with pytest.raises(CaptureViolation, match=r"Stream\.synchronize\(\) of cap"):
+        with capture(g, st):
+            kernel_into(torch.zeros(2))
+            dev.current_stream().synchronize()
+    assert_capture_cleared(st, g)
+
+
+@pytest.mark.parametrize("call", QUERIES_AND_SYNCS)
+def test_a_query_or_synchronize_from_another_thread_fails_and_invalidates_the_capture(
+    call: str, outside: Outside
+) -> None:
+    """Global capture mode: the rule holds for every thread, and the
+    capture it broke cannot end well."""
+    got: list[BaseException | None] = []
+
+    def elsewhere() -> None:
+        try:
+            FORBIDDEN[call](outside)
+            got.append(None)
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            got.append(exc)
+
+    g = dev.Graph()
+    with pytest.raises(CaptureViolation, match=re.escape(call)):
+        with capture(g, outside.st):
+            kernel_into(torch.zeros(2))
+            t = threading.Thread(target=elsewhere)
+            t.start()
+            t.join(BOUND_S)
+            assert len(got) == 1 and isinstance(got[0], CaptureViolation), got
+            assert call in str(got[0])
+    assert_capture_cleared(outside.st, g)
+
+
+def test_the_raw_capture_calls_report_a_violation_at_capture_end(outside: Outside) -> None:
+    st = outside.st
+    g = dev.Graph()
+    with dev.stream(st.capture):
+        g.capture_begin()
+        try:
+            kernel_into(torch.zeros(2))
+            with pytest.raises(CaptureViolation, match=r"Event\.query\(\)"):
+                outside.event.query()
+            assert capture_in_progress()  # invalid, but ended only by capture_end
+        finally:
+            with pytest.raises(CaptureViolation, match=r"Event\.query\(\)"):
+                g.capture_end()
+    assert_capture_cleared(st, g)
+
+
+def test_capture_refuses_the_default_stream_and_a_second_capture(st: Streams) -> None:
+    g = dev.Graph()
+    with dev.stream(dev.default_stream()), pytest.raises(CaptureViolation, match="default stream"):
+        g.capture_begin()
+    assert not capture_in_progress()
+    with pytest.raises(CaptureViolation, match="already in progress"):
+        with capture(g, st):
+            kernel_into(torch.zeros(2))
+            with dev.stream(st.s1):
+                dev.Graph().capture_begin()
+    assert_capture_cleared(st, g)
+
+
+# ---------------------------------------------------------------------------
+# isolation, host reads, joins
+
+
+@pytest.mark.parametrize("side", [False, True], ids=["capturing stream", "forked stream"])
+def test_a_capturing_stream_waiting_on_an_event_recorded_outside_fails(side: bool, outside: Outside) -> None:
+    st = outside.st
+    g = dev.Graph()
+    with pytest.raises(CaptureViolation, match="waits on an event recorded outside the capture") as info:
+        with capture(g, st):
+            kernel_into(torch.zeros(2))
+            if side:
+                fork = dev.Event()
+                fork.record()
+                fork.wait(st.s2)  # S2 now captures too
+                outside.event.wait(st.s2)
+            else:
+                outside.event.wait()
+    assert ("stream S2" if side else "stream cap") in str(info.value)
+    assert_capture_cleared(st, g)
+
+
+HOST_READS: dict[str, Callable[[torch.Tensor], object]] = {
+    "host_read()": lambda t: dev.host_read(t),
+    "Tensor.item()": lambda t: t[0].item(),  # a view reads the same storage
+    "Tensor.tolist()": lambda t: t.tolist(),
+    "Tensor.__bool__()": lambda t: bool(t[0]),
+    "Tensor.__int__()": lambda t: int(t[0]),
+    "Tensor.__float__()": lambda t: float(t[0]),
+}
+
+
+@pytest.mark.parametrize("call", list(HOST_READS))
+def test_a_host_read_of_a_tensor_a_captured_kernel_writes_fails(call: str, st: Streams) -> None:
+    written = torch.zeros(4)
+    g = dev.Graph()
+    with pytest.raises(CaptureViolation, match=re.escape(call)) as info:
+        with capture(g, st):
+            kernel_into(written)
+            HOST_READS[call](written)
+    assert "a host read of a tensor a captured kernel writes" in str(info.value)
+    assert_capture_cleared(st, g)
+
+
+def test_a_host_read_of_a_tensor_no_captured_kernel_writes_is_allowed(st: Streams) -> None:
+    written, other = torch.zeros(4), torch.ones(4)
+    g = dev.Graph()
+    with capture(g, st):
+        kernel_into(written, 2.0)
+        for read in HOST_READS.values():
+            read(other)
+    g.replay()
+    dev.synchronize()
+    assert torch.equal(written, torch.full((4,), 2.0))
+    assert dev.host_read(written) is written  # and after the capture, any tensor
+
+
+def test_a_forked_stream_not_joined_back_fails_at_capture_end(st: Streams) -> None:
+    g = dev.Graph()
+    with pytest.raises(CaptureViolation, match="not joined back") as info:
+        with capture(g, st):
+            fork = dev.Event()
+            fork.record()
+            for s in (st.s1, st.s2):
+                with dev.stream(s):
+                    fork.wait()
+                    kernel_into(torch.zeros(2))
+            dev.current_stream().wait_stream(st.s1)  # S1 joined, S2 not
+    message = str(info.value)
+    assert "stream(s) S2 forked" in message and "S1" not in message
+    assert_capture_cleared(st, g)
+
+
+# ---------------------------------------------------------------------------
+# positive: fork/join capture and replay
+
+
+class ForkJoin:
+    """The capturing stream forks S1 and S2, each computes from the static
+    input ``x``, and it joins both before combining them into ``out``."""
+
+    def __init__(self, st: Streams) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.st = st
+        self.x = torch.randn(N, N, generator=gen)
+        self.w = torch.randn(N, N, generator=gen)
+        self.a, self.b, self.out = torch.zeros(N, N), torch.zeros(N, N), torch.zeros(N, N)
+        self.fork, self.e1, self.e2 = dev.Event(), dev.Event(), dev.Event()
+        self.ran: list[tuple[str, threading.Thread]] = []
+
+    def _a(self) -> None:
+        time.sleep(0.002)  # slow: a missing join edge would read a stale ``a``
+        torch.matmul(self.x, self.w, out=self.a)
+        self.ran.append(("a", threading.current_thread()))
+
+    def _b(self) -> None:
+        torch.sin(self.x, out=self.b)
+        self.ran.append(("b", threading.current_thread()))
+
+    def _out(self) -> None:
+        torch.add(self.a, self.b, out=self.out)
+        self.ran.append(("out", threading.current_thread()))
+
+    def issue(self) -> None:
+        self.fork.record()
+        with dev.stream(self.st.s1):
+            self.fork.wait()
+            dev.launch(self._a, writes=[self.a])
+            self.e1.record()
+        with dev.stream(self.st.s2):
+            self.fork.wait()
+            dev.launch(self._b, writes=[self.b])
+            self.e2.record()
+        self.e1.wait()
+        self.e2.wait()
+        dev.launch(self._out, writes=[self.out])
+
+    def eager(self) -> torch.Tensor:
+        with dev.stream(self.st.capture):
+            self.issue()
+        dev.synchronize()
+        return self.out.clone()
+
+
+def test_a_fork_join_capture_replays_with_the_same_edges_and_outputs(st: Streams) -> None:
+    fj = ForkJoin(st)
+    inputs = [torch.randn(N, N, generator=torch.Generator().manual_seed(i)) for i in range(1, 6)]
+    refs = []
+    for x in inputs:
+        fj.x.copy_(x)
+        refs.append(fj.eager())
+    fj.out.zero_()
+    fj.ran.clear()
+    g = dev.NPUGraph()
+    with capture(g, st):
+        assert dev.is_current_stream_capturing()
+        fj.issue()
+    assert fj.ran == []  # captured, not run
+    assert [(s, kind) for s, kind, _ in g.nodes()] == [
+        ("cap", "record"),
+        ("S1", "wait"),
+        ("S1", "kernel"),
+        ("S1", "record"),
+        ("S2", "wait"),
+        ("S2", "kernel"),
+        ("S2", "record"),
+        ("cap", "wait"),
+        ("cap", "wait"),
+        ("cap", "kernel"),
+    ]
+    replayer = dev.Stream()  # origin nodes run on the stream current at replay
+    replayer.name = "R"
+    try:
+        for x, ref in zip(inputs, refs, strict=True):
+            fj.x.copy_(x)  # static input updated in place before each replay
+            fj.ran.clear()
+            log = dev.StreamLog()
+            previous = dev.set_log(log)
+            try:
+                with dev.stream(replayer):
+                    g.replay()
+            finally:
+                dev.set_log(previous)
+            dev.synchronize()
+            assert torch.equal(fj.out, ref)  # bitwise the eager output
+            assert sorted(fj.ran[:2]) == [("a", st.s1.thread), ("b", st.s2.thread)]
+            assert fj.ran[2] == ("out", replayer.thread)
+            entries = log.entries()
+            fired = {e.event: e for e in entries if e.kind == "record"}
+            joins = [e for e in entries if e.stream == "R" and e.kind == "wait"]
+            assert sorted(fired[w.event].stream for w in joins) == ["S1", "S2"]  # the two join edges
+            assert all(w.end_ns >= fired[w.event].end_ns for w in joins)
+            forks = [e for e in entries if e.stream in ("S1", "S2") and e.kind == "wait"]
+            assert forks and all(fired[w.event].stream == "R" for w in forks)  # forked from the replay's stream
+        assert g.replays == len(inputs)
+    finally:
+        replayer.close()
+
+
+def test_the_side_streams_of_a_replay_run_concurrently(st: Streams) -> None:
+    """No edge joins S1 and S2 inside the graph: each kernel can only finish
+    when the other runs (bounded by the waits' timeouts)."""
+    ping, pong = threading.Event(), threading.Event()
+    got: dict[str, bool] = {}
+
+    def k1() -> None:
+        ping.set()
+        got["s1"] = pong.wait(BOUND_S)
+
+    def k2() -> None:
+        got["s2"] = ping.wait(BOUND_S)
+        pong.set()
+
+    g = dev.Graph()
+    with capture(g, st):
+        fork = dev.Event()
+        fork.record()
+        for s, k in ((st.s1, k1), (st.s2, k2)):
+            with dev.stream(s):
+                fork.wait()
+                dev.launch(k)
+        dev.current_stream().wait_stream(st.s1)
+        dev.current_stream().wait_stream(st.s2)
+    for _ in range(3):
+        ping.clear()
+        pong.clear()
+        got.clear()
+        g.replay()
+        assert dev.drain_all(timeout=3 * BOUND_S)
+        dev.synchronize()
+        assert got == {"s1": True, "s2": True}
+
+
+def test_events_recorded_in_a_graph_are_updated_by_each_replay(st: Streams) -> None:
+    gate = [threading.Event()]
+    order: list[str] = []
+    done = dev.Event()
+    g = dev.Graph()
+    with capture(g, st):
+        fork = dev.Event()
+        fork.record()
+        with dev.stream(st.s1):
+            fork.wait()
+            dev.launch(lambda: gate[0].wait(BOUND_S) and order.append("graph"))
+            done.record()
+        done.wait()
+    assert done.last is None and done.query()  # the capture left it as it was
+    waiter = dev.Stream()
+    waiter.name = "W"
+    previous = None
+    try:
+        for _ in range(3):
+            gate[0] = threading.Event()
+            order.clear()
+            g.replay()
+            assert done.last is not previous  # this replay's record
+            previous = done.last
+            assert not done.query()  # the replay's S1 is held by the gate
+            done.wait(waiter)
+            with dev.stream(waiter):
+                dev.launch(lambda: order.append("after"))
+            assert not waiter.drain(timeout=0.02)
+            gate[0].set()
+            dev.synchronize()
+            assert done.query()
+            assert order == ["graph", "after"]  # the wait ordered after that replay's record
+    finally:
+        gate[0].set()
+        waiter.close()
+
+
+def test_an_event_recorded_before_and_in_a_capture_keeps_its_earlier_record(st: Streams) -> None:
+    ev = dev.Event()
+    ev.record(st.s2)
+    before = ev.last
+    g = dev.Graph()
+    with capture(g, st):
+        kernel_into(torch.zeros(2))
+        ev.record()
+    assert ev.last is before
+    g.replay()
+    dev.synchronize()
+    assert ev.last is not before and ev.query()
+
+
+def test_is_current_stream_capturing_only_on_streams_in_the_capture(st: Streams) -> None:
+    assert not dev.is_current_stream_capturing() and not capture_in_progress()
+    elsewhere: list[bool] = []
+    g = dev.Graph()
+    with capture(g, st):
+        assert dev.is_current_stream_capturing() and capture_in_progress()
+        with dev.stream(st.s1):
+            assert not dev.is_current_stream_capturing()  # not forked yet
+        fork = dev.Event()
+        fork.record()
+        with dev.stream(st.s1):
+            fork.wait()
+            assert dev.is_current_stream_capturing()  # forked
+            kernel_into(torch.zeros(2))
+        with dev.stream(st.s2):
+            assert not dev.is_current_stream_capturing()  # never forked
+        t = threading.Thread(target=lambda: elsewhere.append(dev.is_current_stream_capturing()))
+        t.start()
+        t.join(BOUND_S)
+        dev.current_stream().wait_stream(st.s1)
+    assert elsewhere == [False]  # another thread's current stream is not in the capture
+    assert not dev.is_current_stream_capturing() and not capture_in_progress()
+    with dev.stream(st.s1):
+        assert not dev.is_current_stream_capturing()
+
+
+def test_a_graph_with_no_captured_nodes_refuses_replay(st: Streams) -> None:
+    with pytest.raises(RuntimeError, match="captured nothing"):
+        dev.Graph().replay()
+    g = dev.Graph()
+    with capture(g, st):
+        pass
+    assert g.node_count == 0
+    with pytest.raises(RuntimeError, match="captured nothing"):
+        g.replay()

@@ -1,0 +1,628 @@
+"""The emulated device behind ``make_backend("cpu")``: every stream, the
+compute stream included, is a worker thread running its kernels, records
+and waits in FIFO order while the host only enqueues; waits bind to an
+event's latest record when enqueued; a failed kernel poisons its stream;
+the stream log holds what each stream performed."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from camp2p_overlap.core.keys import A_DONE, E_DONE, F_DONE, EventKey
+from camp2p_overlap.core.overlap.streams import (
+    BackendUnavailable,
+    StreamPoisonedError,
+    TorchDeviceBackend,
+    make_backend,
+    resolve_backend_name,
+)
+from camp2p_overlap.core.overlap.streams import emulated as dev
+from camp2p_overlap.core.overlap.streams.emulated import worker
+
+BOUND_S = 10.0  # generous: how long a test waits for what must happen soon
+
+
+@pytest.fixture(autouse=True)
+def _device_left_idle() -> Iterator[None]:
+    yield
+    assert dev.drain_all(timeout=BOUND_S), "a stream was left blocked"
+    dev.take_errors()  # errors a test left behind do not reach the next one
+    assert worker.hooks.capture is None
+
+
+@pytest.fixture
+def backend() -> Iterator[TorchDeviceBackend]:
+    b = make_backend("cpu")
+    assert isinstance(b, TorchDeviceBackend)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def streams() -> Iterator[Callable[[str], dev.Stream]]:
+    """Module streams made directly (closed at the end)."""
+    made: list[dev.Stream] = []
+
+    def make(name: str) -> dev.Stream:
+        s = dev.Stream()
+        s.name = name
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def until(pred: Callable[[], bool], timeout: float = BOUND_S) -> bool:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def gate_on(s: Any) -> threading.Event:
+    """Block stream ``s`` with a kernel until the returned gate is set."""
+    gate = threading.Event()
+    with dev.stream(s):
+        dev.launch(lambda: gate.wait(BOUND_S) or None)
+    return gate
+
+
+def key(kind: str, layer: int = 0, stage: int = 0) -> EventKey:
+    return EventKey(kind, layer, stage)
+
+
+# ---------------------------------------------------------------------------
+# order, asynchrony, events
+
+
+def test_a_side_stream_runs_its_kernels_in_launch_order(backend: TorchDeviceBackend) -> None:
+    k = backend.new_stream("K0")
+    seen: list[tuple[int, threading.Thread]] = []
+
+    def op(i: int) -> int:
+        dev.launch(lambda: seen.append((i, threading.current_thread())))
+        return i * i
+
+    handles = [backend.submit(k, lambda i=i: op(i), label=f"op{i}") for i in range(50)]
+    assert k.drain(timeout=BOUND_S)
+    assert [i for i, _ in seen] == list(range(50))
+    assert {t for _, t in seen} == {k.thread}
+    assert [h.result() for h in handles] == [i * i for i in range(50)]
+    assert all(h.done() and h.start_ns <= h.end_ns for h in handles)
+    assert all(a.end_ns <= b.start_ns and a.order < b.order for a, b in itertools.pairwise(handles))
+
+
+def test_the_compute_stream_is_a_worker_too(backend: TorchDeviceBackend) -> None:
+    c = backend.compute_stream()
+    assert c.name == "C" and c is dev.current_stream()
+    assert c.thread is not threading.current_thread()
+    gate = gate_on(c)
+    ran: list[threading.Thread] = []
+    try:
+        h = backend.submit(
+            c, lambda: dev.launch(lambda: ran.append(threading.current_thread())) or "value", label="ffn"
+        )
+        ev = backend.record(c, key(F_DONE))
+        assert h.result() == "value"  # the host returned at once ...
+        assert not h.done() and ran == []  # ... the kernel runs later, on C
+        assert not ev.query()
+    finally:
+        gate.set()
+    assert c.drain(timeout=BOUND_S)
+    assert ran == [c.thread]
+    assert h.done() and ev.query()
+
+
+def test_a_host_error_in_an_op_is_its_result_and_poisons_nothing(backend: TorchDeviceBackend) -> None:
+    c = backend.compute_stream()
+    bad = backend.submit(c, lambda: 1 / 0)
+    assert bad.done()
+    with pytest.raises(ZeroDivisionError):
+        bad.result()
+    assert isinstance(bad.exception(), ZeroDivisionError)
+    assert backend.step_errors([c]) == [] and c.poisoned is None
+
+
+def test_an_event_completes_when_its_stream_reaches_it(backend: TorchDeviceBackend) -> None:
+    k = backend.new_stream("K0")
+    gate = gate_on(k)
+    h = backend.submit(k, lambda: dev.launch(lambda: None) or "ran")
+    ev = backend.record(k, key(A_DONE))
+    try:
+        assert not ev.query() and not h.done()
+    finally:
+        gate.set()
+    ev.synchronize()
+    assert ev.query() and h.done() and h.result() == "ran"
+    never = dev.Event()
+    assert never.query()  # never recorded: complete, as on a device
+    k.wait_event(never)  # and a wait on it waits for nothing
+    assert k.drain(timeout=BOUND_S)
+
+
+def test_a_wait_holds_its_stream_until_the_record_fires(backend: TorchDeviceBackend) -> None:
+    k0, k1 = backend.new_stream("K0"), backend.new_stream("K1")
+    gate = gate_on(k0)
+    ran: list[str] = []
+    try:
+        ev = backend.record(k0, key(F_DONE))
+        backend.wait(k1, ev)  # the host does not block
+        backend.submit(k1, lambda: dev.launch(lambda: ran.append("after")))
+        assert not k1.drain(timeout=0.05)  # stuck behind the wait
+        assert until(lambda: k1.current == "wait")  # what the stream is doing
+        assert ran == [] and not k1.query()
+    finally:
+        gate.set()
+    assert k1.drain(timeout=BOUND_S)
+    assert ran == ["after"] and k1.query() and k1.current is None
+
+
+def test_a_wait_binds_to_the_latest_record_when_it_is_enqueued(streams: Callable[[str], dev.Stream]) -> None:
+    """Re-recording an event after a wait was enqueued does not change what
+    that wait waits for; a wait enqueued after it waits for the new record."""
+    k0, k1, k2, k3 = (streams(f"K{i}") for i in range(4))
+    ev = dev.Event()
+    ev.key = key(A_DONE)
+    log = dev.StreamLog()
+    previous = dev.set_log(log)
+    gate0, gate2 = gate_on(k0), gate_on(k2)
+    try:
+        ev.record(k0)
+        first = ev.last
+        ev.wait(k1)  # bound to the record on K0
+        ev.record(k2)  # the event's latest record is now K2's
+        second = ev.last
+        ev.wait(k3)  # bound to the record on K2
+        assert first is not second
+        gate0.set()
+        assert k1.drain(timeout=BOUND_S)  # let go by K0's record ...
+        assert not ev.query()  # ... though the latest record has not fired
+        assert not k3.drain(timeout=0.05)  # K3 waits for K2's
+    finally:
+        gate0.set()
+        gate2.set()
+        dev.set_log(previous)
+    assert k3.drain(timeout=BOUND_S) and ev.query()
+    waits = {e.stream: e.event for e in log.entries() if e.kind == "wait"}
+    assert waits == {"K1": first.seq, "K3": second.seq}
+
+
+def test_two_side_streams_run_concurrently(backend: TorchDeviceBackend) -> None:
+    """K0's kernel can only finish when K1's runs: serialized streams would
+    never complete it (bounded by the waits' timeouts)."""
+    k0, k1 = backend.new_stream("K0"), backend.new_stream("K1")
+    ping, pong = threading.Event(), threading.Event()
+    got: dict[str, bool] = {}
+
+    def k0_kernel() -> None:
+        ping.set()
+        got["k0"] = pong.wait(BOUND_S)
+
+    def k1_kernel() -> None:
+        got["k1"] = ping.wait(BOUND_S)
+        pong.set()
+
+    backend.submit(k0, lambda: dev.launch(k0_kernel))
+    backend.submit(k1, lambda: dev.launch(k1_kernel))
+    assert k0.drain(timeout=2 * BOUND_S) and k1.drain(timeout=2 * BOUND_S)
+    assert got == {"k0": True, "k1": True}
+
+
+def test_torch_work_on_a_side_stream_fills_its_output_later(backend: TorchDeviceBackend) -> None:
+    k = backend.new_stream("K0")
+    x = torch.randn(64, 64)
+    gate = gate_on(k)
+
+    def op() -> torch.Tensor:
+        out = torch.zeros(64, 64)
+        dev.launch(lambda: torch.matmul(x, x, out=out), writes=[out])
+        return out
+
+    try:
+        h = backend.submit(k, op)
+        out = h.result()
+        assert torch.count_nonzero(out) == 0  # allocated, not filled yet
+    finally:
+        gate.set()
+    assert k.drain(timeout=BOUND_S)
+    assert torch.equal(out, x @ x)
+
+
+# ---------------------------------------------------------------------------
+# asynchronous errors
+
+
+def test_a_failed_kernel_poisons_its_stream_until_the_next_step(backend: TorchDeviceBackend) -> None:
+    k, other = backend.new_stream("K0"), backend.new_stream("K1")
+    boom = KeyError("boom")
+    ran: list[str] = []
+
+    def fail() -> None:
+        raise boom
+
+    bad = backend.submit(k, lambda: dev.launch(fail) or "value", label="a2e L0 s0")
+    later = backend.submit(k, lambda: dev.launch(lambda: ran.append("never")), label="e2a L0 s0")
+    backend.wait(k, backend.record(other, key(F_DONE)))  # waits on the poisoned stream still fire
+    ev = backend.record(k, key(E_DONE))  # and so do its records
+    backend.wait(other, ev)
+    backend.submit(other, lambda: dev.launch(lambda: ran.append("other")))
+    assert k.drain(timeout=BOUND_S) and other.drain(timeout=BOUND_S)  # nothing hangs
+    assert ev.query()
+    assert bad.result() == "value"  # the host's value: kernel errors are asynchronous
+    assert bad.done() and bad.exception() is boom
+    assert later.done() and isinstance(later.exception(), StreamPoisonedError)
+    assert str(later.exception()).startswith("e2a L0 s0 skipped on stream K0: an earlier kernel failed (KeyError")
+    assert ran == ["other"]
+    assert k.poisoned is boom and k.errors == [boom]
+    assert backend.step_errors([k]) == [boom] and backend.step_errors([other]) == []
+    assert backend.step_errors([k]) == [boom]  # peeking does not take
+    backend.begin_step([k])
+    assert backend.step_errors([k]) == [] and k.poisoned is None
+    h = backend.submit(k, lambda: dev.launch(lambda: ran.append("ok")))
+    assert k.drain(timeout=BOUND_S)
+    assert ran == ["other", "ok"] and h.exception() is None
+
+
+def test_take_errors_takes_them_and_lifts_the_poison(streams: Callable[[str], dev.Stream]) -> None:
+    k = streams("K0")
+    boom = ValueError("boom")
+
+    def fail() -> None:
+        raise boom
+
+    with dev.stream(k):
+        dev.launch(fail)
+    assert k.drain(timeout=BOUND_S)
+    assert dev.peek_errors([k]) == [boom]
+    assert dev.take_errors([k]) == [boom]
+    assert dev.peek_errors([k]) == [] and k.poisoned is None
+    ran: list[bool] = []
+    with dev.stream(k):
+        dev.launch(lambda: ran.append(True))
+    assert k.drain(timeout=BOUND_S) and ran == [True]
+
+
+def test_device_synchronize_raises_the_first_asynchronous_error_and_clears_it(
+    streams: Callable[[str], dev.Stream],
+) -> None:
+    """Six streams fail one after the other, in the reverse of the order
+    they were made: synchronize raises the one that failed first."""
+    ks = [streams(f"K{i}") for i in range(6)]
+    previous: dev.Event | None = None
+    for i, s in enumerate(reversed(ks)):
+        if previous is not None:
+            s.wait_event(previous)
+
+        def fail(i: int = i) -> None:
+            raise RuntimeError(f"failure {i}")
+
+        with dev.stream(s):
+            dev.launch(fail)
+        previous = s.record_event()
+    with pytest.raises(RuntimeError, match=r"^failure 0$"):
+        dev.synchronize()
+    assert all(s.poisoned is None and s.errors == [] for s in ks)
+    dev.synchronize()  # cleared: nothing raised again
+
+
+# ---------------------------------------------------------------------------
+# what streams keep, and their threads
+
+
+def test_release_drops_the_result_not_the_timing(backend: TorchDeviceBackend) -> None:
+    k = backend.new_stream("K0")
+    t = torch.ones(8)
+    ref = weakref.ref(t)
+    h = backend.submit(k, lambda t=t: dev.launch(lambda: None) or t)
+    assert h.result() is t
+    del t
+    h.release()
+    assert k.drain(timeout=BOUND_S)
+    gc.collect()
+    assert ref() is None
+    assert h.result() is None
+    assert h.done() and h.start_ns is not None and h.end_ns is not None and h.start_ns <= h.end_ns
+
+
+def test_a_worker_drops_finished_work(streams: Callable[[str], dev.Stream]) -> None:
+    """The worker keeps no reference to a kernel's closure once it ran."""
+    k = streams("K0")
+    gate = gate_on(k)
+    t = torch.ones(8)
+    ref = weakref.ref(t)
+    with dev.stream(k):
+        dev.launch(lambda t=t: None)
+    del t
+    gc.collect()
+    try:
+        assert ref() is not None  # queued: its kernel holds it
+    finally:
+        gate.set()
+    assert until(k.query)  # no drain: the kernel stays the last item the worker took
+    gc.collect()
+    assert ref() is None
+
+
+def test_close_stops_the_worker_threads() -> None:
+    b = make_backend("cpu")
+    ks = [b.new_stream(f"K{i}") for i in range(3)]
+    threads = [s.thread for s in ks]
+    assert all(t.is_alive() and t in threading.enumerate() for t in threads)
+    assert [t.name for t in threads] == [f"camp2p-overlap-stream-K{i}" for i in range(3)]
+    b.close()
+    assert not any(s.alive for s in ks)
+    assert not any(t in threading.enumerate() for t in threads)
+    with pytest.raises(RuntimeError, match="stream K0 is closed"):
+        ks[0].launch(lambda: None)
+    assert dev.drain_all(timeout=BOUND_S)  # a device synchronize skips closed streams
+
+
+def test_a_stream_nobody_holds_is_collected_and_its_thread_stops() -> None:
+    s = dev.Stream()
+    thread = s.thread
+    ref = weakref.ref(s)
+    s.launch(lambda: None)
+    assert s.drain(timeout=BOUND_S)
+    del s
+    gc.collect()
+    assert ref() is None
+    thread.join(BOUND_S)
+    assert not thread.is_alive()
+    assert dev.drain_all(timeout=BOUND_S)
+
+
+def test_drain_times_out_on_a_busy_stream(streams: Callable[[str], dev.Stream]) -> None:
+    k = streams("K9")
+    gate = gate_on(k)
+    try:
+        assert not k.drain(timeout=0.05)
+        assert not k.query()
+    finally:
+        gate.set()
+    assert k.drain(timeout=BOUND_S) and k.query()
+
+
+# ---------------------------------------------------------------------------
+# backend choice and the module
+
+
+def test_backend_choice() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_backend_name("cpu", cpu) == "cpu"
+    b = make_backend("cpu")
+    try:
+        assert isinstance(b, TorchDeviceBackend) and b.name == "cpu"
+        assert b.mod is dev
+        assert isinstance(b.new_stream("K0"), dev.Stream)
+        assert b.is_capturing() is False
+    finally:
+        b.close()
+    assert resolve_backend_name("auto", torch.device("cuda")) == "cuda"
+    assert resolve_backend_name("auto", "npu:0") == "npu"
+    with pytest.raises(BackendUnavailable, match="only when"):
+        resolve_backend_name("auto", cpu)  # auto never picks the emulated device
+    with pytest.raises(BackendUnavailable, match="asked for but the runner's device is 'cpu'"):
+        resolve_backend_name("cuda", cpu)
+
+
+def test_the_public_path_is_the_same_module_and_installs_as_torch_npu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from camp2p_overlap.emulation import device
+
+    assert device.Stream is dev.Stream and device.Event is dev.Event and device.launch is dev.launch
+    assert device.NPUGraph is device.CUDAGraph is dev.Graph
+    assert device.is_available() and device.device_count() == 1
+    before = getattr(torch, "npu", None)
+    if before is not None and before is not device:
+        pytest.skip("a real torch.npu (torch_npu) is loaded: the emulated device must stay off")
+    try:
+        assert device.as_torch_npu() is device
+        assert device.as_torch_npu() is device  # idempotent
+        assert torch.npu is device and device.is_torch_npu()  # type: ignore[attr-defined]
+        device.remove_torch_npu()
+        assert getattr(torch, "npu", None) is None and not device.is_torch_npu()
+        monkeypatch.setattr(torch, "npu", SimpleNamespace(), raising=False)
+        with pytest.raises(RuntimeError, match="real device module"):
+            device.as_torch_npu()
+        device.remove_torch_npu()  # not ours: left alone
+        assert isinstance(torch.npu, SimpleNamespace)  # type: ignore[attr-defined]
+    finally:
+        monkeypatch.undo()
+        if before is device:
+            device.as_torch_npu()
+        else:
+            device.remove_torch_npu()
+
+
+# ---------------------------------------------------------------------------
+# timing
+
+
+def test_elapsed_time_needs_timing_events_that_completed(streams: Callable[[str], dev.Stream]) -> None:
+    k = streams("K0")
+    start, end = dev.Event(enable_timing=True), dev.Event(enable_timing=True)
+    start.record(k)
+    with dev.stream(k):
+        dev.launch(lambda: time.sleep(0.02))
+    end.record(k)
+    end.synchronize()
+    ms = start.elapsed_time(end)
+    assert 19.0 <= ms < 60_000.0
+    plain = dev.Event()
+    plain.record(k)
+    plain.synchronize()
+    with pytest.raises(RuntimeError, match="enable_timing=True"):
+        start.elapsed_time(plain)
+    with pytest.raises(RuntimeError, match="recorded and have completed"):
+        start.elapsed_time(dev.Event(enable_timing=True))  # never recorded
+    gate = gate_on(k)
+    late = dev.Event(enable_timing=True)
+    late.record(k)
+    try:
+        with pytest.raises(RuntimeError, match="recorded and have completed"):
+            start.elapsed_time(late)  # not reached yet
+    finally:
+        gate.set()
+    late.synchronize()
+    assert start.elapsed_time(late) >= ms
+
+
+def test_step_timing_reads_the_events_by_query_only(
+    backend: TorchDeviceBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_sync(*_: Any, **__: Any) -> None:
+        raise AssertionError("step timing must never synchronize")
+
+    queries: list[bool] = []
+    real_query = dev.Event.query
+
+    def counted(self: dev.Event) -> bool:
+        done = real_query(self)
+        queries.append(done)
+        return done
+
+    monkeypatch.setattr(dev.Event, "synchronize", no_sync)
+    monkeypatch.setattr(dev.Stream, "synchronize", no_sync)
+    monkeypatch.setattr(dev, "synchronize", no_sync)
+    monkeypatch.setattr(dev.Event, "query", counted)
+    c = backend.compute_stream()
+    gate = gate_on(c)
+    try:
+        token = backend.timing_start()
+        backend.submit(c, lambda: dev.launch(lambda: time.sleep(0.01)))
+        backend.timing_stop(token)
+        assert backend.elapsed(token) is None  # C has not reached the end event
+        assert queries == [False]
+    finally:
+        gate.set()
+    assert c.drain(timeout=BOUND_S)
+    seconds = backend.elapsed(token)
+    assert seconds is not None and 0.009 <= seconds < 60.0
+    again = backend.timing_start()  # the events went back to the pool
+    assert again[0] is token[0] and again[1] is token[1]
+    backend.timing_stop(again)
+    assert c.drain(timeout=BOUND_S)
+    assert backend.elapsed(again) is not None
+    assert queries == [False, True, True]
+
+
+# ---------------------------------------------------------------------------
+# the stream log
+
+
+def test_the_stream_log_holds_what_each_stream_performed(backend: TorchDeviceBackend) -> None:
+    k0, k1 = backend.new_stream("K0"), backend.new_stream("K1")
+    c = backend.compute_stream()
+    assert backend.start_log()
+    fork = backend.record(c, EventKey.fork())
+    backend.wait(k0, fork)
+    backend.submit(k0, lambda: dev.launch(lambda: None), label="a2e L0 s0")
+    a = backend.record(k0, key(A_DONE))
+    a_record = a.last
+    backend.wait(c, a)
+    backend.wait(k1, a)  # queued; performed once K0 reached the record
+    backend.submit(k1, lambda: dev.launch(lambda: None), label="e2a L0 s1")
+    j = backend.record(k1, EventKey.join(1))
+    backend.wait(c, j)
+    log = backend.stop_log()
+    dev.synchronize()
+    entries = log.entries()
+    per_stream = {name: [(e.kind, e.key, e.label) for e in entries if e.stream == name] for name in ("C", "K0", "K1")}
+    assert per_stream == {
+        "C": [("record", EventKey.fork(), ""), ("wait", key(A_DONE), ""), ("wait", EventKey.join(1), "")],
+        "K0": [("wait", EventKey.fork(), ""), ("kernel", None, "a2e L0 s0"), ("record", key(A_DONE), "")],
+        "K1": [("wait", key(A_DONE), ""), ("kernel", None, "e2a L0 s1"), ("record", EventKey.join(1), "")],
+    }
+    assert len(entries) == 9
+    assert [e.order for e in entries] == sorted(e.order for e in entries)  # in execution order
+    fired = {e.event: e.end_ns for e in entries if e.kind == "record"}
+    waits = [e for e in entries if e.kind == "wait"]
+    for w in waits:
+        assert w.event in fired and w.end_ns >= fired[w.event]  # let go only once its record fired
+    assert {w.event for w in waits if w.key == key(A_DONE)} == {a_record.seq}  # bound to that record
+    for e in entries:
+        if e.kind == "kernel":
+            assert 0 <= e.launched_ns <= e.start_ns <= e.end_ns
+    backend.wait(c, backend.record(k0, key(E_DONE)))  # after the log was stopped
+    dev.synchronize()
+    assert len(log.entries()) == 9
+    assert backend.stop_log() == []  # none open
+
+
+# ---------------------------------------------------------------------------
+# fork
+
+
+def _forked_child_checks(parent_side: dev.Stream, parent_default: dev.Stream) -> str:
+    try:
+        parent_side.launch(lambda: None)
+        return "an inherited stream accepted a kernel"
+    except RuntimeError as exc:
+        if "belongs to the parent process" not in str(exc):
+            return f"unclear error: {exc}"
+    try:
+        parent_side.drain(timeout=1)
+        return "an inherited stream accepted a drain"
+    except RuntimeError:
+        pass
+    fresh = dev.default_stream()
+    if fresh is parent_default or dev.current_stream() is not fresh or fresh.name != "default":
+        return "the child did not get a fresh default stream"
+    ran: list[str] = []
+    dev.launch(lambda: ran.append("default"))
+    side = dev.Stream()
+    with dev.stream(side):
+        dev.launch(lambda: ran.append("side"))
+    side.wait_event(fresh.record_event())
+    dev.synchronize()
+    if sorted(ran) != ["default", "side"]:
+        return f"the child's streams ran {ran}"
+    if not dev.drain_all(timeout=BOUND_S):
+        return "drain_all waited on an inherited stream"
+    return "ok"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_refuses_inherited_streams_and_gets_a_fresh_default_stream(
+    streams: Callable[[str], dev.Stream],
+) -> None:
+    parent_side = streams("K0")
+    parent_default = dev.default_stream()
+    dev.synchronize()  # every worker idle at the fork
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running pytest's teardown
+        status = 1
+        try:
+            os.close(read_fd)
+            message = _forked_child_checks(parent_side, parent_default)
+            os.write(write_fd, message.encode())
+            status = 0 if message == "ok" else 1
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            os.write(write_fd, repr(exc).encode())
+        finally:
+            os._exit(status)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as r:
+        message = r.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert message == "ok"
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert parent_side.alive and dev.default_stream() is parent_default  # the parent is untouched
+    with dev.stream(parent_side):
+        dev.launch(lambda: None)
+    assert parent_side.drain(timeout=BOUND_S)
