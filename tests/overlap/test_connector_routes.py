@@ -20,6 +20,7 @@ from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.observe.trace import TraceRecorder
 from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes, is_router
 from camp2p_overlap.core.overlap.step import ROUTERS
+from camp2p_overlap.emulation import device as emulated_device
 
 pytestmark = pytest.mark.usefixtures("standin_stack")
 ROUTED = ("recv_attn_output", "send_ffn_output")
@@ -112,11 +113,11 @@ def test_a_step_that_raises_leaves_nothing_on_the_instance(applied: None) -> Non
 def test_a_users_instance_attribute_is_kept_and_called_where_the_loop_would(applied: None) -> None:
     w = world(layers=2, stage_ids=(0, 1))
     (reference,) = serial_results(w, [None])
-    calls: list[int] = []
+    calls: list[str] = []
     bound = w.connector.send_ffn_output
 
     def users_send(*args: Any, **kwargs: Any) -> Any:
-        calls.append(threading.get_ident())
+        calls.append(emulated_device.current_stream().name)  # the stream its kernels go to
         return bound(*args, **kwargs)
 
     w.connector.send_ffn_output = users_send
@@ -126,7 +127,7 @@ def test_a_users_instance_attribute_is_kept_and_called_where_the_loop_would(appl
     assert_same(got, reference)
     assert LAYER.runtime.counters.to_dict()["steps"]["overlap"] >= 1
     assert len(calls) == 2 * 2  # every send of the loop reached the user's attribute
-    assert all(t != threading.get_ident() for t in calls)  # on the side streams: the step engaged
+    assert sorted(calls) == ["K0", "K0", "K1", "K1"]  # issued on the side streams: the step engaged
     assert vars(w.connector)["send_ffn_output"] is users_send  # the very same object is back
 
 

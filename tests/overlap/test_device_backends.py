@@ -23,6 +23,7 @@ from support.overlap import (
     bounded,
     run_step,
     serial_results,
+    stream_sets,
     world,
     wrap_model,
 )
@@ -37,6 +38,7 @@ from camp2p_overlap.core.overlap.streams import (
     device_module,
     make_backend,
 )
+from camp2p_overlap.emulation import device as emulated_device
 from camp2p_overlap.verify import edges
 
 
@@ -77,40 +79,39 @@ def fake_device(monkeypatch: pytest.MonkeyPatch) -> HostDevice:
     return dev
 
 
-def streams_ops_ran_on(w: Any, dev: HostDevice) -> dict[tuple[str, int, int], str]:
-    """Fill, as the world's ops run, (kind, layer, stage) -> the name of the
-    device's current stream when the op's work ran (the A2E and E2A work
-    inside the connector's kernels, the FFN in the model)."""
+def streams_ops_ran_on(w: Any) -> dict[tuple[str, int, int], str]:
+    """Fill, as the world's kernels run, (kind, layer, stage) -> the stream
+    of the emulated device that ran the work (the A2E and E2A kernels, the
+    FFN's kernel)."""
     ran_on: dict[tuple[str, int, int], str] = {}
 
     def comm(kind: str, layer: int, stage: int) -> None:
-        ran_on[(kind, layer, stage)] = dev.current_stream_name()
+        ran_on[(kind, layer, stage)] = emulated_device.executing_stream() or "host"
 
     w.transport.fault_hook = comm
-    wrap_model(w, before_with_stage=lambda layer, stage: comm("ffn", layer, stage))
+
+    def ffn(layer: int, stage: int) -> None:
+        emulated_device.launch(lambda: comm("ffn", layer, stage))  # on the FFN's stream, before its kernel
+
+    wrap_model(w, before_with_stage=ffn)
     return ran_on
 
 
-def test_device_backend_schedule_equals_serial_and_reuses_events(
-    fake_device: HostDevice,
-    monkeypatch: pytest.MonkeyPatch,
-    layer: Layer,
-) -> None:
+def test_device_backend_schedule_equals_serial_and_reuses_events(monkeypatch: pytest.MonkeyPatch, layer: Layer) -> None:
+    """The device backend over the emulated device: every op's kernels run
+    on the stream the schedule puts them on, every edge holds in what the
+    streams performed, and streams and events are made once and reused."""
     w = world(layers=4, stage_ids=(0, 1, 2))
     scheds = [Schedule(4, (0, 1, 2), (3 + i, 9, 16 - i), step=i + 1) for i in range(6)]
     refs = serial_results(w, scheds, layer=layer)
     apply_cpu(layer=layer)
     sessions = SessionSpy(monkeypatch, layer=layer)
-    ran_on = streams_ops_ran_on(w, fake_device)
-    created_after_first = None
+    ran_on = streams_ops_ran_on(w)
+    made_after_first = None
     for i, (sched, ref) in enumerate(zip(scheds, refs, strict=True)):
-        step_start = fake_device.now()
-        fake_device.waits.clear()
         ran_on.clear()
         with trace.recording() as rec:
             assert_same(bounded(lambda sched=sched: run_step(w, sched)), ref)
-        # Each op ran inside its stream's context: A2E and E2A of stage s on
-        # K_s, the FFN on the compute stream.
         want = {
             (kind, L, s): side_stream_name(s) if kind in (A2E, E2A) else COMPUTE_STREAM
             for L in range(4)
@@ -118,16 +119,15 @@ def test_device_backend_schedule_equals_serial_and_reuses_events(
             for kind in (A2E, "ffn", E2A)
         }
         assert ran_on == want, {k: (v, want.get(k)) for k, v in ran_on.items() if v != want.get(k)}
-        # Every wait (on C and on each K_s) bound to a record made in this very step.
-        assert {name for name, _, _ in fake_device.waits} == {"C", "K0", "K1", "K2"}
-        assert all(t > step_start for _, _, t in fake_device.waits)
         res = edges.check_step(rec.ops(rec.steps()[0]), trace.ExpectedSchedule((0, 1, 2, 3), (0, 1, 2), True, True))
         assert res.ok, str(res)
+        (sset,) = stream_sets(layer)
+        made = (len(sset.backend._events), tuple(id(k) for k in sset.streams.values()))
         if i == 0:
-            created_after_first = (fake_device.events_created, fake_device.streams_created)
+            made_after_first = made
     # Streams (3, made once) and events (pooled by key) are reused across steps.
-    assert (fake_device.events_created, fake_device.streams_created) == created_after_first
-    assert fake_device.streams_created == 1 + 3  # the default stream and K0..K2
+    assert made == made_after_first
+    assert len(made[1]) == 3
     assert sessions.count == len(scheds)
 
 

@@ -49,6 +49,7 @@ from support.patching import (
 from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.overlap.connector_routes import is_router
 from camp2p_overlap.core.patching.status_report import TargetState
+from camp2p_overlap.emulation import device as emulated_device
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.faults import run_step_bounded
 from camp2p_overlap.emulation.world import World
@@ -364,7 +365,7 @@ def test_apply_while_another_thread_is_importing_the_target(tmp_path: Any, monke
 # ---------------------------------------------------------------------------
 # steps running while apply/unpatch: storms, unpatch during and inside a step
 class CommThreads:
-    """Records, per step number, on which thread each A2E/E2A ran (through
+    """Records, per step number, on which thread (stream) each A2E/E2A ran (through
     the transport's fault hook, which every emulated op calls first)."""
 
     def __init__(self, world: World) -> None:
@@ -383,7 +384,11 @@ class CommThreads:
         ops = self.by_step.get(step, [])
         if not ops:
             return "none"
-        if all(t == caller for _, _, t in ops):
+        # The original loop's ops run on the compute stream (the emulated
+        # device's default stream: its own worker thread), or on the caller
+        # for a transport that works on the host.
+        compute = emulated_device.default_stream().thread.name
+        if all(t in (caller, compute) for _, _, t in ops):
             return "original"
         if all(t == f"camp2p-overlap-stream-K{s}" for _, s, t in ops):
             return "wrapped"
@@ -401,20 +406,26 @@ def _serial_refs(world: World, steps: range) -> dict[int, dict]:
 
 
 class Gate:
-    """Blocks the E2A (or the A2E: ``kind``) of one (layer, stage), inside
-    the connector's send (receive), until opened."""
+    """Blocks the E2A (or the A2E: ``kind``) of one (layer, stage) on the
+    host, inside the connector's send (receive): in the custom op's host
+    part, which the loop's thread runs inside the step (its kernel runs on a
+    stream, after the host has moved on), until opened."""
 
     def __init__(self, world: World, layer: int = 0, stage: int = 0, kind: str = "e2a") -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
         self.layer, self.stage, self.kind = layer, stage, kind
-        world.transport.fault_hook = self._hook
+        transport = world.transport
+        op = getattr(type(transport), kind).__get__(transport)
 
-    def _hook(self, kind: str, layer: int, stage: int) -> None:
-        if kind == self.kind and (layer, stage) == (self.layer, self.stage):
-            self.entered.set()
-            if not self.release.wait(STEP_BOUND_S):
-                raise TimeoutError("gate never opened")
+        def held(**kw: Any) -> Any:
+            if (kw["layer"], kw["stage"]) == (self.layer, self.stage):
+                self.entered.set()
+                if not self.release.wait(STEP_BOUND_S):
+                    raise TimeoutError("gate never opened")
+            return op(**kw)
+
+        setattr(transport, kind, held)
 
 
 def test_apply_unpatch_storm_while_steps_run(make_world) -> None:

@@ -390,7 +390,7 @@ def _traced_recv(recorder: TraceRecorder) -> RouterFactory:
             layer, stage = kw.get("layer_idx"), kw.get("ubatch_idx")
             h = tracked(lambda: callee(*args, **kwargs), OpKey(A2E, layer, stage).label())
             state = recorder.serial_state()
-            state["trace"].op(A2E, layer, stage, COMPUTE_STREAM, h)  # type: ignore[union-attr]
+            _serial_trace_op(recorder, state, A2E, layer, stage, h)
             payload = h.result()
             state["ffn_start"][id(camp2p.context_of(payload))] = (layer, stage, time.perf_counter_ns())  # type: ignore[index]
             return payload
@@ -398,6 +398,18 @@ def _traced_recv(recorder: TraceRecorder) -> RouterFactory:
         return recv_attn_output
 
     return make
+
+
+def _serial_trace_op(recorder: TraceRecorder, state: dict[str, Any], kind: str, layer: Any, stage: Any, h: Any) -> None:
+    """Put a serial op in its step's trace; routed outside a traced step
+    (a router used on its own), in a trace of its own, emitted at once."""
+    trace = state.get("trace")
+    if trace is not None:
+        trace.op(kind, layer, stage, COMPUTE_STREAM, h)
+        return
+    alone = StepTrace(recorder, state["step"])
+    alone.op(kind, layer, stage, COMPUTE_STREAM, h)
+    alone.emit()
 
 
 def _traced_send(recorder: TraceRecorder) -> RouterFactory:
@@ -414,13 +426,13 @@ def _traced_send(recorder: TraceRecorder) -> RouterFactory:
             started = state["ffn_start"].pop(id(ctx), None)  # type: ignore[attr-defined]
             stage = camp2p.send_stage(ctx, kwargs)
             layer = started[0] if started else camp2p.context_layer(ctx)
-            trace = state["trace"]
-            if started:
+            trace = state.get("trace")
+            if started and trace is not None:
                 trace.ffn(layer, stage, started[2], t0, -1)  # type: ignore[union-attr]
             from camp2p_overlap.core.overlap.streams.emulated import tracked
 
             h = tracked(lambda: callee(*args, **kwargs), OpKey(E2A, layer, stage).label())
-            trace.op(E2A, layer, stage, COMPUTE_STREAM, h)  # type: ignore[union-attr]
+            _serial_trace_op(recorder, state, E2A, layer, stage, h)
             return h.result()
 
         return send_ffn_output

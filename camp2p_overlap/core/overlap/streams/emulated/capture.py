@@ -328,8 +328,9 @@ class graph:  # noqa: N801 - the device modules' name
         self.pool = pool
         if stream is None:
             if graph._default_capture_stream is None:
-                graph._default_capture_stream = Stream()
-                graph._default_capture_stream.name = "capture"
+                made = graph._default_capture_stream = Stream()
+                made.name = "capture"
+                made.thread.name = "camp2p-emulated-device-capture-stream"
             stream = graph._default_capture_stream
         self.capture_stream = stream
         self._ctx: worker.stream | None = None

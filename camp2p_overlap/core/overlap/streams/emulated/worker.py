@@ -308,6 +308,7 @@ class _Worker:
             self.queue.put(_STOP)
 
     def run(self) -> None:
+        _tls.worker = self
         get = self.queue.get
         while True:
             item = get()
@@ -388,6 +389,9 @@ class Stream:
             _workers.add(self._w)
         self._finalizer = weakref.finalize(self, self._w.stop)
 
+    #: Whether naming the stream renames its worker thread (for diagnostics).
+    _renames_thread = True
+
     @property
     def name(self) -> str:
         """The stream's name, as its log entries and stall reports give it."""
@@ -396,7 +400,8 @@ class Stream:
     @name.setter
     def name(self, value: str) -> None:
         self._w.name = value
-        self._w.thread.name = f"camp2p-overlap-stream-{value}"
+        if self._renames_thread:
+            self._w.thread.name = f"camp2p-overlap-stream-{value}"
 
     # -- what a stream is asked to do ----------------------------------
     def launch(self, fn: Callable[[], None], writes: Iterable[Any] = ()) -> None:
@@ -504,7 +509,16 @@ class Stream:
 
 
 class DefaultStream(Stream):
-    """The device's default stream: current on a thread that set no other."""
+    """The device's default stream: current on a thread that set no other.
+    It lives as long as the process, so its thread is named apart from the
+    streams the layer makes (``camp2p-overlap-stream-*``), which all end
+    with the layer."""
+
+    _renames_thread = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._w.thread.name = "camp2p-emulated-device-default-stream"
 
 
 _default: list[DefaultStream | None] = [None]
@@ -522,7 +536,7 @@ def default_stream() -> DefaultStream:
                     s = _default[0] = DefaultStream()
                 finally:
                     hooks.capture = saved
-                s.name = "default"
+                s.name = "C"  # the compute stream of whoever runs on it (the layer names it so too)
     return s
 
 
@@ -560,6 +574,13 @@ def launch(kernel: Callable[[], None], *, writes: Iterable[Any] = ()) -> None:
     current_stream().launch(kernel, writes)
 
 
+def executing_stream() -> str | None:
+    """The name of the stream whose worker runs the calling thread (inside
+    a kernel), or None on the host."""
+    w = getattr(_tls, "worker", None)
+    return w.name if w is not None else None
+
+
 def live_workers() -> list[Any]:
     with _workers_lock:
         return [w for w in _workers if not w.dead and not w.stopped]
@@ -581,7 +602,12 @@ def drain_all(timeout: float | None = None) -> bool:
     default_stream()
     for w in live_workers():
         rec = Record()
-        w.put(("record", rec, None))
+        try:
+            w.put(("record", rec, None))
+        except RuntimeError:  # closed meanwhile: what it had queued runs before its thread ends
+            w.thread.join(timeout)
+            ok = not w.thread.is_alive() and ok
+            continue
         ok = rec.fired.wait(timeout) and ok
     return ok
 
