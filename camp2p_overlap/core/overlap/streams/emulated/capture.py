@@ -210,6 +210,8 @@ class Graph:
         self._pool: Any = None
         self._capture: Capture | None = None
         self._mode: _HostReads | None = None
+        #: Streams of the graph's own, for branches whose stream was closed.
+        self._own: dict[Stream, Stream] = {}
         self.replays = 0
 
     # -- capture ---------------------------------------------------------
@@ -278,12 +280,13 @@ class Graph:
         if not self._nodes:
             raise RuntimeError("replay of a graph that captured nothing (or whose capture failed)")
         launch_on = worker.current_stream()
+        branch = self._branch_streams()
         start = Record()
         launch_on.enqueue_record(start)
         fresh: dict[int, Record] = {}
         begun: set[Stream] = set()
         for node in self._nodes:
-            target = launch_on if node.stream is self._origin else node.stream
+            target = launch_on if node.stream is self._origin else branch[node.stream]
             if target is not launch_on and target not in begun:
                 target.enqueue_wait(start)
                 begun.add(target)
@@ -297,9 +300,31 @@ class Graph:
                 target.enqueue_wait(fresh[node.payload])
         self.replays += 1
 
+    def _branch_streams(self) -> dict[Stream, Stream]:
+        """Where each forked branch replays: the stream it was captured on,
+        or, once that stream is closed, a stream of the graph's own (a
+        device graph does not need the streams it was captured on)."""
+        out: dict[Stream, Stream] = {}
+        for node in self._nodes:
+            s = node.stream
+            if s is self._origin or s in out:
+                continue
+            if s.closed:
+                own = self._own.get(s)
+                if own is None:
+                    own = self._own[s] = Stream()
+                    own.name = s.name
+                out[s] = own
+            else:
+                out[s] = s
+        return out
+
     def reset(self) -> None:
         self._nodes = []
         self._origin = None
+        for own in self._own.values():
+            own.close()
+        self._own.clear()
 
     def pool(self) -> Any:
         return self._pool

@@ -478,6 +478,11 @@ class Stream:
         return not thread.is_alive()
 
     @property
+    def closed(self) -> bool:
+        """Closed (or inherited by a forked child): it takes no more work."""
+        return self._w.stopped or self._w.dead
+
+    @property
     def thread(self) -> threading.Thread:
         return self._w.thread
 

@@ -1,0 +1,273 @@
+"""The layer's own capture paths on the emulated device (installed as
+``torch.npu``), through the stand-in runners' upstream graph path
+(warm-up, ``capture_model``/``_capture_graphs``, replay from
+``execute_model``), on both stacks.
+
+Every mode the layer captures (overlap, e2a-only, a2e-only, parity,
+reorder) passes the device's capture rules and its replays are bitwise
+equal to eager serial steps with the same inputs; a rule broken inside the
+layer's capture path (injected here) is caught and leaves nothing
+capturing; a fault inside the capture surfaces with its type and the next
+steps are correct; ``unpatch()`` during a capture waits for it and the
+captured graph still replays."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from support.overlap import apply_cpu, assert_same, world
+
+from camp2p_overlap.core.layer import Layer
+from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.emulation import device
+from camp2p_overlap.emulation.world import World
+
+pytestmark = pytest.mark.usefixtures("standin_stack")
+
+#: name -> the config overrides of a mode the layer captures.
+MODES: dict[str, dict[str, Any]] = {
+    "overlap": {},
+    "e2a-only": {"a2e_on_side_stream": False},
+    "a2e-only": {"e2a_on_side_stream": False},
+    "parity": {"mode": "parity"},
+    "reorder": {"mode": "reorder"},
+}
+
+
+@pytest.fixture(autouse=True)
+def emulated_npu() -> Iterator[None]:
+    was = device.is_torch_npu()
+    device.as_torch_npu()
+    yield
+    assert not device.capture_in_progress(), "a capture was left in progress"
+    if not was:
+        device.remove_torch_npu()
+
+
+def graph_world(**kw: Any) -> World:
+    w = world(layers=3, stage_ids=(0, 1), tokens=8, **kw)
+    w.runner.use_aclgraph = True
+    w.runner.graph_pool = device.graph_pool_handle()
+    return w
+
+
+def step(w: World, n: int, **flags: Any) -> dict:
+    """Step ``n`` through the runner's ``execute_ffn_step`` (eager, warm-up,
+    capture or replay, as upstream dispatches), as attention drives it."""
+    dp = w.dp_metadata()
+    w.transport.begin_step(n, w.layer_list(), sorted(dp))
+    w.runner.execute_ffn_step(dp_metadata_list=dp, **flags)
+    w.synchronize()
+    return dict(w.transport.results)
+
+
+def capture(w: World, n: int) -> Any:
+    step(w, n, is_warmup=True)
+    step(w, n, is_graph_capturing=True)
+    (entry,) = w.runner._acl_graphs.values()
+    return entry["graph"]
+
+
+def eager_serial(w: World, steps: range) -> dict[int, dict]:
+    """The unpatched eager outputs of ``steps``."""
+    w.runner.use_aclgraph = False
+    try:
+        return {n: step(w, n) for n in steps}
+    finally:
+        w.runner.use_aclgraph = True
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_each_mode_captures_legally_and_replays_bitwise(layer: Layer, mode: str) -> None:
+    w = graph_world()
+    refs = eager_serial(w, range(10, 14))
+    apply_cpu(layer=layer, graph=True, **MODES[mode])
+    try:
+        graph = capture(w, 1)
+        streams = {name for name, _, _ in graph.nodes()}
+        side = mode in ("overlap", "e2a-only", "a2e-only")
+        # What was captured: the side streams only where the mode puts ops there.
+        assert (streams >= {"K0", "K1"}) if side else (streams <= {"C", "capture"}), streams
+        for n in range(10, 14):
+            assert_same(step(w, n), refs[n], f"{mode} replay of step {n}")
+        assert graph.replays == 4
+    finally:
+        assert layer.engine.unpatch(timeout=10)
+
+
+def test_the_serial_variant_captures_when_graph_mode_is_off(layer: Layer) -> None:
+    """GRAPH off: the capture takes the serial path (no side stream in the graph)."""
+    w = graph_world()
+    refs = eager_serial(w, range(20, 22))
+    apply_cpu(layer=layer, graph=False)
+    try:
+        graph = capture(w, 1)
+        assert {name for name, _, _ in graph.nodes()} <= {"C", "capture"}
+        for n in range(20, 22):
+            assert_same(step(w, n), refs[n])
+    finally:
+        assert layer.engine.unpatch(timeout=10)
+
+
+class _SyncsInCapture(OverlapSession):
+    def join(self) -> None:
+        super().join()
+        self.backend.synchronize(self.compute)  # illegal while capturing
+
+
+class _QueriesInCapture(OverlapSession):
+    def join(self) -> None:
+        super().join()
+        for ev in list(self._events.values()):
+            ev.query()  # illegal while capturing
+
+
+class _ForgetsToJoin(OverlapSession):
+    def join(self) -> None:
+        self.release_buffers()  # no join of the side streams
+
+
+class _ReadsOnTheHost(OverlapSession):
+    def recv(self, fn: Any, kw: Any, call: Any = None) -> Any:
+        payload = super().recv(fn, kw, call)
+        payload.hidden_states[0, 0].item()  # reads a captured kernel's output
+        return payload
+
+
+@pytest.mark.parametrize(
+    ("session", "message"),
+    [
+        (_SyncsInCapture, r"Stream\.synchronize\(\) of C while a graph capture is in progress"),
+        (_QueriesInCapture, r"Event\.query\(\) while a graph capture is in progress"),
+        (_ForgetsToJoin, r"not joined back"),
+        (_ReadsOnTheHost, r"Tensor\.item\(\): a host read of a tensor a captured kernel writes"),
+    ],
+    ids=["synchronize", "query", "unjoined", "host-read"],
+)
+def test_a_rule_broken_inside_the_layers_capture_path_is_caught(
+    layer: Layer, monkeypatch: pytest.MonkeyPatch, session: type, message: str
+) -> None:
+    w = graph_world()
+    (ref,) = eager_serial(w, range(30, 31)).values()
+    apply_cpu(layer=layer, graph=True)
+    try:
+        step(w, 1, is_warmup=True)  # eager: creates the side streams
+        monkeypatch.setattr(layer.runtime, "session_class", session)
+        with pytest.raises(device.CaptureViolation, match=message):
+            step(w, 1, is_graph_capturing=True)
+        assert not device.capture_in_progress()
+        assert w.runner._acl_graphs == {}  # nothing stored for the key
+        monkeypatch.setattr(layer.runtime, "session_class", OverlapSession)
+        device.synchronize()
+        w.runner.use_aclgraph = False
+        assert_same(step(w, 30), ref)  # the device and the layer work on
+    finally:
+        assert layer.engine.unpatch(timeout=10)
+
+
+def test_the_rules_hold_for_the_layers_own_paths_with_a_watchdog_thread(layer: Layer) -> None:
+    """A watchdog configured on the step: the capture is short, so its timer
+    never fires inside it, and the capture passes."""
+    w = graph_world()
+    refs = eager_serial(w, range(40, 42))
+    apply_cpu(layer=layer, graph=True, watchdog_s=30.0)
+    try:
+        capture(w, 1)
+        for n in range(40, 42):
+            assert_same(step(w, n), refs[n])
+    finally:
+        assert layer.engine.unpatch(timeout=10)
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def test_a_fault_inside_the_capture_surfaces_and_the_next_steps_are_correct(layer: Layer) -> None:
+    w = graph_world()
+    refs = eager_serial(w, range(50, 53))
+    apply_cpu(layer=layer, graph=True)
+    model = w.runner.model
+    original = model.compute_ffn_output
+    calls = {"n": 0}
+
+    def failing(**kw: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise InjectedFault("model failed during capture")
+        return original(**kw)
+
+    try:
+        step(w, 1, is_warmup=True)
+        model.compute_ffn_output = failing
+        with pytest.raises(InjectedFault, match="model failed during capture"):
+            step(w, 1, is_graph_capturing=True)
+        assert not device.capture_in_progress() and w.runner._acl_graphs == {}
+        model.compute_ffn_output = original
+        graph = capture(w, 2)  # the capture goes through once the fault is gone
+        for n in range(50, 53):
+            assert_same(step(w, n), refs[n])
+        assert graph.replays == 3
+    finally:
+        model.compute_ffn_output = original
+        assert layer.engine.unpatch(timeout=10)
+
+
+def test_unpatch_during_a_capture_waits_for_it_and_the_graph_replays(layer: Layer) -> None:
+    w = graph_world()
+    refs = eager_serial(w, range(60, 62))
+    apply_cpu(layer=layer, graph=True)
+    step(w, 1, is_warmup=True)
+    inside, go = threading.Event(), threading.Event()
+    model = w.runner.model
+    original = model.compute_ffn_output
+
+    def held(**kw: Any) -> Any:
+        if device.capture_in_progress() and not inside.is_set():
+            inside.set()
+            go.wait(10)
+        return original(**kw)
+
+    model.compute_ffn_output = held
+    done: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: done.setdefault("r", step(w, 1, is_graph_capturing=True)))
+    t.start()
+    try:
+        assert inside.wait(10), "the capture never reached the model"
+        assert layer.engine.unpatch(timeout=0.2) is False  # refused while the captured step runs
+        assert device.capture_in_progress()
+    finally:
+        go.set()
+        t.join(20)
+    model.compute_ffn_output = original
+    assert "r" in done and not device.capture_in_progress()
+    assert layer.engine.unpatch(timeout=10) is True
+    # The graph holds the overlap it captured; it replays without the layer
+    # (its side streams closed with the layer: a device graph needs them not).
+    (entry,) = w.runner._acl_graphs.values()
+    assert {"K0", "K1"} <= {name for name, _, _ in entry["graph"].nodes()}
+    for n in range(60, 62):
+        assert_same(step(w, n), refs[n])
+
+
+def test_a_capture_creates_no_stream_and_the_streams_do_not_grow_with_keys(layer: Layer) -> None:
+    w = graph_world()
+    apply_cpu(layer=layer, graph=True)
+    try:
+        step(w, 1, is_warmup=True)
+        before = {t.name for t in threading.enumerate()}
+        for tokens in (2, 4, 6):
+            w.transport.begin_step(2, w.layer_list(), [0, 1])
+            dp = w.dp_metadata({0: tokens, 1: tokens})
+            w.runner.execute_ffn_step(dp_metadata_list=dp, is_warmup=True)
+            w.synchronize()
+            w.transport.begin_step(3, w.layer_list(), [0, 1])
+            w.runner.execute_ffn_step(dp_metadata_list=dp, is_graph_capturing=True)
+            w.synchronize()
+        assert len(w.runner._acl_graphs) == 3  # one graph per key
+        assert {t.name for t in threading.enumerate()} == before
+    finally:
+        assert layer.engine.unpatch(timeout=10)
