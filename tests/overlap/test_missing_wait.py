@@ -172,7 +172,9 @@ def test_control_every_wait_in_place_passes(layer: Layer) -> None:
 
 
 def test_session_without_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch, layer: Layer) -> None:
-    got, ref, ops = _run_broken(monkeypatch, session=SessionSkipsComputeWaitForA2E, hold=_hold_a2e_fill_until_its_ffn_ran)
+    got, ref, ops = _run_broken(
+        monkeypatch, session=SessionSkipsComputeWaitForA2E, hold=_hold_a2e_fill_until_its_ffn_ran
+    )
     assert _differs(got, ref) == sorted(ref)  # every FFN read an unfilled buffer
     text = str(edges.check_step(ops, EXPECTED))
     for L in LAYERS:
@@ -182,7 +184,9 @@ def test_session_without_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch, l
 
 
 def test_backend_dropping_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch) -> None:
-    got, ref, ops = _run_broken(monkeypatch, wait=_backend_dropping(True, A_DONE), hold=_hold_a2e_fill_until_its_ffn_ran)
+    got, ref, ops = _run_broken(
+        monkeypatch, wait=_backend_dropping(True, A_DONE), hold=_hold_a2e_fill_until_its_ffn_ran
+    )
     assert _differs(got, ref) == sorted(ref)
     performed = str(edges.check_step(ops, EXPECTED))
     asked = str(edges.check_step(ops, EXPECTED, source="session"))

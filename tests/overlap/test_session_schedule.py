@@ -38,8 +38,8 @@ from camp2p_overlap.core.overlap.plan import Directions, StepPlan
 from camp2p_overlap.core.overlap.session import OverlapSession, ScheduleMismatchError
 from camp2p_overlap.core.overlap.streams import make_backend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
-from camp2p_overlap.emulation.world import LinkModel, ProtocolError
 from camp2p_overlap.emulation import device as emulated_device
+from camp2p_overlap.emulation.world import LinkModel, ProtocolError
 from camp2p_overlap.verify import edges
 
 # ---------------------------------------------------------------------------

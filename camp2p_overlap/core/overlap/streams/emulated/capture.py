@@ -341,7 +341,7 @@ class Graph:
         return f"Graph({len(self._nodes)} nodes, {self.replays} replays)"
 
 
-class graph:  # noqa: N801 - the device modules' name
+class graph:
     """``with graph(g, pool=None, stream=None):`` captures the block into
     ``g`` on ``stream`` (default: a capture stream made once, outside any
     capture), after a device synchronize, as ``torch.cuda.graph`` does."""
