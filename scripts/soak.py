@@ -54,6 +54,7 @@ from camp2p_overlap.core.observe.trace import ExpectedSchedule, recording  # noq
 from camp2p_overlap.emulation.moe import MoEShape  # noqa: E402
 from camp2p_overlap.emulation.standin_layer import standin_site  # noqa: E402
 from camp2p_overlap.emulation.world import LinkModel, World, WorldSpec, build_world  # noqa: E402
+from camp2p_overlap.tools.bench.runner import use_tool_switch_interval  # noqa: E402
 from camp2p_overlap.verify.edges import check_step  # noqa: E402
 
 FFN_TARGET = "AFDNPUFFNModelRunner._ffn_forward"
@@ -219,6 +220,8 @@ class Summary:
     ok: bool
     python: str = field(default_factory=platform.python_version)
     torch: str = field(default_factory=lambda: torch.__version__)
+    #: The run's sys.getswitchinterval() (the emulation tools' setting; docs/benchmark.md).
+    env: dict[str, Any] = field(default_factory=lambda: {"switch_interval_s": round(sys.getswitchinterval(), 9)})
 
 
 def run(args: argparse.Namespace) -> Summary:
@@ -351,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the summary (with samples) here")
     ap.add_argument("--progress", action="store_true")
     args = ap.parse_args(argv)
+    use_tool_switch_interval()  # the emulated streams are threads: this process only
     if args.steps < len(PHASES) * 10:
         ap.error(f"--steps must be at least {len(PHASES) * 10}")
     if not args.sample_every:

@@ -1,11 +1,13 @@
 """Fixtures and hooks only (what tests import lives in ``tests/support/``).
 Every test leaves the process as it found it: the patch engine unpatched,
-the stand-in finder removed, log-once memory cleared."""
+the stand-in finder removed, log-once memory cleared, the emulated device
+idle."""
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -21,7 +23,17 @@ from support.stacks import STACK_DISTS, use_stack
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.layer import LAYER, Layer, build_layer
 from camp2p_overlap.core.log import reset_log_once
+from camp2p_overlap.emulation import device as emulated_device
 from camp2p_overlap.emulation import standins
+from camp2p_overlap.tools.bench.runner import TOOL_SWITCH_INTERVAL_S
+
+# The emulated device's streams (the compute stream too) are Python threads,
+# and many tests time or order work on them (timeouts, watchdogs, adaptive
+# engage's step times, the benchmark's own runs). At CPython's default switch
+# interval (5 ms) a stream that could run may wait that long for the GIL;
+# the test process runs with the emulation tools' interval, as they do
+# (docs/benchmark.md, "Thread switching"). The layer itself never sets it.
+sys.setswitchinterval(TOOL_SWITCH_INTERVAL_S)
 
 # Hypothesis profiles (HYPOTHESIS_PROFILE, default "ci"). Every example runs
 # real emulated steps, so "ci" keeps the budget small and the draw fixed
@@ -48,6 +60,11 @@ def _clean_state() -> Iterator[None]:
     standins.uninstall(standins.REAL_ROOT)
     standins.uninstall(standins.ALIAS_ROOT)
     reset_log_once()
+    # The emulated device is process-wide: the next test starts with it idle
+    # and holding no asynchronous error a test left (one that checked a
+    # failure, say, without synchronizing after it).
+    emulated_device.drain_all(timeout=60.0)
+    emulated_device.take_errors()
 
 
 @pytest.fixture(params=list(STACK_DISTS), ids=lambda s: s.removeprefix("vllm-"))

@@ -48,6 +48,9 @@ from typing import Any
 
 import torch
 
+from camp2p_overlap.emulation.device import launch
+from camp2p_overlap.emulation.device import synchronize as device_synchronize
+
 CMD_STOP, CMD_STEP, CMD_SERIAL = 0, 1, 2
 MAX_STAGES = 3
 KIND_HIDDEN, KIND_ROUTED, KIND_SHARED = 0, 1, 2
@@ -176,7 +179,9 @@ def attention_main(spec: PairSpec, out: Path) -> int:
 # rank 1: FFN
 class GlooTransport:
     """The ``a2e``/``e2a`` custom ops of the stand-in connector, as gloo
-    point-to-point with the attention rank on the stage's group."""
+    point-to-point with the attention rank on the stage's group: each op
+    allocates its buffers and launches its transfer as a kernel of the
+    emulated device's current stream (a stream's worker thread runs it)."""
 
     def __init__(self, groups: list[Any], hidden: int) -> None:
         self.groups = groups
@@ -194,10 +199,15 @@ class GlooTransport:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         import torch.distributed as dist
 
-        self._note("a2e", stage)
         n = int(num_tokens)
         hidden = torch.empty(n, self.hidden)
-        dist.recv(hidden, src=0, group=self.groups[stage], tag=tag(layer, stage, KIND_HIDDEN))
+        g = self.groups[stage]
+
+        def kernel() -> None:  # on the current stream of the emulated device
+            self._note("a2e", stage)
+            dist.recv(hidden, src=0, group=g, tag=tag(layer, stage, KIND_HIDDEN))
+
+        launch(kernel, writes=(hidden,))
         return hidden, torch.tensor([n])
 
     def e2a(
@@ -212,13 +222,17 @@ class GlooTransport:
     ) -> None:
         import torch.distributed as dist
 
-        self._note("e2a", stage)
-        if int(atten_batch_size[0]) != routed.shape[0]:
-            raise RuntimeError(f"stage {stage}: e2a batch size does not match its a2e")
         g = self.groups[stage]
-        dist.send(routed.contiguous(), dst=0, group=g, tag=tag(layer, stage, KIND_ROUTED))
-        if shared is not None:
-            dist.send(shared.contiguous(), dst=0, group=g, tag=tag(layer, stage, KIND_SHARED))
+
+        def kernel() -> None:  # reads the FFN output once its stream reaches it
+            self._note("e2a", stage)
+            if int(atten_batch_size[0]) != routed.shape[0]:
+                raise RuntimeError(f"stage {stage}: e2a batch size does not match its a2e")
+            dist.send(routed.contiguous(), dst=0, group=g, tag=tag(layer, stage, KIND_ROUTED))
+            if shared is not None:
+                dist.send(shared.contiguous(), dst=0, group=g, tag=tag(layer, stage, KIND_SHARED))
+
+        launch(kernel)
 
 
 def load_plugins_like_vllm() -> str:
@@ -288,6 +302,7 @@ def ffn_main(spec: PairSpec, out: Path) -> int:
             dp = {s: StageMeta(n) for s, n in sched.items()}
             with recording() as rec:
                 runner.execute_ffn_step(dp_metadata_list=dp)
+                device_synchronize()  # the step's kernels ran (the recv/send with attention)
             streams = sorted({o.stream for o in rec.ops() if o.kind in ("a2e", "e2a")})
             steps.append({"phase": phase, "step": int(h[1]), "stages": sorted(sched), "comm_streams": streams})
         threads[phase] = {k: sorted(v) for k, v in transport.threads.items()}

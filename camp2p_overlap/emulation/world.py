@@ -354,6 +354,11 @@ class WorldSpec:
     #: Cores (CPU) or SMs (CUDA) each emulated A2E/E2A keeps busy while it
     #: waits for its peer and for the link; 0: it takes no compute.
     comm_cores: int = 0
+    #: Upstream's decode graph path: the runner is built with
+    #: ``use_aclgraph=True`` (:meth:`World.capture`, then replays from
+    #: :meth:`World.run_step`); on ``device == "cpu"`` the emulated device is
+    #: installed as ``torch.npu`` first (the runner takes its graph pool there).
+    graph: bool = False
 
 
 @dataclass
@@ -364,6 +369,9 @@ class World:
     transport: EmulatedTransport
     modules: tuple[ModuleType, ModuleType, ModuleType]
     steps_run: int = 0
+    #: Whether :func:`build_world` installed the emulated device as
+    #: ``torch.npu`` (:meth:`close` then removes it).
+    installed_torch_npu: bool = False
 
     def layer_list(self) -> list[int]:
         return list(self.modules[0]._ffn_layer_indices(self.runner))
@@ -379,14 +387,27 @@ class World:
         self.steps_run += 1
         dp = self.dp_metadata(tokens)
         self.transport.begin_step(self.steps_run, self.layer_list(), sorted(dp))
-        if forward_kwargs:
-            self.runner._ffn_forward(dp_metadata_list=dp, **forward_kwargs)
-        else:
-            self.runner.execute_ffn_step(dp_metadata_list=dp)
+        try:
+            if forward_kwargs:
+                self.runner._ffn_forward(dp_metadata_list=dp, **forward_kwargs)
+            else:
+                self.runner.execute_ffn_step(dp_metadata_list=dp)
+        except BaseException:
+            self.settle()
+            raise
         # The host ran ahead of the device: attention's results are read
         # once every stream has run the step (a kernel's error raises here).
         self.synchronize()
         return dict(self.transport.results)
+
+    def settle(self) -> None:
+        """After a step that raised on the host: let the device run what the
+        step had queued, and drop the errors its kernels hit on the way
+        (consequences of the error being raised), so the next step starts
+        on an idle device."""
+        if self.spec.device == "cpu":
+            emulated_device.drain_all(timeout=60.0)
+            emulated_device.take_errors()
 
     def synchronize(self) -> None:
         """Wait for the device (the emulated one on CPU) to run everything
@@ -396,16 +417,64 @@ class World:
         elif self.spec.device.startswith("cuda"):
             torch.cuda.synchronize()
 
+    # -- upstream's decode graph path (WorldSpec.graph) ---------------------
+    def graph_key(self, tokens: Mapping[int, int] | None = None) -> tuple:
+        """The runner's graph key of a step with ``tokens`` per stage."""
+        return self.runner._make_graph_key(self.dp_metadata(tokens))
+
+    def capture(self, tokens: Mapping[int, int] | None = None, warmups: int = 1) -> Any:
+        """Capture the step of ``tokens`` in upstream's order: ``warmups``
+        eager warm-up steps (``execute_ffn_step(is_warmup=True)``), then one
+        capture step (``is_graph_capturing=True``), each after
+        ``transport.begin_step`` and followed by :meth:`synchronize`. Returns
+        the captured graph (the one already captured for the key, if any:
+        upstream keeps one graph per key); :meth:`run_step` replays it from
+        then on. Needs a runner with ``use_aclgraph`` (``WorldSpec.graph``)."""
+        if not self.runner.use_aclgraph:
+            raise RuntimeError("World.capture needs a runner with use_aclgraph (build the world with graph=True)")
+        if warmups < 0:
+            raise ValueError("warmups must not be negative")
+        dp = self.dp_metadata(tokens)
+        flags = [{"is_warmup": True}] * warmups + [{"is_graph_capturing": True}]
+        for flag in flags:
+            self.steps_run += 1
+            self.transport.begin_step(self.steps_run, self.layer_list(), sorted(dp))
+            self.runner.execute_ffn_step(dp_metadata_list=dp, **flag)
+            self.synchronize()
+        entry = self.runner._acl_graphs.get(self.graph_key(tokens))
+        if entry is None:
+            raise RuntimeError("the capture step left no graph for its key")
+        return entry["graph"]
+
+    def take_graph(self, tokens: Mapping[int, int] | None = None) -> dict[str, Any] | None:
+        """Remove the runner's captured entry (``{"graph", "output"}``) for
+        the key of ``tokens`` and return it (None when there is none): the
+        runner runs that key eagerly again until :meth:`put_graph`."""
+        return self.runner._acl_graphs.pop(self.graph_key(tokens), None)
+
+    def put_graph(self, entry: dict[str, Any], tokens: Mapping[int, int] | None = None) -> None:
+        """Give the runner ``entry`` (from :meth:`take_graph`) as its graph
+        for the key of ``tokens``: :meth:`run_step` replays it."""
+        self.runner._acl_graphs[self.graph_key(tokens)] = entry
+
     def close(self) -> None:
-        """Release what the transport holds (busy-wait helper threads)."""
+        """Release what the transport holds (busy-wait helper threads), and
+        remove the emulated ``torch.npu`` if :func:`build_world` installed it."""
         close = getattr(self.transport, "close", None)
         if close is not None:
             close()
+        if self.installed_torch_npu:
+            self.installed_torch_npu = False
+            emulated_device.remove_torch_npu()
 
 
 def build_world(spec: WorldSpec = WorldSpec(), *, root: str = standins.REAL_ROOT) -> World:
     """Import the stand-ins under ``root`` (installing the finder if needed)
     and build a runner wired to an emulated transport."""
+    installed_npu = False
+    if spec.graph and spec.device == "cpu" and not emulated_device.is_torch_npu():
+        emulated_device.as_torch_npu()  # before the runner: it takes its graph pool from torch.npu
+        installed_npu = True
     standins.install(root)
     runner_mod, conn_mod, meta_mod = standins.import_standins(root)
     max_tokens = max(spec.tokens, 1)
@@ -432,5 +501,8 @@ def build_world(spec: WorldSpec = WorldSpec(), *, root: str = standins.REAL_ROOT
         afd_config=AfdConfig(compute_gate_on_attention=spec.compute_gate_on_attention),
         device=torch.device(spec.device),
         model_config=ModelConfig(HFConfig(spec.first_k_dense_replace, spec.moe_layer_freq)),
+        use_aclgraph=spec.graph,
     )
-    return World(spec, runner, connector, transport, (runner_mod, conn_mod, meta_mod))
+    return World(
+        spec, runner, connector, transport, (runner_mod, conn_mod, meta_mod), installed_torch_npu=installed_npu
+    )

@@ -210,6 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", metavar="PATH", help="write a PNG: timeline of one step per policy and per-layer time (matplotlib)"
     )
     bench.add_argument(
+        "--graph",
+        action="store_true",
+        default=None,
+        help="upstream's decode graph path on the emulated device (--device cpu only): capture each policy's step "
+        "once (its layer config applied, VLLM_CAMP2P_MULTISTREAM_GRAPH on) and time replays, round-robin, each "
+        "compared bitwise with the eager serial step; runs serial, e2a-only and overlap-fixed (adaptive overlap "
+        "has no per-key choice at capture yet)",
+    )
+    bench.add_argument(
         "--profile-trace",
         metavar="PATH",
         help="--device cuda|npu: profile one overlapped step (torch.profiler / torch_npu.profiler), check its edges "
@@ -278,6 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="--comm-cores values of the contention points, at the stage ratio; 'none' skips them (default "
         + "; ".join(f"{dev}: {','.join(map(str, v)) or 'none'}" for dev, v in DEFAULT_COMM_CORES.items())
         + ")",
+    )
+    sweep.add_argument(
+        "--graph",
+        dest="work_graph",
+        action="store_true",
+        help="measure every work-size point in graph mode too (bench --graph: captured steps replayed; serial and "
+        "overlap-fixed), reported next to the eager one",
     )
     sweep.add_argument("--md", metavar="PATH", help="write the tables as Markdown")
     sweep.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer time against ratio and stages")
@@ -485,7 +501,8 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
         sweep_plot(result, args.plot)
         print(f"plot: {args.plot}")
     points = result["ratio_points"] + result["stage_points"] + result["comm_core_points"] + result["work_points"]
-    failed = [p for pt in points for p in problems(pt["report"])]
+    reports = [pt["report"] for pt in points] + [pt["graph_report"] for pt in points if "graph_report" in pt]
+    failed = [p for r in reports for p in problems(r)]
     for p in failed:
         print(f"FAILED: {p}")
     return 1 if failed else 0
@@ -527,6 +544,7 @@ def _run_sweep(args: argparse.Namespace, params: Any) -> dict[str, Any]:
         work_tokens=args.work_tokens,
         work_hidden=args.work_hidden,
         comm_cores=args.comm_core_points,
+        work_graph=args.work_graph,
         progress=not args.no_progress,
     )
 
@@ -534,6 +552,10 @@ def _run_sweep(args: argparse.Namespace, params: Any) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.command in ("bench", "sweep", "overhead"):
+        from camp2p_overlap.tools.bench.runner import use_tool_switch_interval
+
+        use_tool_switch_interval()  # these tools' processes only (docs/benchmark.md, "Thread switching")
     if args.command == "bench":
         return _bench(args)
     if args.command == "sweep":

@@ -38,6 +38,7 @@ from __future__ import annotations
 import inspect
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -391,6 +392,7 @@ def measure_overhead(params: OverheadParams) -> dict[str, Any]:
         "shapes": shapes,
         "decided_serial_ab": ab,
         "params": asdict(params),
+        "env": {"switch_interval_s": round(sys.getswitchinterval(), 9)},
         "wall_s": round(time.perf_counter() - wall0, 2),
     }
 

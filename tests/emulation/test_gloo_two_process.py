@@ -21,6 +21,9 @@ pytest.importorskip("torch.distributed")
 PAIR_TIMEOUT_S = 150.0
 
 
+#: The thread of the emulated device's default stream (the compute stream).
+COMPUTE_THREAD = "camp2p-emulated-device-default-stream"
+
 def _vllm_installed() -> bool:
     """Without importing vLLM here (``find_spec("vllm.plugins")`` would: its
     logging config would then change this test process for every later test)."""
@@ -72,16 +75,17 @@ def _check(tmp_path: Path, *, steps: int, layers: int, one_group: int) -> None:
         assert s["comm_streams"] == want, s
     assert all(s["comm_streams"] == [] for s in by_phase["serial"])
 
-    # Which threads did the gloo sends and receives: the side-stream thread of
-    # each stage while the overlap was on (stage 0 and 2 never run alone in
-    # STEP_SCHEDULES), only the main thread after unpatch.
+    # Which threads did the gloo sends and receives (kernels of the emulated
+    # device): the side-stream thread of each stage while the overlap was on
+    # (stage 0 and 2 never run alone in STEP_SCHEDULES), only the compute
+    # stream's (the device's default stream) after unpatch.
     th = ffn["threads"]
     for stage in (0, 2):
         for kind in ("a2e", "e2a"):
             assert th["overlap"][f"{kind} s{stage}"] == [f"camp2p-overlap-stream-K{stage}"], th
-    assert set(th["overlap"]["a2e s1"]) == {"camp2p-overlap-stream-K1", "MainThread"}
+    assert set(th["overlap"]["a2e s1"]) == {"camp2p-overlap-stream-K1", COMPUTE_THREAD}
     assert {k for k in th["serial"]} == {f"{kind} s{s}" for kind in ("a2e", "e2a") for s in range(MAX_STAGES)}
-    assert all(v == ["MainThread"] for v in th["serial"].values()), th["serial"]
+    assert all(v == [COMPUTE_THREAD] for v in th["serial"].values()), th["serial"]
     assert ffn["unpatched"] is True
     assert ffn["stream_threads_left"] == []
 

@@ -580,7 +580,7 @@ def _forked_child_checks(parent_side: dev.Stream, parent_default: dev.Stream) ->
     except RuntimeError:
         pass
     fresh = dev.default_stream()
-    if fresh is parent_default or dev.current_stream() is not fresh or fresh.name != "default":
+    if fresh is parent_default or dev.current_stream() is not fresh or not fresh.alive:
         return "the child did not get a fresh default stream"
     ran: list[str] = []
     dev.launch(lambda: ran.append("default"))

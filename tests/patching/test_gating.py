@@ -193,7 +193,11 @@ def _run(w: World, stages: tuple[int, ...], step: int, forward: dict[str, Any]) 
     dp = sched.dp()
     w.steps_run = step
     w.transport.begin_step(step, w.layer_list(), sorted(dp))
-    w.runner._ffn_forward(dp_metadata_list=dp, aclgraph_runtime_mode=SENTINEL, **forward)
+    try:
+        w.runner._ffn_forward(dp_metadata_list=dp, aclgraph_runtime_mode=SENTINEL, **forward)
+    except BaseException:
+        w.settle()
+        raise
     w.synchronize()
     return dict(w.transport.results), dp
 

@@ -74,10 +74,14 @@ def run_step(w: World, sched: Schedule | None = None, **forward_kwargs: Any) -> 
     w.steps_run = sched.step
     dp = sched.dp()
     w.transport.begin_step(sched.step, w.layer_list(), sorted(dp))
-    if forward_kwargs:
-        w.runner._ffn_forward(dp_metadata_list=dp, **forward_kwargs)
-    else:
-        w.runner.execute_ffn_step(dp_metadata_list=dp)
+    try:
+        if forward_kwargs:
+            w.runner._ffn_forward(dp_metadata_list=dp, **forward_kwargs)
+        else:
+            w.runner.execute_ffn_step(dp_metadata_list=dp)
+    except BaseException:
+        w.settle()  # as World.run_step: the next step starts on an idle device
+        raise
     w.synchronize()  # the host ran ahead of the (emulated) device
     return dict(w.transport.results)
 

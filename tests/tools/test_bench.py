@@ -13,23 +13,25 @@ from typing import Any
 import pytest
 import torch
 from support.child import run_cli
-from support.overlap import assert_same
+from support.overlap import SHAPE, apply_cpu, assert_same
 
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.layer import LAYER, Layer
 from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.core.patching.lifecycle import PatchRefused
 from camp2p_overlap.core.patching.manifest import load_manifest
+from camp2p_overlap.emulation import device, standins
 from camp2p_overlap.emulation import standin_layer as emulation
-from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.standin_layer import emulated_layer, emulated_version_check, emulation_engine
 from camp2p_overlap.emulation.world import EmulatedModel, LinkModel, WorldSpec, build_world
 from camp2p_overlap.tools import cli
 from camp2p_overlap.tools.bench.runner import (
     ETA_MIN_HIDEABLE,
+    GRAPH_SKIPS,
     POLICIES,
     SCENARIOS,
+    TOOL_SWITCH_INTERVAL_S,
     BenchParams,
     resolve_params,
     run_bench,
@@ -79,6 +81,8 @@ TOP_KEYS = {
     "device": str,
     "backend": str,
     "scenario": (str, type(None)),
+    "graph": bool,
+    "skipped_policies": list,
     "stand_in_root": str,
     "comm_model": str,
     "attn_modeled": bool,
@@ -120,6 +124,8 @@ POLICY_KEYS = {
     "compared_steps": int,
     "mismatches": list,
     "engaged": bool,
+    "replays": int,
+    "captured_variants": int,
     "edges_checked": bool,
     "edges_ok": (bool, type(None)),
     "edge_violations": list,
@@ -127,7 +133,14 @@ POLICY_KEYS = {
     "peer_cycle_checked_steps": int,
     "peer_cycle_violations": list,
 }
-ENV_KEYS = {"python": str, "torch": str, "torch_threads": int, "cpu_count": int, "machine": str}
+ENV_KEYS = {
+    "python": str,
+    "torch": str,
+    "torch_threads": int,
+    "cpu_count": int,
+    "machine": str,
+    "switch_interval_s": float,
+}
 
 
 def _check_keys(obj: dict[str, Any], spec: dict[str, Any], where: str) -> None:
@@ -142,6 +155,7 @@ def test_bench_json_has_the_documented_schema(bench_files: dict[str, Any]) -> No
     _check_keys(r, TOP_KEYS, "report")
     assert r["schema"] == "camp2p-overlap/bench/v1"
     assert r["device"] == "cpu" and r["backend"] == "cpu"
+    assert r["graph"] is False and r["skipped_policies"] == []
     assert r["stand_in_root"] == standins.REAL_ROOT
     assert set(r["params"]) == PARAM_KEYS
     assert r["params"]["layers"] == 2 and r["params"]["reps"] == 2 and r["params"]["policies"] == list(POLICIES)
@@ -164,8 +178,10 @@ def test_bench_json_has_the_documented_schema(bench_files: dict[str, Any]) -> No
         _check_keys(p["per_layer_us"], {"median": float, "p90": float, "min": float, "mean": float}, "per_layer_us")
         # 2 reps x 2 timed steps
         assert p["samples"] == 4
+        assert p["replays"] == 0 and p["captured_variants"] == 0, "an eager run captures nothing"
     _check_keys(r["env"], ENV_KEYS, "env")
     assert r["env"]["torch_threads"] == 1
+    assert r["env"]["switch_interval_s"] == TOOL_SWITCH_INTERVAL_S, "the bench command sets the tools' interval"
 
 
 def test_report_values_are_consistent(bench_files: dict[str, Any]) -> None:
@@ -558,3 +574,167 @@ def test_work_points_run_short_interleaved_blocks(
     assert sweep.work_run(params, sweep.WORK_TIMED_S) == expected
     (probe,) = probes
     assert probe.policies == ("serial",) and probe.reps == 1
+
+
+# ---------------------------------------------------------------------------
+# graph mode: World.capture, bench --graph, sweep --graph
+
+GRAPH_POLICIES = ["serial", "e2a-only", "overlap-fixed"]
+
+
+def _graph_world() -> Any:
+    return build_world(WorldSpec(layers=3, stage_ids=(0, 1), tokens=8, shape=SHAPE, op_timeout_s=10.0, graph=True))
+
+
+@pytest.mark.usefixtures("standin_stack")
+@pytest.mark.parametrize("overlapped", [False, True], ids=["serial", "overlapped"])
+def test_world_capture_replays_bitwise_equal_to_eager_serial(overlapped: bool) -> None:
+    """WorldSpec.graph installs the emulated device as torch.npu and builds
+    the runner on upstream's graph path; World.capture runs warm-up then
+    capture; run_step replays the key (the graph's replay count moves) and
+    every replay equals the eager serial step of the same step id, with
+    the layer applied and after it is unpatched; take_graph hands the key
+    back to eager steps."""
+    was_npu = device.is_torch_npu()
+    w = _graph_world()
+    graph = None
+    try:
+        assert device.is_torch_npu() and w.runner.use_aclgraph
+        serial = {}
+        for sid in (3, 4):  # nothing captured yet: eager serial steps
+            w.steps_run = sid
+            serial[sid] = w.run_step()
+        if overlapped:
+            apply_cpu(graph=True)
+        graph = w.capture(warmups=1)
+        side = {name for name, _, _ in graph.nodes()} & {"K0", "K1"}
+        assert side == ({"K0", "K1"} if overlapped else set()), side
+        assert w.capture() is graph, "one graph per key: a second capture keeps the first"
+        for n, sid in enumerate((4, 3), start=1):
+            w.steps_run = sid
+            assert_same(w.run_step(), serial[sid], f"replay of step {sid}, layer applied")
+            assert graph.replays == n
+        if overlapped:
+            assert LAYER.engine.unpatch(timeout=10)
+        for n, sid in enumerate((3, 4, 3), start=3):
+            w.steps_run = sid
+            assert_same(w.run_step(), serial[sid], f"replay of step {sid}, layer unpatched")
+            assert graph.replays == n
+        entry = w.take_graph()
+        assert entry is not None and entry["graph"] is graph and w.take_graph() is None
+        w.steps_run = 4
+        assert_same(w.run_step(), serial[4], "eager again after take_graph")
+        assert graph.replays == 5, "a taken graph is not replayed"
+        w.put_graph(entry)
+        w.steps_run = 4
+        assert_same(w.run_step(), serial[4], "replay after put_graph")
+        assert graph.replays == 6
+    finally:
+        if graph is not None:
+            graph.reset()
+        w.close()
+    assert device.is_torch_npu() is was_npu, "World.close removes the torch.npu that build_world installed"
+
+
+def test_world_capture_needs_the_graph_path() -> None:
+    w = build_world(_tiny_spec())
+    assert not w.runner.use_aclgraph and not w.installed_torch_npu
+    with pytest.raises(RuntimeError, match="use_aclgraph"):
+        w.capture()
+
+
+@pytest.fixture(scope="module")
+def graph_bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One tiny ``bench --graph`` run through ``main(argv)``."""
+    out = tmp_path_factory.mktemp("graph") / "g.json"
+    was_npu = device.is_torch_npu()
+    rc = cli.main(["bench", *TINY, "--graph", "--json", str(out)])
+    return {"rc": rc, "report": json.loads(out.read_text()), "was_npu": was_npu, "npu_after": device.is_torch_npu()}
+
+
+def test_bench_graph_json_schema_and_bitwise_replays(graph_bench: dict[str, Any]) -> None:
+    assert graph_bench["rc"] == 0
+    r = graph_bench["report"]
+    _check_keys(r, TOP_KEYS, "report")
+    _check_keys(r["env"], ENV_KEYS, "env")
+    assert r["graph"] is True and r["params"]["graph"] is True
+    assert r["skipped_policies"] == [{"policy": "overlap", "why": GRAPH_SKIPS["overlap"]}]
+    assert [p["policy"] for p in r["policies"]] == GRAPH_POLICIES
+    assert r["outputs_equal"] is True
+    for p in r["policies"]:
+        _check_keys(p, POLICY_KEYS, f"policies[{p['policy']}]")
+        # 2 reps x 2 timed replays, one graph (one key) each
+        assert p["replays"] == 4 and p["samples"] == 4 and p["captured_variants"] == 1, p
+        assert p["outputs_equal"] is True and p["mismatches"] == [] and p["adaptive"] is False
+        assert p["engaged"] is (p["policy"] != "serial")
+    by = {p["policy"]: p for p in r["policies"]}
+    # every replay (2 reps x (1 warm-up + 2 timed)) against the eager serial step;
+    # serial also its 2 reps x 2 traced eager steps
+    assert by["e2a-only"]["compared_steps"] == 6 and by["overlap-fixed"]["compared_steps"] == 6
+    assert by["serial"]["compared_steps"] == 6 + 4
+    assert by["serial"]["edges_checked"] is True and by["serial"]["edges_ok"] is True
+    assert by["serial"]["peer_cycle_ok"] is True
+    for name in ("e2a-only", "overlap-fixed"):
+        assert by[name]["edges_checked"] is False and by[name]["edges_ok"] is None, "replays leave no trace"
+        assert by[name]["speedup_ci95"] is not None
+    assert r["measured"]["samples"] == 16 and r["measured"]["f_us"] > 0
+    assert graph_bench["npu_after"] is graph_bench["was_npu"], "the run removes the torch.npu it installed"
+    assert not device.capture_in_progress()
+
+
+def test_bench_graph_table_says_what_it_measured(graph_bench: dict[str, Any]) -> None:
+    from camp2p_overlap.tools.bench.tables import bench_table
+
+    text = bench_table(graph_bench["report"])
+    assert "graph mode (--graph)" in text and "not run in graph mode: overlap" in text
+    assert "FAILED" not in text
+
+
+def test_bench_graph_outputs_flag_fails_when_a_captured_step_differs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Perturb the FFN only while a session with A2E on side streams is
+    active (overlap-fixed's warm-up and capture): its replays must differ
+    from the eager serial steps, and the report must say so."""
+    original = EmulatedModel.compute_ffn_output
+    layers: list[Layer] = []
+    real_build = emulation.build_layer
+    monkeypatch.setattr(emulation, "build_layer", lambda **kw: layers.append(real_build(**kw)) or layers[-1])
+
+    def perturbed(self: EmulatedModel, *, hidden_states: torch.Tensor, layer_idx: int) -> Any:
+        out = original(self, hidden_states=hidden_states, layer_idx=layer_idx)
+        sessions = [s for layer in layers if (s := layer.runtime.active_session()) is not None]
+        if sessions and sessions[0].directions.a2e_side:
+            out.routed_output = out.routed_output + 1e-3
+        return out
+
+    monkeypatch.setattr(EmulatedModel, "compute_ffn_output", perturbed)
+    run = run_bench(resolve_params({**TINY_PARAMS, "reps": 1, "graph": True}))
+    by = {p["policy"]: p for p in run.report["policies"]}
+    assert by["serial"]["outputs_equal"] is True and by["e2a-only"]["outputs_equal"] is True
+    assert by["overlap-fixed"]["outputs_equal"] is False and by["overlap-fixed"]["mismatches"]
+    assert run.report["outputs_equal"] is False
+
+
+def test_bench_graph_on_a_device_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--device", "cuda", "--graph", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda: --graph runs on the emulated device only (--device cpu)" in err
+
+
+def test_sweep_graph_measures_work_points_in_graph_mode_too(tmp_path: Path) -> None:
+    md, js = tmp_path / "s.md", tmp_path / "s.json"
+    args = ["sweep", *TINY, "--reps", "1", "--ratios", "", "--stage-counts", "", "--comm-core-points", "none"]
+    rc = cli.main([*args, "--work-tokens", "2", "--work-hidden", "16", "--graph", "--md", str(md), "--json", str(js)])
+    assert rc == 0
+    data = json.loads(js.read_text())
+    assert data["graph"] is True and data["env"]["switch_interval_s"] == TOOL_SWITCH_INTERVAL_S
+    (pt,) = data["work_points"]
+    eager, graph = pt["report"], pt["graph_report"]
+    assert eager["graph"] is False
+    assert [p["policy"] for p in eager["policies"]] == ["serial", "overlap", "overlap-fixed"]
+    assert graph["graph"] is True and [p["policy"] for p in graph["policies"]] == ["serial", "overlap-fixed"]
+    assert graph["params"]["steps"] == eager["params"]["steps"] and graph["params"]["reps"] == eager["params"]["reps"]
+    assert graph["outputs_equal"] is True and all(p["captured_variants"] == 1 for p in graph["policies"])
+    text = md.read_text()
+    assert "The same work points in graph mode" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 16 / 2 ")]
+    assert len(rows) == 2, "the work point in the eager table and in the graph table"

@@ -14,6 +14,8 @@ from camp2p_overlap.core.observe.trace import TraceOp
 
 KIND_COLORS = {"a2e": "#4C72B0", "ffn": "#DD8452", "e2a": "#55A868", "wait": "#C7C7C7"}
 POLICY_COLORS = {"serial": "#8C8C8C", "e2a-only": "#4C72B0", "overlap": "#DD8452", "overlap-fixed": "#55A868"}
+#: The work panel's series of graph replays (sweep --graph).
+GRAPH_COLOR = "#8172B3"
 
 
 class PlotUnavailable(RuntimeError):
@@ -151,6 +153,20 @@ def _work_panel(ax: Any, points: Sequence[Mapping[str, Any]]) -> None:
             if any(y is not None for y in ys):
                 label = f"{'overlap (adaptive)' if policy == 'overlap' else policy}, hidden {hidden}"
                 ax.plot(xs, ys, marker="o", linestyle=style, label=label, color=POLICY_COLORS.get(policy))
+        graphed = [pt for pt in series if "graph_report" in pt]
+        if graphed:  # sweep --graph: fixed overlap's replays over serial's replays
+            ys = [
+                next((p["speedup"] for p in pt["graph_report"]["policies"] if p["policy"] == "overlap-fixed"), None)
+                for pt in graphed
+            ]
+            ax.plot(
+                [pt["tokens"] for pt in graphed],
+                ys,
+                marker="s",
+                linestyle=style,
+                label=f"overlap-fixed, graph replays, hidden {hidden}",
+                color=GRAPH_COLOR,
+            )
     ax.axhline(1.0, color="black", linewidth=1, label="serial")
     ax.axhline(0.95, color="grey", linewidth=1, linestyle=":", label="0.95x (goal for adaptive)")
     ax.set_xscale("log", base=2)

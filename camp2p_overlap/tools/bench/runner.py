@@ -28,6 +28,18 @@ step (for ``--trace``/``--plot`` and the edge checker).
 * outputs: every timed and traced step of every policy is compared bitwise
   (``torch.equal``) with the serial run of the same step id (the emulated
   attention inputs depend on the step id, which is set before each step).
+
+``graph`` (``--graph``, emulated device only): upstream's decode graph path.
+Each policy's step is captured once per graph key, with its layer config
+applied (``graph=True``; serial: unpatched), after the eager warm-up steps
+that create the side streams; then, per repetition, the captured graphs are
+replayed round-robin, one replay per policy per step id in a rotating order,
+each timed as an eager step is (``run_step`` + synchronize) and compared
+bitwise with the eager serial step of the same step id. Serial's pass-through
+traced steps (eager) give f, a, e and the floor as above. A replay runs only
+the captured kernels, so a graph replays after its layer was unpatched (on
+streams of the graph's own). Adaptive ``overlap`` is not run in graph mode:
+adaptive engage has no per-key choice at capture yet.
 """
 
 from __future__ import annotations
@@ -47,7 +59,7 @@ import torch
 
 import camp2p_overlap
 from camp2p_overlap.core.config import MAX_STAGES, OverlapConfig
-from camp2p_overlap.core.keys import COMPUTE_STREAM
+from camp2p_overlap.core.keys import COMPUTE_STREAM, side_stream_name
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, TraceOp, TraceRecorder, recording
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.standin_layer import emulated_layer, release_site, standin_site
@@ -67,6 +79,22 @@ PROFILE_NEEDS_DEVICE = (
 )
 #: eta is reported only when T_serial - T_floor is at least this share of T_serial.
 ETA_MIN_HIDEABLE = 0.05
+#: ``sys.setswitchinterval`` of the emulation tools' processes (bench, sweep,
+#: overhead, scripts/soak.py; never the layer's): the emulated streams,
+#: the compute stream included, are Python threads, and at CPython's default
+#: of 5 ms a thread that could run waits up to that long for the GIL, which
+#: at small work per (layer, stage) would swamp what is measured.
+TOOL_SWITCH_INTERVAL_S = 0.0002
+GRAPH_NEEDS_EMULATED_DEVICE = (
+    "--graph runs on the emulated device only (--device cpu): the device world's transport picks each step's "
+    "attention inputs and records its results on the host, which a captured device graph would freeze at "
+    "capture time"
+)
+#: Why a policy is left out of a --graph run.
+GRAPH_SKIPS = {
+    "overlap": "adaptive engage has no per-key choice at capture yet: a graph replays what was captured, so an "
+    "adaptive policy's graph would be the fixed overlap's or serial's",
+}
 
 #: policy -> (A2E on side streams, E2A on side streams); None = engine unpatched.
 POLICIES: dict[str, tuple[bool, bool] | None] = {
@@ -117,6 +145,9 @@ class BenchParams:
     comm_cores: int = 0
     policies: tuple[str, ...] = ("serial", "e2a-only", "overlap", "overlap-fixed")
     scenario: str | None = None
+    #: Capture each policy's step once (upstream's decode graph path) and time
+    #: replays (emulated device only; adaptive ``overlap`` is left out).
+    graph: bool = False
 
     def link(self) -> LinkModel:
         return LinkModel(latency_s=self.link_latency_us * 1e-6, bandwidth_Bps=self.link_gbps * 1e9 / 8)
@@ -133,6 +164,7 @@ class BenchParams:
             seed=self.seed,
             device="cpu",
             comm_cores=self.comm_cores,
+            graph=self.graph,
         )
 
     def validate(self) -> None:
@@ -164,6 +196,8 @@ class BenchParams:
             problems.append("--policies must include serial (the reference for speedup, eta and outputs)")
         if len(set(self.policies)) != len(self.policies):
             problems.append("--policies names a policy twice")
+        if self.graph and self.device != "cpu":
+            problems.append(f"--device {self.device}: {GRAPH_NEEDS_EMULATED_DEVICE}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -238,6 +272,14 @@ def resolve_params(explicit: Mapping[str, Any], scenario: str | None = None) -> 
 
 # ---------------------------------------------------------------------------
 # statistics
+
+
+def use_tool_switch_interval() -> float:
+    """Set :data:`TOOL_SWITCH_INTERVAL_S` for this process (the tools' entry
+    points call this); returns the interval it replaced."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(TOOL_SWITCH_INTERVAL_S)
+    return previous
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -337,6 +379,11 @@ class PolicyStats:
     timeline: list[TraceOp] = field(default_factory=list)
     #: Every traced step's ops and A2E peer waits (kept for ``serial`` only: f, a, e come from them).
     traced: list[tuple[list[TraceOp], dict[tuple[int, int], int]]] = field(default_factory=list)
+    #: Graph mode: timed replays, and graphs captured (one per graph key).
+    replays: int = 0
+    captured_variants: int = 0
+    #: Whether its steps were traced for the edge checker (graph replays are not).
+    edges_checkable: bool = True
 
 
 @dataclass
@@ -369,7 +416,7 @@ class _Progress:
             self.bar.close()
 
 
-def _config_for(policy: str, backend: str) -> OverlapConfig | None:
+def _config_for(policy: str, backend: str, *, graph: bool = False) -> OverlapConfig | None:
     sides = POLICIES[policy]
     if sides is None:
         return None
@@ -379,7 +426,14 @@ def _config_for(policy: str, backend: str) -> OverlapConfig | None:
         a2e_on_side_stream=sides[0],
         e2a_on_side_stream=sides[1],
         adaptive=policy in ADAPTIVE_POLICIES,
+        graph=graph,
     )
+
+
+def graph_policies(params: BenchParams) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The policies a ``--graph`` run measures, and those it leaves out with why."""
+    skipped = {p: GRAPH_SKIPS[p] for p in params.policies if p in GRAPH_SKIPS}
+    return tuple(p for p in params.policies if p not in skipped), skipped
 
 
 def _compare(
@@ -408,7 +462,8 @@ def run_bench(
     site = standin_site()
     try:
         handle = _cpu_handle(params, site.root) if params.device == "cpu" else _device_handle(params, site.root)
-        stats = _run_policies(params, handle, site.manifest, progress, progress_desc)
+        run_policies = _run_graph_policies if params.graph else _run_policies
+        stats = run_policies(params, handle, site.manifest, progress, progress_desc)
         layers = tuple(handle.world.layer_list())
         stages = tuple(handle.world.spec.stage_ids)
         profiled = None
@@ -431,7 +486,8 @@ def run_bench(
     report = _report(params, handle, site.root, layers, stages, stats, time.perf_counter() - wall0)
     if profiled is not None:
         report["profile"] = profiled
-    return BenchRun(report, {name: s.timeline for name, s in stats.items()})
+    # (--graph: replays are not traced; only serial's eager traced step has a timeline)
+    return BenchRun(report, {name: s.timeline for name, s in stats.items() if s.timeline})
 
 
 def _run_policies(
@@ -519,6 +575,124 @@ def _run_policies(
                 st.engaged.append(engaged)
                 st.timeline = ops
     finally:
+        bar.close()
+    return stats
+
+
+def _run_graph_policies(
+    params: BenchParams,
+    handle: _Handle,
+    manifest: Any,
+    progress: bool,
+    desc: str,
+) -> dict[str, PolicyStats]:
+    """``--graph``: the eager serial reference of every step id; each
+    policy's step captured once (its config applied, ``graph=True``); then
+    per repetition warm-up and timed replays round-robin, and serial's traced
+    pass-through steps (module docstring)."""
+    world = handle.world
+    layers = tuple(world.layer_list())
+    stages = tuple(world.spec.stage_ids)
+    policies, _ = graph_policies(params)
+    order = ["serial", *[p for p in policies if p != "serial"]]
+    # Replays leave no host trace for the edge checker; serial's traced steps are eager.
+    stats = {p: PolicyStats(p, edges_checkable=p == "serial") for p in policies}
+    warm_ids = range(params.warmup)
+    timed_ids = range(params.warmup, params.warmup + params.steps)
+    passthrough = OverlapConfig(
+        enabled=True,
+        backend=handle.backend,  # type: ignore[arg-type]
+        a2e_on_side_stream=False,
+        e2a_on_side_stream=False,
+        adaptive=False,
+    )
+    engines = {p: emulated_layer().engine for p in order}
+    per_rep = len(order) * (params.warmup + params.steps) + params.steps
+    bar = _Progress(len(warm_ids) + len(timed_ids) + len(order) + params.reps * per_rep, progress, desc)
+    side_streams = {side_stream_name(s) for s in stages}
+    # The reference: eager serial steps (engine unpatched) of every step id,
+    # before anything is captured (a key with no graph runs eagerly).
+    reference: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
+    for sid in (*warm_ids, *timed_ids):
+        world.steps_run = sid
+        reference[sid] = world.run_step()
+        handle.sync()
+        handle.check()
+        bar.tick("serial (eager reference)")
+    captured: dict[str, dict[str, Any]] = {}
+
+    def replay(policy: str, sid: int, rep: int, *, timed: bool) -> None:
+        st = stats[policy]
+        world.put_graph(captured[policy])
+        try:
+            world.steps_run = sid
+            t0 = time.perf_counter()
+            out = world.run_step()
+            handle.sync()
+            elapsed = time.perf_counter() - t0
+        finally:
+            world.take_graph()
+        handle.check()
+        if timed:
+            st.per_layer_s.append(elapsed / len(layers))
+            st.replays += 1
+        _check_output(st, reference, sid, out, rep)
+        bar.tick(policy)
+
+    try:
+        # Capture: one graph per policy (one key: every stage at --tokens),
+        # under the policy's config; kept after its layer is unpatched.
+        for policy in order:
+            engine = engines[policy]
+            cfg = _config_for(policy, handle.backend, graph=True)
+            if cfg is not None:
+                engine.apply(config=cfg, manifest=manifest, strict=True)
+            try:
+                graph = world.capture(warmups=max(params.warmup, 1))
+                entry = world.take_graph()
+            finally:
+                if not engine.unpatch(timeout=30.0):
+                    raise RuntimeError("the benchmark's patch engine could not unpatch; see the log")
+            assert entry is not None and entry["graph"] is graph
+            captured[policy] = entry
+            st = stats[policy]
+            st.captured_variants += 1
+            st.engaged.append(any(name in side_streams for name, _, _ in graph.nodes()))
+            bar.tick(policy)
+        for rep in range(params.reps):
+            for sid in warm_ids:
+                for policy in order:
+                    replay(policy, sid, rep, timed=False)
+            for i, sid in enumerate(timed_ids):
+                k = i % len(order)  # rotate who goes first, so no policy always follows another
+                for policy in order[k:] + order[:k]:
+                    replay(policy, sid, rep, timed=True)
+            st = stats["serial"]
+            engine = engines["serial"]
+            engine.apply(config=passthrough, manifest=manifest, strict=True)
+            try:
+                for sid in timed_ids:
+                    world.steps_run = sid
+                    ops, out, waits = handle.traced_step()
+                    _check_output(st, reference, sid, out, rep)
+                    if handle.attn_modeled:
+                        cycle = check_peer_cycle(
+                            ops, layers, stages, int(params.attn_us * 1e3), tolerance_ns=PEER_TOLERANCE_NS
+                        )
+                        st.peer_violations.extend(f"rep {rep} step {sid}: {v}" for v in cycle.violations)
+                        st.peer_checked += 1
+                    st.traced.append((ops, waits))
+                    bar.tick("serial")
+            finally:
+                if not engine.unpatch(timeout=30.0):
+                    raise RuntimeError("the benchmark's patch engine could not unpatch; see the log")
+            if handle.edges_checkable:
+                result = check_step(ops, ExpectedSchedule(layers, stages, False, False))
+                st.violations.extend(f"rep {rep}: {v}" for v in result.violations)
+            st.timeline = ops
+    finally:
+        for entry in captured.values():
+            entry["graph"].reset()  # closes the streams a graph made for itself
         bar.close()
     return stats
 
@@ -669,7 +843,7 @@ def _report(
     t_floor = measured["floor_per_layer_us"] / 1e6
     rng = random.Random(params.seed)
     policies = []
-    for name in params.policies:
+    for name in (n for n in params.policies if n in stats):
         st = stats[name]
         med = statistics.median(st.per_layer_s)
         sides = POLICIES[name] or (False, False)
@@ -704,8 +878,10 @@ def _report(
                 "compared_steps": st.compared,
                 "mismatches": st.mismatches[:10],
                 "engaged": all(st.engaged) and bool(st.engaged),
-                "edges_checked": handle.edges_checkable,
-                "edges_ok": (not st.violations) if handle.edges_checkable else None,
+                "replays": st.replays,
+                "captured_variants": st.captured_variants,
+                "edges_checked": handle.edges_checkable and st.edges_checkable,
+                "edges_ok": (not st.violations) if handle.edges_checkable and st.edges_checkable else None,
                 "edge_violations": st.violations[:10],
                 "peer_cycle_ok": (not st.peer_violations) if st.peer_checked else None,
                 "peer_cycle_checked_steps": st.peer_checked,
@@ -718,6 +894,10 @@ def _report(
         "device": params.device,
         "backend": handle.backend,
         "scenario": params.scenario,
+        "graph": params.graph,
+        "skipped_policies": [
+            {"policy": name, "why": why} for name, why in (graph_policies(params)[1] if params.graph else {}).items()
+        ],
         "stand_in_root": root,
         "params": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(params).items()},
         "comm_model": handle.comm_model,
@@ -733,6 +913,7 @@ def _report(
             "torch_threads": params.threads,
             "cpu_count": os.cpu_count(),
             "machine": platform.machine(),
+            "switch_interval_s": round(sys.getswitchinterval(), 9),
         },
         "wall_s": round(wall_s, 3),
     }

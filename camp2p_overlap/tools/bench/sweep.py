@@ -3,7 +3,10 @@ of communication to FFN compute, against the number of stages, and against
 the cores each communication op keeps busy (``--comm-cores``: how speedup
 and eta fall as communication takes compute), and against the work per
 (layer, stage) (tokens per stage, from 1 up to the preset's), where fixed
-and adaptive overlap run side by side so the crossover shows.
+and adaptive overlap run side by side so the crossover shows. With
+``work_graph`` (``sweep --graph``) every work point is measured in graph mode
+too (``bench --graph``: each policy's step captured once, replays timed),
+reported as its ``graph_report`` next to the eager ``report``.
 
 The ratio is set through the modeled link: the FFN time f is measured once
 (a short serial run of the same world), then for each target ratio r the
@@ -104,17 +107,19 @@ def run_sweep(
     work_hidden: Sequence[int] = DEFAULT_WORK_HIDDEN,
     comm_cores: Sequence[int] | None = None,
     work_timed_s: float = WORK_TIMED_S,
+    work_graph: bool = False,
     progress: bool = False,
     log: Any = sys.stderr,
 ) -> dict[str, Any]:
     """Run every point; returns ``{"base", "f_calibration_us", "ratio_points",
-    "stage_points", "work_points", "wall_s"}`` with each point's full
-    benchmark report."""
+    "stage_points", "work_points", "graph", "env", "wall_s"}`` with each
+    point's full benchmark report (a work point's graph-mode one as its
+    ``graph_report`` when ``work_graph``)."""
     t0 = time.perf_counter()
     if comm_cores is None:
         comm_cores = DEFAULT_COMM_CORES.get(base.device, ())
     f_s = _calibrate_f(base) if (ratios or stage_counts or comm_cores) else float("nan")
-    total = len(ratios) + len(stage_counts) + len(comm_cores) + len(work_tokens) * len(work_hidden)
+    total = len(ratios) + len(stage_counts) + len(comm_cores) + len(work_tokens) * len(work_hidden) * (1 + work_graph)
     done = 0
 
     def point(params: BenchParams, label: str) -> dict[str, Any]:
@@ -157,15 +162,18 @@ def run_sweep(
         steps, reps = work_run(params, work_timed_s)
         params = replace(params, steps=steps, reps=reps)
         report = point(params, f"{tokens} tokens per stage, hidden {hidden}")
-        work_points.append(
-            {
-                "tokens": tokens,
-                "hidden": hidden,
-                "measured_ratio": report["measured"]["comm_over_ffn"],
-                "stages": base.stages,
-                "report": report,
-            }
-        )
+        work_point = {
+            "tokens": tokens,
+            "hidden": hidden,
+            "measured_ratio": report["measured"]["comm_over_ffn"],
+            "stages": base.stages,
+            "report": report,
+        }
+        if work_graph:
+            work_point["graph_report"] = point(
+                replace(params, graph=True), f"{tokens} tokens per stage, hidden {hidden}, graph replays"
+            )
+        work_points.append(work_point)
     return {
         "schema": "camp2p-overlap/sweep/v1",
         "base": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(base).items()},
@@ -174,6 +182,8 @@ def run_sweep(
         "stage_points": stage_points,
         "comm_core_points": comm_core_points,
         "work_points": work_points,
+        "graph": bool(work_graph),
+        "env": {"switch_interval_s": round(sys.getswitchinterval(), 9)},
         "wall_s": round(time.perf_counter() - t0, 3),
     }
 
@@ -269,11 +279,25 @@ def sweep_markdown(sweep: Mapping[str, Any], command: str | None = None) -> str:
             ),
         ),
     )
-    for key, first_col, first_cell, title in tables:
-        pts = sweep.get(key) or []
+    rows: list[tuple[str, str, Any, Any, str]] = [(*t, "report") for t in tables]
+    if any("graph_report" in pt for pt in sweep.get("work_points") or []):
+        rows.append(
+            (
+                "work_points",
+                "hidden / tokens per stage",
+                lambda pt: f"{pt['hidden']} / {pt['tokens']}",
+                lambda pts: (
+                    "The same work points in graph mode (`bench --graph`): each policy's step captured once, "
+                    "replays timed; adaptive `overlap` is not run there (no per-key choice at capture yet):"
+                ),
+                "graph_report",
+            )
+        )
+    for key, first_col, first_cell, title, rkey in rows:
+        pts = [pt for pt in sweep.get(key) or [] if rkey in pt]
         if not pts:
             continue
-        policies = [p["policy"] for p in pts[0]["report"]["policies"]]
+        policies = [p["policy"] for p in pts[0][rkey]["policies"]]
         others = [p for p in policies if p != "serial"]
         head = [f"{p} per layer" for p in policies] + ["floor"] + [f"{p} speedup / eta" for p in others]
         head.append("outputs equal")
@@ -285,8 +309,9 @@ def sweep_markdown(sweep: Mapping[str, Any], command: str | None = None) -> str:
             "|" + " --- |" * (len(head) + 2),
         ]
         for pt in pts:
-            measured = "-" if pt["measured_ratio"] is None else f"{pt['measured_ratio']:.2f}"
-            row = [first_cell(pt), measured, *_cells(pt["report"], policies)]
+            ratio = pt["measured_ratio"] if rkey == "report" else pt[rkey]["measured"]["comm_over_ffn"]
+            measured = "-" if ratio is None else f"{ratio:.2f}"
+            row = [first_cell(pt), measured, *_cells(pt[rkey], policies)]
             lines.append("| " + " | ".join(row) + " |")
     worst = adaptive_worst(sweep)
     lines.append("")
