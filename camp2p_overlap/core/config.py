@@ -23,6 +23,7 @@ from camp2p_overlap.core.env_vars import (
     ENV_BACKEND,
     ENV_E2A,
     ENV_GRAPH,
+    ENV_METRICS_ADDR,
     ENV_METRICS_PORT,
     ENV_MIN_STAGES,
     ENV_MODE,
@@ -45,6 +46,7 @@ __all__ = [
     "ENV_BACKEND",
     "ENV_E2A",
     "ENV_GRAPH",
+    "ENV_METRICS_ADDR",
     "ENV_METRICS_PORT",
     "ENV_MIN_STAGES",
     "ENV_MODE",
@@ -71,6 +73,7 @@ Backend = Literal["auto", "npu", "cuda", "cpu"]
 #: issue order on the compute stream only), ``parity`` (the session engaged,
 #: every op on the compute stream in upstream's order). See docs/design.md.
 Mode = Literal["overlap", "reorder", "parity"]
+GraphMode = Literal["0", "1", "adaptive"]
 #: The rollout modes, in the order errors list them (the table's choices).
 MODES: tuple[str, ...] = BY_NAME[ENV_MODE].values
 
@@ -93,7 +96,9 @@ class OverlapConfig:
     a2e_on_side_stream: bool = DEFAULTS["a2e_on_side_stream"]
     e2a_on_side_stream: bool = DEFAULTS["e2a_on_side_stream"]
     min_stages: int = DEFAULTS["min_stages"]
-    graph: bool = DEFAULTS["graph"]
+    #: What a decode graph captures: "0" (serial), "1" (overlap), "adaptive"
+    #: (both, chosen per key at replay). ``True``/``False`` read as "1"/"0".
+    graph: GraphMode = DEFAULTS["graph"]
     backend: Backend = DEFAULTS["backend"]
     strict: bool = DEFAULTS["strict"]
     watchdog_s: float | None = DEFAULTS["watchdog_s"]
@@ -102,10 +107,21 @@ class OverlapConfig:
     mode: Mode = DEFAULTS["mode"]
     #: Port of the opt-in per-process metrics endpoint (None: off; 0: any free port).
     metrics_port: int | None = DEFAULTS["metrics_port"]
+    #: Address that endpoint listens on (loopback unless set; ``0.0.0.0`` for every interface).
+    metrics_addr: str = DEFAULTS["metrics_addr"]
     #: Seconds between one-line summaries in the log (0: none).
     summary_s: float = DEFAULTS["summary_s"]
     #: Variables that were set, as read (for logs and ``doctor``).
     raw: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.graph, bool):
+            object.__setattr__(self, "graph", "1" if self.graph else "0")
+
+    @property
+    def graph_overlap(self) -> bool:
+        """Whether a capture may take an overlap variant (``GRAPH`` 1 or adaptive)."""
+        return self.graph != "0"
 
     def with_overrides(self, **changes: object) -> OverlapConfig:
         """A copy with the given fields changed (used by tests and the bench)."""

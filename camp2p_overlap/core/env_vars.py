@@ -11,7 +11,9 @@ and the README's configuration table (:func:`markdown_table`, written by
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import re
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ ENV_ADAPTIVE = "VLLM_CAMP2P_MULTISTREAM_ADAPTIVE"
 ENV_REPROBE = "VLLM_CAMP2P_MULTISTREAM_REPROBE_EVERY"
 ENV_MODE = "VLLM_CAMP2P_MULTISTREAM_MODE"
 ENV_METRICS_PORT = "VLLM_CAMP2P_MULTISTREAM_METRICS_PORT"
+ENV_METRICS_ADDR = "VLLM_CAMP2P_MULTISTREAM_METRICS_ADDR"
 ENV_SUMMARY = "VLLM_CAMP2P_MULTISTREAM_SUMMARY_S"
 
 #: CAMP2P has one HCCL group per stage: afd, afd1, afd2.
@@ -37,13 +40,32 @@ MAX_STAGES = 3
 MIN_REPROBE, MAX_REPROBE = 2, 1_000_000
 #: Default seconds between the periodic one-line summaries.
 DEFAULT_SUMMARY_S = 60.0
+#: Where the opt-in metrics endpoint listens unless told: loopback only.
+DEFAULT_METRICS_ADDR = "127.0.0.1"
 
 #: The accepted spellings of a switch (any case, surrounding blanks ignored).
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
 #: How a variable's text becomes a value.
-Kind = Literal["switch", "integer", "choice", "seconds"]
+Kind = Literal["switch", "integer", "choice", "seconds", "address"]
+#: One label of a host name (RFC 1123): letters, digits, inner hyphens.
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def is_address(text: str) -> bool:
+    """Whether ``text`` is an IPv4 or IPv6 literal or a host name a socket can bind."""
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        pass
+    labels = (text[:-1] if text.endswith(".") else text).split(".")
+    return (
+        len(text) <= 253
+        and all(_HOST_LABEL.fullmatch(label) for label in labels)
+        and not labels[-1].isdigit()  # a malformed IPv4 literal, not a host name
+    )
 
 
 class BadValue(ValueError):
@@ -76,6 +98,8 @@ class EnvVar:
     zero: str = ""
     #: What unset means when the default is None.
     unset: str = ""
+    #: ``choice``: other spellings accepted for a value (word, value).
+    aliases: tuple[tuple[str, str], ...] = ()
 
     @property
     def values(self) -> tuple[str, ...]:
@@ -110,10 +134,14 @@ class EnvVar:
             except ValueError:
                 raise BadValue(f"{self.name}={raw!r} is not {self.noun}") from None
         if self.kind == "choice":
-            word = text.lower()
+            word = dict(self.aliases).get(text.lower(), text.lower())
             if word not in self.values:
                 raise BadValue(f"{self.name}={raw!r} is not one of {', '.join(self.values)}")
             return word
+        if self.kind == "address":
+            if not is_address(text):
+                raise BadValue(f"{self.name}={raw!r} {self._address_rule()}")
+            return text
         try:
             seconds = float(text)
         except ValueError:
@@ -134,6 +162,12 @@ class EnvVar:
             raise BadValue(f"{self.name}={value!r} is not one of {', '.join(self.values)}")
         if self.kind == "seconds" and not self._seconds_ok(value):
             raise BadValue(f"{self.name}={value!r} {self._seconds_rule()}")
+        if self.kind == "address" and not (isinstance(value, str) and is_address(value)):
+            raise BadValue(f"{self.name}={value!r} {self._address_rule()}")
+
+    @staticmethod
+    def _address_rule() -> str:
+        return "is not an IPv4 or IPv6 address or a host name (e.g. 127.0.0.1, 0.0.0.0, ::1, localhost)"
 
     def _seconds_ok(self, seconds: float) -> bool:
         return math.isfinite(seconds) and (seconds >= 0 if self.low == 0 else seconds > 0)
@@ -154,7 +188,7 @@ class EnvVar:
         elif isinstance(d, float):
             text = f"{d:g}"
         else:
-            text = f"`{d}`" if self.kind == "choice" else str(d)
+            text = f"`{d}`" if self.kind in ("choice", "address") else str(d)
         return text if markdown else plain(text)
 
     def accepted(self, markdown: bool = True) -> str:
@@ -165,6 +199,8 @@ class EnvVar:
             text = ", ".join(f"`{v}`" + (f" ({m})" if m else "") for v, m in self.choices)
         elif self.kind == "integer":
             text = f"{self.noun.split(' ', 1)[1]}, {self.low}–{self.high}"
+        elif self.kind == "address":
+            text = "IP or host name"
         else:
             text = "seconds, ≥ 0" if self.low == 0 else "seconds, > 0"
         return text if markdown else plain(text)
@@ -225,7 +261,19 @@ TABLE: tuple[EnvVar, ...] = (
         high=MAX_STAGES,
         range_note=f"CAMP2P has {MAX_STAGES} stage groups",
     ),
-    EnvVar(ENV_GRAPH, "graph", "switch", False, "also engage inside graph capture (ACL graph, CUDA graph)"),
+    EnvVar(
+        ENV_GRAPH,
+        "graph",
+        "choice",
+        "0",
+        "what a decode graph (ACL graph, CUDA graph) captures for each key",
+        choices=(
+            ("0", "the serial step, upstream's own graph"),
+            ("1", "the overlap, for every key"),
+            ("adaptive", "both variants; each replay runs the one its key's bucket chose"),
+        ),
+        aliases=(("off", "0"), ("false", "0"), ("no", "0"), ("on", "1"), ("true", "1"), ("yes", "1")),
+    ),
     EnvVar(
         ENV_BACKEND,
         "backend",
@@ -294,7 +342,7 @@ TABLE: tuple[EnvVar, ...] = (
         "metrics_port",
         "integer",
         None,
-        "opt-in: serve this worker's step metrics on `http://<host>:<port>/metrics`, on every interface",
+        "opt-in: this worker's step metrics on `http://<addr>:<port>/metrics`",
         low=0,
         high=65535,
         noun="a TCP port number",
@@ -302,11 +350,18 @@ TABLE: tuple[EnvVar, ...] = (
         zero="any free port, logged",
     ),
     EnvVar(
+        ENV_METRICS_ADDR,
+        "metrics_addr",
+        "address",
+        DEFAULT_METRICS_ADDR,
+        "the endpoint's listen address; `0.0.0.0`: scrape from other hosts",
+    ),
+    EnvVar(
         ENV_SUMMARY,
         "summary_s",
         "seconds",
         DEFAULT_SUMMARY_S,
-        "seconds between one-line step summaries in the log, written when the counts changed",
+        "seconds between one-line step summaries in the log, if the counts changed",
         low=0,
         zero="none",
     ),

@@ -19,6 +19,7 @@ from camp2p_overlap.core.config import (
     ENV_BACKEND,
     ENV_E2A,
     ENV_GRAPH,
+    ENV_METRICS_ADDR,
     ENV_METRICS_PORT,
     ENV_MIN_STAGES,
     ENV_MODE,
@@ -42,7 +43,7 @@ def test_defaults_from_an_empty_environment() -> None:
     cfg = load_config({})
     assert cfg == OverlapConfig()
     assert cfg.enabled is False and cfg.a2e_on_side_stream and cfg.e2a_on_side_stream
-    assert cfg.min_stages == 2 and cfg.graph is False and cfg.backend == "auto"
+    assert cfg.min_stages == 2 and cfg.graph == "0" and cfg.backend == "auto"
     assert cfg.strict is False and cfg.watchdog_s is None and dict(cfg.raw) == {}
 
 
@@ -52,8 +53,10 @@ def test_unrelated_variables_are_ignored() -> None:
 
 @pytest.mark.parametrize(("raw", "value"), [("1", True), ("TRUE", True), (" on ", True), ("Yes", True), ("0", False)])
 def test_booleans(raw: str, value: bool) -> None:
-    for name, field in ((ENV_SWITCH, "enabled"), (ENV_A2E, "a2e_on_side_stream"), (ENV_GRAPH, "graph")):
+    for name, field in ((ENV_SWITCH, "enabled"), (ENV_A2E, "a2e_on_side_stream")):
         assert getattr(load_config({name: raw}), field) is value
+    # GRAPH is a choice (0, 1, adaptive) that also reads the switch spellings.
+    assert load_config({ENV_GRAPH: raw}).graph == ("1" if value else "0")
     assert load_config({ENV_E2A: raw}).e2a_on_side_stream is value
     assert load_config({ENV_STRICT: raw}).strict is value
     assert load_config({ENV_SWITCH: ""}).enabled is False  # empty: the default
@@ -73,6 +76,7 @@ def test_every_field_from_the_environment() -> None:
         ENV_REPROBE: " 128",
         ENV_MODE: "Reorder",
         ENV_METRICS_PORT: "9400",
+        ENV_METRICS_ADDR: " 0.0.0.0 ",
         ENV_SUMMARY: "15",
     }
     cfg = load_config(env)
@@ -89,6 +93,7 @@ def test_every_field_from_the_environment() -> None:
         reprobe_every=128,
         mode="reorder",
         metrics_port=9400,
+        metrics_addr="0.0.0.0",
         summary_s=15.0,
     )
     assert dict(cfg.raw) == env
@@ -123,6 +128,10 @@ BAD = [
     (ENV_METRICS_PORT, "http"),
     (ENV_METRICS_PORT, "65536"),
     (ENV_METRICS_PORT, "-1"),
+    (ENV_METRICS_ADDR, "http://0.0.0.0"),
+    (ENV_METRICS_ADDR, "0.0.0.0:9400"),
+    (ENV_METRICS_ADDR, "256.1.1.1"),
+    (ENV_METRICS_ADDR, "my_host"),
     (ENV_SUMMARY, "often"),
     (ENV_SUMMARY, "-1"),
     (ENV_SUMMARY, "nan"),

@@ -103,6 +103,8 @@ def _other_value(v: EnvVar) -> tuple[str, Any]:
     if v.kind == "choice":
         value = next(c for c in v.values if c != v.default)
         return value.upper(), value
+    if v.kind == "address":
+        return " ::1 ", "::1"
     return "2.5", 2.5
 
 
@@ -123,6 +125,8 @@ def _bad_values(v: EnvVar) -> list[str]:
         return ["x", "1.5", str(v.low - 1), str(v.high + 1)]  # type: ignore[operator]
     if v.kind == "choice":
         return ["nope", v.values[0] + "x"]
+    if v.kind == "address":
+        return ["http://host", "host:80", "[::1]", "1.2.3.999", "-host", "a b", "x" * 64]
     return ["abc", "-1", "inf", "nan"] + ([] if v.low == 0 else ["0"])
 
 
@@ -138,7 +142,7 @@ def test_a_bad_value_is_a_config_error_naming_the_variable_and_the_value(var: En
 
 @pytest.mark.parametrize("var", [v for v in TABLE if v.kind != "switch"], ids=lambda v: v.name)
 def test_an_override_outside_the_range_is_a_config_error(var: EnvVar) -> None:
-    bad: Any = {"integer": (var.high or 0) + 1, "choice": "nope", "seconds": -1.0}[var.kind]
+    bad: Any = {"integer": (var.high or 0) + 1, "choice": "nope", "seconds": -1.0, "address": "a b"}[var.kind]
     with pytest.raises(ConfigError, match=re.escape(var.name)):
         OverlapConfig().with_overrides(**{var.field: bad})
 

@@ -90,7 +90,7 @@ def test_manifest_ships_inside_the_wheel(installed: dict) -> None:
     assert "camp2p_overlap/patches/vllm-0.19.1.toml" in installed["dist_files"]
     assert "camp2p_overlap/patches/vllm-0.26.0.toml" in installed["dist_files"]
     assert installed["stacks"] == ["vllm-0.19.1", "vllm-0.26.0"]
-    assert installed["stack"] == "vllm-0.19.1" and installed["targets"] == 4
+    assert installed["stack"] == "vllm-0.19.1" and installed["targets"] == 5
 
 
 def test_manifests_ship_inside_the_sdist(installed: dict) -> None:

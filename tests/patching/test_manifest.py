@@ -35,6 +35,7 @@ def test_shipped_manifest_loads() -> None:
     ids = {t.id: t for t in man.targets()}
     assert {i.rsplit(".", 1)[-1] for i in ids} == {
         "_ffn_forward",
+        "_capture_graphs",
         "_ffn_layer_indices",
         "recv_attn_output",
         "send_ffn_output",

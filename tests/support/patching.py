@@ -20,7 +20,10 @@ from support.overlap import count_our_wrappers
 RUNNER = "afd_plugin.v1.worker.npu.ffn_model_runner"
 CONNECTOR = "afd_plugin.connectors.npu.camp2p"
 #: (module, class, attribute) of every 'wrap' target of the shipped manifest.
-WRAPPED = ((RUNNER, "AFDNPUFFNModelRunner", "_ffn_forward"),)
+WRAPPED = (
+    (RUNNER, "AFDNPUFFNModelRunner", "_ffn_forward"),
+    (RUNNER, "AFDNPUFFNModelRunner", "_capture_graphs"),
+)
 #: (module, class, attribute) of every 'route' target: checked, never wrapped.
 ROUTED = (
     (CONNECTOR, "CAMP2pAFDConnector", "recv_attn_output"),

@@ -1,11 +1,17 @@
 """Per-process step counters: how many FFN steps ran each path, and why
-the serial ones did. ``camp2p_overlap.stats()`` reports them; their shape
-is documented in the README ("Reading stats()") and kept stable for
-exporters."""
+the serial ones did, and how many decode-graph replays ran each captured
+variant. ``camp2p_overlap.stats()`` reports them; their shape is documented
+in the README ("Reading stats()") and kept stable for exporters.
+
+A forked child starts from zero: what its parent counted is the parent's
+(vLLM's multi-process metrics directory sums the processes, so a child
+reporting its parent's counts would count them twice)."""
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -14,17 +20,29 @@ from typing import Any
 #: any other under ``serial`` with its reason.
 PATHS = ("overlap", "parity", "reorder", "serial")
 ENGAGED = ("overlap", "parity", "reorder")
+#: The variants a decode graph replays: upstream's serial step, or the
+#: layer's (the overlap, or the rollout mode's graph).
+GRAPH_VARIANTS = ("serial", "overlap")
 
 
 class StepCounters:
     def __init__(self) -> None:
+        self._zero()
+        #: Called once, after the first step or replay is counted (the
+        #: process-wide layer starts its metrics and summary there: only
+        #: processes that run FFN steps report).
+        self.on_first_step: Callable[[], None] | None = None
+        if hasattr(os, "register_at_fork"):
+            ref = weakref.WeakMethod(self._zero)
+            os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
+
+    def _zero(self) -> None:
+        """Nothing counted (at creation, and in a forked child: a new lock
+        too, as a thread of the parent may have held the old one)."""
         self._lock = threading.Lock()
         self._steps = dict.fromkeys(PATHS, 0)
         self._serial_reasons: dict[str, int] = {}
-        #: Called once, after the first step is counted (the process-wide
-        #: layer starts its metrics and summary there: only processes that
-        #: run FFN steps report).
-        self.on_first_step: Callable[[], None] | None = None
+        self._graph_replays = dict.fromkeys(GRAPH_VARIANTS, 0)
 
     def _first(self) -> None:
         hook, self.on_first_step = self.on_first_step, None
@@ -50,6 +68,19 @@ class StepCounters:
         if self.on_first_step is not None:
             self._first()
 
+    def graph_replay(self, variant: str) -> None:
+        """A replay of a decode graph's ``variant`` (not an eager step: ``steps`` is not counted)."""
+        if variant not in GRAPH_VARIANTS:
+            raise ValueError(f"{variant!r} is not a graph variant ({', '.join(GRAPH_VARIANTS)})")
+        with self._lock:
+            self._graph_replays[variant] += 1
+        if self.on_first_step is not None:
+            self._first()
+
     def to_dict(self) -> dict[str, Any]:
         with self._lock:
-            return {"steps": dict(self._steps), "serial_reasons": dict(self._serial_reasons)}
+            return {
+                "steps": dict(self._steps),
+                "serial_reasons": dict(self._serial_reasons),
+                "graph_replays": dict(self._graph_replays),
+            }

@@ -17,8 +17,16 @@ How they reach a scrape (docs/design.md, "Metrics"):
   ``VLLM_CAMP2P_MULTISTREAM_METRICS_PORT`` opts in to a per-process HTTP
   endpoint serving this process's metrics.
 
-The counters are synced from :meth:`OverlapRuntime.stats` (never from the
+The counters are synced from the runtime's step counters (never from the
 step's hot path): on every scrape of our endpoint and every reporter tick.
+Neither the scrape nor the reporter thread touches a device event (no
+``query()``, no timing read): they read host-side counts only, so they are
+safe while a graph capture is in progress. The endpoint listens on
+``VLLM_CAMP2P_MULTISTREAM_METRICS_ADDR`` (loopback unless set).
+
+A forked child starts from zero: its counters (``counters.py``) and the
+metrics derived from them here are rebuilt empty in the child, so vLLM's
+multi-process ``/metrics`` never sums a parent's counts twice.
 """
 
 from __future__ import annotations
@@ -26,15 +34,18 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from camp2p_overlap.core.env_vars import DEFAULT_METRICS_ADDR
 from camp2p_overlap.core.log import logger
-from camp2p_overlap.core.observe.counters import PATHS
+from camp2p_overlap.core.observe.counters import GRAPH_VARIANTS, PATHS
 
 PREFIX = "vllm:camp2p_overlap_"
 STEPS = PREFIX + "steps"
 SERIAL_STEPS = PREFIX + "serial_steps"
+GRAPH_REPLAYS = PREFIX + "graph_replays"
 MODE_INFO = PREFIX + "mode_info"
 #: Distinct serial reasons exported as their own label value; later ones
 #: are counted under ``other`` (bounded label cardinality).
@@ -57,12 +68,20 @@ class StepMetrics:
     the multi-process directory as well when one is set)."""
 
     def __init__(self, stats: StatsFn, *, mode: str = "overlap", rung: str = "overlap") -> None:
+        self._stats = stats
+        self._build(mode, rung)
+        if hasattr(os, "register_at_fork"):
+            ref = weakref.WeakMethod(self._forget_in_child)
+            os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
+
+    def _build(self, mode: str, rung: str) -> None:
+        """Fresh counters at zero in a registry of their own."""
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
-        self._stats = stats
         self._lock = threading.Lock()
         self._seen_steps: dict[str, int] = {}
         self._seen_reasons: dict[str, int] = {}
+        self._seen_replays: dict[str, int] = {}
         #: The reasons that have a label of their own (at most MAX_REASONS, for good).
         self._exported: set[str] = set()
         self.registry = CollectorRegistry(auto_describe=True)
@@ -79,6 +98,12 @@ class StepMetrics:
             labelnames=["reason"],
             registry=self.registry,
         )
+        self.graph_replays = Counter(
+            GRAPH_REPLAYS,
+            "Decode graph replays by the variant replayed: serial (upstream's graph) or overlap (the layer's).",
+            labelnames=["variant"],
+            registry=self.registry,
+        )
         self.mode_info = Gauge(
             MODE_INFO,
             "1 for the rollout mode and ladder rung this process runs with.",
@@ -90,6 +115,14 @@ class StepMetrics:
         self.set_mode(mode, rung)
         for path in PATHS:
             self.steps.labels(path=path)  # every path exported, 0 until used
+        for variant in GRAPH_VARIANTS:
+            self.graph_replays.labels(variant=variant)
+
+    def _forget_in_child(self) -> None:
+        """In a forked child: the parent's counts are the parent's (the
+        child's counters start from zero too); same mode, nothing counted."""
+        mode = self._mode or ("overlap", "overlap")
+        self._build(*mode)
 
     def set_mode(self, mode: str, rung: str) -> None:
         """The mode gauge: 1 for ``(mode, rung)``; the one before is set to 0
@@ -111,6 +144,11 @@ class StepMetrics:
                 if delta > 0:
                     self.steps.labels(path=path).inc(delta)
                     self._seen_steps[path] = int(count)
+            for variant, count in snap.get("graph_replays", {}).items():
+                delta = int(count) - self._seen_replays.get(variant, 0)
+                if delta > 0:
+                    self.graph_replays.labels(variant=variant).inc(delta)
+                    self._seen_replays[variant] = int(count)
             exported = self._exported
             for reason, count in snap.get("serial_reasons", {}).items():
                 delta = int(count) - self._seen_reasons.get(reason, 0)
@@ -143,16 +181,32 @@ class _SyncFirst:
         return []
 
 
-def summary_line(snap: Mapping[str, Any], previous: Mapping[str, int] | None = None) -> str:
-    """One line: steps per path (with the change since ``previous``) and
+def _counts(snap: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+    """What a summary reports: steps per path and graph replays per variant."""
+    return {
+        "steps": {k: int(v) for k, v in snap.get("steps", {}).items()},
+        "graph_replays": {k: int(v) for k, v in snap.get("graph_replays", {}).items()},
+    }
+
+
+def _grew(n: int, before: Mapping[str, int] | None, key: str) -> str:
+    grew = n - int((before or {}).get(key, 0))
+    return f" (+{grew})" if before is not None and grew else ""
+
+
+def summary_line(snap: Mapping[str, Any], previous: Mapping[str, Any] | None = None) -> str:
+    """One line: steps per path, graph replays per variant once there are
+    any (each with the change since ``previous``, an earlier snapshot), and
     the most frequent serial reason."""
     steps = snap.get("steps", {})
-    parts = []
-    for path in PATHS:
-        n = int(steps.get(path, 0))
-        grew = n - int((previous or {}).get(path, 0))
-        parts.append(f"{path}={n}" + (f" (+{grew})" if previous is not None and grew else ""))
+    before = None if previous is None else previous.get("steps", {})
+    parts = [f"{path}={int(steps.get(path, 0))}" + _grew(int(steps.get(path, 0)), before, path) for path in PATHS]
     text = "camp2p-overlap steps: " + " ".join(parts)
+    replays = snap.get("graph_replays", {})
+    if any(int(replays.get(v, 0)) for v in GRAPH_VARIANTS):
+        before = None if previous is None else previous.get("graph_replays", {})
+        counts = [f"{v} {int(replays.get(v, 0))}" + _grew(int(replays.get(v, 0)), before, v) for v in GRAPH_VARIANTS]
+        text += "; graph replays: " + ", ".join(counts)
     reasons = snap.get("serial_reasons", {})
     if reasons:
         top = max(reasons.items(), key=lambda kv: kv[1])
@@ -173,7 +227,7 @@ class Reporter:
         summary_s: float,
         mode: str = "overlap",
         rung: str = "overlap",
-        addr: str = "0.0.0.0",  # an opt-in endpoint, scraped from other hosts
+        addr: str = DEFAULT_METRICS_ADDR,  # loopback unless VLLM_CAMP2P_MULTISTREAM_METRICS_ADDR says otherwise
         metrics: StepMetrics | None = None,
     ) -> None:
         self._stats = stats
@@ -184,7 +238,7 @@ class Reporter:
         self.port: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last: dict[str, int] | None = None
+        self._last: dict[str, dict[str, int]] | None = None
         if port is not None:
             self._serve(port, addr)
         tick = self._tick_s()
@@ -221,13 +275,14 @@ class Reporter:
                 logger.exception("camp2p-overlap: step reporting failed")
 
     def log_summary(self) -> bool:
-        """Log the one-line summary if the counts changed since the last one."""
+        """Log the one-line summary if the counts (steps or graph replays)
+        changed since the last one."""
         snap = self._stats()
-        steps = {k: int(v) for k, v in snap.get("steps", {}).items()}
-        if steps == self._last:
+        counts = _counts(snap)
+        if counts == self._last:
             return False
         logger.log(logging.INFO, "%s", summary_line(snap, self._last))
-        self._last = steps
+        self._last = counts
         return True
 
     def close(self) -> None:
@@ -247,10 +302,19 @@ _reporter: Reporter | None = None
 _metrics: StepMetrics | None = None
 
 
-def start_reporting(stats: StatsFn, *, port: int | None, summary_s: float, mode: str, rung: str) -> Reporter | None:
+def start_reporting(
+    stats: StatsFn,
+    *,
+    port: int | None,
+    summary_s: float,
+    mode: str,
+    rung: str,
+    addr: str = DEFAULT_METRICS_ADDR,
+) -> Reporter | None:
     """The process's reporter, started once (later calls return it until
-    :func:`stop_reporting`). Never raises: a reporter that cannot start is
-    logged and skipped."""
+    :func:`stop_reporting`); its endpoint (``port`` not None) listens on
+    ``addr``. Never raises: a reporter that cannot start is logged and
+    skipped."""
     global _reporter, _metrics
     with _lock:
         if _reporter is not None:
@@ -258,7 +322,9 @@ def start_reporting(stats: StatsFn, *, port: int | None, summary_s: float, mode:
         try:
             if _metrics is None:
                 _metrics = StepMetrics(stats, mode=mode, rung=rung)
-            _reporter = Reporter(stats, port=port, summary_s=summary_s, mode=mode, rung=rung, metrics=_metrics)
+            _reporter = Reporter(
+                stats, port=port, summary_s=summary_s, mode=mode, rung=rung, addr=addr, metrics=_metrics
+            )
         except Exception:  # noqa: BLE001 - never break a step
             logger.exception("camp2p-overlap: step metrics not started")
             return None
@@ -281,12 +347,12 @@ def stop_reporting() -> None:
 
 
 def _forget_in_child() -> None:
-    """A forked child has none of the parent's threads: start afresh there
-    (its counters are its own: prometheus_client keys them by pid)."""
-    global _reporter, _lock, _metrics
+    """A forked child has none of the parent's threads or endpoint: no
+    reporter there until its own first step. The process's metrics stay
+    (they start from zero in the child: ``StepMetrics._forget_in_child``)."""
+    global _reporter, _lock
     _lock = threading.Lock()
     _reporter = None
-    _metrics = None
 
 
 if hasattr(os, "register_at_fork"):

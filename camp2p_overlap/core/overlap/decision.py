@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from camp2p_overlap.core.patching.lifecycle import PatchEngine
 
 GRAPH_OFF = "inside graph capture and VLLM_CAMP2P_MULTISTREAM_GRAPH is off"
+GRAPH_SERIAL_VARIANT = "inside graph capture: the serial variant (VLLM_CAMP2P_MULTISTREAM_GRAPH=adaptive)"
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any]) -> Decis
         return Decision("the step has no FFN layers")
     if len(set(layers)) != len(layers):
         return Decision(f"layer list repeats a layer: {list(layers)}")
-    if kwargs.get("is_graph_capturing") and not cfg.graph:
+    if kwargs.get("is_graph_capturing") and not cfg.graph_overlap:
         return Decision(GRAPH_OFF)
     plan = step_plan(layers, tuple(stages), getattr(runner, "max_num_tokens", None))
     return Decision(None, plan, backend, mode_directions(cfg), cfg.mode)

@@ -17,6 +17,7 @@ from typing import Any
 from camp2p_overlap.core.config import MAX_STAGES
 from camp2p_overlap.core.observe.counters import StepCounters
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Path
+from camp2p_overlap.core.overlap.graphs import GraphVariants
 from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.core.overlap.streams.base import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSetRegistry
@@ -29,6 +30,9 @@ class _ThreadState(threading.local):
     """What one thread's step holds: its session (None between steps)."""
 
     session: OverlapSession | None = None
+    #: While the layer captures its variant of a decode graph (GRAPH=adaptive):
+    #: ``{"engaged": bool, "layers": int}``, filled by the captured step.
+    graph_variant: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,8 @@ class OverlapRuntime:
         self.session_class: type[OverlapSession] = OverlapSession
         self.adaptive = AdaptiveEngage()
         self.counters = StepCounters()
+        #: Decode graph keys captured with both variants (GRAPH=adaptive).
+        self.graphs = GraphVariants()
         #: Per thread: ``session``, the step's session while one runs.
         self.local = _ThreadState()
         self._pending: deque[tuple[BucketKey, Path, StreamBackend, Any]] = deque()
@@ -131,7 +137,12 @@ class OverlapRuntime:
 
     def stats(self) -> dict[str, Any]:
         """The counters and every adaptive bucket (the ``stats()`` shape)."""
-        return {**self.counters.to_dict(), "buckets": self.adaptive.snapshot()}
+        return {
+            **self.counters.to_dict(),
+            "buckets": self.adaptive.snapshot(),
+            "graphs": self.graphs.snapshot(self.adaptive),
+            "graph_capture_failures": dict(self.graphs.failures),
+        }
 
     def active_session(self) -> OverlapSession | None:
         """The session of the step running on this thread, if any."""
@@ -144,5 +155,6 @@ class OverlapRuntime:
     def close(self) -> None:
         """Release every runner's side streams (CPU worker threads) and
         forget the planned shapes that name them."""
+        self.graphs.restore_all()  # upstream's graph objects back, before their streams close
         self._planned.clear()
         self.streamsets.close_all()

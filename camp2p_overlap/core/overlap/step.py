@@ -36,7 +36,8 @@ from camp2p_overlap.core.observe.trace import StepTrace, TraceOp, TraceRecorder,
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Passed, pow2_ceil
 from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes, RouterFactory
-from camp2p_overlap.core.overlap.decision import GRAPH_OFF, Decision, decide
+from camp2p_overlap.core.overlap.decision import GRAPH_OFF, GRAPH_SERIAL_VARIANT, Decision, decide
+from camp2p_overlap.core.overlap.graphs import GraphCapture
 from camp2p_overlap.core.overlap.rollout import streams_for
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime, PlannedShape
 from camp2p_overlap.core.overlap.session import OverlapSession
@@ -69,9 +70,16 @@ def make_wrappers(engine: PatchEngine, *, runtime: OverlapRuntime) -> dict[str, 
     def ffn_forward(wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
         return FfnStep(engine, runtime, wrapped, instance, args, kwargs).run()
 
+    capture = GraphCapture(engine, runtime, runtime.runner_name, bucket_of)
+
+    def capture_graphs(wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
+        return capture(wrapped, instance, args, kwargs)
+
     setattr(ffn_forward, MARK, True)
+    setattr(capture_graphs, MARK, True)
     wrapper: Wrapper = ffn_forward
-    return {"ffn_forward": wrapper, **ROUTERS}
+    graphs: Wrapper = capture_graphs
+    return {"ffn_forward": wrapper, "capture_graphs": graphs, **ROUTERS}
 
 
 def bucket_of(runner: str, layers: int, dp_metadata_list: Any) -> BucketKey:
@@ -187,8 +195,11 @@ class FfnStep:
             return Decision(str(exc)), None
         if streamset is None:
             return Decision(NO_STREAMS_IN_CAPTURE), None
-        if streamset.backend.is_capturing() and not engine.config.graph:
-            return Decision(GRAPH_OFF), None
+        if self.kwargs.get("is_graph_capturing") or streamset.backend.is_capturing():
+            if not engine.config.graph_overlap:
+                return Decision(GRAPH_OFF), None
+            if engine.config.graph == "adaptive" and runtime.local.graph_variant is None:
+                return Decision(GRAPH_SERIAL_VARIANT), None  # upstream's own graph: the serial variant
         return decision, streamset
 
     def blocking_reason(self) -> str | None:
@@ -274,7 +285,14 @@ class FfnStep:
                 log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", refused)
                 return self.run_original()
             runtime.counters.engaged(decision.mode)
-            watchdog = start_watchdog(self.engine.config.watchdog_s, session.snapshot, step_id)
+            variant = runtime.local.graph_variant
+            if variant is not None:  # the layer's variant of a decode graph is being captured
+                variant["engaged"], variant["layers"] = True, len(decision.plan.layers)  # type: ignore[union-attr]
+            # No watchdog inside a capture: its timer thread would query events
+            # while the capture runs (global capture mode forbids it), and a
+            # captured step only records work, it cannot stall.
+            capturing = bool(self.kwargs.get("is_graph_capturing")) or streamset.backend.is_capturing()
+            watchdog = None if capturing else start_watchdog(self.engine.config.watchdog_s, session.snapshot, step_id)
             t0 = time.perf_counter_ns()
             runtime.set_session(session)
             try:

@@ -70,6 +70,12 @@ class StreamSetRegistry:
             self._finalizers[key] = weakref.finalize(runner, self._drop, key, sset)
         return sset
 
+    def peek(self, runner: Any) -> StreamSet | None:
+        """The runner's set if one exists (never creates one)."""
+        with self._lock:
+            entry = self._sets.get(id(runner))
+        return entry[1] if entry is not None else None
+
     def sets(self) -> list[StreamSet]:
         with self._lock:
             return [s for _, s in self._sets.values()]
