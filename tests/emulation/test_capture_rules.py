@@ -198,10 +198,10 @@ def test_a_capturing_stream_waiting_on_an_event_recorded_outside_fails(side: boo
     st = outside.st
     g = dev.Graph()
     with pytest.raises(CaptureViolation, match="waits on an event recorded outside the capture") as info:
+        fork = dev.Event()  # events are made before capture
         with capture(g, st):
             kernel_into(torch.zeros(2))
             if side:
-                fork = dev.Event()
                 fork.record()
                 fork.wait(st.s2)  # S2 now captures too
                 outside.event.wait(st.s2)
@@ -248,9 +248,9 @@ def test_a_host_read_of_a_tensor_no_captured_kernel_writes_is_allowed(st: Stream
 
 def test_a_forked_stream_not_joined_back_fails_at_capture_end(st: Streams) -> None:
     g = dev.Graph()
+    fork = dev.Event()
     with pytest.raises(CaptureViolation, match="not joined back") as info:
         with capture(g, st):
-            fork = dev.Event()
             fork.record()
             for s in (st.s1, st.s2):
                 with dev.stream(s):
@@ -383,8 +383,8 @@ def test_the_side_streams_of_a_replay_run_concurrently(st: Streams) -> None:
         pong.set()
 
     g = dev.Graph()
+    fork = dev.Event()
     with capture(g, st):
-        fork = dev.Event()
         fork.record()
         for s, k in ((st.s1, k1), (st.s2, k2)):
             with dev.stream(s):
@@ -407,8 +407,8 @@ def test_events_recorded_in_a_graph_are_updated_by_each_replay(st: Streams) -> N
     order: list[str] = []
     done = dev.Event()
     g = dev.Graph()
+    fork = dev.Event()
     with capture(g, st):
-        fork = dev.Event()
         fork.record()
         with dev.stream(st.s1):
             fork.wait()
@@ -458,11 +458,11 @@ def test_is_current_stream_capturing_only_on_streams_in_the_capture(st: Streams)
     assert not dev.is_current_stream_capturing() and not capture_in_progress()
     elsewhere: list[bool] = []
     g = dev.Graph()
+    fork = dev.Event()
     with capture(g, st):
         assert dev.is_current_stream_capturing() and capture_in_progress()
         with dev.stream(st.s1):
             assert not dev.is_current_stream_capturing()  # not forked yet
-        fork = dev.Event()
         fork.record()
         with dev.stream(st.s1):
             fork.wait()
@@ -489,3 +489,26 @@ def test_a_graph_with_no_captured_nodes_refuses_replay(st: Streams) -> None:
     assert g.node_count == 0
     with pytest.raises(RuntimeError, match="captured nothing"):
         g.replay()
+
+
+def test_creating_an_event_during_a_capture_fails(st: Streams) -> None:
+    """The project's rule (stricter than CUDA's): events are made before
+    capture; the layer pools them (docs/design.md, "The emulated device")."""
+    g = dev.Graph()
+    made: list[BaseException] = []
+
+    def elsewhere() -> None:
+        try:
+            dev.Event()
+        except CaptureViolation as exc:
+            made.append(exc)
+
+    with pytest.raises(CaptureViolation, match=r"Event\(\) while a graph capture is in progress"):
+        with capture(g, st):
+            t = threading.Thread(target=elsewhere)
+            t.start()
+            t.join()
+            dev.Event()
+    assert made, "another thread's Event() during the capture was not caught"
+    assert not capture_in_progress()
+    dev.Event()  # after the capture: allowed

@@ -30,6 +30,7 @@ from typing import Any
 
 from camp2p_overlap.core.log import log_once, logger
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey
+from camp2p_overlap.core.overlap.decision import decide
 from camp2p_overlap.core.overlap.streams.base import StreamBackend
 
 #: The two variants, by what ``stats()`` calls them.
@@ -201,10 +202,13 @@ class GraphCapture:
 
     def __call__(self, wrapped: Callable[..., Any], runner: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         cfg = self.engine.config
-        if not (cfg.enabled and cfg.graph == "adaptive") or not self.engine.gate.enter():
+        if not (cfg.enabled and cfg.graph_overlap) or not self.engine.gate.enter():
             return wrapped(*args, **kwargs)
         try:
             dp = kwargs.get("dp_metadata_list")
+            self.prepare(runner, dp)
+            if cfg.graph != "adaptive":
+                return wrapped(*args, **kwargs)
             graphs = getattr(runner, "_acl_graphs", None)
             try:
                 key = runner._make_graph_key(dp)
@@ -220,6 +224,21 @@ class GraphCapture:
             return result
         finally:
             self.engine.gate.exit()
+
+    def prepare(self, runner: Any, dp: Any) -> None:
+        """Before the capture begins: the runner's side streams and the
+        plan's pooled events, which a capture may not create. Never raises
+        (a step that cannot engage inside the capture says why itself)."""
+        try:
+            decision = decide(self.engine, runner, {"dp_metadata_list": dp, "is_graph_capturing": True})
+            if decision.reason is not None or decision.plan is None:
+                return
+            sset = self.runtime.streamsets.get(runner, decision.backend)
+            reserve = getattr(sset.backend, "reserve", None) if sset is not None else None
+            if reserve is not None:
+                reserve(decision.plan.event_keys())
+        except Exception as exc:  # noqa: BLE001 - the capture goes on; its step gives the reason
+            log_once(logging.INFO, "graph-prepare", "camp2p-overlap: preparing a decode graph capture: %r", exc)
 
     def second(self, runner: Any, key: Any, entry: dict[str, Any], dp: Any, kwargs: dict[str, Any]) -> None:
         runtime, cfg = self.runtime, self.engine.config

@@ -63,6 +63,15 @@ class StepPlan:
     def keys(self) -> dict[StageLayer, OpKeys]:
         return {(L, s): OpKeys.of(L, s) for L, s in self.sequence}
 
+    def event_keys(self) -> list[EventKey]:
+        """Every event key a session of this plan may record (fork, joins,
+        and each (layer, stage)'s), so a backend can make them before a
+        graph capture."""
+        out = [EventKey.fork(), *(EventKey.join(s) for s in self.stages)]
+        for k in self.keys.values():
+            out += [k.a_done, k.f_done, k.e_done, k.e_done_c]
+        return out
+
 
 @dataclass(frozen=True)
 class OpKeys:

@@ -136,6 +136,18 @@ class TorchDeviceBackend(StreamBackend):
     def wait(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
 
+    def reserve(self, keys: Any) -> int:
+        """Make the pooled events of ``keys`` now (before a graph capture,
+        inside which the layer creates none); returns how many were new."""
+        made = 0
+        for key in keys:
+            if key not in self._events:
+                event = self._events[key] = self.mod.Event()
+                self._keys[id(event)] = key
+                _name(event, key, "key")
+                made += 1
+        return made
+
     # -- profiler annotations ------------------------------------------
     @property
     def annotate(self) -> bool:

@@ -144,6 +144,9 @@ class Event:
     ``synchronize`` and ``elapsed_time`` (with ``enable_timing``)."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        forbid_in_capture(
+            "Event()", "events are made before capture (the layer pools them; the project's rule, stricter than CUDA's)"
+        )
         self.enable_timing = enable_timing
         #: The most recent record (a :class:`Record`, or a capture node's
         #: stand-in while it was recorded inside a capture), or None.
@@ -180,6 +183,14 @@ class Event:
 
     def __repr__(self) -> str:
         return f"Event({self.key!r})"
+
+
+def _unchecked_event() -> Event:
+    """An event a stream method makes for itself (``wait_stream``,
+    ``record_event()``): not the caller's new event, so not refused."""
+    event = Event.__new__(Event)
+    event.enable_timing, event.last, event.key = False, None, None
+    return event
 
 
 # ---------------------------------------------------------------------------
@@ -416,7 +427,7 @@ class Stream:
         self._w.put(("kernel", fn, op, log, time.perf_counter_ns() if log is not None else -1))
 
     def record_event(self, event: Event | None = None) -> Event:
-        event = event if event is not None else Event()
+        event = event if event is not None else _unchecked_event()
         cap = hooks.capture
         if cap is not None and cap.owns(self):
             cap.add_record(self, event)
