@@ -214,9 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="upstream's decode graph path on the emulated device (--device cpu only): capture each policy's step "
-        "once (its layer config applied, VLLM_CAMP2P_MULTISTREAM_GRAPH on) and time replays, round-robin, each "
-        "compared bitwise with the eager serial step; runs serial, e2a-only and overlap-fixed (adaptive overlap "
-        "has no per-key choice at capture yet)",
+        "once (its layer config applied, VLLM_CAMP2P_MULTISTREAM_GRAPH on; adaptive overlap with both variants, "
+        "GRAPH=adaptive, its layer kept applied while the replays run) and time replays, round-robin, each "
+        "compared bitwise with the eager serial step",
     )
     bench.add_argument(
         "--profile-trace",
@@ -292,8 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--graph",
         dest="work_graph",
         action="store_true",
-        help="measure every work-size point in graph mode too (bench --graph: captured steps replayed; serial and "
-        "overlap-fixed), reported next to the eager one",
+        help="measure every work-size point in graph mode too (bench --graph: captured steps replayed; serial, "
+        "overlap with both variants and overlap-fixed), reported next to the eager one",
     )
     sweep.add_argument("--md", metavar="PATH", help="write the tables as Markdown")
     sweep.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer time against ratio and stages")

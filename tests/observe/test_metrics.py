@@ -357,7 +357,10 @@ def _in_forked_child(c: StepCounters, m: metrics.StepMetrics) -> int:
     if c.to_dict() != {**zero, "graph_replays": {"serial": 0, "overlap": 0}}:
         return 10
     fams = families(m)
-    exported = [*samples(fams[metrics.STEPS], "path").values(), *samples(fams[metrics.GRAPH_REPLAYS], "variant").values()]
+    exported = [
+        *samples(fams[metrics.STEPS], "path").values(),
+        *samples(fams[metrics.GRAPH_REPLAYS], "variant").values(),
+    ]
     if set(exported) != {0.0} or samples(fams[metrics.SERIAL_STEPS], "reason"):
         return 11
     c.engaged("overlap")
@@ -496,7 +499,10 @@ def test_the_scrape_and_the_summary_touch_no_device_event(
     assert len(logs.texts("camp2p-overlap steps:")) > logged, "the summary thread logged nothing"
     assert "graph replays: serial" in logs.texts("camp2p-overlap steps:")[-1]
     assert synced, "the reporter thread did not sync the metrics"
-    assert samples(scrape(reporter.port)[metrics.GRAPH_REPLAYS], "variant")["serial"] == counts["graph_replays"]["serial"] + 1
+    assert (
+        samples(scrape(reporter.port)[metrics.GRAPH_REPLAYS], "variant")["serial"]
+        == counts["graph_replays"]["serial"] + 1
+    )
     assert touched == []
     assert not logs.texts("could not sync") and not logs.texts("step reporting failed")
 

@@ -17,6 +17,7 @@ from support.overlap import SHAPE, apply_cpu, assert_same
 
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.layer import LAYER, Layer
+from camp2p_overlap.core.overlap.graphs import VariantGraph
 from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.core.patching.lifecycle import PatchRefused
 from camp2p_overlap.core.patching.manifest import load_manifest
@@ -28,7 +29,6 @@ from camp2p_overlap.emulation.world import EmulatedModel, LinkModel, WorldSpec, 
 from camp2p_overlap.tools import cli
 from camp2p_overlap.tools.bench.runner import (
     ETA_MIN_HIDEABLE,
-    GRAPH_SKIPS,
     POLICIES,
     SCENARIOS,
     TOOL_SWITCH_INTERVAL_S,
@@ -126,6 +126,7 @@ POLICY_KEYS = {
     "engaged": bool,
     "replays": int,
     "captured_variants": int,
+    "graph_choice": (dict, type(None)),
     "edges_checked": bool,
     "edges_ok": (bool, type(None)),
     "edge_violations": list,
@@ -579,7 +580,16 @@ def test_work_points_run_short_interleaved_blocks(
 # ---------------------------------------------------------------------------
 # graph mode: World.capture, bench --graph, sweep --graph
 
-GRAPH_POLICIES = ["serial", "e2a-only", "overlap-fixed"]
+GRAPH_POLICIES = ["serial", "e2a-only", "overlap", "overlap-fixed"]
+GRAPH_CHOICE_KEYS = {
+    "decision": (str, type(None)),
+    "replays": dict,
+    "timed_replays": dict,
+    "serial_median_ms": (float, type(None)),
+    "overlap_median_ms": (float, type(None)),
+    "samples": dict,
+    "capture_failures": dict,
+}
 
 
 def _graph_world() -> Any:
@@ -658,36 +668,125 @@ def test_bench_graph_json_schema_and_bitwise_replays(graph_bench: dict[str, Any]
     _check_keys(r, TOP_KEYS, "report")
     _check_keys(r["env"], ENV_KEYS, "env")
     assert r["graph"] is True and r["params"]["graph"] is True
-    assert r["skipped_policies"] == [{"policy": "overlap", "why": GRAPH_SKIPS["overlap"]}]
+    assert r["skipped_policies"] == [], "adaptive overlap runs in graph mode (both variants)"
     assert [p["policy"] for p in r["policies"]] == GRAPH_POLICIES
     assert r["outputs_equal"] is True
     for p in r["policies"]:
         _check_keys(p, POLICY_KEYS, f"policies[{p['policy']}]")
-        # 2 reps x 2 timed replays, one graph (one key) each
-        assert p["replays"] == 4 and p["samples"] == 4 and p["captured_variants"] == 1, p
-        assert p["outputs_equal"] is True and p["mismatches"] == [] and p["adaptive"] is False
+        adaptive = p["policy"] == "overlap"
+        # 2 reps x 2 timed replays; one graph (one key) each, two variants for adaptive overlap
+        assert p["replays"] == 4 and p["samples"] == 4, p
+        assert p["captured_variants"] == (2 if adaptive else 1), p
+        assert p["outputs_equal"] is True and p["mismatches"] == [] and p["adaptive"] is adaptive
         assert p["engaged"] is (p["policy"] != "serial")
+        assert (p["graph_choice"] is not None) is adaptive
     by = {p["policy"]: p for p in r["policies"]}
     # every replay (2 reps x (1 warm-up + 2 timed)) against the eager serial step;
     # serial also its 2 reps x 2 traced eager steps
-    assert by["e2a-only"]["compared_steps"] == 6 and by["overlap-fixed"]["compared_steps"] == 6
+    for name in ("e2a-only", "overlap", "overlap-fixed"):
+        assert by[name]["compared_steps"] == 6, by[name]
+        assert by[name]["edges_checked"] is False and by[name]["edges_ok"] is None, "replays leave no trace"
+        assert by[name]["speedup_ci95"] is not None
     assert by["serial"]["compared_steps"] == 6 + 4
     assert by["serial"]["edges_checked"] is True and by["serial"]["edges_ok"] is True
     assert by["serial"]["peer_cycle_ok"] is True
-    for name in ("e2a-only", "overlap-fixed"):
-        assert by[name]["edges_checked"] is False and by[name]["edges_ok"] is None, "replays leave no trace"
-        assert by[name]["speedup_ci95"] is not None
+    choice = by["overlap"]["graph_choice"]
+    _check_keys(choice, GRAPH_CHOICE_KEYS, "graph_choice")
+    assert choice["decision"] in ("learning", "serial", "overlap") and choice["capture_failures"] == {}
+    assert set(choice["replays"]) == set(choice["timed_replays"]) == {"serial", "overlap"}
+    # Its graph counted its own replays only (6), not the fixed graphs' that
+    # replayed while its layer was applied; 4 of them timed.
+    assert sum(choice["replays"].values()) == 6 and sum(choice["timed_replays"].values()) == 4, choice
+    assert all(choice["replays"][v] >= choice["timed_replays"][v] for v in ("serial", "overlap"))
+    assert choice["replays"]["serial"] >= 1 and choice["replays"]["overlap"] >= 1, "learning replays both"
     assert r["measured"]["samples"] == 16 and r["measured"]["f_us"] > 0
     assert graph_bench["npu_after"] is graph_bench["was_npu"], "the run removes the torch.npu it installed"
     assert not device.capture_in_progress()
+    assert not LAYER.engine.is_applied()
+
+
+@pytest.mark.usefixtures("standin_stack")
+def test_fixed_graphs_replay_unchanged_while_the_adaptive_graph_layer_is_applied() -> None:
+    """The scheme of bench --graph: a fixed overlap graph captured under its
+    own layer, unpatched; then adaptive overlap's key captured with both
+    variants, its layer kept applied. The fixed graph's replays are bitwise
+    the eager serial steps and go past the applied layer entirely (no eager
+    step, no replay counted there); the adaptive graph's replays count on
+    its own key; unpatch restores upstream's graph in its entry."""
+    w = _graph_world()
+    fixed_layer, adaptive_layer = emulated_layer(), emulated_layer()
+    graphs: list[Any] = []
+    try:
+        serial = {}
+        for sid in range(1, 9):
+            w.steps_run = sid
+            serial[sid] = w.run_step()
+        fixed_layer.engine.apply(
+            strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph="1")
+        )
+        try:
+            fixed = w.capture()
+            fixed_entry = w.take_graph()
+        finally:
+            assert fixed_layer.engine.unpatch(timeout=10)
+        graphs.append(fixed)
+        assert {"K0", "K1"} <= {name for name, _, _ in fixed.nodes()}
+        adaptive_layer.engine.apply(
+            strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=True, graph="adaptive")
+        )
+        try:
+            chooser = w.capture()
+            adaptive_entry = w.take_graph()
+            assert isinstance(chooser, VariantGraph) and adaptive_entry is not None
+            upstream = chooser.captured.upstream
+            graphs.append(upstream)
+            before = adaptive_layer.runtime.stats()
+            (g_before,) = before["graphs"]
+            w.put_graph(fixed_entry)
+            for n, sid in enumerate(range(1, 9), start=1):
+                w.steps_run = sid
+                assert_same(w.run_step(), serial[sid], f"fixed graph's replay of step {sid}, adaptive layer applied")
+                assert fixed.replays == n
+            after = adaptive_layer.runtime.stats()
+            assert after["steps"] == before["steps"], "no eager step went through the applied layer"
+            assert after["graphs"] == [g_before], "nor did its graph count a replay"
+            assert chooser.captured.replays == {"serial": 0, "overlap": 0}
+            w.take_graph()
+            w.put_graph(adaptive_entry)
+            for sid in range(1, 9):
+                w.steps_run = sid
+                assert_same(w.run_step(), serial[sid], f"adaptive graph's replay of step {sid}")
+            assert sum(chooser.captured.replays.values()) == 8 and fixed.replays == 8
+            (g_after,) = adaptive_layer.runtime.stats()["graphs"]
+            assert g_after["replays"] == chooser.captured.replays
+            w.take_graph()
+        finally:
+            assert adaptive_layer.engine.unpatch(timeout=10)
+        assert adaptive_entry["graph"] is upstream, "unpatch puts upstream's serial graph back"
+    finally:
+        for graph in graphs:
+            graph.reset()
+        w.close()
 
 
 def test_bench_graph_table_says_what_it_measured(graph_bench: dict[str, Any]) -> None:
     from camp2p_overlap.tools.bench.tables import bench_table
 
     text = bench_table(graph_bench["report"])
-    assert "graph mode (--graph)" in text and "not run in graph mode: overlap" in text
+    assert "graph mode (--graph)" in text and "not run in graph mode" not in text
+    choice = next(p for p in graph_bench["report"]["policies"] if p["policy"] == "overlap")["graph_choice"]
+    assert f"overlap's graph (serial and overlap variants, chosen per replay): decision {choice['decision']}" in text
     assert "FAILED" not in text
+
+
+def test_bench_graph_fails_when_the_adaptive_graph_has_one_variant(graph_bench: dict[str, Any]) -> None:
+    from camp2p_overlap.tools.bench.tables import problems
+
+    report = json.loads(json.dumps(graph_bench["report"]))
+    (p,) = [p for p in report["policies"] if p["policy"] == "overlap"]
+    p["captured_variants"] = 1
+    p["graph_choice"]["capture_failures"] = {"CaptureViolation: boom": 1}
+    assert problems(report) == ["overlap: its decode graph's overlap variant was not captured (CaptureViolation: boom)"]
 
 
 def test_bench_graph_outputs_flag_fails_when_a_captured_step_differs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -711,7 +810,29 @@ def test_bench_graph_outputs_flag_fails_when_a_captured_step_differs(monkeypatch
     by = {p["policy"]: p for p in run.report["policies"]}
     assert by["serial"]["outputs_equal"] is True and by["e2a-only"]["outputs_equal"] is True
     assert by["overlap-fixed"]["outputs_equal"] is False and by["overlap-fixed"]["mismatches"]
+    # adaptive overlap: its serial variant is upstream's capture (no session), its overlap variant differs
+    replays = by["overlap"]["graph_choice"]["replays"]
+    assert by["overlap"]["captured_variants"] == 2 and replays["overlap"] >= 1, replays
+    assert by["overlap"]["outputs_equal"] is False and by["overlap"]["mismatches"]
     assert run.report["outputs_equal"] is False
+
+
+def test_bench_graph_reports_a_failed_second_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adaptive overlap's key keeps upstream's graph when the layer's second
+    capture fails: one variant, no decision, the reason, and a failed run."""
+    from camp2p_overlap.core.overlap import graphs
+    from camp2p_overlap.tools.bench.tables import problems
+
+    monkeypatch.setattr(graphs, "capture_second_variant", lambda *a, **kw: "injected: no second graph")
+    run = run_bench(resolve_params({**TINY_PARAMS, "reps": 1, "graph": True}))
+    (p,) = [p for p in run.report["policies"] if p["policy"] == "overlap"]
+    assert p["captured_variants"] == 1 and p["engaged"] is False and p["outputs_equal"] is True
+    choice = p["graph_choice"]
+    assert choice["decision"] is None and choice["capture_failures"] == {"injected: no second graph": 1}
+    assert choice["timed_replays"] == {"serial": 0, "overlap": 0} and p["replays"] == 2
+    assert problems(run.report) == [
+        "overlap: its decode graph's overlap variant was not captured (injected: no second graph)"
+    ]
 
 
 def test_bench_graph_on_a_device_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -731,10 +852,19 @@ def test_sweep_graph_measures_work_points_in_graph_mode_too(tmp_path: Path) -> N
     eager, graph = pt["report"], pt["graph_report"]
     assert eager["graph"] is False
     assert [p["policy"] for p in eager["policies"]] == ["serial", "overlap", "overlap-fixed"]
-    assert graph["graph"] is True and [p["policy"] for p in graph["policies"]] == ["serial", "overlap-fixed"]
+    assert graph["graph"] is True and [p["policy"] for p in graph["policies"]] == ["serial", "overlap", "overlap-fixed"]
     assert graph["params"]["steps"] == eager["params"]["steps"] and graph["params"]["reps"] == eager["params"]["reps"]
-    assert graph["outputs_equal"] is True and all(p["captured_variants"] == 1 for p in graph["policies"])
+    assert graph["outputs_equal"] is True and graph["skipped_policies"] == []
+    assert {p["policy"]: p["captured_variants"] for p in graph["policies"]} == {
+        "serial": 1,
+        "overlap": 2,
+        "overlap-fixed": 1,
+    }
+    (adaptive,) = [p for p in graph["policies"] if p["policy"] == "overlap"]
+    assert adaptive["graph_choice"]["decision"] in ("learning", "serial", "overlap")
+    assert sum(adaptive["graph_choice"]["timed_replays"].values()) == adaptive["replays"] > 0
     text = md.read_text()
     assert "The same work points in graph mode" in text
+    assert "Adaptive `overlap`'s graph at its slowest: " in text and "goal of at least 0.97x" in text
     rows = [line for line in text.splitlines() if line.startswith("| 16 / 2 ")]
     assert len(rows) == 2, "the work point in the eager table and in the graph table"

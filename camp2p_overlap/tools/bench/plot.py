@@ -14,8 +14,15 @@ from camp2p_overlap.core.observe.trace import TraceOp
 
 KIND_COLORS = {"a2e": "#4C72B0", "ffn": "#DD8452", "e2a": "#55A868", "wait": "#C7C7C7"}
 POLICY_COLORS = {"serial": "#8C8C8C", "e2a-only": "#4C72B0", "overlap": "#DD8452", "overlap-fixed": "#55A868"}
-#: The work panel's series of graph replays (sweep --graph).
+#: The work panel's series of graph replays (sweep --graph): fixed overlap's,
+#: and adaptive overlap's (both variants, chosen per replay).
 GRAPH_COLOR = "#8172B3"
+GRAPH_ADAPTIVE_COLOR = "#C44E52"
+#: ``graph_report`` policy -> (label, marker, color) of its work-panel series.
+GRAPH_SERIES = {
+    "overlap-fixed": ("overlap-fixed, graph replays", "s", GRAPH_COLOR),
+    "overlap": ("overlap (adaptive), graph replays", "^", GRAPH_ADAPTIVE_COLOR),
+}
 
 
 class PlotUnavailable(RuntimeError):
@@ -142,7 +149,11 @@ def sweep_plot(sweep: Mapping[str, Any], path: str | Path) -> None:
 
 
 def _work_panel(ax: Any, points: Sequence[Mapping[str, Any]]) -> None:
-    """Speedup over serial against tokens per stage: fixed and adaptive overlap."""
+    """Speedup over serial against tokens per stage: fixed and adaptive overlap
+    (and with ``sweep --graph`` their graphs' replays over serial's)."""
+    from camp2p_overlap.tools.bench.sweep import ADAPTIVE_FLOOR, GRAPH_ADAPTIVE_FLOOR
+
+    any_graphed = False
     for hidden, style in zip(sorted({pt["hidden"] for pt in points}), ("-", "--", ":", "-."), strict=False):
         series = [pt for pt in points if pt["hidden"] == hidden]
         xs = [pt["tokens"] for pt in series]
@@ -154,21 +165,34 @@ def _work_panel(ax: Any, points: Sequence[Mapping[str, Any]]) -> None:
                 label = f"{'overlap (adaptive)' if policy == 'overlap' else policy}, hidden {hidden}"
                 ax.plot(xs, ys, marker="o", linestyle=style, label=label, color=POLICY_COLORS.get(policy))
         graphed = [pt for pt in series if "graph_report" in pt]
-        if graphed:  # sweep --graph: fixed overlap's replays over serial's replays
+        for policy, (label, marker, color) in GRAPH_SERIES.items():
+            # sweep --graph: the policy's replays over serial's replays
             ys = [
-                next((p["speedup"] for p in pt["graph_report"]["policies"] if p["policy"] == "overlap-fixed"), None)
+                next((p["speedup"] for p in pt["graph_report"]["policies"] if p["policy"] == policy), None)
                 for pt in graphed
             ]
-            ax.plot(
-                [pt["tokens"] for pt in graphed],
-                ys,
-                marker="s",
-                linestyle=style,
-                label=f"overlap-fixed, graph replays, hidden {hidden}",
-                color=GRAPH_COLOR,
-            )
+            if any(y is not None for y in ys):
+                any_graphed = True
+                ax.plot(
+                    [pt["tokens"] for pt in graphed],
+                    ys,
+                    marker=marker,
+                    linestyle=style,
+                    label=f"{label}, hidden {hidden}",
+                    color=color,
+                )
     ax.axhline(1.0, color="black", linewidth=1, label="serial")
-    ax.axhline(0.95, color="grey", linewidth=1, linestyle=":", label="0.95x (goal for adaptive)")
+    ax.axhline(
+        ADAPTIVE_FLOOR, color="grey", linewidth=1, linestyle=":", label=f"{ADAPTIVE_FLOOR:g}x (goal for adaptive)"
+    )
+    if any_graphed:
+        ax.axhline(
+            GRAPH_ADAPTIVE_FLOOR,
+            color=GRAPH_ADAPTIVE_COLOR,
+            linewidth=1,
+            linestyle=":",
+            label=f"{GRAPH_ADAPTIVE_FLOOR:g}x (goal for its graph)",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per stage (work per layer and stage)")
     ax.set_ylabel("speedup over serial (median per-layer time)")

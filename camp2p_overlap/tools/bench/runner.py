@@ -30,16 +30,22 @@ step (for ``--trace``/``--plot`` and the edge checker).
   attention inputs depend on the step id, which is set before each step).
 
 ``graph`` (``--graph``, emulated device only): upstream's decode graph path.
-Each policy's step is captured once per graph key, with its layer config
-applied (``graph=True``; serial: unpatched), after the eager warm-up steps
-that create the side streams; then, per repetition, the captured graphs are
-replayed round-robin, one replay per policy per step id in a rotating order,
-each timed as an eager step is (``run_step`` + synchronize) and compared
-bitwise with the eager serial step of the same step id. Serial's pass-through
-traced steps (eager) give f, a, e and the floor as above. A replay runs only
-the captured kernels, so a graph replays after its layer was unpatched (on
-streams of the graph's own). Adaptive ``overlap`` is not run in graph mode:
-adaptive engage has no per-key choice at capture yet.
+Each fixed policy's step is captured once per graph key, with its layer
+config applied (``graph=True``; serial: unpatched), after the eager warm-up
+steps that create the side streams, and the layer is unpatched after: a
+replay runs only the captured kernels, so such a graph replays after its
+layer was unpatched (on streams of the graph's own). Adaptive ``overlap`` is
+captured last with both variants (``graph="adaptive"``: upstream's serial
+graph and the layer's overlap graph behind one ``VariantGraph``), and its
+layer stays applied until every replay has run: its graph picks the variant
+per replay through the layer's runtime (learning, hysteresis, re-probes).
+Then, per repetition, the captured graphs are replayed round-robin, one
+replay per policy per step id in a rotating order, each timed as an eager
+step is (``run_step`` + synchronize) and compared bitwise with the eager
+serial step of the same step id. Serial's pass-through traced steps (eager)
+give f, a, e and the floor as above; they need serial's own engine applied,
+so with adaptive ``overlap`` in the run they follow the last repetition's
+replays (once its layer is unpatched) instead of each repetition's.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ import camp2p_overlap
 from camp2p_overlap.core.config import MAX_STAGES, OverlapConfig
 from camp2p_overlap.core.keys import COMPUTE_STREAM, side_stream_name
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, TraceOp, TraceRecorder, recording
+from camp2p_overlap.core.overlap.graphs import VariantGraph
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.standin_layer import emulated_layer, release_site, standin_site
 from camp2p_overlap.emulation.world import LinkModel, WorldSpec, build_world
@@ -90,11 +97,9 @@ GRAPH_NEEDS_EMULATED_DEVICE = (
     "attention inputs and records its results on the host, which a captured device graph would freeze at "
     "capture time"
 )
-#: Why a policy is left out of a --graph run.
-GRAPH_SKIPS = {
-    "overlap": "adaptive engage has no per-key choice at capture yet: a graph replays what was captured, so an "
-    "adaptive policy's graph would be the fixed overlap's or serial's",
-}
+#: Why a policy is left out of a --graph run (none is now: adaptive
+#: ``overlap`` captures both variants, ``VLLM_CAMP2P_MULTISTREAM_GRAPH=adaptive``).
+GRAPH_SKIPS: dict[str, str] = {}
 
 #: policy -> (A2E on side streams, E2A on side streams); None = engine unpatched.
 POLICIES: dict[str, tuple[bool, bool] | None] = {
@@ -145,8 +150,8 @@ class BenchParams:
     comm_cores: int = 0
     policies: tuple[str, ...] = ("serial", "e2a-only", "overlap", "overlap-fixed")
     scenario: str | None = None
-    #: Capture each policy's step once (upstream's decode graph path) and time
-    #: replays (emulated device only; adaptive ``overlap`` is left out).
+    #: Capture each policy's step once (upstream's decode graph path; adaptive
+    #: ``overlap`` with both variants) and time replays (emulated device only).
     graph: bool = False
 
     def link(self) -> LinkModel:
@@ -379,9 +384,14 @@ class PolicyStats:
     timeline: list[TraceOp] = field(default_factory=list)
     #: Every traced step's ops and A2E peer waits (kept for ``serial`` only: f, a, e come from them).
     traced: list[tuple[list[TraceOp], dict[tuple[int, int], int]]] = field(default_factory=list)
-    #: Graph mode: timed replays, and graphs captured (one per graph key).
+    #: Graph mode: timed replays, and graphs captured (one per graph key;
+    #: two, serial and overlap, for the adaptive policy's key).
     replays: int = 0
     captured_variants: int = 0
+    #: Graph mode, adaptive policy: timed replays per variant it ran.
+    variant_replays: dict[str, int] = field(default_factory=dict)
+    #: Graph mode, adaptive policy: what its graph chose (the report's ``graph_choice``).
+    graph_choice: dict[str, Any] | None = None
     #: Whether its steps were traced for the edge checker (graph replays are not).
     edges_checkable: bool = True
 
@@ -417,16 +427,19 @@ class _Progress:
 
 
 def _config_for(policy: str, backend: str, *, graph: bool = False) -> OverlapConfig | None:
+    """The policy's layer config (None: unpatched). ``graph``: decode graphs
+    capture the overlap, both variants (``"adaptive"``) for an adaptive policy."""
     sides = POLICIES[policy]
     if sides is None:
         return None
+    adaptive = policy in ADAPTIVE_POLICIES
     return OverlapConfig(
         enabled=True,
         backend=backend,  # type: ignore[arg-type]
         a2e_on_side_stream=sides[0],
         e2a_on_side_stream=sides[1],
-        adaptive=policy in ADAPTIVE_POLICIES,
-        graph=graph,
+        adaptive=adaptive,
+        graph=("adaptive" if adaptive else "1") if graph else "0",
     )
 
 
@@ -586,10 +599,12 @@ def _run_graph_policies(
     progress: bool,
     desc: str,
 ) -> dict[str, PolicyStats]:
-    """``--graph``: the eager serial reference of every step id; each
-    policy's step captured once (its config applied, ``graph=True``); then
-    per repetition warm-up and timed replays round-robin, and serial's traced
-    pass-through steps (module docstring)."""
+    """``--graph``: the eager serial reference of every step id; each fixed
+    policy's step captured once (its config applied, ``graph=True``, then
+    unpatched); adaptive ``overlap`` captured with both variants
+    (``graph="adaptive"``) and its layer kept applied while every policy's
+    warm-up and timed replays run round-robin, per repetition; serial's
+    traced pass-through steps (module docstring)."""
     world = handle.world
     layers = tuple(world.layer_list())
     stages = tuple(world.spec.stage_ids)
@@ -606,7 +621,7 @@ def _run_graph_policies(
         e2a_on_side_stream=False,
         adaptive=False,
     )
-    engines = {p: emulated_layer().engine for p in order}
+    patch_layers = {p: emulated_layer() for p in order}
     per_rep = len(order) * (params.warmup + params.steps) + params.steps
     bar = _Progress(len(warm_ids) + len(timed_ids) + len(order) + params.reps * per_rep, progress, desc)
     side_streams = {side_stream_name(s) for s in stages}
@@ -620,9 +635,25 @@ def _run_graph_policies(
         handle.check()
         bar.tick("serial (eager reference)")
     captured: dict[str, dict[str, Any]] = {}
+    #: The adaptive policy whose layer stays applied over the replays, if any.
+    held: str | None = None
+
+    def unpatch(policy: str) -> None:
+        if not patch_layers[policy].engine.unpatch(timeout=30.0):
+            raise RuntimeError("the benchmark's patch engine could not unpatch; see the log")
+
+    def capture(policy: str) -> Any:
+        world_graph = world.capture(warmups=max(params.warmup, 1))
+        entry = world.take_graph()
+        assert entry is not None and entry["graph"] is world_graph
+        captured[policy] = entry
+        bar.tick(policy)
+        return world_graph
 
     def replay(policy: str, sid: int, rep: int, *, timed: bool) -> None:
         st = stats[policy]
+        graph = captured[policy]["graph"]
+        counts = dict(graph.captured.replays) if isinstance(graph, VariantGraph) else None
         world.put_graph(captured[policy])
         try:
             world.steps_run = sid
@@ -636,29 +667,70 @@ def _run_graph_policies(
         if timed:
             st.per_layer_s.append(elapsed / len(layers))
             st.replays += 1
+            if counts is not None:  # which variant this replay ran
+                for variant, n in graph.captured.replays.items():
+                    if n > counts.get(variant, 0):
+                        st.variant_replays[variant] = st.variant_replays.get(variant, 0) + 1
         _check_output(st, reference, sid, out, rep)
         bar.tick(policy)
 
+    def trace_serial(rep: int) -> None:
+        """Serial's traced pass-through steps of every timed step id (eager)."""
+        st = stats["serial"]
+        patch_layers["serial"].engine.apply(config=passthrough, manifest=manifest, strict=True)
+        try:
+            for sid in timed_ids:
+                world.steps_run = sid
+                ops, out, waits = handle.traced_step()
+                _check_output(st, reference, sid, out, rep)
+                if handle.attn_modeled:
+                    cycle = check_peer_cycle(
+                        ops, layers, stages, int(params.attn_us * 1e3), tolerance_ns=PEER_TOLERANCE_NS
+                    )
+                    st.peer_violations.extend(f"rep {rep} step {sid}: {v}" for v in cycle.violations)
+                    st.peer_checked += 1
+                st.traced.append((ops, waits))
+                bar.tick("serial")
+        finally:
+            unpatch("serial")
+        if handle.edges_checkable:
+            result = check_step(ops, ExpectedSchedule(layers, stages, False, False))
+            st.violations.extend(f"rep {rep}: {v}" for v in result.violations)
+        st.timeline = ops
+
     try:
-        # Capture: one graph per policy (one key: every stage at --tokens),
-        # under the policy's config; kept after its layer is unpatched.
-        for policy in order:
-            engine = engines[policy]
+        # Capture the fixed policies: one graph each (one key: every stage at
+        # --tokens), under the policy's config; kept after it is unpatched.
+        for policy in (p for p in order if p not in ADAPTIVE_POLICIES):
             cfg = _config_for(policy, handle.backend, graph=True)
             if cfg is not None:
-                engine.apply(config=cfg, manifest=manifest, strict=True)
+                patch_layers[policy].engine.apply(config=cfg, manifest=manifest, strict=True)
             try:
-                graph = world.capture(warmups=max(params.warmup, 1))
-                entry = world.take_graph()
+                graph = capture(policy)
             finally:
-                if not engine.unpatch(timeout=30.0):
-                    raise RuntimeError("the benchmark's patch engine could not unpatch; see the log")
-            assert entry is not None and entry["graph"] is graph
-            captured[policy] = entry
+                unpatch(policy)
+            stats[policy].captured_variants += 1
+            stats[policy].engaged.append(any(name in side_streams for name, _, _ in graph.nodes()))
+        # The adaptive policy: both variants (GRAPH=adaptive); its layer stays
+        # applied through every policy's replays (its graph chooses through
+        # the layer's runtime; the fixed graphs replay only captured work).
+        adaptive = [p for p in order if p in ADAPTIVE_POLICIES]
+        assert len(adaptive) <= 1, "two engines cannot stay applied side by side"
+        for policy in adaptive:
+            cfg = _config_for(policy, handle.backend, graph=True)
+            assert cfg is not None
+            patch_layers[policy].engine.apply(config=cfg, manifest=manifest, strict=True)
+            held = policy
+            graph = capture(policy)
             st = stats[policy]
-            st.captured_variants += 1
-            st.engaged.append(any(name in side_streams for name, _, _ in graph.nodes()))
-            bar.tick(policy)
+            if isinstance(graph, VariantGraph):
+                st.captured_variants += 2
+                nodes = graph.captured.ours.nodes()
+            else:  # the second capture failed: the key kept upstream's graph
+                st.captured_variants += 1
+                nodes = graph.nodes()
+            st.engaged.append(any(name in side_streams for name, _, _ in nodes))
+        deferred = []
         for rep in range(params.reps):
             for sid in warm_ids:
                 for policy in order:
@@ -667,34 +739,42 @@ def _run_graph_policies(
                 k = i % len(order)  # rotate who goes first, so no policy always follows another
                 for policy in order[k:] + order[:k]:
                     replay(policy, sid, rep, timed=True)
-            st = stats["serial"]
-            engine = engines["serial"]
-            engine.apply(config=passthrough, manifest=manifest, strict=True)
-            try:
-                for sid in timed_ids:
-                    world.steps_run = sid
-                    ops, out, waits = handle.traced_step()
-                    _check_output(st, reference, sid, out, rep)
-                    if handle.attn_modeled:
-                        cycle = check_peer_cycle(
-                            ops, layers, stages, int(params.attn_us * 1e3), tolerance_ns=PEER_TOLERANCE_NS
-                        )
-                        st.peer_violations.extend(f"rep {rep} step {sid}: {v}" for v in cycle.violations)
-                        st.peer_checked += 1
-                    st.traced.append((ops, waits))
-                    bar.tick("serial")
-            finally:
-                if not engine.unpatch(timeout=30.0):
-                    raise RuntimeError("the benchmark's patch engine could not unpatch; see the log")
-            if handle.edges_checkable:
-                result = check_step(ops, ExpectedSchedule(layers, stages, False, False))
-                st.violations.extend(f"rep {rep}: {v}" for v in result.violations)
-            st.timeline = ops
+            if held is None:
+                trace_serial(rep)
+            else:  # another engine cannot be applied beside the held one
+                deferred.append(rep)
+        if held is not None:
+            runtime_stats = patch_layers[held].runtime.stats()
+            stats[held].graph_choice = _graph_choice(runtime_stats, stats[held])
+            policy, held = held, None
+            unpatch(policy)  # puts upstream's graph back in the entry, releases the overlap variant
+        for rep in deferred:
+            trace_serial(rep)
     finally:
+        if held is not None:
+            unpatch(held)
         for entry in captured.values():
             entry["graph"].reset()  # closes the streams a graph made for itself
         bar.close()
     return stats
+
+
+def _graph_choice(runtime_stats: Mapping[str, Any], st: PolicyStats) -> dict[str, Any]:
+    """What the adaptive graph chose (its key's ``stats()["graphs"]`` entry),
+    with the timed replays per variant; ``decision`` is None when the key
+    has no second variant (its capture failed: ``capture_failures``)."""
+    failures = dict(runtime_stats.get("graph_capture_failures", {}))
+    entries = runtime_stats.get("graphs", [])
+    g = entries[0] if entries else {}
+    return {
+        "decision": g.get("decision"),
+        "replays": dict(g.get("replays", {})),
+        "timed_replays": {v: st.variant_replays.get(v, 0) for v in ("serial", "overlap")},
+        "serial_median_ms": g.get("serial_median_ms"),
+        "overlap_median_ms": g.get("overlap_median_ms"),
+        "samples": dict(g.get("samples", {})),
+        "capture_failures": failures,
+    }
 
 
 def _check_output(
@@ -880,6 +960,7 @@ def _report(
                 "engaged": all(st.engaged) and bool(st.engaged),
                 "replays": st.replays,
                 "captured_variants": st.captured_variants,
+                "graph_choice": st.graph_choice,
                 "edges_checked": handle.edges_checkable and st.edges_checkable,
                 "edges_ok": (not st.violations) if handle.edges_checkable and st.edges_checkable else None,
                 "edge_violations": st.violations[:10],

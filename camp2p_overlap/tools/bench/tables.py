@@ -56,6 +56,9 @@ def problems(report: Mapping[str, Any]) -> list[str]:
                 f"{p['policy']}: the attention peer's cycle was broken ({'; '.join(p['peer_cycle_violations'][:3])})"
             )
         fixed = not p.get("adaptive", False)  # adaptive engage may rightly choose the serial path
+        if report.get("graph") and not fixed and p.get("captured_variants", 0) < 2:
+            why = "; ".join((p.get("graph_choice") or {}).get("capture_failures", {})) or "no reason recorded"
+            out.append(f"{p['policy']}: its decode graph's overlap variant was not captured ({why})")
         if p["policy"] != "serial" and fixed and not p["engaged"] and len(report["stages"]) >= 2:
             out.append(f"{p['policy']}: the overlap did not engage (ran the serial path)")
     prof = report.get("profile")
@@ -75,12 +78,23 @@ def graph_lines(report: Mapping[str, Any]) -> list[str]:
     graphs = sum(p.get("captured_variants", 0) for p in pols)
     replays = ", ".join(f"{p['policy']} {p.get('replays', 0)}" for p in pols)
     text = (
-        f"graph mode (--graph): each policy's step captured once per graph key ({graphs} graphs in all) on the "
-        f"emulated device, then replayed round-robin; per-layer times are replays (timed: {replays}), each "
-        "compared bitwise with the eager serial step of the same step id. Replays leave no trace: the edge check "
-        "and the peer cycle run on serial's eager traced steps."
+        f"graph mode (--graph): each policy's step captured once per graph key, adaptive overlap's with both "
+        f"variants ({graphs} graphs in all), on the emulated device, then replayed round-robin; per-layer times "
+        f"are replays (timed: {replays}), each compared bitwise with the eager serial step of the same step id. "
+        "Replays leave no trace: the edge check and the peer cycle run on serial's eager traced steps."
     )
     lines = textwrap.wrap(text, 110, subsequent_indent="  ")
+    for p in pols:
+        choice = p.get("graph_choice")
+        if choice:
+            timed = choice["timed_replays"]
+            lines += textwrap.wrap(
+                f"{p['policy']}'s graph (serial and overlap variants, chosen per replay): decision "
+                f"{choice['decision'] or 'none (one variant captured)'}; timed replays serial "
+                f"{timed.get('serial', 0)}, overlap {timed.get('overlap', 0)}",
+                110,
+                subsequent_indent="  ",
+            )
     for skip in report.get("skipped_policies", []):
         lines += textwrap.wrap(f"not run in graph mode: {skip['policy']}: {skip['why']}", 110, subsequent_indent="  ")
     return lines
