@@ -266,11 +266,11 @@ TABLE: tuple[EnvVar, ...] = (
         "graph",
         "choice",
         "0",
-        "what a decode graph (ACL graph, CUDA graph) captures for each key",
+        "what a decode graph captures per key",
         choices=(
-            ("0", "the serial step, upstream's own graph"),
-            ("1", "the overlap, for every key"),
-            ("adaptive", "both variants; each replay runs the one its key's bucket chose"),
+            ("0", "the serial step, upstream's graph"),
+            ("1", "the overlap"),
+            ("adaptive", "both; each replay runs its bucket's choice"),
         ),
         aliases=(("off", "0"), ("false", "0"), ("no", "0"), ("on", "1"), ("true", "1"), ("yes", "1")),
     ),
@@ -317,11 +317,9 @@ TABLE: tuple[EnvVar, ...] = (
         "reprobe_every",
         "integer",
         64,
-        "with adaptive engage, every this many steps of a shape run a probe round of the path not chosen, to notice"
-        " a change of load: a warm-up step, then measured probes for as long as their median beats the chosen"
-        " path's recent median by 5 % or more; once 3 have, the decision switches. A round whose median"
-        " loses by more than 10 % doubles the interval, up to 8 times this value; any other round sets it back."
-        " A close first decision (medians within 10 %) gets its first round within 16 steps",
+        "with adaptive engage, every this many steps of a shape (or graph key) run a probe round of the path"
+        " not chosen: 3 probes faster by 5 % switch it; a round slower by 10 % doubles the interval, up to"
+        " 8 times; a close first decision (within 10 %) is probed within 16 steps",
         low=MIN_REPROBE,
         high=MAX_REPROBE,
     ),

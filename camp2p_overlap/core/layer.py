@@ -67,6 +67,7 @@ def _start_reporting() -> None:
         metrics.start_reporting(
             LAYER.runtime.counters.to_dict,  # steps and serial reasons: no bucket snapshot per scrape
             port=cfg.metrics_port,
+            addr=cfg.metrics_addr,
             summary_s=cfg.summary_s,
             mode=cfg.mode,
             rung=rung(cfg),

@@ -175,10 +175,9 @@ def test_the_reprobe_help_quotes_the_adaptive_settings() -> None:
     s = AdaptiveSettings()
     text = BY_NAME[ENV_REPROBE].help
     assert BY_NAME[ENV_REPROBE].default == s.reprobe_every
-    assert f"beats the chosen path's recent median by {s.switch_margin * 100:g} % or more" in text
-    assert f"once {s.confirm} have, the decision switches" in text
-    assert f"loses by more than {s.backoff_above * 100:g} % doubles the interval, up to {s.max_backoff} times" in text
-    assert f"(medians within {s.close_call * 100:g} %) gets its first round within {s.close_recheck} steps" in text
+    assert f"{s.confirm} probes faster by {s.switch_margin * 100:g} % switch it" in text
+    assert f"a round slower by {s.backoff_above * 100:g} % doubles the interval, up to {s.max_backoff} times" in text
+    assert f"(within {s.close_call * 100:g} %) is probed within {s.close_recheck} steps" in text
 
 
 def _probe_round(serial_probes: list[float]) -> list[str | None]:
