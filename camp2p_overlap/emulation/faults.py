@@ -2,10 +2,14 @@
 stage) raise, stall for a while, or lose its attention peer.
 
 A :class:`FaultPlan` attaches to a :class:`~camp2p_overlap.emulation.world.World`
-through the transport's ``fault_hook`` (A2E and E2A, which run on the side
-streams when the overlap is engaged) and a thin wrapper around the runner's
-model (the FFN, which always runs on the compute stream). A fault fires at
-most once after :meth:`FaultPlan.arm`; the step after it runs clean.
+through the transport's ``fault_hook`` and a thin wrapper around the runner's
+model. The transport calls the hook inside the A2E and E2A *kernels*: on the
+worker thread of the stream the op was issued on (a side stream when the
+overlap is engaged, the compute stream otherwise), after the host has moved
+on, so a fault there is an asynchronous error of that stream. The model
+wrapper runs on the host (the FFN's host part), so an FFN fault is a host
+error, raised at once. A fault fires at most once after
+:meth:`FaultPlan.arm`; the step after it runs clean.
 
 What each action does, per op:
 

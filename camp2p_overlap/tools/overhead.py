@@ -168,10 +168,19 @@ def time_block(step: Callable[[], Any], warmup: int, steps: int) -> list[int]:
 # the calls of a pass-through step that meet a frame of ours
 
 
+#: Wrapped targets an eager step never calls (decode graph capture only).
+_NOT_ON_AN_EAGER_STEP = frozenset({"capture_graphs"})
+
+
 def _target_names(manifest: Any, obj: Any) -> list[str]:
-    """The manifest's targets that are attributes of ``obj``'s class."""
+    """The manifest's targets that are attributes of ``obj``'s class and
+    that an eager step can call."""
     cls = type(obj).__name__
-    return [t.attribute for t in manifest.targets() if t.owner_path[-1:] == (cls,)]
+    return [
+        t.attribute
+        for t in manifest.targets()
+        if t.owner_path[-1:] == (cls,) and getattr(t, "wrapper", None) not in _NOT_ON_AN_EAGER_STEP
+    ]
 
 
 def _resolved(obj: Any, names: Sequence[str]) -> dict[str, Any]:

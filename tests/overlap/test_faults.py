@@ -5,6 +5,15 @@ surface to the caller unchanged, never hang, leave every side stream idle,
 and the next step is correct; a silent peer is reported as a stall, then
 times out. A deliberately wrong order deadlocks in the emulation.
 
+The CPU backend is the emulated device: every stream, the compute stream
+included, is a worker thread and the host only enqueues. An A2E/E2A fault
+fires inside its kernel, on a stream worker: it poisons that stream and
+surfaces when the step ends (the side streams' errors at the session's
+close, the compute stream's at the device synchronize ``World.run_step``
+does), after the host has issued the whole step. A fault in the model's
+host part (the FFN) is a host error and raises at once (the world then lets
+the device finish what the step had issued before the next step).
+
 Property-based fault injection (hypothesis, ``tests/support/strategies.py``): runs
 each with one fault (an exception, a delay, or an attention peer that stops
 answering) at a drawn (layer, stage) and op kind (A2E, FFN, E2A), drawn
@@ -15,7 +24,8 @@ run. Every run must:
 * give outputs bitwise equal to the serial path (delays) or surface the
   injected error to the caller with its exact type (raise, stop);
 * leave the side streams joined: no emulated op of the step still in
-  flight when the step returns, every CPU worker stream idle;
+  flight once its outcome is known (after the device has run what the step
+  issued), every worker stream idle;
 * leave the next step correct;
 * leave no thread behind: after ``unpatch()`` the threads are exactly those
   from before ``apply()``, and no ``camp2p-overlap-stream-*`` thread lives.
@@ -143,13 +153,23 @@ def test_injected_errors_surface_unchanged_and_the_next_step_is_correct(
         assert info.value is raised["exc"], "the caller must get the injected exception object itself"
         assert str(info.value) == f"injected {p['where']} fault at layer {p['layer']} stage {p['stage']}"
         assert_streams_idle(timeout=5, layer=layer)
-        if p["where"] == "a2e":
-            # Prefetched or not, an A2E error surfaces exactly when the loop
-            # asks for that (layer, stage): every FFN before it in loop order
-            # ran, that one did not.
-            sched = p["sched"]
-            order = [(L, s) for L in range(sched.layers) for s in sorted(sched.stages)]
-            assert ffn_calls == order[: order.index((p["layer"], p["stage"]))]
+        sched = p["sched"]
+        order = [(L, s) for L in range(sched.layers) for s in sorted(sched.stages)]
+        at = order.index((p["layer"], p["stage"]))
+        if p["where"] == "ffn":
+            # A host error: the loop stops in that FFN.
+            assert ffn_calls == order[: at + 1]
+        elif p["where"] == "a2e" or p["dirs"] != (False, True):
+            # A kernel error does not stop the host (it no longer surfaces at
+            # the receive, as when the host ran C): the host issues the whole
+            # step, every FFN once in loop order, and the error surfaces at
+            # the step's end.
+            assert ffn_calls == order
+        else:
+            # A2E on C, E2A on K_s: before the stage's next A2E the host
+            # checks K_s's errors and raises one that has already happened,
+            # so the loop may stop there, after the failed E2A's own FFN.
+            assert ffn_calls == order[: len(ffn_calls)] and len(ffn_calls) > at
         target.clear()
         assert_same(bounded(lambda p=p: run_step(w, p["next"]), timeout=30), ref)
         assert_streams_idle(timeout=5, layer=layer)
@@ -161,7 +181,12 @@ def test_injected_errors_surface_unchanged_and_the_next_step_is_correct(
         assert w.runner.model.compute_ffn_output == original
 
 
-def test_error_in_first_prefetch_of_another_stage_surfaces_at_its_receive(layer: Layer) -> None:
+def test_error_in_first_prefetch_of_another_stage_surfaces_at_the_end_of_the_step(layer: Layer) -> None:
+    """The prologue A2E of stage 1 fails in its kernel, on K1. It used to
+    surface at the loop's receive of (L0, s1), before FFN(L0, s1); on the
+    device it is an asynchronous error of K1: the host issues the whole step
+    (every FFN), the error surfaces when the step ends, and K1's later ops
+    are skipped (stage 1 delivers nothing)."""
     w = world(layers=3, stage_ids=(0, 1))
     sched = Schedule(3, (0, 1), (8, 8), step=1)
     nxt = Schedule(3, (0, 1), (8, 8), step=2)
@@ -177,12 +202,18 @@ def test_error_in_first_prefetch_of_another_stage_surfaces_at_its_receive(layer:
     w.transport.fault_hook = hook
     with pytest.raises(InjectedFault, match=r"^prologue a2e of stage 1$"):
         bounded(lambda: run_step(w, sched))
-    assert ffn_layers == [0]  # FFN(0, 0) ran, FFN(0, 1) never did
+    assert ffn_layers == [0, 0, 1, 1, 2, 2]  # the host was not stopped
+    # K1 is poisoned from its first op on: stage 1 delivers nothing, while
+    # stage 0's first E2A (which depends on nothing of K1) still runs.
+    assert (0, 0) in w.transport.results
+    assert not [key for key in w.transport.results if key[1] == 1]
+    assert_streams_idle(layer=layer)
     w.transport.fault_hook = None
     assert_same(bounded(lambda: run_step(w, nxt)), ref)
 
 
 def test_model_error_surfaces_and_streams_join(layer: Layer) -> None:
+    """A model error is a host error: it raises at once."""
     w = world(layers=4, stage_ids=(0, 1, 2))
     sched = Schedule(4, (0, 1, 2), (4, 9, 16), step=5)
     nxt = Schedule(4, (0, 1, 2), (16, 1, 7), step=6)
@@ -198,6 +229,7 @@ def test_model_error_surfaces_and_streams_join(layer: Layer) -> None:
     original = wrap_model(w, before=before)
     with pytest.raises(ZeroDivisionError, match=r"^model blew up at its 8th call$"):
         bounded(lambda: run_step(w, sched))
+    assert len(calls) == 8  # raised at once: the loop went no further
     assert_streams_idle(layer=layer)
     w.runner.model.compute_ffn_output = original
     assert_same(bounded(lambda: run_step(w, nxt)), ref)
@@ -298,7 +330,9 @@ class Runner:
             with FaultPlan(w, [fault]) as plan:
                 plan.arm()
                 out = self.step(w, a, run.tokens)
-                # Joined: nothing of the step still in flight on any group.
+                # Joined: nothing of the step still in flight on any group
+                # once its outcome is known (after a host error the world let
+                # the device finish what the step had issued).
                 busy = {s: p.busy for s, p in w.transport.peers.items() if p.busy is not None}
             assert not busy, f"{run}: ops still running after the step returned: {busy}"
             assert len(plan.fired) == 1, f"{run}: fault fired {len(plan.fired)} times"
@@ -432,12 +466,20 @@ class LookaheadBeforeE2A(OverlapSession):
 def test_lookahead_queued_before_its_e2a_deadlocks_until_the_op_timeout(
     monkeypatch: pytest.MonkeyPatch, layer: Layer
 ) -> None:
+    """Both stages' lookahead A2Es deadlock, each on its own side stream.
+    The host no longer blocks in stage 0's receive, so the error the step
+    reports is the one of the A2E the device started first (a device
+    reports asynchronous errors in the order its kernels ran): either
+    group's."""
     w = world(layers=3, stage_ids=(0, 1), op_timeout_s=0.5)
     apply_cpu(layer=layer)
     # Control: the real order completes with the same short timeout.
     run_step(w, Schedule(3, (0, 1), (8, 8), step=1))
     monkeypatch.setattr(layer.runtime, "session_class", LookaheadBeforeE2A)
-    with pytest.raises(PeerTimeoutError, match=r"a2e\(L1\) on afd: no data from attention after 0.5 s"):
+    with pytest.raises(
+        PeerTimeoutError,
+        match=r"^a2e\(L1\) on afd1?: no data from attention after 0.5 s \(waiting for this stage's e2a\)$",
+    ):
         bounded(lambda: run_step(w, Schedule(3, (0, 1), (8, 8), step=2)), timeout=30)
     assert_streams_idle(layer=layer)
 

@@ -1,11 +1,19 @@
 """The stall watchdog (VLLM_CAMP2P_MULTISTREAM_WATCHDOG_S): a step whose
 attention peer stops answering is reported, once, naming the (layer, stage)
 ops issued, the ones finished and the one pending; the watchdog only reads
-(the step's outcome is the same with it on or off)."""
+(the step's outcome is the same with it on or off).
+
+The CPU backend is the emulated device: the host enqueues every op and runs
+ahead, so by the time a stall is reported the host has usually issued and
+closed the whole step, and the report says where each *stream* of the
+device is (the op it runs, the event it waits for). The watchdog follows a
+closed step's device work until it has finished, or reports at the deadline.
+"""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from support.logs import PackageLogs
@@ -48,6 +56,11 @@ def _apply(layer: Layer, **overrides: object) -> None:
 
 
 def test_stopped_peer_a2e_is_reported_once_with_the_pending_op(make_world, logs, layer: Layer) -> None:
+    """The host ran ahead: it issued the whole step (every op of every
+    stage) and closed it before the report, so the report no longer shows
+    the host blocked in a receive: C waits on the device for the stalled
+    A2E's event, the ops behind it are queued, and the other stages' streams
+    wait for C (they are not blamed)."""
     w = make_world(layers=3, stage_ids=(0, 1, 2), tokens=8, op_timeout_s=1.2)
     _apply(layer, watchdog_s=0.25)
     with FaultPlan(w, [Fault("stop", "a2e", 1, 1)]) as plan:
@@ -62,19 +75,29 @@ def test_stopped_peer_a2e_is_reported_once_with_the_pending_op(make_world, logs,
     assert "a2e(L1,s1) on K1: RUNNING for" in text
     assert "likely missing peer op: a2e(L1,s1) on K1" in text
     assert "attention peer of stage 1 (group afd1) has not answered" in text
-    assert "compute stream C is blocked in receive (L1,s1), waiting for a2e(L1,s1)" in text
+    assert "step 0: 9/9 receives handed to the loop" in text
+    assert "host: has issued the whole step and closed it" in text
+    assert "compute stream C is waiting on the device for a2e(L1,s1) on K1 (event a L1 s1 pending)" in text
     # What was issued and finished for the stuck stage, and its pending event.
-    assert "stage 1 (stream K1, group afd1): 3 op(s) issued" in text
+    assert "stage 1 (stream K1, group afd1): 6 op(s) issued; K1 is at a2e(L1,s1) (RUNNING for" in text
     assert "a2e(L0,s1) on K1: done" in text and "e2a(L0,s1) on K1: done" in text
+    assert "e2a(L1,s1) on K1: queued" in text  # issued, behind the stalled op on K1
     assert "event a L1 s1: pending" in text  # events by their EventKey label
     assert "event a L1 s0: done" in text
-    assert text.rstrip().endswith("ops not finished: a2e(L1,s1) on K1")
-    # Other stages are not blamed.
+    # The other stages' streams wait for FFNs C cannot reach: not blamed.
+    assert "stage 0 (stream K0, group afd): 6 op(s) issued; K0 waits for the FFN of (L2,s0) on C" in text
+    assert "stage 2 (stream K2, group afd2): 6 op(s) issued; K2 waits for the FFN of (L1,s2) on C" in text
     assert text.count("likely missing peer op") == 1
+    assert text.rstrip().endswith(
+        "ops not finished: a2e(L1,s1) on K1, e2a(L1,s1) on K1, a2e(L2,s1) on K1, e2a(L1,s2) on K2, "
+        "a2e(L2,s2) on K2, e2a(L2,s0) on K0, e2a(L2,s1) on K1, e2a(L2,s2) on K2"
+    )
     assert not _wait_watchdogs_gone()
 
 
 def test_stopped_peer_e2a_reports_it_and_the_a2e_queued_behind_it(make_world, logs, layer: Layer) -> None:
+    """C waits on the device for the A2E queued behind the stalled E2A (the
+    host issued the whole step: it is not blocked in that receive)."""
     w = make_world(layers=3, stage_ids=(0, 2), tokens=8, op_timeout_s=1.2)
     _apply(layer, watchdog_s=0.3)
     with FaultPlan(w, [Fault("stop", "e2a", 0, 0)]) as plan:
@@ -87,13 +110,17 @@ def test_stopped_peer_e2a_reports_it_and_the_a2e_queued_behind_it(make_world, lo
     assert "a2e(L1,s0) on K0: queued" in text
     assert "likely missing peer op: e2a(L0,s0) on K0" in text
     assert "attention peer of stage 0 (group afd) has not acknowledged" in text
-    assert "compute stream C is blocked in receive (L1,s0), waiting for a2e(L1,s0)" in text
-    assert "stage 2 (stream K2, group afd2)" in text
+    assert "compute stream C is waiting on the device for a2e(L1,s0) on K0 (event a L1 s0 pending)" in text
+    assert "stage 0 (stream K0, group afd): 6 op(s) issued; K0 is at e2a(L0,s0) (RUNNING for" in text
+    assert "stage 2 (stream K2, group afd2): 6 op(s) issued; K2 waits for the FFN of (L1,s2) on C" in text
     assert text.count("likely missing peer op") == 1
-    assert "ops not finished: e2a(L0,s0) on K0, a2e(L1,s0) on K0" in text
+    assert "ops not finished: e2a(L0,s0) on K0, a2e(L1,s0) on K0, e2a(L1,s0) on K0, a2e(L2,s0) on K0" in text
 
 
 def test_a2e_on_the_compute_stream_is_named_when_it_stalls(make_world, logs, layer: Layer) -> None:
+    """C itself runs the stalled A2E on the device (the host is not in the
+    receive: it has issued the rest of the step behind it); the next
+    stage's A2E, queued behind it on C, is not blamed."""
     w = make_world(layers=2, stage_ids=(0, 1), tokens=8, op_timeout_s=1.0)
     _apply(layer, watchdog_s=0.25, a2e_on_side_stream=False)
     with FaultPlan(w, [Fault("stop", "a2e", 1, 0)]) as plan:
@@ -101,16 +128,20 @@ def test_a2e_on_the_compute_stream_is_named_when_it_stalls(make_world, logs, lay
         out = run_step_bounded(w, 2, STEP_BOUND_S)
     assert isinstance(out.error, PeerTimeoutError), out
     (text,) = stall_reports(logs)
-    assert "compute stream C is blocked in receive (L1,s0), running a2e(L1,s0) on the compute stream" in text
-    assert "compute stream C is blocked in a2e(L1,s0), issued on the compute stream" in text
+    assert "host: has issued the whole step and closed it" in text
+    assert "compute stream C is blocked in a2e(L1,s0), issued on the compute stream (RUNNING for" in text
     assert "likely missing peer op: a2e(L1,s0) on C (RUNNING for" in text
+    assert "a2e(L1,s1) on C: queued" in text
+    assert "stage 1 (stream K1, group afd1): 4 op(s) issued; K1 waits for the FFN of (L1,s1) on C" in text
     assert text.count("likely missing peer op") == 1
 
 
 def test_a2e_on_the_compute_stream_behind_a_stalled_e2a_blames_the_e2a(make_world, logs, layer: Layer) -> None:
-    """A2E on C, E2A on K_s: the next receive of the stage waits the stage's
-    last E2A before it issues its A2E. The A2E is not issued, so it is not
-    blamed: the E2A the peer never acknowledged is."""
+    """A2E on C, E2A on K_s: C waits the stage's last E2A before it runs the
+    stage's next A2E. The host does not block on that wait (it enqueues it
+    and issues the A2E behind it), so the A2E is listed, queued on C, and
+    not blamed: the E2A the peer never acknowledged is, and C is named
+    waiting on the device for it."""
     w = make_world(layers=2, stage_ids=(0, 1), tokens=8, op_timeout_s=1.0)
     _apply(layer, watchdog_s=0.25, a2e_on_side_stream=False)
     with FaultPlan(w, [Fault("stop", "e2a", 0, 0)]) as plan:
@@ -118,14 +149,19 @@ def test_a2e_on_the_compute_stream_behind_a_stalled_e2a_blames_the_e2a(make_worl
         out = run_step_bounded(w, 2, STEP_BOUND_S)
     assert isinstance(out.error, PeerTimeoutError), out
     (text,) = stall_reports(logs)
-    assert "compute stream C is blocked in receive (L1,s0), waiting for the last e2a of stage 0 on K0" in text
+    assert "compute stream C is waiting on the device for e2a(L0,s0) on K0 (event e L0 s0 pending)" in text
     assert "e2a(L0,s0) on K0: RUNNING for" in text
     assert "likely missing peer op: e2a(L0,s0) on K0" in text
-    assert "a2e(L1,s0)" not in text  # never issued: neither listed nor blamed
+    assert "a2e(L1,s0) on C: queued" in text  # issued behind C's wait: listed, not blamed
+    assert "likely missing peer op: a2e" not in text
     assert text.count("likely missing peer op") == 1
 
 
 def test_e2a_on_the_compute_stream_is_named_once_when_it_stalls(make_world, logs, layer: Layer) -> None:
+    """C runs the stalled E2A on the device; the host is past it (it issued
+    the whole step, so the report no longer says C is "not waiting on a
+    receive"): the side streams' lookahead A2Es wait for C's E2A of their
+    stage, and only the stalled E2A is blamed."""
     w = make_world(layers=2, stage_ids=(0, 1), tokens=8, op_timeout_s=1.0)
     _apply(layer, watchdog_s=0.25, e2a_on_side_stream=False)
     with FaultPlan(w, [Fault("stop", "e2a", 0, 0)]) as plan:
@@ -133,13 +169,39 @@ def test_e2a_on_the_compute_stream_is_named_once_when_it_stalls(make_world, logs
         out = run_step_bounded(w, 2, STEP_BOUND_S)
     assert isinstance(out.error, PeerTimeoutError), out
     (text,) = stall_reports(logs)
-    assert "compute stream C is not waiting on a receive (FFN or E2A issue); next receive (L0,s1)" in text
-    assert "compute stream C is blocked in e2a(L0,s0), issued on the compute stream" in text
+    assert "host: has issued the whole step and closed it" in text
+    assert "compute stream C is blocked in e2a(L0,s0), issued on the compute stream (RUNNING for" in text
     assert "e2a(L0,s0) on C: RUNNING for" in text
     assert "likely missing peer op: e2a(L0,s0) on C (RUNNING for" in text
     assert "the attention peer of stage 0 (group afd) has not acknowledged" in text
+    assert "K0 waits for e2a(L0,s0) on C (event ec L0 s0 pending)" in text
+    assert "K1 waits for e2a(L0,s1) on C (event ec L0 s1 pending)" in text
     assert text.count("likely missing peer op") == 1
-    assert text.rstrip().endswith("ops not finished: e2a(L0,s0) on C")
+    assert text.rstrip().endswith(
+        "ops not finished: e2a(L0,s0) on C, a2e(L1,s0) on K0, e2a(L0,s1) on C, a2e(L1,s1) on K1, "
+        "e2a(L1,s0) on C, e2a(L1,s1) on C"
+    )
+
+
+def test_a_host_held_in_the_ffn_is_reported_from_the_live_session(make_world, logs, layer: Layer) -> None:
+    """The host's own part can stall too (here the model's host part sleeps):
+    the report then comes from the open session, says where the host is, and
+    blames no peer (every op issued so far has run on the device)."""
+    w = make_world(layers=2, stage_ids=(0, 1), tokens=8)
+    ref = _serial(layer, w, 4)
+    _apply(layer, watchdog_s=0.2)
+    with FaultPlan(w, [Fault("delay", "ffn", 1, 0, delay_s=0.6)]) as plan:
+        plan.arm()
+        out = run_step_bounded(w, 4, STEP_BOUND_S)
+    assert out.error is None and not out.hung, out
+    assert_same(out.results, ref)
+    (text,) = stall_reports(logs)
+    assert "step 0: 3/4 receives handed to the loop" in text
+    assert "host: in the FFN of (L1,s0) (the model's host part); its send is not issued yet" in text
+    assert "compute stream C is at the FFN of (L1,s0), whose send the host has not issued yet" in text
+    assert "every issued op has finished" in text and "likely missing peer op" not in text
+    assert "ops not finished: none" in text
+    assert not _wait_watchdogs_gone()
 
 
 def test_fast_steps_log_no_stall(make_world, logs, layer: Layer) -> None:
@@ -219,17 +281,12 @@ def test_watchdog_only_reads_a_failing_step_fails_the_same_way(make_world, logs,
     assert len(stall_reports(logs)) == 1
 
 
-def test_report_on_a_device_backend_reads_events_not_handles() -> None:
-    """On a device backend every op returns at once (the host enqueued it);
-    the report tells done from pending by the event recorded after each op,
-    never by a sync."""
+def _fake_device():
+    """A device backend whose ops return at once (DoneHandles) and whose
+    events complete when a test says so; a synchronize fails the test."""
     from types import SimpleNamespace
 
-    from camp2p_overlap.core.overlap.plan import StepPlan
-    from camp2p_overlap.core.overlap.session import OverlapSession
     from camp2p_overlap.core.overlap.streams.base import DoneHandle, StreamBackend
-    from camp2p_overlap.core.overlap.streams.streamset import StreamSet
-    from camp2p_overlap.core.overlap.watchdog import stall_report
 
     class Event:
         def __init__(self) -> None:
@@ -269,7 +326,20 @@ def test_report_on_a_device_backend_reads_events_not_handles() -> None:
         def is_capturing(self) -> bool:
             return False
 
-    dev = Device()
+        def synchronize(self, stream) -> None:
+            raise AssertionError("the watchdog must not synchronize")
+
+    return Device()
+
+
+def _fake_session(dev):
+    """A session of ``dev`` after its first receive (the prologue issued)."""
+    from types import SimpleNamespace
+
+    from camp2p_overlap.core.overlap.plan import StepPlan
+    from camp2p_overlap.core.overlap.session import OverlapSession
+    from camp2p_overlap.core.overlap.streams.streamset import StreamSet
+
     session = OverlapSession(
         connector=object(),
         plan=StepPlan((0, 1), (0, 2), {"max_num_tokens": 4}),
@@ -280,17 +350,105 @@ def test_report_on_a_device_backend_reads_events_not_handles() -> None:
         return SimpleNamespace(hidden_states=None, context=SimpleNamespace(key=(kw["layer_idx"], kw["ubatch_idx"])))
 
     session.recv(recv, {"ubatch_idx": 0, "layer_idx": 0, "max_num_tokens": 4})
+    return session
+
+
+def test_report_on_a_device_backend_reads_events_not_handles() -> None:
+    """On a device backend every op returns at once (the host enqueued it);
+    the report tells done from pending by the event recorded after each op,
+    and where each stream is by the events it waits for, never by a sync.
+    A side stream still waiting for the fork (C has not reached the step)
+    is at a wait, not at an op: nothing is blamed on a peer then."""
+    from camp2p_overlap.core.overlap.watchdog import stall_report
+
+    dev = _fake_device()
+    session = _fake_session(dev)
     text = stall_report(session.snapshot())
+    assert "host: in the FFN of (L0,s0) (the model's host part)" in text
+    assert "compute stream C has not reached its record of event fork yet" in text
+    assert "stage 0 (stream K0, group afd): 1 op(s) issued; K0 waits for the start of the step on C" in text
+    assert "a2e(L0,s0) on K0: enqueued, not complete on the device" in text
+    assert "likely missing peer op" not in text
+    # One report queries each event once, although each op's state is read
+    # for its stage line, its stream's position, the culprit and the list.
+    assert dev.events and [ev.queries for ev in dev.events] == [1] * len(dev.events)
+    fork = dev.events[0]
+    fork.done = True
+    text = stall_report(session.snapshot())
+    assert "compute stream C is waiting on the device for a2e(L0,s0) on K0 (event a L0 s0 pending)" in text
     assert "a2e(L0,s0) on K0: enqueued, not complete on the device" in text
     assert "a2e(L0,s2) on K2: enqueued, not complete on the device" in text
+    assert "likely missing peer op: a2e(L0,s0) on K0 (enqueued, not complete on the device)" in text
     assert "likely missing peer op: a2e(L0,s2) on K2 (enqueued, not complete on the device)" in text
     assert "ops not finished: a2e(L0,s0) on K0, a2e(L0,s2) on K2" in text
-    # One report queries each event once, although each op's state is read
-    # for its stage line, the culprit and the unfinished list.
-    assert dev.events and [ev.queries for ev in dev.events] == [1] * len(dev.events)
+    assert [ev.queries for ev in dev.events] == [2] * len(dev.events)
     for ev in dev.events:
         ev.done = True
     text = stall_report(session.snapshot())
     assert "a2e(L0,s0) on K0: done" in text and "a2e(L0,s2) on K2: done" in text
     assert "every issued op has finished" in text and "ops not finished: none" in text
+    # Closed, the session keeps the step as the host left it: its join.
     session.close(raising=True)
+    snap = session.snapshot()
+    assert snap.closed
+    text = stall_report(snap)
+    assert "host: has issued the whole step and closed it" in text
+    assert "compute stream C is waiting on the device for the last op of stage 0 on K0 (event join s0 pending)" in text
+
+
+def test_after_the_host_closes_the_step_the_watchdog_follows_the_device(logs) -> None:
+    """Cancelled when the host leaves the step, the watchdog keeps reading
+    the closed step's events (queries only): it ends without a report once
+    they have completed, and reports once at the deadline if they do not."""
+    from camp2p_overlap.core.overlap.watchdog import start_watchdog
+
+    dev = _fake_device()
+    session = _fake_session(dev)
+    session.close(raising=True)
+    watchdog = start_watchdog(30.0, session.snapshot, 1)
+    assert watchdog is not None
+    watchdog.cancel()
+    watchdog.join(0.1)
+    assert watchdog.is_alive()  # the device has not run the step yet
+    for ev in dev.events:
+        ev.done = True
+    watchdog.join(5.0)
+    assert not watchdog.is_alive() and not watchdog.reported
+    assert stall_reports(logs) == []
+
+    dev = _fake_device()
+    session = _fake_session(dev)
+    session.close(raising=True)
+    watchdog = start_watchdog(0.2, session.snapshot, 2)
+    assert watchdog is not None
+    watchdog.cancel()
+    watchdog.join(5.0)
+    assert not watchdog.is_alive() and watchdog.reported
+    (text,) = stall_reports(logs)
+    assert "FFN step 2 has not finished after 0.2 s" in text
+    assert "event join s2: pending" in text
+    assert not _wait_watchdogs_gone()
+
+
+def test_stopped_watchdogs_end_without_a_report_or_a_query(logs) -> None:
+    """Before a graph capture the watchdogs following earlier steps are
+    stopped (no event may be queried while a capture is in progress): they
+    have ended when the call returns, query nothing more and report nothing."""
+    from camp2p_overlap.core.overlap.watchdog import start_watchdog, stop_watchdogs
+
+    dev = _fake_device()
+    session = _fake_session(dev)
+    session.close(raising=True)
+    watchdog = start_watchdog(0.5, session.snapshot, 3)
+    assert watchdog is not None
+    watchdog.cancel()
+    deadline = time.perf_counter() + 5.0
+    while not any(ev.queries for ev in dev.events) and time.perf_counter() < deadline:
+        time.sleep(0.001)  # until it follows the step
+    assert stop_watchdogs()
+    assert not watchdog.is_alive()
+    queried = [ev.queries for ev in dev.events]
+    time.sleep(0.6)  # past its deadline
+    assert not watchdog.is_alive() and not watchdog.reported
+    assert [ev.queries for ev in dev.events] == queried
+    assert stall_reports(logs) == []

@@ -90,6 +90,9 @@ class TorchDeviceBackend(StreamBackend):
     def new_stream(self, name: str) -> Any:
         stream = self.mod.Stream(device=self.device) if self.device is not None else self.mod.Stream()
         _name(stream, name)
+        name_thread = getattr(stream, "name_thread", None)  # the emulated device's streams are threads
+        if callable(name_thread):
+            name_thread(f"camp2p-overlap-stream-{name}")
         self._made.append(stream)
         return stream
 

@@ -302,7 +302,7 @@ class _Worker:
         #: Set once told to stop (its stream closed or collected): nothing
         #: queued after that would run, so it takes no more work.
         self.stopped = False
-        self.thread = threading.Thread(target=self.run, name=f"camp2p-overlap-stream-{name}", daemon=True)
+        self.thread = threading.Thread(target=self.run, name=f"camp2p-emulated-stream-{name}", daemon=True)
         self.thread.start()
 
     def put(self, item: tuple[Any, ...]) -> None:
@@ -400,9 +400,6 @@ class Stream:
             _workers.add(self._w)
         self._finalizer = weakref.finalize(self, self._w.stop)
 
-    #: Whether naming the stream renames its worker thread (for diagnostics).
-    _renames_thread = True
-
     @property
     def name(self) -> str:
         """The stream's name, as its log entries and stall reports give it."""
@@ -411,8 +408,12 @@ class Stream:
     @name.setter
     def name(self, value: str) -> None:
         self._w.name = value
-        if self._renames_thread:
-            self._w.thread.name = f"camp2p-overlap-stream-{value}"
+
+    def name_thread(self, name: str) -> None:
+        """Name the worker thread (diagnostics; the layer's streams are
+        ``camp2p-overlap-stream-<name>``, every other one keeps
+        ``camp2p-emulated-stream-*``)."""
+        self._w.thread.name = name
 
     # -- what a stream is asked to do ----------------------------------
     def launch(self, fn: Callable[[], None], writes: Iterable[Any] = ()) -> None:
@@ -529,8 +530,6 @@ class DefaultStream(Stream):
     It lives as long as the process, so its thread is named apart from the
     streams the layer makes (``camp2p-overlap-stream-*``), which all end
     with the layer."""
-
-    _renames_thread = False
 
     def __init__(self) -> None:
         super().__init__()
