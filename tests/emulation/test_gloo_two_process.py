@@ -24,6 +24,7 @@ PAIR_TIMEOUT_S = 150.0
 #: The thread of the emulated device's default stream (the compute stream).
 COMPUTE_THREAD = "camp2p-emulated-device-default-stream"
 
+
 def _vllm_installed() -> bool:
     """Without importing vLLM here (``find_spec("vllm.plugins")`` would: its
     logging config would then change this test process for every later test)."""

@@ -271,3 +271,19 @@ def test_a_capture_creates_no_stream_and_the_streams_do_not_grow_with_keys(layer
         assert {t.name for t in threading.enumerate()} == before
     finally:
         assert layer.engine.unpatch(timeout=10)
+
+
+def test_a_watchdog_following_an_earlier_step_ends_before_a_capture(layer: Layer) -> None:
+    """A watchdog still following an eager step's device work (it queries
+    events) is ended when a capture begins: no query overlaps the capture."""
+    from camp2p_overlap.core.overlap import watchdog
+
+    w = graph_world()
+    apply_cpu(layer=layer, graph=True, watchdog_s=30.0)
+    try:
+        step(w, 1, is_warmup=True)  # eager, engaged: its watchdog may still follow it
+        capture(w, 1)
+        assert not [t for t in threading.enumerate() if t.name == "camp2p-overlap-watchdog" and t.is_alive()]
+        assert watchdog.stop_watchdogs() is True
+    finally:
+        assert layer.engine.unpatch(timeout=10)

@@ -32,6 +32,7 @@ from camp2p_overlap.core.log import log_once, logger
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey
 from camp2p_overlap.core.overlap.decision import decide
 from camp2p_overlap.core.overlap.streams.base import StreamBackend
+from camp2p_overlap.core.overlap.watchdog import stop_watchdogs
 
 #: The two variants, by what ``stats()`` calls them.
 SERIAL, OVERLAP = "serial", "overlap"
@@ -202,6 +203,10 @@ class GraphCapture:
 
     def __call__(self, wrapped: Callable[..., Any], runner: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         cfg = self.engine.config
+        if cfg.enabled:
+            # No watchdog may query events while the capture runs (global
+            # capture mode): end those still following earlier steps.
+            stop_watchdogs()
         if not (cfg.enabled and cfg.graph_overlap) or not self.engine.gate.enter():
             return wrapped(*args, **kwargs)
         try:

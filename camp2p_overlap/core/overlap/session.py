@@ -74,6 +74,9 @@ class SessionSnapshot:
     events: tuple[tuple[EventKey, Any], ...]
     side_streams: Mapping[int, str]
     opened_ns: int
+    #: The host has closed the step: every op, record and wait of it is
+    #: issued (on a device the streams may still be running them).
+    closed: bool = False
 
 
 class _Running(OpHandle):
@@ -157,6 +160,9 @@ class OverlapSession:
         #: the checker rebuilds each stream's FIFO and the event graph from it).
         self._seq = itertools.count()
         self.t_open_ns = time.perf_counter_ns()
+        #: The snapshot taken when the step closed: what the watchdog reads
+        #: while the device may still be running the step.
+        self._closed_snapshot: SessionSnapshot | None = None
         self.backend.begin_step(list(self.side_streams.values()))
 
     # ------------------------------------------------------------------
@@ -287,9 +293,9 @@ class OverlapSession:
                 self.wait_event(self.compute, self._e_done_c[s])
                 # That E2A failed (host-visible, CPU backend): raise it as the
                 # serial path would, instead of an A2E no peer will answer.
-                failed = self.backend.step_errors([self.side_streams[s]])
-                if failed:
-                    raise failed[0]
+                failed = self._side_error([self.side_streams[s]])
+                if failed is not None:
+                    raise failed
             payload = self._run_on_c(A2E, L, s, _call_or(call, fn, kw), self._keys[expected].a2e_label)
         # C has now waited an event recorded on K_s after every earlier E2A
         # of this stage: their FFN outputs may be freed.
@@ -425,14 +431,17 @@ class OverlapSession:
     def close(self, *, raising: bool = False) -> None:
         """Join every side stream and release every reference. Raises the
         first error a side-stream op hit during the step unless the caller
-        is already raising (then it is logged)."""
+        is already raising (then it is logged), or the compute stream's work
+        failed first (the device synchronize reports that one)."""
         if self.closed:
             return
         self.closed = True
         try:
             self.join()
         finally:
-            errors = self.backend.step_errors(list(self.side_streams.values()))
+            self._closed_snapshot = self.snapshot()
+            first = self._side_error(list(self.side_streams.values()))
+            errors = [first] if first is not None else []
             unconsumed = [k for k in self._a_handle if k not in self._consumed]
             if self._trace is not None:
                 self._trace.emit((o.kind, o.layer, o.stage, o.stream, o.handle, o.seq) for o in self._ops)
@@ -464,6 +473,16 @@ class OverlapSession:
                 )
             else:
                 raise errors[0]
+
+    def _side_error(self, streams: list[Stream]) -> BaseException | None:
+        """The asynchronous error of ``streams`` the host raises: the first
+        (in the order kernels ran) of theirs and the compute stream's, unless
+        that one is the compute stream's: the device synchronize reports it
+        (a side stream's error may be its consequence)."""
+        errors = self.backend.step_errors([self.compute, *streams])
+        if not errors or any(errors[0] is e for e in self.backend.step_errors([self.compute])):
+            return None
+        return errors[0]
 
     # ------------------------------------------------------------------
     def expected_schedule(self) -> ExpectedSchedule:
@@ -497,7 +516,10 @@ class OverlapSession:
         return [(o.kind, o.layer, o.stage) for o in self._ops]
 
     def snapshot(self) -> SessionSnapshot:
-        """The session's progress, copied; safe to take from another thread."""
+        """The session's progress, copied; safe to take from another thread.
+        Once closed: the step as the host left it (what the device runs)."""
+        if self._closed_snapshot is not None:
+            return self._closed_snapshot
         return SessionSnapshot(
             step_id=self.step_id,
             plan=self.plan,
@@ -509,4 +531,5 @@ class OverlapSession:
             events=tuple(self._events.items()),
             side_streams={s: k.name for s, k in self.side_streams.items()},
             opened_ns=self.t_open_ns,
+            closed=self.closed,
         )

@@ -628,8 +628,11 @@ def drain_all(timeout: float | None = None) -> bool:
 
 
 def peek_errors(streams: Iterable[Stream]) -> list[BaseException]:
-    """The asynchronous errors of ``streams`` not taken yet, in order."""
-    return [e for s in streams if isinstance(s, Stream) for _, e in s._w.errors]
+    """The asynchronous errors of ``streams`` not taken yet, in the order
+    their kernels ran (a stream named twice counts once)."""
+    workers = {id(s._w): s._w for s in streams if isinstance(s, Stream)}
+    pairs = [pair for w in workers.values() for pair in list(w.errors)]
+    return [e for _, e in sorted(pairs, key=lambda pair: pair[0])]
 
 
 def take_errors(streams: Iterable[Stream] | None = None) -> list[BaseException]:
