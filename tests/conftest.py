@@ -130,3 +130,16 @@ def make_world() -> Callable[..., object]:
         return build_world(WorldSpec(**kw))  # type: ignore[arg-type]
 
     return _make
+
+
+@pytest.fixture
+def emulated_torch_npu() -> Iterator[None]:
+    """The emulated device as ``torch.npu`` for the test (upstream's graph
+    path calls ``torch.npu.graph``), removed after unless it was there;
+    no capture may be left in progress."""
+    was = emulated_device.is_torch_npu()
+    emulated_device.as_torch_npu()
+    yield
+    assert not emulated_device.capture_in_progress(), "a capture was left in progress"
+    if not was:
+        emulated_device.remove_torch_npu()

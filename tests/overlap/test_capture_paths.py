@@ -14,7 +14,6 @@ captured graph still replays."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,7 +24,7 @@ from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.emulation import device
 from camp2p_overlap.emulation.world import World
 
-pytestmark = pytest.mark.usefixtures("standin_stack")
+pytestmark = pytest.mark.usefixtures("standin_stack", "emulated_torch_npu")
 
 #: name -> the config overrides of a mode the layer captures.
 MODES: dict[str, dict[str, Any]] = {
@@ -35,16 +34,6 @@ MODES: dict[str, dict[str, Any]] = {
     "parity": {"mode": "parity"},
     "reorder": {"mode": "reorder"},
 }
-
-
-@pytest.fixture(autouse=True)
-def emulated_npu() -> Iterator[None]:
-    was = device.is_torch_npu()
-    device.as_torch_npu()
-    yield
-    assert not device.capture_in_progress(), "a capture was left in progress"
-    if not was:
-        device.remove_torch_npu()
 
 
 def graph_world(**kw: Any) -> World:

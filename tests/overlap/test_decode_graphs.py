@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,7 +20,7 @@ from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.emulation import device
 from camp2p_overlap.emulation.world import World
 
-pytestmark = pytest.mark.usefixtures("standin_stack")
+pytestmark = pytest.mark.usefixtures("standin_stack", "emulated_torch_npu")
 
 #: The rollout modes a graph can capture, as config overrides.
 MODES: dict[str, dict[str, Any]] = {
@@ -31,16 +30,6 @@ MODES: dict[str, dict[str, Any]] = {
     "parity": {"mode": "parity"},
     "reorder": {"mode": "reorder"},
 }
-
-
-@pytest.fixture(autouse=True)
-def emulated_npu() -> Iterator[None]:
-    was = device.is_torch_npu()
-    device.as_torch_npu()
-    yield
-    assert not device.capture_in_progress()
-    if not was:
-        device.remove_torch_npu()
 
 
 def graph_world(**kw: Any) -> World:
