@@ -564,14 +564,7 @@ def _run_policies(
                         traced_ids = [timed_ids[-1]]
                     for sid in traced_ids:
                         world.steps_run = sid
-                        ops, out, waits = handle.traced_step()
-                        _check_output(st, reference, sid, out, rep)
-                        if handle.attn_modeled:
-                            cycle = check_peer_cycle(
-                                ops, layers, stages, int(params.attn_us * 1e3), tolerance_ns=PEER_TOLERANCE_NS
-                            )
-                            st.peer_violations.extend(f"rep {rep} step {sid}: {v}" for v in cycle.violations)
-                            st.peer_checked += 1
+                        ops, waits = _traced_checked_step(handle, st, reference, sid, rep, layers, stages, params)
                         bar.tick(policy)
                         if policy == "serial":
                             st.traced.append((ops, waits))
@@ -681,14 +674,7 @@ def _run_graph_policies(
         try:
             for sid in timed_ids:
                 world.steps_run = sid
-                ops, out, waits = handle.traced_step()
-                _check_output(st, reference, sid, out, rep)
-                if handle.attn_modeled:
-                    cycle = check_peer_cycle(
-                        ops, layers, stages, int(params.attn_us * 1e3), tolerance_ns=PEER_TOLERANCE_NS
-                    )
-                    st.peer_violations.extend(f"rep {rep} step {sid}: {v}" for v in cycle.violations)
-                    st.peer_checked += 1
+                ops, waits = _traced_checked_step(handle, st, reference, sid, rep, layers, stages, params)
                 st.traced.append((ops, waits))
                 bar.tick("serial")
         finally:
@@ -775,6 +761,21 @@ def _graph_choice(runtime_stats: Mapping[str, Any], st: PolicyStats) -> dict[str
         "samples": dict(g.get("samples", {})),
         "capture_failures": failures,
     }
+
+
+def _traced_checked_step(
+    handle: Any, st: Any, reference: Any, sid: int, rep: int, layers: Any, stages: Any, params: Any
+) -> tuple[Any, Any]:
+    """One traced step of ``handle``: its outputs checked against the
+    reference and, where attention is modeled, the peer's cycle checked;
+    returns the trace's ops and the peers' waits."""
+    ops, out, waits = handle.traced_step()
+    _check_output(st, reference, sid, out, rep)
+    if handle.attn_modeled:
+        cycle = check_peer_cycle(ops, layers, stages, int(params.attn_us * 1e3), tolerance_ns=PEER_TOLERANCE_NS)
+        st.peer_violations.extend(f"rep {rep} step {sid}: {v}" for v in cycle.violations)
+        st.peer_checked += 1
+    return ops, waits
 
 
 def _check_output(
