@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 import pytest
+from support.capture_breakers import ForgetsToJoin, QueriesInCapture, ReadsOnTheHost, SyncsInCapture
 from support.overlap import apply_cpu, assert_same, world
 
 from camp2p_overlap.core.layer import Layer
@@ -101,38 +102,13 @@ def test_the_serial_variant_captures_when_graph_mode_is_off(layer: Layer) -> Non
         assert layer.engine.unpatch(timeout=10)
 
 
-class _SyncsInCapture(OverlapSession):
-    def join(self) -> None:
-        super().join()
-        self.backend.synchronize(self.compute)  # illegal while capturing
-
-
-class _QueriesInCapture(OverlapSession):
-    def join(self) -> None:
-        super().join()
-        for ev in list(self._events.values()):
-            ev.query()  # illegal while capturing
-
-
-class _ForgetsToJoin(OverlapSession):
-    def join(self) -> None:
-        self.release_buffers()  # no join of the side streams
-
-
-class _ReadsOnTheHost(OverlapSession):
-    def recv(self, fn: Any, kw: Any, call: Any = None) -> Any:
-        payload = super().recv(fn, kw, call)
-        payload.hidden_states[0, 0].item()  # reads a captured kernel's output
-        return payload
-
-
 @pytest.mark.parametrize(
     ("session", "message"),
     [
-        (_SyncsInCapture, r"Stream\.synchronize\(\) of C while a graph capture is in progress"),
-        (_QueriesInCapture, r"Event\.query\(\) while a graph capture is in progress"),
-        (_ForgetsToJoin, r"not joined back"),
-        (_ReadsOnTheHost, r"Tensor\.item\(\): a host read of a tensor a captured kernel writes"),
+        (SyncsInCapture, r"Stream\.synchronize\(\) of C while a graph capture is in progress"),
+        (QueriesInCapture, r"Event\.query\(\) while a graph capture is in progress"),
+        (ForgetsToJoin, r"not joined back"),
+        (ReadsOnTheHost, r"Tensor\.item\(\): a host read of a tensor a captured kernel writes"),
     ],
     ids=["synchronize", "query", "unjoined", "host-read"],
 )

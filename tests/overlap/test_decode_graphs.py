@@ -10,13 +10,13 @@ import threading
 from typing import Any
 
 import pytest
+from support.capture_breakers import ForgetsToJoin, SyncsInCapture
 from support.logs import PackageLogs
 from support.overlap import apply_cpu, assert_same, world
 
 from camp2p_overlap.core.config import ConfigError, load_config
 from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.overlap.graphs import OVERLAP, SERIAL, VariantGraph
-from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.emulation import device
 from camp2p_overlap.emulation.world import World
 
@@ -171,20 +171,9 @@ def test_each_groups_op_order_is_the_same_for_both_variants(layer: Layer) -> Non
         assert layer.engine.unpatch(timeout=10)
 
 
-class _SyncsInCapture(OverlapSession):
-    def join(self) -> None:
-        super().join()
-        self.backend.synchronize(self.compute)  # illegal while capturing
-
-
-class _ForgetsToJoin(OverlapSession):
-    def join(self) -> None:
-        self.release_buffers()
-
-
 @pytest.mark.parametrize(
     ("session", "reason"),
-    [(_SyncsInCapture, "CaptureViolation: Stream.synchronize()"), (_ForgetsToJoin, "not joined back")],
+    [(SyncsInCapture, "CaptureViolation: Stream.synchronize()"), (ForgetsToJoin, "not joined back")],
     ids=["synchronize", "unjoined"],
 )
 def test_a_failed_second_capture_keeps_upstreams_graph_logged_once_and_counted(

@@ -1,0 +1,34 @@
+"""Sessions that break one of graph capture's rules on purpose (test-only):
+each is what a layer bug would look like inside a capture, for the tests
+that check the emulated device catches it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from camp2p_overlap.core.overlap.session import OverlapSession
+
+
+class SyncsInCapture(OverlapSession):
+    def join(self) -> None:
+        super().join()
+        self.backend.synchronize(self.compute)  # illegal while capturing
+
+
+class QueriesInCapture(OverlapSession):
+    def join(self) -> None:
+        super().join()
+        for ev in list(self._events.values()):
+            ev.query()  # illegal while capturing
+
+
+class ForgetsToJoin(OverlapSession):
+    def join(self) -> None:
+        self.release_buffers()  # no join of the side streams
+
+
+class ReadsOnTheHost(OverlapSession):
+    def recv(self, fn: Any, kw: Any, call: Any = None) -> Any:
+        payload = super().recv(fn, kw, call)
+        payload.hidden_states[0, 0].item()  # reads a captured kernel's output
+        return payload
