@@ -22,6 +22,7 @@ from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.core.patching.lifecycle import PatchRefused
 from camp2p_overlap.core.patching.manifest import load_manifest
 from camp2p_overlap.emulation import device, standins
+from camp2p_overlap.emulation import device as emulated_device
 from camp2p_overlap.emulation import standin_layer as emulation
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.standin_layer import emulated_layer, emulated_version_check, emulation_engine
@@ -318,9 +319,10 @@ def test_overlap_outputs_equal_serial_outputs_independently() -> None:
     assert engaged == [True, True]
 
 
-def test_outputs_flag_fails_when_the_overlap_changes_a_result(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Perturb the FFN only while an overlap session is active: the report
-    must say the outputs differ, and the command must exit non-zero."""
+def _perturb_the_ffn_under_a2e_side_sessions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Add 1e-3 to the routed FFN output while a session with A2E on the
+    side streams is active (in the benchmark's own layers): on the device,
+    as a kernel after the FFN's, so it changes what the FFN wrote."""
     original = EmulatedModel.compute_ffn_output
     layers: list[Layer] = []
     real_build = emulation.build_layer
@@ -330,10 +332,17 @@ def test_outputs_flag_fails_when_the_overlap_changes_a_result(monkeypatch: pytes
         out = original(self, hidden_states=hidden_states, layer_idx=layer_idx)
         sessions = [s for layer in layers if (s := layer.runtime.active_session()) is not None]
         if sessions and sessions[0].directions.a2e_side:
-            out.routed_output = out.routed_output + 1e-3
+            routed = out.routed_output
+            emulated_device.launch(lambda: routed.add_(1e-3), writes=(routed,))
         return out
 
     monkeypatch.setattr(EmulatedModel, "compute_ffn_output", perturbed)
+
+
+def test_outputs_flag_fails_when_the_overlap_changes_a_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Perturb the FFN only while an overlap session is active: the report
+    must say the outputs differ, and the command must exit non-zero."""
+    _perturb_the_ffn_under_a2e_side_sessions(monkeypatch)
     run = run_bench(resolve_params({**TINY_PARAMS, "reps": 1}))
     by = {p["policy"]: p for p in run.report["policies"]}
     assert by["serial"]["outputs_equal"] is True
@@ -793,19 +802,7 @@ def test_bench_graph_outputs_flag_fails_when_a_captured_step_differs(monkeypatch
     """Perturb the FFN only while a session with A2E on side streams is
     active (overlap-fixed's warm-up and capture): its replays must differ
     from the eager serial steps, and the report must say so."""
-    original = EmulatedModel.compute_ffn_output
-    layers: list[Layer] = []
-    real_build = emulation.build_layer
-    monkeypatch.setattr(emulation, "build_layer", lambda **kw: layers.append(real_build(**kw)) or layers[-1])
-
-    def perturbed(self: EmulatedModel, *, hidden_states: torch.Tensor, layer_idx: int) -> Any:
-        out = original(self, hidden_states=hidden_states, layer_idx=layer_idx)
-        sessions = [s for layer in layers if (s := layer.runtime.active_session()) is not None]
-        if sessions and sessions[0].directions.a2e_side:
-            out.routed_output = out.routed_output + 1e-3
-        return out
-
-    monkeypatch.setattr(EmulatedModel, "compute_ffn_output", perturbed)
+    _perturb_the_ffn_under_a2e_side_sessions(monkeypatch)
     run = run_bench(resolve_params({**TINY_PARAMS, "reps": 1, "graph": True}))
     by = {p["policy"]: p for p in run.report["policies"]}
     assert by["serial"]["outputs_equal"] is True and by["e2a-only"]["outputs_equal"] is True
