@@ -49,7 +49,6 @@ import torch
 from camp2p_overlap.core.config import MAX_REPROBE, MAX_STAGES, OverlapConfig
 from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.overlap.step import bucket_of
-from camp2p_overlap.core.overlap.streams.streamset import StreamSetRegistry
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.noop import NoopModel, NoopTransport, noop_backend
 from camp2p_overlap.emulation.standin_layer import StandinSite, emulated_layer, release_site, standin_site
@@ -254,7 +253,7 @@ def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, 
     base_medians: list[float] = []
     engines = {"engaged": emulated_layer(), "pass-through": emulated_layer()}
     for layer in engines.values():
-        layer.runtime.streamsets = StreamSetRegistry(range(MAX_STAGES), make=noop_backend)
+        layer.runtime.runners.make_backend = noop_backend
     decide_serial(engines["pass-through"], world)
     configs = {"engaged": engaged_config(), "pass-through": passthrough_config()}
     engines["pass-through"].engine.apply(config=configs["pass-through"], manifest=manifest, strict=True)

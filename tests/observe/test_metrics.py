@@ -445,6 +445,7 @@ def test_a_forked_worker_does_not_count_its_parents_steps_into_the_multiprocess_
 def test_the_scrape_and_the_summary_touch_no_device_event(
     fresh_reporting: None, monkeypatch: pytest.MonkeyPatch, logs: PackageLogs, tmp_path: Path
 ) -> None:
+    from camp2p_overlap.core.overlap.step_timings import StepTimings
     from camp2p_overlap.core.overlap.streams import base, device
     from camp2p_overlap.core.overlap.streams.emulated import worker
 
@@ -467,7 +468,8 @@ def test_the_scrape_and_the_summary_touch_no_device_event(
         return call
 
     for owner, names in (
-        (LAYER.runtime, ("read_ready_step_times", "record_step_time", "stats")),
+        (LAYER.runtime, ("stats",)),
+        (StepTimings, ("read_ready", "record")),
         (base.StreamBackend, ("elapsed", "timing_start", "timing_stop", "synchronize", "record", "wait")),
         (device.TorchDeviceBackend, ("elapsed", "timing_start", "timing_stop", "synchronize", "record", "wait")),
         (worker.Event, ("query", "synchronize", "elapsed_time", "record", "wait")),

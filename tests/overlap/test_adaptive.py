@@ -18,6 +18,7 @@ import camp2p_overlap
 from camp2p_overlap.core.config import ENV_ADAPTIVE, ENV_REPROBE, ConfigError, load_config
 from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey, Passed, pow2_ceil
+from camp2p_overlap.core.overlap.step_timings import StepTimings
 from camp2p_overlap.core.overlap.streams.device import TorchDeviceBackend
 
 KEY = BucketKey("runner#0", 2, 6, 128)
@@ -332,11 +333,13 @@ def test_graph_capture_uses_the_static_setting() -> None:
     real_choose = LAYER.runtime.adaptive.choose
     LAYER.runtime.adaptive.choose = lambda key: key_calls.append(key) or ("serial", False)  # type: ignore[method-assign]
     try:
-        before = camp2p_overlap.stats()["steps"]["overlap"]
+        before = camp2p_overlap.stats()
         run_step(w, Schedule(2, (0, 1), (8, 8), step=1), is_graph_capturing=True)
-        assert camp2p_overlap.stats()["steps"]["overlap"] == before + 1 and key_calls == []
+        after = camp2p_overlap.stats()
+        assert after["graph_captures"]["overlap"] == before["graph_captures"]["overlap"] + 1 and key_calls == []
+        assert after["steps"] == before["steps"]  # a capture is not an eager step
         run_step(w, Schedule(2, (0, 1), (8, 8), step=2))  # eager: the bucket's path
-        assert camp2p_overlap.stats()["steps"]["overlap"] == before + 1 and len(key_calls) == 1
+        assert camp2p_overlap.stats()["steps"]["overlap"] == before["steps"]["overlap"] and len(key_calls) == 1
     finally:
         LAYER.runtime.adaptive.choose = real_choose  # type: ignore[method-assign]
     assert LAYER.engine.is_applied()
@@ -417,6 +420,7 @@ def test_runtime_collect_reads_only_completed_timings_in_order() -> None:
     recorded: list[tuple[str, float]] = []
     real = a.record
     a.record = lambda k, m, s: recorded.append((m, round(s, 3))) if k == key else real(k, m, s)  # type: ignore[method-assign]
+    timings = StepTimings(lambda: LAYER.runtime.adaptive)  # one runner's
     try:
         tokens = []
         for i, mode in enumerate(("overlap", "serial")):
@@ -424,13 +428,13 @@ def test_runtime_collect_reads_only_completed_timings_in_order() -> None:
             dev.clock[0] += 0.010 * (i + 1)
             backend.timing_stop(t)
             tokens.append(t)
-            LAYER.runtime.record_step_time(key, mode, backend, t)  # type: ignore[arg-type]
+            timings.record(key, mode, backend, t)  # type: ignore[arg-type]
         assert recorded == []  # nothing completed: nothing read, nothing waited for
         tokens[1][1].done = tokens[1][0].done = True
-        LAYER.runtime.read_ready_step_times()
+        timings.read_ready()
         assert recorded == []  # the older one is not done: order is kept
         tokens[0][1].done = tokens[0][0].done = True
-        LAYER.runtime.read_ready_step_times()
+        timings.read_ready()
         assert recorded == [("overlap", 0.01), ("serial", 0.02)]
     finally:
         a.record = real  # type: ignore[method-assign]
@@ -490,26 +494,29 @@ def test_a_decided_serial_step_is_not_planned_and_a_probe_is(monkeypatch: pytest
     assert bucket["decision"] == "serial" and bucket["steps"] == 16
 
 
-def test_a_runners_planned_shape_is_forgotten_when_the_runner_is_collected() -> None:
+def test_a_runners_state_is_forgotten_when_the_runner_is_collected() -> None:
     import gc
 
+    from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable
     from camp2p_overlap.core.overlap.runtime import OverlapRuntime, PlannedShape
-    from camp2p_overlap.core.overlap.streams import make_backend
 
     class Runner:
-        pass
+        device = "cpu"
 
     runtime = OverlapRuntime()
-    shape = PlannedShape("Runner#0", 4, make_backend("cpu"))
     runner, other = Runner(), Runner()
-    runtime.remember_planned_shape(runner, shape)
-    assert runtime.planned_shape(runner) is shape and runtime.planned_shape(other) is None
-    assert runtime.planned_shape_count() == 1
-    newer = PlannedShape("Runner#0", 6, shape.backend)
-    runtime.remember_planned_shape(runner, newer)
-    assert runtime.planned_shape(runner) is newer
+    sset = runtime.runners.streams(runner, "cpu")
+    assert sset is not None and runtime.runners.streams(runner, "cpu") is sset  # made once, reused
+    shape = PlannedShape(runtime.runner_name(runner), 4, sset.backend)
+    runtime.runners.get(runner).planned = shape
+    assert runtime.runners.of(runner).planned is shape and runtime.runners.of(other) is None
+    assert runtime.runner_name(runner) == runtime.runner_name(runner) != runtime.runner_name(other)
+    assert len(runtime.runners.states()) == 2
+    streams = list(sset.streams.values())
     del runner
     gc.collect()
-    assert runtime.planned_shape_count() == 0
-    runtime.remember_planned_shape(7, shape)  # not weak-referenceable: never remembered
-    assert runtime.planned_shape(7) is None
+    assert len(runtime.runners.states()) == 1  # other's
+    assert all(s.closed for s in streams)  # the collected runner's side streams closed with it
+    with pytest.raises(NotWeaklyReferenceable, match="cannot be weakly referenced"):
+        runtime.runners.get(7)
+    assert runtime.runners.of(7) is None

@@ -22,9 +22,9 @@ _SCHED = Schedule(3, (0, 1), (8, 8), step=5)
 
 def _child(q: mp.Queue) -> None:  # runs in the forked child
     try:
-        sets_inherited = len(LAYER.runtime.streamsets)
+        sets_inherited = len(LAYER.runtime.runners.stream_sets())
         out = run_step(_W, _SCHED)
-        q.put((sets_inherited, len(LAYER.runtime.streamsets), {k: v.tolist() for k, v in out.items()}))
+        q.put((sets_inherited, len(LAYER.runtime.runners.stream_sets()), {k: v.tolist() for k, v in out.items()}))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         q.put(repr(exc))
 
@@ -35,7 +35,7 @@ def test_forked_child_gets_fresh_streams_and_correct_outputs() -> None:
     (ref,) = serial_results(_W, [_SCHED])
     apply_cpu()
     assert_same(run_step(_W, _SCHED), ref)
-    assert len(LAYER.runtime.streamsets) == 1
+    assert len(LAYER.runtime.runners.stream_sets()) == 1
 
     ctx = mp.get_context("fork")
     q = ctx.Queue()

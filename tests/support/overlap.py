@@ -134,7 +134,7 @@ def bounded(fn: Callable[[], Any], timeout: float = 30.0) -> Any:
 
 
 def stream_sets(layer: Layer = LAYER) -> list[Any]:
-    return layer.runtime.streamsets.sets()
+    return layer.runtime.runners.stream_sets()
 
 
 def assert_streams_idle(timeout: float = 5.0, layer: Layer = LAYER) -> None:

@@ -1,6 +1,6 @@
 """Per-process step counters: how many FFN steps ran each path, and why
 the serial ones did, and how many decode-graph replays ran each captured
-variant. ``camp2p_overlap.stats()`` reports them; their shape is documented
+variant and how many captures took each. ``camp2p_overlap.stats()`` reports them; their shape is documented
 in the README ("Reading stats()") and kept stable for exporters.
 
 A forked child starts from zero: what its parent counted is the parent's
@@ -43,6 +43,7 @@ class StepCounters:
         self._steps = dict.fromkeys(PATHS, 0)
         self._serial_reasons: dict[str, int] = {}
         self._graph_replays = dict.fromkeys(GRAPH_VARIANTS, 0)
+        self._graph_captures = dict.fromkeys(GRAPH_VARIANTS, 0)
 
     def _first(self) -> None:
         hook, self.on_first_step = self.on_first_step, None
@@ -77,10 +78,19 @@ class StepCounters:
         if self.on_first_step is not None:
             self._first()
 
+    def graph_capture(self, variant: str) -> None:
+        """A call of ``_ffn_forward`` inside a graph capture, which captured
+        ``variant`` (not an eager step: ``steps`` is not counted)."""
+        if variant not in GRAPH_VARIANTS:
+            raise ValueError(f"{variant!r} is not a graph variant ({', '.join(GRAPH_VARIANTS)})")
+        with self._lock:
+            self._graph_captures[variant] += 1
+
     def to_dict(self) -> dict[str, Any]:
         with self._lock:
             return {
                 "steps": dict(self._steps),
                 "serial_reasons": dict(self._serial_reasons),
                 "graph_replays": dict(self._graph_replays),
+                "graph_captures": dict(self._graph_captures),
             }

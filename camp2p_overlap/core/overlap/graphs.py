@@ -2,20 +2,34 @@
 
 Upstream's ``_capture_graphs`` captures one graph per key and stores it in
 ``runner._acl_graphs[key]["graph"]``; ``execute_model`` replays it for every
-later step of that key. Under ``adaptive`` the wrapped ``_capture_graphs``
-lets upstream capture its own graph (the layer takes the serial path
-inside it, so it is exactly upstream's graph), then captures the layer's
-variant of the same step (the overlap, or the rollout mode's: parity,
-reorder, one direction only) in the runner's graph pool, and puts a
-:class:`VariantGraph` in the entry. Its ``replay()`` runs the variant the
-key's adaptive bucket chose (learning, hysteresis, re-probes, back-off, as
-eager steps), timed with pooled events on the compute stream read at a
-later replay with ``query()``, never a synchronize.
+later step of that key. The wrapped ``_capture_graphs`` (:class:`GraphCapture`):
+
+1. runs every capture inside the capture guard, so no thread of the layer
+   reads an event while it is in progress (``capture_guard.py``);
+2. refuses graph variants where the stack cannot replay them (a missing
+   optional patch target, a torch_npu without the multi-stream capture
+   fix): upstream's serial graph only, logged once and counted;
+3. before upstream captures, makes the runner's side streams, the stream
+   the layer's variant is captured on, and the plan's pooled events, so a
+   capture creates none (a capture with no eager warm-up works);
+4. lets upstream capture its own graph (the layer takes the serial path
+   inside it, so it is exactly upstream's), measuring its memory and time;
+5. under ``adaptive``, captures the layer's variant of the same step (the
+   overlap, or the rollout mode's) in the runner's pool on the layer's own
+   capture stream, unless free memory is below the margin, and puts a
+   :class:`VariantGraph` in the entry.
+
+A :class:`VariantGraph` replays the variant the key's own adaptive state
+chose (learning, hysteresis, re-probes, back-off, as eager steps; the
+choice, its samples and medians belong to the key, not to a shared bucket),
+timed with pooled events read at a later replay with ``query()``, never a
+synchronize. A replay is a step of the gate: ``unpatch()`` waits for the
+replays in flight, then puts upstream's graph objects back (identity) and
+releases the layer's; a ``VariantGraph`` still held afterwards replays
+upstream's graph.
 
 Both variants keep CAMP2P's per-group op order (docs/design.md, "Decode
 graphs"), so the attention side cannot tell which one replays.
-``unpatch()`` puts upstream's graph objects back (identity) and releases
-the layer's; a failed second capture leaves the key with upstream's graph.
 """
 
 from __future__ import annotations
@@ -23,272 +37,372 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from camp2p_overlap.core.log import log_once, logger
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey
+from camp2p_overlap.core.overlap.capture_guard import GUARD
 from camp2p_overlap.core.overlap.decision import decide
+from camp2p_overlap.core.overlap.runner_state import RunnerState, VariantCapture
+from camp2p_overlap.core.overlap.step_timings import StepTimings, timing_start
 from camp2p_overlap.core.overlap.streams.base import StreamBackend
-from camp2p_overlap.core.overlap.watchdog import stop_watchdogs
+from camp2p_overlap.core.overlap.watchdog import REPLAY_WATCH, stop_watchdogs
+
+if TYPE_CHECKING:
+    from camp2p_overlap.core.overlap.runtime import OverlapRuntime
+    from camp2p_overlap.core.patching.gate import StepGate
+    from camp2p_overlap.core.patching.lifecycle import PatchEngine
 
 #: The two variants, by what ``stats()`` calls them.
 SERIAL, OVERLAP = "serial", "overlap"
+#: Free device memory the layer's variant capture leaves, at least, beyond
+#: the key's own graph size (upstream's capture of the same step): below
+#: ``graph_size + SECOND_CAPTURE_HEADROOM_BYTES`` free, the key keeps
+#: upstream's graph only (docs/design.md, "Decode graphs").
+SECOND_CAPTURE_HEADROOM_BYTES = 256 << 20
 
 
-@dataclass
+def graph_variants_refusal(engine: PatchEngine, backend_name: str | None) -> str | None:
+    """Why decode graphs of ``backend_name`` capture upstream's serial graph
+    only, whatever VLLM_CAMP2P_MULTISTREAM_GRAPH asks (None: variants may
+    be captured): a patch target only graph variants need is refused, or
+    the installed torch_npu lacks the multi-stream capture fix."""
+    feature = getattr(engine, "feature_refusal", None)
+    reason = feature("graph_variants") if feature is not None else None
+    if reason is None and backend_name == "npu":
+        from camp2p_overlap.core.patching import torch_npu_capture
+
+        reason = torch_npu_capture.graph_variants_refusal(backend_name)
+    return reason
+
+
+@dataclass(eq=False)
 class CapturedKey:
-    """One key's two graphs, where they live, and what their replays did."""
+    """One key's two graphs, where they live, how they were captured, and
+    the key's own choice between them."""
 
     key_text: str
     entry: dict[str, Any]
     upstream: Any
     ours: Any
+    #: Names the key in the choice's log lines.
     bucket: BucketKey
     backend: StreamBackend
+    #: The engine's step gate: a replay is counted in it (unpatch waits).
+    gate: StepGate
+    #: The runner's timings (read at its next step or replay).
+    timings: StepTimings
     #: Whether replays choose by timing (else the layer's variant always).
     adaptive: bool
-    #: Device memory the second capture took (bytes; None: not known).
+    #: The key's own adaptive state (one bucket: this key's).
+    choice: AdaptiveEngage
+    #: Device memory and host time of upstream's capture and of the layer's.
+    upstream_bytes: int | None = None
+    upstream_ms: float | None = None
     extra_bytes: int | None = None
+    capture_ms: float | None = None
     replays: dict[str, int] = field(default_factory=lambda: {SERIAL: 0, OVERLAP: 0})
+    #: Set on unpatch (or a reset): every later replay is upstream's.
+    released: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class VariantGraph:
     """What ``_acl_graphs[key]["graph"]`` holds while the layer is applied:
-    ``replay()`` replays the variant chosen for the key."""
+    ``replay()`` replays the variant chosen for the key; ``reset()`` and the
+    debug calls reach both graphs; anything else is upstream's graph's."""
 
-    def __init__(self, captured: CapturedKey, choose: Callable[[CapturedKey], tuple[str, bool]], done: Any) -> None:
+    def __init__(self, captured: CapturedKey, capture: GraphCapture) -> None:
         self.captured = captured
-        self._choose = choose
-        self._done = done
+        self._capture = capture
 
     def replay(self) -> None:
         c = self.captured
-        variant, _probe = self._choose(c)
-        graph = c.ours if variant == OVERLAP else c.upstream
-        token = c.backend.timing_start() if c.adaptive else None
-        graph.replay()
-        if token is not None:
-            c.backend.timing_stop(token)
-        self._done(c, variant, token)
+        if c.released or not c.gate.enter():  # unpatched, or being removed: upstream's graph
+            c.upstream.replay()
+            return
+        try:
+            self._capture.replay(c)
+        finally:
+            c.gate.exit()
 
-    # What else upstream or vLLM may ask of the graph object: upstream's.
+    def reset(self) -> None:
+        """Upstream's graph and the layer's are both reset; later replays are
+        upstream's (as its graph, reset, replays)."""
+        c = self.captured
+        c.released = True
+        _reset(c.ours)
+        c.upstream.reset()
+
+    def enable_debug_mode(self) -> None:
+        for g in (self.captured.upstream, self.captured.ours):
+            g.enable_debug_mode()
+
+    def pool(self) -> Any:
+        return self.captured.upstream.pool()
+
     def __getattr__(self, name: str) -> Any:
+        # Only for what the class does not define, and never while the
+        # instance is half-built (copy and pickle look up dunders first).
+        if name.startswith("__") or "captured" not in self.__dict__:
+            raise AttributeError(name)
         return getattr(self.captured.upstream, name)
+
+    def __copy__(self) -> VariantGraph:
+        return VariantGraph(self.captured, self._capture)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> VariantGraph:
+        return self.__copy__()  # a captured graph is a device object: copies share it
 
     def __repr__(self) -> str:
         return f"VariantGraph({self.captured.key_text}, replays {self.captured.replays})"
 
 
-class GraphVariants:
-    """Every key captured with both variants, per runner (weakly held)."""
+def _reset(graph: Any) -> None:
+    reset = getattr(graph, "reset", None)
+    if callable(reset):
+        try:
+            reset()
+        except Exception as exc:  # noqa: BLE001 - releasing must not fail unpatch
+            logger.warning("camp2p-overlap: releasing a captured graph failed: %r", exc)
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        #: id(runner) -> (weak ref to the runner, its captured keys by key text).
-        self._runners: dict[int, tuple[weakref.ref[Any], dict[str, CapturedKey]]] = {}
-        #: Second captures that failed (the key kept upstream's graph), by reason.
-        self.failures: dict[str, int] = {}
 
-    def add(self, runner: Any, captured: CapturedKey) -> None:
-        with self._lock:
-            ref_map = self._runners.get(id(runner))
-            if ref_map is None or ref_map[0]() is not runner:
-                ref_map = self._runners[id(runner)] = (weakref.ref(runner), {})
-            ref_map[1][captured.key_text] = captured
+def restore_all(states: list[RunnerState]) -> int:
+    """Put upstream's graph object back in every entry still holding the
+    layer's (identity), release the layer's; returns how many were restored.
+    Called once no replay is in flight (after the gate drained)."""
+    restored = 0
+    for state in states:
+        keys, state.graphs = state.graphs, {}
+        for c in keys.values():
+            c.released = True
+            graph = c.entry.get("graph")
+            if isinstance(graph, VariantGraph) and graph.captured is c:
+                c.entry["graph"] = c.upstream
+                restored += 1
+            _reset(c.ours)
+    return restored
 
-    def failed(self, reason: str) -> None:
-        with self._lock:
-            self.failures[reason] = self.failures.get(reason, 0) + 1
 
-    def keys(self) -> list[CapturedKey]:
-        with self._lock:
-            return [c for ref, keys in self._runners.values() if ref() is not None for c in keys.values()]
-
-    def restore_all(self) -> int:
-        """Put upstream's graph object back in every entry still holding
-        ours (identity), release ours; returns how many were restored."""
-        with self._lock:
-            runners, self._runners = self._runners, {}
-        restored = 0
-        for ref, keys in runners.values():
-            if ref() is None:
-                continue
-            for c in keys.values():
-                if isinstance(c.entry.get("graph"), VariantGraph) and c.entry["graph"].captured is c:
-                    c.entry["graph"] = c.upstream
-                    restored += 1
-                reset = getattr(c.ours, "reset", None)
-                if callable(reset):
-                    try:
-                        reset()
-                    except Exception as exc:  # noqa: BLE001 - releasing must not fail unpatch
-                        logger.warning("camp2p-overlap: releasing a captured graph failed: %r", exc)
-                c.ours = None
-        return restored
-
-    def snapshot(self, adaptive: AdaptiveEngage) -> list[dict[str, Any]]:
-        """The ``stats()["graphs"]`` entries: one per captured key."""
-        buckets = {tuple(b["key"].values()): b for b in adaptive.snapshot()}
-        out = []
-        for c in self.keys():
-            b = buckets.get(tuple(c.bucket), {})
-            decision = b.get("decision") if c.adaptive else OVERLAP
+def snapshot(states: list[RunnerState]) -> list[dict[str, Any]]:
+    """The ``stats()["graphs"]`` entries: one per captured key, each with its
+    own decision, medians and samples."""
+    out = []
+    for state in states:
+        for c in list(state.graphs.values()):
+            (b,) = c.choice.snapshot() or ({},)
+            with c.lock:
+                replays = dict(c.replays)
             out.append(
                 {
                     "key": c.key_text,
+                    "runner": state.name,
                     "variants": [SERIAL, OVERLAP],
-                    "decision": decision or "learning",
-                    "replays": dict(c.replays),
+                    "decision": (b.get("decision") or "learning") if c.adaptive else OVERLAP,
+                    "replays": replays,
                     "serial_median_ms": b.get("serial_median_ms"),
                     "overlap_median_ms": b.get("overlap_median_ms"),
                     "samples": {SERIAL: b.get("serial_samples", 0), OVERLAP: b.get("overlap_samples", 0)},
+                    "graph_size_bytes": c.upstream_bytes,
                     "extra_bytes": c.extra_bytes,
+                    "upstream_capture_ms": c.upstream_ms,
+                    "capture_ms": c.capture_ms,
                 }
             )
-        return out
+    return out
 
 
-def capture_second_variant(
-    runner: Any,
-    device_module: Any,
-    kwargs: dict[str, Any],
-    forward: Callable[[], Any],
-    engaged: Callable[[], bool],
-) -> tuple[Any, int | None] | str:
-    """Capture the layer's variant of the step ``kwargs`` describes into a
-    new graph of ``device_module`` in the runner's pool, on the current
-    stream (upstream's capture stream). Returns ``(graph, extra bytes)``, or
-    why there is none (a capture error, or the step did not engage)."""
-    mem = getattr(device_module, "mem_get_info", None)
-    graph = device_module.NPUGraph() if hasattr(device_module, "NPUGraph") else device_module.CUDAGraph()
+def _free_bytes(mod: Any) -> int | None:
+    mem = getattr(mod, "mem_get_info", None)
     try:
-        free_before = int(mem()[0]) if mem is not None else None
-        t0 = time.perf_counter()
-        pool, stream = getattr(runner, "graph_pool", None), device_module.current_stream()
-        with device_module.graph(graph, pool=pool, stream=stream):
-            forward()
-        seconds = time.perf_counter() - t0
-    except Exception as exc:  # noqa: BLE001 - the key keeps upstream's graph
-        return f"{type(exc).__name__}: {exc}"
-    if not engaged():
-        return "the step did not engage inside the capture (it took the serial path)"
-    extra = None
-    if free_before is not None:
-        try:
-            extra = max(0, free_before - int(mem()[0]))  # type: ignore[misc]
-        except Exception:  # noqa: BLE001 - a figure, not a failure
-            extra = None
-    log_once(
-        logging.INFO,
-        "graph-second-capture",
-        "camp2p-overlap: decode graphs capture both variants (VLLM_CAMP2P_MULTISTREAM_GRAPH=adaptive); "
-        "the first second capture took %.1f ms",
-        seconds * 1e3,
-    )
-    return graph, extra
+        return int(mem()[0]) if mem is not None else None
+    except Exception:  # noqa: BLE001 - a figure, not a failure
+        return None
+
+
+def _mib(n: int | None) -> str:
+    return "? MiB" if n is None else f"{n / (1 << 20):.1f} MiB"
+
+
+@dataclass
+class _Measured:
+    """Device memory a capture took (free before minus after) and its time."""
+
+    bytes: int | None
+    ms: float
+
+
+def _measure(mod: Any, fn: Callable[[], Any]) -> tuple[Any, _Measured]:
+    before = _free_bytes(mod)
+    t0 = time.perf_counter()
+    result = fn()
+    ms = (time.perf_counter() - t0) * 1e3
+    after = _free_bytes(mod) if before is not None else None
+    return result, _Measured(None if after is None else max(0, before - after), ms)  # type: ignore[operator]
 
 
 class GraphCapture:
-    """One call of the wrapped ``_capture_graphs`` under ``GRAPH=adaptive``:
-    upstream's capture, then the layer's variant of the same step."""
+    """The wrapped ``_capture_graphs`` of one engine and its runtime."""
 
-    def __init__(self, engine: Any, runtime: Any, name_of: Callable[[Any], str], bucket_of: Callable[..., Any]) -> None:
+    def __init__(self, engine: PatchEngine, runtime: OverlapRuntime, bucket_of: Callable[..., BucketKey]) -> None:
         self.engine = engine
         self.runtime = runtime
-        self.name_of = name_of
         self.bucket_of = bucket_of
 
     def __call__(self, wrapped: Callable[..., Any], runner: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        cfg = self.engine.config
-        if cfg.enabled:
-            # No watchdog may query events while the capture runs (global
-            # capture mode): end those still following earlier steps.
-            stop_watchdogs()
-        if not (cfg.enabled and cfg.graph_overlap) or not self.engine.gate.enter():
+        if not self.engine.config.enabled or not self.engine.gate.enter():
             return wrapped(*args, **kwargs)
         try:
-            dp = kwargs.get("dp_metadata_list")
-            self.prepare(runner, dp)
-            if cfg.graph != "adaptive":
-                return wrapped(*args, **kwargs)
-            graphs = getattr(runner, "_acl_graphs", None)
-            try:
-                key = runner._make_graph_key(dp)
-                existed = key in graphs  # type: ignore[operator]
-            except Exception:  # noqa: BLE001 - upstream's capture decides what it does
-                return wrapped(*args, **kwargs)
-            result = wrapped(*args, **kwargs)
-            if not existed and isinstance(graphs, dict) and isinstance(graphs.get(key), dict):
-                try:
-                    self.second(runner, key, graphs[key], dp, kwargs)
-                except Exception as exc:  # noqa: BLE001 - the server never fails for the second variant
-                    self.failed(f"{type(exc).__name__}: {exc}")
-            return result
+            # The capture guard already keeps every read of the layer out of
+            # the capture; the step watchdogs still following earlier steps
+            # end (the capture's synchronize runs those steps to their end).
+            if not stop_watchdogs():
+                log_once(
+                    logging.WARNING,
+                    "graph-watchdogs",
+                    "camp2p-overlap: a step watchdog did not end before a decode graph capture; it reads no "
+                    "event while the capture runs",
+                )
+            with GUARD.capture():
+                return self.capture(wrapped, runner, args, kwargs)
         finally:
             self.engine.gate.exit()
 
-    def prepare(self, runner: Any, dp: Any) -> None:
-        """Before the capture begins: the runner's side streams and the
-        plan's pooled events, which a capture may not create. Never raises
-        (a step that cannot engage inside the capture says why itself)."""
+    def capture(self, wrapped: Callable[..., Any], runner: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        cfg = self.engine.config
+        if not cfg.graph_overlap:
+            return wrapped(*args, **kwargs)
+        dp = kwargs.get("dp_metadata_list")
+        prepared = self.prepare(runner, dp)
+        if prepared is None:
+            return wrapped(*args, **kwargs)
+        state, backend = prepared
+        graphs = getattr(runner, "_acl_graphs", None)
+        if cfg.graph != "adaptive" or not isinstance(graphs, dict):
+            return wrapped(*args, **kwargs)
+        try:
+            key = runner._make_graph_key(dp)
+            existed = key in graphs
+        except Exception:  # noqa: BLE001 - upstream's capture decides what it does
+            return wrapped(*args, **kwargs)
+        result, upstream = _measure(backend.mod, lambda: wrapped(*args, **kwargs))  # type: ignore[attr-defined]
+        entry = graphs.get(key)
+        if not existed and isinstance(entry, dict) and "graph" in entry:
+            try:
+                self.second(runner, state, key, entry, dp, kwargs, upstream)
+            except Exception as exc:  # noqa: BLE001 - the server never fails for the second variant
+                self.failed(f"{type(exc).__name__}: {exc}")
+        return result
+
+    def prepare(self, runner: Any, dp: Any) -> tuple[RunnerState, StreamBackend] | None:
+        """Before the capture begins: whether graph variants may be captured
+        for this runner (None: upstream's graph only, its reason logged and
+        counted), and then the runner's side streams, the stream the
+        layer's variant is captured on and the plan's pooled events, which a
+        capture may not create. Never raises (a step that cannot engage
+        inside the capture says why itself)."""
         try:
             decision = decide(self.engine, runner, {"dp_metadata_list": dp, "is_graph_capturing": True})
             if decision.reason is not None or decision.plan is None:
-                return
-            sset = self.runtime.streamsets.get(runner, decision.backend)
-            reserve = getattr(sset.backend, "reserve", None) if sset is not None else None
+                return None
+            refused = graph_variants_refusal(self.engine, decision.backend)
+            if refused is not None:
+                self.runtime.graph_refused(refused)
+                log_once(logging.WARNING, f"graph-refused:{refused}", "camp2p-overlap: %s", refused)
+                return None
+            sset = self.runtime.runners.streams(runner, decision.backend)  # type: ignore[arg-type]
+            if sset is None:
+                return None
+            reserve = getattr(sset.backend, "reserve", None)
             if reserve is not None:
                 reserve(decision.plan.event_keys())
+            if self.engine.config.graph == "adaptive":
+                sset.capture_stream()
+            return self.runtime.runners.get(runner), sset.backend
         except Exception as exc:  # noqa: BLE001 - the capture goes on; its step gives the reason
             log_once(logging.INFO, "graph-prepare", "camp2p-overlap: preparing a decode graph capture: %r", exc)
+            return None
 
-    def second(self, runner: Any, key: Any, entry: dict[str, Any], dp: Any, kwargs: dict[str, Any]) -> None:
+    def second(
+        self,
+        runner: Any,
+        state: RunnerState,
+        key: Any,
+        entry: dict[str, Any],
+        dp: Any,
+        kwargs: dict[str, Any],
+        upstream: _Measured,
+    ) -> None:
+        """The layer's variant of the step upstream just captured for ``key``."""
         runtime, cfg = self.runtime, self.engine.config
-        sset = runtime.streamsets.peek(runner)
+        sset = state.streamset
         if sset is None:
-            return self.failed("the runner has no side streams yet (no eager step engaged before the capture)")
+            return self.failed("the runner has no side streams")
         mod = getattr(sset.backend, "mod", None)
         if mod is None or not hasattr(mod, "graph"):
             return self.failed(f"the {sset.backend.name} backend has no graph capture")
-        state: dict[str, Any] = {"engaged": False, "layers": 0}
-        runtime.local.graph_variant = state
-        try:
-            got = capture_second_variant(
-                runner,
-                mod,
-                kwargs,
-                forward=lambda: runner._ffn_forward(
+        free = _free_bytes(mod)
+        need = (upstream.bytes or 0) + SECOND_CAPTURE_HEADROOM_BYTES
+        if free is not None and free < need:
+            return self.failed(
+                f"free device memory {_mib(free)} is below the margin {_mib(need)} (this key's graph size "
+                f"{_mib(upstream.bytes)} plus {_mib(SECOND_CAPTURE_HEADROOM_BYTES)})"
+            )
+        graph = mod.NPUGraph() if hasattr(mod, "NPUGraph") else mod.CUDAGraph()
+        mark = state.variant_capture = VariantCapture()
+
+        def capture() -> None:
+            with mod.graph(graph, pool=getattr(runner, "graph_pool", None), stream=sset.capture_stream()):
+                runner._ffn_forward(
                     dp_metadata_list=dp,
                     aclgraph_runtime_mode=kwargs.get("aclgraph_runtime_mode"),
                     is_graph_capturing=kwargs.get("is_attn_graph_capturing", True),
                     update_connector_state=False,
-                ),
-                engaged=lambda: bool(state["engaged"]),
-            )
+                )
+
+        try:
+            _, ours = _measure(mod, capture)
+        except Exception as exc:  # noqa: BLE001 - the key keeps upstream's graph
+            return self.failed(f"{type(exc).__name__}: {exc}")
         finally:
-            runtime.local.graph_variant = None
-        if isinstance(got, str):
-            return self.failed(got)
-        ours, extra = got
+            state.variant_capture = None
+        if not mark.engaged:
+            return self.failed("the step did not engage inside the capture (it took the serial path)")
         captured = CapturedKey(
             key_text=repr(key),
             entry=entry,
             upstream=entry["graph"],
-            ours=ours,
-            bucket=self.bucket_of(f"{self.name_of(runner)} graph", int(state["layers"]), dp),
+            ours=graph,
+            bucket=self.bucket_of(f"{state.name} graph {key!r}", mark.layers, dp),
             backend=sset.backend,
+            gate=self.engine.gate,
+            timings=state.timings,
             adaptive=bool(cfg.adaptive and cfg.mode == "overlap"),
-            extra_bytes=extra,
+            choice=AdaptiveEngage(runtime.adaptive.settings),
+            upstream_bytes=upstream.bytes,
+            upstream_ms=round(upstream.ms, 3),
+            extra_bytes=ours.bytes,
+            capture_ms=round(ours.ms, 3),
         )
-        entry["graph"] = VariantGraph(captured, self.choose, self.replayed)
-        runtime.graphs.add(runner, captured)
+        logger.info(
+            "camp2p-overlap: decode graph %s of %s: upstream's capture took %s in %.1f ms, the layer's %s "
+            "variant %s in %.1f ms",
+            captured.key_text,
+            state.name,
+            _mib(upstream.bytes),
+            upstream.ms,
+            cfg.mode,
+            _mib(ours.bytes),
+            ours.ms,
+        )
+        entry["graph"] = VariantGraph(captured, self)
+        state.graphs[captured.key_text] = captured
         return None
 
     def failed(self, reason: str) -> None:
-        self.runtime.graphs.failed(reason)
+        self.runtime.graph_capture_failed(reason)
         log_once(
             logging.WARNING,
             f"graph-second-capture-failed:{reason}",
@@ -297,16 +411,37 @@ class GraphCapture:
             reason,
         )
 
-    def choose(self, c: CapturedKey) -> tuple[str, bool]:
+    # -- a replay (inside the gate) ----------------------------------------
+    def replay(self, c: CapturedKey) -> None:
+        variant = self.choose(c)
+        graph = c.ours if variant == OVERLAP else c.upstream
+        backend = c.backend
+        token = timing_start(backend) if c.adaptive else None
+        try:
+            graph.replay()
+        except BaseException:
+            if token is not None:
+                backend.timing_discard(token)
+            raise
+        if token is not None:
+            backend.timing_stop(token)
+        self.replayed(c, variant, token)
+
+    def choose(self, c: CapturedKey) -> str:
         if not c.adaptive:
-            return OVERLAP, False
-        self.runtime.read_ready_step_times()
-        return self.runtime.adaptive.choose(c.bucket)
+            return OVERLAP
+        c.timings.read_ready()
+        settings = self.runtime.adaptive.settings
+        if c.choice.settings is not settings:
+            c.choice.settings = settings
+        return c.choice.choose(c.bucket)[0]
 
     def replayed(self, c: CapturedKey, variant: str, token: Any) -> None:
-        c.replays[variant] += 1
-        count = getattr(self.runtime.counters, "graph_replay", None)
-        if count is not None:
-            count(variant)
+        with c.lock:
+            c.replays[variant] += 1
+        self.runtime.counters.graph_replay(variant)
         if token is not None:
-            self.runtime.record_step_time(c.bucket, variant, c.backend, token)
+            c.timings.record(c.bucket, variant, c.backend, token, into=c.choice)  # type: ignore[arg-type]
+        seconds = self.engine.config.watchdog_s
+        if seconds and not GUARD.capturing():
+            REPLAY_WATCH.watch(seconds, c.backend, f"decode graph {c.key_text} ({variant} variant)")

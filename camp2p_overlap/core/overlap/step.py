@@ -35,12 +35,15 @@ from camp2p_overlap.core.log import log_once
 from camp2p_overlap.core.observe.trace import StepTrace, TraceOp, TraceRecorder, current_recorder
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Passed, pow2_ceil
+from camp2p_overlap.core.overlap.capture_guard import GUARD
 from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes, RouterFactory
 from camp2p_overlap.core.overlap.decision import GRAPH_OFF, GRAPH_SERIAL_VARIANT, Decision, decide
-from camp2p_overlap.core.overlap.graphs import GraphCapture
+from camp2p_overlap.core.overlap.graphs import GraphCapture, graph_variants_refusal
 from camp2p_overlap.core.overlap.rollout import streams_for
-from camp2p_overlap.core.overlap.runtime import OverlapRuntime, PlannedShape
+from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, PlannedShape, RunnerState
+from camp2p_overlap.core.overlap.runtime import OverlapRuntime
 from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.overlap.step_timings import timing_start
 from camp2p_overlap.core.overlap.streams import BackendUnavailable
 from camp2p_overlap.core.overlap.streams.base import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
@@ -70,7 +73,7 @@ def make_wrappers(engine: PatchEngine, *, runtime: OverlapRuntime) -> dict[str, 
     def ffn_forward(wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
         return FfnStep(engine, runtime, wrapped, instance, args, kwargs).run()
 
-    capture = GraphCapture(engine, runtime, runtime.runner_name, bucket_of)
+    capture = GraphCapture(engine, runtime, bucket_of)
 
     def capture_graphs(wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
         return capture(wrapped, instance, args, kwargs)
@@ -96,10 +99,11 @@ _new_tuple = tuple.__new__
 
 class TimedBucket(NamedTuple):
     """The adaptive bucket a step is counted in, the backend that times it,
-    and whether this step is timed."""
+    the runner's state (its timings), and whether this step is timed."""
 
     key: BucketKey
     backend: StreamBackend
+    state: RunnerState
     timed: bool = True
 
 
@@ -107,7 +111,7 @@ class FfnStep:
     """One call of the wrapped ``_ffn_forward``, with the engine and runtime
     its wrapper is bound to."""
 
-    __slots__ = ("args", "engine", "kwargs", "recorder", "runner", "runtime", "wrapped")
+    __slots__ = ("_capture", "args", "engine", "kwargs", "recorder", "runner", "runtime", "wrapped")
 
     def __init__(
         self, engine: PatchEngine, runtime: OverlapRuntime, wrapped: Wrapped, runner: Any, args: Args, kwargs: Kwargs
@@ -119,13 +123,35 @@ class FfnStep:
         self.args = args
         self.kwargs = kwargs
         self.recorder: TraceRecorder | None = None
+        self._capture: bool | None = None
+
+    def is_capture(self, backend: StreamBackend | None = None) -> bool:
+        """Whether this call runs inside a graph capture, computed once: the
+        caller says so, or the layer is capturing (its wrapped
+        ``_capture_graphs``) and the current stream is the capturing one."""
+        if self._capture is None:
+            capture = bool(self.kwargs.get("is_graph_capturing"))
+            if not capture and GUARD.capturing():
+                if backend is None:
+                    state = self.runtime.runners.of(self.runner)
+                    backend = state.streamset.backend if state is not None and state.streamset else None
+                capture = backend is not None and backend.is_capturing()
+            self._capture = capture
+        return self._capture
+
+    def count_serial(self, reason: str) -> None:
+        """A step on the original path, or a capture of the serial variant."""
+        if self.is_capture():
+            self.runtime.counters.graph_capture("serial")
+        else:
+            self.runtime.counters.serial(reason)
 
     # -- 1. the gate ---------------------------------------------------------
     def run(self) -> Any:
         self.recorder = current_recorder()
         gate = self.engine.gate
         if not gate.enter():
-            self.runtime.counters.serial(NOT_APPLIED)
+            self.count_serial(NOT_APPLIED)
             return self.run_original()
         try:
             return self.run_admitted()
@@ -141,7 +167,7 @@ class FfnStep:
             return self.wrapped(*self.args, **self.kwargs)
         decision, streamset = self.decide()
         if streamset is None:  # decide() gives a reason whenever it gives no streams
-            self.runtime.counters.serial(str(decision.reason))
+            self.count_serial(str(decision.reason))
             log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", decision.reason)
             return self.run_original()
         if self.follows_static_setting(decision, streamset):
@@ -162,11 +188,12 @@ class FfnStep:
         runtime = self.runtime
         if not (cfg.adaptive and cfg.enabled and cfg.mode == "overlap") or runtime.local.session is not None:
             return None
-        shape = runtime.planned_shape(self.runner)
-        if shape is None or self.kwargs.get("is_graph_capturing"):
+        state = runtime.runners.of(self.runner)
+        shape = state.planned if state is not None else None
+        if shape is None:
             return None
         try:
-            if shape.backend.is_capturing():
+            if self.is_capture(shape.backend):
                 return None
             key = bucket_of(shape.runner, shape.layers, self.kwargs["dp_metadata_list"])
         except Exception:  # noqa: BLE001 - the planned path gives the reason
@@ -174,7 +201,7 @@ class FfnStep:
         # The re-probe interval was synced on the planned step before (the
         # engine's configuration does not change while it is applied).
         passed = runtime.adaptive.pass_serial(key)
-        return _new_tuple(TimedBucket, (key, shape.backend, passed is Passed.TIMED)) if passed else None
+        return _new_tuple(TimedBucket, (key, shape.backend, state, passed is Passed.TIMED)) if passed else None
 
     # -- 3. refresh and decision -----------------------------------------------
     def decide(self) -> tuple[Decision, StreamSet | None]:
@@ -190,15 +217,19 @@ class FfnStep:
         if decision.reason is not None:
             return decision, None
         try:
-            streamset = runtime.streamsets.get(self.runner, decision.backend)  # type: ignore[arg-type]
-        except BackendUnavailable as exc:
+            streamset = runtime.runners.streams(self.runner, decision.backend)  # type: ignore[arg-type]
+        except (BackendUnavailable, NotWeaklyReferenceable) as exc:
             return Decision(str(exc)), None
         if streamset is None:
             return Decision(NO_STREAMS_IN_CAPTURE), None
-        if self.kwargs.get("is_graph_capturing") or streamset.backend.is_capturing():
+        if self.is_capture(streamset.backend):
             if not engine.config.graph_overlap:
                 return Decision(GRAPH_OFF), None
-            if engine.config.graph == "adaptive" and runtime.local.graph_variant is None:
+            refused = graph_variants_refusal(engine, decision.backend)
+            if refused is not None:
+                return Decision(refused), None  # upstream's graph only
+            state = runtime.runners.of(self.runner)
+            if engine.config.graph == "adaptive" and (state is None or state.variant_capture is None):
                 return Decision(GRAPH_SERIAL_VARIANT), None  # upstream's own graph: the serial variant
         return decision, streamset
 
@@ -220,25 +251,33 @@ class FfnStep:
         captured), and so do parity/reorder steps and adaptive engage off."""
         if not self.engine.config.adaptive or decision.mode != "overlap":
             return True
-        return bool(self.kwargs.get("is_graph_capturing")) or streamset.backend.is_capturing()
+        return self.is_capture(streamset.backend)
 
     def run_adaptive(self, decision: Decision, streamset: StreamSet) -> Any:
         """An engageable eager step: the bucket's path (overlap, or the
         original as decided or as a probe), timed without blocking the host."""
         runtime, plan, backend = self.runtime, decision.plan, streamset.backend
         assert plan is not None
-        name = runtime.runner_name(self.runner)
-        runtime.remember_planned_shape(self.runner, PlannedShape(name, len(plan.layers), backend))
-        bucket = TimedBucket(bucket_of(name, len(plan.layers), self.kwargs.get("dp_metadata_list")), backend)
+        state = runtime.runners.get(self.runner)  # decide() made it, with the streams
+        name = state.name
+        if state.planned is None or state.planned.layers != len(plan.layers) or state.planned.backend is not backend:
+            state.planned = PlannedShape(name, len(plan.layers), backend)
+        bucket = TimedBucket(bucket_of(name, len(plan.layers), self.kwargs.get("dp_metadata_list")), backend, state)
         adaptive = self.adaptive()
-        runtime.read_ready_step_times()
+        state.timings.read_ready()
         path, probe = adaptive.choose(bucket.key)
         if path != "overlap":
             return self.run_adaptive_serial(bucket, probe=probe)
-        token = backend.timing_start()
-        result = self.run_engaged(decision, streamset)
-        backend.timing_stop(token)  # a step that raised is not timed
-        runtime.record_step_time(bucket.key, path, backend, token)
+        token = timing_start(backend)
+        try:
+            result = self.run_engaged(decision, streamset)
+        except BaseException:
+            if token is not None:
+                backend.timing_discard(token)  # a step that raised is not timed
+            raise
+        if token is not None:
+            backend.timing_stop(token)
+            state.timings.record(bucket.key, path, backend, token)
         return result
 
     def run_adaptive_serial(self, bucket: TimedBucket, *, probe: bool) -> Any:
@@ -246,10 +285,17 @@ class FfnStep:
         path (decided, or as a probe), timed for the bucket."""
         runtime = self.runtime
         runtime.counters.serial(SERIAL_PROBE if probe else SERIAL_FASTER)
-        token = bucket.backend.timing_start()
-        result = self.run_original()
-        bucket.backend.timing_stop(token)  # a step that raised is not timed
-        runtime.record_step_time(bucket.key, "serial", bucket.backend, token)
+        backend = bucket.backend
+        token = timing_start(backend)
+        try:
+            result = self.run_original()
+        except BaseException:
+            if token is not None:
+                backend.timing_discard(token)  # a step that raised is not timed
+            raise
+        if token is not None:
+            backend.timing_stop(token)
+            bucket.state.timings.record(bucket.key, "serial", backend, token)
         return result
 
     def adaptive(self) -> AdaptiveEngage:
@@ -281,17 +327,21 @@ class FfnStep:
             refused = routes.install(self.session_routers(session))
             if refused is not None:  # decide() checked it: only a race with another thread's step lands here
                 session.close(raising=True)  # nothing was issued: closing only releases it
-                runtime.counters.serial(refused)
+                self.count_serial(refused)
                 log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", refused)
                 return self.run_original()
-            runtime.counters.engaged(decision.mode)
-            variant = runtime.local.graph_variant
-            if variant is not None:  # the layer's variant of a decode graph is being captured
-                variant["engaged"], variant["layers"] = True, len(decision.plan.layers)  # type: ignore[union-attr]
+            capturing = self.is_capture(streamset.backend)
+            if capturing:  # a capture, not a step: counted as the variant it captures
+                runtime.counters.graph_capture("overlap")
+                state = runtime.runners.of(self.runner)
+                mark = state.variant_capture if state is not None else None
+                if mark is not None:  # the layer's variant of a decode graph is being captured
+                    mark.engaged, mark.layers = True, len(decision.plan.layers)  # type: ignore[union-attr]
+            else:
+                runtime.counters.engaged(decision.mode)
             # No watchdog inside a capture: its timer thread would query events
             # while the capture runs (global capture mode forbids it), and a
             # captured step only records work, it cannot stall.
-            capturing = bool(self.kwargs.get("is_graph_capturing")) or streamset.backend.is_capturing()
             watchdog = None if capturing else start_watchdog(self.engine.config.watchdog_s, session.snapshot, step_id)
             t0 = time.perf_counter_ns()
             runtime.set_session(session)

@@ -26,6 +26,7 @@ their end anyway).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -47,9 +48,10 @@ from camp2p_overlap.core.keys import (
 )
 from camp2p_overlap.core.log import logger
 from camp2p_overlap.core.overlap.camp2p import group_of
+from camp2p_overlap.core.overlap.capture_guard import GUARD
 from camp2p_overlap.core.overlap.plan import StageLayer
 from camp2p_overlap.core.overlap.session import IssuedOp, SessionSnapshot, _Running
-from camp2p_overlap.core.overlap.streams.base import StreamPoisonedError
+from camp2p_overlap.core.overlap.streams.base import StreamBackend, StreamPoisonedError
 
 #: Events listed in full up to this many; past it only the pending ones.
 _FULL_EVENT_LIST = 32
@@ -146,12 +148,12 @@ def start_watchdog(seconds: float | None, snapshot: Callable[[], SessionSnapshot
     """The watchdog of a step that just opened (:class:`StepWatchdog`), or
     None when no watchdog is configured. Cancel it when the host leaves the
     step; it follows the step's device work from there."""
-    if not seconds:
+    if not seconds or GUARD.capturing():  # a capture on another thread: no new thread that reads events
         return None
     watchdog = StepWatchdog(seconds, snapshot, step_id)
-    with _watching_lock:
+    with _watching_lock:  # started before it is listed: stop_watchdogs() joins only started threads
+        watchdog.start()
         _watching.add(watchdog)
-    watchdog.start()
     return watchdog
 
 
@@ -168,6 +170,106 @@ def stop_watchdogs(timeout: float = 1.0) -> bool:
         if w is not threading.current_thread():
             w.join(timeout)
     return not any(w.is_alive() for w in running)
+
+
+# ---------------------------------------------------------------------------
+# decode graph replays: the replay watch
+
+
+@dataclass(slots=True)
+class _Replay:
+    deadline: float
+    seconds: float
+    label: str
+    backend: StreamBackend
+    marker: object
+    reported: bool = False
+
+
+#: Replays followed at most (later ones are not followed until the oldest complete).
+_MAX_WATCHED_REPLAYS = 1024
+
+
+class ReplayWatch:
+    """Decode graph replays not seen complete yet, followed by one daemon
+    thread while there are any (with ``VLLM_CAMP2P_MULTISTREAM_WATCHDOG_S``
+    set). Each replay's end is a marker event recorded after it on the
+    compute stream; the thread reads the oldest with ``query()`` only,
+    through the capture guard (never while a capture is in progress), and
+    logs a stall report once for a replay whose end has not completed after
+    its deadline. Replays of one compute stream complete in order, so only
+    the oldest is read."""
+
+    def __init__(self) -> None:
+        self._reset()
+        if hasattr(os, "register_at_fork"):
+            ref = weakref.WeakMethod(self._reset)
+            os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
+
+    def _reset(self) -> None:
+        """Nothing followed (at creation, and in a forked child, which has
+        no watch thread)."""
+        self._lock = threading.Lock()
+        self._replays: deque[_Replay] = deque()
+        self._thread: threading.Thread | None = None
+        #: Stall reports logged (tests and diagnostics read it).
+        self.reports: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self._replays)
+
+    def watch(self, seconds: float, backend: StreamBackend, label: str) -> None:
+        """Follow the replay just issued on the current stream (``label``
+        names its key and variant in the report)."""
+        with self._lock:
+            if len(self._replays) >= _MAX_WATCHED_REPLAYS:
+                return
+        marker = backend.end_marker()
+        if marker is None:
+            return
+        replay = _Replay(time.perf_counter() + seconds, seconds, label, backend, marker)
+        with self._lock:
+            self._replays.append(replay)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="camp2p-overlap-replay-watch", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        pause = _FIRST_POLL_S
+        while True:
+            with self._lock:
+                if not self._replays:
+                    self._thread = None
+                    return
+                head, behind = self._replays[0], len(self._replays) - 1
+            try:
+                done = GUARD.read(head.marker.query)  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001 - unknown: keep it, report at the deadline
+                done = False
+            if done:
+                with self._lock:
+                    self._replays.popleft()
+                head.backend.release_marker(head.marker)
+                pause = _FIRST_POLL_S
+                continue
+            if not head.reported and time.perf_counter() >= head.deadline:
+                head.reported = True
+                self._report(head, behind, capturing=done is None)
+            time.sleep(pause)
+            pause = min(2 * pause, _MAX_POLL_S)
+
+    def _report(self, replay: _Replay, behind: int, *, capturing: bool) -> None:
+        text = (
+            f"camp2p-overlap: the replay of {replay.label} has not finished after {replay.seconds:.1f} s "
+            f"({behind} later replay(s) queued behind it){'; a graph capture is in progress' if capturing else ''}. "
+            "A peer op may be missing: the attention side's send or receive of this step."
+        )
+        self.reports.append(text)
+        logger.warning("%s", text)
+
+
+#: The process's replay watch.
+REPLAY_WATCH = ReplayWatch()
 
 
 # ---------------------------------------------------------------------------
@@ -304,9 +406,10 @@ class _States:
         if ev is None:
             return None
         try:
-            return bool(ev.query())
+            done = GUARD.read(ev.query)
         except Exception as exc:  # noqa: BLE001 - diagnostics only
             return f"query failed: {exc}"
+        return "not read: a graph capture is in progress" if done is None else bool(done)
 
     def op(self, o: IssuedOp) -> tuple[bool, str]:
         """Whether ``o`` has finished, and its state in words."""
@@ -369,7 +472,7 @@ class _Pending:
             return False
         while self.events:
             try:
-                if not self.events[-1].query():  # the latest first: it completes last
+                if not GUARD.read(self.events[-1].query):  # the latest first: it completes last (None: capturing)
                     return False
             except Exception:  # noqa: BLE001 - unknown: keep it, report at the deadline
                 return False

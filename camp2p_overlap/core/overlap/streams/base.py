@@ -162,3 +162,17 @@ class StreamBackend(abc.ABC):
     def elapsed(self, token: Any) -> float | None:
         """The step's time in seconds once known, else None (ask again later)."""
         return None if token[1] is None else token[1] - token[0]
+
+    def end_marker(self) -> Any:
+        """An event recorded on the compute stream now, from a pool of its
+        own (a replay's end, followed by the replay watch), or None where
+        the backend has none. Never called inside a capture."""
+        return None
+
+    def release_marker(self, marker: Any) -> None:  # noqa: B027 - optional hook
+        """Give back an :meth:`end_marker` seen complete."""
+
+    def timing_discard(self, token: Any) -> None:  # noqa: B027 - optional hook
+        """A timing that will not be read (its step raised, or it was
+        dropped unread): its resources go back (device backends: the
+        pooled event pair)."""

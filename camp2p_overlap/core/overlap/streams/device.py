@@ -70,6 +70,8 @@ class TorchDeviceBackend(StreamBackend):
         self._timed: list[tuple[DoneHandle, Any, Any]] = []
         #: Free (start, end) timing-event pairs for step timing.
         self._step_events: list[tuple[Any, Any]] = []
+        #: Free replay-end markers (the replay watch).
+        self._markers: list[Any] = []
         self._origin: Any = None
         #: Streams this backend made (closed with it where they can be).
         self._made: list[Any] = []
@@ -243,6 +245,20 @@ class TorchDeviceBackend(StreamBackend):
         seconds = start.elapsed_time(end) / 1e3
         self._step_events.append((start, end))
         return seconds
+
+    def end_marker(self) -> Any:
+        marker = self._markers.pop() if self._markers else self.mod.Event()
+        marker.record(self.mod.current_stream())
+        return marker
+
+    def release_marker(self, marker: Any) -> None:
+        self._markers.append(marker)
+
+    def timing_discard(self, token: Any) -> None:
+        """Put a timing's event pair back in the pool unread (re-recording
+        an event that has not completed is allowed: it then stands for its
+        new record)."""
+        self._step_events.append(token)
 
     def _new_timing_pair(self) -> tuple[Any, Any]:
         return self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True)

@@ -1,0 +1,175 @@
+"""One state per FFN runner, weakly held: what the layer keeps of a runner
+between its steps (its name, side streams, last planned shape, step
+timings not read yet, decode graph keys captured with both variants, and
+the mark of a variant capture in progress). :class:`RunnerStates` owns the
+states of one runtime: a state goes when its runner is collected (its side
+streams closed), on unpatch (:meth:`RunnerStates.close_all`), and in a
+forked child (forgotten: the parent's stream threads are not there)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from camp2p_overlap.core.overlap.step_timings import StepTimings
+from camp2p_overlap.core.overlap.streams import make_backend
+from camp2p_overlap.core.overlap.streams.base import StreamBackend
+from camp2p_overlap.core.overlap.streams.streamset import StreamSet
+
+if TYPE_CHECKING:
+    from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage
+    from camp2p_overlap.core.overlap.graphs import CapturedKey
+
+#: Builds a backend from its name and the runner's device.
+BackendMaker = Callable[[str, Any], StreamBackend]
+
+
+class NotWeaklyReferenceable(TypeError):
+    """A runner the layer cannot hold weakly (its class has ``__slots__``
+    without ``__weakref__``): its steps run serially, with this reason."""
+
+
+@dataclass(frozen=True)
+class PlannedShape:
+    """What a runner's last planned adaptive step showed that its next
+    decided-serial steps reuse without planning: the runner's name in bucket
+    keys, its layer count and its stream backend (for the step timing)."""
+
+    runner: str
+    layers: int
+    backend: StreamBackend
+
+
+@dataclass
+class VariantCapture:
+    """Set on a runner's state while the layer captures its variant of a
+    decode graph: the captured step says whether it engaged, and with how
+    many layers."""
+
+    engaged: bool = False
+    layers: int = 0
+
+
+@dataclass(eq=False)
+class RunnerState:
+    """What the layer keeps of one runner."""
+
+    #: A short, stable name in bucket keys and stats (``Class#n``).
+    name: str
+    timings: StepTimings
+    streamset: StreamSet | None = None
+    backend_name: str | None = None
+    #: The last planned adaptive step's shape (decided-serial steps reuse it).
+    planned: PlannedShape | None = None
+    #: Decode graph keys captured with both variants, by key text.
+    graphs: dict[str, CapturedKey] = field(default_factory=dict)
+    #: While the layer captures its variant of a decode graph of this runner.
+    variant_capture: VariantCapture | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def close_streams(self) -> None:
+        sset, self.streamset, self.backend_name, self.planned = self.streamset, None, None, None
+        if sset is not None:
+            sset.close()
+
+
+class RunnerStates:
+    """The states of one runtime's runners, by runner identity."""
+
+    def __init__(self, stage_ids: Sequence[int], adaptive: Callable[[], AdaptiveEngage]) -> None:
+        self._stage_ids = tuple(stage_ids)
+        self._adaptive = adaptive
+        #: Builds a backend (None: ``streams.make_backend``); the overhead tool swaps it.
+        self.make_backend: BackendMaker | None = None
+        self._names = itertools.count()
+        self._lock = threading.Lock()
+        #: id(runner) -> (weak reference to it, its state): one dict lookup per step.
+        self._states: dict[int, tuple[weakref.ref[Any], RunnerState]] = {}
+        if hasattr(os, "register_at_fork"):
+            ref = weakref.WeakMethod(self._forget_in_child)
+            os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
+
+    def of(self, runner: Any) -> RunnerState | None:
+        """The runner's state if it has one (never makes one)."""
+        entry = self._states.get(id(runner))
+        return entry[1] if entry is not None and entry[0]() is runner else None
+
+    def get(self, runner: Any) -> RunnerState:
+        """The runner's state, made on first use. Raises
+        :class:`NotWeaklyReferenceable`."""
+        state = self.of(runner)
+        if state is not None:
+            return state
+        rid = id(runner)
+        with self._lock:
+            entry = self._states.get(rid)
+            if entry is not None and entry[0]() is runner:
+                return entry[1]
+            try:
+                ref = weakref.ref(runner, lambda r: self._drop(rid, r))
+            except TypeError as exc:
+                raise NotWeaklyReferenceable(
+                    f"the runner ({type(runner).__name__}) cannot be weakly referenced, so the layer keeps no "
+                    "state for it"
+                ) from exc
+            state = RunnerState(f"{type(runner).__name__}#{next(self._names)}", StepTimings(self._adaptive))
+            self._states[rid] = (ref, state)
+            return state
+
+    def streams(self, runner: Any, backend_name: str) -> StreamSet | None:
+        """The runner's side streams on ``backend_name``, made on first use
+        (one side stream per stage id). None when they would have to be made
+        inside a graph capture (Ascend graphs have a small stream budget).
+        Raises ``BackendUnavailable`` and :class:`NotWeaklyReferenceable`."""
+        state = self.get(runner)
+        sset = state.streamset
+        if sset is not None and state.backend_name == backend_name:
+            return sset
+        with state.lock:
+            if state.streamset is not None and state.backend_name == backend_name:
+                return state.streamset
+            make = self.make_backend if self.make_backend is not None else make_backend
+            backend = make(backend_name, getattr(runner, "device", None))
+            if backend.is_capturing():
+                return None
+            state.close_streams()
+            state.streamset, state.backend_name = StreamSet(backend, self._stage_ids), backend_name
+            return state.streamset
+
+    def states(self) -> list[RunnerState]:
+        """Every live runner's state."""
+        with self._lock:
+            return [s for ref, s in self._states.values() if ref() is not None]
+
+    def stream_sets(self) -> list[StreamSet]:
+        return [s.streamset for s in self.states() if s.streamset is not None]
+
+    def close_all(self) -> list[RunnerState]:
+        """Forget every state, close its side streams; returns the states
+        (on unpatch: their captured graphs are restored first)."""
+        with self._lock:
+            states = [s for _, s in self._states.values()]
+            self._states.clear()
+        for s in states:
+            s.close_streams()
+        return states
+
+    def _drop(self, rid: int, ref: weakref.ref[Any]) -> None:
+        """The runner was collected: its state goes, its streams close."""
+        with self._lock:
+            entry = self._states.get(rid)
+            if entry is None or entry[0] is not ref:
+                return
+            del self._states[rid]
+        entry[1].close_streams()
+
+    def _forget_in_child(self) -> None:
+        """After fork the parent's stream threads do not exist in the child:
+        forget every state without joining threads that are not there."""
+        self._lock = threading.Lock()
+        self._states = {}
