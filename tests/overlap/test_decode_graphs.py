@@ -5,8 +5,10 @@ attention side's view, failures of the second capture, unpatch, stats."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ from support.overlap import apply_cpu, assert_same, world
 from camp2p_overlap.core.config import ConfigError, load_config
 from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.overlap.graphs import OVERLAP, SERIAL, VariantGraph
+from camp2p_overlap.core.overlap.step_timings import StepTimings
 from camp2p_overlap.emulation import device
 from camp2p_overlap.emulation.world import World
 
@@ -54,6 +57,11 @@ def refs_of(w: World, steps: range) -> dict[int, dict]:
 def replay(w: World, n: int) -> dict:
     w.steps_run = n - 1
     return w.run_step()  # the key is captured: execute_model replays
+
+
+def entry_of_key(w: World, tokens: dict[int, int]) -> Any:
+    """The graph object of the key of ``tokens``."""
+    return w.runner._acl_graphs[w.graph_key(tokens)]["graph"]
 
 
 def entry_of(w: World) -> dict[str, Any]:
@@ -102,40 +110,117 @@ def test_graph_mode_1_and_0_capture_one_graph_as_before(layer: Layer) -> None:
             assert layer.engine.unpatch(timeout=10)
 
 
+class InjectedTimes:
+    """Every timing a runner records (steps and replays) replaced by a time
+    ``seconds(choice, path)`` gives (``choice``: the key's own adaptive
+    state for a replay, None for an eager step); its event pair goes back."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, seconds: Any) -> None:
+        self.seconds = seconds
+
+        def record(timings: StepTimings, key: Any, path: str, backend: Any, token: Any, into: Any = None) -> None:
+            backend.timing_discard(token)
+            (into or timings._adaptive()).record(key, path, self.seconds(into, path))
+
+        monkeypatch.setattr(StepTimings, "record", record)
+
+
+def replayed_graph(chooser: VariantGraph, w: World, n: int, ref: dict) -> str:
+    """Replay step ``n`` (bitwise equal to ``ref``) and say which graph object
+    replayed, from the emulated graphs' own replay counts; check the label
+    the layer counted names the same one."""
+    c = chooser.captured
+    before = (c.upstream.replays, c.ours.replays, dict(c.replays))
+    assert_same(replay(w, n), ref, f"replay {n}")
+    ran = {SERIAL: c.upstream.replays - before[0], OVERLAP: c.ours.replays - before[1]}
+    assert sorted(ran.values()) == [0, 1], ran  # exactly one graph replayed
+    (variant,) = [v for v, k in ran.items() if k]
+    assert c.replays[variant] == before[2][variant] + 1, (variant, c.replays, before[2])
+    return variant
+
+
 def test_a_key_switches_variant_mid_run_bitwise_and_the_switch_is_logged_once(
     layer: Layer, logs: PackageLogs, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Injected replay times: the overlap is faster for the first replays
     (the key decides overlap), then slower (a re-probe switches it to
-    serial). Every replay stays bitwise equal; the switch is one log line."""
+    serial). Every replay stays bitwise equal, the graph object replayed is
+    the chosen one, and the switch is one log line."""
     w = graph_world()
     refs = refs_of(w, range(1, 61))
     apply_cpu(layer=layer, graph="adaptive", adaptive=True, reprobe_every=4)
-    runtime = layer.runtime
     phase = {"overlap_s": 0.001}
-
-    def injected(key: Any, mode: str, backend: Any, token: Any) -> None:
-        runtime.adaptive.record(key, mode, phase["overlap_s"] if mode == OVERLAP else 0.002)
-
+    InjectedTimes(monkeypatch, lambda choice, path: phase["overlap_s"] if path == OVERLAP else 0.002)
     try:
         w.capture()
         chooser = entry_of(w)["graph"]
-        monkeypatch.setattr(runtime, "record_step_time", injected)
         seen: list[str] = []
         for n in range(1, 61):
             if n == 15:
                 phase["overlap_s"] = 0.004
-            before = dict(chooser.captured.replays)
-            assert_same(replay(w, n), refs[n], f"replay {n}")
-            seen.append(OVERLAP if chooser.captured.replays[OVERLAP] > before[OVERLAP] else SERIAL)
+            seen.append(replayed_graph(chooser, w, n, refs[n]))
         (graph_stats,) = layer.runtime.stats()["graphs"]
         assert graph_stats["decision"] == SERIAL
-        # Decided overlap before the change; after it, serial except the
-        # re-probes of the other variant (every few decided replays).
+        # Learning replays both; decided overlap before the change (the
+        # layer's graph replays); after it, upstream's, except the re-probes
+        # of the other variant (every few decided replays).
+        assert seen[:8].count(SERIAL) >= 3 and seen[:8].count(OVERLAP) >= 3, seen
         assert seen[8:14].count(OVERLAP) > seen[8:14].count(SERIAL), seen
         assert seen[-12:].count(SERIAL) >= 8, seen
-        lines = [m for m in logs.messages if "graph/" in m and "-> serial" in m]
+        lines = [m for m in logs.messages if " graph " in m and "-> serial" in m]
         assert len(lines) == 1, lines
+    finally:
+        assert layer.engine.unpatch(timeout=10)
+
+
+def test_two_keys_of_one_eager_bucket_each_decide_on_their_own_times(
+    layer: Layer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """5 and 7 tokens share one eager bucket (tokens rounded up to 8); as
+    graph keys each has its own decision, samples and medians: the overlap
+    is faster for one key, serial for the other."""
+    w = graph_world()
+    five, seven = {0: 5, 1: 5}, {0: 7, 1: 7}
+    apply_cpu(layer=layer, graph="adaptive", adaptive=True)
+    choices: dict[int, str] = {}
+
+    def seconds(choice: Any, path: str) -> float:
+        fast = OVERLAP if choices.get(id(choice)) == "five" else SERIAL
+        return 0.001 if path == fast else 0.003
+
+    InjectedTimes(monkeypatch, seconds)
+    try:
+        w.capture(five)
+        w.capture(seven)
+        graphs = {name: w.runner._acl_graphs[w.graph_key(t)]["graph"] for name, t in (("five", five), ("seven", seven))}
+        assert all(isinstance(g, VariantGraph) for g in graphs.values())
+        choices.update({id(g.captured.choice): name for name, g in graphs.items()})
+        replays = {"five": 12, "seven": 3}  # unequal: a shared bucket would mix them
+        for name, tokens in (("five", five), ("seven", seven)):
+            for _ in range(replays[name]):
+                w.steps_run += 1
+                w.transport.begin_step(w.steps_run, w.layer_list(), [0, 1])
+                w.runner.execute_model(dp_metadata_list=w.dp_metadata(tokens))
+                w.synchronize()
+        for _ in range(9):  # seven's learning finishes
+            w.steps_run += 1
+            w.transport.begin_step(w.steps_run, w.layer_list(), [0, 1])
+            w.runner.execute_model(dp_metadata_list=w.dp_metadata(seven))
+            w.synchronize()
+        by_key = {g["key"]: g for g in layer.runtime.stats()["graphs"]}
+        five_stats = by_key[graphs["five"].captured.key_text]
+        seven_stats = by_key[graphs["seven"].captured.key_text]
+        assert five_stats["decision"] == OVERLAP and seven_stats["decision"] == SERIAL
+        assert five_stats["overlap_median_ms"] == pytest.approx(1.0)
+        assert seven_stats["overlap_median_ms"] == pytest.approx(3.0)
+        assert sum(five_stats["replays"].values()) == 12 and sum(seven_stats["replays"].values()) == 12
+        for g, st in ((graphs["five"], five_stats), (graphs["seven"], seven_stats)):
+            own = g.captured.choice.snapshot()
+            assert len(own) == 1 and st["samples"] == {
+                SERIAL: own[0]["serial_samples"],
+                OVERLAP: own[0]["overlap_samples"],
+            }
+        assert not [b for b in layer.runtime.stats()["buckets"] if "graph" in b["key"]["runner"]]
     finally:
         assert layer.engine.unpatch(timeout=10)
 
@@ -278,3 +363,324 @@ def test_bad_values_of_graph_are_refused(raw: str) -> None:
     with pytest.raises(ConfigError, match=r"VLLM_CAMP2P_MULTISTREAM_GRAPH=.* is not one of 0, 1, adaptive"):
         load_config({"VLLM_CAMP2P_MULTISTREAM_GRAPH": raw})
     assert load_config({"VLLM_CAMP2P_MULTISTREAM_GRAPH": " Adaptive "}).graph == "adaptive"
+
+
+def replay_with(w: World, graph: Any, n: int) -> dict:
+    """Step ``n`` replayed through ``graph`` (a graph object held apart from
+    the runner's entry), synchronized; what attention received."""
+    w.steps_run = n
+    w.transport.begin_step(n, w.layer_list(), [0, 1])
+    graph.replay()
+    w.synchronize()
+    return dict(w.transport.results)
+
+
+def test_a_capture_with_no_eager_warm_up_captures_both_and_counts_captures_not_steps(layer: Layer) -> None:
+    """No eager step before the capture: the side streams, the variant's
+    capture stream and the pooled events are made before upstream's capture
+    begins (a capture may make none). Captures are counted as captures."""
+    w = graph_world()
+    refs = refs_of(w, range(1, 5))
+    apply_cpu(layer=layer, graph="adaptive", adaptive=False)
+    try:
+        w.capture(warmups=0)
+        chooser = entry_of(w)["graph"]
+        assert isinstance(chooser, VariantGraph), layer.runtime.stats()["graph_capture_failures"]
+        st = layer.runtime.stats()
+        assert st["steps"] == {"overlap": 0, "parity": 0, "reorder": 0, "serial": 0}
+        assert st["graph_captures"] == {SERIAL: 1, OVERLAP: 1}
+        for n in range(1, 5):
+            assert_same(replay(w, n), refs[n])
+    finally:
+        assert layer.engine.unpatch(timeout=10)
+
+
+def test_the_variant_capture_does_not_depend_on_the_callers_stream(layer: Layer) -> None:
+    """``_capture_graphs`` called with the default stream current (not inside
+    vLLM-Ascend's ``graph_capture()``): upstream captures on a capture stream
+    of its own, and so does the layer (the emulated device, as CUDA, refuses
+    a capture on the default stream)."""
+    w = graph_world()
+    refs = refs_of(w, range(1, 3))
+    apply_cpu(layer=layer, graph="adaptive", adaptive=False)
+    try:
+        dp = w.dp_metadata()
+        w.transport.begin_step(1, w.layer_list(), [0, 1])
+        assert isinstance(device.current_stream(), device.DefaultStream)
+        w.runner._capture_graphs(aclgraph_runtime_mode=None, dp_metadata_list=dp, is_attn_graph_capturing=True)
+        w.synchronize()
+        assert isinstance(entry_of(w)["graph"], VariantGraph), layer.runtime.stats()["graph_capture_failures"]
+        for n in range(1, 3):
+            assert_same(replay(w, n), refs[n])
+    finally:
+        assert layer.engine.unpatch(timeout=10)
+
+
+def test_a_variant_graph_held_across_unpatch_replays_upstreams_graph(layer: Layer) -> None:
+    w = graph_world()
+    refs = refs_of(w, range(1, 5))
+    apply_cpu(layer=layer, graph="adaptive", adaptive=False)
+    w.capture()
+    held = entry_of(w)["graph"]
+    upstream, ours = held.captured.upstream, held.captured.ours
+    assert_same(replay_with(w, held, 1), refs[1])
+    assert (upstream.replays, ours.replays) == (0, 1)
+    assert layer.engine.unpatch(timeout=10)
+    assert entry_of(w)["graph"] is upstream
+    assert_same(replay_with(w, held, 2), refs[2])  # never raises: upstream's graph
+    assert upstream.replays == 1
+    apply_cpu(layer=layer, graph="adaptive", adaptive=False)  # applied again: the held one stays released
+    try:
+        assert_same(replay_with(w, held, 3), refs[3])
+        assert upstream.replays == 2 and held.captured.replays == {SERIAL: 0, OVERLAP: 1}
+    finally:
+        assert layer.engine.unpatch(timeout=10)
+
+
+def test_unpatch_waits_for_a_replay_in_flight(layer: Layer) -> None:
+    w = graph_world()
+    refs = refs_of(w, range(1, 3))
+    apply_cpu(layer=layer, graph="adaptive", adaptive=False)
+    w.capture()
+    chooser = entry_of(w)["graph"]
+    ours = chooser.captured.ours
+    inside, go = threading.Event(), threading.Event()
+    real_replay = ours.replay
+
+    def held_replay() -> None:
+        inside.set()
+        go.wait(10)
+        real_replay()
+
+    ours.replay = held_replay
+    box: dict[str, Any] = {}
+
+    def replay_on_a_thread() -> None:
+        try:
+            box["out"] = replay(w, 1)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            box["error"] = exc
+
+    t = threading.Thread(target=replay_on_a_thread)
+    t.start()
+    try:
+        assert inside.wait(10)
+        assert layer.engine.unpatch(timeout=0.2) is False  # the replay is still inside
+        assert entry_of(w)["graph"] is chooser
+    finally:
+        go.set()
+        t.join(20)
+    assert "error" not in box, box.get("error")
+    assert_same(box["out"], refs[1])
+    assert layer.engine.unpatch(timeout=10) is True
+    assert entry_of(w)["graph"] is chooser.captured.upstream
+    assert_same(replay(w, 2), refs[2])
+
+
+def test_reset_reaches_both_graphs_and_a_copy_replays(layer: Layer) -> None:
+    w = graph_world()
+    refs = refs_of(w, range(1, 3))
+    apply_cpu(layer=layer, graph="adaptive", adaptive=False)
+    try:
+        w.capture()
+        chooser = entry_of(w)["graph"]
+        twin = copy.copy(chooser)
+        assert isinstance(twin, VariantGraph) and twin.captured is chooser.captured
+        assert copy.deepcopy(chooser).captured is chooser.captured  # a device graph is shared, not copied
+        assert_same(replay_with(w, twin, 1), refs[1])
+        assert chooser.pool() == chooser.captured.upstream.pool()
+        upstream, ours = chooser.captured.upstream, chooser.captured.ours
+        chooser.reset()
+        assert upstream.node_count == 0 and ours.node_count == 0
+        with pytest.raises(RuntimeError, match="captured nothing"):  # as upstream's reset graph does
+            chooser.replay()
+    finally:
+        assert layer.engine.unpatch(timeout=10)
+    assert entry_of(w)["graph"] is upstream
+
+
+def test_no_watchdog_starts_inside_a_capture(layer: Layer, monkeypatch: pytest.MonkeyPatch) -> None:
+    from camp2p_overlap.core.overlap import step
+
+    started_in_capture: list[bool] = []
+    real_start = step.start_watchdog
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        started_in_capture.append(device.capture_in_progress())
+        return real_start(*args, **kwargs)
+
+    monkeypatch.setattr(step, "start_watchdog", spy)
+    w = graph_world()
+    apply_cpu(layer=layer, graph="1", watchdog_s=60.0)
+    try:
+        w.capture(warmups=2)
+        assert started_in_capture == [False, False]  # the warm-ups only
+    finally:
+        assert layer.engine.unpatch(timeout=10)
+
+
+def test_a_replay_that_raises_gives_its_timing_pair_back(layer: Layer) -> None:
+    w = graph_world()
+    apply_cpu(layer=layer, graph="adaptive", adaptive=True)
+    try:
+        w.capture()
+        chooser = entry_of(w)["graph"]
+        for n in range(1, 4):
+            replay(w, n)
+        backend = chooser.captured.backend
+        made: list[Any] = []
+        real_pair = backend._new_timing_pair
+        backend._new_timing_pair = lambda: made.append(1) or real_pair()
+
+        def broken() -> None:
+            raise RuntimeError("replay failed")
+
+        chooser.captured.ours.replay = chooser.captured.upstream.replay = broken
+        for _ in range(3):
+            with pytest.raises(RuntimeError, match="replay failed"):
+                chooser.replay()
+        assert len(made) <= 1  # the first failed replay's pair came back and served the next ones
+    finally:
+        assert layer.engine.unpatch(timeout=10)
+
+
+def test_second_capture_memory_and_time_are_reported_and_a_low_free_memory_skips_it(
+    layer: Layer, logs: PackageLogs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = graph_world()
+    apply_cpu(layer=layer, graph="adaptive", adaptive=False)
+    try:
+        w.capture({0: 8, 1: 8})
+        (g,) = layer.runtime.stats()["graphs"]
+        assert isinstance(g["graph_size_bytes"], int) and isinstance(g["extra_bytes"], int)
+        assert g["capture_ms"] > 0 and g["upstream_capture_ms"] > 0
+        (line,) = logs.texts("decode graph", logging.INFO)
+        assert "upstream's capture took" in line and "the layer's overlap variant" in line and "MiB" in line
+        free = [1 << 40]
+        monkeypatch.setattr(entry_of_key(w, {0: 8, 1: 8}).captured.backend.mod, "mem_get_info", lambda *a: (free[0], 0))
+        free[0] = 100 << 20  # below the headroom alone
+        w.capture({0: 4, 1: 4})
+        assert not isinstance(entry_of_key(w, {0: 4, 1: 4}), VariantGraph)
+        (failure,) = layer.runtime.stats()["graph_capture_failures"]
+        assert "free device memory 100.0 MiB is below the margin" in failure
+    finally:
+        assert layer.engine.unpatch(timeout=10)
+
+
+def test_a_replay_that_stalls_is_reported_with_its_key_and_variant(layer: Layer) -> None:
+    from camp2p_overlap.core.overlap.watchdog import REPLAY_WATCH
+
+    w = graph_world()
+    apply_cpu(layer=layer, graph="adaptive", adaptive=False, watchdog_s=0.3)
+    REPLAY_WATCH.reports.clear()
+    try:
+        w.capture()
+        for n in range(1, 4):
+            replay(w, n)
+        deadline = time.monotonic() + 5
+        while len(REPLAY_WATCH) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(REPLAY_WATCH) == 0 and REPLAY_WATCH.reports == []  # replays that finish: no report
+        hold = threading.Event()
+        device.launch(lambda: hold.wait(10))  # the compute stream stalls before the replay
+        w.transport.begin_step(9, w.layer_list(), [0, 1])
+        w.runner.execute_model(dp_metadata_list=w.dp_metadata())
+        while not REPLAY_WATCH.reports and time.monotonic() < deadline:
+            time.sleep(0.01)
+        hold.set()
+        w.synchronize()
+        (report,) = REPLAY_WATCH.reports
+        assert entry_of(w)["graph"].captured.key_text in report and "(overlap variant)" in report
+        assert "has not finished after 0.3 s" in report
+    finally:
+        hold.set()
+        assert layer.engine.unpatch(timeout=10)
+
+
+def test_a_capture_on_one_thread_and_adaptive_eager_steps_of_another_runner_break_no_rule(layer: Layer) -> None:
+    """Runner A captures (held inside its capture) while runner B, on another
+    thread, runs adaptive eager steps: B's step timings are neither read nor
+    taken while the capture is in progress (global capture mode refuses an
+    event query, and the emulation an event made, from any thread), so
+    neither the capture nor B's steps fail, and B's outputs are upstream's."""
+    a = graph_world()
+    b = world(layers=2, stage_ids=(0, 1), tokens=8)
+    b_refs = refs_of_eager(b, range(1, 13))
+    apply_cpu(layer=layer, graph="adaptive", adaptive=True)
+    try:
+        for n in range(1, 5):  # B's side streams, pooled events and timing pairs exist
+            b.steps_run = n - 1
+            assert_same(b.run_step(), b_refs[n])
+        inside, b_done = threading.Event(), threading.Event()
+        model = a.runner.model
+        original = model.compute_ffn_output
+
+        def held(**kw: Any) -> Any:
+            if device.capture_in_progress() and not inside.is_set():
+                inside.set()
+                b_done.wait(20)
+            return original(**kw)
+
+        model.compute_ffn_output = held
+        box: dict[str, Any] = {}
+
+        def eager_steps_of_b() -> None:
+            try:
+                assert inside.wait(20)
+                # One step (the next would need a synchronize, refused while A
+                # captures): it reads the warm-up steps' timings and times itself.
+                b.steps_run = 5
+                b.transport.begin_step(5, b.layer_list(), [0, 1])
+                b.runner._ffn_forward(dp_metadata_list=b.dp_metadata())
+                box["capturing"] = device.capture_in_progress()
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                box["error"] = exc
+            finally:
+                b_done.set()
+
+        t = threading.Thread(target=eager_steps_of_b)
+        t.start()
+        try:
+            a.capture()
+        finally:
+            b_done.set()
+            t.join(30)
+            model.compute_ffn_output = original
+        assert "error" not in box, box.get("error")
+        assert box["capturing"] is True  # B's steps ran inside A's capture
+        assert isinstance(entry_of(a)["graph"], VariantGraph), layer.runtime.stats()["graph_capture_failures"]
+        b.synchronize()
+        assert_same(dict(b.transport.results), b_refs[5])
+        for n in range(6, 13):  # B's timings are read again after the capture
+            b.steps_run = n - 1
+            assert_same(b.run_step(), b_refs[n])
+        assert any(bk["overlap_samples"] + bk["serial_samples"] for bk in layer.runtime.stats()["buckets"])
+    finally:
+        assert layer.engine.unpatch(timeout=10)
+
+
+def refs_of_eager(w: World, steps: range) -> dict[int, dict]:
+    """Eager serial outputs (unpatched) of each step number."""
+    out = {}
+    for n in steps:
+        w.steps_run = n - 1
+        out[n] = w.run_step()
+    return out
+
+
+def test_a_watchdog_that_does_not_end_before_a_capture_is_logged(
+    layer: Layer, logs: PackageLogs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from camp2p_overlap.core.overlap import graphs
+
+    monkeypatch.setattr(graphs, "stop_watchdogs", lambda: False)
+    w = graph_world()
+    apply_cpu(layer=layer, graph="adaptive", adaptive=False)
+    try:
+        w.capture({0: 8, 1: 8})
+        w.capture({0: 4, 1: 4})
+        (line,) = logs.texts("did not end before a decode graph capture", logging.WARNING)
+        assert "reads no event while the capture runs" in line
+        assert isinstance(entry_of_key(w, {0: 4, 1: 4}), VariantGraph)
+    finally:
+        assert layer.engine.unpatch(timeout=10)

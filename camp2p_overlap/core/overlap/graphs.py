@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from camp2p_overlap.core.log import log_once, logger
@@ -150,11 +150,8 @@ class VariantGraph:
             raise AttributeError(name)
         return getattr(self.captured.upstream, name)
 
-    def __copy__(self) -> VariantGraph:
-        return VariantGraph(self.captured, self._capture)
-
     def __deepcopy__(self, memo: dict[int, Any]) -> VariantGraph:
-        return self.__copy__()  # a captured graph is a device object: copies share it
+        return VariantGraph(self.captured, self._capture)  # a captured graph is a device object: copies share it
 
     def __repr__(self) -> str:
         return f"VariantGraph({self.captured.key_text}, replays {self.captured.replays})"
@@ -431,9 +428,9 @@ class GraphCapture:
         if not c.adaptive:
             return OVERLAP
         c.timings.read_ready()
-        settings = self.runtime.adaptive.settings
-        if c.choice.settings is not settings:
-            c.choice.settings = settings
+        every = self.engine.config.reprobe_every
+        if c.choice.settings.reprobe_every != every:
+            c.choice.settings = replace(c.choice.settings, reprobe_every=every)
         return c.choice.choose(c.bucket)[0]
 
     def replayed(self, c: CapturedKey, variant: str, token: Any) -> None:
