@@ -2,7 +2,9 @@
 is broken, naming the call (from the capturing thread and, for queries and
 synchronizes, from any other thread); a violation clears the capture and
 leaves a graph that cannot be replayed; a fork/join capture replays with
-its edges, re-reading static inputs, and updates the events it records."""
+its edges, re-reading static inputs; a replay records only the events made
+with ``external=True`` (any other event recorded in the capture keeps its
+pre-capture record, as on CUDA and ACL)."""
 
 from __future__ import annotations
 
@@ -402,41 +404,124 @@ def test_the_side_streams_of_a_replay_run_concurrently(st: Streams) -> None:
         assert got == {"s1": True, "s2": True}
 
 
-def test_events_recorded_in_a_graph_are_updated_by_each_replay(st: Streams) -> None:
-    gate = [threading.Event()]
-    order: list[str] = []
-    done = dev.Event()
-    g = dev.Graph()
+class Produced:
+    """A kernel that fills ``data`` with the value of its replay, held by a
+    gate until the test lets it go: while it is held, a kernel that reads
+    ``data`` sees the replay before's value (stale), after it this one's."""
+
+    def __init__(self) -> None:
+        self.data = torch.zeros(1)
+        self.gate = threading.Event()
+        self.value = 0.0
+
+    def next_replay(self, value: float) -> None:
+        self.gate = threading.Event()
+        self.value = value
+
+    def kernel(self) -> None:
+        gate, value = self.gate, self.value  # this replay's, read when it runs
+        gate.wait(BOUND_S)
+        self.data.fill_(value)
+
+    def read_into(self, seen: list[float]) -> None:
+        """Launch, on the current stream, a kernel that reads ``data``."""
+        dev.launch(lambda: seen.append(float(self.data[0])))
+
+
+def test_a_replay_leaves_an_event_recorded_in_the_capture_at_its_pre_capture_record(st: Streams) -> None:
+    """CUDA and ACL: an event made without ``external=True`` and recorded in
+    a capture is an edge inside the graph; a replay never records it. Its
+    query, elapsed time and a wait outside the graph see the record it had
+    before the capture, so a stream waiting on it after a replay is not
+    ordered after the replay's work (it reads stale data), while the
+    replay's own wait on it is."""
+    p = Produced()
+    joined = torch.zeros(1)
+    start, done = dev.Event(enable_timing=True), dev.Event(enable_timing=True)
     fork = dev.Event()
+    start.record(st.s2)
+    with dev.stream(st.s2):
+        dev.launch(lambda: time.sleep(0.005))
+    done.record(st.s2)
+    dev.synchronize()
+    before, ms_before = done.last, start.elapsed_time(done)
+    g = dev.Graph()
     with capture(g, st):
         fork.record()
         with dev.stream(st.s1):
             fork.wait()
-            dev.launch(lambda: gate[0].wait(BOUND_S) and order.append("graph"))
+            dev.launch(p.kernel, writes=[p.data])
             done.record()
-        done.wait()
-    assert done.last is None and done.query()  # the capture left it as it was
+        done.wait()  # the join: an edge inside the graph, bound to the captured record
+        dev.launch(lambda: joined.copy_(p.data), writes=[joined])
+    assert done.last is before  # capture end gave it back its record
     waiter = dev.Stream()
     waiter.name = "W"
-    previous = None
+    seen: list[float] = []
     try:
-        for _ in range(3):
-            gate[0] = threading.Event()
-            order.clear()
+        for i in range(1, 4):
+            p.next_replay(float(i))
             g.replay()
-            assert done.last is not previous  # this replay's record
-            previous = done.last
-            assert not done.query()  # the replay's S1 is held by the gate
-            done.wait(waiter)
+            assert done.last is before  # the replay did not record it
+            assert done.query()  # the pre-capture record, long fired, while the replay's S1 is held
+            assert start.elapsed_time(done) == ms_before
+            done.wait(waiter)  # binds to the pre-capture record
             with dev.stream(waiter):
-                dev.launch(lambda: order.append("after"))
-            assert not waiter.drain(timeout=0.02)
-            gate[0].set()
+                p.read_into(seen)
+            assert waiter.drain(timeout=BOUND_S)  # not held by the replay's work ...
+            assert seen[-1] == float(i - 1)  # ... so it read the data the replay before left
+            p.gate.set()
             dev.synchronize()
-            assert done.query()
-            assert order == ["graph", "after"]  # the wait ordered after that replay's record
+            assert p.data.item() == float(i)
+            assert joined.item() == float(i)  # the replay's own join waited for the replay's record
+            assert done.last is before and start.elapsed_time(done) == ms_before
     finally:
-        gate[0].set()
+        p.gate.set()
+        waiter.close()
+
+
+def test_an_external_event_recorded_in_a_graph_holds_each_replays_record(st: Streams) -> None:
+    """``Event(external=True)`` recorded in a capture is an external record
+    node: each replay records it, so a wait on it after the replay orders
+    after the replay's work, and its query follows that record."""
+    p = Produced()
+    ext = dev.Event(enable_timing=True, external=True)
+    fork, join = dev.Event(), dev.Event()
+    ext.record(st.s2)
+    dev.synchronize()
+    before = ext.last
+    g = dev.Graph()
+    with capture(g, st):
+        fork.record()
+        with dev.stream(st.s1):
+            fork.wait()
+            dev.launch(p.kernel, writes=[p.data])
+            ext.record()
+            join.record()  # joined by an event without external: an edge inside the graph
+        join.wait()
+    assert ext.last is before  # not recorded until a replay runs the node
+    waiter = dev.Stream()
+    waiter.name = "W"
+    seen: list[float] = []
+    previous = before
+    try:
+        for i in range(1, 4):
+            p.next_replay(float(i))
+            g.replay()
+            assert ext.last is not previous and ext.last is not before  # this replay's record
+            previous = ext.last
+            assert not ext.query()  # the replay's S1 is held by the gate
+            ext.wait(waiter)
+            with dev.stream(waiter):
+                p.read_into(seen)
+            assert not waiter.drain(timeout=0.02)  # held by the replay's record
+            p.gate.set()
+            dev.synchronize()
+            assert seen[-1] == float(i)  # ordered after the replay's work
+            assert ext.query() and ext.last is previous
+            assert ext.last.ns > before.ns
+    finally:
+        p.gate.set()
         waiter.close()
 
 
@@ -451,7 +536,94 @@ def test_an_event_recorded_before_and_in_a_capture_keeps_its_earlier_record(st: 
     assert ev.last is before
     g.replay()
     dev.synchronize()
-    assert ev.last is not before and ev.query()
+    assert ev.last is before and ev.query()  # and the replay leaves it there
+
+
+def test_a_later_capture_waiting_on_an_event_recorded_in_an_earlier_one_sees_its_pre_capture_record(
+    st: Streams,
+) -> None:
+    """After the first capture (and its replays) the event holds the record
+    it had before, made outside any capture: a wait on it inside a second
+    capture is a capture isolation violation, as on a device."""
+    ev = dev.Event()
+    ev.record(st.s2)
+    dev.synchronize()
+    first = dev.Graph()
+    with capture(first, st):
+        kernel_into(torch.zeros(2))
+        ev.record()
+        ev.wait()  # inside the same capture: an edge
+    first.replay()
+    dev.synchronize()
+    second = dev.Graph()
+    with pytest.raises(CaptureViolation, match="waits on an event recorded outside the capture"):
+        with capture(second, st):
+            kernel_into(torch.zeros(2))
+            ev.wait()
+    assert_capture_cleared(st, second)
+
+
+@pytest.mark.parametrize("where", ["recorded outside", "recorded inside", "forked stream"])
+def test_a_wait_in_a_capture_on_an_external_event_fails(where: str, st: Streams) -> None:
+    """On a device such a wait is an external wait node, not an edge inside
+    the graph (it forks no stream into the capture, orders nothing inside
+    it): the emulation refuses it rather than model it."""
+    ext = dev.Event(external=True)
+    ext.record(st.s2)
+    dev.synchronize()
+    g = dev.Graph()
+    with pytest.raises(CaptureViolation, match="on an event made with external=True") as info:
+        with capture(g, st):
+            kernel_into(torch.zeros(2))
+            if where == "recorded outside":
+                ext.wait()
+            elif where == "recorded inside":
+                ext.record()
+                ext.wait()
+            else:
+                ext.record()
+                ext.wait(st.s1)  # would fork S1 into the capture
+    assert ("stream S1" if where == "forked stream" else "stream cap") in str(info.value)
+    assert_capture_cleared(st, g)
+
+
+@pytest.mark.parametrize("into", ["origin", "branch"])
+def test_a_replay_onto_a_stream_in_a_capture_fails(into: str, st: Streams) -> None:
+    """The emulation does not capture a graph launch (a child graph): a
+    replay whose origin or branch stream is in a capture in progress is
+    refused; onto streams outside the capture it runs (global mode allows
+    it), and none of its work enters the capture."""
+    out = torch.zeros(4)
+    fork = dev.Event()
+    made = dev.Graph()
+    with capture(made, st):
+        fork.record()
+        with dev.stream(st.s1):
+            fork.wait()
+            kernel_into(out, 1.0)
+        dev.current_stream().wait_stream(st.s1)
+    g = dev.Graph()
+    with pytest.raises(CaptureViolation, match=re.escape("Graph.replay() onto stream(s) ")) as info:
+        with capture(g, st):
+            kernel_into(torch.zeros(2))
+            if into == "origin":
+                made.replay()  # its origin nodes onto cap, capturing
+            else:
+                fork.record()
+                fork.wait(st.s1)  # S1, the graph's branch, now captures
+                with dev.stream(st.s2):
+                    made.replay()
+    assert ("cap" if into == "origin" else "S1") in str(info.value).split(" in a graph capture")[0]
+    assert_capture_cleared(st, g)
+    other = torch.zeros(4)
+    g = dev.Graph()
+    with capture(g, st):
+        kernel_into(other, 2.0)
+        with dev.stream(st.s2):
+            made.replay()  # S2 and S1: neither in the capture
+    assert [kind for _, kind, _ in g.nodes()] == ["kernel"]
+    dev.synchronize()
+    assert torch.equal(out, torch.ones(4))
 
 
 def test_is_current_stream_capturing_only_on_streams_in_the_capture(st: Streams) -> None:

@@ -448,6 +448,22 @@ def test_the_public_path_is_the_same_module_and_installs_as_torch_npu(monkeypatc
             device.remove_torch_npu()
 
 
+def test_event_takes_the_device_modules_arguments() -> None:
+    """``Event(enable_timing, blocking, interprocess, external)``, in
+    ``torch.cuda.Event``'s order; ``external`` (off by default) is what a
+    graph replay reads (tests/emulation/test_capture_rules.py)."""
+    import inspect
+
+    ours = list(inspect.signature(dev.Event.__init__).parameters)[1:]
+    assert ours == ["enable_timing", "blocking", "interprocess", "external"]
+    cuda_event = getattr(getattr(torch, "cuda", None), "Event", None)
+    if cuda_event is not None:
+        assert list(inspect.signature(cuda_event.__new__).parameters)[1:] == ours
+    assert dev.Event().external is False and dev.Event(external=True).external is True
+    assert dev.Event(True, False, False, True).external is True and dev.Event(True).enable_timing
+    assert dev.current_stream().record_event().external is False  # a stream's own event
+
+
 # ---------------------------------------------------------------------------
 # timing
 

@@ -9,6 +9,15 @@ the same streams (the origin's on the stream current at replay), with the
 same record-to-wait edges and the same kernels, hence the same tensors:
 static inputs and outputs, as a device graph keeps them.
 
+Events, as on CUDA and ACL: an event recorded inside the capture is an
+edge inside the graph (waits inside the capture bind to that record, and
+each replay's waits to that replay's record), not a record of the event
+itself. Capture end gives it back the record it had before the capture,
+and a replay leaves it there, so ``query``, ``elapsed_time``,
+``synchronize`` and a wait outside the graph see the pre-capture record.
+Only an event made with ``external=True`` (an external record node) holds
+each replay's record afterwards.
+
 The rules, and the real-device rule each one mirrors (docs/design.md,
 "The emulated device"):
 
@@ -19,7 +28,14 @@ The rules, and the real-device rule each one mirrors (docs/design.md,
 * creating a stream raises (streams are made before capture: Ascend graphs
   have a small stream budget);
 * a capturing stream waiting on an event recorded outside the capture
-  raises (``cudaErrorStreamCaptureIsolation``);
+  raises (``cudaErrorStreamCaptureIsolation``), and so does one waiting in
+  a later capture on an event whose pre-capture record was made outside
+  it;
+* a wait inside a capture on an event made with ``external=True`` raises
+  (on a device it is an external wait node, no edge inside the graph: the
+  emulation does not model it; the project's rule, stricter than CUDA's);
+* a replay onto a stream that is in the capture raises (the emulation
+  does not capture a graph launch as a child graph);
 * a host read of a tensor a recorded kernel writes raises: through
   :func:`host_read`, and on the capturing thread through ``Tensor.item``,
   ``tolist``, ``numpy`` and conversion to a Python number or bool (on a
@@ -129,7 +145,13 @@ class Capture:
         node = self._add(stream, "record", event)
         event.last = CapturedRecord(self, node)
 
-    def add_wait(self, stream: Stream, rec: Any) -> None:
+    def add_wait(self, stream: Stream, event: Event, rec: Any) -> None:
+        if event.external:
+            self.violated(
+                f"stream {stream.name} waits inside a graph capture on an event made with external=True: on a device "
+                "that is an external wait node, not an edge inside the graph (the emulation does not model it; for "
+                "edges inside the graph use an event made without external)"
+            )
         if not self.recorded(rec):
             self.violated(
                 f"stream {stream.name} (capturing) waits on an event recorded outside the capture: "
@@ -274,13 +296,23 @@ class Graph:
     # -- replay ----------------------------------------------------------
     def replay(self) -> None:
         """Queue the captured work: origin nodes on the current stream, the
-        others on their streams after the replay's start; every record gets
-        a fresh record (waits bind to this replay's), and each event
-        recorded in the graph now holds this replay's record."""
+        others on their streams after the replay's start; every record node
+        gets a fresh record (the replay's waits bind to this replay's). Only
+        an event made with ``external=True`` then holds this replay's
+        record; any other event recorded in the graph keeps the record it
+        had before the capture (as on CUDA and ACL)."""
         if not self._nodes:
             raise RuntimeError("replay of a graph that captured nothing (or whose capture failed)")
         launch_on = worker.current_stream()
         branch = self._branch_streams()
+        cap = worker.hooks.capture
+        if cap is not None:
+            inside = [s.name for s in (launch_on, *branch.values()) if cap.owns(s)]
+            if inside:
+                cap.violated(
+                    f"Graph.replay() onto stream(s) {', '.join(inside)} in a graph capture in progress: the "
+                    "emulation does not capture a graph launch (a child graph); replay after the capture"
+                )
         start = Record()
         launch_on.enqueue_record(start)
         fresh: dict[int, Record] = {}
@@ -294,7 +326,8 @@ class Graph:
                 target.enqueue_kernel(node.payload)
             elif node.kind == "record":
                 rec = fresh[node.id] = Record(node.payload)
-                node.payload.last = rec
+                if node.payload.external:  # an external record node; any other is an edge inside the graph
+                    node.payload.last = rec
                 target.enqueue_record(rec)
             else:
                 target.enqueue_wait(fresh[node.payload])

@@ -141,13 +141,24 @@ class Record:
 
 class Event:
     """An event: ``record`` on a stream, ``wait`` from another, ``query``,
-    ``synchronize`` and ``elapsed_time`` (with ``enable_timing``)."""
+    ``synchronize`` and ``elapsed_time`` (with ``enable_timing``).
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+    ``external`` is ``torch.cuda.Event(external=True)``'s flag (torch_npu's
+    likewise). Recorded inside a graph capture, an event without it is only
+    an edge inside the graph: a replay never records it, so after the
+    capture it keeps the record it had before (for ``query``,
+    ``elapsed_time``, ``synchronize`` and waits outside the graph). One with
+    it becomes an external record node: each replay records it."""
+
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False, external: bool = False
+    ) -> None:
         forbid_in_capture(
             "Event()", "events are made before capture (the layer pools them; the project's rule, stricter than CUDA's)"
         )
         self.enable_timing = enable_timing
+        #: Whether a replay of a graph that recorded it records it too.
+        self.external = external
         #: The most recent record (a :class:`Record`, or a capture node's
         #: stand-in while it was recorded inside a capture), or None.
         self.last: Any = None
@@ -189,7 +200,7 @@ def _unchecked_event() -> Event:
     """An event a stream method makes for itself (``wait_stream``,
     ``record_event()``): not the caller's new event, so not refused."""
     event = Event.__new__(Event)
-    event.enable_timing, event.last, event.key = False, None, None
+    event.enable_timing, event.external, event.last, event.key = False, False, None, None
     return event
 
 
@@ -444,7 +455,7 @@ class Stream:
             return  # never recorded: nothing to wait for
         cap = hooks.capture
         if cap is not None and (cap.owns(self) or cap.recorded(rec)):
-            cap.add_wait(self, rec)
+            cap.add_wait(self, event, rec)
             return
         if not isinstance(rec, Record):
             raise CaptureViolation(f"stream {self.name} waits on an event last recorded inside a finished capture")
