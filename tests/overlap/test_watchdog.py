@@ -452,3 +452,35 @@ def test_stopped_watchdogs_end_without_a_report_or_a_query(logs) -> None:
     assert not watchdog.is_alive() and not watchdog.reported
     assert [ev.queries for ev in dev.events] == queried
     assert stall_reports(logs) == []
+
+
+def test_a_stop_racing_a_start_joins_only_started_watchdogs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stop_watchdogs()`` on another thread while ``start_watchdog`` is
+    between listing its thread and starting it (before a capture) must not
+    ``join()`` an unstarted thread (which raises)."""
+    from camp2p_overlap.core.overlap import watchdog as wd
+
+    errors: list[BaseException] = []
+    stoppers: list[threading.Thread] = []
+    real_start = wd.StepWatchdog.start
+
+    def start_late(self: wd.StepWatchdog) -> None:
+        def stop() -> None:
+            try:
+                wd.stop_watchdogs(timeout=2)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        stopper = threading.Thread(target=stop)
+        stoppers.append(stopper)
+        stopper.start()
+        stopper.join(0.3)  # the stop runs now, if nothing keeps it out
+        real_start(self)
+
+    monkeypatch.setattr(wd.StepWatchdog, "start", start_late)
+    dog = wd.start_watchdog(60.0, lambda: None, 1)  # type: ignore[arg-type, return-value]
+    assert dog is not None
+    for t in stoppers:
+        t.join(5)
+    dog.join(5)
+    assert errors == [] and not dog.is_alive()

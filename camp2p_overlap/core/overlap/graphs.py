@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from camp2p_overlap.core.log import log_once, logger
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey
@@ -51,7 +51,8 @@ from camp2p_overlap.core.overlap.streams.base import StreamBackend
 from camp2p_overlap.core.overlap.watchdog import REPLAY_WATCH, stop_watchdogs
 
 if TYPE_CHECKING:
-    from camp2p_overlap.core.overlap.runtime import OverlapRuntime
+    from camp2p_overlap.core.observe.counters import StepCounters
+    from camp2p_overlap.core.overlap.runner_state import RunnerStates
     from camp2p_overlap.core.patching.gate import StepGate
     from camp2p_overlap.core.patching.lifecycle import PatchEngine
 
@@ -240,10 +241,23 @@ def _measure(mod: Any, fn: Callable[[], Any]) -> tuple[Any, _Measured]:
     return result, _Measured(None if after is None else max(0, before - after), ms)  # type: ignore[operator]
 
 
+class GraphRuntime(Protocol):
+    """What a capture and its replays use of the runtime (``runtime.py``,
+    which builds on this module)."""
+
+    adaptive: AdaptiveEngage
+    counters: StepCounters
+    runners: RunnerStates
+
+    def graph_capture_failed(self, reason: str) -> None: ...
+
+    def graph_refused(self, reason: str) -> None: ...
+
+
 class GraphCapture:
     """The wrapped ``_capture_graphs`` of one engine and its runtime."""
 
-    def __init__(self, engine: PatchEngine, runtime: OverlapRuntime, bucket_of: Callable[..., BucketKey]) -> None:
+    def __init__(self, engine: PatchEngine, runtime: GraphRuntime, bucket_of: Callable[..., BucketKey]) -> None:
         self.engine = engine
         self.runtime = runtime
         self.bucket_of = bucket_of

@@ -23,7 +23,6 @@ from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 
 if TYPE_CHECKING:
     from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage
-    from camp2p_overlap.core.overlap.graphs import CapturedKey
 
 #: Builds a backend from its name and the runner's device.
 BackendMaker = Callable[[str, Any], StreamBackend]
@@ -66,8 +65,9 @@ class RunnerState:
     backend_name: str | None = None
     #: The last planned adaptive step's shape (decided-serial steps reuse it).
     planned: PlannedShape | None = None
-    #: Decode graph keys captured with both variants, by key text.
-    graphs: dict[str, CapturedKey] = field(default_factory=dict)
+    #: Decode graph keys captured with both variants, by key text
+    #: (``graphs.CapturedKey``; ``graphs.py`` builds on this module).
+    graphs: dict[str, Any] = field(default_factory=dict)
     #: While the layer captures its variant of a decode graph of this runner.
     variant_capture: VariantCapture | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
