@@ -71,6 +71,7 @@ def _start_reporting() -> None:
             summary_s=cfg.summary_s,
             mode=cfg.mode,
             rung=rung(cfg),
+            graph=cfg.graph,
         )
     except Exception:  # noqa: BLE001 - reporting never breaks a step
         logger.exception("camp2p-overlap: step reporting not started")

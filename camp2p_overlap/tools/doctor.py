@@ -18,6 +18,10 @@ Reports, without raising:
   GPU, else none);
 * every ``VLLM_CAMP2P_*`` switch, as set and as parsed (a malformed value is
   reported, not raised), and the rollout mode and ladder rung they set;
+* one line on decode graphs (:func:`decode_graph_line`): ``off``
+  (``GRAPH=0``: decode replays upstream's graph), ``refused`` (graph
+  variants asked for, and the installed torch_npu lacks the multi-stream
+  capture fix, or another refusal), or ``ok``;
 * with ``--config``: the deployment's connector settings as the CAMP2P
   connector will see them (``tools/deployment.py``).
 
@@ -29,11 +33,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from camp2p_overlap.core import config as cfgmod
 from camp2p_overlap.core.env_vars import TABLE as ENV_TABLE
+from camp2p_overlap.core.observe.decode_graphs import UPSTREAM_GRAPH, rung_hint
 from camp2p_overlap.core.overlap.rollout import LADDER, rung
 from camp2p_overlap.core.patching.manifest import (
     ManifestError,
@@ -45,6 +51,12 @@ from camp2p_overlap.core.patching.manifest import (
     signature_of,
 )
 from camp2p_overlap.core.patching.stack_select import check_stacks, select_checked
+from camp2p_overlap.core.patching.torch_npu_capture import (
+    NOT_INSTALLED,
+    REFUSED_KEEPS,
+    CaptureFixVerdict,
+    installed_capture_fix,
+)
 from camp2p_overlap.core.patching.versions import (
     AFD_PLUGIN_DIST,
     COMMIT_SHOWN,
@@ -213,6 +225,58 @@ def _config(env: Any = None) -> tuple[dict[str, Any], cfgmod.OverlapConfig | Non
     return section, cfg
 
 
+@dataclass(frozen=True)
+class DecodeGraphs:
+    """What decode graphs capture with this configuration on this box."""
+
+    status: str  # "ok", "refused" or "off"
+    reason: str
+
+    @property
+    def line(self) -> str:
+        return f"decode graphs: {self.status}: {self.reason}"
+
+
+def torch_npu_verdict(configured_backend: str | None) -> CaptureFixVerdict | None:
+    """The verdict graph variants are judged by here: the installed
+    torch_npu's; :data:`NOT_INSTALLED` when none is installed but the
+    backend is configured ``npu``; None (not judged) otherwise. The doctor
+    cannot know the runtime backend, so an installed torch_npu is judged
+    whatever the configured backend."""
+    found = installed_capture_fix()
+    if found is None and configured_backend == "npu":
+        return NOT_INSTALLED
+    return found
+
+
+def decode_graph_line(
+    cfg: cfgmod.OverlapConfig | None,
+    torch_npu: CaptureFixVerdict | None,
+    extra_refusal: str | None = None,
+) -> DecodeGraphs:
+    """``off`` at ``GRAPH=0`` (or with no configuration), ``refused`` when
+    graph variants are asked for and ``torch_npu`` (None: not judged) lacks
+    the capture fix or ``extra_refusal`` (another source's reason, e.g. a
+    missing capture target) says no, else ``ok``."""
+    if cfg is None:
+        return DecodeGraphs("off", f"the configuration is refused, so {UPSTREAM_GRAPH}")
+    if cfg.graph == "0":
+        return DecodeGraphs("off", f"{cfgmod.ENV_GRAPH} is 0: {UPSTREAM_GRAPH} for every key; {rung_hint()}")
+    asked = f"{cfgmod.ENV_GRAPH}={cfg.graph}"
+    refusals = [r for r in (extra_refusal,) if r is not None]
+    if torch_npu is not None and not torch_npu.fixed:
+        refusals.append(f"{torch_npu.reason}; {REFUSED_KEEPS}")
+    if refusals:
+        return DecodeGraphs("refused", f"{asked}, but " + "; and ".join(refusals))
+    what = "the layer's step for every key" if cfg.graph == "1" else "both variants per key"
+    npu = torch_npu.reason if torch_npu is not None else "no torch_npu is installed, so no NPU capture is judged"
+    return DecodeGraphs("ok", f"{asked}: decode graphs capture {what}; {npu}")
+
+
+def _decode_graphs(cfg: cfgmod.OverlapConfig | None, extra_refusal: str | None = None) -> DecodeGraphs:
+    return decode_graph_line(cfg, torch_npu_verdict(cfg.backend if cfg is not None else None), extra_refusal)
+
+
 def vllm_ascend_check(manifest: StackManifest, found: str | None) -> dict[str, Any]:
     """The installed vLLM-Ascend against the line ``manifest`` was checked
     with: a release (same public version), or a commit (named by the
@@ -261,10 +325,11 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
         match = _stack_match(manifest, vc, checks)
     except ManifestError as exc:
         config_section, cfg = _config()
+        graphs = _decode_graphs(cfg)
         return {
             "schema": SCHEMA,
             "ok": False,
-            "problems": [f"manifest: {exc}"],
+            "problems": [f"manifest: {exc}"] + ([graphs.line] if graphs.status == "refused" else []),
             "notes": [],
             "stack": stack,
             "stack_match": None,
@@ -275,6 +340,7 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
             "device_detail": "",
             "backend": None,
             "config": config_section,
+            "decode_graphs": {"status": graphs.status, "reason": graphs.reason},
             "deployment": read_deployment(deployment, cfg) if deployment else None,
         }
     if not vc.ok:
@@ -287,10 +353,18 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
             f"vLLM-Ascend: {ascend['detail']}; stack {manifest.name} was checked with vLLM-Ascend "
             f"{ascend['expected']} (not gated: make sure this vLLM-Ascend runs the vLLM and afd-plugin above)"
         )
-    targets = [check_target(t) for t in manifest.targets()]
-    for row in targets:
-        if row["status"] != "ok":
-            problems.append(f"target {row['target']}: {row['status']}: {row['detail']}")
+    specs = list(manifest.targets())
+    targets = [check_target(t) for t in specs]
+    feature_refusals: list[str] = []  # an optional target's problem refuses its feature only
+    for spec, row in zip(specs, targets, strict=True):
+        if row["status"] == "ok":
+            continue
+        text = f"target {row['target']}: {row['status']}: {row['detail']}"
+        if spec.optional is not None:
+            feature_refusals.append(f"{text} (it only serves {spec.optional}; the eager overlap would apply)")
+            notes.append(feature_refusals[-1])
+        else:
+            problems.append(text)
     config_section, cfg = _config()
     if not config_section["ok"]:
         problems.append(f"configuration: {config_section['error']}")
@@ -302,6 +376,9 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
         problems.append(f"stream backend: {backend['reason']}")
     elif backend["resolved"] == "cpu":
         notes.append("the cpu backend is for the emulation and tests, not for a deployment")
+    graphs = _decode_graphs(cfg, "; ".join(feature_refusals) or None)
+    if graphs.status == "refused":
+        problems.append(graphs.line)
     deploy = None
     if deployment:
         deploy = read_deployment(deployment, cfg)
@@ -322,6 +399,7 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
         "device_detail": device_detail,
         "backend": backend,
         "config": config_section,
+        "decode_graphs": {"status": graphs.status, "reason": graphs.reason},
         "deployment": deploy,
     }
 
@@ -362,6 +440,9 @@ def doctor_text(d: dict[str, Any]) -> str:
         lines.append(f"  {s['name']:<36} {raw:<10} -> {s['field']} = {value}")
     if c["ok"]:
         lines.append(f"  rollout: mode {c['mode']}, rung {c['rung']} (ladder: {' -> '.join(LADDER)})")
+    g = d.get("decode_graphs")
+    if g is not None:
+        lines += ["", DecodeGraphs(**g).line]
     if d.get("deployment") is not None:
         lines += deployment_text(d["deployment"])
     lines.append("")

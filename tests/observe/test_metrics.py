@@ -306,13 +306,20 @@ def test_graph_replays_are_counted_per_variant_apart_from_the_steps() -> None:
     c.graph_replay("overlap")
     c.serial("why")
     snap = c.to_dict()
-    assert list(snap) == ["steps", "serial_reasons", "graph_replays"]
+    assert list(snap) == ["steps", "serial_reasons", "graph_replays", "graph_captures"]
     assert snap["graph_replays"] == {"serial": 1, "overlap": 2}
     assert snap["steps"] == {"overlap": 0, "parity": 0, "reorder": 0, "serial": 1}
     for bad in ("parity", "reorder", "Overlap", ""):
         with pytest.raises(ValueError, match="graph variant"):
             c.graph_replay(bad)
     assert c.to_dict()["graph_replays"] == {"serial": 1, "overlap": 2}
+    c.graph_capture("serial")
+    c.graph_capture("overlap")
+    c.graph_capture("overlap")
+    assert c.to_dict()["graph_captures"] == {"serial": 1, "overlap": 2}
+    assert c.to_dict()["steps"] == snap["steps"]  # captures are not steps
+    with pytest.raises(ValueError, match="graph variant"):
+        c.graph_capture("reorder")
 
 
 def test_graph_replays_are_counted_exactly_from_many_threads() -> None:
@@ -354,7 +361,8 @@ def test_the_graph_replays_metric_follows_the_counters() -> None:
 def _in_forked_child(c: StepCounters, m: metrics.StepMetrics) -> int:
     """The checks a forked child runs: 0 when all hold, else which failed."""
     zero = {"steps": dict.fromkeys(("overlap", "parity", "reorder", "serial"), 0), "serial_reasons": {}}
-    if c.to_dict() != {**zero, "graph_replays": {"serial": 0, "overlap": 0}}:
+    none = {"serial": 0, "overlap": 0}
+    if c.to_dict() != {**zero, "graph_replays": none, "graph_captures": none}:
         return 10
     fams = families(m)
     exported = [

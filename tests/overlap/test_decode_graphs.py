@@ -684,3 +684,38 @@ def test_a_watchdog_that_does_not_end_before_a_capture_is_logged(
         assert isinstance(entry_of_key(w, {0: 4, 1: 4}), VariantGraph)
     finally:
         assert layer.engine.unpatch(timeout=10)
+
+
+@pytest.mark.parametrize("graph", ["1", "adaptive"])
+def test_graph_variants_refused_by_the_device_capture_upstreams_graph_and_eager_steps_still_engage(
+    layer: Layer, logs: PackageLogs, monkeypatch: pytest.MonkeyPatch, graph: str
+) -> None:
+    """Where the installed torch_npu lacks the multi-stream capture fix (here:
+    its verdict made to refuse the emulated device's backend), a capture
+    takes upstream's serial graph only, logged once and counted; eager
+    steps still overlap."""
+    from camp2p_overlap.core.patching import torch_npu_capture
+
+    reason = "decode graph variants refused: torch_npu 2.9.0 lacks the fix (test)"
+    monkeypatch.setattr(torch_npu_capture, "graph_variants_refusal", lambda backend: reason if backend else None)
+    w = graph_world()
+    refs = refs_of(w, range(1, 4))
+    apply_cpu(layer=layer, graph=graph, adaptive=False)
+    try:
+        w.capture({0: 8, 1: 8})
+        w.capture({0: 4, 1: 4})
+        graph_object = entry_of_key(w, {0: 8, 1: 8})
+        assert not isinstance(graph_object, VariantGraph)
+        assert {name for name, _, _ in graph_object.nodes()} <= {"C", "capture"}  # upstream's serial step
+        st = layer.runtime.stats()
+        assert st["graph_variants_refused"] == {reason: 2} and st["graph_captures"][OVERLAP] == 0
+        assert len(logs.texts(reason, logging.WARNING)) == 1
+        w.runner.use_aclgraph = False
+        before = st["steps"]["overlap"]
+        for n in range(1, 4):
+            w.steps_run = n - 1
+            assert_same(w.run_step(), refs[n])
+        assert layer.runtime.stats()["steps"]["overlap"] == before + 3  # the eager overlap stays on
+    finally:
+        w.runner.use_aclgraph = True
+        assert layer.engine.unpatch(timeout=10)

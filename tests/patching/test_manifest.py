@@ -65,8 +65,8 @@ def test_the_vllm_0_26_0_manifest_pins_main_by_commit_with_the_same_targets() ->
     assert new.remove_when and "#161" in new.remove_when
     # Same modules, targets, actions, wrappers and signatures (checked upstream:
     # the connector file is unchanged, the runner's signatures too) ...
-    strip = [(t.id, t.action, t.wrapper, t.signature) for t in old.targets()]
-    assert [(t.id, t.action, t.wrapper, t.signature) for t in new.targets()] == strip
+    strip = [(t.id, t.action, t.wrapper, t.signature, t.optional) for t in old.targets()]
+    assert [(t.id, t.action, t.wrapper, t.signature, t.optional) for t in new.targets()] == strip
     # ... and each target says what differs on main, or that nothing does.
     why = {t.qualname: t.why for t in new.targets()}
     assert "ascend_forward_context" in why["AFDNPUFFNModelRunner._ffn_forward"]
@@ -135,6 +135,56 @@ def test_parse_a_minimal_manifest() -> None:
 def test_malformed_manifests_are_manifest_errors(edit: tuple[str, str], match: str) -> None:
     with pytest.raises(ManifestError, match=match):
         parse_manifest(GOOD.replace(*edit), source="s.toml")
+
+
+# ---------------------------------------------------------------------------
+# optional targets: ``optional = "<feature>"`` with ``optional_why``
+OPTIONAL = 'wrapper = "w"\noptional = "graph_variants"\noptional_why = "only graphs need it"'
+
+
+def test_an_optional_target_names_its_feature_and_why() -> None:
+    (t,) = parse_manifest(GOOD.replace('wrapper = "w"', OPTIONAL)).targets()
+    assert (t.optional, t.optional_why) == ("graph_variants", "only graphs need it")
+    (required,) = parse_manifest(GOOD).targets()
+    assert (required.optional, required.optional_why) == (None, "")
+    read = GOOD.replace('action = "wrap"\nwrapper = "w"', 'action = "read"\noptional = "graph_variants"')
+    (t,) = parse_manifest(read.replace("signature = [", 'optional_why = "x"\nsignature = [')).targets()
+    assert t.action == "read" and t.optional == "graph_variants"
+
+
+@pytest.mark.parametrize(
+    ("replacement", "match"),
+    [
+        (
+            'wrapper = "w"\noptional = "graphs"\noptional_why = "x"',
+            r"s\.toml: m\.C\.f: optional = 'graphs' is not a known feature \(known: 'graph_variants'\)",
+        ),
+        ('wrapper = "w"\noptional = true\noptional_why = "x"', "optional = True is not a known feature"),
+        ('wrapper = "w"\noptional = "graph_variants"', "needs an 'optional_why'"),
+        ('wrapper = "w"\noptional = "graph_variants"\noptional_why = "  "', "needs an 'optional_why'"),
+        ('wrapper = "w"\noptional_why = "x"', "'optional_why' without 'optional'"),
+        (
+            'action = "route"\nrouter = "r"\noptional = "graph_variants"\noptional_why = "x"',
+            "a 'route' target cannot be optional",
+        ),
+    ],
+)
+def test_malformed_optional_keys_are_manifest_errors(replacement: str, match: str) -> None:
+    text = GOOD.replace('wrapper = "w"', replacement)
+    if "route" in replacement:
+        text = text.replace('action = "wrap"\n', "")
+    with pytest.raises(ManifestError, match=match):
+        parse_manifest(text, source="s.toml")
+
+
+@pytest.mark.parametrize("stack", ["vllm-0.19.1", "vllm-0.26.0"])
+def test_only_capture_graphs_is_optional_and_only_for_the_graph_variants(stack: str) -> None:
+    optional = {t.qualname: t for t in load_manifest(stack).targets() if t.optional is not None}
+    assert list(optional) == ["AFDNPUFFNModelRunner._capture_graphs"]
+    t = optional["AFDNPUFFNModelRunner._capture_graphs"]
+    assert t.optional == "graph_variants"
+    assert "VLLM_CAMP2P_MULTISTREAM_GRAPH" in t.optional_why and "eager overlap" in t.optional_why
+    assert "#388" in t.optional_why and "#344" in t.optional_why
 
 
 def test_rebased_moves_only_the_root() -> None:

@@ -33,6 +33,7 @@ from support.patching import (
     raw_targets,
     run_traced,
     synthetic_manifest,
+    variant_module,
 )
 
 from camp2p_overlap.core.config import OverlapConfig
@@ -362,18 +363,7 @@ def test_attribute_replaced_wholesale_is_left_alone(layer: Layer) -> None:
 def _variant_module(name: str, old: str, new: str) -> types.ModuleType:
     """Execute the stand-in source of ``name`` with one edit, registered
     under the real name (parents come from the stand-in finder)."""
-    standins.install()
-    importlib.import_module(name.rsplit(".", 1)[0])
-    importlib.import_module("afd_plugin.connectors.metadata")
-    src_mod = standins._BASE.joinpath(*name.split(".")[1:]).with_suffix(".py")
-    text = src_mod.read_text(encoding="utf-8")
-    assert old in text, f"stand-in no longer contains {old!r}"
-    module = types.ModuleType(name)
-    module.__file__ = str(src_mod)
-    module.__package__ = name.rsplit(".", 1)[0]
-    sys.modules[name] = module
-    exec(compile(text.replace(old, new, 1), str(src_mod), "exec"), module.__dict__)
-    return module
+    return variant_module(name, [(old, new)])
 
 
 VARIANTS = {

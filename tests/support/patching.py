@@ -1,11 +1,14 @@
 """Helpers shared by the patch-engine tests (test_patch_engine.py,
-test_patch_orders.py): the shipped manifest's wrap targets on the stand-ins,
-the one-wrapper check, a traced step, synthetic one-module manifests."""
+test_patch_orders.py, the optional-target tests): the shipped manifest's
+wrap targets on the stand-ins, the one-wrapper check, a traced step,
+synthetic one-module manifests, stand-in modules with an edit."""
 
 from __future__ import annotations
 
 import importlib
 import sys
+import types
+from collections.abc import Sequence
 from typing import Any
 
 import wrapt
@@ -94,3 +97,85 @@ def synthetic_manifest(modname: str, members: list[tuple[str, str | None]]) -> A
         sig = (_SIG % first) if first else _SIG.replace('  { name = "%s", kind = "POSITIONAL_OR_KEYWORD" },\n', "")
         parts.append(f'[[module.target]]\nqualname = "{qualname}"\naction = "wrap"\nwrapper = "ffn_forward"\n{sig}\n')
     return parse_manifest("\n".join(parts), source="<synthetic>")
+
+
+#: The runner stand-in's ``_capture_graphs`` line (both stacks' files).
+CAPTURE_GRAPHS_LINE = "    _capture_graphs = graph_path._capture_graphs\n"
+#: Edits of the runner stand-in that leave ``_capture_graphs`` out of the
+#: runner class (the manifest's optional target for ``graph_variants``),
+#: each keeping upstream's graph path working:
+RUNNER_VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
+    # RFC #388 splits AFDNPUFFNModelRunner: the method moves to a base class
+    # (the runner only inherits it).
+    "capture-graphs-moved": (
+        (CAPTURE_GRAPHS_LINE, ""),
+        (
+            "class AFDNPUFFNModelRunner(NPUModelRunner):",
+            "class _GraphRunner(NPUModelRunner):\n"
+            "    _capture_graphs = graph_path._capture_graphs\n\n\n"
+            "class AFDNPUFFNModelRunner(_GraphRunner):",
+        ),
+    ),
+    # A later line (PR #344, vLLM 0.28) gives it a new keyword parameter.
+    "capture-graphs-new-param": (
+        (
+            CAPTURE_GRAPHS_LINE,
+            "    def _capture_graphs(\n"
+            "        self, *, aclgraph_runtime_mode, dp_metadata_list, is_attn_graph_capturing=True, num_tokens=None\n"
+            "    ):\n"
+            "        return graph_path._capture_graphs(\n"
+            "            self,\n"
+            "            aclgraph_runtime_mode=aclgraph_runtime_mode,\n"
+            "            dp_metadata_list=dp_metadata_list,\n"
+            "            is_attn_graph_capturing=is_attn_graph_capturing,\n"
+            "        )\n",
+        ),
+    ),
+}
+#: What each variant's refusal says is wrong with the target.
+RUNNER_VARIANT_PROBLEM = {
+    "capture-graphs-moved": (
+        "AFDNPUFFNModelRunner._capture_graphs is missing ('_capture_graphs' is not defined in class "
+        "AFDNPUFFNModelRunner itself (only inherited))"
+    ),
+    "capture-graphs-new-param": (
+        "AFDNPUFFNModelRunner._capture_graphs has a changed signature (unexpected parameter(s) num_tokens)"
+    ),
+}
+#: The end of every graph_variants refusal.
+GRAPH_VARIANTS_REFUSED = "decode graph variants are refused; the eager overlap is applied"
+
+
+def standin_source(name: str) -> Any:
+    """The stand-in file of module ``name`` for the stack whose stand-ins
+    are installed (the release line's when none is)."""
+    rel = name.split(".", 1)[1]
+    stack = standins.installed_stack(standins.REAL_ROOT) or standins.STANDINS_DEFAULT_STACK
+    parts = rel.split(".")
+    stem = standins.STACKS[stack].get(rel)
+    if stem is not None:
+        parts[-1] = stem
+    return standins._BASE.joinpath(*parts).with_suffix(".py")
+
+
+def variant_module(
+    name: str, edits: Sequence[tuple[str, str]], *, into: types.ModuleType | None = None
+) -> types.ModuleType:
+    """Execute the stand-in source of ``name`` with each (old, new) edit made
+    once, registered under the real name (its parents come from the stand-in
+    finder). With ``into``, execute it in that module object instead, as
+    ``importlib.reload`` does (new classes in the same module)."""
+    standins.install()
+    importlib.import_module(name.rsplit(".", 1)[0])
+    importlib.import_module("afd_plugin.connectors.metadata")
+    src = standin_source(name)
+    text = src.read_text(encoding="utf-8")
+    for old, new in edits:
+        assert old in text, f"stand-in {src.name} no longer contains {old!r}"
+        text = text.replace(old, new, 1)
+    module = into if into is not None else types.ModuleType(name)
+    module.__file__ = str(src)
+    module.__package__ = name.rsplit(".", 1)[0]
+    sys.modules[name] = module
+    exec(compile(text, str(src), "exec"), module.__dict__)
+    return module

@@ -80,6 +80,7 @@ def test_doctor_json_lists_every_manifest_target_with_its_status() -> None:
         "device_detail",
         "backend",
         "config",
+        "decode_graphs",
         "deployment",
     }
     assert d["ok"] is False and d["problems"]
@@ -106,6 +107,10 @@ def test_doctor_json_lists_every_manifest_target_with_its_status() -> None:
     assert set(switches) == set(cfgmod.ENV_VARS)
     assert switches[cfgmod.ENV_SWITCH]["raw"] is None and switches[cfgmod.ENV_SWITCH]["value"] is False
     assert switches[cfgmod.ENV_MIN_STAGES]["value"] == 2
+    assert d["decode_graphs"]["status"] == "off"
+    assert d["decode_graphs"]["reason"].startswith(
+        "VLLM_CAMP2P_MULTISTREAM_GRAPH is 0: decode replays upstream's graph"
+    )
 
 
 def test_doctor_reports_a_malformed_switch_without_raising() -> None:

@@ -41,6 +41,7 @@ from typing import Any
 from camp2p_overlap.core.env_vars import DEFAULT_METRICS_ADDR
 from camp2p_overlap.core.log import logger
 from camp2p_overlap.core.observe.counters import GRAPH_VARIANTS, PATHS
+from camp2p_overlap.core.observe.decode_graphs import summary_note
 
 PREFIX = "vllm:camp2p_overlap_"
 STEPS = PREFIX + "steps"
@@ -194,10 +195,12 @@ def _grew(n: int, before: Mapping[str, int] | None, key: str) -> str:
     return f" (+{grew})" if before is not None and grew else ""
 
 
-def summary_line(snap: Mapping[str, Any], previous: Mapping[str, Any] | None = None) -> str:
+def summary_line(snap: Mapping[str, Any], previous: Mapping[str, Any] | None = None, graph: str | None = None) -> str:
     """One line: steps per path, graph replays per variant once there are
-    any (each with the change since ``previous``, an earlier snapshot), and
-    the most frequent serial reason."""
+    any (each with the change since ``previous``, an earlier snapshot),
+    whether decode replays upstream's graph once captures say so (``graph``:
+    the VLLM_CAMP2P_MULTISTREAM_GRAPH setting; ``decode_graphs.summary_note``),
+    and the most frequent serial reason."""
     steps = snap.get("steps", {})
     before = None if previous is None else previous.get("steps", {})
     parts = [f"{path}={int(steps.get(path, 0))}" + _grew(int(steps.get(path, 0)), before, path) for path in PATHS]
@@ -208,6 +211,9 @@ def summary_line(snap: Mapping[str, Any], previous: Mapping[str, Any] | None = N
         counts = [f"{v} {int(replays.get(v, 0))}" + _grew(int(replays.get(v, 0)), before, v) for v in GRAPH_VARIANTS]
         text += "; graph replays: " + ", ".join(counts)
     reasons = snap.get("serial_reasons", {})
+    note = summary_note(snap, graph)
+    if note is not None:
+        text += f"; {note}"
     if reasons:
         top = max(reasons.items(), key=lambda kv: kv[1])
         text += f"; top serial reason ({top[1]}): {top[0]}"
@@ -229,8 +235,10 @@ class Reporter:
         rung: str = "overlap",
         addr: str = DEFAULT_METRICS_ADDR,  # loopback unless VLLM_CAMP2P_MULTISTREAM_METRICS_ADDR says otherwise
         metrics: StepMetrics | None = None,
+        graph: str | None = None,
     ) -> None:
         self._stats = stats
+        self.graph = graph
         self.metrics = metrics if metrics is not None else StepMetrics(stats, mode=mode, rung=rung)
         self.metrics.set_mode(mode, rung)
         self.summary_s = summary_s
@@ -281,7 +289,7 @@ class Reporter:
         counts = _counts(snap)
         if counts == self._last:
             return False
-        logger.log(logging.INFO, "%s", summary_line(snap, self._last))
+        logger.log(logging.INFO, "%s", summary_line(snap, self._last, self.graph))
         self._last = counts
         return True
 
@@ -310,10 +318,12 @@ def start_reporting(
     mode: str,
     rung: str,
     addr: str = DEFAULT_METRICS_ADDR,
+    graph: str | None = None,
 ) -> Reporter | None:
     """The process's reporter, started once (later calls return it until
     :func:`stop_reporting`); its endpoint (``port`` not None) listens on
-    ``addr``. Never raises: a reporter that cannot start is logged and
+    ``addr``; its summary knows the VLLM_CAMP2P_MULTISTREAM_GRAPH setting
+    ``graph``. Never raises: a reporter that cannot start is logged and
     skipped."""
     global _reporter, _metrics
     with _lock:
@@ -323,7 +333,7 @@ def start_reporting(
             if _metrics is None:
                 _metrics = StepMetrics(stats, mode=mode, rung=rung)
             _reporter = Reporter(
-                stats, port=port, summary_s=summary_s, mode=mode, rung=rung, addr=addr, metrics=_metrics
+                stats, port=port, summary_s=summary_s, mode=mode, rung=rung, addr=addr, metrics=_metrics, graph=graph
             )
         except Exception:  # noqa: BLE001 - never break a step
             logger.exception("camp2p-overlap: step metrics not started")

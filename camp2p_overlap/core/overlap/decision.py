@@ -13,6 +13,7 @@ from camp2p_overlap.core.overlap.connector_routes import route_problem
 from camp2p_overlap.core.overlap.plan import BOTH_SIDES, Directions, StepPlan, step_plan
 from camp2p_overlap.core.overlap.rollout import mode_directions
 from camp2p_overlap.core.overlap.streams import BackendUnavailable, resolve_backend_name
+from camp2p_overlap.core.patching.features import GRAPH_VARIANTS
 from camp2p_overlap.core.patching.installer import live_target
 
 if TYPE_CHECKING:
@@ -72,10 +73,26 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any]) -> Decis
         return Decision("the step has no FFN layers")
     if len(set(layers)) != len(layers):
         return Decision(f"layer list repeats a layer: {list(layers)}")
-    if kwargs.get("is_graph_capturing") and not cfg.graph_overlap:
-        return Decision(GRAPH_OFF)
+    if kwargs.get("is_graph_capturing"):
+        if not cfg.graph_overlap:
+            return Decision(GRAPH_OFF)
+        refused = graph_variants_refused(engine)
+        if refused is not None:  # the capture runs serially: upstream's own graph
+            return Decision(refused)
     plan = step_plan(layers, tuple(stages), getattr(runner, "max_num_tokens", None))
     return Decision(None, plan, backend, mode_directions(cfg), cfg.mode)
+
+
+def graph_variants_refused(engine: PatchEngine) -> str | None:
+    """Why the decode graph variants are refused, or None: a target only
+    they need (the manifest's ``optional = "graph_variants"``:
+    ``_capture_graphs``) is missing or its signature changed, while the eager
+    overlap is applied (``PatchEngine.feature_refusal``). A step inside a
+    graph capture then runs serially, so the graph captured is upstream's
+    own. ``decide()`` checks it for a call with ``is_graph_capturing``; a
+    caller that finds a capture otherwise (the backend's ``is_capturing()``)
+    calls this too. Lock-free."""
+    return engine.feature_refusal(GRAPH_VARIANTS)
 
 
 def connector_problem(engine: PatchEngine, connector: Any) -> str | None:

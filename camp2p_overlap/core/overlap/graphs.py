@@ -44,11 +44,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 from camp2p_overlap.core.log import log_once, logger
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey
 from camp2p_overlap.core.overlap.capture_guard import GUARD
-from camp2p_overlap.core.overlap.decision import decide
+from camp2p_overlap.core.overlap.decision import decide, graph_variants_refused
 from camp2p_overlap.core.overlap.runner_state import RunnerState, VariantCapture
 from camp2p_overlap.core.overlap.step_timings import StepTimings, timing_start
 from camp2p_overlap.core.overlap.streams.base import StreamBackend
 from camp2p_overlap.core.overlap.watchdog import REPLAY_WATCH, stop_watchdogs
+from camp2p_overlap.core.patching import torch_npu_capture
 
 if TYPE_CHECKING:
     from camp2p_overlap.core.observe.counters import StepCounters
@@ -70,13 +71,8 @@ def graph_variants_refusal(engine: PatchEngine, backend_name: str | None) -> str
     only, whatever VLLM_CAMP2P_MULTISTREAM_GRAPH asks (None: variants may
     be captured): a patch target only graph variants need is refused, or
     the installed torch_npu lacks the multi-stream capture fix."""
-    feature = getattr(engine, "feature_refusal", None)
-    reason = feature("graph_variants") if feature is not None else None
-    if reason is None and backend_name == "npu":
-        from camp2p_overlap.core.patching import torch_npu_capture
-
-        reason = torch_npu_capture.graph_variants_refusal(backend_name)
-    return reason
+    reason = graph_variants_refused(engine)
+    return reason if reason is not None else torch_npu_capture.graph_variants_refusal(backend_name or "")
 
 
 @dataclass(eq=False)

@@ -1,8 +1,10 @@
 """The installer: resolves each target of a module, checks its signature
-against the manifest, wraps the module's targets all-or-nothing, and
-removes exactly what it installed. It keeps the registry of every wrap and
-unwraps only from it; a wrapper of ours that a foreign, non-wrapt wrapper
-covers cannot be removed and is kept as *stuck* until it can."""
+against the manifest, wraps the module's targets all-or-nothing (an
+optional target missing or changed is left out alone, refusing only its
+feature), and removes exactly what it installed. It keeps the registry of
+every wrap and unwraps only from it; a wrapper of ours that a foreign,
+non-wrapt wrapper covers cannot be removed and is kept as *stuck* until it
+can."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any
 import wrapt
 
 from camp2p_overlap.core.log import logger
+from camp2p_overlap.core.patching.features import FEATURES
 from camp2p_overlap.core.patching.manifest import (
     ModuleSpec,
     StackManifest,
@@ -58,6 +61,25 @@ class ModuleRefused(Exception):
             )
             for t in mspec.targets
         }
+
+
+class _TargetProblem(Exception):
+    """Why one target cannot be installed. ``optional_problem`` (for a
+    target missing or changed, not for a conflict or a bug of ours) is
+    what an optional target's feature refusal says: ``is missing (...)``,
+    ``has a changed signature (...)``; None: the module is refused whatever
+    the target."""
+
+    def __init__(self, reason: str, optional_problem: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.optional_problem = optional_problem
+
+
+def feature_refusal_status(t: TargetSpec, problem: str) -> TargetStatus:
+    """The status of optional target ``t`` refused alone: its feature's reason."""
+    reason = FEATURES[t.optional].reason(t.qualname, problem)  # type: ignore[index]
+    return TargetStatus(t.id, t.action, TargetState.REFUSED, reason, feature=t.optional)
 
 
 RELOADED = "module reloaded since it was wrapped; the next wrapped step or apply() wraps it"
@@ -130,6 +152,9 @@ class Installer:
 
     def __init__(self) -> None:
         self.records: dict[str, list[WrapRecord]] = {}
+        #: Per installed module: the status of each optional target refused
+        #: alone (missing or changed; nothing installed for it).
+        self.optional_refused: dict[str, dict[str, TargetStatus]] = {}
         self.stuck: list[WrapRecord] = []
         self._handles: set[int] = set()
 
@@ -199,16 +224,24 @@ class Installer:
         return out
 
     def install(
-        self, mspec: ModuleSpec, module: ModuleType, wrappers: Mapping[str, Wrapper]
+        self,
+        mspec: ModuleSpec,
+        module: ModuleType,
+        wrappers: Mapping[str, Wrapper],
+        required_features: frozenset[str] = frozenset(),
     ) -> dict[str, TargetStatus]:
         """Wrap every 'wrap' target of ``module`` and check every 'read' and
-        'route' target, or nothing at all. Returns each target's status."""
+        'route' target, or nothing at all; an optional target missing or
+        changed is left out alone (refused with its feature), unless its
+        feature is in ``required_features`` (then it refuses the module like
+        any other target). Returns each target's status."""
         if self.records.get(mspec.name):
             if self.is_current(mspec, module):
                 return self._settled(mspec)  # already wrapped (apply twice, or a fork child)
             self._drop(mspec.name)  # reloaded: its classes are new objects
+        self.optional_refused.pop(mspec.name, None)
         try:
-            resolved, adopted = self._check(mspec, module, wrappers)
+            resolved, adopted, left_out = self._check(mspec, module, wrappers, required_features)
             done = self._wrap_all(mspec, resolved, adopted, wrappers)
         except ModuleRefused as refusal:
             return refusal.statuses(mspec)
@@ -216,56 +249,91 @@ class Installer:
             if rec in self.stuck:
                 self.stuck.remove(rec)
         self.records[mspec.name] = done
+        if left_out:
+            self.optional_refused[mspec.name] = left_out
         return self._settled(mspec)
 
-    @staticmethod
-    def _settled(mspec: ModuleSpec) -> dict[str, TargetStatus]:
+    def _settled(self, mspec: ModuleSpec) -> dict[str, TargetStatus]:
+        left_out = self.optional_refused.get(mspec.name, {})
         return {
-            t.id: TargetStatus(t.id, t.action, TargetState.WRAPPED if t.action == "wrap" else TargetState.CHECKED)
+            t.id: left_out.get(t.id)
+            or TargetStatus(t.id, t.action, TargetState.WRAPPED if t.action == "wrap" else TargetState.CHECKED)
             for t in mspec.targets
         }
 
     def _check(
-        self, mspec: ModuleSpec, module: ModuleType, wrappers: Mapping[str, Wrapper]
-    ) -> tuple[list[tuple[TargetSpec, Any, Any]], list[WrapRecord]]:
+        self,
+        mspec: ModuleSpec,
+        module: ModuleType,
+        wrappers: Mapping[str, Wrapper],
+        required_features: frozenset[str],
+    ) -> tuple[list[tuple[TargetSpec, Any, Any]], list[WrapRecord], dict[str, TargetStatus]]:
+        """Every target that installs (with its owner and raw entry), the
+        stuck records of ours taken back, and the optional targets left out;
+        raises :class:`ModuleRefused` for the first target that refuses the module."""
         resolved: list[tuple[TargetSpec, Any, Any]] = []
         adopted: list[WrapRecord] = []
+        left_out: dict[str, TargetStatus] = {}
         for t in mspec.targets:
             try:
-                owner, raw = _resolve(t, module)
-            except (LookupError, TypeError) as exc:
-                raise ModuleRefused(t.id, f"missing: {exc}") from None
-            func = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
-            try:
-                ours = wrapt.find_wrapper(raw, predicate=self.is_ours)
-                foreign_camp2p = ours is None and wrapt.find_wrapper(raw, predicate=_is_marked) is not None
-            except wrapt.WrapperChainTooDeepError as exc:
-                raise ModuleRefused(t.id, f"changed: {exc}") from None
-            if foreign_camp2p:
-                raise ModuleRefused(t.id, "already carries a camp2p-overlap wrapper of another patch engine")
-            if ours is not None:
-                # Our wrapper is still in the chain: an earlier unpatch could
-                # not remove it. Take it back instead of wrapping a second time.
-                rec = self._stuck_record(owner, t.attribute, self.handle_of(ours))
-                if rec is None:
-                    raise ModuleRefused(t.id, "already carries a camp2p-overlap wrapper")
+                owner, raw, rec = self._check_target(t, module, wrappers)
+            except _TargetProblem as problem:
+                if t.optional is None or problem.optional_problem is None:
+                    raise ModuleRefused(t.id, problem.reason) from None
+                if t.optional in required_features:
+                    feature = FEATURES[t.optional]
+                    raise ModuleRefused(
+                        t.id,
+                        f"{problem.reason} (in strict mode the configuration asks for {feature.refused}, "
+                        f"{feature.setting}, which need it)",
+                    ) from None
+                left_out[t.id] = feature_refusal_status(t, problem.optional_problem)
+                continue
+            if rec is not None:
                 adopted.append(rec)
-            if not callable(func):
-                raise ModuleRefused(t.id, f"changed: {type(raw).__name__} is not callable")
-            try:
-                diff = signature_difference(t.signature, signature_of(func))
-            except (TypeError, ValueError) as exc:
-                diff = f"signature unreadable: {exc}"
-            if diff:
-                raise ModuleRefused(t.id, f"signature changed: {diff}")
-            if t.action == "wrap" and t.wrapper not in wrappers:
-                raise ModuleRefused(t.id, f"no wrapper named {t.wrapper!r}")
-            if t.action == "route" and t.router not in wrappers:
-                raise ModuleRefused(t.id, f"no router named {t.router!r}")
-            if t.action == "route" and not isinstance(owner, type):
-                raise ModuleRefused(t.id, "changed: a routed target must be a class attribute")
             resolved.append((t, owner, raw))
-        return resolved, adopted
+        return resolved, adopted, left_out
+
+    def _check_target(
+        self, t: TargetSpec, module: ModuleType, wrappers: Mapping[str, Wrapper]
+    ) -> tuple[Any, Any, WrapRecord | None]:
+        """(owner, raw entry, the stuck record of ours to take back or None);
+        raises :class:`_TargetProblem` saying why the target cannot install."""
+        try:
+            owner, raw = _resolve(t, module)
+        except (LookupError, TypeError) as exc:
+            raise _TargetProblem(f"missing: {exc}", f"is missing ({exc})") from None
+        func = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+        try:
+            ours = wrapt.find_wrapper(raw, predicate=self.is_ours)
+            foreign_camp2p = ours is None and wrapt.find_wrapper(raw, predicate=_is_marked) is not None
+        except wrapt.WrapperChainTooDeepError as exc:
+            raise _TargetProblem(f"changed: {exc}") from None
+        if foreign_camp2p:
+            raise _TargetProblem("already carries a camp2p-overlap wrapper of another patch engine")
+        rec = None
+        if ours is not None:
+            # Our wrapper is still in the chain: an earlier unpatch could
+            # not remove it. Take it back instead of wrapping a second time.
+            rec = self._stuck_record(owner, t.attribute, self.handle_of(ours))
+            if rec is None:
+                raise _TargetProblem("already carries a camp2p-overlap wrapper")
+        if not callable(func):
+            what = f"{type(raw).__name__} is not callable"
+            raise _TargetProblem(f"changed: {what}", f"has changed ({what})")
+        try:
+            diff = signature_difference(t.signature, signature_of(func))
+        except (TypeError, ValueError) as exc:
+            diff = f"signature unreadable: {exc}"
+        if diff:
+            raise _TargetProblem(f"signature changed: {diff}", f"has a changed signature ({diff})")
+        if t.action == "wrap" and t.wrapper not in wrappers:
+            raise _TargetProblem(f"no wrapper named {t.wrapper!r}")
+        if t.action == "route" and t.router not in wrappers:
+            raise _TargetProblem(f"no router named {t.router!r}")
+        if t.action == "route" and not isinstance(owner, type):
+            raise _TargetProblem("changed: a routed target must be a class attribute")
+        return owner, raw, rec
 
     def _wrap_all(
         self,
@@ -313,6 +381,7 @@ class Installer:
             for rec in reversed(self.records[name]):
                 ok = self._unwrap(rec) and ok
         self.records.clear()
+        self.optional_refused.clear()
         return ok
 
     def retry_stuck(self) -> bool:

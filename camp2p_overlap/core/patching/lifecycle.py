@@ -24,6 +24,7 @@ import wrapt
 
 from camp2p_overlap.core.config import ConfigError, OverlapConfig, load_config, strict_requested
 from camp2p_overlap.core.log import logger
+from camp2p_overlap.core.patching.features import FEATURES, requested_features
 from camp2p_overlap.core.patching.gate import StepGate
 from camp2p_overlap.core.patching.installer import Installer, Wrapper, initializing
 from camp2p_overlap.core.patching.manifest import ManifestError, ModuleSpec, StackManifest, load_manifests
@@ -64,6 +65,14 @@ class PatchEngine:
         #: Modules with a post-import hook not fired yet (a hook fires once).
         self._hooks_pending: set[str] = set()
         self._vllm_version: str | None = None
+        #: Strict mode as the last apply() resolved it (its argument, else the configuration).
+        self._strict = False
+        #: The optional features strict mode makes required (those the
+        #: configuration asks for): their targets refuse their module.
+        self._required_features: frozenset[str] = frozenset()
+        #: ``feature -> reason`` of every optional feature refused now; a new
+        #: dict on each change, so a step reads it without the lock.
+        self._feature_refusals: dict[str, str] = {}
         if hasattr(os, "register_at_fork"):  # a lock held by a thread that is gone would stay held
             ref = weakref.WeakMethod(self._new_lock)
             os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
@@ -96,6 +105,8 @@ class PatchEngine:
                 self.refresh()
                 return self.report()
             self.config = cfg
+            self._strict = strict
+            self._required_features = requested_features(cfg) if strict else frozenset()
             if not cfg.enabled:
                 self.board.settle("switched off (VLLM_CAMP2P_MULTISTREAM is not set to on)", {})
                 logger.info("camp2p-overlap: %s; nothing patched (pid %d)", self.board.reason, os.getpid())
@@ -122,7 +133,7 @@ class PatchEngine:
                     wrapt.register_post_import_hook(self._on_import, mspec.name)
             self.board.log_when_settled(self.report())
             report = self.report()
-            if report.refused and strict:
+            if report.required_refused and strict:
                 self._remove()
                 raise PatchRefused(str(report))
             return report
@@ -188,6 +199,20 @@ class PatchEngine:
         """Whether ``obj`` is a wrapper this engine installed (or its bound form)."""
         return self.installer.is_ours(obj)
 
+    def feature_refusal(self, feature: str) -> str | None:
+        """Why optional ``feature`` (a key of ``core.patching.features.FEATURES``)
+        is refused, or None when it is not: a target that only it needs is
+        missing or changed in an installed module (the module's other targets
+        are installed). The reason names the target and what is wrong. Set when
+        the module installs, recomputed when a reloaded module is installed
+        again (a step refreshes before it decides), cleared by ``unpatch()``.
+        Lock-free: a step may call it."""
+        return self._feature_refusals.get(feature)
+
+    def features_refused(self) -> dict[str, str]:
+        """``feature -> reason`` of every optional feature refused now."""
+        return dict(self._feature_refusals)
+
     @property
     def wrappers(self) -> Mapping[str, Wrapper]:
         """The wrappers (and routers) the last ``apply()`` bound to this
@@ -233,7 +258,7 @@ class PatchEngine:
             # the import system still marks the module as initializing.
             self._install(mspec, module, from_hook=True)
             self.board.log_when_settled(self.report())
-            if self.config.strict and self.board.any_in(mspec.targets, TargetState.REFUSED):
+            if self._strict and self.board.any_required_refused(mspec.targets):
                 raise PatchRefused(str(self.report()))
 
     def _install(self, mspec: ModuleSpec, module: ModuleType, *, from_hook: bool = False) -> None:
@@ -242,7 +267,26 @@ class PatchEngine:
             # exist yet. Its post-import hook, or refresh(), wraps it.
             self.board.update(statuses(mspec.targets, TargetState.NOT_IMPORTED, "module is still being imported"))
             return
-        self.board.update(self.installer.install(mspec, module, self._wrappers))
+        self.board.update(self.installer.install(mspec, module, self._wrappers, self._required_features))
+        self._note_feature_refusals()
+
+    def _note_feature_refusals(self) -> None:
+        """Take the optional features refused now from the board; log each
+        new (or changed) reason once, at WARNING, and a feature no longer
+        refused (its module was reloaded with the target back) at INFO."""
+        now = self.board.features_refused()
+        before, self._feature_refusals = self._feature_refusals, now
+        for feature, reason in now.items():
+            if before.get(feature) != reason:
+                logger.warning("camp2p-overlap: %s", reason)
+        for feature in before.keys() - now.keys():
+            needed = [t for t in self.manifest.targets() if t.optional == feature] if self.manifest else []
+            if needed and all((st := self.board.targets.get(t.id)) is not None and st.ready for t in needed):
+                logger.info(
+                    "camp2p-overlap: %s are no longer refused: %s installed again",
+                    FEATURES[feature].refused,
+                    ", ".join(t.qualname for t in needed),
+                )
 
     def _waiting(self, mspec: ModuleSpec) -> bool:
         return self.board.any_in(mspec.targets, TargetState.NOT_IMPORTED)
@@ -254,6 +298,7 @@ class PatchEngine:
         targets = self.manifest.targets() if self.manifest else ()
         reason = "unpatched" if ok else "unpatched; some wrappers could not be removed (see log)"
         self.board.settle(reason, statuses(targets, TargetState.INACTIVE, "unpatched"))
+        self._feature_refusals = {}
         self._wrappers = {}
         self._on_unpatch()
         logger.info("camp2p-overlap: %s (pid %d)", self.board.reason, os.getpid())

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any, Literal
 
+from camp2p_overlap.core.patching.features import FEATURES
 from camp2p_overlap.core.patching.versions import COMMIT_SHOWN
 
 if sys.version_info >= (3, 11):
@@ -61,6 +62,12 @@ class TargetSpec:
     why: str
     #: For ``route``: the key of the router an engaged step binds on the instance.
     router: str | None = None
+    #: The feature (a key of ``core.patching.features.FEATURES``) that alone
+    #: needs this target: missing or changed, it refuses that feature only
+    #: and its module is still installed. None: required (it refuses its module).
+    optional: str | None = None
+    #: Why the target is optional (the manifest's ``optional_why``).
+    optional_why: str = ""
 
     @property
     def id(self) -> str:
@@ -155,6 +162,25 @@ def _commit(stack: dict[str, Any], key: str, source: str) -> str | None:
     return value
 
 
+def _optional(tgt: dict[str, Any], action: str, where: str) -> tuple[str | None, str]:
+    """A target's ``optional`` feature and ``optional_why``, validated."""
+    optional, why = tgt.get("optional"), tgt.get("optional_why")
+    if optional is None:
+        if why is not None:
+            raise ManifestError(f"{where}: 'optional_why' without 'optional'")
+        return None, ""
+    known = ", ".join(repr(f) for f in sorted(FEATURES))
+    if not isinstance(optional, str) or optional not in FEATURES:
+        raise ManifestError(f"{where}: optional = {optional!r} is not a known feature (known: {known})")
+    if action == "route":
+        raise ManifestError(f"{where}: a 'route' target cannot be optional (an engaged step routes every one)")
+    if not isinstance(why, str) or not why.strip():
+        raise ManifestError(
+            f"{where}: an optional target needs an 'optional_why' saying why only {optional!r} needs it"
+        )
+    return optional, why.strip()
+
+
 def parse_manifest(text: str, source: str = "<string>") -> StackManifest:
     try:
         data = tomllib.loads(text)
@@ -182,6 +208,7 @@ def parse_manifest(text: str, source: str = "<string>") -> StackManifest:
                 raise ManifestError(f"{where}: only a 'route' target names a 'router'")
             if action == "route" and "." not in str(tgt.get("qualname", "")):
                 raise ManifestError(f"{where}: a 'route' target is a class attribute (Class.method)")
+            optional, optional_why = _optional(tgt, action, where)
             params = []
             for p in _require(tgt, "signature", where):
                 kind = _require(p, "kind", where)
@@ -198,6 +225,8 @@ def parse_manifest(text: str, source: str = "<string>") -> StackManifest:
                     changes=str(tgt.get("changes", "")).strip(),
                     why=str(tgt.get("why", "")).strip(),
                     router=router,
+                    optional=optional,
+                    optional_why=optional_why,
                 )
             )
         modules.append(ModuleSpec(mname, tuple(targets)))

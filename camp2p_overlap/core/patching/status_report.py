@@ -36,13 +36,30 @@ class TargetStatus:
     action: str
     state: TargetState
     reason: str = ""
+    #: For an optional target refused alone (its module installed): the
+    #: feature refused with it (``reason`` says why); None otherwise.
+    feature: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the target does not keep the layer from engaging: wrapped,
+        checked, or an optional target refused alone (only its feature is)."""
+        return self.state in READY or self.refuses_feature_only
+
+    @property
+    def refuses_feature_only(self) -> bool:
+        return self.state is TargetState.REFUSED and self.feature is not None
 
     def to_dict(self) -> dict[str, str]:
         return {"target": self.target, "action": self.action, "state": self.state.value, "reason": self.reason}
 
     def short(self) -> str:
-        """``Owner.attribute=state`` (with the reason when refused), for log lines."""
+        """``Owner.attribute=state`` (with the reason when refused), for log lines
+        (an optional target refused alone names its feature: its reason has
+        a warning line of its own)."""
         name = ".".join(self.target.rsplit(".", 2)[-2:])
+        if self.refuses_feature_only:
+            return f"{name}={self.state.value} ({self.feature} only)"
         return f"{name}={self.state.value}" + (f" ({self.reason})" if self.state is TargetState.REFUSED else "")
 
 
@@ -61,21 +78,38 @@ class PatchReport:
 
     @property
     def refused(self) -> tuple[TargetStatus, ...]:
+        """Every refused target, an optional one refused alone included."""
         return tuple(t for t in self.targets if t.state is TargetState.REFUSED)
 
     @property
+    def required_refused(self) -> tuple[TargetStatus, ...]:
+        """The refusals that keep the layer from engaging (not an optional
+        target refused alone: that refuses its feature only)."""
+        return tuple(t for t in self.refused if not t.refuses_feature_only)
+
+    @property
+    def features_refused(self) -> dict[str, str]:
+        """``feature -> reason`` of every optional feature refused."""
+        out: dict[str, str] = {}
+        for t in self.targets:
+            if t.refuses_feature_only:
+                out.setdefault(t.feature, t.reason)  # type: ignore[arg-type]
+        return out
+
+    @property
     def engaged(self) -> bool:
-        """Applied, and every target is wrapped or checked."""
-        return self.applied and all(t.state in READY for t in self.targets)
+        """Applied, and every target is wrapped or checked (or, optional,
+        refused alone: only its feature is refused)."""
+        return self.applied and all(t.ready for t in self.targets)
 
     @staticmethod
     def unready_of(targets: Iterable[TargetStatus]) -> str | None:
         """Why not every target is wrapped or checked (the first one that is
-        not), or None when all are."""
+        not, an optional target refused alone aside), or None when all are."""
         seen = False
         for t in targets:
             seen = True
-            if t.state not in READY:
+            if not t.ready:
                 return f"{t.target} is {t.state.value}" + (f": {t.reason}" if t.reason else "")
         return None if seen else "no targets"
 
@@ -90,6 +124,7 @@ class PatchReport:
             "reason": self.reason,
             "pid": self.pid,
             "targets": [t.to_dict() for t in self.targets],
+            "features_refused": self.features_refused,
         }
 
     def outcome_line(self) -> str:
@@ -139,11 +174,29 @@ class StatusBoard:
     def any_in(self, targets: Iterable[TargetSpec], state: TargetState) -> bool:
         return any((st := self.targets.get(t.id)) is not None and st.state is state for t in targets)
 
+    def any_required_refused(self, targets: Iterable[TargetSpec]) -> bool:
+        """Whether one of ``targets`` is refused, not as an optional target
+        refused alone."""
+        return any(
+            (st := self.targets.get(t.id)) is not None and st.state is TargetState.REFUSED and st.feature is None
+            for t in targets
+        )
+
+    def features_refused(self) -> dict[str, str]:
+        """``feature -> reason`` of every optional target refused alone."""
+        out: dict[str, str] = {}
+        for st in self.targets.values():
+            if st.refuses_feature_only:
+                out.setdefault(st.feature, st.reason)  # type: ignore[arg-type]
+        return out
+
     def log_when_settled(self, report: PatchReport) -> None:
         """The one line per outcome: once every target is settled (wrapped,
-        checked or refused), or at once on a refusal."""
-        states = {t.state for t in self.targets.values()}
-        if self._logged or (TargetState.REFUSED not in states and TargetState.NOT_IMPORTED in states):
+        checked or refused), or at once on a refusal (not an optional
+        target refused alone: its feature's warning is logged at once)."""
+        refused = any(t.state is TargetState.REFUSED and not t.refuses_feature_only for t in self.targets.values())
+        waiting = any(t.state is TargetState.NOT_IMPORTED for t in self.targets.values())
+        if self._logged or (not refused and waiting):
             return
-        logger.log(logging.WARNING if report.refused else logging.INFO, "%s", report.outcome_line())
+        logger.log(logging.WARNING if report.required_refused else logging.INFO, "%s", report.outcome_line())
         self._logged = True
