@@ -270,7 +270,7 @@ TABLE: tuple[EnvVar, ...] = (
         choices=(
             ("0", "the serial step, upstream's graph"),
             ("1", "the overlap"),
-            ("adaptive", "both; each replay runs its bucket's choice"),
+            ("adaptive", "both; each replay runs its key's choice"),
         ),
         aliases=(("off", "0"), ("false", "0"), ("no", "0"), ("on", "1"), ("true", "1"), ("yes", "1")),
     ),
@@ -301,7 +301,7 @@ TABLE: tuple[EnvVar, ...] = (
         "seconds",
         None,
         "log a stall report (the ops issued, the events completed, the peer op most likely missing) when an"
-        " engaged step runs longer than this many seconds",
+        " engaged step, or a decode graph replay (its key and variant), runs longer than this many seconds",
         unset="no watchdog",
     ),
     EnvVar(
