@@ -46,7 +46,7 @@ from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey
 from camp2p_overlap.core.overlap.capture_guard import GUARD
 from camp2p_overlap.core.overlap.decision import decide, graph_variants_refused
 from camp2p_overlap.core.overlap.runner_state import RunnerState, VariantCapture
-from camp2p_overlap.core.overlap.step_timings import StepTimings, timing_start
+from camp2p_overlap.core.overlap.step_timings import StepTimings
 from camp2p_overlap.core.overlap.streams.base import StreamBackend
 from camp2p_overlap.core.overlap.watchdog import REPLAY_WATCH, stop_watchdogs
 from camp2p_overlap.core.patching import torch_npu_capture
@@ -422,17 +422,11 @@ class GraphCapture:
     def replay(self, c: CapturedKey) -> None:
         variant = self.choose(c)
         graph = c.ours if variant == OVERLAP else c.upstream
-        backend = c.backend
-        token = timing_start(backend) if c.adaptive else None
-        try:
+        if c.adaptive:
+            c.timings.timed(c.bucket, variant, c.backend, graph.replay, into=c.choice)  # type: ignore[arg-type]
+        else:
             graph.replay()
-        except BaseException:
-            if token is not None:
-                backend.timing_discard(token)
-            raise
-        if token is not None:
-            backend.timing_stop(token)
-        self.replayed(c, variant, token)
+        self.replayed(c, variant)
 
     def choose(self, c: CapturedKey) -> str:
         if not c.adaptive:
@@ -443,12 +437,10 @@ class GraphCapture:
             c.choice.settings = replace(c.choice.settings, reprobe_every=every)
         return c.choice.choose(c.bucket)[0]
 
-    def replayed(self, c: CapturedKey, variant: str, token: Any) -> None:
+    def replayed(self, c: CapturedKey, variant: str) -> None:
         with c.lock:
             c.replays[variant] += 1
         self.runtime.counters.graph_replay(variant)
-        if token is not None:
-            c.timings.record(c.bucket, variant, c.backend, token, into=c.choice)  # type: ignore[arg-type]
         seconds = self.engine.config.watchdog_s
         if seconds and not GUARD.capturing():
             REPLAY_WATCH.watch(seconds, c.backend, f"decode graph {c.key_text} ({variant} variant)")

@@ -43,7 +43,6 @@ from camp2p_overlap.core.overlap.rollout import streams_for
 from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, PlannedShape, RunnerState
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
 from camp2p_overlap.core.overlap.session import OverlapSession
-from camp2p_overlap.core.overlap.step_timings import timing_start
 from camp2p_overlap.core.overlap.streams import BackendUnavailable
 from camp2p_overlap.core.overlap.streams.base import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
@@ -268,35 +267,14 @@ class FfnStep:
         path, probe = adaptive.choose(bucket.key)
         if path != "overlap":
             return self.run_adaptive_serial(bucket, probe=probe)
-        token = timing_start(backend)
-        try:
-            result = self.run_engaged(decision, streamset)
-        except BaseException:
-            if token is not None:
-                backend.timing_discard(token)  # a step that raised is not timed
-            raise
-        if token is not None:
-            backend.timing_stop(token)
-            state.timings.record(bucket.key, path, backend, token)
-        return result
+        return state.timings.timed(bucket.key, path, backend, lambda: self.run_engaged(decision, streamset))
 
     def run_adaptive_serial(self, bucket: TimedBucket, *, probe: bool) -> Any:
         """A step of ``bucket`` that adaptive engage runs on the original
         path (decided, or as a probe), timed for the bucket."""
         runtime = self.runtime
         runtime.counters.serial(SERIAL_PROBE if probe else SERIAL_FASTER)
-        backend = bucket.backend
-        token = timing_start(backend)
-        try:
-            result = self.run_original()
-        except BaseException:
-            if token is not None:
-                backend.timing_discard(token)  # a step that raised is not timed
-            raise
-        if token is not None:
-            backend.timing_stop(token)
-            bucket.state.timings.record(bucket.key, "serial", backend, token)
-        return result
+        return bucket.state.timings.timed(bucket.key, "serial", bucket.backend, self.run_original)
 
     def adaptive(self) -> AdaptiveEngage:
         """The runtime's adaptive engage, with the engine's re-probe interval."""

@@ -64,6 +64,29 @@ class StepTimings:
         elif older:  # with none older, this one is first and not ready: nothing to read
             self.read_ready()
 
+    def timed(
+        self,
+        key: BucketKey,
+        path: Path,
+        backend: StreamBackend,
+        run: Callable[[], Any],
+        into: AdaptiveEngage | None = None,
+    ) -> Any:
+        """``run()`` timed on the compute stream and recorded for ``key``
+        (not timed while a capture is in progress; a run that raised is not
+        recorded, and its event pair goes back)."""
+        token = timing_start(backend)
+        try:
+            result = run()
+        except BaseException:
+            if token is not None:
+                backend.timing_discard(token)
+            raise
+        if token is not None:
+            backend.timing_stop(token)
+            self.record(key, path, backend, token, into)
+        return result
+
     def read_ready(self) -> None:
         """Read every timing that is ready (never waits) into its adaptive
         engage, oldest first; stop at the first not ready, and at once while
