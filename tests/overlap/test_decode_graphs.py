@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from support.capture_breakers import ForgetsToJoin, SyncsInCapture
 from support.logs import PackageLogs
-from support.overlap import apply_cpu, assert_same, world
+from support.overlap import apply_cpu, assert_same, eager_refs, graph_world, world
 
 from camp2p_overlap.core.config import ConfigError, load_config
 from camp2p_overlap.core.layer import Layer
@@ -35,25 +35,6 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def graph_world(**kw: Any) -> World:
-    w = world(layers=3, stage_ids=(0, 1), tokens=8, graph=True, **kw)
-    assert w.runner.use_aclgraph
-    return w
-
-
-def refs_of(w: World, steps: range) -> dict[int, dict]:
-    """Eager serial outputs (unpatched, graphs off) of each step number."""
-    w.runner.use_aclgraph = False
-    try:
-        out = {}
-        for n in steps:
-            w.steps_run = n - 1
-            out[n] = w.run_step()
-        return out
-    finally:
-        w.runner.use_aclgraph = True
-
-
 def replay(w: World, n: int) -> dict:
     w.steps_run = n - 1
     return w.run_step()  # the key is captured: execute_model replays
@@ -72,7 +53,7 @@ def entry_of(w: World) -> dict[str, Any]:
 @pytest.mark.parametrize("mode", list(MODES))
 def test_both_variants_capture_and_every_replay_is_bitwise_serial(layer: Layer, mode: str) -> None:
     w = graph_world()
-    refs = refs_of(w, range(1, 21))
+    refs = eager_refs(w, range(1, 21))
     apply_cpu(layer=layer, graph="adaptive", **MODES[mode])
     try:
         w.capture()
@@ -147,7 +128,7 @@ def test_a_key_switches_variant_mid_run_bitwise_and_the_switch_is_logged_once(
     serial). Every replay stays bitwise equal, the graph object replayed is
     the chosen one, and the switch is one log line."""
     w = graph_world()
-    refs = refs_of(w, range(1, 61))
+    refs = eager_refs(w, range(1, 61))
     apply_cpu(layer=layer, graph="adaptive", adaptive=True, reprobe_every=4)
     phase = {"overlap_s": 0.001}
     InjectedTimes(monkeypatch, lambda choice, path: phase["overlap_s"] if path == OVERLAP else 0.002)
@@ -265,7 +246,7 @@ def test_a_failed_second_capture_keeps_upstreams_graph_logged_once_and_counted(
     layer: Layer, logs: PackageLogs, monkeypatch: pytest.MonkeyPatch, session: type, reason: str
 ) -> None:
     w = graph_world()
-    refs = refs_of(w, range(1, 4))
+    refs = eager_refs(w, range(1, 4))
     apply_cpu(layer=layer, graph="adaptive")
     monkeypatch.setattr(layer.runtime, "session_class", session)
     try:
@@ -284,7 +265,7 @@ def test_a_failed_second_capture_keeps_upstreams_graph_logged_once_and_counted(
 
 def test_unpatch_during_a_capture_waits_and_restores_identity(layer: Layer) -> None:
     w = graph_world()
-    refs = refs_of(w, range(1, 3))
+    refs = eager_refs(w, range(1, 3))
     apply_cpu(layer=layer, graph="adaptive")
     w.steps_run = 0
     w.transport.begin_step(1, w.layer_list(), [0, 1])
@@ -380,7 +361,7 @@ def test_a_capture_with_no_eager_warm_up_captures_both_and_counts_captures_not_s
     capture stream and the pooled events are made before upstream's capture
     begins (a capture may make none). Captures are counted as captures."""
     w = graph_world()
-    refs = refs_of(w, range(1, 5))
+    refs = eager_refs(w, range(1, 5))
     apply_cpu(layer=layer, graph="adaptive", adaptive=False)
     try:
         w.capture(warmups=0)
@@ -401,7 +382,7 @@ def test_the_variant_capture_does_not_depend_on_the_callers_stream(layer: Layer)
     of its own, and so does the layer (the emulated device, as CUDA, refuses
     a capture on the default stream)."""
     w = graph_world()
-    refs = refs_of(w, range(1, 3))
+    refs = eager_refs(w, range(1, 3))
     apply_cpu(layer=layer, graph="adaptive", adaptive=False)
     try:
         dp = w.dp_metadata()
@@ -418,7 +399,7 @@ def test_the_variant_capture_does_not_depend_on_the_callers_stream(layer: Layer)
 
 def test_a_variant_graph_held_across_unpatch_replays_upstreams_graph(layer: Layer) -> None:
     w = graph_world()
-    refs = refs_of(w, range(1, 5))
+    refs = eager_refs(w, range(1, 5))
     apply_cpu(layer=layer, graph="adaptive", adaptive=False)
     w.capture()
     held = entry_of(w)["graph"]
@@ -439,7 +420,7 @@ def test_a_variant_graph_held_across_unpatch_replays_upstreams_graph(layer: Laye
 
 def test_unpatch_waits_for_a_replay_in_flight(layer: Layer) -> None:
     w = graph_world()
-    refs = refs_of(w, range(1, 3))
+    refs = eager_refs(w, range(1, 3))
     apply_cpu(layer=layer, graph="adaptive", adaptive=False)
     w.capture()
     chooser = entry_of(w)["graph"]
@@ -479,7 +460,7 @@ def test_unpatch_waits_for_a_replay_in_flight(layer: Layer) -> None:
 
 def test_reset_reaches_both_graphs_and_a_copy_replays(layer: Layer) -> None:
     w = graph_world()
-    refs = refs_of(w, range(1, 3))
+    refs = eager_refs(w, range(1, 3))
     apply_cpu(layer=layer, graph="adaptive", adaptive=False)
     try:
         w.capture()
@@ -605,7 +586,7 @@ def test_a_capture_on_one_thread_and_adaptive_eager_steps_of_another_runner_brea
     neither the capture nor B's steps fail, and B's outputs are upstream's."""
     a = graph_world()
     b = world(layers=2, stage_ids=(0, 1), tokens=8)
-    b_refs = refs_of_eager(b, range(1, 13))
+    b_refs = eager_refs(b, range(1, 13))
     apply_cpu(layer=layer, graph="adaptive", adaptive=True)
     try:
         for n in range(1, 5):  # B's side streams, pooled events and timing pairs exist
@@ -656,66 +637,4 @@ def test_a_capture_on_one_thread_and_adaptive_eager_steps_of_another_runner_brea
             assert_same(b.run_step(), b_refs[n])
         assert any(bk["overlap_samples"] + bk["serial_samples"] for bk in layer.runtime.stats()["buckets"])
     finally:
-        assert layer.engine.unpatch(timeout=10)
-
-
-def refs_of_eager(w: World, steps: range) -> dict[int, dict]:
-    """Eager serial outputs (unpatched) of each step number."""
-    out = {}
-    for n in steps:
-        w.steps_run = n - 1
-        out[n] = w.run_step()
-    return out
-
-
-def test_a_watchdog_that_does_not_end_before_a_capture_is_logged(
-    layer: Layer, logs: PackageLogs, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from camp2p_overlap.core.overlap import graphs
-
-    monkeypatch.setattr(graphs, "stop_watchdogs", lambda: False)
-    w = graph_world()
-    apply_cpu(layer=layer, graph="adaptive", adaptive=False)
-    try:
-        w.capture({0: 8, 1: 8})
-        w.capture({0: 4, 1: 4})
-        (line,) = logs.texts("did not end before a decode graph capture", logging.WARNING)
-        assert "reads no event while the capture runs" in line
-        assert isinstance(entry_of_key(w, {0: 4, 1: 4}), VariantGraph)
-    finally:
-        assert layer.engine.unpatch(timeout=10)
-
-
-@pytest.mark.parametrize("graph", ["1", "adaptive"])
-def test_graph_variants_refused_by_the_device_capture_upstreams_graph_and_eager_steps_still_engage(
-    layer: Layer, logs: PackageLogs, monkeypatch: pytest.MonkeyPatch, graph: str
-) -> None:
-    """Where the installed torch_npu lacks the multi-stream capture fix (here:
-    its verdict made to refuse the emulated device's backend), a capture
-    takes upstream's serial graph only, logged once and counted; eager
-    steps still overlap."""
-    from camp2p_overlap.core.patching import torch_npu_capture
-
-    reason = "decode graph variants refused: torch_npu 2.9.0 lacks the fix (test)"
-    monkeypatch.setattr(torch_npu_capture, "graph_variants_refusal", lambda backend: reason if backend else None)
-    w = graph_world()
-    refs = refs_of(w, range(1, 4))
-    apply_cpu(layer=layer, graph=graph, adaptive=False)
-    try:
-        w.capture({0: 8, 1: 8})
-        w.capture({0: 4, 1: 4})
-        graph_object = entry_of_key(w, {0: 8, 1: 8})
-        assert not isinstance(graph_object, VariantGraph)
-        assert {name for name, _, _ in graph_object.nodes()} <= {"C", "capture"}  # upstream's serial step
-        st = layer.runtime.stats()
-        assert st["graph_variants_refused"] == {reason: 2} and st["graph_captures"][OVERLAP] == 0
-        assert len(logs.texts(reason, logging.WARNING)) == 1
-        w.runner.use_aclgraph = False
-        before = st["steps"]["overlap"]
-        for n in range(1, 4):
-            w.steps_run = n - 1
-            assert_same(w.run_step(), refs[n])
-        assert layer.runtime.stats()["steps"]["overlap"] == before + 3  # the eager overlap stays on
-    finally:
-        w.runner.use_aclgraph = True
         assert layer.engine.unpatch(timeout=10)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from support.logs import PackageLogs
-from support.overlap import apply_cpu, assert_same, assert_stack, world
+from support.overlap import apply_cpu, assert_same, assert_stack, eager_refs, graph_world
 from support.patching import GRAPH_VARIANTS_REFUSED, RUNNER, RUNNER_VARIANT_PROBLEM, RUNNER_VARIANTS, variant_module
 
 import camp2p_overlap
@@ -28,25 +28,6 @@ from camp2p_overlap.emulation.world import World
 pytestmark = pytest.mark.usefixtures("standin_stack", "emulated_torch_npu")
 
 CAPTURE = f"{RUNNER}.AFDNPUFFNModelRunner._capture_graphs"
-
-
-def graph_world() -> World:
-    w = world(layers=3, stage_ids=(0, 1), tokens=8, graph=True)
-    assert w.runner.use_aclgraph
-    return w
-
-
-def serial_refs(w: World, steps: range) -> dict[int, dict]:
-    """Eager outputs of each step number, unpatched (graphs off)."""
-    w.runner.use_aclgraph = False
-    try:
-        out = {}
-        for n in steps:
-            w.steps_run = n - 1
-            out[n] = w.run_step()
-        return out
-    finally:
-        w.runner.use_aclgraph = True
 
 
 def step(w: World, n: int) -> dict:
@@ -79,7 +60,7 @@ def test_graph_variants_refused_eager_overlap_engaged(variant: str, graph: str, 
     variant_module(RUNNER, RUNNER_VARIANTS[variant])
     w = graph_world()
     assert "_capture_graphs" not in vars(type(w.runner)) or variant == "capture-graphs-new-param"
-    refs = serial_refs(w, range(1, 9))
+    refs = eager_refs(w, range(1, 9))
     reason = f"{RUNNER_VARIANT_PROBLEM[variant]}: {GRAPH_VARIANTS_REFUSED}"
     apply_lenient(graph)  # the eager overlap applies
     report = camp2p_overlap.status()

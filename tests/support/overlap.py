@@ -33,6 +33,28 @@ def world(**kw: Any) -> World:
     return build_world(WorldSpec(**kw))
 
 
+def graph_world(**kw: Any) -> World:
+    """A 3-layer, 2-stage world whose runner uses decode graphs (upstream's
+    graph path on the emulated device)."""
+    w = world(layers=3, stage_ids=(0, 1), tokens=8, graph=True, **kw)
+    assert w.runner.use_aclgraph
+    return w
+
+
+def eager_refs(w: World, steps: range) -> dict[int, dict]:
+    """Eager outputs (graphs off; call it unpatched: upstream's) of each
+    step number."""
+    graphs, w.runner.use_aclgraph = w.runner.use_aclgraph, False
+    try:
+        out = {}
+        for n in steps:
+            w.steps_run = n - 1
+            out[n] = w.run_step()
+        return out
+    finally:
+        w.runner.use_aclgraph = graphs
+
+
 def apply_cpu(*, layer: Layer = LAYER, **overrides: Any) -> PatchReport:
     """Apply ``layer`` (strict; default the process-wide one) switched on
     with the CPU backend plus ``overrides``; the engine must have picked the
