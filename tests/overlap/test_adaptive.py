@@ -520,3 +520,13 @@ def test_a_runners_state_is_forgotten_when_the_runner_is_collected() -> None:
     with pytest.raises(NotWeaklyReferenceable, match="cannot be weakly referenced"):
         runtime.runners.get(7)
     assert runtime.runners.of(7) is None
+    # On unpatch a state keeps its name only: what adaptive engage learned
+    # under it applies after a new apply.
+    name, kept = runtime.runner_name(other), runtime.runners.streams(other, "cpu")
+    assert kept is not None
+    runtime.runners.get(other).planned = PlannedShape(name, 4, kept.backend)
+    runtime.close()
+    state = runtime.runners.of(other)
+    assert state is not None and state.name == name == runtime.runner_name(other)
+    assert state.streamset is None and state.planned is None
+    assert all(s.closed for s in kept.streams.values())

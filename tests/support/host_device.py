@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from camp2p_overlap.core.overlap import decision as step_decision
-from camp2p_overlap.core.overlap.streams import TorchDeviceBackend, streamset
+from camp2p_overlap.core.overlap import runner_state
+from camp2p_overlap.core.overlap.streams import TorchDeviceBackend
 
 
 class HostDevice:
@@ -106,4 +107,4 @@ def use_host_device(monkeypatch: pytest.MonkeyPatch, dev: HostDevice) -> None:
     """Make every layer's stream sets use ``dev`` through the shared device
     backend, whatever backend the configuration names."""
     monkeypatch.setattr(step_decision, "resolve_backend_name", lambda requested, device: dev.__name__)
-    monkeypatch.setattr(streamset, "make_backend", lambda name, device=None: TorchDeviceBackend(dev.__name__, dev))
+    monkeypatch.setattr(runner_state, "make_backend", lambda name, device=None: TorchDeviceBackend(dev.__name__, dev))

@@ -3,8 +3,11 @@ between its steps (its name, side streams, last planned shape, step
 timings not read yet, decode graph keys captured with both variants, and
 the mark of a variant capture in progress). :class:`RunnerStates` owns the
 states of one runtime: a state goes when its runner is collected (its side
-streams closed), on unpatch (:meth:`RunnerStates.close_all`), and in a
-forked child (forgotten: the parent's stream threads are not there)."""
+streams closed). On unpatch (:meth:`RunnerStates.close_all`) and in a
+forked child a state keeps only the runner's name, so what adaptive engage
+learned under it still applies: its side streams are closed on unpatch
+and forgotten in a child (the parent's stream threads are not there), and
+its planned shape, timings and captured keys are dropped."""
 
 from __future__ import annotations
 
@@ -76,6 +79,14 @@ class RunnerState:
         sset, self.streamset, self.backend_name, self.planned = self.streamset, None, None, None
         if sset is not None:
             sset.close()
+
+    def keep_name_only(self) -> None:
+        """Everything but the name dropped (the streams not closed: see
+        :meth:`close_streams`)."""
+        self.streamset, self.backend_name, self.planned = None, None, None
+        self.timings.clear()
+        self.graphs = {}
+        self.variant_capture = None
 
 
 class RunnerStates:
@@ -149,15 +160,13 @@ class RunnerStates:
     def stream_sets(self) -> list[StreamSet]:
         return [s.streamset for s in self.states() if s.streamset is not None]
 
-    def close_all(self) -> list[RunnerState]:
-        """Forget every state, close its side streams; returns the states
-        (on unpatch: their captured graphs are restored first)."""
-        with self._lock:
-            states = [s for _, s in self._states.values()]
-            self._states.clear()
-        for s in states:
-            s.close_streams()
-        return states
+    def close_all(self) -> None:
+        """On unpatch (the captured graphs restored first): every state's
+        side streams closed, and all but its name dropped."""
+        for s in self.states():
+            with s.lock:
+                s.close_streams()
+                s.keep_name_only()
 
     def _drop(self, rid: int, ref: weakref.ref[Any]) -> None:
         """The runner was collected: its state goes, its streams close."""
@@ -170,6 +179,10 @@ class RunnerStates:
 
     def _forget_in_child(self) -> None:
         """After fork the parent's stream threads do not exist in the child:
-        forget every state without joining threads that are not there."""
+        every state keeps its name only, without closing or joining threads
+        that are not there (and with a new lock: a parent thread may have
+        held the old one)."""
         self._lock = threading.Lock()
-        self._states = {}
+        for _, s in self._states.values():
+            s.lock = threading.Lock()
+            s.keep_name_only()

@@ -81,6 +81,7 @@ class OverlapRuntime:
     def close(self) -> None:
         """On unpatch (no step or replay in flight): upstream's graph
         objects back, then every runner's side streams released (CPU worker
-        threads) and its state forgotten."""
+        threads) and all but its name dropped (what adaptive engage learned
+        under the name still applies after a new apply)."""
         graphs.restore_all(self.runners.states())
         self.runners.close_all()

@@ -44,6 +44,12 @@ class StepTimings:
     def __len__(self) -> int:
         return len(self._pending)
 
+    def clear(self) -> None:
+        """Drop every timing not read (on unpatch, and in a forked child: a
+        new lock too, as a parent thread may have held the old one)."""
+        self._lock = threading.Lock()
+        self._pending = deque()
+
     def record(
         self, key: BucketKey, path: Path, backend: StreamBackend, token: Any, into: AdaptiveEngage | None = None
     ) -> None:
