@@ -34,14 +34,19 @@
 #      trace, the attention peer on the device, SMs held by comm kernels, the
 #      stream sanitizer, tensor ownership, CUDA graph capture incl.
 #      VLLM_CAMP2P_MULTISTREAM_GRAPH=1), -v -ra: each test's outcome is in the
-#      log as it ends, failures in full at the end          limit 210 s
+#      log as it ends, failures in full at the end          limit 190 s
 #      (each child process 40 s: four of them; each test 100 s with pytest-timeout)
-#   2. camp2p-overlap bench --device cuda --scenario gpu-ffn-bound --comm-cores 8  limit 45 s
-#   3. camp2p-overlap sweep --device cuda (ratios, --comm-cores points)       limit 75 s
-#   4. camp2p-overlap overhead --ab-rounds 20 --json $OUT/overhead.json       limit 30 s
+#   2. camp2p-overlap bench --device cuda --scenario gpu-ffn-bound --comm-cores 8  limit 40 s
+#   3. camp2p-overlap bench --device cuda --graph (the same world, every policy's step
+#      captured with torch.cuda.CUDAGraph in one pool and replayed, each replay
+#      compared bitwise with the eager serial step; capture memory)      limit 45 s
+#   4. camp2p-overlap sweep --device cuda (ratios, --comm-cores points)       limit 55 s
+#   5. camp2p-overlap overhead --ab-rounds 20 --json $OUT/overhead.json       limit 30 s
 #      (host cost per (layer, stage) and per pass-through step; the decided-serial A/B
 #      in 20 rounds, OVERHEAD_AB_ROUNDS overrides)
-# Overrides: PYTEST_LIMIT BENCH_LIMIT SWEEP_LIMIT OVERHEAD_LIMIT GPU_CHECK_KILL_GRACE_S (s);
+# The bench parts write their JSON as they go (after the captures and each
+# repetition, "partial": true), so a part cut at its limit leaves what it measured.
+# Overrides: PYTEST_LIMIT BENCH_LIMIT GRAPH_LIMIT SWEEP_LIMIT OVERHEAD_LIMIT GPU_CHECK_KILL_GRACE_S (s);
 # GPU_CHECK_PARTS (the parts to run, e.g. "pytest bench"; the others are
 # reported as not selected); GPU_CHECK_TESTS (the test files of part 1,
 # instead of those found with gpu-marked tests).
@@ -51,11 +56,13 @@
 #                   each step, so a run stopped from outside leaves the last
 #                   one), reason, warnings, the set-up, the time plan, each
 #                   part's exit code, time, limit, whether its limit cut it
-#                   ("cut"; all such parts in "cut_by_limit") and headline
-#   env.txt         nvidia-smi, python, torch, CUDA, wrapt, setuptools, pytest
+#                   ("cut"; all such parts in "cut_by_limit") and headline;
+#                   "env": nvidia-smi, python, torch, CUDA, wrapt, setuptools,
+#                   pytest (kept in the summary, not a file of its own: the
+#                   8 files are taken)
 #   pytest_gpu.xml  JUnit XML of part 1;  pytest_gpu.log its output
-#   bench_cuda.json sweep_cuda.json overhead.json   parts 2-4 (--json)
-#   tools.log       set-up output and the output of parts 2-4
+#   bench_cuda.json bench_graph_cuda.json sweep_cuda.json overhead.json   parts 2-5 (--json)
+#   tools.log       set-up output and the output of parts 2-5
 # Exit status: 0 passed, or skipped where nvidia-smi sees no GPU; 1 failed,
 # including when nvidia-smi sees a GPU but torch cannot use it.
 # Python: $PYTHON, else the first of .venv/bin/python and python3 that imports torch.
@@ -72,11 +79,12 @@ SETUP_ALLOWANCE_S=60  # what the set-up may take before part 1 (not enforced: th
 KILL_GRACE_S=${GPU_CHECK_KILL_GRACE_S:-15}  # after SIGINT at its limit, a part has this long before SIGKILL
 END_RESERVE_S=10      # kept for the summary after the last part
 MIN_PART_S=15         # a part with less than min(its limit, this) left is skipped
-PARTS_ALL=(pytest bench sweep overhead)
+PARTS_ALL=(pytest bench graph sweep overhead)
 declare -A LIMIT=(
-  [pytest]=${PYTEST_LIMIT:-210}
-  [bench]=${BENCH_LIMIT:-45}
-  [sweep]=${SWEEP_LIMIT:-75}
+  [pytest]=${PYTEST_LIMIT:-190}
+  [bench]=${BENCH_LIMIT:-40}
+  [graph]=${GRAPH_LIMIT:-45}
+  [sweep]=${SWEEP_LIMIT:-55}
   [overhead]=${OVERHEAD_LIMIT:-30}
 )
 read -r -a PARTS <<<"${GPU_CHECK_PARTS:-${PARTS_ALL[*]}}"
@@ -86,7 +94,9 @@ export PYTHONUNBUFFERED=1
 unset TORCH_CUDA_SANITIZER  # the sanitizer runs only in the tests that ask for it
 for v in $(env | grep -o '^VLLM_CAMP2P_[A-Z_]*'); do unset "$v"; done
 : >"$OUT/tools.log"
-: >"$OUT/env.txt"
+# The environment report goes into the summary ("env"), not into a file of $OUT.
+ENV_TXT=$(mktemp "${TMPDIR:-/tmp}/camp2p-gpu-env.XXXXXX")
+rm -f "$OUT/env.txt"  # from an older run of the script
 # Results of each step, read by the summary; warnings for the final reason.
 declare -A R=()
 WARN=()
@@ -104,7 +114,7 @@ summary() {  # summary STATUS REASON [provisional]: write $OUT/gpu_check.json (a
   warn=$(printf '%s\n' "${WARN[@]}")
   STATUS=$1 REASON=$2 PROVISIONAL=${3:-} T_TOTAL=$(($(date +%s) - T0)) BUDGET_S=$BUDGET_S OUT="$OUT" \
     LIMITS="${limits[*]}" SELECTED="${PARTS[*]}" WARNINGS="$warn" SETUP_ALLOWANCE_S=$SETUP_ALLOWANCE_S \
-    KILL_GRACE_S=$KILL_GRACE_S END_RESERVE_S=$END_RESERVE_S \
+    KILL_GRACE_S=$KILL_GRACE_S END_RESERVE_S=$END_RESERVE_S ENV_TXT="$ENV_TXT" \
     "$py" - "${kv[@]}" <<'PYEOF' || printf '{"status": "%s", "reason": "%s"}\n' "$1" "$2" >"$OUT/gpu_check.json"
 import json, os, pathlib, re, sys, xml.etree.ElementTree as ET
 out = pathlib.Path(os.environ["OUT"])
@@ -113,7 +123,8 @@ def num(v):
     return int(v) if v is not None and v.lstrip("-").isdigit() else v
 limits = {k: int(v) for k, v in (x.split("=") for x in os.environ["LIMITS"].split())}
 selected = os.environ["SELECTED"].split()
-files = {"pytest": "pytest_gpu.xml", "bench": "bench_cuda.json", "sweep": "sweep_cuda.json", "overhead": "overhead.json"}
+files = {"pytest": "pytest_gpu.xml", "bench": "bench_cuda.json", "graph": "bench_graph_cuda.json",
+         "sweep": "sweep_cuda.json", "overhead": "overhead.json"}
 def part(name):
     p = {k[len(name) + 1:]: num(v) for k, v in sorted(r.items()) if k.startswith(name + ".")}
     if "cut" in p:
@@ -170,7 +181,7 @@ elif log.exists() and log.stat().st_size:
         s["parts"]["pytest"]["outcomes_from_log"] = outcomes
         s["parts"]["pytest"]["not_passed"] = [f"{t}: {o}" for t, o in seen if o not in ("PASSED", "SKIPPED", "XFAIL")]
 def headline(b):
-    return {
+    h = {
         "device": b.get("device"),
         "comm_model": b.get("comm_model"),
         "attn_modeled": b.get("attn_modeled"),
@@ -185,11 +196,22 @@ def headline(b):
                 "engaged": p.get("engaged"),
                 "outputs_equal": p.get("outputs_equal"),
                 "peer_cycle_ok": p.get("peer_cycle_ok"),
+                **({"eta_ci95": p.get("eta_ci95"), "captured_variants": p.get("captured_variants"),
+                    "capture_pool_bytes": (p.get("capture") or {}).get("pool_bytes"),
+                    "second_variant_bytes": (p.get("capture") or {}).get("second_variant_bytes")}
+                   if b.get("graph") else {}),
             }
             for p in b.get("policies", []) if isinstance(p, dict)
         },
     }
-for name, file in (("bench", "bench_cuda.json"), ("sweep", "sweep_cuda.json"), ("overhead", "overhead.json")):
+    if b.get("partial"):
+        h["partial"] = b.get("progress")
+    if b.get("graph"):
+        gp = b.get("graph_pool") or {}
+        h["graph_pool"] = {k: gp.get(k) for k in ("one_pool", "graphs")}
+    return h
+for name, file in (("bench", "bench_cuda.json"), ("graph", "bench_graph_cuda.json"), ("sweep", "sweep_cuda.json"),
+                   ("overhead", "overhead.json")):
     f = out / file
     if not f.exists():
         continue
@@ -198,7 +220,7 @@ for name, file in (("bench", "bench_cuda.json"), ("sweep", "sweep_cuda.json"), (
     except Exception as exc:  # noqa: BLE001
         s["parts"][name]["json_error"] = repr(exc)
         continue
-    if name == "bench":
+    if name in ("bench", "graph"):
         s["parts"][name]["headline"] = headline(data)
     elif name == "sweep":
         s["parts"][name]["points"] = [
@@ -212,9 +234,9 @@ for name, file in (("bench", "bench_cuda.json"), ("sweep", "sweep_cuda.json"), (
         ab = data.get("decided_serial_ab")
         if isinstance(ab, dict):
             s["parts"][name]["result"]["decided_serial_ab"] = {k: v for k, v in ab.items() if k != "per_round"}
-env = out / "env.txt"
+env = pathlib.Path(os.environ.get("ENV_TXT") or "/nonexistent")
 if env.exists():
-    s["env"] = env.read_text().strip().splitlines()[:24]
+    s["env"] = env.read_text(errors="replace").strip().splitlines()[:80]
 tmp = out / "gpu_check.json.tmp"
 tmp.write_text(json.dumps(s, indent=1))
 tmp.replace(out / "gpu_check.json")
@@ -232,6 +254,7 @@ finish() {  # finish STATUS REASON: write the summary and exit with the status's
   local reason=$2
   ((${#WARN[@]})) && reason+=" (warnings: ${WARN[*]})"
   summary "$1" "$reason"
+  rm -f "$ENV_TXT" "$OUT"/*.tmp  # the report is in the summary; a write cut by SIGKILL leaves no 9th file
   [[ $1 == failed ]] && exit 1
   exit 0
 }
@@ -243,12 +266,12 @@ progress set-up
 gpu_seen=0
 if command -v nvidia-smi >/dev/null 2>&1; then
   smi=$(nvidia-smi -L 2>&1)
-  echo "nvidia-smi -L: $smi" >>"$OUT/env.txt"
+  echo "nvidia-smi -L: $smi" >>"$ENV_TXT"
   grep -q '^GPU [0-9]' <<<"$smi" && gpu_seen=1
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv \
-    >>"$OUT/env.txt" 2>&1 || true
+    >>"$ENV_TXT" 2>&1 || true
 else
-  echo "nvidia-smi: not found" >>"$OUT/env.txt"
+  echo "nvidia-smi: not found" >>"$ENV_TXT"
 fi
 R[gpu_seen]=$gpu_seen
 no_gpu_or_fail() {  # no_gpu_or_fail WHY
@@ -376,7 +399,7 @@ R[setup.import]=ok
 R[setup.import_from]=$(imported_from "$imported")
 progress "set-up done"
 
-"$PY" - >>"$OUT/env.txt" 2>&1 <<'PYEOF'
+"$PY" - >>"$ENV_TXT" 2>&1 <<'PYEOF'
 import platform, torch
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
 print("cuda available", torch.cuda.is_available())
@@ -444,7 +467,7 @@ pytest_args=(-m gpu -v -ra --durations=10 -p no:cacheprovider --junitxml="$OUT/p
 if "$PY" -c 'import pytest_timeout' >/dev/null 2>&1; then
   pytest_args+=(--timeout 100)  # one stuck test fails alone; the run still writes its XML
 fi
-export CAMP2P_GPU_CHILD_TIMEOUT_S=${CAMP2P_GPU_CHILD_TIMEOUT_S:-40}  # 4 child processes: 160 s < 210 s
+export CAMP2P_GPU_CHILD_TIMEOUT_S=${CAMP2P_GPU_CHILD_TIMEOUT_S:-40}  # 4 child processes: 160 s < 190 s
 if [[ -n ${GPU_CHECK_TESTS:-} ]]; then
   read -r -a gpu_files <<<"$GPU_CHECK_TESTS"
 else
@@ -461,6 +484,8 @@ fi
 CLI=("$PY" -m camp2p_overlap.tools.cli)
 run_part bench "$OUT/tools.log" "${CLI[@]}" bench --device cuda --scenario gpu-ffn-bound \
   --comm-cores "${BENCH_COMM_CORES:-8}" --no-progress --json "$OUT/bench_cuda.json"
+run_part graph "$OUT/tools.log" "${CLI[@]}" bench --device cuda --scenario gpu-ffn-bound --graph \
+  --comm-cores "${BENCH_COMM_CORES:-8}" --no-progress --json "$OUT/bench_graph_cuda.json"
 run_part sweep "$OUT/tools.log" "${CLI[@]}" sweep --device cuda --scenario gpu-ffn-bound \
   --layers 4 --steps 4 --warmup 1 --reps 2 --ratios 0.5,1.5 --stage-counts 2 --comm-core-points 0,8,32,96 \
   --work-tokens none --no-progress --json "$OUT/sweep_cuda.json"
@@ -484,4 +509,4 @@ fi
 if [[ -n $only ]]; then
   finish passed "the selected parts passed on cuda: ${PARTS[*]}"
 fi
-finish passed "gpu tests, bench, sweep and overhead passed on cuda"
+finish passed "gpu tests, bench, graph bench, sweep and overhead passed on cuda"

@@ -24,9 +24,10 @@ timeout (a schedule that would deadlock on hardware: an A2E queued before
 the E2A it needs, on one stream) gives up, and raises a flag the host reads
 after the step (:class:`DevicePeerTimeout`).
 
-:class:`HostCommKernels` runs the same semantics on the host, when enqueued:
-the executable reference for the kernel, and how CPU-only tests drive the
-device world through a host stand-in of a device module.
+:class:`HostCommKernels` runs the same semantics on the host: the executable
+reference for the kernel, how CPU-only tests drive the device world through
+a host stand-in of a device module, and the comm kernel of the device world
+on the emulated device (``bench --device cpu --device-world``).
 """
 
 from __future__ import annotations
@@ -317,9 +318,13 @@ def _allow_shared(kernel: Any, nbytes: int) -> None:
 
 
 class HostCommKernels(CommKernels):
-    """The kernel's semantics on the host, run when enqueued (a host stand-in
-    device runs work at once): ``time.perf_counter_ns`` is the device clock,
-    the state buffer a CPU tensor. Waiting sleeps in small steps."""
+    """The kernel's semantics on the host: ``time.perf_counter_ns`` is the
+    device clock, the state buffer a CPU tensor. Waiting sleeps in small
+    steps. Called when enqueued with a host stand-in device (which runs work
+    at once); on the emulated device the device world launches each call as
+    a kernel of the current stream (``device_world.launcher``), so it runs in
+    stream order, concurrently across streams as a device kernel does, and a
+    graph capture records it."""
 
     kind = "host reference"
 

@@ -29,6 +29,31 @@ copies), calibrated until the clock settles; the peer and ``comm_cores``
 are then not modeled, and the benchmark report says so. The group-order and
 stage-protocol checks of the CPU emulation are not made on the device.
 
+Capturable (``WorldSpec.graph``: the runner on upstream's decode graph
+path). What a captured step reads and writes lives in static device buffers
+of the transport: :meth:`DeviceTransport.begin_step`, on the host side of
+every step (before a replay, outside the graph), copies the step's
+attention inputs into :attr:`DeviceTransport.step_inputs` and starts the
+peer's step (the comm kernel's begin); every E2A writes what it sends into
+:attr:`DeviceTransport.sent`, which the next A2E of its stage reads and
+:attr:`DeviceTransport.results` snapshots after the step, on the current
+stream. Nothing the step issues synchronizes, queries an event, reads a
+device tensor on the host or makes a stream or an event (timing events only
+while :attr:`DeviceTiming.active`, never during a capture); the peer's
+state is read back (:meth:`DeviceTransport.check`) after a synchronize.
+On CUDA the runner's ``torch.npu`` calls reach ``torch.cuda`` through
+:func:`install_cuda_as_torch_npu` (``torch.npu.NPUGraph`` is
+``torch.cuda.CUDAGraph``).
+
+The same world runs on the emulated device (``kind="emulated"``:
+:mod:`camp2p_overlap.emulation.device` on the host, the comm kernel's host
+reference :class:`HostCommKernels`): there every device op of the world (the
+input copies, the comm kernel, the data moves, the FFN, the snapshot) is a
+kernel of the emulated device's current stream (``launch``), so it runs in
+stream order and a capture records it, and the emulated device enforces the
+capture rules (a host read of a buffer a captured kernel writes raises
+``CaptureViolation``).
+
 The transport keeps the interface of ``EmulatedTransport`` that the
 stand-in connector and ``World`` use: ``a2e``, ``e2a``, ``begin_step`` and
 ``results``. Importing this module needs only torch; a device is needed
@@ -37,7 +62,7 @@ only by :func:`build_device_world`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -47,6 +72,7 @@ import torch
 from camp2p_overlap.core.keys import COMPUTE_STREAM, side_stream_name
 from camp2p_overlap.core.observe.trace import TraceOp
 from camp2p_overlap.core.overlap.streams import BackendUnavailable, device_module
+from camp2p_overlap.emulation import device as emulated_device
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.device_comm import (
     CommKernels,
@@ -67,18 +93,91 @@ from camp2p_overlap.emulation.world import (
 )
 
 __all__ = [
+    "EMULATED",
     "CommKernels",
     "DeviceDelay",
     "DevicePeerTimeout",
     "DeviceUnavailable",
     "DeviceWorld",
     "HostCommKernels",
+    "StaticAttentionInputs",
     "build_device_world",
+    "install_cuda_as_torch_npu",
+    "is_emulated_device",
+    "remove_cuda_as_torch_npu",
     "require_device",
 ]
 
 #: Stage ids the device transport keeps peer slots for (CAMP2P's groups afd, afd1, afd2).
 MAX_STAGE_IDS = 3
+#: ``build_device_world``'s kind for the emulated device (on the host).
+EMULATED = "emulated"
+
+#: How the world issues one piece of device work: ``launch(kernel, writes)``.
+Launch = Callable[[Callable[[], None], Iterable[torch.Tensor]], None]
+
+
+def is_emulated_device(mod: Any) -> bool:
+    """Whether ``mod`` is the emulated device (whose work is host
+    functions queued with ``launch``), not a torch device module or a host
+    stand-in of one (which runs torch ops where they are called)."""
+    return getattr(mod, "launch", None) is emulated_device.launch
+
+
+def _call(kernel: Callable[[], None], writes: Iterable[torch.Tensor] = ()) -> None:
+    kernel()  # torch's own device ops queue themselves on the current stream
+
+
+def _emulated_launch(kernel: Callable[[], None], writes: Iterable[torch.Tensor] = ()) -> None:
+    emulated_device.launch(kernel, writes=tuple(writes))
+
+
+def launcher(mod: Any) -> Launch:
+    """How the world issues device work on ``mod``: on the emulated device
+    as a kernel of the current stream (run in stream order, recorded by a
+    capture, its ``writes`` kept from host reads while one is in progress);
+    elsewhere by calling the torch ops, which a device queues itself."""
+    return _emulated_launch if is_emulated_device(mod) else _call
+
+
+def _stream_key(stream: Any) -> Any:
+    """What tells streams apart (``torch.cuda.current_stream()`` makes a
+    new object each call; its handle does not change)."""
+    for attr in ("cuda_stream", "npu_stream"):
+        value = getattr(stream, attr, None)
+        if isinstance(value, int):
+            return value
+    return id(stream)
+
+
+_NPU_ALIAS_NAME = "camp2p_overlap.emulation.device_world.torch_npu_on_cuda"
+
+
+def install_cuda_as_torch_npu() -> bool:
+    """Make ``torch.npu`` an alias of ``torch.cuda`` (``NPUGraph`` is
+    ``torch.cuda.CUDAGraph``; every other name is ``torch.cuda``'s) where no
+    ``torch.npu`` exists: the stand-in runner's decode graph path calls
+    ``torch.npu.graph``, ``NPUGraph``, ``graph_pool_handle``, ``Stream``,
+    ``current_stream``, ``stream`` and ``mem_get_info``, as upstream's NPU
+    runner does. Returns whether it installed the alias (a real or emulated
+    ``torch.npu`` stays as it is)."""
+    if getattr(torch, "npu", None) is not None:
+        return False
+    alias = ModuleType(_NPU_ALIAS_NAME, "torch.cuda under torch.npu's names, for the device world's graph path")
+
+    def __getattr__(name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    alias.__getattr__ = __getattr__  # type: ignore[method-assign]
+    alias.NPUGraph = torch.cuda.CUDAGraph  # type: ignore[attr-defined]
+    torch.npu = alias  # type: ignore[attr-defined]
+    return True
+
+
+def remove_cuda_as_torch_npu() -> None:
+    """Undo :func:`install_cuda_as_torch_npu` (only its alias is removed)."""
+    if getattr(getattr(torch, "npu", None), "__name__", None) == _NPU_ALIAS_NAME:
+        del torch.npu  # type: ignore[attr-defined]
 
 
 class DeviceUnavailable(RuntimeError):
@@ -178,14 +277,36 @@ class DelayCommKernels(CommKernels):
 class DeviceFFN(MoEFFN):
     """A MoE block for the device: router, top-k weights applied densely
     (every expert runs on every token, weighted by its routing weight, 0
-    outside the top-k), and a shared expert. No host synchronization."""
+    outside the top-k), and a shared expert. No host synchronization.
+    ``launched`` (the emulated device): the block is one kernel of the
+    current stream filling outputs allocated when it is issued (as
+    :class:`MoEFFN` on the CPU); else its torch ops run where it is called."""
 
     def __init__(
-        self, shape: MoEShape, *, seed: int, device: torch.device, dtype: torch.dtype = torch.bfloat16
+        self,
+        shape: MoEShape,
+        *,
+        seed: int,
+        device: torch.device,
+        dtype: torch.dtype = torch.bfloat16,
+        launched: bool = False,
     ) -> None:
         super().__init__(shape, seed=seed, device=device, dtype=dtype)
+        self.launched = launched
 
     def __call__(self, x: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.launched:
+            return super().__call__(x, layer_idx)  # a kernel of the emulated device running compute()
+        return self.compute(x, layer_idx)
+
+    def combined(self, x: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        if self.launched:
+            return super().combined(x, layer_idx)
+        routed, shared = self.compute(x, layer_idx)
+        return routed if shared is None else routed + shared
+
+    def compute(self, x: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The dense block's arithmetic, run where it is called."""
         wts = self.groups[layer_idx % len(self.groups)]
         probs = torch.softmax((x @ wts["router"]).float(), dim=-1)
         top_w, top_i = torch.topk(probs, self.shape.top_k, dim=-1)
@@ -269,13 +390,32 @@ class DeviceTiming:
         return ops
 
 
+class StaticAttentionInputs(AttentionInputs):
+    """:class:`AttentionInputs` over the transport's static buffer: entry
+    ``i`` is the base activations attention sends at layer position ``i`` of
+    this step (:meth:`DeviceTransport.begin_step` copies them in from the
+    step's base), so ``hidden(0, i, n, last)`` is ``AttentionInputs.hidden``
+    of the step's ``i``-th layer, bit for bit, computed from a buffer that a
+    captured graph reads at every replay."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.base = list(buffer.unbind(0))
+
+
 class DeviceTransport:
     """The ``a2e``/``e2a`` ops as device work on the current stream, with no
     host-side blocking: the comm kernel (:mod:`device_comm`) waits for the
     attention peer on the device and spins the link time; then the data
     moves (a device op computed from what the stage's previous E2A sent).
     Same interface as ``EmulatedTransport`` (``a2e``, ``e2a``,
-    ``begin_step``, ``results``, ``peer_wait_ns``)."""
+    ``begin_step``, ``results``, ``peer_wait_ns``).
+
+    Capturable: a step reads its attention inputs from :attr:`step_inputs`
+    and writes what each E2A sends into :attr:`sent` (static buffers);
+    :meth:`begin_step` fills the first on the host side of the step (before
+    a replay, outside the graph) and :attr:`results` snapshots the second
+    after it. ``launched`` (the emulated device): each piece of device work
+    is a kernel of the current stream (:func:`launcher`)."""
 
     def __init__(
         self,
@@ -292,25 +432,38 @@ class DeviceTransport:
         dtype: torch.dtype = torch.bfloat16,
         max_tokens: int = 4096,
         base_pool: int = 4,
+        launched: bool = False,
     ) -> None:
         self.hidden = hidden
         self.link = link
         self.device = device
         self.kernels = kernels
         self.timing = timing
+        self.mod = timing.mod
+        self.launched = launched
+        self._launch: Launch = _emulated_launch if launched else _call
         self.attn_s = attn_s if kernels.models_peer else 0.0
         self.op_timeout_s = op_timeout_s
         self.dtype = dtype
-        self.results: dict[tuple[int, int], torch.Tensor] = {}
         self.step = 0
-        self._last: dict[int, torch.Tensor] = {}
         self._pos: dict[int, int] = {}
+        self._layers: list[int] = []
+        self._stages: list[int] = []
         #: id() of each received hidden-states tensor of this step -> its stage (for timing labels).
         self.stage_of: dict[int, int] = {}
+        #: The streams this step's A2E/E2A ops were issued on (more than one: the overlap engaged).
+        self.op_streams: set[Any] = set()
         self.inputs = AttentionInputs(
             hidden=hidden, max_tokens=max_tokens, seed=seed, pool=base_pool, dtype=dtype, device=device
         )
         self.stages_cap = kernels.stages
+        #: Static: per layer position, the base activations attention sends this step (begin_step's copy).
+        self.step_inputs = torch.zeros((max_layers, max_tokens, hidden), dtype=dtype, device=device)
+        self._static = StaticAttentionInputs(self.step_inputs)
+        #: Static: per (layer position, stage), what that E2A sent (the next A2E's input; the results).
+        self.sent = torch.zeros((max_layers, self.stages_cap, max_tokens, hidden), dtype=dtype, device=device)
+        #: Tokens each (layer, stage)'s E2A sent when it was last issued (a capture's, for its replays).
+        self._tokens: dict[tuple[int, int], int] = {}
         #: The peer: per stage, the sequence and device time of its last E2A; a timeout counter.
         self.state = kernels.state(device)
         #: Per (layer position, stage, a2e/e2a): device start, ready (peer wait over) and end, ns.
@@ -318,43 +471,62 @@ class DeviceTransport:
         self._scratch = torch.zeros(3, dtype=torch.int64, device=device)
 
     def begin_step(self, step: int, layers: Sequence[int], stages: Sequence[int]) -> None:
+        """On the host side of the step (before its forward, or before a
+        replay, outside the graph): this step's attention inputs into
+        :attr:`step_inputs` and the peer's step start, on the current stream."""
         if len(layers) > self.rec.shape[0]:
             raise ValueError(f"the device transport was built for {self.rec.shape[0]} layers, got {len(layers)}")
         bad = [s for s in stages if not 0 <= s < self.stages_cap]
         if bad:
             raise ValueError(f"stage ids {bad} are outside 0..{self.stages_cap - 1}")
         self.step = step
-        self.results = {}
-        self._last = {}
         self.stage_of = {}
+        self.op_streams = set()
         self._pos = {L: i for i, L in enumerate(layers)}
         self._layers = list(layers)
         self._stages = list(stages)
-        self.kernels.begin(self.state, self._scratch)  # on C, before the fork
+        base = self.inputs.base
+        picks = [(self.step_inputs[i], base[(L + step) % len(base)]) for i, L in enumerate(layers)]
+
+        def fill() -> None:
+            for dst, src in picks:
+                dst.copy_(src)
+
+        self._launch(fill, (self.step_inputs,))
+        # The peer's step start, on C before the fork.
+        self._launch(lambda: self.kernels.begin(self.state, self._scratch), (self.state, self._scratch))
 
     def _op(self, kind: str, layer: int, stage: int, nbytes: int) -> None:
         i = self._pos[layer]
         a2e = kind == "a2e"
-        self.kernels.op(
-            self.state,
-            self.rec[i, stage, 0 if a2e else 1],
-            stage=stage,
-            want_seq=i if a2e else -1,
-            set_seq=-1 if a2e else i + 1,
-            attn_ns=self.attn_s * 1e9,
-            link_ns=self.link.seconds(nbytes) * 1e9,
-            timeout_ns=self.op_timeout_s * 1e9,
-        )
+        rec = self.rec[i, stage, 0 if a2e else 1]
+        args: dict[str, Any] = {
+            "stage": stage,
+            "want_seq": i if a2e else -1,
+            "set_seq": -1 if a2e else i + 1,
+            "attn_ns": self.attn_s * 1e9,
+            "link_ns": self.link.seconds(nbytes) * 1e9,
+            "timeout_ns": self.op_timeout_s * 1e9,
+        }
+        self._launch(lambda: self.kernels.op(self.state, rec, **args), (self.state, self.rec))
 
     def a2e(
         self, *, group: str, stage: int, layer: int, num_tokens: int, max_num_tokens: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         start = self.timing.begin()
         n = int(num_tokens)
+        i = self._pos[layer]
+        self.op_streams.add(_stream_key(self.mod.current_stream()))
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         self._op("a2e", layer, stage, n * self.hidden * itemsize)
+        # What the stage's previous E2A of this step sent (None at the first layer).
+        last = self.sent[i - 1, stage, :n] if i > 0 else None
         # Allocated on the current (side) stream: the data moved.
-        hidden = self.inputs.hidden(self.step, layer, n, self._last.get(stage))
+        if self.launched:
+            hidden = torch.full((n, self.hidden), float("nan"), dtype=self.dtype, device=self.device)
+            self._launch(lambda: self._static.hidden(0, i, n, last, out=hidden), (hidden,))
+        else:
+            hidden = self._static.hidden(0, i, n, last)
         self.timing.end("a2e", layer, stage, start, self.step)
         self.stage_of[id(hidden)] = stage
         return hidden, torch.tensor([n])
@@ -370,15 +542,42 @@ class DeviceTransport:
         atten_batch_size: torch.Tensor,
     ) -> None:
         start = self.timing.begin()
+        i = self._pos[layer]
+        n = int(routed.shape[0])
+        self.op_streams.add(_stream_key(self.mod.current_stream()))
         nbytes = routed.numel() * routed.element_size()
         if shared is not None:
             nbytes += shared.numel() * shared.element_size()
-        out = routed if shared is None else routed + shared
-        out = out.detach().clone()  # the data moved
+        dst = self.sent[i, stage, :n]
+
+        def move() -> None:  # the data moved, into the static buffer
+            if shared is None:
+                dst.copy_(routed)
+            else:
+                torch.add(routed, shared, out=dst)
+
+        self._launch(move, (dst,))
         self._op("e2a", layer, stage, nbytes)
         self.timing.end("e2a", layer, stage, start, self.step)
-        self.results[(layer, stage)] = out
-        self._last[stage] = out
+        self._tokens[(layer, stage)] = n
+
+    @property
+    def results(self) -> dict[tuple[int, int], torch.Tensor]:
+        """What attention received for each (layer, stage) of the step:
+        a snapshot of :attr:`sent` taken on the current stream (read it
+        after a synchronize), each entry as many tokens as its E2A sent when
+        it was last issued (for a replay: at its capture). A fresh dict of
+        views into one fresh tensor at each read."""
+        keys = [(L, s) for L in self._layers for s in self._stages if (L, s) in self._tokens]
+        if not keys:
+            return {}
+        view = self.sent[: len(self._layers), : max(s for _, s in keys) + 1, : max(self._tokens[k] for k in keys)]
+        if self.launched:
+            snap = torch.empty_like(view)
+            self._launch(lambda: snap.copy_(view), (snap,))
+        else:
+            snap = view.clone()
+        return {(L, s): snap[self._pos[L], s, : self._tokens[(L, s)]] for L, s in keys}
 
     # -- after a synchronize ---------------------------------------------
     def check(self) -> None:
@@ -441,24 +640,49 @@ class DeviceWorld:
     timing: DeviceTiming
     device: torch.device
     kernels: CommKernels
+    #: Whether :func:`build_device_world` installed the CUDA alias as ``torch.npu`` (:meth:`close` removes it).
+    installed_npu_alias: bool = False
 
     @property
     def transport(self) -> DeviceTransport:
         return self.world.transport  # type: ignore[return-value]
+
+    @property
+    def kind(self) -> str:
+        """``emulated`` on the emulated device, else the device's type."""
+        return EMULATED if self.transport.launched else self.device.type
 
     def synchronize(self) -> None:
         """Wait for the device, then raise if an A2E gave up on its peer."""
         self.mod.synchronize()
         self.transport.check()
 
+    def close(self) -> None:
+        """Remove the ``torch.npu`` that :func:`build_device_world` installed
+        (the emulated device, or the CUDA alias), if any."""
+        self.world.close()
+        if self.installed_npu_alias:
+            self.installed_npu_alias = False
+            remove_cuda_as_torch_npu()
+
 
 def comm_kernels(
     mod: ModuleType, kind: str, device: torch.device, stages: int, comm_cores: int
 ) -> tuple[CommKernels, str | None]:
     """The comm kernel for ``kind``, and why a fallback was taken (None if
-    not): on CUDA the NVRTC kernel; otherwise, or if it cannot be built,
-    :class:`DelayCommKernels` (no peer model, no ``--comm-cores``)."""
+    not): on CUDA the NVRTC kernel; on the emulated device its host
+    reference, as kernels of the streams; otherwise, or if it cannot be
+    built, :class:`DelayCommKernels` (no peer model, no ``--comm-cores``)."""
     why = None
+    if kind == EMULATED:
+        if comm_cores:
+            raise DeviceUnavailable(
+                f"--comm-cores {comm_cores} needs the CUDA comm kernel: the emulated device world runs the "
+                "kernel's host reference, which holds no cores"
+            )
+        host = HostCommKernels(stages)
+        host.kind = "host reference (kernels of the emulated device's streams)"
+        return host, None
     if kind == "cuda":
         try:
             return NvrtcCommKernels(stages, comm_cores, device), None
@@ -482,48 +706,80 @@ def build_device_world(
     kernels: CommKernels | None = None,
     device: torch.device | None = None,
 ) -> DeviceWorld:
-    """Build the emulated FFN rank on device ``kind`` (``cuda`` or ``npu``).
-    ``module``, ``kernels`` and ``device`` replace the torch device module,
-    the comm kernel and the device (tests drive the world through a host
-    stand-in of a device module with :class:`HostCommKernels`)."""
-    mod = module if module is not None else require_device(kind)
+    """Build the emulated FFN rank on device ``kind`` (``cuda``, ``npu``, or
+    ``emulated``: the emulated device on the host, the code path of a device
+    run on the CPU). ``module``, ``kernels`` and ``device`` replace the
+    torch device module, the comm kernel and the device (tests drive the
+    world through a host stand-in of a device module with
+    :class:`HostCommKernels`). ``spec.graph``: the runner on upstream's
+    decode graph path, with ``torch.npu`` what its graph calls reach (the
+    emulated device, or on CUDA :func:`install_cuda_as_torch_npu`);
+    :meth:`DeviceWorld.close` removes what was installed."""
+    if kind == EMULATED:
+        mod = module if module is not None else emulated_device  # type: ignore[assignment]
+        device = device if device is not None else torch.device("cpu")
+    else:
+        mod = module if module is not None else require_device(kind)
     if device is None:
         device = torch.device(kind, mod.current_device())
-    standins.install(root)
-    runner_mod, conn_mod, meta_mod = standins.import_standins(root)
-    max_tokens = max(spec.tokens, 1)
-    timing = DeviceTiming(mod, mod.current_stream())
-    stages_cap = max(max(spec.stage_ids, default=0) + 1, MAX_STAGE_IDS)
-    if kernels is None:
-        kernels, _ = comm_kernels(mod, kind, device, stages_cap, spec.comm_cores)
-    transport = DeviceTransport(
-        hidden=spec.shape.hidden,
-        link=spec.link,
-        device=device,
-        kernels=kernels,
-        timing=timing,
-        attn_s=spec.attn_s,
-        op_timeout_s=spec.op_timeout_s,
-        max_layers=max(spec.layers, 1),
-        seed=spec.seed,
-        max_tokens=max_tokens,
+    launched = is_emulated_device(mod)
+    installed_npu = installed_alias = False
+    if spec.graph and launched and not emulated_device.is_torch_npu():
+        emulated_device.as_torch_npu()  # before the runner: it takes its graph pool from torch.npu
+        installed_npu = True
+    elif spec.graph and kind == "cuda" and module is None:
+        installed_alias = install_cuda_as_torch_npu()
+    try:
+        standins.install(root)
+        runner_mod, conn_mod, meta_mod = standins.import_standins(root)
+        max_tokens = max(spec.tokens, 1)
+        timing = DeviceTiming(mod, mod.current_stream())
+        stages_cap = max(max(spec.stage_ids, default=0) + 1, MAX_STAGE_IDS)
+        if kernels is None:
+            kernels, _ = comm_kernels(mod, kind, device, stages_cap, spec.comm_cores)
+        transport = DeviceTransport(
+            hidden=spec.shape.hidden,
+            link=spec.link,
+            device=device,
+            kernels=kernels,
+            timing=timing,
+            attn_s=spec.attn_s,
+            op_timeout_s=spec.op_timeout_s,
+            max_layers=max(spec.layers, 1),
+            seed=spec.seed,
+            max_tokens=max_tokens,
+            launched=launched,
+        )
+        connector = conn_mod.CAMP2pAFDConnector(transport, hidden_size=spec.shape.hidden)
+        model = TimedModel(
+            DeviceFFN(spec.shape, seed=spec.seed, device=device, launched=launched),
+            timing=timing,
+            transport=transport,
+            return_payload=spec.return_payload,
+            payload_cls=meta_mod.AFDF2ATransferPayload,
+        )
+        runner = runner_mod.AFDNPUFFNModelRunner(
+            connector=connector,
+            model=model,
+            num_layers=spec.layers,
+            max_num_tokens=max_tokens,
+            afd_config=AfdConfig(compute_gate_on_attention=spec.compute_gate_on_attention),
+            device=device,
+            model_config=ModelConfig(HFConfig(spec.first_k_dense_replace, spec.moe_layer_freq)),
+            use_aclgraph=spec.graph,
+        )
+    except BaseException:
+        if installed_npu:
+            emulated_device.remove_torch_npu()
+        if installed_alias:
+            remove_cuda_as_torch_npu()
+        raise
+    world = World(
+        spec,
+        runner,
+        connector,
+        transport,  # type: ignore[arg-type]
+        (runner_mod, conn_mod, meta_mod),
+        installed_torch_npu=installed_npu,
     )
-    connector = conn_mod.CAMP2pAFDConnector(transport, hidden_size=spec.shape.hidden)
-    model = TimedModel(
-        DeviceFFN(spec.shape, seed=spec.seed, device=device),
-        timing=timing,
-        transport=transport,
-        return_payload=spec.return_payload,
-        payload_cls=meta_mod.AFDF2ATransferPayload,
-    )
-    runner = runner_mod.AFDNPUFFNModelRunner(
-        connector=connector,
-        model=model,
-        num_layers=spec.layers,
-        max_num_tokens=max_tokens,
-        afd_config=AfdConfig(compute_gate_on_attention=spec.compute_gate_on_attention),
-        device=device,
-        model_config=ModelConfig(HFConfig(spec.first_k_dense_replace, spec.moe_layer_freq)),
-    )
-    world = World(spec, runner, connector, transport, (runner_mod, conn_mod, meta_mod))  # type: ignore[arg-type]
-    return DeviceWorld(world, mod, timing, device, kernels)
+    return DeviceWorld(world, mod, timing, device, kernels, installed_npu_alias=installed_alias)

@@ -49,6 +49,12 @@ what is reported:
   peer cycle      on every traced step, each stage's next A2E completed no
                   earlier than its previous E2A started plus the attention time
                   (camp2p_overlap.verify.peer_cycle.check_peer_cycle)
+  --graph         per-layer times are replays (speedup against serial's graph,
+                  eta as above); every graph in the runner's one pool
+                  (graph_pool); per policy its capture step's time and, on
+                  cuda, the memory it added to the pool (capture.pool_bytes)
+  --json          written as the run goes ("partial": true after the captures
+                  and each repetition), then the final report
 
 --device cpu: the compute stream is the calling thread, side streams are the
 cpu backend's worker threads. --device cuda|npu: bf16 FFN matmuls on the
@@ -213,10 +219,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--graph",
         action="store_true",
         default=None,
-        help="upstream's decode graph path on the emulated device (--device cpu only): capture each policy's step "
-        "once (its layer config applied, VLLM_CAMP2P_MULTISTREAM_GRAPH on; adaptive overlap with both variants, "
-        "GRAPH=adaptive, its layer kept applied while the replays run) and time replays, round-robin, each "
-        "compared bitwise with the eager serial step",
+        help="upstream's decode graph path (--device cuda: CUDA graphs; --device cpu: the emulated device's): "
+        "capture each policy's step once, all in the runner's one graph pool (its layer config applied, "
+        "VLLM_CAMP2P_MULTISTREAM_GRAPH on; adaptive overlap with both variants, GRAPH=adaptive, its layer kept "
+        "applied while the replays run) and time replays, round-robin, each compared bitwise with the eager "
+        "serial step; reports each capture's time and device memory (cuda)",
+    )
+    bench.add_argument(
+        "--device-world",
+        action="store_true",
+        default=None,
+        help="--device cpu: run the device world (static attention buffers filled before each step or replay, "
+        "results read from static buffers after it, the attention peer as device work) on the emulated device, "
+        "the code path of --device cuda on the CPU (default: the host world)",
     )
     bench.add_argument(
         "--profile-trace",
@@ -419,7 +434,7 @@ def _preflight(device: str, plot: str | None) -> str | None:
 
 def _bench(args: argparse.Namespace) -> int:
     from camp2p_overlap.tools.bench.runner import resolve_params, run_bench
-    from camp2p_overlap.tools.bench.tables import bench_table, problems, write_outputs
+    from camp2p_overlap.tools.bench.tables import bench_table, problems, write_json, write_outputs
 
     try:
         params = resolve_params(_explicit(args), args.scenario)
@@ -434,8 +449,15 @@ def _bench(args: argparse.Namespace) -> int:
         return _fail(why)
     from camp2p_overlap.emulation.device_world import DeviceUnavailable
 
+    on_report = None
+    if args.json:
+        json_path = args.json
+
+        def on_report(partial: dict[str, Any]) -> None:  # what a run cut short leaves
+            write_json(json_path, partial)
+
     try:
-        run = run_bench(params, progress=not args.no_progress, profile_trace=args.profile_trace)
+        run = run_bench(params, progress=not args.no_progress, profile_trace=args.profile_trace, on_report=on_report)
     except DeviceUnavailable as exc:
         return _fail(str(exc))
     print(bench_table(run.report))

@@ -52,7 +52,9 @@ except ImportError:  # Python 3.10
 
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 WHEELS_SCRIPT = REPO / "scripts" / "gpu_wheels.sh"
-PARTS = ("pytest", "bench", "sweep", "overhead")
+PARTS = ("pytest", "bench", "graph", "sweep", "overhead")
+#: The most files the device tool hands back from $OUT (docs/validation.md).
+MAX_OUT_FILES = 8
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash")
 
@@ -144,11 +146,13 @@ def _env(tmp: Path, *, python: Path, gpu: bool | None, wheels: Path | None = Non
 
 
 def _run(
-    tmp: Path, *, python: Path, gpu: bool | None, wheels: Path | None = None, **extra: str
+    tmp: Path, *, python: Path, gpu: bool | None, wheels: Path | None = None, timeout_s: int = 150, **extra: str
 ) -> tuple[int, dict, Path]:
     out = tmp / "out"
     env = _env(tmp, python=python, gpu=gpu, wheels=wheels, **extra)
-    res = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=150, cwd=str(tmp))
+    res = subprocess.run(
+        ["bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=timeout_s, cwd=str(tmp)
+    )
     summary = json.loads((out / "gpu_check.json").read_text())
     assert json.loads(res.stdout.strip().splitlines()[-1])["status"] == summary["status"], res.stdout + res.stderr
     return res.returncode, summary, out
@@ -174,7 +178,8 @@ def test_gpu_seen_but_torch_cannot_use_it_fails_after_the_offline_set_up(tmp_pat
     assert tuple(int(x) for x in setup["wrapt"].split(".")[:2]) >= (2, 5)
     # The editable install went into the throwaway environment, not this one.
     assert list(_purelib(py).glob("__editable__*camp2p_overlap*"))
-    assert "NVIDIA H200" in (out / "env.txt").read_text()
+    assert any("NVIDIA H200" in line for line in s["env"]), s["env"]
+    assert not (out / "env.txt").exists(), "the environment report is in the summary, not a file of $OUT"
     assert "manifests ['vllm-0.19.1', 'vllm-0.26.0']" in (out / "tools.log").read_text()
     assert s["parts"]["pytest"].get("rc") is None  # no part ran
 
@@ -251,16 +256,17 @@ def test_a_checkout_copy_without_the_manifest_link_says_so(tmp_path: Path) -> No
 
 
 def _script_cli_parts() -> dict[str, list[str]]:
-    """The camp2p-overlap command lines of the script's parts, as written
-    there (continuation lines joined, ``$OUT/x`` kept as ``x``)."""
+    """The camp2p-overlap command lines of the script's parts, by part name
+    (``run_part NAME``), as written there (continuation lines joined,
+    ``$OUT/x`` kept as ``x``)."""
     text = SCRIPT.read_text().replace("\\\n", " ")
     parts = {}
     for line in text.splitlines():
-        m = re.search(r'"\$\{CLI\[@\]\}" (bench|sweep|overhead) (.*)$', line)
+        m = re.search(r'^run_part (\w+) \S+ "\$\{CLI\[@\]\}" (bench|sweep|overhead) (.*)$', line)
         if m:
-            args = shlex.split(m.group(2))
+            args = shlex.split(m.group(3))
             args = [re.sub(r"^\$\{(\w+):-([^}]*)\}$", r"\2", a).replace("$OUT/", "") for a in args]
-            parts[m.group(1)] = [m.group(1), *args]
+            parts[m.group(1)] = [m.group(2), *args]
     return parts
 
 
@@ -274,8 +280,10 @@ def test_the_scripts_command_lines_pass_validation_and_stop_only_for_the_device(
     from camp2p_overlap.tools import cli
 
     parts = _script_cli_parts()
-    assert set(parts) == {"bench", "sweep", "overhead"}, parts
-    for name in ("bench", "sweep"):
+    assert set(parts) == {"bench", "graph", "sweep", "overhead"}, parts
+    assert parts["graph"][0] == "bench" and "--graph" in parts["graph"], parts["graph"]
+    assert parts["graph"][parts["graph"].index("--json") + 1] == "bench_graph_cuda.json"
+    for name in ("bench", "graph", "sweep"):
         argv = parts[name]
         assert argv[argv.index("--device") + 1] == "cuda"
         assert cli.main(argv) == 2, argv
@@ -311,7 +319,8 @@ def test_the_parts_run_within_the_budget_and_the_summary_reads_them(
     monkeypatch.setenv("OVERHEAD_AB_ROUNDS", "2")  # the decided-serial A/B's plumbing, not its figure
     os.environ["CAMP2P_TEST_PRETEND_CUDA"] = "1"
     try:
-        rc, s, out = _run(tmp_path, python=py, gpu=True)
+        # Five parts on a shared CPU: a budget of 150 s (the default limits clipped to it all the same).
+        rc, s, out = _run(tmp_path, python=py, gpu=True, timeout_s=200, GPU_CHECK_BUDGET_S="150")
     finally:
         del os.environ["CAMP2P_TEST_PRETEND_CUDA"]
     assert rc == 1 and s["status"] == "failed", s
@@ -321,7 +330,10 @@ def test_the_parts_run_within_the_budget_and_the_summary_reads_them(
     counts = parts["pytest"]["counts"]
     assert counts["tests"] >= 10 and counts["failures"] + counts["errors"] >= 1, counts
     assert parts["pytest"]["not_passed"], parts["pytest"]
-    assert parts["bench"]["rc"] not in (0, None) and parts["sweep"]["rc"] not in (0, None), parts
+    for name in ("bench", "graph", "sweep"):
+        assert parts[name]["rc"] not in (0, None), parts
+    files = sorted(p.name for p in out.rglob("*") if p.is_file())
+    assert len(files) <= MAX_OUT_FILES, f"$OUT holds {len(files)} files, more than the device tool hands back: {files}"
     assert parts["overhead"]["rc"] == 0, (out / "tools.log").read_text()[-3000:]
     result = parts["overhead"]["result"]
     assert set(result) >= {"engaged_us_per_layer_stage", "passthrough_us_per_step", "passthrough_us_per_call"}
@@ -334,7 +346,7 @@ def test_the_parts_run_within_the_budget_and_the_summary_reads_them(
         assert p["limit_s"] == min(p["asked_limit_s"], p["left_s"] - reserve), p
         assert p["seconds"] <= p["limit_s"] + plan["kill_grace_s"] and p["cut"] is False, p
     assert parts["pytest"]["asked_limit_s"] == plan["limits_s"]["pytest"]
-    assert parts["pytest"]["limit_s"] < parts["pytest"]["asked_limit_s"]  # a 120 s budget clips it
+    assert parts["pytest"]["limit_s"] < parts["pytest"]["asked_limit_s"]  # a 150 s budget clips it
     assert s["cut_by_limit"] == [] and "running" not in s
     assert "parts not passed: pytest" in s["reason"]
     assert s["seconds"] <= s["budget_s"]
@@ -405,6 +417,8 @@ def test_a_part_cut_by_its_limit_keeps_its_results_and_is_reported(tmp_path: Pat
             time.sleep(0.2)
         assert mark.exists(), "the slow test never started"
         running = json.loads((out / "gpu_check.json").read_text())
+        # While a part runs, $OUT holds only the files the run hands back (the environment report is not one).
+        assert not (out / "env.txt").exists(), sorted(p.name for p in out.iterdir())
         stdout, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

@@ -79,10 +79,14 @@ def bench_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 TOP_KEYS = {
     "schema": str,
     "version": str,
+    "partial": bool,
+    "progress": str,
     "device": str,
     "backend": str,
+    "world": str,
     "scenario": (str, type(None)),
     "graph": bool,
+    "graph_pool": (dict, type(None)),
     "skipped_policies": list,
     "stand_in_root": str,
     "comm_model": str,
@@ -127,6 +131,7 @@ POLICY_KEYS = {
     "engaged": bool,
     "replays": int,
     "captured_variants": int,
+    "capture": (dict, type(None)),
     "graph_choice": (dict, type(None)),
     "edges_checked": bool,
     "edges_ok": (bool, type(None)),
@@ -135,6 +140,18 @@ POLICY_KEYS = {
     "peer_cycle_checked_steps": int,
     "peer_cycle_violations": list,
 }
+#: A graph run's per-policy ``capture``.
+CAPTURE_KEYS = {
+    "graphs": int,
+    "pools": list,
+    "seconds": float,
+    "pool_bytes": (int, type(None)),
+    "device_free_bytes": (int, type(None)),
+    "allocated_bytes": (int, type(None)),
+    "second_variant_bytes": (int, type(None)),
+}
+#: A graph run's ``graph_pool``.
+GRAPH_POOL_KEYS = {"pool": str, "pools_seen": list, "one_pool": bool, "graphs": int, "memory": str}
 ENV_KEYS = {
     "python": str,
     "torch": str,
@@ -156,8 +173,9 @@ def test_bench_json_has_the_documented_schema(bench_files: dict[str, Any]) -> No
     r = bench_files["report"]
     _check_keys(r, TOP_KEYS, "report")
     assert r["schema"] == "camp2p-overlap/bench/v1"
-    assert r["device"] == "cpu" and r["backend"] == "cpu"
-    assert r["graph"] is False and r["skipped_policies"] == []
+    assert r["partial"] is False and r["progress"] == "done"
+    assert r["device"] == "cpu" and r["backend"] == "cpu" and r["world"] == "host"
+    assert r["graph"] is False and r["skipped_policies"] == [] and r["graph_pool"] is None
     assert r["stand_in_root"] == standins.REAL_ROOT
     assert set(r["params"]) == PARAM_KEYS
     assert r["params"]["layers"] == 2 and r["params"]["reps"] == 2 and r["params"]["policies"] == list(POLICIES)
@@ -181,6 +199,7 @@ def test_bench_json_has_the_documented_schema(bench_files: dict[str, Any]) -> No
         # 2 reps x 2 timed steps
         assert p["samples"] == 4
         assert p["replays"] == 0 and p["captured_variants"] == 0, "an eager run captures nothing"
+        assert p["capture"] is None
     _check_keys(r["env"], ENV_KEYS, "env")
     assert r["env"]["torch_threads"] == 1
     assert r["env"]["switch_interval_s"] == TOOL_SWITCH_INTERVAL_S, "the bench command sets the tools' interval"
@@ -237,7 +256,7 @@ def test_bench_leaves_the_process_as_it_found_it(bench_files: dict[str, Any]) ->
     layers = bench_files["layers"]
     assert len(layers) == len(POLICIES), (len(layers), len(POLICIES))
     assert len({id(layer.engine) for layer in layers}) == len(layers)
-    assert all(not layer.engine.is_applied() and len(layer.runtime.streamsets) == 0 for layer in layers)
+    assert all(not layer.engine.is_applied() and not layer.runtime.runners.stream_sets() for layer in layers)
 
 
 def test_trace_is_chrome_trace_event_json_with_a_track_per_stream(bench_files: dict[str, Any]) -> None:
@@ -676,8 +695,10 @@ def test_bench_graph_json_schema_and_bitwise_replays(graph_bench: dict[str, Any]
     r = graph_bench["report"]
     _check_keys(r, TOP_KEYS, "report")
     _check_keys(r["env"], ENV_KEYS, "env")
-    assert r["graph"] is True and r["params"]["graph"] is True
+    assert r["graph"] is True and r["params"]["graph"] is True and r["world"] == "host"
     assert r["skipped_policies"] == [], "adaptive overlap runs in graph mode (both variants)"
+    _check_keys(r["graph_pool"], GRAPH_POOL_KEYS, "graph_pool")
+    assert r["graph_pool"]["one_pool"] is True and r["graph_pool"]["graphs"] == 5, r["graph_pool"]
     assert [p["policy"] for p in r["policies"]] == GRAPH_POLICIES
     assert r["outputs_equal"] is True
     for p in r["policies"]:
@@ -686,6 +707,8 @@ def test_bench_graph_json_schema_and_bitwise_replays(graph_bench: dict[str, Any]
         # 2 reps x 2 timed replays; one graph (one key) each, two variants for adaptive overlap
         assert p["replays"] == 4 and p["samples"] == 4, p
         assert p["captured_variants"] == (2 if adaptive else 1), p
+        _check_keys(p["capture"], CAPTURE_KEYS, f"policies[{p['policy']}].capture")
+        assert p["capture"]["graphs"] == p["captured_variants"] and p["capture"]["pools"] == [r["graph_pool"]["pool"]]
         assert p["outputs_equal"] is True and p["mismatches"] == [] and p["adaptive"] is adaptive
         assert p["engaged"] is (p["policy"] != "serial")
         assert (p["graph_choice"] is not None) is adaptive
@@ -820,7 +843,7 @@ def test_bench_graph_reports_a_failed_second_capture(monkeypatch: pytest.MonkeyP
     from camp2p_overlap.core.overlap import graphs
     from camp2p_overlap.tools.bench.tables import problems
 
-    monkeypatch.setattr(graphs, "capture_second_variant", lambda *a, **kw: "injected: no second graph")
+    monkeypatch.setattr(graphs.GraphCapture, "second", lambda self, *a, **kw: self.failed("injected: no second graph"))
     run = run_bench(resolve_params({**TINY_PARAMS, "reps": 1, "graph": True}))
     (p,) = [p for p in run.report["policies"] if p["policy"] == "overlap"]
     assert p["captured_variants"] == 1 and p["engaged"] is False and p["outputs_equal"] is True
@@ -832,10 +855,25 @@ def test_bench_graph_reports_a_failed_second_capture(monkeypatch: pytest.MonkeyP
     ]
 
 
-def test_bench_graph_on_a_device_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_graph_on_npu_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--device", "npu", "--graph", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "--device npu: --graph runs on --device cuda (CUDA graphs) and --device cpu" in err
+
+
+def test_bench_graph_on_cuda_passes_validation_and_stops_only_for_the_device(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present: test_bench_graph_on_cuda runs it")
     assert cli.main(["bench", "--device", "cuda", "--graph", *TINY]) == 2
     err = capsys.readouterr().err
-    assert "--device cuda: --graph runs on the emulated device only (--device cpu)" in err
+    assert "--device cuda: torch.cuda reports no CUDA device" in err and "--graph" not in err, err
+
+
+def test_device_world_with_comm_cores_on_the_cpu_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--device-world", "--comm-cores", "2", *TINY]) == 2
+    assert "--comm-cores needs --device cuda" in capsys.readouterr().err
 
 
 def test_sweep_graph_measures_work_points_in_graph_mode_too(tmp_path: Path) -> None:
@@ -865,3 +903,252 @@ def test_sweep_graph_measures_work_points_in_graph_mode_too(tmp_path: Path) -> N
     assert "Adaptive `overlap`'s graph at its slowest: " in text and "goal of at least 0.97x" in text
     rows = [line for line in text.splitlines() if line.startswith("| 16 / 2 ")]
     assert len(rows) == 2, "the work point in the eager table and in the graph table"
+
+
+# ---------------------------------------------------------------------------
+# graph mode on the device world: the --device cuda code path on the emulated
+# device (static attention buffers, results read after the replay, the peer
+# as device work), whose capture rules the emulated device enforces
+
+DEVICE_GRAPH = {**TINY_PARAMS, "graph": True, "device_world": True}
+
+
+@pytest.fixture(scope="module")
+def device_graph_bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One tiny ``bench --graph --device-world --json`` through ``main(argv)``,
+    with every JSON write (partial reports, then the final one) and every
+    graph capture of the emulated device (its pool, whether it ended) seen."""
+    from camp2p_overlap.core.overlap.streams.emulated.capture import Graph
+    from camp2p_overlap.tools.bench import tables
+
+    out = tmp_path_factory.mktemp("device-graph") / "g.json"
+    writes: list[dict[str, Any]] = []
+    captures: list[dict[str, Any]] = []
+    real_write, real_begin, real_end = tables.write_json, Graph.capture_begin, Graph.capture_end
+
+    def write(path: Any, data: Any) -> None:
+        writes.append(json.loads(json.dumps(data, allow_nan=False)))  # strict JSON, as written
+        real_write(path, data)
+
+    def begin(self: Any, pool: Any = None, capture_error_mode: str = "global") -> None:
+        captures.append({"graph": id(self), "pool": pool, "ended": False})
+        real_begin(self, pool=pool, capture_error_mode=capture_error_mode)
+
+    def end(self: Any) -> None:
+        real_end(self)
+        next(c for c in reversed(captures) if c["graph"] == id(self))["ended"] = True
+
+    was_npu = device.is_torch_npu()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tables, "write_json", write)
+        mp.setattr(Graph, "capture_begin", begin)
+        mp.setattr(Graph, "capture_end", end)
+        rc = cli.main(["bench", *TINY, "--graph", "--device-world", "--json", str(out)])
+    return {
+        "rc": rc,
+        "report": json.loads(out.read_text()),
+        "writes": writes,
+        "captures": captures,
+        "npu_restored": device.is_torch_npu() is was_npu,
+    }
+
+
+def test_device_world_graph_replays_are_bitwise_the_eager_serial_steps(device_graph_bench: dict[str, Any]) -> None:
+    assert device_graph_bench["rc"] == 0
+    r = device_graph_bench["report"]
+    assert r["device"] == "cpu" and r["backend"] == "cpu" and r["world"] == "device" and r["graph"] is True
+    assert r["comm_model"].startswith("host reference") and r["attn_modeled"] is True
+    assert r["outputs_equal"] is True
+    by = {p["policy"]: p for p in r["policies"]}
+    assert list(by) == GRAPH_POLICIES
+    for name, p in by.items():
+        # 2 reps x 2 timed replays; every replay (2 reps x (1 warm-up + 2 timed)) against the eager serial
+        # step of its step id; serial's graph also its 2 reps x 2 eager traced steps
+        assert p["replays"] == 4 and p["samples"] == 4, p
+        assert p["compared_steps"] == 6 + (4 if name == "serial" else 0), p
+        assert p["outputs_equal"] is True and p["mismatches"] == [], p
+        assert p["engaged"] is (name != "serial"), p
+    assert by["serial"]["peer_cycle_ok"] is True and by["serial"]["peer_cycle_checked_steps"] == 4
+    choice = by["overlap"]["graph_choice"]
+    assert choice["capture_failures"] == {} and sum(choice["timed_replays"].values()) == 4, choice
+    assert device_graph_bench["npu_restored"], "the run removes the torch.npu it installed"
+    assert not device.capture_in_progress() and not LAYER.engine.is_applied()
+
+
+def test_device_world_graph_captures_each_policy_once_in_one_pool(device_graph_bench: dict[str, Any]) -> None:
+    r = device_graph_bench["report"]
+    pool = r["graph_pool"]
+    _check_keys(pool, GRAPH_POOL_KEYS, "graph_pool")
+    assert pool["one_pool"] is True and pool["pools_seen"] == [pool["pool"]] and pool["graphs"] == 5, pool
+    assert pool["memory"].startswith("not measured: the emulated device keeps no memory pool")
+    for p in r["policies"]:
+        c = p["capture"]
+        _check_keys(c, CAPTURE_KEYS, f"policies[{p['policy']}].capture")
+        assert c["graphs"] == p["captured_variants"] == (2 if p["policy"] == "overlap" else 1), p
+        assert c["pools"] == [pool["pool"]] and c["seconds"] > 0, c
+        assert c["pool_bytes"] is None and c["device_free_bytes"] is None and c["allocated_bytes"] is None
+    # Independently, what the emulated device saw: 5 captures (serial, e2a-only and overlap-fixed once each,
+    # adaptive overlap's two variants), each ended (no violation), each into the same pool.
+    caps = device_graph_bench["captures"]
+    assert len(caps) == 5 and all(c["ended"] for c in caps), caps
+    assert len({c["graph"] for c in caps}) == 5, "a graph captured twice"
+    assert {repr(c["pool"]) for c in caps} == {pool["pool"]}, caps
+
+
+def test_device_world_graph_run_writes_partial_reports_as_it_goes(device_graph_bench: dict[str, Any]) -> None:
+    """--json is written after the captures and after each repetition (strict
+    JSON, "partial": true), then the final report: a run cut short leaves
+    what it measured."""
+    writes = device_graph_bench["writes"]
+    assert [w["progress"] for w in writes] == ["captures", "repetition 1 of 2", "repetition 2 of 2", "done"]
+    assert [w["partial"] for w in writes] == [True, True, True, False]
+    captured, first = writes[0], writes[1]
+    _check_keys(captured, TOP_KEYS, "partial report")
+    assert all(p["samples"] == 0 and p["speedup"] is None for p in captured["policies"])
+    assert all(p["capture"] is not None for p in captured["policies"]) and captured["graph_pool"]["one_pool"]
+    # After the first repetition: replay times, speedups and bitwise checks; eta waits for serial's traced
+    # steps, which adaptive overlap's held layer defers to the end.
+    assert all(p["samples"] == 2 and p["speedup"] is not None for p in first["policies"]), first["policies"]
+    assert first["measured"]["f_us"] is None and all(p["eta"] is None for p in first["policies"])
+    assert writes[-1] == device_graph_bench["report"]
+
+
+def test_device_world_results_are_snapshots_and_inputs_follow_the_step_id() -> None:
+    """The device world's static buffers, eagerly and under replay: each
+    step id's attention inputs are its own (two ids give different
+    outputs), a step's results are a snapshot (a later step does not change
+    them), and a graph replayed for another step id gives that id's eager
+    outputs (its inputs were copied in before the replay, not captured)."""
+    from camp2p_overlap.emulation.device_world import EMULATED, build_device_world
+    from camp2p_overlap.emulation.standin_layer import release_site, standin_site
+
+    site = standin_site()
+    spec = WorldSpec(layers=3, stage_ids=(0, 1), tokens=8, shape=SHAPE, op_timeout_s=10.0, graph=True)
+    dw = build_device_world(spec, EMULATED, root=site.root)
+    graph = None
+    try:
+        w = dw.world
+
+        def step(sid: int) -> dict:
+            w.steps_run = sid - 1
+            out = w.run_step()
+            dw.synchronize()
+            return out
+
+        first = step(3)
+        kept = {k: v.clone() for k, v in first.items()}
+        second = step(4)
+        assert any(not torch.equal(first[k], second[k]) for k in first), "the inputs do not depend on the step id"
+        assert_same(first, kept, "a later step changed an earlier step's results")
+        w.steps_run = 2
+        graph = w.capture(warmups=1)  # a warm-up at step id 3, the capture at 4
+        dw.synchronize()
+        for sid, ref in ((3, first), (4, second), (3, first)):
+            assert_same(step(sid), ref, f"replay for step id {sid}")
+        assert graph.replays == 3
+    finally:
+        if graph is not None:
+            graph.reset()
+        dw.close()
+        release_site(site)
+
+
+def test_device_world_host_read_inside_the_capture_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check that would catch a regression: the same device-world graph
+    run, with one host read of a device buffer in the A2E (the peer's
+    record, which the comm kernel writes) injected. Eager steps read it
+    freely; inside the capture the emulated device raises CaptureViolation
+    and the run fails with it."""
+    from camp2p_overlap.emulation.device_world import DeviceTransport
+
+    real_a2e = DeviceTransport.a2e
+    reads = {"eager": 0}
+
+    def a2e_reading_the_peer_on_the_host(self: DeviceTransport, **kw: Any) -> Any:
+        out = real_a2e(self, **kw)
+        int(self.rec[0, kw["stage"], 0, 2])  # a host read of what this step's comm kernel writes
+        reads["eager"] += 1
+        return out
+
+    monkeypatch.setattr(DeviceTransport, "a2e", a2e_reading_the_peer_on_the_host)
+    was_npu = device.is_torch_npu()
+    with pytest.raises(emulated_device.CaptureViolation, match="host read of a tensor a captured kernel writes"):
+        run_bench(resolve_params({**DEVICE_GRAPH, "reps": 1}))
+    assert reads["eager"] >= 2 * 2 * 3, "the eager reference steps read it (outside any capture)"
+    assert not device.capture_in_progress() and device.is_torch_npu() is was_npu
+    assert not LAYER.engine.is_applied()
+
+
+def test_capture_memory_is_measured_around_the_capture_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the device gives memory figures (CUDA), each policy's capture
+    reports what its capture step alone added: pool bytes and allocated
+    bytes after minus before, free bytes before minus after; the report
+    names the source. Here a fake meter, read before and after each capture
+    step, stands in for torch.cuda's."""
+    from camp2p_overlap.tools.bench import runner
+
+    real_handle = runner._device_handle
+    reads: list[str] = []
+
+    def handle_with_a_meter(params: Any, root: str) -> Any:
+        h = real_handle(params, root)
+
+        def meter(pool: Any) -> dict[str, int | None]:
+            reads.append(repr(pool))
+            n = len(reads)  # each read: 1 MiB more in the pool and allocated, 3 MiB less free
+            return {"pool": n << 20, "allocated": n << 20, "free": (1 << 34) - 3 * n * (1 << 20)}
+
+        h.memory = meter
+        return h
+
+    monkeypatch.setattr(runner, "_device_handle", handle_with_a_meter)
+    r = run_bench(resolve_params({**DEVICE_GRAPH, "reps": 1, "policies": ["serial", "overlap-fixed"]})).report
+    assert len(reads) == 4 and len(set(reads)) == 1, reads  # before and after each of the two captures, one pool
+    for p in r["policies"]:
+        c = p["capture"]
+        assert (c["pool_bytes"], c["allocated_bytes"], c["device_free_bytes"]) == (1 << 20, 1 << 20, 3 << 20), c
+    assert r["graph_pool"]["memory"].startswith("pool_bytes: what the capture added to the segments of the one")
+
+
+def test_cuda_memory_counts_the_segments_of_the_graph_pool_only() -> None:
+    from types import SimpleNamespace
+
+    from camp2p_overlap.tools.bench.runner import _cuda_memory
+
+    calls: list[str] = []
+    segments = [
+        {"total_size": 2 << 20, "segment_pool_id": (0, 7)},
+        {"total_size": 4 << 20, "segment_pool_id": (0, 0)},  # the default pool
+        {"total_size": 20 << 20, "segment_pool_id": (0, 7)},
+        {"total_size": 8 << 20, "segment_pool_id": (0, 9)},  # another graph pool
+    ]
+    mod = SimpleNamespace(
+        synchronize=lambda: calls.append("sync"),
+        empty_cache=lambda: calls.append("empty_cache"),
+        mem_get_info=lambda: (123 << 20, 140 << 30),
+        memory_allocated=lambda: 5 << 20,
+        memory_snapshot=lambda: segments,
+    )
+    got = _cuda_memory(mod)((0, 7))
+    assert got == {"free": 123 << 20, "allocated": 5 << 20, "pool": 22 << 20}
+    assert calls == ["sync", "empty_cache"], "measured after a synchronize and empty_cache"
+
+
+@pytest.mark.gpu
+def test_bench_graph_on_cuda(tmp_path: Path) -> None:
+    """``bench --device cuda --graph``: every policy captured with
+    torch.cuda.CUDAGraph in the runner's one pool, replays bitwise equal to
+    the eager serial steps, the capture memory measured."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False")
+    out = tmp_path / "g.json"
+    assert cli.main(["bench", "--device", "cuda", "--graph", *TINY, "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["world"] == "device" and r["backend"] == "cuda" and r["partial"] is False
+    assert r["outputs_equal"] is True and r["graph_pool"]["one_pool"] is True and r["graph_pool"]["graphs"] == 5
+    by = {p["policy"]: p for p in r["policies"]}
+    assert by["overlap-fixed"]["engaged"] is True and by["serial"]["engaged"] is False
+    assert by["overlap"]["captured_variants"] == 2, by["overlap"]["graph_choice"]
+    for p in r["policies"]:
+        assert isinstance(p["capture"]["pool_bytes"], int) and p["capture"]["pool_bytes"] >= 0, p["capture"]
+        assert p["peer_cycle_ok"] is not False

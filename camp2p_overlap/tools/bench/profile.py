@@ -139,7 +139,7 @@ def profile_device_step(
         world.steps_run = PROFILE_STEP_ID
         world.run_step()  # warm-up: side streams and events exist before the profile
         mod.synchronize()
-        (sset,) = layer.runtime.streamsets.sets()
+        (sset,) = layer.runtime.runners.stream_sets()
         side = {k.name: k for k in sset.streams.values()}
         launch = marker(torch.device(kind, mod.current_device()))
 

@@ -29,10 +29,13 @@ step (for ``--trace``/``--plot`` and the edge checker).
   (``torch.equal``) with the serial run of the same step id (the emulated
   attention inputs depend on the step id, which is set before each step).
 
-``graph`` (``--graph``, emulated device only): upstream's decode graph path.
-Each fixed policy's step is captured once per graph key, with its layer
-config applied (``graph=True``; serial: unpatched), after the eager warm-up
-steps that create the side streams, and the layer is unpatched after: a
+``graph`` (``--graph``; ``--device cuda``: CUDA graphs, ``--device cpu``: the
+emulated device's): upstream's decode graph path, every capture in the
+runner's one graph pool. Each fixed policy's step is captured once per graph
+key, with its layer config applied (``graph=True``; serial: unpatched), after
+the eager warm-up steps that create the side streams (run apart from the
+capture step, whose wall time and device memory are measured alone: the
+report's ``capture``, ``graph_pool``), and the layer is unpatched after: a
 replay runs only the captured kernels, so such a graph replays after its
 layer was unpatched (on streams of the graph's own). Adaptive ``overlap`` is
 captured last with both variants (``graph="adaptive"``: upstream's serial
@@ -46,6 +49,16 @@ serial step of the same step id. Serial's pass-through traced steps (eager)
 give f, a, e and the floor as above; they need serial's own engine applied,
 so with adaptive ``overlap`` in the run they follow the last repetition's
 replays (once its layer is unpatched) instead of each repetition's.
+Speedup, eta and their intervals are the eager run's (:func:`_report`), over
+replays: speedup against serial's graph.
+
+Worlds: ``--device cpu`` runs the host world (``emulation/world.py``: the
+transport and the attention peers on the host); ``--device cuda|npu``, and
+``--device cpu --device-world``, the device world
+(``emulation/device_world.py``: static attention buffers filled before each
+step or replay, results read from static buffers after it, the peer on the
+device), which is capturable: on the CPU it runs on the emulated device,
+which enforces the capture rules.
 """
 
 from __future__ import annotations
@@ -59,6 +72,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -92,10 +106,9 @@ ETA_MIN_HIDEABLE = 0.05
 #: of 5 ms a thread that could run waits up to that long for the GIL, which
 #: at small work per (layer, stage) would swamp what is measured.
 TOOL_SWITCH_INTERVAL_S = 0.0002
-GRAPH_NEEDS_EMULATED_DEVICE = (
-    "--graph runs on the emulated device only (--device cpu): the device world's transport picks each step's "
-    "attention inputs and records its results on the host, which a captured device graph would freeze at "
-    "capture time"
+GRAPH_NOT_ON_NPU = (
+    "--graph runs on --device cuda (CUDA graphs) and --device cpu (the emulated device) only: the device "
+    "world's capture path has not been run on an NPU (torch_npu's ACL graphs, their stream budget)"
 )
 #: Why a policy is left out of a --graph run (none is now: adaptive
 #: ``overlap`` captures both variants, ``VLLM_CAMP2P_MULTISTREAM_GRAPH=adaptive``).
@@ -151,8 +164,14 @@ class BenchParams:
     policies: tuple[str, ...] = ("serial", "e2a-only", "overlap", "overlap-fixed")
     scenario: str | None = None
     #: Capture each policy's step once (upstream's decode graph path; adaptive
-    #: ``overlap`` with both variants) and time replays (emulated device only).
+    #: ``overlap`` with both variants) in one graph pool and time replays
+    #: (cuda: CUDA graphs; cpu: the emulated device's).
     graph: bool = False
+    #: ``--device cpu`` only: run the device world (static attention buffers,
+    #: the device-side peer, ``emulation/device_world.py``) on the emulated
+    #: device instead of the host world: the code path of ``--device cuda``, on
+    #: the CPU. (cuda and npu always run the device world.)
+    device_world: bool = False
 
     def link(self) -> LinkModel:
         return LinkModel(latency_s=self.link_latency_us * 1e-6, bandwidth_Bps=self.link_gbps * 1e9 / 8)
@@ -201,8 +220,13 @@ class BenchParams:
             problems.append("--policies must include serial (the reference for speedup, eta and outputs)")
         if len(set(self.policies)) != len(self.policies):
             problems.append("--policies names a policy twice")
-        if self.graph and self.device != "cpu":
-            problems.append(f"--device {self.device}: {GRAPH_NEEDS_EMULATED_DEVICE}")
+        if self.graph and self.device == "npu":
+            problems.append(f"--device {self.device}: {GRAPH_NOT_ON_NPU}")
+        if self.device_world and self.device == "cpu" and self.comm_cores:
+            problems.append(
+                "--device-world runs the comm kernel's host reference on the emulated device, which holds no "
+                "cores: --comm-cores needs --device cuda (or the host world: leave out --device-world)"
+            )
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -324,6 +348,21 @@ class _Handle:
     #: After a step and its sync, outside the timed span: raise if the device
     #: peer model reports an A2E that gave up waiting.
     check: Callable[[], None] = lambda: None
+    #: ``host`` (the CPU world, its transport and peers on the host) or
+    #: ``device`` (the device world: static buffers, the peer on the device).
+    world_kind: str = "host"
+    #: Right after a capture: whether the captured step (its layer's variant)
+    #: ran A2E/E2A on side streams (the side streams' names given).
+    captured_engaged: Callable[[Any, set[str]], bool] = lambda graph, side: False
+    #: Device memory figures for a capture into ``pool`` (:func:`_cuda_memory`); None: not measured.
+    memory: Callable[[Any], dict[str, int | None]] | None = None
+
+
+def _graph_nodes_engaged(graph: Any, side_streams: set[str]) -> bool:
+    """The emulated device's graph: whether a node of the captured step
+    (for a ``VariantGraph``, of the layer's variant) is on a side stream."""
+    g = graph.captured.ours if isinstance(graph, VariantGraph) else graph
+    return any(name in side_streams for name, _, _ in g.nodes())
 
 
 def _cpu_handle(params: BenchParams, root: str) -> _Handle:
@@ -339,13 +378,61 @@ def _cpu_handle(params: BenchParams, root: str) -> _Handle:
         if params.comm_cores
         else "time.sleep (takes no compute)"
     )
-    return _Handle(world, "cpu", lambda: None, traced, True, True, model, world.close)
+    return _Handle(
+        world, "cpu", lambda: None, traced, True, True, model, world.close, captured_engaged=_graph_nodes_engaged
+    )
+
+
+#: What :func:`_cuda_memory` measures, for the report.
+CAPTURE_MEMORY_SOURCE = (
+    "pool_bytes: what the capture added to the segments of the one graph pool (torch.cuda.memory_snapshot(), "
+    "segment_pool_id == the runner's pool; the most precise figure: only the graph's memory, immune to "
+    "empty_cache and to other streams' caches); device_free_bytes: device free memory before minus after "
+    "(mem_get_info(): the driver's view, also the graph's instantiation and anything else on the device, in "
+    "2 MiB pages); allocated_bytes: torch.cuda.memory_allocated() after minus before (tensors still allocated, "
+    "not the pool's freed blocks the graph keeps); each after a synchronize and empty_cache(), around the "
+    "capture step only (its warm-up steps run before); second_variant_bytes: the layer's own figure for its "
+    "variant (mem_get_info around the second capture, stats()['graphs'])"
+)
+CAPTURE_MEMORY_NOT_MEASURED = (
+    "not measured: the emulated device keeps no memory pool (its graphs hold the host tensors their kernels captured)"
+)
+
+
+def _cuda_memory(mod: Any) -> Callable[[Any], dict[str, int | None]]:
+    """Device memory figures of ``mod`` (torch.cuda) for a capture into ``pool``."""
+
+    def measure(pool: Any) -> dict[str, int | None]:
+        mod.synchronize()
+        mod.empty_cache()
+        out: dict[str, int | None] = {"free": None, "allocated": None, "pool": None}
+        try:
+            out["free"] = int(mod.mem_get_info()[0])
+        except Exception:  # noqa: BLE001 - a figure, not a failure
+            pass
+        try:
+            out["allocated"] = int(mod.memory_allocated())
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            want = tuple(pool) if pool is not None else None
+            out["pool"] = sum(
+                int(seg.get("total_size", 0))
+                for seg in mod.memory_snapshot()
+                if want is not None and tuple(seg.get("segment_pool_id", ())) == want
+            )
+        except Exception:  # noqa: BLE001
+            pass
+        return out
+
+    return measure
 
 
 def _device_handle(params: BenchParams, root: str) -> _Handle:
-    from camp2p_overlap.emulation.device_world import build_device_world
+    from camp2p_overlap.emulation.device_world import EMULATED, build_device_world
 
-    dw = build_device_world(params.world_spec(), params.device, root=root)
+    kind = EMULATED if params.device == "cpu" else params.device
+    dw = build_device_world(params.world_spec(), kind, root=root)
     world = dw.world
     peer = dw.kernels.models_peer
 
@@ -363,7 +450,23 @@ def _device_handle(params: BenchParams, root: str) -> _Handle:
 
     cores = dw.kernels.comm_cores
     model = f"{dw.kernels.kind}" + (f", {cores} SM(s) held per op" if cores else ", 1 block, no shared memory")
-    return _Handle(world, params.device, dw.mod.synchronize, traced, peer, False, model, check=dw.transport.check)
+    if kind == EMULATED:
+        model = dw.kernels.kind
+    return _Handle(
+        world,
+        "cpu" if kind == EMULATED else params.device,
+        dw.mod.synchronize,
+        traced,
+        peer,
+        False,
+        model,
+        close=dw.close,
+        check=dw.transport.check,
+        world_kind="device",
+        # The streams the transport saw the captured step's A2E/E2A issued on.
+        captured_engaged=lambda graph, side: len(dw.transport.op_streams) > 1,
+        memory=_cuda_memory(dw.mod) if kind == "cuda" else None,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -394,6 +497,8 @@ class PolicyStats:
     graph_choice: dict[str, Any] | None = None
     #: Whether its steps were traced for the edge checker (graph replays are not).
     edges_checkable: bool = True
+    #: Graph mode: its capture (the report's ``capture``: graphs, pools, time, memory).
+    capture: dict[str, Any] | None = None
 
 
 @dataclass
@@ -461,11 +566,19 @@ def _compare(
 
 
 def run_bench(
-    params: BenchParams, *, progress: bool = False, progress_desc: str = "bench", profile_trace: str | None = None
+    params: BenchParams,
+    *,
+    progress: bool = False,
+    progress_desc: str = "bench",
+    profile_trace: str | None = None,
+    on_report: Callable[[dict[str, Any]], None] | None = None,
 ) -> BenchRun:
     """Run the benchmark described by ``params`` (see the module docstring).
     ``profile_trace`` (device runs only): also profile one overlapped step
-    and write its device timelines there (``tools/bench/profile.py``)."""
+    and write its device timelines there (``tools/bench/profile.py``).
+    ``on_report``: called with a partial report (``"partial": true``, what is
+    done in ``"progress"``) after the captures (``--graph``) and after each
+    repetition, so that a run cut short leaves what it measured."""
     if profile_trace and params.device == "cpu":
         raise ValueError(PROFILE_NEEDS_DEVICE)
     params.validate()
@@ -474,11 +587,18 @@ def run_bench(
     torch.set_num_threads(params.threads)
     site = standin_site()
     try:
-        handle = _cpu_handle(params, site.root) if params.device == "cpu" else _device_handle(params, site.root)
-        run_policies = _run_graph_policies if params.graph else _run_policies
-        stats = run_policies(params, handle, site.manifest, progress, progress_desc)
+        host = params.device == "cpu" and not params.device_world
+        handle = _cpu_handle(params, site.root) if host else _device_handle(params, site.root)
         layers = tuple(handle.world.layer_list())
         stages = tuple(handle.world.spec.stage_ids)
+
+        def emit(so_far: dict[str, PolicyStats], what: str) -> None:
+            if on_report is not None:
+                elapsed = time.perf_counter() - wall0
+                on_report(_partial_report(params, handle, site.root, layers, stages, so_far, elapsed, what))
+
+        run_policies = _run_graph_policies if params.graph else _run_policies
+        stats = run_policies(params, handle, site.manifest, progress, progress_desc, emit)
         profiled = None
         if profile_trace:
             from camp2p_overlap.tools.bench.profile import profile_device_step
@@ -503,12 +623,17 @@ def run_bench(
     return BenchRun(report, {name: s.timeline for name, s in stats.items() if s.timeline})
 
 
+#: Called with the policies' statistics so far and what is done (partial reports).
+Emit = Callable[[dict[str, PolicyStats], str], None]
+
+
 def _run_policies(
     params: BenchParams,
     handle: _Handle,
     manifest: Any,
     progress: bool,
     desc: str,
+    emit: Emit = lambda stats, what: None,
 ) -> dict[str, PolicyStats]:
     world = handle.world
     layers = tuple(world.layer_list())
@@ -580,9 +705,38 @@ def _run_policies(
                     st.violations.extend(f"rep {rep}: {v}" for v in result.violations)
                 st.engaged.append(engaged)
                 st.timeline = ops
+            emit(stats, f"repetition {rep + 1} of {params.reps}")
     finally:
         bar.close()
     return stats
+
+
+def _graph_warmups(world: Any, sync: Callable[[], None], n: int) -> None:
+    """Upstream's warm-up steps before a capture (``World.capture``'s, run
+    apart from the capture step so that its memory is measured alone)."""
+    dp = world.dp_metadata()
+    for _ in range(n):
+        world.steps_run += 1
+        world.transport.begin_step(world.steps_run, world.layer_list(), sorted(dp))
+        world.runner.execute_ffn_step(dp_metadata_list=dp, is_warmup=True)
+        world.synchronize()
+        sync()
+
+
+def _graphs_of(graph: Any) -> list[Any]:
+    """The graphs a captured key holds: upstream's and the layer's for a
+    ``VariantGraph``, else the one."""
+    if isinstance(graph, VariantGraph):
+        return [g for g in (graph.captured.upstream, graph.captured.ours) if g is not None]
+    return [graph]
+
+
+def _pool_of(graph: Any) -> str:
+    pool = getattr(graph, "pool", None)
+    try:
+        return repr(pool() if callable(pool) else pool)
+    except Exception as exc:  # noqa: BLE001 - reported, never raised
+        return f"unknown ({type(exc).__name__})"
 
 
 def _run_graph_policies(
@@ -591,6 +745,7 @@ def _run_graph_policies(
     manifest: Any,
     progress: bool,
     desc: str,
+    emit: Emit = lambda stats, what: None,
 ) -> dict[str, PolicyStats]:
     """``--graph``: the eager serial reference of every step id; each fixed
     policy's step captured once (its config applied, ``graph=True``, then
@@ -635,11 +790,43 @@ def _run_graph_policies(
         if not patch_layers[policy].engine.unpatch(timeout=30.0):
             raise RuntimeError("the benchmark's patch engine could not unpatch; see the log")
 
+    pool = getattr(world.runner, "graph_pool", None)
+
     def capture(policy: str) -> Any:
-        world_graph = world.capture(warmups=max(params.warmup, 1))
+        """The policy's warm-up steps, then its capture step alone, timed and
+        its device memory measured; the captured entry taken from the runner."""
+        _graph_warmups(world, handle.sync, max(params.warmup, 1))
+        before = handle.memory(pool) if handle.memory is not None else None
+        t0 = time.perf_counter()
+        world_graph = world.capture(warmups=0)
+        handle.sync()
+        seconds = time.perf_counter() - t0
+        after = handle.memory(pool) if handle.memory is not None else None
+        handle.check()
         entry = world.take_graph()
         assert entry is not None and entry["graph"] is world_graph
         captured[policy] = entry
+        graphs = _graphs_of(world_graph)
+
+        def delta(key: str, sign: int) -> int | None:
+            if before is None or after is None or before[key] is None or after[key] is None:
+                return None
+            return sign * (after[key] - before[key])  # type: ignore[operator]
+
+        layer_graph: Mapping[str, Any] = {}
+        if isinstance(world_graph, VariantGraph):
+            entries = patch_layers[policy].runtime.stats().get("graphs", [])
+            layer_graph = entries[-1] if entries else {}
+        stats[policy].capture = {
+            "graphs": len(graphs),
+            "pools": sorted({_pool_of(g) for g in graphs}),
+            "seconds": round(seconds, 4),
+            "pool_bytes": delta("pool", 1),
+            "device_free_bytes": delta("free", -1),
+            "allocated_bytes": delta("allocated", 1),
+            # The layer's own figure (mem_get_info): host memory on the emulated device, so not given there.
+            "second_variant_bytes": layer_graph.get("extra_bytes") if handle.memory is not None else None,
+        }
         bar.tick(policy)
         return world_graph
 
@@ -693,10 +880,11 @@ def _run_graph_policies(
                 patch_layers[policy].engine.apply(config=cfg, manifest=manifest, strict=True)
             try:
                 graph = capture(policy)
+                engaged = handle.captured_engaged(graph, side_streams)
             finally:
                 unpatch(policy)
             stats[policy].captured_variants += 1
-            stats[policy].engaged.append(any(name in side_streams for name, _, _ in graph.nodes()))
+            stats[policy].engaged.append(engaged)
         # The adaptive policy: both variants (GRAPH=adaptive); its layer stays
         # applied through every policy's replays (its graph chooses through
         # the layer's runtime; the fixed graphs replay only captured work).
@@ -711,11 +899,11 @@ def _run_graph_policies(
             st = stats[policy]
             if isinstance(graph, VariantGraph):
                 st.captured_variants += 2
-                nodes = graph.captured.ours.nodes()
+                st.engaged.append(handle.captured_engaged(graph, side_streams))
             else:  # the second capture failed: the key kept upstream's graph
                 st.captured_variants += 1
-                nodes = graph.nodes()
-            st.engaged.append(any(name in side_streams for name, _, _ in nodes))
+                st.engaged.append(False)
+        emit(stats, "captures")
         deferred = []
         for rep in range(params.reps):
             for sid in warm_ids:
@@ -729,6 +917,7 @@ def _run_graph_policies(
                 trace_serial(rep)
             else:  # another engine cannot be applied beside the held one
                 deferred.append(rep)
+            emit(stats, f"repetition {rep + 1} of {params.reps}")
         if held is not None:
             runtime_stats = patch_layers[held].runtime.stats()
             stats[held].graph_choice = _graph_choice(runtime_stats, stats[held])
@@ -907,6 +1096,17 @@ def _noise(speedup: float, ci: list[float] | None, eta: float | None, eta_ci: li
     return out
 
 
+def _per_layer(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"median": None, "p90": None, "min": None, "mean": None}
+    return {
+        "median": _us(statistics.median(values)),
+        "p90": _us(percentile(values, 90)),
+        "min": _us(min(values)),
+        "mean": _us(statistics.fmean(values)),
+    }
+
+
 def _report(
     params: BenchParams,
     handle: _Handle,
@@ -915,41 +1115,42 @@ def _report(
     stages: Sequence[int],
     stats: dict[str, PolicyStats],
     wall_s: float,
+    progress: str | None = None,
 ) -> dict[str, Any]:
+    """The JSON report; ``progress`` (a partial report): what is done so far
+    (a policy with no timed step yet has null figures)."""
     attn_s = params.attn_us * 1e-6 if handle.attn_modeled else 0.0
     terms = _step_terms(stats["serial"].traced, stages)
     measured = _measure(terms, stages, attn_s)
     serial_s = stats["serial"].per_layer_s
-    t_serial = statistics.median(serial_s)
+    t_serial = statistics.median(serial_s) if serial_s else None
     t_floor = measured["floor_per_layer_us"] / 1e6
     rng = random.Random(params.seed)
     policies = []
     for name in (n for n in params.policies if n in stats):
         st = stats[name]
-        med = statistics.median(st.per_layer_s)
         sides = POLICIES[name] or (False, False)
-        eta = speedup_ci = eta_ci = None
-        if name != "serial":
-            raw_eta = _eta(t_serial, med, t_floor)
-            eta = None if raw_eta is None else round(raw_eta, 4)
-            speedup_ci, eta_ci = _bootstrap(serial_s, st.per_layer_s, terms, stages, attn_s, rng)
-            if eta is None:
-                eta_ci = None
-        noise = _noise(t_serial / med, speedup_ci, eta, eta_ci) if name != "serial" else []
+        med = statistics.median(st.per_layer_s) if st.per_layer_s else None
+        speedup = eta = speedup_ci = eta_ci = None
+        noise: list[str] = []
+        if t_serial is not None and med is not None:
+            speedup = round(t_serial / med, 4)
+            if name != "serial":
+                raw_eta = _eta(t_serial, med, t_floor)
+                eta = None if raw_eta is None else round(raw_eta, 4)
+                speedup_ci, eta_ci = _bootstrap(serial_s, st.per_layer_s, terms, stages, attn_s, rng)
+                if eta is None:
+                    eta_ci = None
+                noise = _noise(t_serial / med, speedup_ci, eta, eta_ci)
         policies.append(
             {
                 "policy": name,
                 "a2e_side_stream": sides[0],
                 "e2a_side_stream": sides[1],
                 "samples": len(st.per_layer_s),
-                "per_layer_us": {
-                    "median": _us(med),
-                    "p90": _us(percentile(st.per_layer_s, 90)),
-                    "min": _us(min(st.per_layer_s)),
-                    "mean": _us(statistics.fmean(st.per_layer_s)),
-                },
+                "per_layer_us": _per_layer(st.per_layer_s),
                 "adaptive": name in ADAPTIVE_POLICIES,
-                "speedup": round(t_serial / med, 4),
+                "speedup": speedup,
                 "speedup_ci95": speedup_ci,
                 "eta": eta,
                 "eta_ci95": eta_ci,
@@ -961,6 +1162,7 @@ def _report(
                 "engaged": all(st.engaged) and bool(st.engaged),
                 "replays": st.replays,
                 "captured_variants": st.captured_variants,
+                "capture": st.capture,
                 "graph_choice": st.graph_choice,
                 "edges_checked": handle.edges_checkable and st.edges_checkable,
                 "edges_ok": (not st.violations) if handle.edges_checkable and st.edges_checkable else None,
@@ -973,10 +1175,14 @@ def _report(
     return {
         "schema": SCHEMA,
         "version": camp2p_overlap.__version__,
+        "partial": progress is not None,
+        "progress": progress or "done",
         "device": params.device,
         "backend": handle.backend,
+        "world": handle.world_kind,
         "scenario": params.scenario,
         "graph": params.graph,
+        "graph_pool": _graph_pool(handle, stats) if params.graph else None,
         "skipped_policies": [
             {"policy": name, "why": why} for name, why in (graph_policies(params)[1] if params.graph else {}).items()
         ],
@@ -999,3 +1205,43 @@ def _report(
         },
         "wall_s": round(wall_s, 3),
     }
+
+
+def _graph_pool(handle: _Handle, stats: Mapping[str, PolicyStats]) -> dict[str, Any]:
+    """Where every policy's graphs live: the runner's one graph pool, and
+    how capture memory was measured."""
+    runner_pool = _pool_of(SimpleNamespace(pool=getattr(handle.world.runner, "graph_pool", None)))
+    seen = sorted({pool for st in stats.values() if st.capture for pool in st.capture["pools"]})
+    return {
+        "pool": runner_pool,
+        "pools_seen": seen,
+        "one_pool": seen == [runner_pool],
+        "graphs": sum(st.capture["graphs"] for st in stats.values() if st.capture),
+        "memory": CAPTURE_MEMORY_SOURCE if handle.memory is not None else CAPTURE_MEMORY_NOT_MEASURED,
+    }
+
+
+def _no_nan(value: Any) -> Any:
+    """``value`` with every NaN float replaced by None (strict JSON)."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_nan(v) for v in value]
+    return value
+
+
+def _partial_report(
+    params: BenchParams,
+    handle: _Handle,
+    root: str,
+    layers: Sequence[int],
+    stages: Sequence[int],
+    stats: dict[str, PolicyStats],
+    wall_s: float,
+    progress: str,
+) -> dict[str, Any]:
+    """The report so far (``run_bench``'s ``on_report``); figures not
+    measured yet are null."""
+    return _no_nan(_report(params, handle, root, layers, stages, stats, wall_s, progress=progress))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -41,6 +42,10 @@ def _edges(ok: bool | None) -> str:
     return "not checked" if ok is None else ("ok" if ok else "VIOLATED")
 
 
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / (1 << 20):.1f} MiB"
+
+
 def problems(report: Mapping[str, Any]) -> list[str]:
     """What makes a run fail (non-zero exit): outputs that differ from the
     serial run, broken edges, or an overlap policy that did not engage
@@ -61,6 +66,9 @@ def problems(report: Mapping[str, Any]) -> list[str]:
             out.append(f"{p['policy']}: its decode graph's overlap variant was not captured ({why})")
         if p["policy"] != "serial" and fixed and not p["engaged"] and len(report["stages"]) >= 2:
             out.append(f"{p['policy']}: the overlap did not engage (ran the serial path)")
+    pool = report.get("graph_pool")
+    if report.get("graph") and pool is not None and not pool.get("one_pool", True):
+        out.append(f"the graphs are not in the runner's one graph pool {pool['pool']}: {pool['pools_seen']}")
     prof = report.get("profile")
     if prof is not None:
         if not prof["edges_ok"]:
@@ -77,13 +85,33 @@ def graph_lines(report: Mapping[str, Any]) -> list[str]:
     pols = report["policies"]
     graphs = sum(p.get("captured_variants", 0) for p in pols)
     replays = ", ".join(f"{p['policy']} {p.get('replays', 0)}" for p in pols)
+    where = "CUDA graphs" if report.get("device") == "cuda" else "the emulated device's graphs"
+    pool = report.get("graph_pool") or {}
+    seen = ", ".join(pool.get("pools_seen", []))
+    pools = "one graph pool" if pool.get("one_pool") else f"NOT one graph pool ({seen})"
     text = (
         f"graph mode (--graph): each policy's step captured once per graph key, adaptive overlap's with both "
-        f"variants ({graphs} graphs in all), on the emulated device, then replayed round-robin; per-layer times "
-        f"are replays (timed: {replays}), each compared bitwise with the eager serial step of the same step id. "
-        "Replays leave no trace: the edge check and the peer cycle run on serial's eager traced steps."
+        f"variants ({graphs} graphs in all), as {where} in {pools}, then replayed round-robin; per-layer times "
+        f"are replays (timed: {replays}), each compared bitwise with the eager serial step of the same step id; "
+        f"speedup is against serial's graph. Replays leave no trace: the edge check and the peer cycle run on "
+        f"serial's eager traced steps. World: {report.get('world', 'host')}."
     )
     lines = textwrap.wrap(text, 110, subsequent_indent="  ")
+    captures = [(p["policy"], p["capture"]) for p in pols if p.get("capture")]
+    if captures and any(c.get("pool_bytes") is not None for _, c in captures):
+        parts = []
+        for name, c in captures:
+            part = f"{name} {_mib(c.get('pool_bytes'))}"
+            if c.get("second_variant_bytes") is not None:
+                part += f" (its second variant {_mib(c['second_variant_bytes'])} by mem_get_info)"
+            parts.append(part)
+        lines += textwrap.wrap(
+            "capture memory (added to the graph pool, torch.cuda.memory_snapshot): " + ", ".join(parts),
+            110,
+            subsequent_indent="  ",
+        )
+    elif captures:
+        lines.append("capture memory: not measured on the emulated device (it keeps no memory pool)")
     for p in pols:
         choice = p.get("graph_choice")
         if choice:
@@ -218,7 +246,12 @@ def chrome_trace(timelines: Mapping[str, Sequence[TraceOp]], report: Mapping[str
 
 
 def write_json(path: str | Path, data: Any) -> None:
-    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    """Write ``data`` as JSON, whole or not at all (a temporary file renamed
+    over ``path``: a run cut while writing leaves the previous report)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def write_outputs(run: BenchRun, *, json_path: str | None, trace_path: str | None) -> None:
