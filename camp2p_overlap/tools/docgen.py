@@ -136,7 +136,8 @@ def headline_figures(res: Results) -> str:
     for name, label in (("overlap", "`overlap`"), ("overlap-fixed", "`overlap-fixed`"), ("e2a-only", "E2A-only")):
         p = _policy(bench, name)
         if p is not None:
-            parts.append(f"{label} {_speedup(p, ci=name == 'overlap')}")
+            steady = " at its steady state" if (p.get("learning") or {}).get("decision") else ""
+            parts.append(f"{label}{steady} {_speedup(p, ci=name == 'overlap')}")
     equal = "bitwise equal" if bench["outputs_equal"] else "NOT all equal to serial"
     text = [
         f"One run of `bench --scenario ffn-bound` ({res.runs['bench']['date']}), per layer over serial: "

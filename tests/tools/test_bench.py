@@ -37,6 +37,7 @@ from camp2p_overlap.tools.bench.runner import (
     resolve_params,
     run_bench,
 )
+from camp2p_overlap.tools.bench.tables import bench_table
 
 TINY = [
     "--layers", "2", "--tokens", "16", "--hidden", "64", "--ffn", "128", "--experts", "4", "--top-k", "2",
@@ -119,6 +120,7 @@ POLICY_KEYS = {
     "samples": int,
     "per_layer_us": dict,
     "adaptive": bool,
+    "learning": (dict, type(None)),
     "speedup": float,
     "speedup_ci95": (list, type(None)),
     "eta": (float, type(None)),
@@ -196,8 +198,16 @@ def test_bench_json_has_the_documented_schema(bench_files: dict[str, Any]) -> No
             assert lo <= hi and all(isinstance(x, float) for x in (lo, hi))
             assert p["noisy"] is bool(p["noise"])
         _check_keys(p["per_layer_us"], {"median": float, "p90": float, "min": float, "mean": float}, "per_layer_us")
-        # 2 reps x 2 timed steps
+        # 2 reps x 2 timed steps (adaptive overlap still learns in this tiny
+        # run: its timed learning steps stand in, flagged)
         assert p["samples"] == 4
+        if p["adaptive"]:
+            learn = p["learning"]
+            assert learn["decision"] is None and learn["steps"] == 2 * (1 + 2)
+            assert sum(learn["paths"].values()) == learn["steps"] and learn["extra_us_per_layer"] is None
+            assert p["noisy"] and any("still learning" in n for n in p["noise"])
+        else:
+            assert p["learning"] is None
         assert p["replays"] == 0 and p["captured_variants"] == 0, "an eager run captures nothing"
         assert p["capture"] is None
     _check_keys(r["env"], ENV_KEYS, "env")
@@ -1152,3 +1162,23 @@ def test_bench_graph_on_cuda(tmp_path: Path) -> None:
     for p in r["policies"]:
         assert isinstance(p["capture"]["pool_bytes"], int) and p["capture"]["pool_bytes"] >= 0, p["capture"]
         assert p["peer_cycle_ok"] is not False
+
+
+def test_adaptive_overlap_is_reported_at_its_steady_state_and_its_learning_apart() -> None:
+    """Once adaptive engage decides, the policy's figures are its steps after
+    the decision; the learning steps (warm-ups included) are reported apart
+    with their paths and their cost against the steady state."""
+    params = resolve_params({**TINY_PARAMS, "steps": 14, "reps": 1, "policies": ("serial", "overlap")})
+    run = run_bench(params)
+    (p,) = [p for p in run.report["policies"] if p["policy"] == "overlap"]
+    learn = p["learning"]
+    assert learn["decision"] in ("overlap", "serial"), learn
+    # both paths learned: min_samples (3) each, plus the dropped first overlap step
+    assert learn["paths"]["overlap"] >= 4 and learn["paths"]["serial"] >= 3
+    assert sum(learn["paths"].values()) == learn["steps"]
+    timed_learning = learn["steps"] - params.warmup
+    assert p["samples"] == params.steps - timed_learning > 0  # the steady state only
+    assert isinstance(learn["extra_us_per_layer"], float)
+    assert not any("still learning" in n for n in p["noise"])
+    table = bench_table(run.report)
+    assert f"its row is its steady state, after it decided {learn['decision']}" in table

@@ -499,6 +499,14 @@ class PolicyStats:
     edges_checkable: bool = True
     #: Graph mode: its capture (the report's ``capture``: graphs, pools, time, memory).
     capture: dict[str, Any] | None = None
+    #: An adaptive policy (eager): the steps run before its bucket decided
+    #: (warm-ups included), each as (time per layer, the path it took,
+    #: whether it was a timed step); ``per_layer_s`` then holds its steady
+    #: state only (timed steps after the decision), or, when it never
+    #: decided, its timed learning steps (flagged noisy).
+    learning: list[tuple[float, str, bool]] = field(default_factory=list)
+    #: The decision its learning ended with (None: still learning at the end).
+    decision: str | None = None
 
 
 @dataclass
@@ -653,7 +661,8 @@ def _run_policies(
     )
     # One engine per policy, kept over the repetitions (what adaptive engage
     # learned carries over, as in a serving process), applied per repetition.
-    engines = {p: emulated_layer().engine for p in order}
+    patch_layers = {p: emulated_layer() for p in order}
+    engines = {p: layer.engine for p, layer in patch_layers.items()}
     try:
         for rep in range(params.reps):
             for policy in order:
@@ -662,22 +671,30 @@ def _run_policies(
                 cfg = _config_for(policy, handle.backend)
                 if cfg is not None:
                     engine.apply(config=cfg, manifest=manifest, strict=True)
+                learner = patch_layers[policy].runtime if cfg is not None and cfg.adaptive else None
                 try:
-                    for sid in range(params.warmup):
-                        world.steps_run = sid
-                        world.run_step()
-                        handle.sync()
-                        handle.check()
-                        bar.tick(policy)
-                    for sid in timed_ids:
+                    for sid in range(params.warmup + params.steps):
+                        timed = sid >= params.warmup
+                        # An adaptive policy's steps before its decision are
+                        # its learning, reported apart from its steady state.
+                        learning = learner is not None and _decision(learner) is None
+                        before = _overlap_steps(learner)
                         world.steps_run = sid
                         t0 = time.perf_counter()
                         out = world.run_step()
                         handle.sync()
-                        st.per_layer_s.append((time.perf_counter() - t0) / len(layers))
+                        per_layer = (time.perf_counter() - t0) / len(layers)
                         handle.check()
-                        _check_output(st, reference, sid, out, rep)
+                        if learning:
+                            path = "overlap" if _overlap_steps(learner) > before else "serial"
+                            st.learning.append((per_layer, path, timed))
+                        elif timed:
+                            st.per_layer_s.append(per_layer)
+                        if timed:
+                            _check_output(st, reference, sid, out, rep)
                         bar.tick(policy)
+                    if learner is not None:
+                        st.decision = _decision(learner)
                     if cfg is None:
                         # Serial: trace every timed step id again through the
                         # wrappers' pass-through path (upstream's loop; both
@@ -708,7 +725,38 @@ def _run_policies(
             emit(stats, f"repetition {rep + 1} of {params.reps}")
     finally:
         bar.close()
+    for st in stats.values():
+        if st.learning and st.decision is None:  # no steady state: its timed learning steps stand in
+            st.per_layer_s = [t for t, _, timed in st.learning if timed]
     return stats
+
+
+def _decision(runtime: Any) -> str | None:
+    """The decision of the runtime's one eager bucket (None: learning, or no
+    bucket yet)."""
+    decisions = {b["decision"] for b in runtime.adaptive.snapshot()}
+    return next(iter(decisions)) if len(decisions) == 1 and "learning" not in decisions else None
+
+
+def _overlap_steps(runtime: Any) -> int:
+    return 0 if runtime is None else int(runtime.counters.to_dict()["steps"]["overlap"])
+
+
+def _learning(st: PolicyStats, steady_median: float | None) -> dict[str, Any] | None:
+    """An adaptive policy's learning: the steps it took before its decision
+    (warm-ups included), the paths they ran, their times per layer, and what
+    they cost against the steady state (the chosen path and its re-probes)."""
+    if not st.learning and st.decision is None:
+        return None
+    times = [t for t, _, _ in st.learning]
+    extra = None if steady_median is None or st.decision is None else sum(t - steady_median for t in times)
+    return {
+        "steps": len(st.learning),
+        "decision": st.decision,
+        "paths": {path: sum(1 for _, p, _ in st.learning if p == path) for path in ("overlap", "serial")},
+        "per_layer_us": _per_layer(times),
+        "extra_us_per_layer": None if extra is None else round(_us(extra), 1),
+    }
 
 
 def _graph_warmups(world: Any, sync: Callable[[], None], n: int) -> None:
@@ -1142,6 +1190,8 @@ def _report(
                 if eta is None:
                     eta_ci = None
                 noise = _noise(t_serial / med, speedup_ci, eta, eta_ci)
+                if st.learning and st.decision is None:
+                    noise.append("adaptive engage was still learning at the end: not its steady state")
         policies.append(
             {
                 "policy": name,
@@ -1150,6 +1200,7 @@ def _report(
                 "samples": len(st.per_layer_s),
                 "per_layer_us": _per_layer(st.per_layer_s),
                 "adaptive": name in ADAPTIVE_POLICIES,
+                "learning": _learning(st, med),
                 "speedup": speedup,
                 "speedup_ci95": speedup_ci,
                 "eta": eta,

@@ -128,6 +128,31 @@ def graph_lines(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def learning_lines(report: Mapping[str, Any]) -> list[str]:
+    """An adaptive policy's row is its steady state (after its decision); its
+    learning, apart: the steps it took and what they cost."""
+    out = []
+    for p in report["policies"]:
+        learn = p.get("learning")
+        if not learn:
+            continue
+        if learn["decision"] is None:
+            out.append(
+                f"{p['policy']}: still learning after {learn['steps']} steps: no steady state in this run "
+                "(its row has no figures); run more --steps"
+            )
+            continue
+        paths = learn["paths"]
+        extra = learn["extra_us_per_layer"]
+        cost = "" if extra is None else f"; they cost {fmt_time(extra)} per layer in all over the steady state"
+        out.append(
+            f"{p['policy']}: its row is its steady state, after it decided {learn['decision']}: "
+            f"{learn['steps']} learning steps before it (warm-ups included: {paths['overlap']} overlap, "
+            f"{paths['serial']} serial; median {fmt_time(learn['per_layer_us']['median'])} per layer){cost}."
+        )
+    return out
+
+
 def bench_table(report: Mapping[str, Any]) -> str:
     """The benchmark's result as the text printed to stdout."""
     prm = report["params"]
@@ -197,6 +222,7 @@ def bench_table(report: Mapping[str, Any]) -> str:
             f"* {p['policy']}: noisy, not a result: {'; '.join(p['noise'])}. "
             "Run more --steps or --reps on an otherwise idle machine."
         )
+    lines += learning_lines(report)
     by = {p["policy"]: p for p in report["policies"]}
     lines.append("")
     checked = [p for p in report["policies"] if p.get("peer_cycle_checked_steps")]
