@@ -126,12 +126,13 @@ class FfnStep:
 
     def is_capture(self, backend: StreamBackend | None = None) -> bool:
         """Whether this call runs inside a graph capture, computed once: the
-        caller says so, or the layer is capturing (its wrapped
-        ``_capture_graphs``) and the current stream is the capturing one."""
+        caller says so, or the current stream of ``backend`` (the step's) is
+        capturing. Without a backend (a step that got none), the runner's is
+        asked only while the layer captures (its wrapped ``_capture_graphs``)."""
         if self._capture is None:
             capture = bool(self.kwargs.get("is_graph_capturing"))
-            if not capture and GUARD.capturing():
-                if backend is None:
+            if not capture:
+                if backend is None and GUARD.capturing():
                     state = self.runtime.runners.of(self.runner)
                     backend = state.streamset.backend if state is not None and state.streamset else None
                 capture = backend is not None and backend.is_capturing()
