@@ -398,6 +398,170 @@ def test_drain_times_out_on_a_busy_stream(streams: Callable[[str], dev.Stream]) 
 
 
 # ---------------------------------------------------------------------------
+# idle streams cost nothing: records fire on the host, synchronize skips them
+
+
+def running_on(s: dev.Stream) -> tuple[threading.Event, torch.Tensor]:
+    """A kernel running on ``s`` (started, its FIFO empty) that fills the
+    returned buffer once the returned gate is set."""
+    gate, started = threading.Event(), threading.Event()
+    buf = torch.zeros(4)
+
+    def kernel() -> None:
+        started.set()
+        gate.wait(BOUND_S)
+        buf.fill_(1.0)
+
+    with dev.stream(s):
+        dev.launch(kernel, writes=[buf])
+    assert started.wait(BOUND_S)
+    return gate, buf
+
+
+def test_a_record_on_a_stream_running_a_kernel_fires_after_that_kernel(
+    streams: Callable[[str], dev.Stream],
+) -> None:
+    """The stream's FIFO is empty while its kernel runs: the stream is not
+    idle, so the record is queued; a wait on it orders a reader after the
+    kernel (it would read the buffer's zeros otherwise)."""
+    k, reader = streams("K0"), streams("K1")
+    gate, buf = running_on(k)
+    seen: list[torch.Tensor] = []
+    try:
+        assert k.current == "kernel" and not k.query()
+        before = k.puts
+        ev = k.record_event()
+        assert k.puts == before + 1  # queued behind the kernel, not fired on the host
+        assert not ev.query()
+        reader.wait_event(ev)
+        with dev.stream(reader):
+            dev.launch(lambda: seen.append(buf.clone()))
+        assert not reader.drain(timeout=0.05)  # held by the wait
+        assert seen == []
+    finally:
+        gate.set()
+    assert reader.drain(timeout=BOUND_S)
+    assert ev.query() and len(seen) == 1 and torch.equal(seen[0], torch.ones(4))
+
+
+def test_a_record_on_an_idle_stream_is_complete_at_once_and_a_wait_on_it_queues_nothing(
+    streams: Callable[[str], dev.Stream],
+) -> None:
+    k, other = streams("K0"), streams("K1")
+    with dev.stream(k):
+        dev.launch(lambda: None)
+    assert k.drain(timeout=BOUND_S) and other.drain(timeout=BOUND_S)
+    puts = (k.puts, other.puts)
+    timed = dev.Event(enable_timing=True)
+    ev = k.record_event(timed)
+    assert ev.query()  # at once: no worker had to run
+    assert (k.puts, other.puts) == puts
+    other.wait_event(ev)  # bound to a record that has fired: holds nothing
+    assert other.puts == puts[1]
+    ran: list[str] = []
+    with dev.stream(other):
+        dev.launch(lambda: ran.append("after"))
+    assert other.drain(timeout=BOUND_S) and ran == ["after"]
+    end = dev.Event(enable_timing=True)
+    end.record(other)
+    assert timed.elapsed_time(end) >= 0.0  # timed on the host clock, as the queued path times it
+
+
+def test_with_a_stream_log_open_a_record_on_an_idle_stream_is_performed_by_the_stream(
+    streams: Callable[[str], dev.Stream],
+) -> None:
+    k, other = streams("K0"), streams("K1")
+    assert k.drain(timeout=BOUND_S)
+    log = dev.StreamLog()
+    previous = dev.set_log(log)
+    try:
+        puts = (k.puts, other.puts)
+        ev = k.record_event()
+        assert k.puts == puts[0] + 1  # queued: the stream performs (and logs) it
+        assert k.drain(timeout=BOUND_S)
+        assert ev.query()
+        other.wait_event(ev)  # fired already, and still logged as the stream performs it
+        assert other.puts == puts[1] + 1
+        assert other.drain(timeout=BOUND_S)
+    finally:
+        dev.set_log(previous)
+    assert [(e.stream, e.kind, e.event) for e in log.entries()] == [
+        ("K0", "record", ev.last.seq),
+        ("K1", "wait", ev.last.seq),
+    ]
+
+
+def test_every_waiter_on_one_record_goes_when_it_fires(streams: Callable[[str], dev.Stream]) -> None:
+    """Streams and host threads waiting on one record are all let go when
+    it fires, and one whose bound passes first is told it has not fired."""
+    k, *waiters = (streams(f"K{i}") for i in range(4))
+    gate = gate_on(k)
+    ev = k.record_event()
+    rec = ev.last
+    ran: list[str] = []
+    host: list[bool] = []
+    try:
+        for w in waiters:
+            w.wait_event(ev)
+            with dev.stream(w):
+                dev.launch(lambda name=w.name: ran.append(name))
+        # Unbounded waits: each must be handed the gate (daemon threads, so
+        # that a waiter left blocked fails the test instead of hanging it).
+        threads = [threading.Thread(target=lambda: host.append(rec.wait()), daemon=True) for _ in range(3)]
+        for t in threads:
+            t.start()
+        assert not rec.wait(0.05) and not rec.done
+        assert until(lambda: all(w.current == "wait" for w in waiters))
+        assert ran == [] and host == []
+    finally:
+        gate.set()
+    for t in threads:
+        t.join(BOUND_S)
+    assert host == [True, True, True]
+    assert all(w.drain(timeout=BOUND_S) for w in waiters)
+    assert sorted(ran) == ["K1", "K2", "K3"]
+    assert rec.done and rec.wait(0) and ev.query()
+
+
+def test_synchronize_puts_nothing_on_idle_streams(streams: Callable[[str], dev.Stream]) -> None:
+    ks = [streams(f"K{i}") for i in range(6)]
+    for k in ks:
+        with dev.stream(k):
+            dev.launch(lambda: None)
+    dev.synchronize()
+    puts = [k.puts for k in ks]
+    done = [k._w.done_count for k in ks]
+    for _ in range(10):
+        dev.synchronize()
+        assert dev.drain_all(timeout=BOUND_S)
+        assert all(k.drain(timeout=BOUND_S) for k in ks)
+    assert [k.puts for k in ks] == puts  # no record put, no thread woken
+    assert [k._w.done_count for k in ks] == done
+    gate = gate_on(ks[2])  # a busy stream is drained: one record, behind its work
+    try:
+        assert not dev.drain_all(timeout=0.05)
+        assert [k.puts - p for k, p in zip(ks, puts, strict=True)] == [0, 0, 2, 0, 0, 0]  # the gate, the record
+    finally:
+        gate.set()
+    assert dev.drain_all(timeout=BOUND_S)
+
+
+def test_synchronize_waits_for_the_work_a_closed_stream_still_runs(streams: Callable[[str], dev.Stream]) -> None:
+    """Work queued before a close still runs (close stops the thread after
+    it): a device synchronize waits for it and for the thread's end."""
+    k = dev.Stream()
+    gate = gate_on(k)
+    ran: list[str] = []
+    with dev.stream(k):
+        dev.launch(lambda: (time.sleep(0.05), ran.append("after")))
+    assert not k.close(timeout=0)  # told to stop; its thread still runs the gate
+    assert k.alive and k.closed
+    gate.set()
+    dev.synchronize()
+    assert ran == ["after"] and not k.alive
+
+
+# ---------------------------------------------------------------------------
 # backend choice and the module
 
 

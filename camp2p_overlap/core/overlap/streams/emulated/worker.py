@@ -15,16 +15,33 @@ the error is kept as the stream's asynchronous error until it is taken
 While a graph capture is in progress (``capture.py``) work queued on a
 capturing stream goes into the graph instead (:data:`hooks`), and the calls
 capture forbids raise :class:`CaptureViolation` from any thread.
+
+An idle stream costs nothing, as on a device: a stream is *idle* when
+everything put on it has run to its end (decided under its worker's lock,
+so a stream still running a kernel is busy though its FIFO is empty). An
+event record on an idle stream fires on the host at once, outside a capture
+and with no stream log open (a logged record is performed by the stream, as
+the log's evidence needs); a wait on a record that has fired queues nothing
+(with no log open); and a device synchronize puts nothing on idle streams.
+So no worker thread is woken for work it has nothing to do for.
+
+At interpreter exit (an :mod:`atexit` hook, see :func:`shut_down`) the
+device stops every worker: queued work is dropped, a kernel still running
+gets :data:`EXIT_WAIT_S` to end, then is interrupted, and the process exits
+with the status its host code gave. In a forked child the parent's workers
+do not exist: their queued work is dropped there too.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import queue
 import threading
 import time
 import weakref
+from _thread import allocate_lock as _allocate_lock
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -39,10 +56,28 @@ _stream_ids = itertools.count()
 _tls = threading.local()
 _STOP = ("stop",)
 
+#: Interpreter exit (:func:`shut_down`): how long the kernels the streams
+#: are running get to end (one bound for all streams together) ...
+EXIT_WAIT_S = 1.0
+#: ... and how long one still running after that gets, once interrupted
+#: (:class:`DeviceShutdown` raised at its next Python instruction), before
+#: it is abandoned. The exit waits at most their sum.
+EXIT_INTERRUPT_S = 0.5
+#: How often a stream waiting on an event looks whether the device stops.
+_WAIT_POLL_S = 0.05
+#: Set once :func:`shut_down` has run: the device makes no more streams.
+_shut: list[bool] = [False]
+
 
 class CaptureViolation(RuntimeError):
     """A call a device graph capture forbids, made while a capture was in
     progress (the message names the call and the rule it breaks)."""
+
+
+class DeviceShutdown(BaseException):
+    """Raised inside a kernel still running when the interpreter exits, past
+    :data:`EXIT_WAIT_S` (a ``BaseException``, like ``SystemExit``: the
+    kernel is not meant to handle it)."""
 
 
 class Hooks:
@@ -124,19 +159,38 @@ def set_log(log: StreamLog | None) -> StreamLog | None:
 
 
 class Record:
-    """One record of an event: fires once, when its stream reaches it."""
+    """One record of an event: fires once, when its stream reaches it (or
+    on the host, when its stream is idle). ``done`` says whether it has;
+    :meth:`wait` blocks until it has. One held lock, released when it
+    fires, is what waiters block on (a ``threading.Event`` costs several
+    times more to make and to set, and a step makes many records)."""
 
-    __slots__ = ("event", "fired", "ns", "seq")
+    __slots__ = ("_gate", "done", "event", "ns", "seq")
 
     def __init__(self, event: Event | None = None) -> None:
-        self.fired = threading.Event()
+        self._gate = _allocate_lock()
+        self._gate.acquire()
+        self.done = False
         self.ns = 0
         self.seq = next(_record_ids)
         self.event = event
 
     def fire(self) -> None:
+        """Fire (once: the stream that performs it, or the idle fast path)."""
         self.ns = time.perf_counter_ns()
-        self.fired.set()
+        self.done = True
+        self._gate.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until it has fired (at most ``timeout`` seconds); returns
+        whether it has. Each waiter takes the gate and hands it on."""
+        if self.done:
+            return True
+        gate = self._gate
+        if gate.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            gate.release()
+            return True
+        return self.done
 
 
 class Event:
@@ -174,13 +228,15 @@ class Event:
     def query(self) -> bool:
         forbid_in_capture("Event.query()", "querying an event is an unsafe call in global capture mode")
         rec = self.last
-        return rec is None or not isinstance(rec, Record) or rec.fired.is_set()
+        return rec is None or not isinstance(rec, Record) or rec.done
 
     def synchronize(self) -> None:
         forbid_in_capture("Event.synchronize()", "a synchronize is illegal during capture")
         rec = self.last
         if isinstance(rec, Record):
-            rec.fired.wait()
+            while not rec.wait(_WAIT_POLL_S):
+                if _shut[0]:
+                    raise RuntimeError("Event.synchronize(): its record was dropped at interpreter exit")
 
     def elapsed_time(self, end: Event) -> float:
         """Milliseconds from this event's last record to ``end``'s."""
@@ -188,7 +244,7 @@ class Event:
         if not (self.enable_timing and end.enable_timing):
             raise RuntimeError("elapsed_time needs both events created with enable_timing=True")
         a, b = self.last, end.last
-        if not (isinstance(a, Record) and isinstance(b, Record)) or not (a.fired.is_set() and b.fired.is_set()):
+        if not (isinstance(a, Record) and isinstance(b, Record)) or not (a.done and b.done):
             raise RuntimeError("elapsed_time: both events must have been recorded and have completed")
         return (b.ns - a.ns) / 1e6
 
@@ -296,16 +352,29 @@ def tracked(fn: Callable[[], Any], label: str = "op") -> TrackedOp:
 
 class _Worker:
     """A stream's thread and FIFO; holds no reference to its :class:`Stream`
-    (a stream nobody holds is collected and its thread told to stop)."""
+    (a stream nobody holds is collected and its thread told to stop).
+
+    ``pending`` (under ``lock``) counts the items put and not yet run to
+    their end: the worker takes it down only once an item has finished, so
+    ``pending == 0`` means idle: nothing queued *and* nothing running."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        #: Guards ``pending``, ``put_count`` and the decision to queue or to
+        #: fire at once; everything is put on ``queue`` under it.
+        self.lock = threading.Lock()
+        self.pending = 0
         #: Asynchronous errors not taken yet: (execution order of the kernel, error).
         self.errors: list[tuple[int, BaseException]] = []
         self.poisoned: BaseException | None = None
+        #: Items ever put on the FIFO (each wakes the thread), and run.
         self.put_count = 0
         self.done_count = 0
+        #: Records fired on the host at once (the stream was idle).
+        self.fired_idle = 0
+        #: Items dropped, never run (interpreter exit, or inherited by a forked child).
+        self.dropped = 0
         #: What the worker is doing now (diagnostics): a label, or None.
         self.doing: str | None = None
         #: Set in a forked child: the thread does not exist there.
@@ -313,24 +382,113 @@ class _Worker:
         #: Set once told to stop (its stream closed or collected): nothing
         #: queued after that would run, so it takes no more work.
         self.stopped = False
+        #: Set at interpreter exit: queued work was dropped, a wait lets go.
+        self.halted = False
         self.thread = threading.Thread(target=self.run, name=f"camp2p-emulated-stream-{name}", daemon=True)
         self.thread.start()
 
-    def put(self, item: tuple[Any, ...]) -> None:
+    def _refuse(self) -> None:
         if self.dead:
             raise RuntimeError(f"stream {self.name} belongs to the parent process (its thread does not exist here)")
-        if self.stopped:
-            raise RuntimeError(f"stream {self.name} is closed (its worker thread has been told to stop)")
-        self.put_count += 1
-        self.queue.put(item)
+        if self.halted:
+            raise RuntimeError(f"stream {self.name} is closed (the emulated device stopped at interpreter exit)")
+        raise RuntimeError(f"stream {self.name} is closed (its worker thread has been told to stop)")
+
+    def put(self, item: tuple[Any, ...]) -> None:
+        if self.dead or self.stopped:
+            self._refuse()
+        with self.lock:
+            if self.stopped:
+                self._refuse()
+            self.pending += 1
+            self.put_count += 1
+            self.queue.put(item)
+
+    def record(self, rec: Record) -> bool:
+        """Fire ``rec`` at once when the stream is idle (returns False), or
+        queue it behind the work it has (returns True). Idle is decided
+        under the lock the worker takes ``pending`` down under, after an
+        item has run: a record never fires before work put earlier."""
+        if self.dead or self.stopped:
+            self._refuse()
+        with self.lock:
+            if self.stopped:
+                self._refuse()
+            if self.pending == 0:
+                rec.fire()
+                self.fired_idle += 1
+                return False
+            self.pending += 1
+            self.put_count += 1
+            self.queue.put(("record", rec, None))
+            return True
+
+    def fence(self) -> Record | None:
+        """A record queued behind everything put so far, or None when the
+        stream is idle (nothing put: there is nothing to wait for)."""
+        if self.dead or self.stopped:
+            self._refuse()
+        with self.lock:
+            if self.stopped:
+                self._refuse()
+            if self.pending == 0:
+                return None
+            rec = Record()
+            self.pending += 1
+            self.put_count += 1
+            self.queue.put(("record", rec, None))
+            return rec
+
+    def idle(self) -> bool:
+        with self.lock:
+            return self.pending == 0
 
     def stop(self) -> None:
         if not self.dead and not self.stopped:
-            self.stopped = True
+            with self.lock:
+                if self.stopped:
+                    return
+                self.stopped = True
+                self.queue.put(_STOP)
+
+    def halt(self) -> None:
+        """Stop now: drop what is queued (it never runs), let a wait go, and
+        tell the thread to end once the item it is running has ended."""
+        if self.dead:
+            return
+        with self.lock:
+            if self.halted:
+                return
+            self.stopped = self.halted = True
+            self._drop()
             self.queue.put(_STOP)
+
+    def _drop(self) -> None:
+        """Drop every queued item (under ``lock``)."""
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP:
+                self.pending -= 1
+                self.dropped += 1
+
+    def forget(self) -> None:
+        """In a forked child: the thread does not exist, its FIFO's items
+        (and what they hold) are dropped. The FIFO is emptied, not replaced:
+        the parent thread's frame, which the child keeps, holds it."""
+        self.dead = True
+        self._drop()
 
     def run(self) -> None:
         _tls.worker = self
+        try:
+            self._loop()
+        except DeviceShutdown:  # an interrupt at exit that landed between two items
+            pass
+
+    def _loop(self) -> None:
         get = self.queue.get
         while True:
             item = get()
@@ -347,7 +505,9 @@ class _Worker:
             finally:
                 del item
                 self.doing = None
-                self.done_count += 1
+                with self.lock:  # idle from here on when nothing else is queued
+                    self.pending -= 1
+                    self.done_count += 1
 
     def _kernel(self, fn: Callable[[], None], op: TrackedOp | None, log: StreamLog | None, launched: int) -> None:
         order, t0 = next(_order), time.perf_counter_ns()
@@ -380,15 +540,20 @@ class _Worker:
             log.add(StreamLogEntry(self.name, "record", key, rec.seq, order, now, now))
         rec.fire()
 
+    def _await(self, rec: Record) -> None:
+        """Hold the stream until ``rec`` fires (or the device stops)."""
+        self.doing = "wait"
+        while not rec.wait(_WAIT_POLL_S):
+            if self.halted:
+                return
+
     def _wait(self, rec: Record, log: StreamLog | None) -> None:
         if log is None:
-            if not rec.fired.is_set():
-                self.doing = "wait"
-                rec.fired.wait()
+            if not rec.done:
+                self._await(rec)
             return
         order, t0 = next(_order), time.perf_counter_ns()
-        self.doing = "wait"
-        rec.fired.wait()
+        self._await(rec)
         key = rec.event.key if rec.event is not None else None
         log.add(StreamLogEntry(self.name, "wait", key, rec.seq, order, t0, time.perf_counter_ns()))
 
@@ -403,6 +568,8 @@ class Stream:
 
     def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
         forbid_in_capture("Stream()", "creating a stream is not allowed inside a graph capture")
+        if _shut[0]:
+            raise RuntimeError("the emulated device stopped at interpreter exit: it makes no more streams")
         self.device = device
         self.priority = priority
         self.id = next(_stream_ids)
@@ -446,7 +613,11 @@ class Stream:
             return event
         rec = Record(event)
         event.last = rec
-        self._w.put(("record", rec, getattr(_tls, "log", None)))
+        log = getattr(_tls, "log", None)
+        if log is None:
+            self._w.record(rec)  # fires at once when the stream is idle
+        else:  # logged as the stream performs it
+            self._w.put(("record", rec, log))
         return event
 
     def wait_event(self, event: Event) -> None:
@@ -459,7 +630,12 @@ class Stream:
             return
         if not isinstance(rec, Record):
             raise CaptureViolation(f"stream {self.name} waits on an event last recorded inside a finished capture")
-        self._w.put(("wait", rec, getattr(_tls, "log", None)))
+        log = getattr(_tls, "log", None)
+        if log is None and rec.done:
+            if self._w.dead or self._w.stopped:
+                self._w._refuse()
+            return  # its record has fired: the wait would hold nothing
+        self._w.put(("wait", rec, log))
 
     def wait_stream(self, other: Stream) -> None:
         self.wait_event(other.record_event())
@@ -478,7 +654,7 @@ class Stream:
     # -- host side -----------------------------------------------------
     def query(self) -> bool:
         forbid_in_capture("Stream.query()", "querying a stream is an unsafe call in global capture mode")
-        return self._w.done_count >= self._w.put_count
+        return self._w.idle()
 
     def synchronize(self) -> None:
         forbid_in_capture(f"Stream.synchronize() of {self.name}", "a synchronize is illegal during capture")
@@ -486,10 +662,9 @@ class Stream:
 
     def drain(self, timeout: float | None = None) -> bool:
         """Block until everything queued so far has run (no capture check:
-        the module's own synchronizes call it)."""
-        rec = Record()
-        self._w.put(("record", rec, None))
-        return rec.fired.wait(timeout)
+        the module's own synchronizes call it); an idle stream is not woken."""
+        rec = self._w.fence()
+        return rec is None or rec.wait(timeout)
 
     def close(self, timeout: float | None = 5.0) -> bool:
         """Stop the worker thread (work queued before still runs) and wait
@@ -512,6 +687,12 @@ class Stream:
     @property
     def alive(self) -> bool:
         return self._w.thread.is_alive()
+
+    @property
+    def puts(self) -> int:
+        """Items ever put on the stream's FIFO (each one wakes its thread):
+        what idle streams are spared (diagnostics, tests)."""
+        return self._w.put_count
 
     @property
     def current(self) -> str | None:
@@ -554,6 +735,8 @@ _default_lock = threading.Lock()
 def default_stream() -> DefaultStream:
     s = _default[0]
     if s is None:
+        if _shut[0]:
+            raise RuntimeError("the emulated device stopped at interpreter exit: it has no default stream")
         with _default_lock:
             s = _default[0]
             if s is None:
@@ -612,6 +795,17 @@ def live_workers() -> list[Any]:
         return [w for w in _workers if not w.dead and not w.stopped]
 
 
+def _closing_workers() -> list[_Worker]:
+    """Workers told to stop whose thread still runs what was queued before."""
+    me = threading.current_thread()
+    with _workers_lock:
+        return [
+            w
+            for w in _workers
+            if w.stopped and not w.halted and not w.dead and w.thread.is_alive() and w.thread is not me
+        ]
+
+
 def synchronize(device: Any = None) -> None:
     """Block until every stream has run everything queued so far, then raise
     the first asynchronous error a kernel hit since the last one taken (and
@@ -624,17 +818,27 @@ def synchronize(device: Any = None) -> None:
 
 
 def drain_all(timeout: float | None = None) -> bool:
+    """Block until every stream has run everything queued so far (each
+    bounded by ``timeout``); returns whether all did. A stream with nothing
+    queued or running is skipped: nothing is put on it, its thread is not
+    woken (a device's synchronize does not grow with its idle streams)."""
     ok = True
-    default_stream()
+    if not _shut[0]:
+        default_stream()
+    for w in _closing_workers():  # closed: what it had queued runs before its thread ends
+        w.thread.join(timeout)
+        ok = not w.thread.is_alive() and ok
     for w in live_workers():
-        rec = Record()
         try:
-            w.put(("record", rec, None))
+            rec = w.fence()
+            if rec is None:  # idle: nothing put, no thread woken
+                continue
         except RuntimeError:  # closed meanwhile: what it had queued runs before its thread ends
-            w.thread.join(timeout)
-            ok = not w.thread.is_alive() and ok
+            if not w.dead and w.thread is not threading.current_thread():
+                w.thread.join(timeout)
+                ok = not w.thread.is_alive() and ok
             continue
-        ok = rec.fired.wait(timeout) and ok
+        ok = rec.wait(timeout) and ok
     return ok
 
 
@@ -663,9 +867,13 @@ def take_errors(streams: Iterable[Stream] | None = None) -> list[BaseException]:
 
 def _forget_in_child() -> None:
     """After a fork no worker thread exists in the child: streams inherited
-    refuse work, and the child gets a fresh default stream on first use."""
+    refuse work, what they had queued is dropped (with what it holds), and
+    the child gets a fresh default stream on first use."""
+    global _workers_lock, _default_lock
+    _workers_lock = threading.Lock()  # another thread may have held them at the fork
+    _default_lock = threading.Lock()
     for w in list(_workers):
-        w.dead = True
+        w.forget()
     _default[0] = None
     hooks.capture = None
     globals()["_tls"] = threading.local()
@@ -673,3 +881,67 @@ def _forget_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
+
+
+# ---------------------------------------------------------------------------
+# interpreter exit
+
+
+def shut_down(wait: float | None = None, interrupt: float | None = None) -> bool:
+    """Stop the device's workers; run at interpreter exit (``atexit``).
+
+    Queued work is *dropped* (it never runs; a dropped record never fires).
+    A kernel a stream is running gets ``wait`` seconds (default
+    :data:`EXIT_WAIT_S`, one bound for all streams together) to end; one
+    still running then is interrupted (:class:`DeviceShutdown` raised at
+    its next Python instruction) and gets ``interrupt`` seconds more
+    (default :data:`EXIT_INTERRUPT_S`); one still running after that (one
+    blocked in a call that never returns) is abandoned. A stream waiting on
+    an event lets go within ``_WAIT_POLL_S``. So exit waits at most
+    ``wait + interrupt`` and prints nothing: the process ends with the
+    status its host code gave, an uncaught exception's traceback last.
+    Returns whether every worker thread has ended.
+
+    Why: a worker thread still inside a torch call when the interpreter
+    finalizes is ended as it takes the GIL back, by a forced unwind through
+    torch's C++ frames: ``terminate called without an active exception``,
+    status 134. ``atexit`` runs after ``threading`` has joined the
+    non-daemon threads (a host thread still driving a stream finishes
+    first; ``threading._register_atexit`` hooks run before that join) and
+    before finalization starts ending daemon threads."""
+    wait = EXIT_WAIT_S if wait is None else wait
+    interrupt = EXIT_INTERRUPT_S if interrupt is None else interrupt
+    _shut[0] = True
+    with _workers_lock:
+        workers = [w for w in _workers if not w.dead]
+    me = threading.current_thread()
+    workers = [w for w in workers if w.thread is not me]
+    for w in workers:
+        w.halt()
+    if _join(workers, wait):
+        return True
+    for w in workers:
+        if w.thread.is_alive() and w.doing not in (None, "wait"):
+            _interrupt(w.thread)
+    return _join(workers, interrupt)
+
+
+def _join(workers: list[_Worker], bound: float) -> bool:
+    deadline = time.monotonic() + bound
+    for w in workers:
+        w.thread.join(max(0.0, deadline - time.monotonic()))
+    return not any(w.thread.is_alive() for w in workers)
+
+
+def _interrupt(thread: threading.Thread) -> None:
+    """Raise :class:`DeviceShutdown` in ``thread`` at its next Python
+    instruction (a thread blocked in C code gets it when it returns)."""
+    try:
+        import ctypes
+    except ImportError:  # pragma: no cover - an interpreter without ctypes
+        return
+    if thread.ident is not None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(DeviceShutdown))
+
+
+atexit.register(shut_down)
