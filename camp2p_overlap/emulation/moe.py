@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from camp2p_overlap.core.overlap.streams.emulated import launch
+from camp2p_overlap.emulation.device import launch
 
 
 @dataclass(frozen=True)

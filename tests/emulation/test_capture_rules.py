@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from camp2p_overlap.core.overlap.streams import emulated as dev
-from camp2p_overlap.core.overlap.streams.emulated import worker
-from camp2p_overlap.core.overlap.streams.emulated.capture import capture_in_progress
-from camp2p_overlap.core.overlap.streams.emulated.worker import CaptureViolation
+from camp2p_overlap.emulation import device as dev
+from camp2p_overlap.emulation.device import worker
+from camp2p_overlap.emulation.device.capture import capture_in_progress
+from camp2p_overlap.emulation.device.worker import CaptureViolation
 
 BOUND_S = 10.0  # generous: how long a test waits for what must happen soon
 N = 16

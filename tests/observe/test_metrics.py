@@ -455,7 +455,7 @@ def test_the_scrape_and_the_summary_touch_no_device_event(
 ) -> None:
     from camp2p_overlap.core.overlap.step_timings import StepTimings
     from camp2p_overlap.core.overlap.streams import base, device
-    from camp2p_overlap.core.overlap.streams.emulated import worker
+    from camp2p_overlap.emulation.device import worker
 
     w = world(layers=2, stage_ids=(0, 1))
     LAYER.engine.apply(  # adaptive: the steps leave timings whose events a careless reader would query

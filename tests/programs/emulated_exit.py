@@ -39,8 +39,8 @@ import weakref
 
 import torch
 
-from camp2p_overlap.core.overlap.streams.emulated import worker
 from camp2p_overlap.emulation import device as dev
+from camp2p_overlap.emulation.device import worker
 from camp2p_overlap.emulation.moe import MoEFFN, MoEShape
 
 

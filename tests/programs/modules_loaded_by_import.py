@@ -1,8 +1,15 @@
-"""Child of tests/package/test_layers.py: imports the package and prints
-the sorted list of loaded modules whose names start with one of argv."""
+"""Child of tests/package/test_layers.py and tests/emulation/test_device_registry.py:
+imports the package (and, with ``--apply`` first, calls ``apply()``), then
+prints the sorted list of loaded modules whose names start with one of the
+other arguments."""
 
 import sys
 
-import camp2p_overlap  # noqa: F401  (the import is what is measured)
+import camp2p_overlap
 
-print(sorted(m for m in sys.modules if m.startswith(tuple(sys.argv[1:]))))
+prefixes = sys.argv[1:]
+if prefixes[:1] == ["--apply"]:
+    prefixes = prefixes[1:]
+    camp2p_overlap.apply()
+
+print(sorted(m for m in sys.modules if m.startswith(tuple(prefixes))))

@@ -928,7 +928,7 @@ def device_graph_bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
     """One tiny ``bench --graph --device-world --json`` through ``main(argv)``,
     with every JSON write (partial reports, then the final one) and every
     graph capture of the emulated device (its pool, whether it ended) seen."""
-    from camp2p_overlap.core.overlap.streams.emulated.capture import Graph
+    from camp2p_overlap.emulation.device.capture import Graph
     from camp2p_overlap.tools.bench import tables
 
     out = tmp_path_factory.mktemp("device-graph") / "g.json"

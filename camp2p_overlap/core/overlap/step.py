@@ -43,8 +43,8 @@ from camp2p_overlap.core.overlap.rollout import streams_for
 from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, PlannedShape, RunnerState
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
 from camp2p_overlap.core.overlap.session import OverlapSession
-from camp2p_overlap.core.overlap.streams import BackendUnavailable
-from camp2p_overlap.core.overlap.streams.base import StreamBackend
+from camp2p_overlap.core.overlap.streams import BackendUnavailable, registered_device_module
+from camp2p_overlap.core.overlap.streams.base import NO_CAPABILITIES, DeviceCapabilities, DoneHandle, StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.core.overlap.watchdog import start_watchdog
 from camp2p_overlap.core.patching.installer import MARK, Wrapper
@@ -356,13 +356,11 @@ class FfnStep:
         state = recorder.serial_state()
         step_id = recorder.next_step()
         previous = state["step"], state.get("trace")
-        # What the emulated device's streams perform for this thread's work
-        # (nothing on a real device): the trace is built from it when read.
-        # Imported here: apply() and an untraced step import no torch.
-        from camp2p_overlap.core.overlap.streams import emulated
-
-        log = emulated.StreamLog()
-        saved_log = emulated.set_log(log)
+        # What the registered cpu device's streams perform for this thread's
+        # work (none on a real device): the trace is built from it when read.
+        caps = serial_capabilities()
+        log = caps.new_log() if caps.new_log is not None else None
+        saved_log = caps.set_log(log) if caps.set_log is not None else None
         state["step"], state["trace"] = step_id, StepTrace(recorder, step_id, log=log)
         routes = self.traced_routes(recorder)
         t0 = time.perf_counter_ns()
@@ -371,7 +369,8 @@ class FfnStep:
         finally:
             if routes is not None:
                 routes.remove()
-            emulated.set_log(saved_log)
+            if caps.set_log is not None:
+                caps.set_log(saved_log)
             state["trace"].emit()
             recorder.add(TraceOp("step", None, None, COMPUTE_STREAM, t0, time.perf_counter_ns(), step_id))
             state["step"], state["trace"] = previous
@@ -431,11 +430,9 @@ def _traced_recv(recorder: TraceRecorder) -> RouterFactory:
         def recv_attn_output(*args: Any, **kwargs: Any) -> Any:
             if get_ident() != thread:
                 return callee(*args, **kwargs)
-            from camp2p_overlap.core.overlap.streams.emulated import tracked
-
             kw = camp2p.recv_kwargs(args, kwargs)
             layer, stage = kw.get("layer_idx"), kw.get("ubatch_idx")
-            h = tracked(lambda: callee(*args, **kwargs), OpKey(A2E, layer, stage).label())
+            h = _tracked(lambda: callee(*args, **kwargs), OpKey(A2E, layer, stage).label())
             state = recorder.serial_state()
             _serial_trace_op(recorder, state, A2E, layer, stage, h)
             payload = h.result()
@@ -445,6 +442,28 @@ def _traced_recv(recorder: TraceRecorder) -> RouterFactory:
         return recv_attn_output
 
     return make
+
+
+def serial_capabilities() -> DeviceCapabilities:
+    """What the device registered for the ``cpu`` backend offers the serial
+    path's trace (its stream log, its kernel tracking); none when nothing
+    is registered (a real device: its truth comes from the profiler)."""
+    module = registered_device_module("cpu")
+    return DeviceCapabilities.of(module) if module is not None else NO_CAPABILITIES
+
+
+def _tracked(fn: Callable[[], Any], label: str) -> Any:
+    """``fn()`` as a tracked op of the registered device, or run on the host
+    and timed there where none offers tracking."""
+    tracked = serial_capabilities().tracked
+    if tracked is not None:
+        return tracked(fn, label)
+    t0 = time.perf_counter_ns()
+    try:
+        value = fn()
+    except BaseException as exc:  # noqa: BLE001 - handed back, as tracked() does
+        return DoneHandle(None, exc, t0, time.perf_counter_ns())
+    return DoneHandle(value, None, t0, time.perf_counter_ns())
 
 
 def _serial_trace_op(recorder: TraceRecorder, state: dict[str, Any], kind: str, layer: Any, stage: Any, h: Any) -> None:
@@ -476,9 +495,7 @@ def _traced_send(recorder: TraceRecorder) -> RouterFactory:
             trace = state.get("trace")
             if started and trace is not None:
                 trace.ffn(layer, stage, started[2], t0, -1)  # type: ignore[union-attr]
-            from camp2p_overlap.core.overlap.streams.emulated import tracked
-
-            h = tracked(lambda: callee(*args, **kwargs), OpKey(E2A, layer, stage).label())
+            h = _tracked(lambda: callee(*args, **kwargs), OpKey(E2A, layer, stage).label())
             _serial_trace_op(recorder, state, E2A, layer, stage, h)
             return h.result()
 

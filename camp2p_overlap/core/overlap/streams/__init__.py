@@ -1,6 +1,7 @@
 """Stream backends: one device backend over ``torch.npu``, ``torch.cuda``
-or, for ``cpu``, the emulated device (``streams/emulated``: worker-thread
-streams on the host), chosen from the runner's device."""
+or, for ``cpu``, the device module registered for it (the emulated device,
+``camp2p_overlap.emulation.device``, registers itself when imported; the
+layer imports no emulation module), chosen from the runner's device."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 
 from camp2p_overlap.core.overlap.streams.base import (
     BackendUnavailable,
+    DeviceCapabilities,
+    DeviceModule,
     DoneHandle,
     Event,
     OpHandle,
@@ -21,6 +24,8 @@ from camp2p_overlap.core.overlap.streams.device import TorchDeviceBackend
 
 __all__ = [
     "BackendUnavailable",
+    "DeviceCapabilities",
+    "DeviceModule",
     "DoneHandle",
     "Event",
     "OpHandle",
@@ -30,8 +35,42 @@ __all__ = [
     "TorchDeviceBackend",
     "device_module",
     "make_backend",
+    "register_device_module",
+    "registered_device_module",
     "resolve_backend_name",
+    "unregister_device_module",
 ]
+
+#: Device modules registered for a backend name that torch does not provide
+#: (``cpu``: the emulated device), by that name.
+_REGISTERED: dict[str, DeviceModule] = {}
+#: The only backend names a module can be registered for.
+REGISTRABLE = ("cpu",)
+
+
+def register_device_module(backend: str, module: DeviceModule) -> None:
+    """Serve ``backend`` (``cpu``) with ``module``. Checked now: a module
+    missing part of :class:`DeviceModule` is refused here, not at a step."""
+    if backend not in REGISTRABLE:
+        raise ValueError(f"only {', '.join(REGISTRABLE)} takes a registered device module, not {backend!r}")
+    missing = [
+        attr for attr in ("Stream", "Event", "stream", "current_stream", "synchronize") if not hasattr(module, attr)
+    ]
+    if missing:
+        raise TypeError(
+            f"{getattr(module, '__name__', module)!r} is not a device module: it has no {', '.join(missing)}"
+        )
+    _REGISTERED[backend] = module
+
+
+def unregister_device_module(backend: str) -> DeviceModule | None:
+    """Drop ``backend``'s module (returned, or None when none was registered)."""
+    return _REGISTERED.pop(backend, None)
+
+
+def registered_device_module(backend: str = "cpu") -> DeviceModule | None:
+    """The module registered for ``backend``, or None."""
+    return _REGISTERED.get(backend)
 
 
 def device_module(kind: str) -> Any:
@@ -77,10 +116,14 @@ def resolve_backend_name(requested: str, device: Any) -> str:
 
 
 def make_backend(name: str, device: Any = None) -> StreamBackend:
-    if name == "cpu":
-        from camp2p_overlap.core.overlap.streams import emulated
-
-        return TorchDeviceBackend("cpu", emulated, device)
+    if name in REGISTRABLE:
+        registered = _REGISTERED.get(name)
+        if registered is None:
+            raise BackendUnavailable(
+                f"backend {name!r}: no device module is registered for it; the emulated device registers "
+                "itself when camp2p_overlap.emulation.device is imported (the layer never imports it)"
+            )
+        return TorchDeviceBackend(name, registered, device)
     try:
         mod = device_module(name)
     except BackendUnavailable as exc:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Protocol
 
 from camp2p_overlap.core.keys import EventKey
@@ -36,6 +39,66 @@ class Event(Protocol):
     def query(self) -> bool: ...
 
     def synchronize(self) -> None: ...
+
+
+class DeviceModule(Protocol):
+    """What the device backend needs of a device module: ``torch.npu``,
+    ``torch.cuda``, or the module registered for the ``cpu`` backend
+    (:func:`~camp2p_overlap.core.overlap.streams.register_device_module`;
+    the emulated device registers itself). Streams have ``wait_event`` and
+    ``synchronize``; events ``record``, ``query``, ``synchronize`` and
+    ``elapsed_time``, as torch's do."""
+
+    __name__: str
+    Stream: Callable[..., Any]
+    Event: Callable[..., Any]
+
+    def stream(self, stream: Any) -> AbstractContextManager[Any]: ...
+
+    def current_stream(self) -> Any: ...
+
+    def synchronize(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class DeviceCapabilities:
+    """What a device module may offer beyond :class:`DeviceModule` (only
+    the emulated device does: ``torch.npu`` and ``torch.cuda`` offer none,
+    and every field is then None). The backend, the edge checker and the
+    serial path's trace read them here, never from the module itself.
+
+    - ``tracked(fn, label) -> OpHandle``: run ``fn`` as work of the current
+      stream, with a handle that follows the kernels it queues (kernel
+      tracking).
+    - ``peek_errors(streams) -> list``, ``take_errors(streams) -> list``:
+      the asynchronous errors kernels of ``streams`` hit, read or taken.
+    - ``new_log() -> log``, ``set_log(log) -> previous``: the stream log, a
+      record of what the streams perform for work this thread enqueues
+      (the edge checker's evidence).
+    """
+
+    tracked: Callable[[Callable[[], Any], str], OpHandle] | None = None
+    peek_errors: Callable[[Sequence[Any]], list[BaseException]] | None = None
+    take_errors: Callable[..., Any] | None = None
+    new_log: Callable[[], Any] | None = None
+    set_log: Callable[[Any], Any] | None = None
+
+    @classmethod
+    def of(cls, module: ModuleType | Any) -> DeviceCapabilities:
+        """The capabilities ``module`` offers (a log needs both of its parts)."""
+        new_log, set_log = getattr(module, "StreamLog", None), getattr(module, "set_log", None)
+        logs = new_log is not None and set_log is not None
+        return cls(
+            tracked=getattr(module, "tracked", None),
+            peek_errors=getattr(module, "peek_errors", None),
+            take_errors=getattr(module, "take_errors", None),
+            new_log=new_log if logs else None,
+            set_log=set_log if logs else None,
+        )
+
+
+#: A module with none of the optional capabilities.
+NO_CAPABILITIES = DeviceCapabilities()
 
 
 class OpHandle(abc.ABC):

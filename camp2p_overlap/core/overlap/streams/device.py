@@ -22,7 +22,13 @@ from types import ModuleType
 from typing import Any
 
 from camp2p_overlap.core.keys import COMPUTE_STREAM, EventKey
-from camp2p_overlap.core.overlap.streams.base import BackendUnavailable, DoneHandle, OpHandle, StreamBackend
+from camp2p_overlap.core.overlap.streams.base import (
+    BackendUnavailable,
+    DeviceCapabilities,
+    DoneHandle,
+    OpHandle,
+    StreamBackend,
+)
 
 #: The prefix of every profiler range the layer and its tools open.
 RANGE_PREFIX = "camp2p:"
@@ -75,13 +81,11 @@ class TorchDeviceBackend(StreamBackend):
         self._origin: Any = None
         #: Streams this backend made (closed with it where they can be).
         self._made: list[Any] = []
-        # What only the emulated device offers (absent on torch.npu/cuda):
-        # op handles that follow their kernels, asynchronous errors per
-        # stream, and a log of what the streams performed.
-        self._tracked = getattr(device_module, "tracked", None)
-        self._peek_errors = getattr(device_module, "peek_errors", None)
-        self._take_errors = getattr(device_module, "take_errors", None)
-        self._set_log = getattr(device_module, "set_log", None)
+        #: What the module offers beyond the stream API (the emulated
+        #: device only; none on torch.npu/cuda): op handles that follow
+        #: their kernels, asynchronous errors per stream, the stream log.
+        self.capabilities = DeviceCapabilities.of(device_module)
+        self._tracked = self.capabilities.tracked
         self._log_saved: list[Any] = []
 
     def compute_stream(self) -> Any:
@@ -193,29 +197,32 @@ class TorchDeviceBackend(StreamBackend):
     # -- asynchronous errors and the stream log (the emulated device) ----
     def begin_step(self, streams: list[Any]) -> None:
         """Clear the side streams' asynchronous errors of an earlier step."""
-        if self._take_errors is not None:
-            self._take_errors(streams)
+        take = self.capabilities.take_errors
+        if take is not None:
+            take(streams)
 
     def step_errors(self, streams: list[Any]) -> list[BaseException]:
         """The asynchronous errors kernels of ``streams`` hit (emulated
         device; a real device reports them at its next synchronize)."""
-        return self._peek_errors(streams) if self._peek_errors is not None else []
+        peek = self.capabilities.peek_errors
+        return peek(streams) if peek is not None else []
 
     def start_log(self) -> bool:
         """Log what the streams perform for work this thread enqueues
         (emulated device only): the edge checker's evidence."""
-        if self._set_log is None:
+        caps = self.capabilities
+        if caps.new_log is None or caps.set_log is None:
             return False
-        log = self.mod.StreamLog()
-        self._log_saved.append(self._set_log(log))
+        self._log_saved.append(caps.set_log(caps.new_log()))
         return True
 
     def stop_log(self) -> Any:
         """Stop logging; returns the log, which the streams go on filling
         with the work already queued (read it after a synchronize)."""
-        if self._set_log is None or not self._log_saved:
+        set_log = self.capabilities.set_log
+        if set_log is None or not self._log_saved:
             return []
-        return self._set_log(self._log_saved.pop())
+        return set_log(self._log_saved.pop())
 
     def close(self) -> None:
         """Stop the worker threads of the streams this backend made (the

@@ -59,8 +59,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from camp2p_overlap.core.overlap.streams.emulated import worker
-from camp2p_overlap.core.overlap.streams.emulated.worker import CaptureViolation, Event, Record, Stream
+from camp2p_overlap.emulation.device import worker
+from camp2p_overlap.emulation.device.worker import CaptureViolation, Event, Record, Stream
 
 _capture_lock = threading.Lock()
 

@@ -27,8 +27,8 @@ from camp2p_overlap.core.overlap.streams import (
     make_backend,
     resolve_backend_name,
 )
-from camp2p_overlap.core.overlap.streams import emulated as dev
-from camp2p_overlap.core.overlap.streams.emulated import worker
+from camp2p_overlap.emulation import device as dev
+from camp2p_overlap.emulation.device import worker
 
 BOUND_S = 10.0  # generous: how long a test waits for what must happen soon
 
