@@ -644,12 +644,13 @@ def test_unpatch_from_inside_a_step_on_the_same_thread_refuses(make_world, logs,
 # ---------------------------------------------------------------------------
 # module reloads and re-imports
 def test_reload_of_the_runner_module(make_world) -> None:
-    """``importlib.reload`` makes a new runner class; hooks do not fire on a
-    reload. The new class stays unwrapped (its steps run the original, and
-    correctly) until the engine's explicit ``refresh()`` (which ``apply()``
-    and every wrapped step take; ``status()`` only reports the reload): then
-    the new class is wrapped and the old class gets its original back.
-    Unpatch restores the new class exactly."""
+    """``importlib.reload`` makes a new runner class, and wrapt's post-import
+    hooks do not fire on a reload; the re-execution watch does, as the
+    module's body ends: the new class is wrapped at once and the old class
+    gets its original back, with no refresh and no check in any step (a
+    step reads only the engine's ready flag). Steps of the new class are
+    wrapped and equal serial; an instance of the old class runs the
+    original, correctly. Unpatch restores the new class exactly."""
     w_old = make_world(layers=2, stage_ids=(0, 1), tokens=8)
     refs = _serial_refs(w_old, range(1, 5))
     runner_mod = w_old.modules[0]
@@ -657,35 +658,24 @@ def test_reload_of_the_runner_module(make_world) -> None:
     old_raw = vars(old_cls)["_ffn_forward"]
     assert LAYER.engine.apply(config=CFG, strict=True).engaged
     assert count_our_wrappers(vars(old_cls)["_ffn_forward"]) == 1
+    assert LAYER.engine.unready is None
 
     importlib.reload(runner_mod)
     new_cls = runner_mod.AFDNPUFFNModelRunner
     assert new_cls is not old_cls
-    new_raw = vars(new_cls)["_ffn_forward"]
-    assert count_our_wrappers(new_raw) == 0  # not wrapped yet: no hook fires on reload
+    assert count_our_wrappers(vars(new_cls)["_ffn_forward"]) == 1  # wrapped as the reload ended
+    new_raw = vars(new_cls)["_ffn_forward"].__wrapped__
+    assert vars(old_cls)["_ffn_forward"] is old_raw  # the old class got its original back
+    assert LAYER.engine.unready is None and LAYER.engine.status().engaged
 
     w_new = make_world(layers=2, stage_ids=(0, 1), tokens=8)
     assert type(w_new.runner) is new_cls
     comm = CommThreads(w_new)
-    out = run_step_bounded(w_new, 1, STEP_BOUND_S)
-    assert out.error is None
-    assert_same(out.results, refs[1])
-    assert comm.mode(1, "camp2p-test-step-1") == "original"
-
-    stale = LAYER.engine.status()  # status() reports the reload, and only reads
-    assert not stale.engaged and "module reloaded since it was wrapped" in str(stale)
-    assert count_our_wrappers(vars(new_cls)["_ffn_forward"]) == 0
-    LAYER.engine.refresh()  # the explicit step (apply() and every wrapped step take it too)
-    report = LAYER.engine.status()
-    assert report.engaged
-    assert count_our_wrappers(vars(new_cls)["_ffn_forward"]) == 1
-    assert vars(new_cls)["_ffn_forward"].__wrapped__ is new_raw
-    assert vars(old_cls)["_ffn_forward"] is old_raw  # the old class got its original back
-
-    out = run_step_bounded(w_new, 2, STEP_BOUND_S)
-    assert out.error is None
-    assert_same(out.results, refs[2])
-    assert comm.mode(2, "camp2p-test-step-2") == "wrapped"
+    for step in (1, 2):
+        out = run_step_bounded(w_new, step, STEP_BOUND_S)
+        assert out.error is None
+        assert_same(out.results, refs[step])
+        assert comm.mode(step, f"camp2p-test-step-{step}") == "wrapped"
     # An instance of the old class now runs the original code, correctly.
     comm_old = CommThreads(w_old)
     out = run_step_bounded(w_old, 3, STEP_BOUND_S)
@@ -698,11 +688,34 @@ def test_reload_of_the_runner_module(make_world) -> None:
     assert vars(old_cls)["_ffn_forward"] is old_raw
 
 
+def test_a_reload_no_hook_saw_is_reported_and_refresh_wraps_it(make_world, monkeypatch) -> None:
+    """A reload the re-execution watch did not see (here: the watch is
+    bypassed) leaves the new class unwrapped: ``status()`` reports it and
+    only reads; the explicit ``refresh()`` (which ``apply()`` takes too)
+    wraps it and clears the ready flag it set."""
+    from camp2p_overlap.core.patching import reexec_watch
+
+    w_old = make_world(layers=2, stage_ids=(0, 1), tokens=8)
+    runner_mod = w_old.modules[0]
+    assert LAYER.engine.apply(config=CFG, strict=True).engaged
+    monkeypatch.setattr(reexec_watch.REEXEC_WATCH, "_notify", lambda module: None)
+    importlib.reload(runner_mod)
+    new_cls = runner_mod.AFDNPUFFNModelRunner
+    assert count_our_wrappers(vars(new_cls)["_ffn_forward"]) == 0  # no hook saw it
+    stale = LAYER.engine.status()
+    assert not stale.engaged and "module reloaded since it was wrapped" in str(stale)
+    assert count_our_wrappers(vars(new_cls)["_ffn_forward"]) == 0
+    LAYER.engine.refresh()
+    assert LAYER.engine.status().engaged and LAYER.engine.unready is None
+    assert count_our_wrappers(vars(new_cls)["_ffn_forward"]) == 1
+
+
 def test_reimport_of_the_target_modules(make_world) -> None:
     """The stand-ins dropped from ``sys.modules`` and imported again: fresh
-    module and class objects. The post-import hooks have fired already (wrapt
-    pops them), so the new classes are wrapped when the engine looks again;
-    a wrapped step of a new runner engages, and unpatch restores every class."""
+    module and class objects. wrapt's post-import hooks have fired already
+    (wrapt pops them); the re-execution watch sees the new import, so the
+    new classes are wrapped as each module's body ends; a wrapped step of a
+    new runner engages, and unpatch restores every class."""
     w1 = make_world(layers=2, stage_ids=(0, 2), tokens=8)
     refs = _serial_refs(w1, range(1, 3))
     first_raw = raw_targets()
@@ -712,11 +725,10 @@ def test_reimport_of_the_target_modules(make_world) -> None:
     standins.uninstall(standins.REAL_ROOT)
     w2 = make_world(layers=2, stage_ids=(0, 2), tokens=8)  # imports the stand-ins again
     assert type(w2.runner) is not type(w1.runner)
-    fresh = raw_targets()
-    assert all(count_our_wrappers(v) == 0 for v in fresh.values())  # no hook fired for the re-import
-    assert not LAYER.engine.status().engaged  # status() sees it and changes nothing
-    assert all(count_our_wrappers(v) == 0 for v in fresh.values())
-    assert LAYER.engine.apply(config=CFG, strict=True).engaged  # apply() on an applied engine refreshes
+    assert all(count_our_wrappers(v) == 1 for v in raw_targets().values())  # wrapped at the re-import
+    fresh = {k: v.__wrapped__ for k, v in raw_targets().items()}
+    assert LAYER.engine.status().engaged and LAYER.engine.unready is None
+    assert LAYER.engine.apply(config=CFG, strict=True).engaged  # apply() again changes nothing
     assert all(count_our_wrappers(v) == 1 for v in raw_targets().values())
     # The first import's classes got their exact originals back.
     assert all(vars(first_owners[k])[k[1]] is first_raw[k] for k in first_raw)
@@ -728,3 +740,30 @@ def test_reimport_of_the_target_modules(make_world) -> None:
     assert LAYER.engine.unpatch(timeout=10)
     after = raw_targets()
     assert all(after[k] is fresh[k] for k in fresh)
+
+
+def test_a_ready_step_reads_the_ready_flag_and_walks_no_target(make_world, monkeypatch) -> None:
+    """The lifecycle is off the hot path: while every target is ready, a
+    wrapped step looks at no manifest module (the engine's ``unready`` flag
+    is all it reads); once the flag says why it is not ready, the step
+    refreshes (and so wraps what a hook missed)."""
+    w = make_world(layers=2, stage_ids=(0, 1), tokens=8)
+    refs = _serial_refs(w, range(1, 4))
+    assert LAYER.engine.apply(config=CFG, strict=True).engaged
+    walks: list[int] = []
+    real = LAYER.engine.installer.needing_install
+    monkeypatch.setattr(LAYER.engine.installer, "needing_install", lambda *a, **k: walks.append(1) or real(*a, **k))
+    comm = CommThreads(w)
+    out = run_step_bounded(w, 1, STEP_BOUND_S)
+    assert out.error is None and comm.mode(1, "camp2p-test-step-1") == "wrapped"
+    assert_same(out.results, refs[1])
+    assert walks == []
+    LAYER.engine.unready = "a target module was imported while apply() ran"
+    out = run_step_bounded(w, 2, STEP_BOUND_S)
+    assert out.error is None and comm.mode(2, "camp2p-test-step-2") == "wrapped"
+    assert walks and LAYER.engine.unready is None  # the step refreshed, and found every target ready
+    walks.clear()
+    out = run_step_bounded(w, 3, STEP_BOUND_S)
+    assert out.error is None and walks == []
+    assert LAYER.engine.unpatch(timeout=10)
+    assert LAYER.engine.unready is not None  # unpatched: not ready until the next apply()

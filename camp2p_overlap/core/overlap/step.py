@@ -242,7 +242,10 @@ class FfnStep:
             return "switched off"
         if self.runtime.active_session() is not None:
             return "re-entrant FFN forward inside an active step"
-        unready = self.engine.refresh_and_report_unready()
+        engine = self.engine
+        if engine.unready is None:  # the one read of the lifecycle a ready step makes
+            return None
+        unready = engine.refresh_and_report_unready()
         return None if unready is None else f"not every target of the stack is patched ({unready})"
 
     # -- 4. the choice -------------------------------------------------------

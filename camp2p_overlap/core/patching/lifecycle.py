@@ -28,9 +28,13 @@ from camp2p_overlap.core.patching.features import FEATURES, requested_features
 from camp2p_overlap.core.patching.gate import StepGate
 from camp2p_overlap.core.patching.installer import Installer, Wrapper, initializing
 from camp2p_overlap.core.patching.manifest import ManifestError, ModuleSpec, StackManifest, load_manifests
+from camp2p_overlap.core.patching.reexec_watch import REEXEC_WATCH
 from camp2p_overlap.core.patching.stack_select import select_stack, stack_version_check
 from camp2p_overlap.core.patching.status_report import PatchReport, StatusBoard, TargetState, statuses, wrapt_version
 from camp2p_overlap.core.patching.versions import VersionCheck
+
+#: :attr:`PatchEngine.unready` while the engine is not applied.
+NOT_APPLIED = "the layer is not applied"
 
 
 class PatchRefused(RuntimeError):
@@ -73,6 +77,11 @@ class PatchEngine:
         #: ``feature -> reason`` of every optional feature refused now; a new
         #: dict on each change, so a step reads it without the lock.
         self._feature_refusals: dict[str, str] = {}
+        #: Why a step may not engage now (None: every target of the stack is
+        #: ready). What a step reads, and all it reads of the lifecycle: set
+        #: by apply(), unpatch(), refresh(), the post-import hook and the
+        #: re-execution watch (a reload), never computed by a step while None.
+        self.unready: str | None = NOT_APPLIED
         if hasattr(os, "register_at_fork"):  # a lock held by a thread that is gone would stay held
             ref = weakref.WeakMethod(self._new_lock)
             os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
@@ -124,6 +133,9 @@ class PatchEngine:
             self.applied = True
             self.board.settle("applied", statuses(man.targets(), TargetState.NOT_IMPORTED, "waiting for import"))
             self.gate.open()
+            # Watched before the modules are looked at: an import from now on,
+            # and any later reload, reaches _on_import.
+            REEXEC_WATCH.watch([m.name for m in man.modules], self._on_import)
             for mspec in man.modules:
                 module = sys.modules.get(mspec.name)
                 if module is not None:
@@ -132,6 +144,7 @@ class PatchEngine:
                     self._hooks_pending.add(mspec.name)
                     wrapt.register_post_import_hook(self._on_import, mspec.name)
             self.board.log_when_settled(self.report())
+            self._settle_readiness()
             report = self.report()
             if report.required_refused and strict:
                 self._remove()
@@ -185,10 +198,9 @@ class PatchEngine:
             missed = self.installer.needing_install(self.manifest, self._waiting)
             for mspec, module, _ in missed:
                 self._install(mspec, module)
-            if not missed:
-                return self._unready(())
-            self.board.log_when_settled(self.report())
-            return self._unready(self.installer.needing_install(self.manifest, self._waiting))
+            if missed:
+                self.board.log_when_settled(self.report())
+            return self._settle_readiness()
 
     # -- reading -----------------------------------------------------------
     def is_applied(self) -> bool:
@@ -246,6 +258,9 @@ class PatchEngine:
 
     # -- internals (lock held) ---------------------------------------------
     def _on_import(self, module: ModuleType) -> None:
+        """A target module's body ran: its first import (wrapt's post-import
+        hook) or any later one, a reload included (the re-execution watch).
+        Both may call it for one import: installing is idempotent."""
         with self._lock:
             self._hooks_pending.discard(module.__name__)
             if not self.applied or self.manifest is None:
@@ -254,12 +269,21 @@ class PatchEngine:
                 mspec = self.manifest.module(module.__name__)
             except KeyError:
                 return  # another stack's module
-            # wrapt calls the hook at the end of the module's execution, while
-            # the import system still marks the module as initializing.
+            # Both hooks run at the end of the module's execution, while the
+            # import system still marks the module as initializing.
             self._install(mspec, module, from_hook=True)
             self.board.log_when_settled(self.report())
+            self._settle_readiness()
             if self._strict and self.board.any_required_refused(mspec.targets):
                 raise PatchRefused(str(self.report()))
+
+    def _settle_readiness(self) -> str | None:
+        """Recompute :attr:`unready` from the targets now (lock held)."""
+        if not self.applied or self.manifest is None:
+            self.unready = NOT_APPLIED
+        else:
+            self.unready = self._unready(self.installer.needing_install(self.manifest, self._waiting))
+        return self.unready
 
     def _install(self, mspec: ModuleSpec, module: ModuleType, *, from_hook: bool = False) -> None:
         if not from_hook and initializing(module):
@@ -294,6 +318,8 @@ class PatchEngine:
     def _remove(self) -> bool:
         ok = self.installer.uninstall_all()
         self.applied = False
+        self.unready = NOT_APPLIED
+        REEXEC_WATCH.unwatch(self._on_import)
         self.gate.close()
         targets = self.manifest.targets() if self.manifest else ()
         reason = "unpatched" if ok else "unpatched; some wrappers could not be removed (see log)"
