@@ -19,7 +19,7 @@ from support.overlap import apply_cpu, assert_same, run_step, serial_results, wo
 from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.observe.trace import TraceRecorder
 from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes, is_router
-from camp2p_overlap.core.overlap.step import ROUTERS
+from camp2p_overlap.core.overlap.serial_trace import TRACE_ROUTERS
 from camp2p_overlap.emulation import device as emulated_device
 
 pytestmark = pytest.mark.usefixtures("standin_stack")
@@ -72,7 +72,7 @@ def test_the_profile_check_sees_a_frame_of_ours(applied: None) -> None:
     apply_cpu()
     w.connector.recv_attn_output = lambda *a, **k: "payload"  # the callee: no transport needed
     routes = ConnectorRoutes(w.connector)
-    router = ROUTERS["recv_attn_output"].to_trace(TraceRecorder())
+    router = TRACE_ROUTERS["recv_attn_output"](TraceRecorder())
     assert routes.install([("recv_attn_output", router)]) is None
     try:
         assert _our_frames(lambda: w.connector.recv_attn_output(0, layer_idx=0)) != []
@@ -216,3 +216,11 @@ def test_a_connector_that_cannot_be_routed_is_a_serial_reason_and_a_plain_one_en
     w.steps_run = 0
     assert_same(run_step(w), reference)
     assert LAYER.runtime.counters.to_dict()["steps"]["overlap"] == before + 1
+
+
+def test_a_serial_trace_routes_the_same_keys_as_an_engaged_step() -> None:
+    """A manifest's ``route`` target names one router key; the session's and
+    the serial trace's routers are kept apart and must serve the same keys."""
+    from camp2p_overlap.core.overlap.step import ROUTERS
+
+    assert set(ROUTERS) == set(TRACE_ROUTERS) == {"recv_attn_output", "send_ffn_output"}

@@ -30,9 +30,9 @@ from dataclasses import replace
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from camp2p_overlap.core.keys import A2E, COMPUTE_STREAM, E2A, OpKey
+from camp2p_overlap.core.keys import COMPUTE_STREAM
 from camp2p_overlap.core.log import log_once
-from camp2p_overlap.core.observe.trace import StepTrace, TraceOp, TraceRecorder, current_recorder
+from camp2p_overlap.core.observe.trace import TraceOp, TraceRecorder, current_recorder
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Passed, pow2_ceil
 from camp2p_overlap.core.overlap.capture_guard import GUARD
@@ -42,9 +42,10 @@ from camp2p_overlap.core.overlap.graphs import GraphCapture, graph_variants_refu
 from camp2p_overlap.core.overlap.rollout import streams_for
 from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, PlannedShape, RunnerState
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
+from camp2p_overlap.core.overlap.serial_trace import run_traced_serial
 from camp2p_overlap.core.overlap.session import OverlapSession
-from camp2p_overlap.core.overlap.streams import BackendUnavailable, registered_device_module
-from camp2p_overlap.core.overlap.streams.base import NO_CAPABILITIES, DeviceCapabilities, DoneHandle, StreamBackend
+from camp2p_overlap.core.overlap.streams import BackendUnavailable
+from camp2p_overlap.core.overlap.streams.base import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.core.overlap.watchdog import start_watchdog
 from camp2p_overlap.core.patching.installer import MARK, Wrapper
@@ -347,48 +348,14 @@ class FfnStep:
 
     def session_routers(self, session: OverlapSession) -> list[tuple[str, RouterFactory]]:
         """The routers of the engine's ``route`` targets, bound to ``session``."""
-        return [
-            (spec.attribute, ROUTERS[spec.router].to_session(session)) for _, spec in self.engine.installer.routes()
-        ]  # type: ignore[index]
+        return [(spec.attribute, ROUTERS[spec.router](session)) for _, spec in self.engine.installer.routes()]  # type: ignore[index]
 
-    # -- the original, traced while a recorder is active ----------------------
+    # -- the original (traced while a recorder is active) -----------------------
     def run_original(self) -> Any:
         recorder = self.recorder
         if recorder is None:
             return self.wrapped(*self.args, **self.kwargs)
-        state = recorder.serial_state()
-        step_id = recorder.next_step()
-        previous = state["step"], state.get("trace")
-        # What the registered cpu device's streams perform for this thread's
-        # work (none on a real device): the trace is built from it when read.
-        caps = serial_capabilities()
-        log = caps.new_log() if caps.new_log is not None else None
-        saved_log = caps.set_log(log) if caps.set_log is not None else None
-        state["step"], state["trace"] = step_id, StepTrace(recorder, step_id, log=log)
-        routes = self.traced_routes(recorder)
-        t0 = time.perf_counter_ns()
-        try:
-            return self.wrapped(*self.args, **self.kwargs)
-        finally:
-            if routes is not None:
-                routes.remove()
-            if caps.set_log is not None:
-                caps.set_log(saved_log)
-            state["trace"].emit()
-            recorder.add(TraceOp("step", None, None, COMPUTE_STREAM, t0, time.perf_counter_ns(), step_id))
-            state["step"], state["trace"] = previous
-
-    def traced_routes(self, recorder: TraceRecorder) -> ConnectorRoutes | None:
-        """The connector routed to the serial path's trace for this step,
-        when it is an instance of a routed class (else None: untraced)."""
-        connector = getattr(self.runner, "connector", None)
-        targets = [spec for owner, spec in self.engine.installer.routes() if isinstance(connector, owner)]
-        if not targets:
-            return None
-        routes = ConnectorRoutes(connector)
-        if routes.install([(spec.attribute, ROUTERS[spec.router].to_trace(recorder)) for spec in targets]) is not None:  # type: ignore[index]
-            return None
-        return routes
+        return run_traced_serial(recorder, self.engine, self.runner, lambda: self.wrapped(*self.args, **self.kwargs))
 
 
 # ---------------------------------------------------------------------------
@@ -428,95 +395,10 @@ def _session_send(session: OverlapSession) -> RouterFactory:
     return make
 
 
-def _traced_recv(recorder: TraceRecorder) -> RouterFactory:
-    def make(callee: Wrapped, thread: int) -> Wrapped:
-        def recv_attn_output(*args: Any, **kwargs: Any) -> Any:
-            if get_ident() != thread:
-                return callee(*args, **kwargs)
-            kw = camp2p.recv_kwargs(args, kwargs)
-            layer, stage = kw.get("layer_idx"), kw.get("ubatch_idx")
-            h = _tracked(lambda: callee(*args, **kwargs), OpKey(A2E, layer, stage).label())
-            state = recorder.serial_state()
-            _serial_trace_op(recorder, state, A2E, layer, stage, h)
-            payload = h.result()
-            state["ffn_start"][id(camp2p.context_of(payload))] = (layer, stage, time.perf_counter_ns())  # type: ignore[index]
-            return payload
-
-        return recv_attn_output
-
-    return make
-
-
-def serial_capabilities() -> DeviceCapabilities:
-    """What the device registered for the ``cpu`` backend offers the serial
-    path's trace (its stream log, its kernel tracking); none when nothing
-    is registered (a real device: its truth comes from the profiler)."""
-    module = registered_device_module("cpu")
-    return DeviceCapabilities.of(module) if module is not None else NO_CAPABILITIES
-
-
-def _tracked(fn: Callable[[], Any], label: str) -> Any:
-    """``fn()`` as a tracked op of the registered device, or run on the host
-    and timed there where none offers tracking."""
-    tracked = serial_capabilities().tracked
-    if tracked is not None:
-        return tracked(fn, label)
-    t0 = time.perf_counter_ns()
-    try:
-        value = fn()
-    except BaseException as exc:  # noqa: BLE001 - handed back, as tracked() does
-        return DoneHandle(None, exc, t0, time.perf_counter_ns())
-    return DoneHandle(value, None, t0, time.perf_counter_ns())
-
-
-def _serial_trace_op(recorder: TraceRecorder, state: dict[str, Any], kind: str, layer: Any, stage: Any, h: Any) -> None:
-    """Put a serial op in its step's trace; routed outside a traced step
-    (a router used on its own), in a trace of its own, emitted at once."""
-    trace = state.get("trace")
-    if trace is not None:
-        trace.op(kind, layer, stage, COMPUTE_STREAM, h)
-        return
-    alone = StepTrace(recorder, state["step"])
-    alone.op(kind, layer, stage, COMPUTE_STREAM, h)
-    alone.emit()
-
-
-def _traced_send(recorder: TraceRecorder) -> RouterFactory:
-    """The original send, traced as the serial path's FFN (since its
-    receive) and E2A."""
-
-    def make(callee: Wrapped, thread: int) -> Wrapped:
-        def send_ffn_output(*args: Any, **kwargs: Any) -> Any:
-            if get_ident() != thread:
-                return callee(*args, **kwargs)
-            _, ctx = camp2p.send_parts(args, kwargs)
-            state = recorder.serial_state()
-            t0 = time.perf_counter_ns()
-            started = state["ffn_start"].pop(id(ctx), None)  # type: ignore[attr-defined]
-            stage = camp2p.send_stage(ctx, kwargs)
-            layer = started[0] if started else camp2p.context_layer(ctx)
-            trace = state.get("trace")
-            if started and trace is not None:
-                trace.ffn(layer, stage, started[2], t0, -1)  # type: ignore[union-attr]
-            h = _tracked(lambda: callee(*args, **kwargs), OpKey(E2A, layer, stage).label())
-            _serial_trace_op(recorder, state, E2A, layer, stage, h)
-            return h.result()
-
-        return send_ffn_output
-
-    return make
-
-
-class Routers(NamedTuple):
-    """The two routers of one ``route`` target: to an engaged step's
-    session, and to a serial step's trace."""
-
-    to_session: Callable[[OverlapSession], RouterFactory]
-    to_trace: Callable[[TraceRecorder], RouterFactory]
-
-
-#: The routers a manifest's ``route`` target may name, by key.
-ROUTERS: dict[str, Routers] = {
-    "recv_attn_output": Routers(_session_recv, _traced_recv),
-    "send_ffn_output": Routers(_session_send, _traced_send),
+#: The routers a manifest's ``route`` target may name, by key: each binds
+#: the connector's method, for one engaged step, to its session (a serial
+#: step's trace routes the same keys: ``serial_trace.TRACE_ROUTERS``).
+ROUTERS: dict[str, Callable[[OverlapSession], RouterFactory]] = {
+    "recv_attn_output": _session_recv,
+    "send_ffn_output": _session_send,
 }
