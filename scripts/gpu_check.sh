@@ -44,8 +44,9 @@
 #   5. camp2p-overlap overhead --ab-rounds 20 --json $OUT/overhead.json       limit 30 s
 #      (host cost per (layer, stage) and per pass-through step; the decided-serial A/B
 #      in 20 rounds, OVERHEAD_AB_ROUNDS overrides)
-# The bench parts write their JSON as they go (after the captures and each
-# repetition, "partial": true), so a part cut at its limit leaves what it measured.
+# The bench and sweep parts write their JSON as they go (bench: after the
+# captures, each policy and each repetition; sweep: after the calibration and
+# each point; "partial": true), so a part cut at its limit leaves what it measured.
 # Overrides: PYTEST_LIMIT BENCH_LIMIT GRAPH_LIMIT SWEEP_LIMIT OVERHEAD_LIMIT GPU_CHECK_KILL_GRACE_S (s);
 # GPU_CHECK_PARTS (the parts to run, e.g. "pytest bench"; the others are
 # reported as not selected); GPU_CHECK_TESTS (the test files of part 1,
@@ -188,6 +189,10 @@ def headline(b):
         "outputs_equal": b.get("outputs_equal"),
         "ffn_bound": (b.get("measured") or {}).get("ffn_bound"),
         "floor_per_layer_us": (b.get("measured") or {}).get("floor_per_layer_us"),
+        # Launch-bound or device-bound: host time to issue / device time (measured.launch).
+        "launch": {k: ((b.get("measured") or {}).get("launch") or {}).get(k) for k in (
+            "ffn_host_us", "ffn_device_us", "ffn_share", "launch_bound", "launch_bound_by")},
+        "fallbacks": b.get("fallbacks"),
         "policies": {
             p.get("policy"): {
                 "per_layer_us_median": (p.get("per_layer_us") or {}).get("median"),
@@ -196,6 +201,7 @@ def headline(b):
                 "engaged": p.get("engaged"),
                 "outputs_equal": p.get("outputs_equal"),
                 "peer_cycle_ok": p.get("peer_cycle_ok"),
+                "step_launch_share": (p.get("launch") or {}).get("step_share"),
                 **({"eta_ci95": p.get("eta_ci95"), "captured_variants": p.get("captured_variants"),
                     "capture_pool_bytes": (p.get("capture") or {}).get("pool_bytes"),
                     "second_variant_bytes": (p.get("capture") or {}).get("second_variant_bytes")}
@@ -224,10 +230,14 @@ for name, file in (("bench", "bench_cuda.json"), ("graph", "bench_graph_cuda.jso
         s["parts"][name]["headline"] = headline(data)
     elif name == "sweep":
         s["parts"][name]["points"] = [
-            {"kind": key, **{k: pt.get(k) for k in ("target_ratio", "measured_ratio", "stages", "comm_cores")
-                             if k in pt}, "headline": headline(pt["report"])}
+            {"kind": key, **{k: pt.get(k) for k in ("target_ratio", "measured_ratio", "stages", "comm_cores",
+                                                    "asked_comm_cores") if k in pt}, "headline": headline(pt["report"])}
             for key in ("ratio_points", "stage_points", "comm_core_points") for pt in data.get(key, [])
         ]
+        for k in ("comm_core_limit", "comm_core_changes", "fallbacks"):
+            s["parts"][name][k] = data.get(k)
+        if data.get("partial"):
+            s["parts"][name]["partial"] = data.get("progress")
     else:
         s["parts"][name]["result"] = {k: v for k, v in data.items() if not isinstance(v, (list, dict)) or k in (
             "engaged_us_per_layer_stage", "passthrough_us_per_step", "passthrough_us_per_call")}

@@ -33,10 +33,13 @@ on the emulated device (``bench --device cpu --device-world``).
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 from typing import Any
 
 import torch
+
+from camp2p_overlap.core.log import log_once
 
 #: Per stage: [sequence, finish time ns]; then one timeout counter.
 SLOTS_PER_STAGE = 2
@@ -128,6 +131,9 @@ class CommKernels:
     def __init__(self, stages: int, comm_cores: int) -> None:
         self.stages = stages
         self.comm_cores = comm_cores
+        #: What was tried and failed before this kernel was taken, each
+        #: ``{"what", "reason"}`` (the benchmark report's ``fallbacks``).
+        self.fallbacks: list[dict[str, str]] = []
 
     def state(self, device: Any) -> torch.Tensor:
         """The peer buffer (per stage: sequence, finish time; a timeout counter)."""
@@ -207,7 +213,9 @@ class NvrtcCommKernels(CommKernels):
 
     def _build(self) -> None:
         """Take the first way of launching the kernel that builds and passes
-        :meth:`selftest`: torch's NVRTC wrapper, then CuPy's."""
+        :meth:`selftest`: torch's NVRTC wrapper, then CuPy's. Each way that
+        failed before the one taken is kept in :attr:`fallbacks` (what, and
+        why) and logged once."""
         errors = []
         for kind, make in (
             ("nvrtc (torch.cuda._compile_kernel)", self._torch_launcher),
@@ -217,11 +225,21 @@ class NvrtcCommKernels(CommKernels):
                 self._launch = make()
                 self.selftest()
             except Exception as exc:  # noqa: BLE001 - try the next way, report all
-                errors.append(f"{kind}: {type(exc).__name__}: {exc}")
+                errors.append((kind, f"{type(exc).__name__}: {exc}"))
                 continue
             self.kind = kind
+            for what, why in errors:
+                self.fallbacks.append({"what": f"comm kernel launcher {what}", "reason": why, "instead": kind})
+                log_once(
+                    logging.WARNING,
+                    "comm-kernel-fallback",
+                    "camp2p-overlap: the comm kernel launcher %s failed (%s); took %s",
+                    what,
+                    why,
+                    kind,
+                )
             return
-        raise RuntimeError("cannot build the emulated comm kernel: " + "; ".join(errors))
+        raise RuntimeError("cannot build the emulated comm kernel: " + "; ".join(f"{k}: {w}" for k, w in errors))
 
     def _torch_launcher(self) -> Any:
         compile_kernel = getattr(torch.cuda, "_compile_kernel", None)

@@ -4,8 +4,9 @@ through torch_npu), for the benchmark's ``--device cuda|npu``.
 What is real and what is modeled:
 
 * FFN compute: real bf16 matmuls on the device (a MoE block whose routing
-  is applied densely, so it never synchronizes with the host), on the
-  caller's current stream C.
+  is applied densely, so it never synchronizes with the host, its experts
+  batched into two GEMMs, so it issues the same few kernels whatever the
+  number of experts), on the caller's current stream C.
 * A2E/E2A: the emulated CAM kernel (:mod:`device_comm`) on whatever
   stream the patch layer puts them on, then a device op for the data moved.
   The kernel spins on the device's wall clock (``%globaltimer``), never on a
@@ -26,7 +27,9 @@ What is real and what is modeled:
 Without the comm kernel (no NVRTC and no CuPy, or an NPU) each op is
 calibrated device work of the link time (``torch.cuda._sleep``, or scratch
 copies), calibrated until the clock settles; the peer and ``comm_cores``
-are then not modeled, and the benchmark report says so. The group-order and
+are then not modeled, and the benchmark report says so (its ``comm_model``,
+and the reason in its ``fallbacks``, which :func:`build_device_world` also
+logs once). The group-order and
 stage-protocol checks of the CPU emulation are not made on the device.
 
 Capturable (``WorldSpec.graph``: the runner on upstream's decode graph
@@ -62,14 +65,17 @@ only by :func:`build_device_world`.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import torch
 
 from camp2p_overlap.core.keys import COMPUTE_STREAM, side_stream_name
+from camp2p_overlap.core.log import log_once
 from camp2p_overlap.core.observe.trace import TraceOp
 from camp2p_overlap.core.overlap.streams import BackendUnavailable, device_module
 from camp2p_overlap.emulation import device as emulated_device
@@ -93,6 +99,7 @@ from camp2p_overlap.emulation.world import (
 )
 
 __all__ = [
+    "DEVICE_FFN_KERNELS",
     "EMULATED",
     "CommKernels",
     "DeviceDelay",
@@ -263,9 +270,11 @@ class DelayCommKernels(CommKernels):
         super().__init__(stages, 0)
         self.delay = delay
         self.why = why
+        #: The kind of device work each op is (the ``fallbacks`` entry's ``instead``).
+        self.method = "torch.cuda._sleep" if delay._sleep is not None else "scratch copies"
         self.kind = (
-            "torch.cuda._sleep" if delay._sleep is not None else "scratch copies"
-        ) + f" (calibrated, {'settled' if delay.settled else 'NOT settled'} after {delay.rounds} rounds)"
+            f"{self.method} (calibrated, {'settled' if delay.settled else 'NOT settled'} after {delay.rounds} rounds)"
+        )
 
     def begin(self, st: torch.Tensor, rec: torch.Tensor) -> None:
         return None
@@ -274,13 +283,32 @@ class DelayCommKernels(CommKernels):
         self.delay(link_ns / 1e9)
 
 
+#: Kernels one :meth:`DeviceFFN.compute` issues, whatever the number of
+#: experts: 9 for the routing, 5 for the experts (two GEMMs), 4 for the
+#: shared expert. A loop over the experts issues 9 + 6 * experts + 4.
+DEVICE_FFN_KERNELS = 18
+
+
 class DeviceFFN(MoEFFN):
     """A MoE block for the device: router, top-k weights applied densely
     (every expert runs on every token, weighted by its routing weight, 0
     outside the top-k), and a shared expert. No host synchronization.
     ``launched`` (the emulated device): the block is one kernel of the
     current stream filling outputs allocated when it is issued (as
-    :class:`MoEFFN` on the CPU); else its torch ops run where it is called."""
+    :class:`MoEFFN` on the CPU); else its torch ops run where it is called.
+
+    The experts are batched, as a grouped-GEMM MoE kernel does, so the
+    number of kernels per call does not grow with the experts (about
+    :data:`DEVICE_FFN_KERNELS`, where a loop over the experts issues 6 per
+    expert): one GEMM for every expert's gate/up projection (the weights
+    side by side, ``hidden x experts*2*ffn``), SiLU and the gate product on
+    the whole block, the routing weights applied to each expert's slice,
+    and one GEMM for every expert's down projection that also sums the
+    experts (the down weights stacked, ``experts*ffn x hidden``): with
+    ``h_e`` expert e's activations and ``w_e`` its routing weights,
+    ``sum_e (w_e h_e) D_e = [w_1 h_1 ... w_E h_E] [D_1; ...; D_E]``. On a
+    device the FFN's time is then the GEMMs' (device-bound at the GPU
+    scenario's size), not the host's launch rate (docs/validation.md)."""
 
     def __init__(
         self,
@@ -293,6 +321,12 @@ class DeviceFFN(MoEFFN):
     ) -> None:
         super().__init__(shape, seed=seed, device=device, dtype=dtype)
         self.launched = launched
+        h, f, e = shape.hidden, shape.ffn, shape.experts
+        for wts in self.groups:
+            # (experts, hidden, 2*ffn) -> (hidden, experts*2*ffn): expert e's gate/up in columns e*2f..(e+1)*2f.
+            wts["gate_up_all"] = wts.pop("gate_up").permute(1, 0, 2).reshape(h, e * 2 * f).contiguous()
+            # (experts, ffn, hidden) -> (experts*ffn, hidden): expert e's down in rows e*f..(e+1)*f.
+            wts["down_all"] = wts.pop("down").reshape(e * f, h).contiguous()
 
     def __call__(self, x: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.launched:
@@ -308,14 +342,15 @@ class DeviceFFN(MoEFFN):
     def compute(self, x: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The dense block's arithmetic, run where it is called."""
         wts = self.groups[layer_idx % len(self.groups)]
+        tokens, experts, ffn = x.shape[0], self.shape.experts, self.shape.ffn
         probs = torch.softmax((x @ wts["router"]).float(), dim=-1)
         top_w, top_i = torch.topk(probs, self.shape.top_k, dim=-1)
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         dense = torch.zeros_like(probs).scatter_(1, top_i, top_w).to(x.dtype)
-        routed = torch.zeros_like(x)
-        for e in range(self.shape.experts):
-            gate, up = (x @ wts["gate_up"][e]).chunk(2, dim=-1)
-            routed += dense[:, e : e + 1] * ((torch.nn.functional.silu(gate) * up) @ wts["down"][e])
+        gate, up = (x @ wts["gate_up_all"]).view(tokens, experts, 2 * ffn).chunk(2, dim=-1)
+        act = torch.nn.functional.silu(gate) * up  # (tokens, experts, ffn)
+        act.mul_(dense.unsqueeze(-1))  # each expert's slice by its routing weight (0 outside the top-k)
+        routed = act.reshape(tokens, experts * ffn) @ wts["down_all"]
         shared = None
         if self.shape.shared_expert:
             gate, up = (x @ wts["shared_gate_up"]).chunk(2, dim=-1)
@@ -332,19 +367,33 @@ class _Timed:
     start: Any
     end: Any
     step: int
+    #: Host clock (``time.perf_counter_ns``) right after the start event's
+    #: record and right before the end event's: what issuing the op took.
+    host_start_ns: int = 0
+    host_end_ns: int = 0
 
 
 class DeviceTiming:
     """Device timing events around each op while :attr:`active`, resolved
     into :class:`TraceOp` (device time, ns from the first event) after a
     synchronize. Stream names: ``C`` for the compute stream, ``K<stage>``
-    for any other stream an op of that stage ran on."""
+    for any other stream an op of that stage ran on.
+
+    Each op's host span is kept too (the host clock between its two event
+    records, i.e. the time its work took to issue): after :meth:`resolve`,
+    :attr:`host_spans` holds ``(start_ns, end_ns)`` per returned op, in the
+    same order, so a benchmark can compare what the host took to issue an op
+    with what the device took to run it (a launch-bound op: about as long)."""
 
     def __init__(self, mod: ModuleType, compute_stream: Any) -> None:
         self.mod = mod
         self.compute_stream = compute_stream
         self.active = False
         self._pending: list[_Timed] = []
+        #: id() of each pending start event -> host clock after its record.
+        self._host_start: dict[int, int] = {}
+        #: After :meth:`resolve`: (host start, host end) ns of each op it returned.
+        self.host_spans: list[tuple[int, int]] = []
 
     def stream_name(self, stage: int | None) -> str:
         current = self.mod.current_stream()
@@ -355,18 +404,23 @@ class DeviceTiming:
             return None
         ev = self.mod.Event(enable_timing=True)
         ev.record()
+        self._host_start[id(ev)] = time.perf_counter_ns()
         return ev
 
     def end(self, kind: str, layer: int | None, stage: int | None, start: Any, step: int) -> None:
         if start is None:
             return
+        host_end = time.perf_counter_ns()
+        host_start = self._host_start.pop(id(start), host_end)
         ev = self.mod.Event(enable_timing=True)
         ev.record()
-        self._pending.append(_Timed(kind, layer, stage, self.stream_name(stage), start, ev, step))
+        self._pending.append(_Timed(kind, layer, stage, self.stream_name(stage), start, ev, step, host_start, host_end))
 
     def resolve(self) -> list[TraceOp]:
         """Synchronize and turn the recorded events into trace ops."""
         self.mod.synchronize()
+        self.host_spans = [(t.host_start_ns, t.host_end_ns) for t in self._pending]
+        self._host_start.clear()
         if not self._pending:
             return []
         origin = self._pending[0].start
@@ -642,6 +696,9 @@ class DeviceWorld:
     kernels: CommKernels
     #: Whether :func:`build_device_world` installed the CUDA alias as ``torch.npu`` (:meth:`close` removes it).
     installed_npu_alias: bool = False
+    #: What fell back while the world was built, each ``{"what", "reason",
+    #: "instead"}`` (logged once each; the benchmark report's ``fallbacks``).
+    fallbacks: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def transport(self) -> DeviceTransport:
@@ -664,6 +721,20 @@ class DeviceWorld:
         if self.installed_npu_alias:
             self.installed_npu_alias = False
             remove_cuda_as_torch_npu()
+
+
+def fallback(what: str, reason: str, instead: str) -> dict[str, str]:
+    """A fallback's record (``{"what", "reason", "instead"}``), logged once
+    with the package logger."""
+    log_once(
+        logging.WARNING,
+        "device-world-fallback",
+        "camp2p-overlap: %s is not used (%s); the device world runs %s instead",
+        what,
+        reason,
+        instead,
+    )
+    return {"what": what, "reason": reason, "instead": instead}
 
 
 def comm_kernels(
@@ -735,8 +806,14 @@ def build_device_world(
         max_tokens = max(spec.tokens, 1)
         timing = DeviceTiming(mod, mod.current_stream())
         stages_cap = max(max(spec.stage_ids, default=0) + 1, MAX_STAGE_IDS)
+        fell_back: list[dict[str, str]] = []
         if kernels is None:
-            kernels, _ = comm_kernels(mod, kind, device, stages_cap, spec.comm_cores)
+            kernels, why = comm_kernels(mod, kind, device, stages_cap, spec.comm_cores)
+            if why is not None:
+                method = getattr(kernels, "method", kernels.kind)
+                instead = f"calibrated {method} of the link time (the attention peer and --comm-cores not modeled)"
+                fell_back.append(fallback("the emulated CAM comm kernel", why, instead))
+        fell_back[:0] = getattr(kernels, "fallbacks", [])
         transport = DeviceTransport(
             hidden=spec.shape.hidden,
             link=spec.link,
@@ -782,4 +859,4 @@ def build_device_world(
         (runner_mod, conn_mod, meta_mod),
         installed_torch_npu=installed_npu,
     )
-    return DeviceWorld(world, mod, timing, device, kernels, installed_npu_alias=installed_alias)
+    return DeviceWorld(world, mod, timing, device, kernels, installed_npu_alias=installed_alias, fallbacks=fell_back)

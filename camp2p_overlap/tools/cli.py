@@ -53,8 +53,11 @@ what is reported:
                   eta as above); every graph in the runner's one pool
                   (graph_pool); per policy its capture step's time and, on
                   cuda, the memory it added to the pool (capture.pool_bytes)
-  --json          written as the run goes ("partial": true after the captures
-                  and each repetition), then the final report
+  --json          written as the run goes ("partial": true after the captures,
+                  each policy (eager) and each repetition), then the final report
+  launch share    device world: host time to issue an FFN (or a step) over its
+                  device time, from timing events; LAUNCH-BOUND at 0.8 or more
+                  (the figures then measure the host's launch rate)
 
 --device cpu: the compute stream is the calling thread, side streams are the
 cpu backend's worker threads. --device cuda|npu: bf16 FFN matmuls on the
@@ -300,7 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--comm-core-points",
         type=_ints_or_zero,
         default=None,
-        help="--comm-cores values of the contention points, at the stage ratio; 'none' skips them (default "
+        help="--comm-cores values of the contention points, at the stage ratio; on cuda each is capped at "
+        "(SMs - 1) // stages, what the GPU holds with every stage's op in flight (a capped point that another "
+        "point already covers is dropped; the JSON's comm_core_changes says which); 'none' skips them (default "
         + "; ".join(f"{dev}: {','.join(map(str, v)) or 'none'}" for dev, v in DEFAULT_COMM_CORES.items())
         + ")",
     )
@@ -313,7 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument("--md", metavar="PATH", help="write the tables as Markdown")
     sweep.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer time against ratio and stages")
-    sweep.add_argument("--json", metavar="PATH", help="write every point's full report as JSON")
+    sweep.add_argument(
+        "--json",
+        metavar="PATH",
+        help='write every point\'s full report as JSON, as the sweep goes ("partial": true after the calibration '
+        "and after each point), then the final one",
+    )
 
     overhead = sub.add_parser(
         "overhead",
@@ -558,6 +568,14 @@ def _overhead(args: argparse.Namespace) -> int:
 
 def _run_sweep(args: argparse.Namespace, params: Any) -> dict[str, Any]:
     from camp2p_overlap.tools.bench.sweep import run_sweep
+    from camp2p_overlap.tools.bench.tables import write_json
+
+    on_result = None
+    if args.json:
+        json_path = args.json
+
+        def on_result(partial: dict[str, Any]) -> None:  # what a sweep cut short leaves
+            write_json(json_path, partial)
 
     return run_sweep(
         params,
@@ -569,6 +587,7 @@ def _run_sweep(args: argparse.Namespace, params: Any) -> dict[str, Any]:
         comm_cores=args.comm_core_points,
         work_graph=args.work_graph,
         progress=not args.no_progress,
+        on_result=on_result,
     )
 
 

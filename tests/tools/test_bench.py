@@ -91,6 +91,7 @@ TOP_KEYS = {
     "skipped_policies": list,
     "stand_in_root": str,
     "comm_model": str,
+    "fallbacks": list,
     "attn_modeled": bool,
     "params": dict,
     "ffn_layers": int,
@@ -112,6 +113,7 @@ MEASURED_KEYS = {
     "ffn_bound": bool,
     "floor_per_layer_us": float,
     "floor_terms": dict,
+    "launch": (dict, type(None)),
 }
 POLICY_KEYS = {
     "policy": str,
@@ -141,6 +143,7 @@ POLICY_KEYS = {
     "peer_cycle_ok": (bool, type(None)),
     "peer_cycle_checked_steps": int,
     "peer_cycle_violations": list,
+    "launch": (dict, type(None)),
 }
 #: A graph run's per-policy ``capture``.
 CAPTURE_KEYS = {
@@ -187,6 +190,9 @@ def test_bench_json_has_the_documented_schema(bench_files: dict[str, Any]) -> No
     for s in r["measured"]["stages"]:
         _check_keys(s, {"stage": int, "a_us": float, "e_us": float}, "measured.stages[]")
     _check_keys(r["measured"]["floor_terms"], {"stages_x_f_us": float, "group_cycle_us": float}, "floor_terms")
+    # The host world: nothing fell back, and no host/device split to measure (the FFN runs on the caller's thread).
+    assert r["fallbacks"] == [] and r["measured"]["launch"] is None
+    assert all(p["launch"] is None for p in r["policies"])
     assert [p["policy"] for p in r["policies"]] == ["serial", "e2a-only", "overlap", "overlap-fixed"]
     for p in r["policies"]:
         _check_keys(p, POLICY_KEYS, f"policies[{p['policy']}]")
@@ -532,6 +538,8 @@ def test_sweep_writes_markdown_plot_and_json(tmp_path: Path) -> None:
     assert "only the ratios" in text.lower()
     assert png.read_bytes()[:8] == PNG_SIGNATURE
     data = json.loads(js.read_text())
+    assert data["partial"] is False and data["progress"] == "done" and data["fallbacks"] == []
+    assert data["comm_core_points"] == [] and data["comm_core_changes"] == []
     assert [p["target_ratio"] for p in data["ratio_points"]] == [0.5, 2.0]
     assert [p["stages"] for p in data["stage_points"]] == [1, 2]
     assert [(p["hidden"], p["tokens"]) for p in data["work_points"]] == [(16, 1), (16, 4)]

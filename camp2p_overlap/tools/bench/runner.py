@@ -85,6 +85,7 @@ from camp2p_overlap.core.overlap.graphs import VariantGraph
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.standin_layer import emulated_layer, release_site, standin_site
 from camp2p_overlap.emulation.world import LinkModel, WorldSpec, build_world
+from camp2p_overlap.tools.bench.launch import launch_sample, launch_summary, launch_verdict
 from camp2p_overlap.verify.edges import check_step
 from camp2p_overlap.verify.peer_cycle import check_peer_cycle
 
@@ -255,20 +256,27 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 }
 
 SCENARIOS["gpu-ffn-bound"] = {
-    # The same intent sized for a datacenter GPU, by estimate (never measured
-    # here: no GPU was lent): dense bf16 MoE of about 58 GFLOP per (layer,
-    # stage), which on an H200 should take a few hundred microseconds, against
-    # about 0.1 ms of A2E and 0.15 ms of E2A and 50 us of attention. The
-    # report's measured verdict (ffn_bound) says whether it is FFN-bound there.
+    # The same intent sized for a datacenter GPU, by estimate (no GPU was
+    # lent to measure it; docs/validation.md, "Sizing gpu-ffn-bound"). The
+    # FFN must be device-bound, or eager figures measure Python's launch
+    # rate: the device FFN issues 18 kernels per (layer, stage) whatever the
+    # experts (its experts batched into two GEMMs), about 0.1-0.2 ms of host
+    # time, against ~464 GFLOP of dense bf16 work at 4096 tokens (two GEMMs
+    # of 275 and 137 GFLOP, ~0.6 ms at 600-700 TFLOP/s on an H200, plus
+    # ~0.3 ms of element-wise passes over 256 MiB blocks at ~4 TB/s): about
+    # 1 ms, so an FFN's launch share is ~0.1-0.2. Communication per (layer,
+    # stage): A2E 8 MiB and E2A 16 MiB over 50 us + 600 Gbit/s, ~0.16 and
+    # ~0.27 ms, a+e ~0.44 f; FFN-bound while f > 0.49 ms. The report's
+    # measured verdicts (ffn_bound, launch.launch_bound) say what it is there.
     "layers": 6,
     "stages": 2,
-    "tokens": 512,
+    "tokens": 4096,
     "hidden": 1024,
     "ffn": 2048,
     "experts": 8,
     "top_k": 2,
     "link_latency_us": 50.0,
-    "link_gbps": 200.0,
+    "link_gbps": 600.0,
     "attn_us": 50.0,
     "steps": 8,
     "warmup": 2,
@@ -277,8 +285,8 @@ SCENARIOS["gpu-ffn-bound"] = {
 
 SCENARIO_HELP = {
     "ffn-bound": "FFN compute-bound: f > a + e with communication about half of f, 2 stages, 6 layers",
-    "gpu-ffn-bound": "the same sized for a datacenter GPU (--device cuda) by estimate; the report's measured "
-    "verdict says whether it is FFN-bound there",
+    "gpu-ffn-bound": "the same sized for a datacenter GPU (--device cuda) by estimate, device-bound (4096 tokens "
+    "per stage); the report's measured verdicts say whether it is FFN-bound and device-bound there",
 }
 
 
@@ -356,6 +364,10 @@ class _Handle:
     captured_engaged: Callable[[Any, set[str]], bool] = lambda graph, side: False
     #: Device memory figures for a capture into ``pool`` (:func:`_cuda_memory`); None: not measured.
     memory: Callable[[Any], dict[str, int | None]] | None = None
+    #: The last traced step's host and device times (``tools/bench/launch.py``); None: not measured.
+    launch_sample: Callable[[list[TraceOp]], dict[str, Any] | None] = lambda ops: None
+    #: What fell back while the world was built (the report's ``fallbacks``).
+    fallbacks: list[dict[str, str]] = field(default_factory=list)
 
 
 def _graph_nodes_engaged(graph: Any, side_streams: set[str]) -> bool:
@@ -466,6 +478,8 @@ def _device_handle(params: BenchParams, root: str) -> _Handle:
         # The streams the transport saw the captured step's A2E/E2A issued on.
         captured_engaged=lambda graph, side: len(dw.transport.op_streams) > 1,
         memory=_cuda_memory(dw.mod) if kind == "cuda" else None,
+        launch_sample=lambda ops: launch_sample(ops, dw.timing.host_spans),
+        fallbacks=list(dw.fallbacks),
     )
 
 
@@ -507,6 +521,8 @@ class PolicyStats:
     learning: list[tuple[float, str, bool]] = field(default_factory=list)
     #: The decision its learning ended with (None: still learning at the end).
     decision: str | None = None
+    #: Every traced step's host and device times (device world; ``tools/bench/launch.py``).
+    launch: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -722,6 +738,8 @@ def _run_policies(
                     st.violations.extend(f"rep {rep}: {v}" for v in result.violations)
                 st.engaged.append(engaged)
                 st.timeline = ops
+                if policy != order[-1]:  # what a run cut short keeps: each policy as it ends
+                    emit(stats, f"repetition {rep + 1} of {params.reps}: {policy} done")
             emit(stats, f"repetition {rep + 1} of {params.reps}")
     finally:
         bar.close()
@@ -1007,6 +1025,9 @@ def _traced_checked_step(
     reference and, where attention is modeled, the peer's cycle checked;
     returns the trace's ops and the peers' waits."""
     ops, out, waits = handle.traced_step()
+    sample = handle.launch_sample(ops)
+    if sample is not None:
+        st.launch.append(sample)
     _check_output(st, reference, sid, out, rep)
     if handle.attn_modeled:
         cycle = check_peer_cycle(ops, layers, stages, int(params.attn_us * 1e3), tolerance_ns=PEER_TOLERANCE_NS)
@@ -1221,8 +1242,12 @@ def _report(
                 "peer_cycle_ok": (not st.peer_violations) if st.peer_checked else None,
                 "peer_cycle_checked_steps": st.peer_checked,
                 "peer_cycle_violations": st.peer_violations[:10],
+                "launch": launch_summary(st.launch),
             }
         )
+    measured["launch"] = launch_verdict(
+        launch_summary(stats["serial"].launch), {p["policy"]: p["launch"] for p in policies}
+    )
     return {
         "schema": SCHEMA,
         "version": camp2p_overlap.__version__,
@@ -1240,6 +1265,7 @@ def _report(
         "stand_in_root": root,
         "params": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(params).items()},
         "comm_model": handle.comm_model,
+        "fallbacks": list(handle.fallbacks),
         "attn_modeled": handle.attn_modeled,
         "ffn_layers": len(layers),
         "stages": list(stages),

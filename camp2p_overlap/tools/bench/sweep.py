@@ -18,13 +18,15 @@ trace next to the target.
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from camp2p_overlap.core.log import logger
 from camp2p_overlap.tools.bench.runner import BenchParams, run_bench
 from camp2p_overlap.tools.bench.tables import CPU_CAVEAT, fmt_time
 
@@ -96,9 +98,72 @@ def work_run(params: BenchParams, timed_s: float) -> tuple[int, int]:
     return steps, reps
 
 
-def _calibrate_f(base: BenchParams) -> float:
+def _calibrate(base: BenchParams) -> dict[str, Any]:
+    """A short serial run of the base world: its report (f for the ratio points)."""
     probe = replace(base, policies=("serial",), steps=2, warmup=1, reps=1)
-    return run_bench(probe).report["measured"]["f_us"] * 1e-6
+    return run_bench(probe).report
+
+
+def _calibrate_f(base: BenchParams) -> float:
+    return _calibrate(base)["measured"]["f_us"] * 1e-6
+
+
+def comm_core_capacity(device: str) -> tuple[int | None, str]:
+    """How many cores the device holds for the comm ops of one step, and
+    where that figure comes from. CUDA: the GPU's SMs (a comm op's block
+    holds an SM of its own: ``emulation/device_comm.py``); elsewhere None:
+    CPU threads time-share their cores, so a point is never capped there."""
+    if device != "cuda":
+        return None, f"{device}: not capped (busy threads time-share the cores)"
+    import torch
+
+    index = torch.cuda.current_device()
+    sms = int(torch.cuda.get_device_properties(index).multi_processor_count)
+    return sms, f"torch.cuda.get_device_properties({index}).multi_processor_count"
+
+
+def cap_comm_core_points(
+    points: Sequence[int], capacity: int | None, concurrent: int
+) -> tuple[list[tuple[int, int]], list[dict[str, Any]], int | None]:
+    """The contention points to run, as ``(asked, run at)``, what was capped
+    or dropped and why, and the most cores per op. With ``concurrent`` comm
+    ops in flight at once (one per stage's side stream in the overlap
+    policies), each holding its cores for its whole duration, a device of
+    ``capacity`` cores gives each op at most ``(capacity - 1) // concurrent``
+    and keeps at least one for the FFN (as the comm kernel does for one op).
+    A point above that runs at that most, unless another point already runs
+    there (then it is dropped)."""
+    if capacity is None:
+        return [(n, n) for n in points], [], None
+    most = max((capacity - 1) // max(concurrent, 1), 0)
+    run: list[tuple[int, int]] = []
+    changes: list[dict[str, Any]] = []
+    taken = {n for n in points if n <= most}
+    for n in points:
+        if n <= most:
+            run.append((n, n))
+            continue
+        why = (
+            f"--comm-cores {n} x {concurrent} concurrent op(s) needs {n * concurrent} of the device's {capacity} "
+            f"cores; at most {most} per op leaves the FFN at least one"
+        )
+        if most in taken:
+            changes.append({"asked": n, "ran": None, "action": "dropped", "why": f"{why}, and {most} runs already"})
+            continue
+        taken.add(most)
+        run.append((n, most))
+        changes.append({"asked": n, "ran": most, "action": "capped", "why": why})
+    return run, changes, most
+
+
+def _fallbacks(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """Every distinct fallback of the reports, in the order first seen."""
+    out: list[dict[str, str]] = []
+    for r in reports:
+        for fb in r.get("fallbacks") or []:
+            if fb not in out:
+                out.append(dict(fb))
+    return out
 
 
 def run_sweep(
@@ -114,17 +179,65 @@ def run_sweep(
     work_graph: bool = False,
     progress: bool = False,
     log: Any = sys.stderr,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Run every point; returns ``{"base", "f_calibration_us", "ratio_points",
-    "stage_points", "work_points", "graph", "env", "wall_s"}`` with each
+    "stage_points", "work_points", "graph", "env", "wall_s", ...}`` with each
     point's full benchmark report (a work point's graph-mode one as its
-    ``graph_report`` when ``work_graph``)."""
+    ``graph_report`` when ``work_graph``). ``on_result``: called with the
+    sweep so far (``"partial": true``, ``progress`` saying what is done)
+    after the calibration and after each point, so a run cut short leaves
+    the points it finished; the returned sweep has ``"partial": false``."""
     t0 = time.perf_counter()
     if comm_cores is None:
         comm_cores = DEFAULT_COMM_CORES.get(base.device, ())
-    f_s = _calibrate_f(base) if (ratios or stage_counts or comm_cores) else float("nan")
-    total = len(ratios) + len(stage_counts) + len(comm_cores) + len(work_tokens) * len(work_hidden) * (1 + work_graph)
+    capacity, capacity_source = comm_core_capacity(base.device) if comm_cores else (None, "no contention points")
+    core_points, core_changes, most = cap_comm_core_points(comm_cores, capacity, base.stages)
+    for change in core_changes:
+        logger.warning(
+            "camp2p-overlap sweep: contention point %s %s: %s", change["asked"], change["action"], change["why"]
+        )
+    calibration = _calibrate(base) if (ratios or stage_counts or core_points) else None
+    f_s = calibration["measured"]["f_us"] * 1e-6 if calibration is not None else float("nan")
+    total = len(ratios) + len(stage_counts) + len(core_points) + len(work_tokens) * len(work_hidden) * (1 + work_graph)
     done = 0
+    result: dict[str, Any] = {
+        "schema": "camp2p-overlap/sweep/v1",
+        "partial": True,
+        "progress": "calibration",
+        "base": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(base).items()},
+        "f_calibration_us": None if f_s != f_s else round(f_s * 1e6, 3),
+        "ratio_points": [],
+        "stage_points": [],
+        "comm_core_points": [],
+        "work_points": [],
+        "comm_core_limit": {
+            "capacity": capacity,
+            "source": capacity_source,
+            "concurrent_ops": base.stages,
+            "max_per_op": most,
+        },
+        "comm_core_changes": core_changes,
+        "fallbacks": [],
+        "graph": bool(work_graph),
+        "env": {"switch_interval_s": round(sys.getswitchinterval(), 9)},
+        "wall_s": 0.0,
+    }
+
+    def emit(what: str, *, final: bool = False) -> None:
+        reports = [calibration] if calibration is not None else []
+        for key in ("ratio_points", "stage_points", "comm_core_points", "work_points"):
+            for pt in result[key]:
+                reports += [pt[k] for k in ("report", "graph_report") if k in pt]
+        result["fallbacks"] = _fallbacks(reports)
+        result["partial"] = not final
+        result["progress"] = what
+        result["wall_s"] = round(time.perf_counter() - t0, 3)
+        if on_result is not None and not final:
+            on_result(copy.deepcopy(result))
+
+    if calibration is not None:
+        emit("calibration")
 
     def point(params: BenchParams, label: str) -> dict[str, Any]:
         nonlocal done
@@ -145,14 +258,19 @@ def run_sweep(
             "report": report,
         }
 
-    ratio_points = [linked(r, f"(a+e)/f = {r:g}, {base.stages} stages") for r in ratios]
-    stage_points = [linked(stage_ratio, f"{s} stage(s), (a+e)/f = {stage_ratio:g}", stages=s) for s in stage_counts]
-    comm_core_points = [
-        {"comm_cores": n, **linked(stage_ratio, f"--comm-cores {n}, (a+e)/f = {stage_ratio:g}", comm_cores=n)}
-        for n in comm_cores
-    ]
-    work_points = []
-    for hidden, tokens in ((h, t) for h in work_hidden for t in work_tokens):
+    for r in ratios:
+        result["ratio_points"].append(linked(r, f"(a+e)/f = {r:g}, {base.stages} stages"))
+        emit(f"ratio point {len(result['ratio_points'])} of {len(ratios)}")
+    for s in stage_counts:
+        result["stage_points"].append(linked(stage_ratio, f"{s} stage(s), (a+e)/f = {stage_ratio:g}", stages=s))
+        emit(f"stage point {len(result['stage_points'])} of {len(stage_counts)}")
+    for asked, n in core_points:
+        label = f"--comm-cores {n}" + (f" (asked {asked})" if asked != n else "") + f", (a+e)/f = {stage_ratio:g}"
+        pt = {"comm_cores": n, "asked_comm_cores": asked, **linked(stage_ratio, label, comm_cores=n)}
+        result["comm_core_points"].append(pt)
+        emit(f"contention point {len(result['comm_core_points'])} of {len(core_points)}")
+    work = [(h, t) for h in work_hidden for t in work_tokens]
+    for hidden, tokens in work:
         params = replace(
             base,
             tokens=tokens,
@@ -177,19 +295,10 @@ def run_sweep(
             work_point["graph_report"] = point(
                 replace(params, graph=True), f"{tokens} tokens per stage, hidden {hidden}, graph replays"
             )
-        work_points.append(work_point)
-    return {
-        "schema": "camp2p-overlap/sweep/v1",
-        "base": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(base).items()},
-        "f_calibration_us": None if f_s != f_s else round(f_s * 1e6, 3),
-        "ratio_points": ratio_points,
-        "stage_points": stage_points,
-        "comm_core_points": comm_core_points,
-        "work_points": work_points,
-        "graph": bool(work_graph),
-        "env": {"switch_interval_s": round(sys.getswitchinterval(), 9)},
-        "wall_s": round(time.perf_counter() - t0, 3),
-    }
+        result["work_points"].append(work_point)
+        emit(f"work point {len(result['work_points'])} of {len(work)}")
+    emit("done", final=True)
+    return result
 
 
 def _policy(report: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
@@ -237,6 +346,34 @@ def adaptive_worst(sweep: Mapping[str, Any], rkey: str = "report") -> tuple[floa
     return worst
 
 
+def _notes(sweep: Mapping[str, Any]) -> list[str]:
+    """What the tables do not show: a partial sweep, contention points
+    capped or dropped, fallbacks, launch-bound points (none: no line)."""
+    out = []
+    if sweep.get("partial"):
+        out.append(f"PARTIAL: the sweep did not finish; done: {sweep.get('progress')}.")
+    limit = sweep.get("comm_core_limit") or {}
+    for change in sweep.get("comm_core_changes") or []:
+        where = "dropped" if change["action"] == "dropped" else f"run at {change['ran']}"
+        out.append(
+            f"Contention point {change['asked']} {where} ({limit.get('source', 'the device')}): {change['why']}."
+        )
+    for fb in sweep.get("fallbacks") or []:
+        out.append(f"FALLBACK: {fb['what']} is not used ({fb['reason']}); ran {fb['instead']} instead.")
+    bound = []
+    for key in ("ratio_points", "stage_points", "comm_core_points", "work_points"):
+        for i, pt in enumerate(sweep.get(key) or []):
+            launch = (pt["report"].get("measured") or {}).get("launch")
+            if launch and launch.get("launch_bound"):
+                bound.append(f"{key.rsplit('_', 1)[0].replace('_', ' ')} point {i + 1}")
+    if bound:
+        out.append(
+            "LAUNCH-BOUND (the host issues work about as fast as the device runs it; see each report's "
+            f"measured.launch): {', '.join(bound)}."
+        )
+    return ["", *out] if out else []
+
+
 def sweep_markdown(sweep: Mapping[str, Any], command: str | None = None) -> str:
     """The sweep as Markdown tables."""
     base = sweep["base"]
@@ -269,7 +406,14 @@ def sweep_markdown(sweep: Mapping[str, Any], command: str | None = None) -> str:
         (
             "comm_core_points",
             "comm cores",
-            lambda pt: str(pt["comm_cores"]),
+            lambda pt: (
+                str(pt["comm_cores"])
+                + (
+                    f" (asked {pt['asked_comm_cores']})"
+                    if pt.get("asked_comm_cores", pt["comm_cores"]) != pt["comm_cores"]
+                    else ""
+                )
+            ),
             lambda pts: (
                 f"Per-layer time against the cores each communication op keeps busy (--comm-cores; "
                 f"{pts[0]['stages']} stages, (a+e)/f target {pts[0]['target_ratio']:g}; 0 = communication "
@@ -321,6 +465,7 @@ def sweep_markdown(sweep: Mapping[str, Any], command: str | None = None) -> str:
             measured = "-" if ratio is None else f"{ratio:.2f}"
             row = [first_cell(pt), measured, *_cells(pt[rkey], policies)]
             lines.append("| " + " | ".join(row) + " |")
+    lines += _notes(sweep)
     worst = adaptive_worst(sweep)
     lines.append("")
     if worst is not None:

@@ -128,6 +128,50 @@ def graph_lines(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def fallback_lines(report: Mapping[str, Any]) -> list[str]:
+    """What fell back while the world was built (none: no line)."""
+    out = []
+    for fb in report.get("fallbacks") or []:
+        out += textwrap.wrap(
+            f"FALLBACK: {fb['what']} is not used ({fb['reason']}); ran {fb['instead']} instead",
+            110,
+            subsequent_indent="  ",
+        )
+    return out
+
+
+def launch_lines(report: Mapping[str, Any]) -> list[str]:
+    """Launch-bound or device-bound (``measured.launch``; no line where it
+    is not measured: the host world, or a report from before it was)."""
+    m = (report.get("measured") or {}).get("launch")
+    if not m:
+        return []
+
+    def share(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    steps = [
+        f"{p['policy']} {share(p['launch']['step_share'])}"
+        for p in report["policies"]
+        if p.get("launch") and p["launch"].get("step_share") is not None
+    ]
+    text = (
+        f"  launch share (host time to issue / device time, {m['steps']} serial traced steps): an FFN "
+        f"{fmt_time(m['ffn_host_us'])} / {fmt_time(m['ffn_device_us'])} = {share(m['ffn_share'])}; a step: "
+        + (", ".join(steps) or "-")
+        + f" (launch-bound at {m['threshold']:.2f} or more)"
+    )
+    lines = textwrap.wrap(text, 110, subsequent_indent="    ")
+    if m["launch_bound"]:
+        verdict = (
+            f"  LAUNCH-BOUND: {'; '.join(m['launch_bound_by'])}. The host issues the work about as fast as the "
+            "device runs it: these figures measure the host's launch rate more than the overlap on the device."
+        )
+    else:
+        verdict = "  device-bound: the host issues every step's work ahead of the device."
+    return lines + textwrap.wrap(verdict, 110, subsequent_indent="    ")
+
+
 def learning_lines(report: Mapping[str, Any]) -> list[str]:
     """An adaptive policy's row is its steady state (after its decision); its
     learning, apart: the steps it took and what they cost."""
@@ -170,6 +214,7 @@ def bench_table(report: Mapping[str, Any]) -> str:
         f"torch threads {prm['threads']}",
         f"comm ops: {report.get('comm_model', '-')}"
         + (f"; --comm-cores {prm.get('comm_cores', 0)}" if prm.get("comm_cores") else ""),
+        *fallback_lines(report),
         *graph_lines(report),
         "",
         f"Measured on the serial run's trace (medians of {m['samples']} FFN ops; A2E without its attention wait):",
@@ -189,6 +234,7 @@ def bench_table(report: Mapping[str, Any]) -> str:
         f"  floor per layer = max(S*f = {fmt_time(ft['stages_x_f_us'])}, "
         f"max_s(a_s+f+e_s+attn) = {fmt_time(ft['group_cycle_us'])}) = {fmt_time(m['floor_per_layer_us'])}"
     )
+    lines += launch_lines(report)
     lines.append("")
     header = (
         f"{'policy':<13} {'A2E':<4} {'E2A':<4} {'per-layer median':>16} {'p90':>10} "
