@@ -5,9 +5,9 @@ trace-event JSON from ``torch.profiler`` on CUDA), turned into the
 device tasks carry a ``Stream Id`` and are tied to their launch by a
 host-to-device flow event; that reading has not yet met a real NPU trace.
 
-What the trace must hold (the device backend writes it while its
-``annotate`` is on, see ``streams/device.py``; the profiling tool adds the
-stream markers and the step fences):
+What the trace must hold (the annotating wrapper around the device
+backend writes it, see ``annotated_backend.py``; the profiling tool adds
+the stream markers and the step fences):
 
 * host ranges named ``camp2p:<kind> L<layer> s<stage>`` around each op the
   session issued (``a2e``, ``e2a``: the op's ``OpKey.label()``),
@@ -46,7 +46,7 @@ from typing import Any
 
 from camp2p_overlap.core.keys import COMPUTE_STREAM, F_DONE, OpKey
 from camp2p_overlap.core.observe.trace import TraceOp
-from camp2p_overlap.core.overlap.streams.device import RANGE_PREFIX, parse_event_range
+from camp2p_overlap.verify.annotated_backend import RANGE_PREFIX, parse_event_range
 from camp2p_overlap.verify.edges import to_chrome_trace
 
 #: Chrome-trace categories of device activities (Kineto).

@@ -15,7 +15,7 @@ from camp2p_overlap.core.keys import (
     OpKey,
     side_stream_name,
 )
-from camp2p_overlap.core.overlap.streams.device import event_range_name, op_range_name, parse_event_range
+from camp2p_overlap.verify.annotated_backend import event_range_name, op_range_name, parse_event_range
 
 PER_LAYER_STAGE = [k for k in EVENT_KINDS if k not in (FORK, JOIN)]
 

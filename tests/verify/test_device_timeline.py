@@ -25,7 +25,7 @@ from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.core.overlap.streams import TorchDeviceBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.tools.bench import profile
-from camp2p_overlap.verify import device_timeline
+from camp2p_overlap.verify import annotated_backend, device_timeline
 from camp2p_overlap.verify.device_timeline import TimelineError, parse
 from camp2p_overlap.verify.edges import check_step
 
@@ -145,7 +145,6 @@ def _loop(session: OverlapSession, sim: SimDevice) -> None:
 def simulated(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Run one annotated, profiled step of a session class on the simulated
     device; return its parsed timeline."""
-    from camp2p_overlap.core.overlap.streams import device as device_backend
 
     def run(
         session_class: type = OverlapSession, marker_kernels: int = 1, **sim_kw: Any
@@ -157,17 +156,16 @@ def simulated(monkeypatch: pytest.MonkeyPatch) -> Any:
                 sim.launch("marker_fill", 1000)
             sim.launch("marker", 1000)
 
-        monkeypatch.setattr(device_backend, "profiler_range", sim.range)
+        monkeypatch.setattr(annotated_backend, "profiler_range", sim.range)
         monkeypatch.setattr(profile, "profiler_range", sim.range)
         backend = TorchDeviceBackend("cuda", sim)  # type: ignore[arg-type]
         sset = StreamSet(backend, STAGES)
-        side = {k.name: k for k in sset.streams.values()}
 
         def step() -> None:
             _loop(session_class(connector=object(), plan=StepPlan(LAYERS, STAGES), streamset=sset), sim)
 
-        profile.profiled_step(step, mod=sim, backend=backend, side=side, launch=marker)
-        assert not backend.annotate and "submit" not in vars(backend)  # annotation off again: plain methods
+        profile.profiled_step(step, mod=sim, streamset=sset, launch=marker)
+        assert sset.backend is backend  # the annotating wrapper is off again
         return parse(json.loads(json.dumps(sim.trace()))), sim
 
     return run
@@ -333,13 +331,13 @@ def test_parser_refuses_what_is_not_a_trace() -> None:
 
 
 def test_host_ranges_from_torch_profiler_on_cpu(tmp_path: Any) -> None:
-    """What the device backend writes, read back from a real torch.profiler
+    """What the annotating backend writes, read back from a real torch.profiler
     trace: the ranges (names, one host thread, µs -> ns); CPU ops are not
     taken for device kernels."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from camp2p_overlap.core.overlap.streams.device import (
+    from camp2p_overlap.verify.annotated_backend import (
         event_range_name,
         op_range_name,
         parse_event_range,

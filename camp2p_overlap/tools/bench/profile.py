@@ -12,12 +12,11 @@ outputs are compared bitwise with the serial run of the same step id."""
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,9 +24,10 @@ import torch
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.keys import COMPUTE_STREAM
 from camp2p_overlap.core.observe.trace import ExpectedSchedule
-from camp2p_overlap.core.overlap.streams import StreamBackend, device_module
-from camp2p_overlap.core.overlap.streams.device import RANGE_PREFIX, profiler_range
+from camp2p_overlap.core.overlap.streams import device_module
+from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.emulation.standin_layer import emulated_layer
+from camp2p_overlap.verify.annotated_backend import RANGE_PREFIX, annotating, profiler_range
 from camp2p_overlap.verify.device_timeline import DeviceTimeline, parse
 from camp2p_overlap.verify.edges import check_step
 
@@ -63,28 +63,18 @@ def fence(name: str, launch: Callable[[], None]) -> None:
         launch()
 
 
-@contextlib.contextmanager
-def annotated(backends: Sequence[StreamBackend]) -> Iterator[None]:
-    for b in backends:
-        b.annotate = True  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        for b in backends:
-            b.annotate = False  # type: ignore[attr-defined]
-
-
 def profiled_step(
     run_step: Callable[[], Any],
     *,
     mod: Any,
-    backend: StreamBackend,
-    side: Mapping[str, Any],
+    streamset: StreamSet,
     launch: Callable[[], None],
 ) -> Any:
-    """The step between two fences, every stream marked, ops annotated."""
-    mark_streams(mod, {COMPUTE_STREAM: backend.compute_stream(), **side}, launch)
-    with annotated([backend]):
+    """The step between two fences, every stream marked, ops annotated (the
+    runner's backend wrapped for the step: ``verify/annotated_backend.py``)."""
+    side = {k.name: k for k in streamset.streams.values()}
+    mark_streams(mod, {COMPUTE_STREAM: streamset.backend.compute_stream(), **side}, launch)
+    with annotating(streamset):
         fence("step-begin", launch)
         out = run_step()
         fence("step-end", launch)
@@ -140,14 +130,13 @@ def profile_device_step(
         world.run_step()  # warm-up: side streams and events exist before the profile
         mod.synchronize()
         (sset,) = layer.runtime.runners.stream_sets()
-        side = {k.name: k for k in sset.streams.values()}
         launch = marker(torch.device(kind, mod.current_device()))
 
         def step() -> Any:
             world.steps_run = PROFILE_STEP_ID
             return world.run_step()
 
-        out, raw = capture(kind, lambda: profiled_step(step, mod=mod, backend=sset.backend, side=side, launch=launch))
+        out, raw = capture(kind, lambda: profiled_step(step, mod=mod, streamset=sset, launch=launch))
     finally:
         if not layer.engine.unpatch(timeout=30.0):
             raise RuntimeError("the profiling patch engine could not unpatch; see the log")

@@ -6,18 +6,15 @@ across steps: a wait captures the most recent record at the time it is
 enqueued, and the pool keeps graph capture from creating events step after
 step.
 
-While :attr:`TorchDeviceBackend.annotate` is on, every op, record and wait
-is issued inside a profiler range named ``camp2p:...`` (:func:`op_range_name`,
-:func:`event_range_name`: what ``verify/device_timeline.py`` reads back from
-a profiler trace with :func:`parse_event_range`); off, the methods are the
-plain ones (no per-op cost).
+Profiler annotation of ops, records and waits is a wrapper around this
+backend, outside core (``verify/annotated_backend.py``): the backend itself
+carries no per-op tracing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -30,34 +27,6 @@ from camp2p_overlap.core.overlap.streams.base import (
     StreamBackend,
 )
 
-#: The prefix of every profiler range the layer and its tools open.
-RANGE_PREFIX = "camp2p:"
-#: What a stream does inside an event range.
-EVENT_ACTIONS = ("record", "wait")
-
-
-def op_range_name(label: str) -> str:
-    """The range around an op (``label``: its :meth:`OpKey.label`): ``camp2p:a2e L0 s1``."""
-    return f"{RANGE_PREFIX}{label}"
-
-
-def event_range_name(action: str, stream_name: str, key: EventKey | None) -> str:
-    """The range around a record or a wait (``action``) of ``key`` on a stream:
-    ``camp2p:record C f L0 s1``; ``?`` for an event not recorded here."""
-    return f"{RANGE_PREFIX}{action} {stream_name} {key.label() if key is not None else '?'}"
-
-
-def parse_event_range(name: str) -> tuple[str, str, EventKey] | None:
-    """``(action, stream name, key)`` of a range :func:`event_range_name`
-    named (with or without its prefix), or None."""
-    if name.startswith(RANGE_PREFIX):
-        name = name[len(RANGE_PREFIX) :]
-    parts = name.split(" ", 2)
-    if len(parts) != 3 or parts[0] not in EVENT_ACTIONS:
-        return None
-    key = EventKey.parse(parts[2])
-    return None if key is None else (parts[0], parts[1], key)
-
 
 class TorchDeviceBackend(StreamBackend):
     def __init__(self, name: str, device_module: ModuleType, device: Any = None) -> None:
@@ -68,17 +37,10 @@ class TorchDeviceBackend(StreamBackend):
         self.mod = device_module
         self.device = device
         self._events: dict[EventKey, Any] = {}
-        #: id(event) -> its key (events are pooled per key), for annotations.
-        self._keys: dict[int, EventKey] = {}
-        self._annotate = False
-        #: When set, ops are bracketed with timing events for traces.
-        self.timing = False
-        self._timed: list[tuple[DoneHandle, Any, Any]] = []
         #: Free (start, end) timing-event pairs for step timing.
         self._step_events: list[tuple[Any, Any]] = []
         #: Free replay-end markers (the replay watch).
         self._markers: list[Any] = []
-        self._origin: Any = None
         #: Streams this backend made (closed with it where they can be).
         self._made: list[Any] = []
         #: What the module offers beyond the stream API (the emulated
@@ -103,8 +65,6 @@ class TorchDeviceBackend(StreamBackend):
         return stream
 
     def submit(self, stream: Any, fn: Callable[[], Any], label: str = "op") -> OpHandle:
-        if self.timing:
-            return self._timed_submit(stream, fn)
         if self._tracked is not None:
             with self.mod.stream(stream):
                 return self._tracked(fn, label)
@@ -117,27 +77,10 @@ class TorchDeviceBackend(StreamBackend):
                 return DoneHandle(None, exc, t0, clock())
         return DoneHandle(value, None, t0, clock())
 
-    def _timed_submit(self, stream: Any, fn: Callable[[], Any]) -> OpHandle:
-        """:meth:`submit` bracketed with timing events (traces)."""
-        with self.mod.stream(stream):
-            start_ev = self.mod.Event(enable_timing=True)
-            start_ev.record(stream)
-            t0 = time.perf_counter_ns()
-            try:
-                value = fn()
-            except BaseException as exc:  # noqa: BLE001 - handed back
-                return DoneHandle(exc=exc, start_ns=t0, end_ns=time.perf_counter_ns())
-            end_ev = self.mod.Event(enable_timing=True)
-            end_ev.record(stream)
-        handle = DoneHandle(value, start_ns=t0, end_ns=time.perf_counter_ns())
-        self._timed.append((handle, start_ev, end_ev))
-        return handle
-
     def record(self, stream: Any, key: EventKey) -> Any:
         event = self._events.get(key)
         if event is None:
             event = self._events[key] = self.mod.Event()
-            self._keys[id(event)] = key
             _name(event, key, "key")
         event.record(stream)
         return event
@@ -152,40 +95,9 @@ class TorchDeviceBackend(StreamBackend):
         for key in keys:
             if key not in self._events:
                 event = self._events[key] = self.mod.Event()
-                self._keys[id(event)] = key
                 _name(event, key, "key")
                 made += 1
         return made
-
-    # -- profiler annotations ------------------------------------------
-    @property
-    def annotate(self) -> bool:
-        """Issue ops, records and waits inside ``camp2p:`` profiler ranges."""
-        return self._annotate
-
-    @annotate.setter
-    def annotate(self, on: bool) -> None:
-        self._annotate = bool(on)
-        if on:
-            self.submit = self._annotated_submit  # type: ignore[method-assign]
-            self.record = self._annotated_record  # type: ignore[method-assign]
-            self.wait = self._annotated_wait  # type: ignore[method-assign]
-        else:
-            for name in ("submit", "record", "wait"):
-                self.__dict__.pop(name, None)
-
-    def _annotated_submit(self, stream: Any, fn: Callable[[], Any], label: str = "op") -> OpHandle:
-        with profiler_range(op_range_name(label)):
-            return TorchDeviceBackend.submit(self, stream, fn, label)
-
-    def _annotated_record(self, stream: Any, key: EventKey) -> Any:
-        with profiler_range(event_range_name("record", _stream_name(stream), key)):
-            return TorchDeviceBackend.record(self, stream, key)
-
-    def _annotated_wait(self, stream: Any, event: Any) -> None:
-        key = self._keys.get(id(event))
-        with profiler_range(event_range_name("wait", _stream_name(stream), key)):
-            TorchDeviceBackend.wait(self, stream, event)
 
     def is_capturing(self) -> bool:
         fn = getattr(self.mod, "is_current_stream_capturing", None)
@@ -269,39 +181,6 @@ class TorchDeviceBackend(StreamBackend):
 
     def _new_timing_pair(self) -> tuple[Any, Any]:
         return self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True)
-
-    # -- device timing for traces ---------------------------------------
-    def start_timing(self) -> None:
-        """Begin bracketing ops with timing events; times are resolved by
-        :meth:`resolve_timing` after a synchronize."""
-        self.timing = True
-        self._timed.clear()
-        self._origin = self.mod.Event(enable_timing=True)
-        self._origin.record(self.mod.current_stream())
-        self._origin_ns = time.perf_counter_ns()
-
-    def resolve_timing(self) -> None:
-        """Rewrite each timed handle's start/end to device time (ns since
-        :meth:`start_timing`, offset to the host clock at that moment)."""
-        self.mod.synchronize()
-        for handle, start_ev, end_ev in self._timed:
-            handle.start_ns = self._origin_ns + int(self._origin.elapsed_time(start_ev) * 1e6)
-            handle.end_ns = self._origin_ns + int(self._origin.elapsed_time(end_ev) * 1e6)
-        self._timed.clear()
-        self.timing = False
-
-
-@contextlib.contextmanager
-def profiler_range(name: str) -> Iterator[None]:
-    """A host range in a profiler trace (``torch.profiler.record_function``)."""
-    from torch.profiler import record_function
-
-    with record_function(name):
-        yield
-
-
-def _stream_name(stream: Any) -> str:
-    return str(getattr(stream, "name", "?"))
 
 
 def _name(obj: Any, name: Any, attr: str = "name") -> None:
