@@ -359,7 +359,7 @@ def test_report_on_a_device_backend_reads_events_not_handles() -> None:
     and where each stream is by the events it waits for, never by a sync.
     A side stream still waiting for the fork (C has not reached the step)
     is at a wait, not at an op: nothing is blamed on a peer then."""
-    from camp2p_overlap.core.overlap.watchdog import stall_report
+    from camp2p_overlap.core.overlap.stall_report import stall_report
 
     dev = _fake_device()
     session = _fake_session(dev)

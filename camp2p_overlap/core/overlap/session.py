@@ -79,7 +79,7 @@ class SessionSnapshot:
     closed: bool = False
 
 
-class _Running(OpHandle):
+class RunningOp(OpHandle):
     """The handle of an op being submitted (while the host runs it)."""
 
     def __init__(self) -> None:
@@ -210,7 +210,7 @@ class OverlapSession:
             return h
         # The host runs a compute-stream op: listed before it runs, so a
         # stall report shows it running while it blocks.
-        op = IssuedOp(kind, layer, stage, stream.name, _Running(), seq)
+        op = IssuedOp(kind, layer, stage, stream.name, RunningOp(), seq)
         self._ops.append(op)
         try:
             op.handle = self.backend.submit(stream, fn, label=text)

@@ -1,18 +1,15 @@
 """The step watchdog: when an engaged step has not finished
 ``VLLM_CAMP2P_MULTISTREAM_WATCHDOG_S`` after it opened, log a stall report
-built from a snapshot of the session (never a sync: event queries and handle
-states only), naming the peer op that most likely never came.
+built from a snapshot of the session (``stall_report.py``), naming the peer
+op that most likely never came; and the replay watch, which reports a decode
+graph replay that has not ended.
 
 On a device the host only enqueues: it issues the whole step, closes the
 session and runs ahead while the streams still run the step. A step has
 finished when its device work has, so the watchdog outlives the host's part:
 once the session is closed it follows the closed step's op handles and
 events (queries, a few ms apart, backing off) until all have completed, and
-ends then without a report, or reports once at the deadline. The report says
-where the host is and where each stream of the device is, replaying the
-order the session issued the step's records, waits and ops in: the op a
-stream runs (the likely missing peer op when it is a connector op), the
-event it waits for (recorded after which op), or the FFN C computes.
+ends then without a report, or reports once at the deadline.
 
 Limits, both of reading a device without a sync: events are pooled per key
 across steps, so once a later step has re-recorded one its query speaks for
@@ -30,31 +27,16 @@ import os
 import threading
 import time
 import weakref
-from collections import defaultdict, deque
-from collections.abc import Callable, Container
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from camp2p_overlap.core.keys import (
-    A2E,
-    A_DONE,
-    COMPUTE_STREAM,
-    E2A,
-    E_DONE,
-    E_DONE_ON_C,
-    F_DONE,
-    FORK,
-    JOIN,
-    EventKey,
-)
 from camp2p_overlap.core.log import logger
-from camp2p_overlap.core.overlap.camp2p import group_of
 from camp2p_overlap.core.overlap.capture_guard import GUARD
-from camp2p_overlap.core.overlap.plan import StageLayer
-from camp2p_overlap.core.overlap.session import IssuedOp, SessionSnapshot, _Running
-from camp2p_overlap.core.overlap.streams.base import StreamBackend, StreamPoisonedError
+from camp2p_overlap.core.overlap.session import SessionSnapshot
+from camp2p_overlap.core.overlap.stall_report import stall_report
+from camp2p_overlap.core.overlap.streams.base import StreamBackend
 
-#: Events listed in full up to this many; past it only the pending ones.
-_FULL_EVENT_LIST = 32
 #: The first and the longest pause between two looks at a closed step's
 #: device work (seconds); the pause doubles from one to the other.
 _FIRST_POLL_S = 0.001
@@ -138,6 +120,29 @@ class StepWatchdog(threading.Thread):
             self.seconds,
             text,
         )
+
+
+class _Pending:
+    """What of a closed step has not completed on the device: its events
+    and op handles, each dropped once seen complete (an event is queried
+    until it completes, then never again)."""
+
+    def __init__(self, snap: SessionSnapshot) -> None:
+        self.events = [ev for _, ev in snap.events]
+        self.handles = [o.handle for o in snap.ops]
+
+    def finished(self) -> bool:
+        self.handles = [h for h in self.handles if not h.done()]
+        if self.handles:
+            return False
+        while self.events:
+            try:
+                if not GUARD.read(self.events[-1].query):  # the latest first: it completes last (None: capturing)
+                    return False
+            except Exception:  # noqa: BLE001 - unknown: keep it, report at the deadline
+                return False
+            self.events.pop()
+        return True
 
 
 def _no_snapshot() -> SessionSnapshot:
@@ -270,387 +275,3 @@ class ReplayWatch:
 
 #: The process's replay watch.
 REPLAY_WATCH = ReplayWatch()
-
-
-# ---------------------------------------------------------------------------
-# what the streams were given: the step's records, waits and ops per stream
-
-
-@dataclass(frozen=True, slots=True)
-class _Item:
-    """One thing a stream was given, in its FIFO order: ``record`` or
-    ``wait`` of an event, an ``op`` (a connector op), or the ``ffn`` of a
-    (layer, stage) (the model's kernels on the compute stream)."""
-
-    kind: str
-    key: EventKey | None = None
-    op: IssuedOp | None = None
-    at: StageLayer | None = None
-
-
-def _programs(snap: SessionSnapshot) -> dict[str, list[_Item]]:
-    """Each stream's items, in the order the session issued them (replayed
-    from the snapshot: fork and prologue at the first receive; per receive
-    C's wait or its A2E, the FFN; per send ``f_done``, the E2A and the
-    lookahead A2E with their events; the join at close). Ops the replay
-    does not place (a step that fell back) follow at their stream's end."""
-    events = {k for k, _ in snap.events}
-    by_key: dict[tuple[str, int | None, int | None], deque[IssuedOp]] = defaultdict(deque)
-    for o in snap.ops:
-        by_key[(o.kind, o.layer, o.stage)].append(o)
-    placed: set[int] = set()
-    prog: dict[str, list[_Item]] = defaultdict(list)
-    C = COMPUTE_STREAM
-    plan, dirs = snap.plan, snap.directions
-
-    def k_of(s: int) -> str:
-        return snap.side_streams.get(s, "?")
-
-    def event(kind: str, stream: str, key: EventKey) -> None:
-        if key in events:
-            prog[stream].append(_Item(kind, key=key))
-
-    def op(kind: str, layer: int, stage: int) -> None:
-        queue = by_key.get((kind, layer, stage))
-        if queue:
-            o = queue.popleft()
-            placed.add(id(o))
-            prog[o.stream].append(_Item("op", op=o))
-
-    order = plan.order()[: snap.received]
-    if order:
-        event("record", C, EventKey.fork())
-        for s in plan.stages:
-            event("wait", k_of(s), EventKey.fork())
-        if dirs.a2e_side:
-            for s in plan.stages:
-                op(A2E, plan.layers[0], s)
-                event("record", k_of(s), EventKey(A_DONE, plan.layers[0], s))
-    last_e: dict[int, EventKey] = {}
-    for L, s in order:
-        if (L, s) not in snap.consumed:
-            break  # the step fell back here: the rest ran as leftovers
-        if dirs.a2e_side:
-            event("wait", C, EventKey(A_DONE, L, s))
-        else:
-            if dirs.e2a_side and s in last_e:
-                event("wait", C, last_e[s])
-            op(A2E, L, s)
-        if (L, s) not in snap.sent:
-            if not snap.closed:  # the host is in this FFN: nothing after it is issued
-                prog[C].append(_Item("ffn", at=(L, s)))
-            break  # (closed: the step ended in this FFN; C only has the join left)
-        prog[C].append(_Item("ffn", at=(L, s)))
-        event("record", C, EventKey(F_DONE, L, s))
-        if dirs.e2a_side:
-            event("wait", k_of(s), EventKey(F_DONE, L, s))
-            op(E2A, L, s)
-            last_e[s] = EventKey(E_DONE, L, s)
-            event("record", k_of(s), last_e[s])
-        else:
-            op(E2A, L, s)
-            last_e[s] = EventKey(E_DONE_ON_C, L, s)
-            event("record", C, last_e[s])
-        nxt = plan.next_of.get(L)
-        if nxt is not None and dirs.a2e_side:
-            if not dirs.e2a_side:
-                event("wait", k_of(s), EventKey(E_DONE_ON_C, L, s))
-            op(A2E, nxt, s)
-            event("record", k_of(s), EventKey(A_DONE, nxt, s))
-    if snap.closed:
-        for s in plan.stages:
-            event("record", k_of(s), EventKey.join(s))
-            event("wait", C, EventKey.join(s))
-    for o in snap.ops:
-        if id(o) not in placed:
-            prog[o.stream].append(_Item("op", op=o))
-    return prog
-
-
-def _event_after(o: IssuedOp, events: Container[EventKey]) -> EventKey | None:
-    """The event the session recorded right after op ``o`` on its stream
-    (None: none, as after an A2E the compute stream runs for itself)."""
-    if o.layer is None or o.stage is None:
-        return None
-    kinds = (A_DONE,) if o.kind == A2E else (E_DONE, E_DONE_ON_C) if o.kind == E2A else ()
-    for kind in kinds:
-        key = EventKey(kind, o.layer, o.stage)
-        if key in events:
-            return key
-    return None
-
-
-# ---------------------------------------------------------------------------
-# reading states: each event queried once per look, never a synchronize
-
-
-class _States:
-    """Event and op states of one snapshot, each read once: an event is
-    queried at most once per report (a device query is not free)."""
-
-    def __init__(self, snap: SessionSnapshot, now: int) -> None:
-        self.events = dict(snap.events)
-        self.now = now
-        self._event_states: dict[EventKey, bool | str | None] = {}
-        self._op_states: dict[int, tuple[bool, str]] = {}
-
-    def event(self, key: EventKey) -> bool | str | None:
-        """True: completed; False: pending; None: not recorded this step;
-        a string: unknown (why)."""
-        if key not in self._event_states:
-            self._event_states[key] = self._query(key)
-        return self._event_states[key]
-
-    def _query(self, key: EventKey) -> bool | str | None:
-        ev = self.events.get(key)
-        if ev is None:
-            return None
-        try:
-            done = GUARD.read(ev.query)
-        except Exception as exc:  # noqa: BLE001 - diagnostics only
-            return f"query failed: {exc}"
-        return "not read: a graph capture is in progress" if done is None else bool(done)
-
-    def op(self, o: IssuedOp) -> tuple[bool, str]:
-        """Whether ``o`` has finished, and its state in words."""
-        state = self._op_states.get(id(o))
-        if state is None:
-            state = self._op_states[id(o)] = self._op_state(o)
-        return state
-
-    def _op_state(self, o: IssuedOp) -> tuple[bool, str]:
-        h = o.handle
-        if isinstance(h, _Running):
-            return False, f"being issued by the host for {self._since(h.start_ns)}"
-        if not h.done():
-            if h.start_ns is None:
-                return False, "queued"
-            return False, f"RUNNING for {self._since(h.start_ns)}"
-        exception = getattr(h, "exception", None)
-        exc = exception() if callable(exception) else None
-        if isinstance(exc, StreamPoisonedError):
-            return True, "skipped (an earlier op of its stream failed)"
-        if exc is not None:
-            return True, f"FAILED ({type(exc).__name__}: {_short(exc)})"
-        # Device backends return at once; the event after the op tells.
-        after = _event_after(o, self.events)
-        if after is not None and self.event(after) is False:
-            return False, "enqueued, not complete on the device"
-        return True, "done"
-
-    def item_done(self, item: _Item) -> bool:
-        if item.kind == "op":
-            assert item.op is not None
-            return self.op(item.op)[0]
-        if item.kind == "ffn":
-            assert item.at is not None
-            return self.event(EventKey(F_DONE, *item.at)) is True
-        assert item.key is not None
-        return self.event(item.key) is True
-
-    def _since(self, start_ns: int) -> str:
-        return f"{(self.now - start_ns) / 1e9:.2f} s"
-
-
-def _short(exc: BaseException, limit: int = 120) -> str:
-    text = str(exc)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-class _Pending:
-    """What of a closed step has not completed on the device: its events
-    and op handles, each dropped once seen complete (an event is queried
-    until it completes, then never again)."""
-
-    def __init__(self, snap: SessionSnapshot) -> None:
-        self.events = [ev for _, ev in snap.events]
-        self.handles = [o.handle for o in snap.ops]
-
-    def finished(self) -> bool:
-        self.handles = [h for h in self.handles if not h.done()]
-        if self.handles:
-            return False
-        while self.events:
-            try:
-                if not GUARD.read(self.events[-1].query):  # the latest first: it completes last (None: capturing)
-                    return False
-            except Exception:  # noqa: BLE001 - unknown: keep it, report at the deadline
-                return False
-            self.events.pop()
-        return True
-
-
-# ---------------------------------------------------------------------------
-# the report
-
-
-def _describe(key: EventKey, snap: SessionSnapshot) -> str:
-    """What completes event ``key``: the op or FFN it is recorded after."""
-    L, s = key.layer, key.stage
-    k = snap.side_streams.get(s, "?") if s is not None else "?"
-    if key.kind == A_DONE:
-        return f"a2e(L{L},s{s}) on {k}"
-    if key.kind == F_DONE:
-        return f"the FFN of (L{L},s{s}) on {COMPUTE_STREAM}"
-    if key.kind == E_DONE:
-        return f"e2a(L{L},s{s}) on {k}"
-    if key.kind == E_DONE_ON_C:
-        return f"e2a(L{L},s{s}) on {COMPUTE_STREAM}"
-    if key.kind == JOIN:
-        return f"the last op of stage {s} on {k}"
-    if key.kind == FORK:
-        return f"the start of the step on {COMPUTE_STREAM}"
-    return key.label()
-
-
-def _op_name(o: IssuedOp) -> str:
-    return f"{o.kind}(L{o.layer},s{o.stage})"
-
-
-def _event_text(st: _States, key: EventKey) -> str:
-    state = st.event(key)
-    return f"event {key.label()} " + ("pending" if state is False else str(state))
-
-
-def _head(items: list[_Item], st: _States) -> _Item | None:
-    """The first item of a stream not complete (what the stream is at)."""
-    for item in items:
-        if item.op is not None and isinstance(item.op.handle, _Running):
-            return None  # the host has not enqueued it yet: the stream ran all before it
-        if not st.item_done(item):
-            return item
-    return None
-
-
-def _host_line(snap: SessionSnapshot, st: _States) -> str:
-    if snap.closed:
-        return "  host: has issued the whole step and closed it; the streams below are where the device is"
-    issuing = [o for o in snap.ops if isinstance(o.handle, _Running)]
-    order = snap.plan.order()
-    if issuing:
-        o = issuing[-1]
-        return f"  host: issuing {_op_name(o)} on {o.stream} ({st.op(o)[1]})"
-    if snap.received == 0:
-        return "  host: has not made the step's first receive yet"
-    L, s = order[snap.received - 1]
-    if (L, s) not in snap.sent:
-        return f"  host: in the FFN of (L{L},s{s}) (the model's host part); its send is not issued yet"
-    if snap.received == len(order):
-        return f"  host: between the send of (L{L},s{s}) and the step's close"
-    nL, ns = order[snap.received]
-    return f"  host: between the send of (L{L},s{s}) and the receive of (L{nL},s{ns})"
-
-
-def _compute_line(snap: SessionSnapshot, st: _States, head: _Item | None) -> str:
-    C = COMPUTE_STREAM
-    if head is None:
-        return f"  compute stream {C} has run " + ("the whole step" if snap.closed else "everything issued so far")
-    if head.kind == "op":
-        o = head.op
-        assert o is not None
-        return f"  compute stream {C} is blocked in {_op_name(o)}, issued on the compute stream ({st.op(o)[1]})"
-    if head.kind == "wait":
-        assert head.key is not None
-        return (
-            f"  compute stream {C} is waiting on the device for {_describe(head.key, snap)} "
-            f"({_event_text(st, head.key)})"
-        )
-    if head.kind == "ffn":
-        assert head.at is not None
-        L, s = head.at
-        if head.at in snap.sent:
-            return f"  compute stream {C} is running the FFN of (L{L},s{s})"
-        return f"  compute stream {C} is at the FFN of (L{L},s{s}), whose send the host has not issued yet"
-    assert head.key is not None
-    return f"  compute stream {C} has not reached its record of event {head.key.label()} yet"
-
-
-def _stream_text(stream: str, head: _Item | None, snap: SessionSnapshot, st: _States) -> str:
-    if head is None:
-        return f"{stream} has run everything issued"
-    if head.kind == "wait":
-        assert head.key is not None
-        return f"{stream} waits for {_describe(head.key, snap)} ({_event_text(st, head.key)})"
-    if head.kind == "op":
-        assert head.op is not None
-        return f"{stream} is at {_op_name(head.op)} ({st.op(head.op)[1]})"
-    assert head.key is not None
-    return f"{stream} has not reached its record of event {head.key.label()} yet"
-
-
-def stall_report(snap: SessionSnapshot) -> str:
-    """Which ops were issued, where each stream of the device is, and which
-    recorded events have completed.
-
-    Layout: the header; where the host is (still issuing, or done: the
-    device is behind it); what the compute stream C is at on the device (an
-    op it runs, the event it waits for, an FFN); per stage (stream, HCCL
-    group) what its stream is at and every op issued in order with its state
-    (done / RUNNING for N s / queued / enqueued, not complete on the device
-    / FAILED / skipped); the likely missing peer op of each stage: its first
-    unfinished op when its stream is at that op (an op queued behind a wait
-    waits for the device, not for a peer); then the events (all of them when
-    few, else only the pending ones) and the unfinished ops."""
-    now = time.perf_counter_ns()
-    st = _States(snap, now)
-    order = snap.plan.order()
-    programs = _programs(snap)
-    heads = {stream: _head(items, st) for stream, items in programs.items()}
-    lines = [
-        f"step {snap.step_id}: {snap.received}/{len(order)} receives handed to the loop",
-        f"  open for {(now - snap.opened_ns) / 1e9:.2f} s; plan: layers {list(snap.plan.layers)}, "
-        f"stages {list(snap.plan.stages)}",
-        _host_line(snap, st),
-        _compute_line(snap, st, heads.get(COMPUTE_STREAM)),
-    ]
-    culprits: list[str] = []
-    for s in snap.plan.stages:
-        lines += _stage_lines(snap, st, s, heads, culprits)
-    if culprits:
-        lines.extend(culprits)
-    elif all(st.op(o)[0] for o in snap.ops):
-        lines.append("  every issued op has finished")
-    else:
-        lines.append("  no connector op is running: the unfinished ones are queued behind other work of the device")
-    events = list(snap.events)
-    shown = events if len(events) <= _FULL_EVENT_LIST else [(k, e) for k, e in events if st.event(k) is not True]
-    if len(shown) < len(events):
-        lines.append(f"  events: {len(events) - len(shown)} done, listing the other {len(shown)}")
-    for key, _ev in shown:
-        done = st.event(key)
-        lines.append(f"  event {key.label()}: {'done' if done is True else done or 'pending'}")
-    pending = [f"{_op_name(o)} on {o.stream}" for o in snap.ops if not st.op(o)[0]]
-    lines.append("  ops not finished: " + (", ".join(pending) or "none"))
-    return "\n".join(lines)
-
-
-def _stage_lines(
-    snap: SessionSnapshot, st: _States, s: int, heads: dict[str, _Item | None], culprits: list[str]
-) -> list[str]:
-    group = group_of(s)
-    mine = [o for o in snap.ops if o.stage == s]
-    stream = snap.side_streams.get(s, "?")
-    head = f"; {_stream_text(stream, heads.get(stream), snap, st)}" if stream != COMPUTE_STREAM else ""
-    lines = [f"  stage {s} (stream {stream}, group {group}): {len(mine)} op(s) issued{head}"]
-    states = [st.op(o) for o in mine]
-    open_idx = [i for i, (finished, _) in enumerate(states) if not finished]
-    # Keep long steps readable: the done ops before the last two preceding
-    # the first unfinished one are counted, not listed.
-    cut = max((open_idx[0] if open_idx else len(mine)) - 2, 0)
-    if cut:
-        lines.append(f"    ... {cut} earlier op(s) done")
-    for o, (_, text) in list(zip(mine, states, strict=True))[cut:]:
-        lines.append(f"    {_op_name(o)} on {o.stream}: {text}")
-    if open_idx:
-        o, text = mine[open_idx[0]], states[open_idx[0]][1]
-        at = heads.get(o.stream)
-        # Blamed only when its stream is at it and it is running there: an op
-        # queued behind a wait, or behind its stream's earlier work, waits
-        # for the device, not for the attention peer.
-        if at is not None and at.op is o and not text.startswith(("queued", "being issued")):
-            role = "answered (no data)" if o.kind == A2E else "acknowledged"
-            culprits.append(
-                f"  likely missing peer op: {_op_name(o)} on {o.stream} ({text}): "
-                f"the attention peer of stage {s} (group {group}) has not {role}"
-            )
-    return lines
