@@ -4,9 +4,10 @@ it is parsed, its default, its range or choices, its help for users and the
 
 Everything else is produced from :data:`TABLE`: ``load_config`` and the
 ``OverlapConfig`` defaults (config.py), the names given to vLLM's
-environment registry (plugin.py), the CLI help and ``doctor``'s switches,
-and the README's configuration table (:func:`markdown_table`, written by
-``camp2p-overlap docs``). Imports only the standard library.
+environment registry (plugin.py), ``doctor``'s switches, and, rendered by
+the docs tool (``tools/docgen.py``: ``markdown_table``, ``help_listing``),
+the README's configuration table and the CLI help. Imports only the
+standard library.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
-import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -369,32 +369,3 @@ TABLE: tuple[EnvVar, ...] = (
 BY_NAME: dict[str, EnvVar] = {v.name: v for v in TABLE}
 #: ``OverlapConfig`` field -> its default.
 DEFAULTS: dict[str, Any] = {v.field: v.default for v in TABLE}
-
-
-def markdown_table() -> str:
-    """The README's configuration table (variable | default | meaning),
-    followed by how switches are spelled and what a bad value does."""
-    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
-    rows += [f"| `{v.name}` | {v.default_text()} | {v.meaning()} |" for v in TABLE]
-    rows += ["", reading_rules()]
-    return "\n".join(rows) + "\n"
-
-
-def reading_rules(markdown: bool = True) -> str:
-    """How every variable is read: the spellings of a switch, unset, a bad value."""
-    spellings = ", ".join(f"`{t}`/`{f}`" for t, f in zip(TRUE_WORDS, FALSE_WORDS, strict=True))
-    text = (
-        f"An on/off switch accepts {spellings} in any case. An unset or empty variable takes its default."
-        " Any other value is an error that names the variable and the value (logged, or raised in strict mode)."
-    )
-    return text if markdown else plain(text)
-
-
-def help_listing(indent: str = "  ", width: int = 79) -> str:
-    """Every variable with its default and help, as plain text for the CLI."""
-    lines = []
-    for v in TABLE:
-        lines.append(f"{indent}{v.name} (default {v.default_text(markdown=False)})")
-        more = indent + "    "
-        lines += textwrap.wrap(v.meaning(markdown=False), width, initial_indent=more, subsequent_indent=more)
-    return "\n".join(lines)

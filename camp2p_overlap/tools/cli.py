@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import fields, replace
 from typing import Any
 
-from camp2p_overlap.core.env_vars import help_listing, reading_rules
 from camp2p_overlap.tools.bench.runner import POLICIES, POLICY_HELP, SCENARIO_HELP, SCENARIOS, BenchParams
+from camp2p_overlap.tools.docgen import help_listing, reading_rules
 from camp2p_overlap.tools.overhead import OverheadParams
 
 BENCH_DESCRIPTION = """\

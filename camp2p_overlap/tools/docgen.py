@@ -25,10 +25,13 @@ from __future__ import annotations
 import json
 import re
 import sys
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from camp2p_overlap.core.env_vars import FALSE_WORDS, TABLE, TRUE_WORDS, plain
 
 RESULTS_DIR = "docs/results"
 RUNS_SCHEMA = "camp2p-overlap/runs/v1"
@@ -162,9 +165,39 @@ def headline_figures(res: Results) -> str:
 
 
 def configuration_table(res: Results) -> str:
-    from camp2p_overlap.core.env_vars import markdown_table
-
     return markdown_table()
+
+
+# ---------------------------------------------------------------------------
+# the variable table (core.env_vars.TABLE) rendered: the README's Markdown
+# table, and the plain listing of `camp2p-overlap --help`
+def markdown_table() -> str:
+    """The README's configuration table (variable | default | meaning),
+    followed by how switches are spelled and what a bad value does."""
+    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    rows += [f"| `{v.name}` | {v.default_text()} | {v.meaning()} |" for v in TABLE]
+    rows += ["", reading_rules()]
+    return "\n".join(rows) + "\n"
+
+
+def reading_rules(markdown: bool = True) -> str:
+    """How every variable is read: the spellings of a switch, unset, a bad value."""
+    spellings = ", ".join(f"`{t}`/`{f}`" for t, f in zip(TRUE_WORDS, FALSE_WORDS, strict=True))
+    text = (
+        f"An on/off switch accepts {spellings} in any case. An unset or empty variable takes its default."
+        " Any other value is an error that names the variable and the value (logged, or raised in strict mode)."
+    )
+    return text if markdown else plain(text)
+
+
+def help_listing(indent: str = "  ", width: int = 79) -> str:
+    """Every variable with its default and help, as plain text for the CLI."""
+    lines = []
+    for v in TABLE:
+        lines.append(f"{indent}{v.name} (default {v.default_text(markdown=False)})")
+        more = indent + "    "
+        lines += textwrap.wrap(v.meaning(markdown=False), width, initial_indent=more, subsequent_indent=more)
+    return "\n".join(lines)
 
 
 def bench_block(res: Results) -> str:

@@ -28,12 +28,11 @@ from camp2p_overlap.core.env_vars import (
     ENV_REPROBE,
     TABLE,
     EnvVar,
-    help_listing,
-    markdown_table,
     plain,
 )
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey
 from camp2p_overlap.tools import cli
+from camp2p_overlap.tools.docgen import help_listing, markdown_table
 
 BEGIN = re.compile(r"^<!-- BEGIN generated: configuration table( \([^()]*\))? -->$")
 END = "<!-- END generated: configuration table -->"
@@ -50,7 +49,7 @@ def test_the_readme_configuration_table_is_the_generated_one() -> None:
     )
     body = lines[begins[0] + 1 : ends[0]]
     assert body == markdown_table().rstrip("\n").split("\n"), (
-        f"README.md's configuration table differs from core.env_vars.markdown_table(): {REGENERATE}"
+        f"README.md's configuration table differs from tools.docgen.markdown_table(): {REGENERATE}"
     )
 
 
