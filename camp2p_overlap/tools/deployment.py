@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from camp2p_overlap.core import config as cfgmod
+from camp2p_overlap.core import env_vars
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.rollout import rung
 
@@ -139,7 +140,7 @@ def stage_map(num_ubatches: int) -> list[dict[str, Any]]:
     the deployment's micro-batches use it, and the stages it shares its group with."""
     names = camp2p.comm_names_for(num_ubatches)
     rows: list[dict[str, Any]] = []
-    for stage in range(cfgmod.MAX_STAGES):
+    for stage in range(env_vars.MAX_STAGES):
         try:
             group, error = camp2p.resolve_group(stage, names), None
         except camp2p.GroupError as exc:
@@ -202,7 +203,7 @@ def read_deployment(source: str, overlap: cfgmod.OverlapConfig | None) -> dict[s
     if len(used) < min_stages:
         notes.append(
             f"num_ubatches={num_ubatches}: steps have {len(used)} stage(s), fewer than "
-            f"{cfgmod.ENV_MIN_STAGES}={min_stages}: the overlap will not engage"
+            f"{env_vars.ENV_MIN_STAGES}={min_stages}: the overlap will not engage"
         )
     raw_extra = afd.get("connector_extra_config") or {}
     if not isinstance(raw_extra, Mapping):

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from camp2p_overlap.core import config as cfgmod
+from camp2p_overlap.core import env_vars
 from camp2p_overlap.core.env_vars import TABLE as ENV_TABLE
 from camp2p_overlap.core.observe.decode_graphs import UPSTREAM_GRAPH, rung_hint
 from camp2p_overlap.core.overlap.rollout import LADDER, rung
@@ -261,8 +262,8 @@ def decode_graph_line(
     if cfg is None:
         return DecodeGraphs("off", f"the configuration is refused, so {UPSTREAM_GRAPH}")
     if cfg.graph == "0":
-        return DecodeGraphs("off", f"{cfgmod.ENV_GRAPH} is 0: {UPSTREAM_GRAPH} for every key; {rung_hint()}")
-    asked = f"{cfgmod.ENV_GRAPH}={cfg.graph}"
+        return DecodeGraphs("off", f"{env_vars.ENV_GRAPH} is 0: {UPSTREAM_GRAPH} for every key; {rung_hint()}")
+    asked = f"{env_vars.ENV_GRAPH}={cfg.graph}"
     refusals = [r for r in (extra_refusal,) if r is not None]
     if torch_npu is not None and not torch_npu.fixed:
         refusals.append(f"{torch_npu.reason}; {REFUSED_KEEPS}")
@@ -369,7 +370,7 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
     if not config_section["ok"]:
         problems.append(f"configuration: {config_section['error']}")
     elif not config_section["enabled"]:
-        notes.append(f"{cfgmod.ENV_SWITCH} is off: the patch layer would not apply (switch it on to use it)")
+        notes.append(f"{env_vars.ENV_SWITCH} is off: the patch layer would not apply (switch it on to use it)")
     device, device_detail = _device()
     backend = _backend(cfg.backend if cfg is not None else "auto", device)
     if backend["resolved"] is None:

@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 
-from camp2p_overlap.core.config import MAX_REPROBE, MAX_STAGES, OverlapConfig
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.env_vars import MAX_REPROBE, MAX_STAGES
 from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.overlap.step import bucket_of
 from camp2p_overlap.emulation.moe import MoEShape

@@ -27,14 +27,8 @@ from support.overlap import Schedule, bounded, run_step, world
 
 import camp2p_overlap
 from camp2p_overlap.core import layer as process
-from camp2p_overlap.core.config import (
-    ENV_METRICS_ADDR,
-    ENV_METRICS_PORT,
-    ENV_SUMMARY,
-    ConfigError,
-    OverlapConfig,
-    load_config,
-)
+from camp2p_overlap.core.config import ConfigError, OverlapConfig, load_config
+from camp2p_overlap.core.env_vars import ENV_METRICS_ADDR, ENV_METRICS_PORT, ENV_SUMMARY
 from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.observe import metrics
 from camp2p_overlap.core.observe.counters import StepCounters

@@ -15,7 +15,8 @@ from support.logs import PackageLogs
 from support.overlap import Schedule, apply_cpu, assert_same, bounded, run_step, serial_results, world
 
 import camp2p_overlap
-from camp2p_overlap.core.config import ENV_ADAPTIVE, ENV_REPROBE, ConfigError, load_config
+from camp2p_overlap.core.config import ConfigError, load_config
+from camp2p_overlap.core.env_vars import ENV_ADAPTIVE, ENV_REPROBE
 from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey, Passed, pow2_ceil
 from camp2p_overlap.core.overlap.step_timings import StepTimings

@@ -26,8 +26,9 @@ from support.overlap import (
 )
 
 import camp2p_overlap
-from camp2p_overlap.core import config
-from camp2p_overlap.core.config import ENV_MODE, ConfigError, OverlapConfig, load_config
+from camp2p_overlap.core import config, env_vars
+from camp2p_overlap.core.config import ConfigError, OverlapConfig, load_config
+from camp2p_overlap.core.env_vars import ENV_MODE
 from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.rollout import rung
@@ -88,7 +89,7 @@ def test_mode_values_and_default() -> None:
 
 
 def test_bad_mode_makes_apply_refuse_not_raise(logs: PackageLogs, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(config.ENV_SWITCH, "1")
+    monkeypatch.setenv(env_vars.ENV_SWITCH, "1")
     monkeypatch.setenv(ENV_MODE, "turbo")
     report = LAYER.engine.apply()
     assert not report.applied and not LAYER.engine.is_applied()

@@ -13,7 +13,8 @@ import pytest
 
 import camp2p_overlap
 from camp2p_overlap.core import config
-from camp2p_overlap.core.config import (
+from camp2p_overlap.core.config import ENV_VARS, ConfigError, OverlapConfig, load_config
+from camp2p_overlap.core.env_vars import (
     ENV_A2E,
     ENV_ADAPTIVE,
     ENV_BACKEND,
@@ -27,11 +28,7 @@ from camp2p_overlap.core.config import (
     ENV_STRICT,
     ENV_SUMMARY,
     ENV_SWITCH,
-    ENV_VARS,
     ENV_WATCHDOG,
-    ConfigError,
-    OverlapConfig,
-    load_config,
 )
 from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.log import logger

@@ -17,7 +17,8 @@ from support.child import REPO, VLLM_PYTHONS, run_program
 
 import camp2p_overlap
 from camp2p_overlap.core import plugin
-from camp2p_overlap.core.config import ENV_BACKEND, ENV_STRICT, ENV_SWITCH, ENV_VARS
+from camp2p_overlap.core.config import ENV_VARS
+from camp2p_overlap.core.env_vars import ENV_BACKEND, ENV_STRICT, ENV_SWITCH
 from camp2p_overlap.core.layer import LAYER
 
 if sys.version_info >= (3, 11):

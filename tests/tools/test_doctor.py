@@ -17,6 +17,7 @@ import torch
 from support.child import VLLM_PYTHONS, run_cli
 
 from camp2p_overlap.core import config as cfgmod
+from camp2p_overlap.core import env_vars
 from camp2p_overlap.core.patching import versions
 from camp2p_overlap.core.patching.manifest import load_manifest
 from camp2p_overlap.core.patching.versions import installed_version
@@ -105,8 +106,8 @@ def test_doctor_json_lists_every_manifest_target_with_its_status() -> None:
     assert d["config"]["ok"] is True and d["config"]["error"] is None
     switches = {s["name"]: s for s in d["config"]["switches"]}
     assert set(switches) == set(cfgmod.ENV_VARS)
-    assert switches[cfgmod.ENV_SWITCH]["raw"] is None and switches[cfgmod.ENV_SWITCH]["value"] is False
-    assert switches[cfgmod.ENV_MIN_STAGES]["value"] == 2
+    assert switches[env_vars.ENV_SWITCH]["raw"] is None and switches[env_vars.ENV_SWITCH]["value"] is False
+    assert switches[env_vars.ENV_MIN_STAGES]["value"] == 2
     assert d["decode_graphs"]["status"] == "off"
     assert d["decode_graphs"]["reason"].startswith(
         "VLLM_CAMP2P_MULTISTREAM_GRAPH is 0: decode replays upstream's graph"
@@ -117,28 +118,28 @@ def test_doctor_reports_a_malformed_switch_without_raising() -> None:
     res = run_cli(
         "doctor",
         "--json",
-        env={cfgmod.ENV_SWITCH: "maybe", cfgmod.ENV_MIN_STAGES: "3"},
+        env={env_vars.ENV_SWITCH: "maybe", env_vars.ENV_MIN_STAGES: "3"},
         timeout=120,
     )
     assert res.returncode == 1
     assert "Traceback" not in res.stderr
     d = json.loads(res.stdout)
     assert d["config"]["ok"] is False
-    assert cfgmod.ENV_SWITCH in d["config"]["error"] and "'maybe'" in d["config"]["error"]
+    assert env_vars.ENV_SWITCH in d["config"]["error"] and "'maybe'" in d["config"]["error"]
     assert any(p.startswith("configuration:") for p in d["problems"])
     raw = {s["name"]: s["raw"] for s in d["config"]["switches"]}
-    assert raw[cfgmod.ENV_SWITCH] == "maybe" and raw[cfgmod.ENV_MIN_STAGES] == "3"
+    assert raw[env_vars.ENV_SWITCH] == "maybe" and raw[env_vars.ENV_MIN_STAGES] == "3"
 
 
 def test_doctor_shows_parsed_switches_and_the_cpu_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cfgmod.ENV_SWITCH, "on")
-    monkeypatch.setenv(cfgmod.ENV_BACKEND, "CPU")
-    monkeypatch.setenv(cfgmod.ENV_WATCHDOG, "2.5")
+    monkeypatch.setenv(env_vars.ENV_SWITCH, "on")
+    monkeypatch.setenv(env_vars.ENV_BACKEND, "CPU")
+    monkeypatch.setenv(env_vars.ENV_WATCHDOG, "2.5")
     d = diagnose()
     values = {s["name"]: s["value"] for s in d["config"]["switches"]}
-    assert values[cfgmod.ENV_SWITCH] is True
-    assert values[cfgmod.ENV_BACKEND] == "cpu"
-    assert values[cfgmod.ENV_WATCHDOG] == 2.5
+    assert values[env_vars.ENV_SWITCH] is True
+    assert values[env_vars.ENV_BACKEND] == "cpu"
+    assert values[env_vars.ENV_WATCHDOG] == 2.5
     assert d["config"]["enabled"] is True
     assert d["backend"] == {
         "configured": "cpu",

@@ -15,6 +15,7 @@ from support.child import run_cli
 from support.fake_torch_npu import FakeTorchNpu
 
 from camp2p_overlap.core import config as cfgmod
+from camp2p_overlap.core import env_vars
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.observe.decode_graphs import GRAPH_RUNG, GRAPH_RUNG_SETTING
 from camp2p_overlap.core.patching import torch_npu_capture as tnc
@@ -115,7 +116,7 @@ def ready_box(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     for name in cfgmod.ENV_VARS:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv(cfgmod.ENV_SWITCH, "1")
+    monkeypatch.setenv(env_vars.ENV_SWITCH, "1")
 
 
 def _run() -> tuple[int, str]:
@@ -129,7 +130,7 @@ def test_doctor_exits_non_zero_only_for_graph_variants_the_stack_refuses(
     fake.install("2.9.0", None)
     rc, text = _run()
     assert rc == 0 and OFF in text.splitlines(), text
-    monkeypatch.setenv(cfgmod.ENV_GRAPH, "adaptive")
+    monkeypatch.setenv(env_vars.ENV_GRAPH, "adaptive")
     rc, text = _run()
     refused = decode_graph_line(OverlapConfig(graph="adaptive"), UNFIXED).line
     assert rc == 1 and refused in text.splitlines() and f"  - {refused}" in text, text
@@ -145,7 +146,7 @@ def test_diagnose_reports_decode_graphs_in_json(
     ready_box: None, fake: FakeTorchNpu, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fake.install("2.10.0", None)  # which 2.10.0 cannot be told
-    monkeypatch.setenv(cfgmod.ENV_GRAPH, "1")
+    monkeypatch.setenv(env_vars.ENV_GRAPH, "1")
     d = diagnose()
     assert d["decode_graphs"]["status"] == "refused"
     assert "hasCapturesUnderway" in d["decode_graphs"]["reason"]

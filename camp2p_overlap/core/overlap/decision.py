@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from camp2p_overlap.core.config import MAX_STAGES
+from camp2p_overlap.core.env_vars import MAX_STAGES
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.connector_routes import route_problem
 from camp2p_overlap.core.overlap.plan import BOTH_SIDES, Directions, StepPlan, step_plan

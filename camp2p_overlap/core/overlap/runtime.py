@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from camp2p_overlap.core.config import MAX_STAGES
+from camp2p_overlap.core.env_vars import MAX_STAGES
 from camp2p_overlap.core.observe.counters import StepCounters
 from camp2p_overlap.core.overlap import graphs
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage

@@ -78,7 +78,8 @@ from typing import Any
 import torch
 
 import camp2p_overlap
-from camp2p_overlap.core.config import MAX_STAGES, OverlapConfig
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.env_vars import MAX_STAGES
 from camp2p_overlap.core.keys import COMPUTE_STREAM, side_stream_name
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, TraceOp, TraceRecorder, recording
 from camp2p_overlap.core.overlap.graphs import VariantGraph
