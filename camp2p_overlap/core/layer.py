@@ -7,11 +7,11 @@ layers with :func:`build_layer`."""
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.log import logger
 from camp2p_overlap.core.observe import metrics
 from camp2p_overlap.core.overlap.rollout import rung
@@ -79,5 +79,5 @@ def _start_reporting() -> None:
 
 LAYER.runtime.counters.on_first_step = _start_reporting
 
-if hasattr(os, "register_at_fork"):  # a forked worker reports its own steps
-    os.register_at_fork(after_in_child=lambda: setattr(LAYER.runtime.counters, "on_first_step", _start_reporting))
+# a forked worker reports its own steps
+after_fork_in_child(lambda: setattr(LAYER.runtime.counters, "on_first_step", _start_reporting))

@@ -5,6 +5,8 @@ nothing of the tools or the emulation."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grimp
 from support.child import run_program
 
@@ -49,3 +51,15 @@ def test_importing_the_package_loads_no_tool_or_emulation_module() -> None:
     proc = run_program("modules_loaded_by_import.py", "camp2p_overlap.tools", "camp2p_overlap.emulation")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_one_fork_hook_resets_what_a_child_must_not_inherit() -> None:
+    """``os.register_at_fork`` is called in one place (``core/fork.py``);
+    every other owner registers its reset there."""
+    import camp2p_overlap
+    from camp2p_overlap.core import fork
+
+    root = Path(camp2p_overlap.__file__).parent
+    sites = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if "register_at_fork(" in p.read_text())
+    assert sites == ["core/fork.py"]
+    assert fork.registered() >= 8  # the engine, gate, counters, guard, runner states, watchdogs, metrics, device

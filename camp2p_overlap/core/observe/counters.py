@@ -9,11 +9,11 @@ reporting its parent's counts would count them twice)."""
 
 from __future__ import annotations
 
-import os
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
+
+from camp2p_overlap.core.fork import after_fork_in_child
 
 #: The paths a step can take: an engaged step counts under its rollout mode
 #: (``overlap``, ``parity``, ``reorder``; see VLLM_CAMP2P_MULTISTREAM_MODE),
@@ -32,9 +32,7 @@ class StepCounters:
         #: process-wide layer starts its metrics and summary there: only
         #: processes that run FFN steps report).
         self.on_first_step: Callable[[], None] | None = None
-        if hasattr(os, "register_at_fork"):
-            ref = weakref.WeakMethod(self._zero)
-            os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
+        after_fork_in_child(self._zero)
 
     def _zero(self) -> None:
         """Nothing counted (at creation, and in a forked child: a new lock

@@ -34,11 +34,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from camp2p_overlap.core.env_vars import DEFAULT_METRICS_ADDR
+from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.log import logger
 from camp2p_overlap.core.observe.counters import GRAPH_VARIANTS, PATHS
 from camp2p_overlap.core.observe.decode_graphs import summary_note
@@ -71,9 +71,7 @@ class StepMetrics:
     def __init__(self, stats: StatsFn, *, mode: str = "overlap", rung: str = "overlap") -> None:
         self._stats = stats
         self._build(mode, rung)
-        if hasattr(os, "register_at_fork"):
-            ref = weakref.WeakMethod(self._forget_in_child)
-            os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
+        after_fork_in_child(self._forget_in_child)
 
     def _build(self, mode: str, rung: str) -> None:
         """Fresh counters at zero in a registry of their own."""
@@ -365,5 +363,4 @@ def _forget_in_child() -> None:
     _reporter = None
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
+after_fork_in_child(_forget_in_child)

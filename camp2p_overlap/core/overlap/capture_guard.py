@@ -16,11 +16,11 @@ ask again later), never waits for the capture.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
-import weakref
 from collections.abc import Callable, Iterator
 from typing import TypeVar
+
+from camp2p_overlap.core.fork import after_fork_in_child
 
 T = TypeVar("T")
 
@@ -30,9 +30,7 @@ class CaptureGuard:
 
     def __init__(self) -> None:
         self._reset()
-        if hasattr(os, "register_at_fork"):
-            ref = weakref.WeakMethod(self._reset)
-            os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
+        after_fork_in_child(self._reset)
 
     def _reset(self) -> None:
         """None in progress (at creation, and in a forked child, whose

@@ -12,13 +12,13 @@ its planned shape, timings and captured keys are dropped."""
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.overlap.step_timings import StepTimings
 from camp2p_overlap.core.overlap.streams import make_backend
 from camp2p_overlap.core.overlap.streams.base import StreamBackend
@@ -101,9 +101,7 @@ class RunnerStates:
         self._lock = threading.Lock()
         #: id(runner) -> (weak reference to it, its state): one dict lookup per step.
         self._states: dict[int, tuple[weakref.ref[Any], RunnerState]] = {}
-        if hasattr(os, "register_at_fork"):
-            ref = weakref.WeakMethod(self._forget_in_child)
-            os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
+        after_fork_in_child(self._forget_in_child)
 
     def of(self, runner: Any) -> RunnerState | None:
         """The runner's state if it has one (never makes one)."""

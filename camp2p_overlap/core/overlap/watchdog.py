@@ -23,7 +23,6 @@ their end anyway).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import weakref
@@ -31,6 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.log import logger
 from camp2p_overlap.core.overlap.capture_guard import GUARD
 from camp2p_overlap.core.overlap.session import SessionSnapshot
@@ -207,9 +207,7 @@ class ReplayWatch:
 
     def __init__(self) -> None:
         self._reset()
-        if hasattr(os, "register_at_fork"):
-            ref = weakref.WeakMethod(self._reset)
-            os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
+        after_fork_in_child(self._reset)
 
     def _reset(self) -> None:
         """Nothing followed (at creation, and in a forked child, which has

@@ -4,9 +4,9 @@ the original, and resets itself in a forked child."""
 
 from __future__ import annotations
 
-import os
 import threading
-import weakref
+
+from camp2p_overlap.core.fork import after_fork_in_child
 
 
 class _Depth(threading.local):
@@ -26,9 +26,7 @@ class StepGate:
         self._drainers = 0
         self._running = 0
         self._here = _Depth()
-        if hasattr(os, "register_at_fork"):
-            ref = weakref.WeakMethod(self._after_fork_in_child)
-            os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
+        after_fork_in_child(self._after_fork_in_child)
 
     def open(self) -> None:
         """Steps may enter (the layer is applied)."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import wrapt
 
 from camp2p_overlap.core.config import ConfigError, OverlapConfig, load_config, strict_requested
+from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.log import logger
 from camp2p_overlap.core.patching.features import FEATURES, requested_features
 from camp2p_overlap.core.patching.gate import StepGate
@@ -82,9 +82,7 @@ class PatchEngine:
         #: by apply(), unpatch(), refresh(), the post-import hook and the
         #: re-execution watch (a reload), never computed by a step while None.
         self.unready: str | None = NOT_APPLIED
-        if hasattr(os, "register_at_fork"):  # a lock held by a thread that is gone would stay held
-            ref = weakref.WeakMethod(self._new_lock)
-            os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
+        after_fork_in_child(self._new_lock)  # a lock held by a thread that is gone would stay held
 
     def _new_lock(self) -> None:
         self._lock = threading.RLock()

@@ -17,7 +17,6 @@ engine is applied, and every callback re-checks its engine's state.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import weakref
@@ -25,6 +24,8 @@ from collections.abc import Callable, Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
+
+from camp2p_overlap.core.fork import after_fork_in_child
 
 Callback = Callable[[ModuleType], None]
 
@@ -145,5 +146,4 @@ def _ref(callback: Callback) -> Callable[[], Callback | None]:
 
 #: The process's one watch.
 REEXEC_WATCH = ReexecWatch()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=REEXEC_WATCH._new_lock)
+after_fork_in_child(REEXEC_WATCH._new_lock)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import os
 import queue
 import threading
 import time
@@ -46,6 +45,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.overlap.streams.base import OpHandle, StreamPoisonedError
 
 #: Execution order across every stream: taken when a stream starts an item.
@@ -879,8 +879,7 @@ def _forget_in_child() -> None:
     globals()["_tls"] = threading.local()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
+after_fork_in_child(_forget_in_child)
 
 
 # ---------------------------------------------------------------------------
