@@ -42,7 +42,7 @@ Action = Literal["raise", "delay", "stop"]
 OpKind = Literal["a2e", "ffn", "e2a"]
 
 ACTIONS: tuple[Action, ...] = ("raise", "delay", "stop")
-OP_KINDS: tuple[OpKind, ...] = ("a2e", "ffn", "e2a")
+FAULT_SITES: tuple[OpKind, ...] = ("a2e", "ffn", "e2a")
 
 
 class InjectedFault(RuntimeError):
@@ -65,7 +65,7 @@ class Fault:
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
             raise ValueError(f"unknown fault action {self.action!r}")
-        if self.op not in OP_KINDS:
+        if self.op not in FAULT_SITES:
             raise ValueError(f"unknown op kind {self.op!r}")
         if self.action == "stop" and self.op == "ffn":
             raise ValueError("a stopped peer applies to A2E/E2A, not to the FFN")

@@ -6,7 +6,7 @@ Reports, without raising:
 * installed versions of vLLM, torch, torch_npu, wrapt and afd-plugin (from
   distribution metadata; nothing is imported for this);
 * which shipped stack fits the installed versions and why
-  (``stack_select.select_checked``: vLLM, and afd-plugin where installed),
+  (``manifest.select_checked``: vLLM, and afd-plugin where installed),
   every stack's own verdict, and how the installed vLLM-Ascend compares
   with the line the stack was checked with (reported, never gated);
 * every target of the stack's manifest: whether its module imports (the
@@ -41,17 +41,18 @@ from camp2p_overlap.core import config as cfgmod
 from camp2p_overlap.core import env_vars
 from camp2p_overlap.core.env_vars import TABLE as ENV_TABLE
 from camp2p_overlap.core.observe.decode_graphs import UPSTREAM_GRAPH, rung_hint
-from camp2p_overlap.core.overlap.rollout import LADDER, rung
+from camp2p_overlap.core.overlap.decision import LADDER, rung
 from camp2p_overlap.core.patching.manifest import (
     ManifestError,
     StackManifest,
     TargetSpec,
+    check_stacks,
     load_manifest,
     load_manifests,
+    select_checked,
     signature_difference,
     signature_of,
 )
-from camp2p_overlap.core.patching.stack_select import check_stacks, select_checked
 from camp2p_overlap.core.patching.torch_npu_capture import (
     NOT_INSTALLED,
     REFUSED_KEEPS,

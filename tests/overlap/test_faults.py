@@ -63,7 +63,7 @@ from support.overlap import (
     world,
     wrap_model,
 )
-from support.strategies import DIRECTIONS, OP_KINDS, FaultRun, fault_runs, schedules, tokens_for
+from support.strategies import DIRECTIONS, FAULT_SITES, FaultRun, fault_runs, schedules, tokens_for
 
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.layer import Layer, build_layer
@@ -100,7 +100,7 @@ def fault_points(draw: st.DrawFn) -> dict[str, Any]:
     return {
         "sched": sched,
         "next": Schedule(sched.layers, sched.stages, draw(tokens_for(sched.stages)), step=sched.step + 1),
-        "where": draw(st.sampled_from(OP_KINDS)),
+        "where": draw(st.sampled_from(FAULT_SITES)),
         "layer": draw(st.integers(0, sched.layers - 1)),
         "stage": draw(st.sampled_from(sched.stages)),
         "dirs": draw(st.sampled_from(DIRECTIONS)),

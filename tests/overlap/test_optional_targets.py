@@ -71,7 +71,7 @@ def test_graph_variants_refused_eager_overlap_engaged(variant: str, graph: str, 
     assert graph_variants_refused(LAYER.engine) == reason
     assert decided(w, is_graph_capturing=True).reason == reason  # a capture runs serially
     eager = decided(w)
-    assert eager.reason is None and eager.plan is not None  # an eager step engages
+    assert eager.engages and eager.plan is not None  # an eager step engages
 
     # An eager step engages the overlap, bitwise equal to the serial step.
     steps = LAYER.runtime.stats()["steps"]
@@ -101,7 +101,7 @@ def test_graph_0_captures_serially_for_its_own_reason(logs: PackageLogs) -> None
     apply_cpu(graph="0")  # strict: the graph variants are not asked for
     assert graph_variants_refused(LAYER.engine) is not None
     assert decided(w, is_graph_capturing=True).reason == GRAPH_OFF
-    assert decided(w).reason is None
+    assert decided(w).engages
     assert node_streams(w.capture()) <= {"C", "capture"}
     assert len(logs.matching(GRAPH_VARIANTS_REFUSED, level=logging.WARNING)) == 1
 

@@ -31,7 +31,7 @@ from camp2p_overlap.core.config import ConfigError, OverlapConfig, load_config
 from camp2p_overlap.core.env_vars import ENV_MODE
 from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.rollout import rung
+from camp2p_overlap.core.overlap.decision import rung
 from camp2p_overlap.emulation.coupled import couple_stages
 from camp2p_overlap.emulation.faults import run_step_bounded
 from camp2p_overlap.emulation.world import PeerTimeoutError, ProtocolError, World

@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 import wrapt
 
-from camp2p_overlap.core.patching.installer import Installer
-from camp2p_overlap.core.patching.method_wrapper import method_wrapper
+from camp2p_overlap.core.patching.installer import Installer, method_wrapper
 
 
 class Target:

@@ -174,7 +174,7 @@ def _checker(vllm_found: str | None, afd_found: str | None) -> Any:
 
 
 def test_selection_picks_the_stack_whose_versions_are_installed() -> None:
-    from camp2p_overlap.core.patching.stack_select import select_stack
+    from camp2p_overlap.core.patching.manifest import select_stack
 
     a, b = _stack("vllm-0.19.1", "0.19.1", "0.19.1rc1"), _stack("vllm-0.26.0", "0.26.0", None)
     assert select_stack((a, b), _checker("0.19.1+empty", "0.19.1rc1"))[0] is a
@@ -183,7 +183,7 @@ def test_selection_picks_the_stack_whose_versions_are_installed() -> None:
 
 
 def test_selection_refusal_names_installed_and_every_supported_stack() -> None:
-    from camp2p_overlap.core.patching.stack_select import select_stack
+    from camp2p_overlap.core.patching.manifest import select_stack
 
     a, b = _stack("vllm-0.19.1", "0.19.1", "0.19.1rc1"), _stack("vllm-0.26.0", "0.26.0", "0.26.0")
     man, vc = select_stack((a, b), _checker("0.20.0", None))
@@ -200,8 +200,7 @@ def test_selection_refusal_names_installed_and_every_supported_stack() -> None:
 
 @pytest.mark.parametrize(("afd", "ok"), [("0.19.1rc1", True), ("0.19.1rc1+d20260801", True), ("0.19.1rc2", False)])
 def test_shipped_stack_pins_afd_plugin_where_installed(afd: str, ok: bool) -> None:
-    from camp2p_overlap.core.patching.manifest import load_manifests
-    from camp2p_overlap.core.patching.stack_select import select_stack
+    from camp2p_overlap.core.patching.manifest import load_manifests, select_stack
 
     (man, vc) = select_stack(load_manifests(), _checker("0.19.1", afd))
     assert man.afd_plugin == "0.19.1rc1" and vc.ok is ok
@@ -280,8 +279,7 @@ def _installed(monkeypatch: pytest.MonkeyPatch, vllm: str | None, afd: str | Non
 def test_shipped_stacks_are_picked_from_the_installed_versions(
     monkeypatch: pytest.MonkeyPatch, vllm: str, afd: str | None, stack: str, ok: bool
 ) -> None:
-    from camp2p_overlap.core.patching.manifest import load_manifests
-    from camp2p_overlap.core.patching.stack_select import select_stack
+    from camp2p_overlap.core.patching.manifest import load_manifests, select_stack
 
     _installed(monkeypatch, vllm, afd)
     man, vc = select_stack(load_manifests())
@@ -295,8 +293,7 @@ def test_shipped_stacks_are_picked_from_the_installed_versions(
 def test_any_other_vllm_is_refused_naming_both_supported_versions(
     monkeypatch: pytest.MonkeyPatch, vllm: str | None
 ) -> None:
-    from camp2p_overlap.core.patching.manifest import load_manifests
-    from camp2p_overlap.core.patching.stack_select import select_stack
+    from camp2p_overlap.core.patching.manifest import load_manifests, select_stack
 
     _installed(monkeypatch, vllm, None)
     _, vc = select_stack(load_manifests())

@@ -19,7 +19,7 @@ MULTI_STAGE_SETS = [s for s in STAGE_SETS if len(s) > 1]
 #: (A2E on a side stream, E2A on a side stream): both first (shrinks there).
 DIRECTIONS = [(True, True), (True, False), (False, True)]
 MODES = ["overlap", "reorder", "parity"]
-OP_KINDS = ["a2e", "ffn", "e2a"]
+FAULT_SITES = ["a2e", "ffn", "e2a"]
 
 
 def stage_sets(*, multi: bool = False) -> st.SearchStrategy[tuple[int, ...]]:
@@ -67,7 +67,7 @@ def faults(
     draw: st.DrawFn, action: Action, layers: int, stages: tuple[int, ...], ops: list[str] | None = None
 ) -> Fault:
     """One fault of ``action`` at a (layer, stage) and op kind of the step."""
-    op = draw(st.sampled_from(ops or (["a2e", "e2a"] if action == "stop" else OP_KINDS)))
+    op = draw(st.sampled_from(ops or (["a2e", "e2a"] if action == "stop" else FAULT_SITES)))
     layer = draw(st.integers(0, layers - 1))
     stage = draw(st.sampled_from(stages))
     if action == "delay":

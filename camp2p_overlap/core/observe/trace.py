@@ -27,7 +27,7 @@ from typing import Any
 
 from camp2p_overlap.core.keys import COMPUTE_STREAM, EventKey, side_stream_name
 
-OP_KINDS = ("a2e", "ffn", "e2a", "wait", "record", "step")
+TRACE_KINDS = ("a2e", "ffn", "e2a", "wait", "record", "step")
 
 
 @dataclass

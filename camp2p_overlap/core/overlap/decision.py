@@ -1,18 +1,22 @@
 """The per-step decision: whether one call of the runner's ``_ffn_forward``
-engages the overlap, and with what plan; else the reason it runs serially."""
+engages the overlap, and with what plan; else the reason it runs serially.
+And, below, the rollout modes and the rung of the rollout ladder a
+configuration is on."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.env_vars import MAX_STAGES
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.connector_routes import route_problem
 from camp2p_overlap.core.overlap.plan import BOTH_SIDES, Directions, StepPlan, step_plan
-from camp2p_overlap.core.overlap.rollout import mode_directions
 from camp2p_overlap.core.overlap.streams import BackendUnavailable, resolve_backend_name
+from camp2p_overlap.core.overlap.streams.base import Stream, StreamBackend
 from camp2p_overlap.core.patching.features import GRAPH_VARIANTS
 from camp2p_overlap.core.patching.installer import live_target
 
@@ -25,12 +29,23 @@ GRAPH_SERIAL_VARIANT = "inside graph capture: the serial variant (VLLM_CAMP2P_MU
 
 @dataclass(frozen=True)
 class Decision:
-    reason: str | None  # None: engage
+    """What one call of ``_ffn_forward`` does: engage the overlap with
+    ``plan`` on ``backend`` (``engages``), or run upstream's serial path for
+    ``reason`` (:func:`serial`)."""
+
+    engages: bool
+    #: Why the call runs serially ("" when it engages).
+    reason: str = ""
     plan: StepPlan | None = None
     backend: str | None = None
     directions: Directions = BOTH_SIDES
     #: The rollout mode the step engages in (VLLM_CAMP2P_MULTISTREAM_MODE).
     mode: str = "overlap"
+
+
+def serial(reason: str) -> Decision:
+    """The decision to run upstream's serial path, for ``reason``."""
+    return Decision(engages=False, reason=reason)
 
 
 def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any]) -> Decision:
@@ -41,46 +56,46 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any]) -> Decis
     connector = getattr(runner, "connector", None)
     problem = connector_problem(engine, connector)
     if problem is not None:
-        return Decision(problem)
+        return serial(problem)
     role = getattr(getattr(runner, "afd_config", None), "role", None)
     if role != "ffn":
-        return Decision(f"AFD role is {role!r}, not 'ffn'")
+        return serial(f"AFD role is {role!r}, not 'ffn'")
     if "dp_metadata_list" not in kwargs:
-        return Decision("_ffn_forward called without dp_metadata_list")
+        return serial("_ffn_forward called without dp_metadata_list")
     try:
         stages, num_stages = camp2p.stage_ids(kwargs["dp_metadata_list"])
     except (TypeError, ValueError) as exc:
-        return Decision(f"stage ids of dp_metadata_list are not integers ({exc})")
+        return serial(f"stage ids of dp_metadata_list are not integers ({exc})")
     if num_stages < cfg.min_stages:
-        return Decision(f"{num_stages} stage(s), fewer than the minimum {cfg.min_stages}")
+        return serial(f"{num_stages} stage(s), fewer than the minimum {cfg.min_stages}")
     if num_stages > MAX_STAGES or any(not 0 <= s < MAX_STAGES for s in stages):
         groups = ", ".join(camp2p.GROUPS)
-        return Decision(f"stage ids {stages} do not fit CAMP2P's {MAX_STAGES} stage groups ({groups})")
+        return serial(f"stage ids {stages} do not fit CAMP2P's {MAX_STAGES} stage groups ({groups})")
     problem = camp2p.group_problem(connector, stages)
     if problem is not None:
-        return Decision(problem)
+        return serial(problem)
     if cfg.mode == "overlap" and not (cfg.a2e_on_side_stream or cfg.e2a_on_side_stream):
-        return Decision("both directions are switched off (A2E=0 and E2A=0)")
+        return serial("both directions are switched off (A2E=0 and E2A=0)")
     try:
         backend = resolve_backend_name(cfg.backend, getattr(runner, "device", None))
     except BackendUnavailable as exc:
-        return Decision(str(exc))
+        return serial(str(exc))
     layer_fn = live_target(engine.manifest, camp2p.LAYER_INDICES_TARGET)
     if layer_fn is None:
-        return Decision("_ffn_layer_indices is not available")
+        return serial("_ffn_layer_indices is not available")
     layers = tuple(map(int, layer_fn(runner)))
     if not layers:
-        return Decision("the step has no FFN layers")
+        return serial("the step has no FFN layers")
     if len(set(layers)) != len(layers):
-        return Decision(f"layer list repeats a layer: {list(layers)}")
+        return serial(f"layer list repeats a layer: {list(layers)}")
     if kwargs.get("is_graph_capturing"):
         if not cfg.graph_overlap:
-            return Decision(GRAPH_OFF)
+            return serial(GRAPH_OFF)
         refused = graph_variants_refused(engine)
         if refused is not None:  # the capture runs serially: upstream's own graph
-            return Decision(refused)
+            return serial(refused)
     plan = step_plan(layers, tuple(stages), getattr(runner, "max_num_tokens", None))
-    return Decision(None, plan, backend, mode_directions(cfg), cfg.mode)
+    return Decision(engages=True, plan=plan, backend=backend, directions=mode_directions(cfg), mode=cfg.mode)
 
 
 def graph_variants_refused(engine: PatchEngine) -> str | None:
@@ -110,3 +125,77 @@ def connector_problem(engine: PatchEngine, connector: Any) -> str | None:
 def _route_specs(engine: PatchEngine) -> list[Any]:
     manifest = engine.manifest
     return [t for t in manifest.targets() if t.action == "route"] if manifest is not None else []
+
+
+# ---------------------------------------------------------------------------
+# rollout modes and the ladder
+# The rollout modes (``VLLM_CAMP2P_MULTISTREAM_MODE``): what each one
+# changes in an engaged step, and the rung of the rollout ladder a
+# configuration is on (docs/design.md, "Rollout modes and the ladder").
+#
+# * ``overlap``: A2E/E2A on a side stream per stage (HCCL group), as the
+#   direction switches say;
+# * ``reorder``: the overlap's issue order (prologue A2E of every stage, then
+#   E2A(L, s) followed at once by A2E(L+1, s)), every op on the compute stream;
+# * ``parity``: the session engaged, every op on the compute stream in the
+#   order the FFN loop calls it (upstream's order).
+#
+# The session needs no mode of its own: ``parity`` is the session with both
+# directions on the compute stream, ``reorder`` the session with both on
+# "side streams" that are all the compute stream.
+
+
+#: The rungs in the order a new deployment climbs them.
+LADDER = ("parity", "reorder", "e2a-only", "overlap")
+
+
+def mode_directions(cfg: OverlapConfig) -> Directions:
+    """The session's directions for ``cfg.mode``; the direction switches
+    apply to ``overlap`` only. One shared object per combination."""
+    if cfg.mode == "parity":
+        return _directions(False, False)
+    if cfg.mode == "reorder":
+        return _directions(True, True)
+    return _directions(cfg.a2e_on_side_stream, cfg.e2a_on_side_stream)
+
+
+@functools.lru_cache(maxsize=4)
+def _directions(a2e_side: bool, e2a_side: bool) -> Directions:
+    return Directions(a2e_side, e2a_side)
+
+
+def rung(cfg: OverlapConfig) -> str:
+    """The ladder rung ``cfg`` sets: ``off``, one of :data:`LADDER`, or
+    ``a2e-only`` (off the ladder: E2A=0), or ``none`` (overlap with both
+    directions off: every step runs serially)."""
+    if not cfg.enabled:
+        return "off"
+    if cfg.mode != "overlap":
+        return cfg.mode
+    if cfg.a2e_on_side_stream and cfg.e2a_on_side_stream:
+        return "overlap"
+    if cfg.e2a_on_side_stream:
+        return "e2a-only"
+    if cfg.a2e_on_side_stream:
+        return "a2e-only"
+    return "none"
+
+
+@dataclass(frozen=True)
+class ComputeOnlyStreams:
+    """A stream set whose every stage "side stream" is the compute stream
+    (the ``parity`` and ``reorder`` modes): the session records, waits and
+    issues as in ``overlap``, but everything runs in order on the caller."""
+
+    backend: StreamBackend
+    streams: Mapping[int, Stream]
+    lock: Any
+
+
+def streams_for(mode: str, streamset: Any) -> Any:
+    """What the session of a ``mode`` step runs on: the runner's stream set,
+    or for ``parity``/``reorder`` a view of it with only the compute stream."""
+    if mode == "overlap":
+        return streamset
+    compute = streamset.backend.compute_stream()
+    return ComputeOnlyStreams(streamset.backend, dict.fromkeys(streamset.streams, compute), streamset.lock)

@@ -312,7 +312,7 @@ class GraphCapture:
         inside the capture says why itself)."""
         try:
             decision = decide(self.engine, runner, {"dp_metadata_list": dp, "is_graph_capturing": True})
-            if decision.reason is not None or decision.plan is None:
+            if not decision.engages or decision.plan is None:
                 return None
             refused = graph_variants_refusal(self.engine, decision.backend)
             if refused is not None:

@@ -37,9 +37,8 @@ from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Passed, pow2_ceil
 from camp2p_overlap.core.overlap.capture_guard import GUARD
 from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes, RouterFactory
-from camp2p_overlap.core.overlap.decision import GRAPH_OFF, GRAPH_SERIAL_VARIANT, Decision, decide
+from camp2p_overlap.core.overlap.decision import GRAPH_OFF, GRAPH_SERIAL_VARIANT, Decision, decide, serial, streams_for
 from camp2p_overlap.core.overlap.graphs import GraphCapture, graph_variants_refusal
-from camp2p_overlap.core.overlap.rollout import streams_for
 from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, PlannedShape, RunnerState
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
 from camp2p_overlap.core.overlap.serial_trace import run_traced_serial
@@ -90,11 +89,12 @@ def bucket_of(runner: str, layers: int, dp_metadata_list: Any) -> BucketKey:
     ``layers`` FFN layers: its stage count and its largest stage's tokens
     rounded up to a power of two."""
     tokens = pow2_ceil(camp2p.max_stage_tokens(dp_metadata_list))
-    # tuple.__new__: a NamedTuple's own constructor is a Python function
-    return _new_tuple(BucketKey, (runner, camp2p.stage_count(dp_metadata_list), layers, tokens))
+    return _named_tuple_of(BucketKey, (runner, camp2p.stage_count(dp_metadata_list), layers, tokens))
 
 
-_new_tuple = tuple.__new__
+#: ``tuple.__new__(NamedTupleClass, values)``: that named tuple, built without
+#: its constructor (a NamedTuple's own ``__new__`` is a Python function).
+_named_tuple_of = tuple.__new__
 
 
 class TimedBucket(NamedTuple):
@@ -168,7 +168,7 @@ class FfnStep:
             return self.wrapped(*self.args, **self.kwargs)
         decision, streamset = self.decide()
         if streamset is None:  # decide() gives a reason whenever it gives no streams
-            self.count_serial(str(decision.reason))
+            self.count_serial(decision.reason)
             log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", decision.reason)
             return self.run_original()
         if self.follows_static_setting(decision, streamset):
@@ -202,7 +202,7 @@ class FfnStep:
         # The re-probe interval was synced on the planned step before (the
         # engine's configuration does not change while it is applied).
         passed = runtime.adaptive.pass_serial(key)
-        return _new_tuple(TimedBucket, (key, shape.backend, state, passed is Passed.TIMED)) if passed else None
+        return _named_tuple_of(TimedBucket, (key, shape.backend, state, passed is Passed.TIMED)) if passed else None
 
     # -- 3. refresh and decision -----------------------------------------------
     def decide(self) -> tuple[Decision, StreamSet | None]:
@@ -210,28 +210,28 @@ class FfnStep:
         engine, runtime = self.engine, self.runtime
         blocked = self.blocking_reason()
         if blocked is not None:
-            return Decision(blocked), None
+            return serial(blocked), None
         try:
             decision = decide(engine, self.runner, self.kwargs)
         except Exception as exc:  # noqa: BLE001 - planning must never break the original call
-            return Decision(f"could not plan the step ({type(exc).__name__}: {exc})"), None
-        if decision.reason is not None:
+            return serial(f"could not plan the step ({type(exc).__name__}: {exc})"), None
+        if not decision.engages:
             return decision, None
         try:
             streamset = runtime.runners.streams(self.runner, decision.backend)  # type: ignore[arg-type]
         except (BackendUnavailable, NotWeaklyReferenceable) as exc:
-            return Decision(str(exc)), None
+            return serial(str(exc)), None
         if streamset is None:
-            return Decision(NO_STREAMS_IN_CAPTURE), None
+            return serial(NO_STREAMS_IN_CAPTURE), None
         if self.is_capture(streamset.backend):
             if not engine.config.graph_overlap:
-                return Decision(GRAPH_OFF), None
+                return serial(GRAPH_OFF), None
             refused = graph_variants_refusal(engine, decision.backend)
             if refused is not None:
-                return Decision(refused), None  # upstream's graph only
+                return serial(refused), None  # upstream's graph only
             state = runtime.runners.of(self.runner)
             if engine.config.graph == "adaptive" and (state is None or state.variant_capture is None):
-                return Decision(GRAPH_SERIAL_VARIANT), None  # upstream's own graph: the serial variant
+                return serial(GRAPH_SERIAL_VARIANT), None  # upstream's own graph: the serial variant
         return decision, streamset
 
     def blocking_reason(self) -> str | None:

@@ -27,9 +27,15 @@ from camp2p_overlap.core.log import logger
 from camp2p_overlap.core.patching.features import FEATURES, requested_features
 from camp2p_overlap.core.patching.gate import StepGate
 from camp2p_overlap.core.patching.installer import Installer, Wrapper, initializing
-from camp2p_overlap.core.patching.manifest import ManifestError, ModuleSpec, StackManifest, load_manifests
+from camp2p_overlap.core.patching.manifest import (
+    ManifestError,
+    ModuleSpec,
+    StackManifest,
+    load_manifests,
+    select_stack,
+    stack_version_check,
+)
 from camp2p_overlap.core.patching.reexec_watch import REEXEC_WATCH
-from camp2p_overlap.core.patching.stack_select import select_stack, stack_version_check
 from camp2p_overlap.core.patching.status_report import PatchReport, StatusBoard, TargetState, statuses, wrapt_version
 from camp2p_overlap.core.patching.versions import VersionCheck
 

@@ -7,13 +7,13 @@ import functools
 import inspect
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any, Literal
 
 from camp2p_overlap.core.patching.features import FEATURES
-from camp2p_overlap.core.patching.versions import COMMIT_SHOWN
+from camp2p_overlap.core.patching.versions import COMMIT_SHOWN, VersionCheck, check_stack
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -328,3 +328,49 @@ def signature_difference(expected: tuple[ParamSpec, ...], actual: tuple[ParamSpe
         if exp_names != act_names and not parts:
             parts.append(f"parameter order {act_names} differs from {exp_names}")
     return "; ".join(parts) or "signature differs"
+
+
+# ---------------------------------------------------------------------------
+# stack selection
+# Which shipped stack serves this process: the first manifest whose
+# pinned versions (vLLM, and afd-plugin where its distribution is installed)
+# match what is installed. A mismatch names the installed and the supported
+# versions.
+
+
+def stack_version_check(manifest: StackManifest) -> VersionCheck:
+    """The installed versions against one stack's pins."""
+    return check_stack(manifest.vllm, manifest.afd_plugin, manifest.afd_plugin_commit)
+
+
+def check_stacks(
+    stacks: Sequence[StackManifest],
+    version_check: Callable[[StackManifest], VersionCheck] = stack_version_check,
+) -> list[tuple[StackManifest, VersionCheck]]:
+    """Every stack with its check, in the order given (``doctor`` shows them all)."""
+    if not stacks:
+        raise ManifestError("no stack manifest to choose from")
+    return [(m, version_check(m)) for m in stacks]
+
+
+def select_stack(
+    stacks: Sequence[StackManifest],
+    version_check: Callable[[StackManifest], VersionCheck] = stack_version_check,
+) -> tuple[StackManifest, VersionCheck]:
+    """The first stack whose check passes, with that check. Otherwise a
+    failed check: that of the stack pinning the installed vLLM when there is
+    one (its afd-plugin differs), else of the first stack; with several
+    stacks its reason names them all."""
+    return select_checked(check_stacks(stacks, version_check))
+
+
+def select_checked(checks: Sequence[tuple[StackManifest, VersionCheck]]) -> tuple[StackManifest, VersionCheck]:
+    """:func:`select_stack` over checks already made (``check_stacks``)."""
+    for m, vc in checks:
+        if vc.ok:
+            return m, vc
+    m, vc = next(((m, vc) for m, vc in checks if vc.vllm_ok), checks[0])
+    if len(checks) == 1:
+        return m, vc
+    why = f"{vc.installed}; camp2p-overlap supports {supported_stacks(tuple(s for s, _ in checks))}"
+    return m, VersionCheck(False, vc.found, vc.supported, why, vc.installed, vc.vllm_ok)
