@@ -82,9 +82,13 @@ from camp2p_overlap.core.config import MAX_STAGES, OverlapConfig
 from camp2p_overlap.core.keys import COMPUTE_STREAM, side_stream_name
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, TraceOp, TraceRecorder, recording
 from camp2p_overlap.core.overlap.graphs import VariantGraph
+from camp2p_overlap.emulation import device as emulated_device
+from camp2p_overlap.emulation.device import TimingCounts
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.standin_layer import emulated_layer, release_site, standin_site
 from camp2p_overlap.emulation.world import LinkModel, WorldSpec, build_world
+from camp2p_overlap.tools.bench.calibrate import in_run_schedules, refine_ffn_in_run
+from camp2p_overlap.tools.bench.timing import timing_mode, timing_noise, timing_problems, timing_report
 from camp2p_overlap.verify.edges import check_step
 from camp2p_overlap.verify.peer_cycle import check_peer_cycle
 
@@ -172,6 +176,15 @@ class BenchParams:
     #: device instead of the host world: the code path of ``--device cuda``, on
     #: the CPU. (cuda and npu always run the device world.)
     device_world: bool = False
+    #: ``--timing``: ``model`` (kernels take modelled durations: the FFN's
+    #: calibrated at the start of the run), ``wall`` (wall-clock kernels) or
+    #: ``auto`` (model on the CPU's emulated device, wall with
+    #: ``--comm-cores``; a device's own time on cuda/npu). tools/bench/timing.py.
+    timing: str = "auto"
+
+    def timing_mode(self) -> tuple[str, str]:
+        """``(model, why)`` of this run: ``model``, ``wall`` or ``device``."""
+        return timing_mode(self.device, self.timing, self.comm_cores)
 
     def link(self) -> LinkModel:
         return LinkModel(latency_s=self.link_latency_us * 1e-6, bandwidth_Bps=self.link_gbps * 1e9 / 8)
@@ -189,6 +202,7 @@ class BenchParams:
             device="cpu",
             comm_cores=self.comm_cores,
             graph=self.graph,
+            timing="model" if self.timing_mode()[0] == "model" else "wall",
         )
 
     def validate(self) -> None:
@@ -222,6 +236,7 @@ class BenchParams:
             problems.append("--policies names a policy twice")
         if self.graph and self.device == "npu":
             problems.append(f"--device {self.device}: {GRAPH_NOT_ON_NPU}")
+        problems += timing_problems(self.device, self.timing, self.comm_cores)
         if self.device_world and self.device == "cpu" and self.comm_cores:
             problems.append(
                 "--device-world runs the comm kernel's host reference on the emulated device, which holds no "
@@ -507,6 +522,8 @@ class PolicyStats:
     learning: list[tuple[float, str, bool]] = field(default_factory=list)
     #: The decision its learning ended with (None: still learning at the end).
     decision: str | None = None
+    #: Its modelled kernels against their model (``--timing model``).
+    timing: TimingCounts = field(default_factory=TimingCounts)
 
 
 @dataclass
@@ -597,6 +614,10 @@ def run_bench(
     try:
         host = params.device == "cpu" and not params.device_world
         handle = _cpu_handle(params, site.root) if host else _device_handle(params, site.root)
+        if params.timing_mode()[0] == "model":  # the FFN's model, refined from the run's own schedules
+            schedules = in_run_schedules({p: POLICIES[p] for p in params.policies}, handle.backend)
+            refine_ffn_in_run(handle.world, schedules, manifest=site.manifest, sync=handle.sync)
+        emulated_device.take_timing()  # the counts start with the policies
         layers = tuple(handle.world.layer_list())
         stages = tuple(handle.world.spec.stage_ids)
 
@@ -668,6 +689,7 @@ def _run_policies(
             for policy in order:
                 st = stats[policy]
                 engine = engines[policy]
+                emulated_device.take_timing()  # between blocks: nothing of this policy's
                 cfg = _config_for(policy, handle.backend)
                 if cfg is not None:
                     engine.apply(config=cfg, manifest=manifest, strict=True)
@@ -722,6 +744,7 @@ def _run_policies(
                     st.violations.extend(f"rep {rep}: {v}" for v in result.violations)
                 st.engaged.append(engaged)
                 st.timeline = ops
+                st.timing.merge(emulated_device.take_timing())
             emit(stats, f"repetition {rep + 1} of {params.reps}")
     finally:
         bar.close()
@@ -883,6 +906,7 @@ def _run_graph_policies(
         graph = captured[policy]["graph"]
         counts = dict(graph.captured.replays) if isinstance(graph, VariantGraph) else None
         world.put_graph(captured[policy])
+        emulated_device.take_timing()  # what ran before is not this replay's
         try:
             world.steps_run = sid
             t0 = time.perf_counter()
@@ -891,6 +915,7 @@ def _run_graph_policies(
             elapsed = time.perf_counter() - t0
         finally:
             world.take_graph()
+        st.timing.merge(emulated_device.take_timing())
         handle.check()
         if timed:
             st.per_layer_s.append(elapsed / len(layers))
@@ -906,6 +931,7 @@ def _run_graph_policies(
         """Serial's traced pass-through steps of every timed step id (eager)."""
         st = stats["serial"]
         patch_layers["serial"].engine.apply(config=passthrough, manifest=manifest, strict=True)
+        emulated_device.take_timing()
         try:
             for sid in timed_ids:
                 world.steps_run = sid
@@ -913,6 +939,7 @@ def _run_graph_policies(
                 st.traced.append((ops, waits))
                 bar.tick("serial")
         finally:
+            st.timing.merge(emulated_device.take_timing())
             unpatch("serial")
         if handle.edges_checkable:
             result = check_step(ops, ExpectedSchedule(layers, stages, False, False))
@@ -1168,6 +1195,10 @@ def _report(
     """The JSON report; ``progress`` (a partial report): what is done so far
     (a policy with no timed step yet has null figures)."""
     attn_s = params.attn_us * 1e-6 if handle.attn_modeled else 0.0
+    mode, why = params.timing_mode()
+    total = TimingCounts()
+    for st in stats.values():
+        total.merge(st.timing)
     terms = _step_terms(stats["serial"].traced, stages)
     measured = _measure(terms, stages, attn_s)
     serial_s = stats["serial"].per_layer_s
@@ -1192,6 +1223,8 @@ def _report(
                 noise = _noise(t_serial / med, speedup_ci, eta, eta_ci)
                 if st.learning and st.decision is None:
                     noise.append("adaptive engage was still learning at the end: not its steady state")
+        policy_timing = st.timing.to_dict() if mode == "model" else None
+        noise += timing_noise(policy_timing)
         policies.append(
             {
                 "policy": name,
@@ -1221,6 +1254,7 @@ def _report(
                 "peer_cycle_ok": (not st.peer_violations) if st.peer_checked else None,
                 "peer_cycle_checked_steps": st.peer_checked,
                 "peer_cycle_violations": st.peer_violations[:10],
+                "timing": policy_timing,
             }
         )
     return {
@@ -1241,6 +1275,7 @@ def _report(
         "params": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(params).items()},
         "comm_model": handle.comm_model,
         "attn_modeled": handle.attn_modeled,
+        "timing": timing_report(mode, why, ffn=_ffn_timing(handle), attn_us=_us(attn_s), total=total),
         "ffn_layers": len(layers),
         "stages": list(stages),
         "measured": measured,
@@ -1256,6 +1291,12 @@ def _report(
         },
         "wall_s": round(wall_s, 3),
     }
+
+
+def _ffn_timing(handle: _Handle) -> Any:
+    """The FFN's timing model of the run (None: none)."""
+    model = getattr(handle.world.runner, "model", None)
+    return getattr(getattr(model, "moe", None), "timing", None)
 
 
 def _graph_pool(handle: _Handle, stats: Mapping[str, PolicyStats]) -> dict[str, Any]:

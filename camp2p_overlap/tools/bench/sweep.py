@@ -9,6 +9,13 @@ too (``bench --graph``: each policy's step captured once, adaptive
 ``overlap``'s with both variants, replays timed), reported as its
 ``graph_report`` next to the eager ``report``.
 
+Timing (``--timing``, docs/benchmark.md, "Timing model"): every point runs
+with the base's timing model, each calibrating its own FFN model, except
+the contention points, which run with wall-clock kernels unless
+``--timing`` says otherwise: ``--comm-cores N`` measures what the comm
+cores' busy-wait takes from the FFN, which a modelled FFN would hide, and
+the point at 0 runs like the others of its table.
+
 The ratio is set through the modeled link: the FFN time f is measured once
 (a short serial run of the same world), then for each target ratio r the
 link bandwidth is chosen so that the modeled A2E + E2A of one (layer, stage)
@@ -62,6 +69,11 @@ ADAPTIVE_FLOOR = 0.95
 #: The goal for adaptive ``overlap``'s decode graph (both variants, chosen
 #: per replay) against serial's graph, at every work point (reported only).
 GRAPH_ADAPTIVE_FLOOR = 0.97
+#: Why the contention points run wall-clock kernels (unless --timing says otherwise).
+CONTENTION_TIMING = (
+    "the contention points: --comm-cores measures what the comm cores' busy-wait takes from the FFN, which a "
+    "modelled FFN would hide under its margin; the point at 0 runs as the others do"
+)
 #: Smaller runs than the benchmark's own, on top of the scenario preset.
 SWEEP_DEFAULTS: dict[str, Any] = {"layers": 4, "steps": 5, "warmup": 1, "reps": 2}
 
@@ -147,8 +159,14 @@ def run_sweep(
 
     ratio_points = [linked(r, f"(a+e)/f = {r:g}, {base.stages} stages") for r in ratios]
     stage_points = [linked(stage_ratio, f"{s} stage(s), (a+e)/f = {stage_ratio:g}", stages=s) for s in stage_counts]
+    contention_timing = "wall" if base.timing == "auto" else base.timing
     comm_core_points = [
-        {"comm_cores": n, **linked(stage_ratio, f"--comm-cores {n}, (a+e)/f = {stage_ratio:g}", comm_cores=n)}
+        {
+            "comm_cores": n,
+            **linked(
+                stage_ratio, f"--comm-cores {n}, (a+e)/f = {stage_ratio:g}", comm_cores=n, timing=contention_timing
+            ),
+        }
         for n in comm_cores
     ]
     work_points = []
@@ -215,6 +233,35 @@ def _cells(report: Mapping[str, Any], policies: Sequence[str]) -> list[str]:
         cells.append(f"{p['speedup']:.2f}x{interval} / {eta}")
     cells.append("yes" if report["outputs_equal"] else "NO")
     return cells
+
+
+def _timing_lines(pts: Sequence[Mapping[str, Any]], rkey: str, name: Any, key: str) -> list[str]:
+    """Under a table: its points' timing model and the points its overruns
+    flagged (nothing for reports written before the timing model)."""
+    timings = [pt[rkey].get("timing") for pt in pts]
+    if not any(timings):
+        return []
+    models = sorted({t["model"] for t in timings if t})
+    text = {
+        "model": "modelled kernels (each point's FFN calibrated in its run)",
+        "wall": "wall-clock kernels",
+        "device": "device time",
+    }
+    flagged = [name(pt) for pt, t in zip(pts, timings, strict=True) if t and t.get("noisy")]
+    line = "Timing: " + ", ".join(text.get(m, m) for m in models)
+    why = sorted({t["why"] for t in timings if t and t["model"] == "wall"})
+    if key == "comm_core_points" and models == ["wall"]:
+        why = [CONTENTION_TIMING]
+    if why:
+        line += f" ({'; '.join(why)})"
+    line += (
+        f"; overruns above the timing model's error at {len(flagged)} point(s): {', '.join(flagged)}."
+        if flagged
+        else "; no point's overruns exceed the timing model's error."
+        if "model" in models
+        else "."
+    )
+    return ["", line]
 
 
 def adaptive_worst(sweep: Mapping[str, Any], rkey: str = "report") -> tuple[float, str] | None:
@@ -321,6 +368,7 @@ def sweep_markdown(sweep: Mapping[str, Any], command: str | None = None) -> str:
             measured = "-" if ratio is None else f"{ratio:.2f}"
             row = [first_cell(pt), measured, *_cells(pt[rkey], policies)]
             lines.append("| " + " | ".join(row) + " |")
+        lines += _timing_lines(pts, rkey, lambda pt, f=first_cell, c=first_col: f"{c} {f(pt)}", key)
     worst = adaptive_worst(sweep)
     lines.append("")
     if worst is not None:
