@@ -75,6 +75,8 @@ class FFNTiming:
     quantile: float = QUANTILE
     margin: float = MARGIN
     points: Mapping[int, Calibrated] = field(default_factory=dict)
+    #: Given, not calibrated (:func:`fixed`: ``bench --ffn-us``).
+    fixed: bool = False
 
     def model_s(self, tokens: int) -> float | None:
         """The modelled seconds of a kernel over ``tokens`` rows (None: not
@@ -85,12 +87,15 @@ class FFNTiming:
     def describe(self) -> str:
         """``FFN calibrated: 412 us at 8 tokens, q0.9 x1.3``."""
         at = ", ".join(f"{p.model_s * 1e6:,.0f} us at {t} tokens" for t, p in sorted(self.points.items()))
+        if self.fixed:
+            return f"FFN fixed: {at} (--ffn-us)"
         runs = sorted({name for p in self.points.values() for name in p.in_run_s})
         of = f" of isolated runs and the run's {'/'.join(runs)} steps" if runs else " of isolated runs"
         return f"FFN calibrated: {at or 'no token count'}, q{self.quantile:g}{of} x{self.margin:g}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "fixed": self.fixed,
             "quantile": self.quantile,
             "margin": self.margin,
             "points": [
@@ -181,3 +186,12 @@ def refine_in_run(base: FFNTiming, tokens: int, work_ns: Mapping[str, Iterable[i
     slowest = max([point.quantile_s, *in_run.values()])
     refined = Calibrated(point.tokens, point.runs, point.median_s, point.quantile_s, slowest * base.margin, in_run)
     return FFNTiming(base.quantile, base.margin, {**base.points, int(tokens): refined})
+
+
+def fixed(tokens: int, seconds: float) -> FFNTiming:
+    """A model given, not calibrated: ``seconds`` per kernel at ``tokens``
+    (a run made comparable to another one: its ``model_us``)."""
+    if not seconds > 0:
+        raise ValueError(f"a fixed FFN model must be a positive duration, got {seconds!r} s")
+    point = Calibrated(int(tokens), 0, seconds, seconds, seconds)
+    return FFNTiming(points={int(tokens): point}, fixed=True)

@@ -264,11 +264,13 @@ class EmulatedTransport:
                     p.cond.wait(max(wait, 0.0))
                 last = p.last_out
             link_s = self.link.seconds(n * self.hidden * self._itemsize())
-            if self.modelled:  # the buffer is filled at the modelled end
+            if self.modelled:  # computed now, the buffer filled at the modelled end (a copy)
+                received = self.inputs.hidden(self.step, layer, n, last)
                 hold_until(ready_ns + round(link_s * 1e9), "a2e")
+                out.copy_(received)
             else:
                 self.spinner.wait(link_s)
-            self.inputs.hidden(self.step, layer, n, last, out=out)
+                self.inputs.hidden(self.step, layer, n, last, out=out)
             with p.cond:
                 p.next_a2e += 1
                 p.ready_at = None

@@ -161,10 +161,6 @@ def kernel_start_ns() -> int:
     return clock.start_ns if clock is not None else time.perf_counter_ns()
 
 
-def in_kernel() -> bool:
-    return getattr(_tls, "clock", None) is not None
-
-
 def hold_until(deadline_ns: int, kind: str = "kernel") -> None:
     """Inside a kernel: its modelled end is ``deadline_ns``; hold the stream
     until it has passed (what the kernel does after this is published at
