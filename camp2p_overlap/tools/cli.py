@@ -192,6 +192,14 @@ def _add_world_flags(p: argparse.ArgumentParser, defaults: dict[str, Any] | None
         "scheduling; the default with --comm-cores). --device cuda|npu: device time, no flag",
     )
     p.add_argument(
+        "--ffn-us",
+        dest="ffn_us",
+        type=float,
+        default=None,
+        help="with --timing model: the FFN kernel's modelled duration in microseconds, given instead of calibrated "
+        "(e.g. another run's timing.ffn.points[].model_us, so that the two compare exactly)",
+    )
+    p.add_argument(
         "--policies",
         type=_policies,
         default=None,

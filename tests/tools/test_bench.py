@@ -181,7 +181,7 @@ TIMING_KIND_KEYS = {
     "work_us": dict,
 }
 SAMPLE_KEYS = {"samples", "median", "p90", "p99", "max"}
-FFN_MODEL_KEYS = {"quantile": float, "margin": float, "points": list}
+FFN_MODEL_KEYS = {"fixed": bool, "quantile": float, "margin": float, "points": list}
 FFN_POINT_KEYS = {
     "tokens": int,
     "runs": int,
@@ -280,6 +280,7 @@ def test_bench_json_has_the_documented_schema(bench_files: dict[str, Any]) -> No
     assert t["counts"]["kernels"] == sum(p["timing"]["kernels"] for p in r["policies"])
     assert t["noisy"] is bool(t["noise"])
     _check_keys(t["ffn"], FFN_MODEL_KEYS, "timing.ffn")
+    assert t["ffn"]["fixed"] is False
     (point,) = t["ffn"]["points"]
     _check_keys(point, FFN_POINT_KEYS, "timing.ffn.points[]")
     assert point["tokens"] == 16 and set(point["in_run_quantile_us"]) == {"serial", "e2a-only", "overlap"}

@@ -144,10 +144,33 @@ def test_sweep_contention_points_run_wall_clock_kernels(tmp_path: Path) -> None:
     assert rc == 0
     data = json.loads(js.read_text())
     assert [pt["report"]["timing"]["model"] for pt in data["comm_core_points"]] == ["wall", "wall"]
-    assert [pt["report"]["timing"]["model"] for pt in data["ratio_points"]] == ["model"]
+    (ratio_point,) = data["ratio_points"]
+    t = ratio_point["report"]["timing"]
+    assert t["model"] == "model" and t["ffn"]["fixed"] is True, "a ratio point holds the FFN to the sweep's f"
+    assert t["ffn"]["points"][0]["model_us"] == pytest.approx(data["f_calibration_us"], abs=0.1)
     text = md.read_text()
-    assert "Timing: modelled kernels (each point's FFN calibrated in its run)" in text
+    assert f"Timing: modelled kernels ({t['ffn_model']} at every point, the f calibration's model)" in text
     assert "Timing: wall-clock kernels (the contention points: --comm-cores measures" in text
+
+
+def test_ffn_us_holds_the_ffn_to_a_given_duration(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """No calibration in the run: every FFN kernel is modelled at the given
+    duration, and the report says it was given."""
+    real = runner.refine_ffn_in_run
+    refined: list[Any] = []
+    monkeypatch.setattr(runner, "refine_ffn_in_run", lambda *a, **k: refined.append(1) or real(*a, **k))
+    r = run_bench(replace(TINY, ffn_us=1500.0, policies=("serial", "overlap-fixed"))).report
+    assert refined == []
+    t = r["timing"]
+    assert t["ffn"]["fixed"] is True and t["ffn_model"] == "FFN fixed: 1,500 us at 16 tokens (--ffn-us)"
+    assert t["ffn"]["points"][0]["model_us"] == 1500.0
+    for p in r["policies"]:
+        ffn = p["timing"]["by_kind"]["ffn"]
+        assert ffn["modelled_us"] == pytest.approx(1500.0 * ffn["kernels"])
+    assert cli.main(["bench", *TINY_ARGS, "--timing", "wall", "--ffn-us", "1500"]) == 2
+    assert "--ffn-us sets the FFN's modelled duration: it needs modelled timing" in capsys.readouterr().err
+    assert cli.main(["bench", *TINY_ARGS, "--ffn-us", "0"]) == 2
+    assert "--ffn-us must be a positive number" in capsys.readouterr().err
 
 
 def test_the_sweep_refuses_the_model_with_contention_points(capsys: pytest.CaptureFixture[str]) -> None:

@@ -84,6 +84,7 @@ from camp2p_overlap.core.observe.trace import ExpectedSchedule, TraceOp, TraceRe
 from camp2p_overlap.core.overlap.graphs import VariantGraph
 from camp2p_overlap.emulation import device as emulated_device
 from camp2p_overlap.emulation.device import TimingCounts
+from camp2p_overlap.emulation.ffn_timing import fixed as fixed_ffn
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.standin_layer import emulated_layer, release_site, standin_site
 from camp2p_overlap.emulation.world import LinkModel, WorldSpec, build_world
@@ -181,6 +182,9 @@ class BenchParams:
     #: ``auto`` (model on the CPU's emulated device, wall with
     #: ``--comm-cores``; a device's own time on cuda/npu). tools/bench/timing.py.
     timing: str = "auto"
+    #: ``--ffn-us``: the FFN kernel's modelled duration, given instead of
+    #: calibrated (modelled timing only), so that runs compare exactly.
+    ffn_us: float | None = None
 
     def timing_mode(self) -> tuple[str, str]:
         """``(model, why)`` of this run: ``model``, ``wall`` or ``device``."""
@@ -237,6 +241,12 @@ class BenchParams:
         if self.graph and self.device == "npu":
             problems.append(f"--device {self.device}: {GRAPH_NOT_ON_NPU}")
         problems += timing_problems(self.device, self.timing, self.comm_cores)
+        if self.ffn_us is not None and not (self.ffn_us > 0 and math.isfinite(self.ffn_us)):
+            problems.append("--ffn-us must be a positive number")
+        elif self.ffn_us is not None and self.timing_mode()[0] != "model":
+            problems.append(
+                f"--ffn-us sets the FFN's modelled duration: it needs modelled timing ({self.timing_mode()[1]})"
+            )
         if self.device_world and self.device == "cpu" and self.comm_cores:
             problems.append(
                 "--device-world runs the comm kernel's host reference on the emulated device, which holds no "
@@ -614,7 +624,9 @@ def run_bench(
     try:
         host = params.device == "cpu" and not params.device_world
         handle = _cpu_handle(params, site.root) if host else _device_handle(params, site.root)
-        if params.timing_mode()[0] == "model":  # the FFN's model, refined from the run's own schedules
+        if params.ffn_us is not None:  # given: every run with it holds the FFN to the same duration
+            handle.world.runner.model.moe.timing = fixed_ffn(params.tokens, params.ffn_us * 1e-6)
+        elif params.timing_mode()[0] == "model":  # the FFN's model, refined from the run's own schedules
             schedules = in_run_schedules({p: POLICIES[p] for p in params.policies}, handle.backend)
             refine_ffn_in_run(handle.world, schedules, manifest=site.manifest, sync=handle.sync)
         emulated_device.take_timing()  # the counts start with the policies

@@ -10,8 +10,10 @@ too (``bench --graph``: each policy's step captured once, adaptive
 ``graph_report`` next to the eager ``report``.
 
 Timing (``--timing``, docs/benchmark.md, "Timing model"): every point runs
-with the base's timing model, each calibrating its own FFN model, except
-the contention points, which run with wall-clock kernels unless
+with the base's timing model, the ratio and stage points with the FFN held
+to the model of the f calibration run (``--ffn-us``), so f is the same at
+every point, each work point calibrating its own; except the contention
+points, which run with wall-clock kernels unless
 ``--timing`` says otherwise: ``--comm-cores N`` measures what the comm
 cores' busy-wait takes from the FFN, which a modelled FFN would hide, and
 the point at 0 runs like the others of its table.
@@ -109,8 +111,15 @@ def work_run(params: BenchParams, timed_s: float) -> tuple[int, int]:
 
 
 def _calibrate_f(base: BenchParams) -> float:
+    """f of the base world: with modelled timing, the FFN model of a short
+    serial run (which the ratio and stage points then hold the FFN to, so
+    every point has the same f); else its measured f."""
     probe = replace(base, policies=("serial",), steps=2, warmup=1, reps=1)
-    return run_bench(probe).report["measured"]["f_us"] * 1e-6
+    report = run_bench(probe).report
+    ffn = (report.get("timing") or {}).get("ffn")
+    if ffn:
+        return ffn["points"][0]["model_us"] * 1e-6
+    return report["measured"]["f_us"] * 1e-6
 
 
 def run_sweep(
@@ -149,6 +158,8 @@ def run_sweep(
         """A point with the modeled link set so that (a+e)/f is ``ratio``."""
         lat, gbps = link_for_ratio(base, f_s, ratio)
         params = replace(base, link_latency_us=round(lat, 3), link_gbps=round(gbps, 6), **changes)
+        if params.ffn_us is None and params.timing_mode()[0] == "model":  # every point at the same f
+            params = replace(params, ffn_us=round(f_s * 1e6, 3))
         report = point(params, label)
         return {
             "target_ratio": ratio,
@@ -242,8 +253,11 @@ def _timing_lines(pts: Sequence[Mapping[str, Any]], rkey: str, name: Any, key: s
     if not any(timings):
         return []
     models = sorted({t["model"] for t in timings if t})
+    held = {t["ffn_model"] for t in timings if t and t.get("ffn") and t["ffn"].get("fixed")}
     text = {
-        "model": "modelled kernels (each point's FFN calibrated in its run)",
+        "model": f"modelled kernels ({next(iter(held))} at every point, the f calibration's model)"
+        if len(held) == 1 and all(t and t.get("ffn") and t["ffn"].get("fixed") for t in timings)
+        else "modelled kernels (each point's FFN calibrated in its run)",
         "wall": "wall-clock kernels",
         "device": "device time",
     }
