@@ -13,9 +13,13 @@ import sys
 import time
 
 import pytest
+import torch
 
 from camp2p_overlap.core.overlap.streams.emulated import timing
 from camp2p_overlap.emulation import device
+from camp2p_overlap.emulation.ffn_timing import fixed
+from camp2p_overlap.emulation.moe import MoEFFN, MoEShape
+from camp2p_overlap.emulation.world import LinkModel, WorldSpec, build_world
 
 MS = 1_000_000
 
@@ -227,3 +231,62 @@ def test_kernel_start_and_hold_outside_a_kernel_are_the_hosts() -> None:
 def test_a_negative_model_is_refused() -> None:
     with pytest.raises(ValueError, match="non-negative"):
         device.launch(lambda: None, model_s=-1.0)
+
+
+# ---------------------------------------------------------------------------
+# the emulation's kernels on the modelled timeline (WorldSpec.timing = "model")
+
+
+def test_a_modelled_ffn_publishes_its_outputs_at_its_modelled_end() -> None:
+    """A reader on another stream that does not wait for the FFN kernel
+    reads NaN for the kernel's whole modelled duration (200 ms here), long
+    after its arithmetic (well under a millisecond) is done: a device
+    kernel's writes are complete when it ends. After a synchronize the
+    outputs are the wall-clock kernel's, bit for bit."""
+    moe = MoEFFN(MoEShape(hidden=16, ffn=32, experts=2, top_k=1))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    want = moe.combined(x, 0)
+    device.synchronize()
+    moe.timing = fixed(4, 0.200)
+    reader = device.Stream()
+    seen: list[bool] = []
+    try:
+        out = moe.combined(x, 0)
+        with device.stream(reader):  # no wait on the FFN's stream
+            device.launch(lambda: (time.sleep(0.030), seen.append(bool(torch.isnan(out).all()))))
+        device.synchronize()
+        assert seen == [True]
+        assert torch.equal(out, want)
+        assert device.take_timing().kinds["ffn"].modelled_ns == 200 * MS
+    finally:
+        reader.close()
+
+
+def test_a_modelled_a2e_waits_for_its_peer_on_the_modelled_timeline() -> None:
+    """One stage, serial: each A2E after the first layer starts where the
+    E2A before it ended, so its modelled wait for attention is exactly the
+    attention time, and its modelled duration that plus its link time."""
+    attn_ns, link_ns = 3 * MS, 20 * MS  # a long link: a late worker wake-up stays inside it
+    spec = WorldSpec(
+        layers=3,
+        stage_ids=(0,),
+        tokens=4,
+        shape=MoEShape(hidden=16, ffn=32, experts=2, top_k=1),
+        link=LinkModel(latency_s=link_ns / 1e9, bandwidth_Bps=1e15),
+        attn_s=attn_ns / 1e9,
+        timing="model",
+    )
+    world = build_world(spec)
+    try:
+        device.take_timing()
+        world.run_step()
+        waits = world.transport.peer_wait_ns
+        layers = world.layer_list()
+        assert [waits[(L, 0)] for L in layers[1:]] == [attn_ns] * (len(layers) - 1)
+        counts = device.take_timing().kinds
+        link = round(link_ns + 16 * 4 * 4 / 1e15 * 1e9)
+        e2a_link = round(link_ns + 2 * 16 * 4 * 4 / 1e15 * 1e9)
+        assert counts["e2a"].modelled_ns == len(layers) * e2a_link
+        assert counts["a2e"].modelled_ns == sum(waits.values()) + len(layers) * link
+    finally:
+        world.close()

@@ -629,7 +629,6 @@ def run_bench(
         elif params.timing_mode()[0] == "model":  # the FFN's model, refined from the run's own schedules
             schedules = in_run_schedules({p: POLICIES[p] for p in params.policies}, handle.backend)
             refine_ffn_in_run(handle.world, schedules, manifest=site.manifest, sync=handle.sync)
-        emulated_device.take_timing()  # the counts start with the policies
         layers = tuple(handle.world.layer_list())
         stages = tuple(handle.world.spec.stage_ids)
 
