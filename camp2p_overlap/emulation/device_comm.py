@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from camp2p_overlap.core.log import log_once
+from camp2p_overlap.emulation.device import hold_until, kernel_start_ns
 
 #: Per stage: [sequence, finish time ns]; then one timeout counter.
 SLOTS_PER_STAGE = 2
@@ -338,7 +339,11 @@ def _allow_shared(kernel: Any, nbytes: int) -> None:
 class HostCommKernels(CommKernels):
     """The kernel's semantics on the host: ``time.perf_counter_ns`` is the
     device clock, the state buffer a CPU tensor. Waiting sleeps in small
-    steps. Called when enqueued with a host stand-in device (which runs work
+    steps. ``modelled`` (the emulated device's modelled timeline,
+    ``WorldSpec.timing = "model"``): an op starts at its kernel's modelled
+    start, its peer answers ``attn_ns`` after the previous E2A's modelled
+    end (never sooner after that E2A really began), and it holds its stream
+    until its modelled end, the link time after both. Called when enqueued with a host stand-in device (which runs work
     at once); on the emulated device the device world launches each call as
     a kernel of the current stream (``device_world.launcher``), so it runs in
     stream order, concurrently across streams as a device kernel does, and a
@@ -346,8 +351,9 @@ class HostCommKernels(CommKernels):
 
     kind = "host reference"
 
-    def __init__(self, stages: int, comm_cores: int = 0) -> None:
+    def __init__(self, stages: int, comm_cores: int = 0, modelled: bool = False) -> None:
         super().__init__(stages, comm_cores)
+        self.modelled = modelled
 
     def begin(self, st: torch.Tensor, rec: torch.Tensor) -> None:
         now = time.perf_counter_ns()
@@ -368,6 +374,9 @@ class HostCommKernels(CommKernels):
         link_ns: float,
         timeout_ns: float,
     ) -> None:
+        if self.modelled:
+            self._modelled_op(st, rec, stage, want_seq, set_seq, attn_ns, link_ns, timeout_ns)
+            return
         t0 = time.perf_counter_ns()
         ready = t0
         if want_seq >= 0:
@@ -387,4 +396,33 @@ class HostCommKernels(CommKernels):
         rec[0], rec[1], rec[2] = t0, ready, end
         if set_seq >= 0:
             st[2 * stage + 1] = end
+            st[2 * stage] = set_seq
+
+    def _modelled_op(
+        self,
+        st: torch.Tensor,
+        rec: torch.Tensor,
+        stage: int,
+        want_seq: int,
+        set_seq: int,
+        attn_ns: float,
+        link_ns: float,
+        timeout_ns: float,
+    ) -> None:
+        t0 = kernel_start_ns()
+        began = time.perf_counter_ns()
+        ready = t0
+        if want_seq >= 0:
+            while int(st[2 * stage]) < want_seq and time.perf_counter_ns() - began < timeout_ns:
+                time.sleep(20e-6)
+            if int(st[2 * stage]) >= want_seq:
+                ready = max(t0, int(st[2 * stage + 1]) + round(attn_ns))
+            else:
+                ready = time.perf_counter_ns()
+                st[2 * self.stages] += 1
+        end = ready + round(link_ns)
+        hold_until(end, "a2e" if want_seq >= 0 else "e2a")
+        rec[0], rec[1], rec[2] = t0, ready, end
+        if set_seq >= 0:  # the peer answers from the modelled end, never before this E2A really began
+            st[2 * stage + 1] = max(end, began)
             st[2 * stage] = set_seq

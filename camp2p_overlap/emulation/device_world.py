@@ -86,6 +86,7 @@ from camp2p_overlap.emulation.device_comm import (
     HostCommKernels,
     NvrtcCommKernels,
 )
+from camp2p_overlap.emulation.ffn_timing import calibrate_ffn
 from camp2p_overlap.emulation.moe import MoEFFN, MoEShape
 from camp2p_overlap.emulation.world import (
     AfdConfig,
@@ -738,7 +739,7 @@ def fallback(what: str, reason: str, instead: str) -> dict[str, str]:
 
 
 def comm_kernels(
-    mod: ModuleType, kind: str, device: torch.device, stages: int, comm_cores: int
+    mod: ModuleType, kind: str, device: torch.device, stages: int, comm_cores: int, modelled: bool = False
 ) -> tuple[CommKernels, str | None]:
     """The comm kernel for ``kind``, and why a fallback was taken (None if
     not): on CUDA the NVRTC kernel; on the emulated device its host
@@ -751,8 +752,10 @@ def comm_kernels(
                 f"--comm-cores {comm_cores} needs the CUDA comm kernel: the emulated device world runs the "
                 "kernel's host reference, which holds no cores"
             )
-        host = HostCommKernels(stages)
-        host.kind = "host reference (kernels of the emulated device's streams)"
+        host = HostCommKernels(stages, modelled=modelled)
+        host.kind = "host reference (kernels of the emulated device's streams)" + (
+            ", on the modelled timeline" if modelled else ""
+        )
         return host, None
     if kind == "cuda":
         try:
@@ -794,6 +797,9 @@ def build_device_world(
     if device is None:
         device = torch.device(kind, mod.current_device())
     launched = is_emulated_device(mod)
+    modelled = spec.timing == "model"
+    if modelled and not launched:
+        raise ValueError("WorldSpec.timing 'model' is for the emulated device: a device's kernels take device time")
     installed_npu = installed_alias = False
     if spec.graph and launched and not emulated_device.is_torch_npu():
         emulated_device.as_torch_npu()  # before the runner: it takes its graph pool from torch.npu
@@ -808,7 +814,7 @@ def build_device_world(
         stages_cap = max(max(spec.stage_ids, default=0) + 1, MAX_STAGE_IDS)
         fell_back: list[dict[str, str]] = []
         if kernels is None:
-            kernels, why = comm_kernels(mod, kind, device, stages_cap, spec.comm_cores)
+            kernels, why = comm_kernels(mod, kind, device, stages_cap, spec.comm_cores, modelled)
             if why is not None:
                 method = getattr(kernels, "method", kernels.kind)
                 instead = f"calibrated {method} of the link time (the attention peer and --comm-cores not modeled)"
@@ -828,8 +834,11 @@ def build_device_world(
             launched=launched,
         )
         connector = conn_mod.CAMP2pAFDConnector(transport, hidden_size=spec.shape.hidden)
+        ffn = DeviceFFN(spec.shape, seed=spec.seed, device=device, launched=launched)
+        if modelled:
+            ffn.timing = calibrate_ffn(ffn, [spec.tokens])
         model = TimedModel(
-            DeviceFFN(spec.shape, seed=spec.seed, device=device, launched=launched),
+            ffn,
             timing=timing,
             transport=transport,
             return_payload=spec.return_payload,

@@ -1,14 +1,18 @@
 """A MoE-shaped FFN block doing real tensor work: a router, top-k routed
 experts (SiLU-gated MLPs) and a shared expert. Deterministic for a seed.
-On the CPU it runs as a kernel of the emulated device."""
+On the CPU it runs as a kernel of the emulated device; with a timing model
+(:attr:`MoEFFN.timing`, ``ffn_timing.py``) that kernel takes its modelled
+duration and its outputs appear at its modelled end, as a device kernel's
+writes are complete when it ends."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from camp2p_overlap.emulation.device import launch
+from camp2p_overlap.emulation.device import hold, launch
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,26 @@ class MoEFFN:
     ) -> None:
         self.shape = shape
         self.groups = moe_weights(shape, seed=seed, device=device, dtype=dtype, groups=weight_groups)
+        #: The kernel's timing model (an ``ffn_timing.FFNTiming``), or None:
+        #: the kernel takes whatever wall time its work takes.
+        self.timing: Any = None
+
+    def _model_s(self, x: torch.Tensor) -> float | None:
+        return None if self.timing is None else self.timing.model_s(x.shape[0])
+
+    def kernel_body(self, x: torch.Tensor, layer_idx: int, routed: torch.Tensor, shared: torch.Tensor | None) -> None:
+        """The kernel: the block's arithmetic, then (held until the modelled
+        end, when launched with a model) its outputs written. ``shared`` None:
+        ``routed`` gets routed + shared (the combined output)."""
+        r, sh = self.compute(x, layer_idx)
+        hold()  # a modelled kernel publishes at its modelled end (nothing without a model)
+        if shared is not None and sh is not None:
+            routed.copy_(r)
+            shared.copy_(sh)
+        elif sh is None:
+            routed.copy_(r)
+        else:
+            torch.add(r, sh, out=routed)
 
     def __call__(self, x: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(routed, shared)`` for ``x``. On the CPU the work is a kernel of
@@ -76,14 +100,12 @@ class MoEFFN:
         # reader not ordered after the kernel cannot match the serial run.
         routed = torch.full_like(x, float("nan"))
         shared = torch.full_like(x, float("nan")) if self.shape.shared_expert else None
-
-        def kernel() -> None:
-            r, sh = self.compute(x, layer_idx)
-            routed.copy_(r)
-            if shared is not None and sh is not None:
-                shared.copy_(sh)
-
-        launch(kernel, writes=(routed,) if shared is None else (routed, shared))
+        launch(
+            lambda: self.kernel_body(x, layer_idx, routed, shared),
+            writes=(routed,) if shared is None else (routed, shared),
+            model_s=self._model_s(x),
+            kind="ffn",
+        )
         return routed, shared
 
     def combined(self, x: torch.Tensor, layer_idx: int) -> torch.Tensor:
@@ -92,15 +114,7 @@ class MoEFFN:
             routed, shared = self.compute(x, layer_idx)
             return routed if shared is None else routed + shared
         out = torch.full_like(x, float("nan"))
-
-        def kernel() -> None:
-            routed, shared = self.compute(x, layer_idx)
-            if shared is None:
-                out.copy_(routed)
-            else:
-                torch.add(routed, shared, out=out)
-
-        launch(kernel, writes=(out,))
+        launch(lambda: self.kernel_body(x, layer_idx, out, None), writes=(out,), model_s=self._model_s(x), kind="ffn")
         return out
 
     def compute(self, x: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor | None]:

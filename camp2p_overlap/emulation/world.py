@@ -15,6 +15,17 @@ default, taking no compute. With ``WorldSpec.comm_cores = N`` it is spent
 busy on N cores instead (:mod:`camp2p_overlap.emulation.contention`), as
 CAM's kernels spin on their vector cores, so a lookahead A2E that waits a
 whole attention time keeps those cores from the FFN.
+
+``WorldSpec.timing = "model"`` puts every kernel on the emulated device's
+modelled timeline (``camp2p_overlap.emulation.device``: ``launch(model_s=)``,
+``hold_until``): the FFN takes its calibrated duration
+(:mod:`camp2p_overlap.emulation.ffn_timing`), an E2A its link time from its
+modelled start, an A2E its link time from the later of its modelled start
+and the time its attention peer answers; attention answers ``attn_s`` after
+the E2A's modelled end (never before the E2A really started). Each comm
+kernel holds its stream until its modelled end, so a thread's late wake-up
+does not lengthen it. ``"wall"`` (the default): each kernel takes the wall
+time its work and its sleeps take.
 """
 
 from __future__ import annotations
@@ -31,8 +42,12 @@ import torch
 from camp2p_overlap.emulation import device as emulated_device
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.contention import CoreSpinner
-from camp2p_overlap.emulation.device import launch
+from camp2p_overlap.emulation.device import hold_until, kernel_start_ns, launch
+from camp2p_overlap.emulation.ffn_timing import calibrate_ffn
 from camp2p_overlap.emulation.moe import MoEFFN, MoEShape
+
+#: ``WorldSpec.timing``: every kernel on the modelled timeline, or wall clock.
+TIMINGS = ("wall", "model")
 
 
 class PeerTimeoutError(TimeoutError):
@@ -124,9 +139,17 @@ class EmulatedTransport:
         max_tokens: int = 4096,
         base_pool: int = 4,
         comm_cores: int = 0,
+        modelled: bool = False,
     ) -> None:
+        if modelled and comm_cores:
+            raise ValueError(
+                "modelled kernels and comm_cores exclude each other: the comm cores' busy-wait takes compute from "
+                "the FFN, which a modelled FFN hides under its margin"
+            )
         self.hidden = hidden
         self.link = link
+        #: The comm kernels take their modelled duration (module docstring).
+        self.modelled = modelled
         #: ``comm_cores`` 0: link and peer waits sleep (take no compute);
         #: N >= 1: they busy-wait on N cores (:mod:`emulation.contention`),
         #: as CAM's kernels spin on their vector cores.
@@ -198,6 +221,8 @@ class EmulatedTransport:
         return hidden, torch.tensor([n])
 
     def _a2e_kernel(self, group: str, stage: int, layer: int, n: int, out: torch.Tensor) -> None:
+        start_ns = kernel_start_ns() if self.modelled else 0
+        ready_ns = start_ns  # modelled: when the peer's data is there (set below)
         p = self.peers[stage]
         what = f"a2e(L{layer}) on {group}"
         self._enter(p, what, group)
@@ -219,6 +244,12 @@ class EmulatedTransport:
             with p.cond:
                 while True:
                     now = time.perf_counter()
+                    if self.modelled and not p.stopped and p.ready_at is not None:
+                        # Answered (or sure to be at ready_at): the modelled wait runs from the
+                        # modelled start to the answer, and one hold below ends it with the link.
+                        ready_ns = max(start_ns, round(p.ready_at * 1e9))
+                        self.peer_wait_ns[(layer, stage)] = ready_ns - start_ns
+                        break
                     if not p.stopped and p.ready_at is not None and now >= p.ready_at:
                         self.peer_wait_ns[(layer, stage)] = time.perf_counter_ns() - waited_from
                         break
@@ -232,8 +263,14 @@ class EmulatedTransport:
                         wait = min(wait, p.ready_at - now)
                     p.cond.wait(max(wait, 0.0))
                 last = p.last_out
-            self.spinner.wait(self.link.seconds(n * self.hidden * self._itemsize()))
-            self.inputs.hidden(self.step, layer, n, last, out=out)
+            link_s = self.link.seconds(n * self.hidden * self._itemsize())
+            if self.modelled:  # computed now, the buffer filled at the modelled end (a copy)
+                received = self.inputs.hidden(self.step, layer, n, last)
+                hold_until(ready_ns + round(link_s * 1e9), "a2e")
+                out.copy_(received)
+            else:
+                self.spinner.wait(link_s)
+                self.inputs.hidden(self.step, layer, n, last, out=out)
             with p.cond:
                 p.next_a2e += 1
                 p.ready_at = None
@@ -264,6 +301,8 @@ class EmulatedTransport:
         shared: torch.Tensor | None,
         atten_batch_size: torch.Tensor,
     ) -> None:
+        start_ns = kernel_start_ns() if self.modelled else 0
+        began_ns = time.perf_counter_ns()
         p = self.peers[stage]
         what = f"e2a(L{layer}) on {group}"
         self._enter(p, what, group)
@@ -280,14 +319,24 @@ class EmulatedTransport:
             nbytes = routed.numel() * routed.element_size()
             if shared is not None:
                 nbytes += shared.numel() * shared.element_size()
-            self.spinner.wait(self.link.seconds(nbytes))
-            out = routed if shared is None else routed + shared
-            out = out.detach().clone()
+            if self.modelled:  # what it sends is read at its start, delivered at its modelled end
+                out = routed if shared is None else routed + shared
+                out = out.detach().clone()
+                end_ns = start_ns + round(self.link.seconds(nbytes) * 1e9)
+                hold_until(end_ns, "e2a")
+                # Attention answers attn_s after the modelled end, and never
+                # sooner after the E2A really began than that (the peer cycle).
+                ready_at = max(end_ns, began_ns) / 1e9 + self.attn_s
+            else:
+                self.spinner.wait(self.link.seconds(nbytes))
+                out = routed if shared is None else routed + shared
+                out = out.detach().clone()
+                ready_at = time.perf_counter() + self.attn_s
             with p.cond:
                 self.results[(layer, stage)] = out
                 p.last_out = out
                 p.awaiting_e2a = None
-                p.ready_at = time.perf_counter() + self.attn_s
+                p.ready_at = ready_at
                 p.cond.notify_all()
         finally:
             self._leave(p, group)
@@ -359,6 +408,10 @@ class WorldSpec:
     #: :meth:`World.run_step`); on ``device == "cpu"`` the emulated device is
     #: installed as ``torch.npu`` first (the runner takes its graph pool there).
     graph: bool = False
+    #: ``"model"``: kernels take their modelled durations (module docstring;
+    #: the FFN calibrated at ``tokens`` when the world is built, more token
+    #: counts with :meth:`World.calibrate_ffn`); ``"wall"``: wall clock.
+    timing: str = "wall"
 
 
 @dataclass
@@ -375,6 +428,18 @@ class World:
 
     def layer_list(self) -> list[int]:
         return list(self.modules[0]._ffn_layer_indices(self.runner))
+
+    @property
+    def moe(self) -> MoEFFN:
+        return self.runner.model.moe
+
+    def calibrate_ffn(self, tokens: Sequence[int]) -> Any:
+        """Add ``tokens`` to the FFN's timing model (``timing="model"``; call
+        it with the device idle); returns the model."""
+        if self.spec.timing != "model":
+            raise RuntimeError("World.calibrate_ffn needs a world built with timing='model'")
+        self.moe.timing = calibrate_ffn(self.moe, tokens, base=self.moe.timing)
+        return self.moe.timing
 
     def dp_metadata(self, tokens: Mapping[int, int] | None = None) -> dict[int, StageMeta]:
         return {s: StageMeta(int(tokens[s]) if tokens else self.spec.tokens) for s in self.spec.stage_ids}
@@ -471,6 +536,10 @@ class World:
 def build_world(spec: WorldSpec = WorldSpec(), *, root: str = standins.REAL_ROOT) -> World:
     """Import the stand-ins under ``root`` (installing the finder if needed)
     and build a runner wired to an emulated transport."""
+    if spec.timing not in TIMINGS:
+        raise ValueError(f"WorldSpec.timing {spec.timing!r} is not one of {', '.join(TIMINGS)}")
+    if spec.timing == "model" and spec.device != "cpu":
+        raise ValueError("WorldSpec.timing 'model' is for the emulated device (device 'cpu')")
     installed_npu = False
     if spec.graph and spec.device == "cpu" and not emulated_device.is_torch_npu():
         emulated_device.as_torch_npu()  # before the runner: it takes its graph pool from torch.npu
@@ -486,13 +555,13 @@ def build_world(spec: WorldSpec = WorldSpec(), *, root: str = standins.REAL_ROOT
         seed=spec.seed,
         max_tokens=max_tokens,
         comm_cores=spec.comm_cores,
+        modelled=spec.timing == "model",
     )
     connector = conn_mod.CAMP2pAFDConnector(transport, hidden_size=spec.shape.hidden, num_ubatches=spec.num_ubatches)
-    model = EmulatedModel(
-        MoEFFN(spec.shape, seed=spec.seed, device=spec.device),
-        return_payload=spec.return_payload,
-        payload_cls=meta_mod.AFDF2ATransferPayload,
-    )
+    moe = MoEFFN(spec.shape, seed=spec.seed, device=spec.device)
+    if spec.timing == "model":
+        moe.timing = calibrate_ffn(moe, [spec.tokens])
+    model = EmulatedModel(moe, return_payload=spec.return_payload, payload_cls=meta_mod.AFDF2ATransferPayload)
     runner = runner_mod.AFDNPUFFNModelRunner(
         connector=connector,
         model=model,

@@ -59,8 +59,9 @@ what is reported:
                   device time, from timing events; LAUNCH-BOUND at 0.8 or more
                   (the figures then measure the host's launch rate)
 
---device cpu: the compute stream is the calling thread, side streams are the
-cpu backend's worker threads. --device cuda|npu: bf16 FFN matmuls on the
+--device cpu: every stream, the compute stream included, is a worker thread
+of the emulated device; with --timing model (the default) each kernel takes
+its modelled duration (docs/benchmark.md, "Timing model"). --device cuda|npu: bf16 FFN matmuls on the
 device; on CUDA each A2E/E2A is an emulated CAM kernel that waits for the
 attention peer on the device, then spins the link time on the device clock
 (npu, or no NVRTC: calibrated device work, no peer). --comm-cores N: each
@@ -183,6 +184,24 @@ def _add_world_flags(p: argparse.ArgumentParser, defaults: dict[str, Any] | None
     )
     for flag, name, typ, text in _WORLD_FLAGS:
         p.add_argument(flag, dest=name, type=typ, default=None, help=f"{text} (default {shown[name]})")
+    p.add_argument(
+        "--timing",
+        choices=("model", "wall"),
+        default=None,
+        help="how a kernel of the CPU's emulated device takes time: model (the default on the CPU: the FFN "
+        "takes its duration calibrated at the start of the run, A2E/E2A their link model, each kernel holds its "
+        "stream until its modelled end; overruns are reported and a run whose overruns exceed 1 %% of modelled "
+        "time is flagged) or wall (wall-clock kernels: their times follow the CPU's speed and thread "
+        "scheduling; the default with --comm-cores). --device cuda|npu: device time, no flag",
+    )
+    p.add_argument(
+        "--ffn-us",
+        dest="ffn_us",
+        type=float,
+        default=None,
+        help="with --timing model: the FFN kernel's modelled duration in microseconds, given instead of calibrated "
+        "(e.g. another run's timing.ffn.points[].model_us, so that the two compare exactly)",
+    )
     p.add_argument(
         "--policies",
         type=_policies,

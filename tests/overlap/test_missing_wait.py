@@ -9,7 +9,14 @@ FFN reading an A2E buffer not yet filled (edge 3), and an E2A sending an
 FFN output not yet computed (edge 4). Holds make the stale read certain,
 not likely. The waits are removed in two places: in the session (a
 subclass that skips the wait) and in the backend (its ``wait`` drops it
-while the session still records that it asked for it)."""
+while the session still records that it asked for it).
+
+Every case runs under both timing models of the emulated device
+(``WorldSpec.timing``): wall-clock kernels, and modelled ones (the FFN
+held to its calibrated duration and publishing its outputs at its modelled
+end, the comm kernels held to the link model); a modelled run must have
+run modelled kernels of every kind, so it exercises the holds and the
+modelled clock, not a wall-clock fallback."""
 
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ from camp2p_overlap.verify import edges
 LAYERS = (0, 1, 2)
 STAGES = (0, 1)
 SCHED = Schedule(3, STAGES, (8, 8), step=1)
+TIMINGS = pytest.mark.parametrize("timing", ["wall", "model"])
 EXPECTED = ExpectedSchedule(LAYERS, STAGES, True, True)
 EDGE3 = "edge 3 (FFN waits its A2E)"
 EDGE4 = "edge 4 (E2A waits its FFN)"
@@ -124,15 +132,33 @@ def _hold_ffn_until_its_e2a_ran(w: Any) -> None:
     wrap_model(w, before_with_stage=before)
 
 
+def _world(timing: str) -> Any:
+    """The test world; ``model``: the FFN calibrated at the schedule's tokens."""
+    return world(layers=3, stage_ids=STAGES, tokens=SCHED.tokens[0], timing=timing)
+
+
+def _assert_timing_ran(timing: str) -> None:
+    """What the device counted since the step began: under the model, FFN,
+    A2E and E2A kernels held to their modelled durations; else none."""
+    kinds = device.take_timing().kinds
+    if timing == "wall":
+        assert kinds == {}
+        return
+    assert set(kinds) == {"ffn", "a2e", "e2a"}
+    want = len(LAYERS) * len(STAGES)
+    assert all(kinds[k].kernels >= want for k in kinds), {k: v.kernels for k, v in kinds.items()}
+
+
 def _run_broken(
     monkeypatch: pytest.MonkeyPatch,
+    timing: str,
     *,
     session: type | None = None,
     wait: Any = None,
     hold: Callable[[Any], None] | None = None,
 ):
     """One step of a layer of its own with the schedule broken as asked."""
-    w = world(layers=3, stage_ids=STAGES)
+    w = _world(timing)
     layer = build_layer()
     (ref,) = serial_results(w, [SCHED], layer)
     apply_cpu(layer=layer)
@@ -142,11 +168,13 @@ def _run_broken(
         monkeypatch.setattr(TorchDeviceBackend, "wait", wait)
     if hold is not None:
         hold(w)
+    device.take_timing()
     try:
         with trace.recording() as rec:
             got = run_step(w, SCHED)
     finally:
         assert layer.engine.unpatch(timeout=10)
+    _assert_timing_ran(timing)
     return got, ref, rec.ops(rec.steps()[0])
 
 
@@ -155,25 +183,29 @@ def _differs(got: dict, ref: dict) -> list[tuple[int, int]]:
     return [k for k in ref if not torch.equal(got[k], ref[k])]
 
 
-def test_control_every_wait_in_place_passes(layer: Layer) -> None:
+@TIMINGS
+def test_control_every_wait_in_place_passes(layer: Layer, timing: str) -> None:
     """Control: the same world and step with every wait in place gives the
     serial outputs and a clean check."""
-    w = world(layers=3, stage_ids=STAGES)
+    w = _world(timing)
     (ref,) = serial_results(w, [SCHED], layer=layer)
     apply_cpu(layer=layer)
+    device.take_timing()
     try:
         with trace.recording() as rec:
             got = run_step(w, SCHED)
     finally:
         layer.engine.unpatch(timeout=10)
+    _assert_timing_ran(timing)
     assert_same(got, ref)
     res = edges.check_step(rec.ops(rec.steps()[0]), EXPECTED)
     assert res.ok, str(res)
 
 
-def test_session_without_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch, layer: Layer) -> None:
+@TIMINGS
+def test_session_without_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch, layer: Layer, timing: str) -> None:
     got, ref, ops = _run_broken(
-        monkeypatch, session=SessionSkipsComputeWaitForA2E, hold=_hold_a2e_fill_until_its_ffn_ran
+        monkeypatch, timing, session=SessionSkipsComputeWaitForA2E, hold=_hold_a2e_fill_until_its_ffn_ran
     )
     assert _differs(got, ref) == sorted(ref)  # every FFN read an unfilled buffer
     text = str(edges.check_step(ops, EXPECTED))
@@ -183,9 +215,10 @@ def test_session_without_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch, l
             assert f"ffn(L{L},s{s}) started" in text  # and the kernel times say so
 
 
-def test_backend_dropping_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch) -> None:
+@TIMINGS
+def test_backend_dropping_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch, timing: str) -> None:
     got, ref, ops = _run_broken(
-        monkeypatch, wait=_backend_dropping(True, A_DONE), hold=_hold_a2e_fill_until_its_ffn_ran
+        monkeypatch, timing, wait=_backend_dropping(True, A_DONE), hold=_hold_a2e_fill_until_its_ffn_ran
     )
     assert _differs(got, ref) == sorted(ref)
     performed = str(edges.check_step(ops, EXPECTED))
@@ -196,8 +229,11 @@ def test_backend_dropping_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch) 
     assert EDGE3 not in asked
 
 
-def test_session_without_stage_wait_for_ffn(monkeypatch: pytest.MonkeyPatch) -> None:
-    got, ref, ops = _run_broken(monkeypatch, session=SessionSkipsStageWaitForFFN, hold=_hold_ffn_until_its_e2a_ran)
+@TIMINGS
+def test_session_without_stage_wait_for_ffn(monkeypatch: pytest.MonkeyPatch, timing: str) -> None:
+    got, ref, ops = _run_broken(
+        monkeypatch, timing, session=SessionSkipsStageWaitForFFN, hold=_hold_ffn_until_its_e2a_ran
+    )
     # The host ran ahead of the compute stream: every E2A sent its FFN's
     # output before the FFN had filled it.
     assert _differs(got, ref) == sorted(ref)
@@ -207,8 +243,11 @@ def test_session_without_stage_wait_for_ffn(monkeypatch: pytest.MonkeyPatch) -> 
             assert f"{EDGE4}: nothing orders ffn(L{L},s{s}) on C before e2a(L{L},s{s}) on K{s}" in text
 
 
-def test_backend_dropping_stage_wait_for_ffn(monkeypatch: pytest.MonkeyPatch) -> None:
-    got, ref, ops = _run_broken(monkeypatch, wait=_backend_dropping(False, F_DONE), hold=_hold_ffn_until_its_e2a_ran)
+@TIMINGS
+def test_backend_dropping_stage_wait_for_ffn(monkeypatch: pytest.MonkeyPatch, timing: str) -> None:
+    got, ref, ops = _run_broken(
+        monkeypatch, timing, wait=_backend_dropping(False, F_DONE), hold=_hold_ffn_until_its_e2a_ran
+    )
     assert _differs(got, ref) == sorted(ref)
     performed = str(edges.check_step(ops, EXPECTED))
     asked = edges.check_step(ops, EXPECTED, source="session")

@@ -93,6 +93,7 @@ TOP_KEYS = {
     "comm_model": str,
     "fallbacks": list,
     "attn_modeled": bool,
+    "timing": dict,
     "params": dict,
     "ffn_layers": int,
     "stages": list,
@@ -144,6 +145,53 @@ POLICY_KEYS = {
     "peer_cycle_checked_steps": int,
     "peer_cycle_violations": list,
     "launch": (dict, type(None)),
+    "timing": (dict, type(None)),
+}
+#: ``timing`` (the run's timing model, docs/benchmark.md "Timing model").
+TIMING_KEYS = {
+    "model": str,
+    "why": str,
+    "error_pct": float,
+    "ffn": (dict, type(None)),
+    "ffn_model": (str, type(None)),
+    "comm_model": (str, type(None)),
+    "attn_us": float,
+    "counts": (dict, type(None)),
+    "noisy": bool,
+    "noise": list,
+}
+#: ``timing.counts`` and each policy's ``timing``: its modelled kernels against the model.
+TIMING_COUNT_KEYS = {
+    "kernels": int,
+    "modelled_us": float,
+    "overruns": int,
+    "overrun_pct": (float, type(None)),
+    "overrun_us": float,
+    "overrun_time_pct": (float, type(None)),
+    "late_starts": int,
+    "tolerance_us": float,
+    "over_us": dict,
+    "start_lag_us": dict,
+    "sync_lag_us": dict,
+    "by_kind": dict,
+}
+TIMING_KIND_KEYS = {
+    "kernels": int,
+    "modelled_us": float,
+    "overruns": int,
+    "overrun_us": float,
+    "late_starts": int,
+    "work_us": dict,
+}
+SAMPLE_KEYS = {"samples", "median", "p90", "p99", "max"}
+FFN_MODEL_KEYS = {"fixed": bool, "quantile": float, "margin": float, "points": list}
+FFN_POINT_KEYS = {
+    "tokens": int,
+    "runs": int,
+    "median_us": float,
+    "quantile_us": float,
+    "model_us": float,
+    "in_run_quantile_us": dict,
 }
 #: A graph run's per-policy ``capture``.
 CAPTURE_KEYS = {
@@ -173,6 +221,18 @@ def _check_keys(obj: dict[str, Any], spec: dict[str, Any], where: str) -> None:
         assert isinstance(obj[key], typ), f"{where}.{key} = {obj[key]!r} is not {typ}"
 
 
+def _check_timing_counts(counts: dict[str, Any], where: str) -> None:
+    _check_keys(counts, TIMING_COUNT_KEYS, where)
+    for key in ("over_us", "start_lag_us", "sync_lag_us"):
+        assert set(counts[key]) == SAMPLE_KEYS, f"{where}.{key}"
+    assert set(counts["by_kind"]) == {"ffn", "a2e", "e2a"}, f"{where}.by_kind"
+    for kind, k in counts["by_kind"].items():
+        _check_keys(k, TIMING_KIND_KEYS, f"{where}.by_kind.{kind}")
+        assert set(k["work_us"]) == SAMPLE_KEYS
+    assert counts["kernels"] == sum(k["kernels"] for k in counts["by_kind"].values())
+    assert counts["overruns"] == sum(k["overruns"] for k in counts["by_kind"].values())
+
+
 def test_bench_json_has_the_documented_schema(bench_files: dict[str, Any]) -> None:
     assert bench_files["rc"] == 0
     r = bench_files["report"]
@@ -197,8 +257,9 @@ def test_bench_json_has_the_documented_schema(bench_files: dict[str, Any]) -> No
     for p in r["policies"]:
         _check_keys(p, POLICY_KEYS, f"policies[{p['policy']}]")
         assert p["adaptive"] is (p["policy"] == "overlap")
-        if p["policy"] == "serial":
-            assert p["speedup_ci95"] is None and p["eta_ci95"] is None and p["noise"] == []
+        if p["policy"] == "serial":  # noisy only when its kernels overran the timing model
+            assert p["speedup_ci95"] is None and p["eta_ci95"] is None
+            assert all("timing model's error" in n for n in p["noise"])
         else:
             lo, hi = p["speedup_ci95"]
             assert lo <= hi and all(isinstance(x, float) for x in (lo, hi))
@@ -216,6 +277,21 @@ def test_bench_json_has_the_documented_schema(bench_files: dict[str, Any]) -> No
             assert p["learning"] is None
         assert p["replays"] == 0 and p["captured_variants"] == 0, "an eager run captures nothing"
         assert p["capture"] is None
+        _check_timing_counts(p["timing"], f"policies[{p['policy']}].timing")
+        assert p["timing"]["kernels"] > 0, "every policy ran modelled kernels"
+    t = r["timing"]
+    _check_keys(t, TIMING_KEYS, "timing")
+    assert t["model"] == "model" and t["why"] == "the default on the CPU's emulated device"
+    _check_timing_counts(t["counts"], "timing.counts")
+    assert t["counts"]["kernels"] == sum(p["timing"]["kernels"] for p in r["policies"])
+    assert t["noisy"] is bool(t["noise"])
+    _check_keys(t["ffn"], FFN_MODEL_KEYS, "timing.ffn")
+    assert t["ffn"]["fixed"] is False
+    (point,) = t["ffn"]["points"]
+    _check_keys(point, FFN_POINT_KEYS, "timing.ffn.points[]")
+    assert point["tokens"] == 16 and set(point["in_run_quantile_us"]) == {"serial", "e2a-only", "overlap"}
+    slowest = max(point["quantile_us"], *point["in_run_quantile_us"].values())
+    assert point["model_us"] == pytest.approx(slowest * t["ffn"]["margin"], rel=1e-3)
     _check_keys(r["env"], ENV_KEYS, "env")
     assert r["env"]["torch_threads"] == 1
     assert r["env"]["switch_interval_s"] == TOOL_SWITCH_INTERVAL_S, "the bench command sets the tools' interval"
@@ -268,9 +344,11 @@ def test_bench_leaves_the_process_as_it_found_it(bench_files: dict[str, Any]) ->
     assert bench_files["finder_left"] == []
     assert not LAYER.engine.is_applied() and len(LAYER.engine.installer.records) == 0
     # Each policy ran on an engine of its own (kept over the repetitions,
-    # so adaptive engage learns once), unpatched with its streams closed.
+    # so adaptive engage learns once), and so did each patched schedule the
+    # FFN's timing model was refined on (e2a-only, overlap: built first),
+    # all unpatched with their streams closed.
     layers = bench_files["layers"]
-    assert len(layers) == len(POLICIES), (len(layers), len(POLICIES))
+    assert len(layers) == len(POLICIES) + 2, (len(layers), len(POLICIES))
     assert len({id(layer.engine) for layer in layers}) == len(layers)
     assert all(not layer.engine.is_applied() and not layer.runtime.runners.stream_sets() for layer in layers)
 
@@ -708,6 +786,20 @@ def graph_bench(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"rc": rc, "report": json.loads(out.read_text()), "was_npu": was_npu, "npu_after": device.is_torch_npu()}
 
 
+def _assert_replays_honour_the_model(r: dict[str, Any]) -> None:
+    """Each fixed policy's counts are its replays' only (2 reps x (1 warm-up
+    + 2 timed) replays x 2 layers x 2 stages of FFN, A2E and E2A kernels),
+    each FFN held to the model captured with it."""
+    (point,) = r["timing"]["ffn"]["points"]
+    for p in r["policies"]:
+        kinds = p["timing"]["by_kind"]
+        assert set(kinds) == {"ffn", "a2e", "e2a"}, p["policy"]
+        ffn = kinds["ffn"]
+        assert ffn["modelled_us"] == pytest.approx(ffn["kernels"] * point["model_us"], rel=1e-3)
+        if p["policy"] in ("e2a-only", "overlap-fixed"):
+            assert ffn["kernels"] == kinds["a2e"]["kernels"] == kinds["e2a"]["kernels"] == 6 * 2 * 2, p["policy"]
+
+
 def test_bench_graph_json_schema_and_bitwise_replays(graph_bench: dict[str, Any]) -> None:
     assert graph_bench["rc"] == 0
     r = graph_bench["report"]
@@ -730,6 +822,7 @@ def test_bench_graph_json_schema_and_bitwise_replays(graph_bench: dict[str, Any]
         assert p["outputs_equal"] is True and p["mismatches"] == [] and p["adaptive"] is adaptive
         assert p["engaged"] is (p["policy"] != "serial")
         assert (p["graph_choice"] is not None) is adaptive
+    _assert_replays_honour_the_model(r)
     by = {p["policy"]: p for p in r["policies"]}
     # every replay (2 reps x (1 warm-up + 2 timed)) against the eager serial step;
     # serial also its 2 reps x 2 traced eager steps
@@ -987,6 +1080,8 @@ def test_device_world_graph_replays_are_bitwise_the_eager_serial_steps(device_gr
         assert p["outputs_equal"] is True and p["mismatches"] == [], p
         assert p["engaged"] is (name != "serial"), p
     assert by["serial"]["peer_cycle_ok"] is True and by["serial"]["peer_cycle_checked_steps"] == 4
+    assert r["timing"]["model"] == "model" and r["timing"]["comm_model"] is not None
+    _assert_replays_honour_the_model(r)
     choice = by["overlap"]["graph_choice"]
     assert choice["capture_failures"] == {} and sum(choice["timed_replays"].values()) == 4, choice
     assert device_graph_bench["npu_restored"], "the run removes the torch.npu it installed"

@@ -143,11 +143,14 @@ def test_the_decided_serial_ab_alternates_unpatched_and_applied(monkeypatch: pyt
         world = getattr(step, "__self__", None)  # the A/B times world.run_step; the shapes a closure
         if world is not None:
             blocks.append(hasattr(inspect.getattr_static(world.runner, "_ffn_forward"), "__wrapped__"))
+            # wall-clock kernels (overhead.AB_TIMING_WHY): no modelled FFN, no held comm kernels
+            assert world.runner.model.moe.timing is None and world.transport.modelled is False
         return real(step, warmup, steps)
 
     monkeypatch.setattr(overhead, "time_block", spy)
     result = measure_overhead(_small(ab_rounds=4))
     ab = result["decided_serial_ab"]
+    assert ab["timing"] == {"model": "wall", "why": overhead.AB_TIMING_WHY}
     assert blocks == [False, True, True, False, False, True, True, False]
     assert [r["first"] for r in ab["per_round"]] == ["unpatched", "decided-serial"] * 2
     assert (ab["rounds"], ab["steps"], ab["warmup"]) == (4, 5, 1)
@@ -193,6 +196,7 @@ def test_cli_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFi
     ab = data["decided_serial_ab"]
     assert set(ab) == {
         "world",
+        "timing",
         "rounds",
         "steps",
         "warmup",

@@ -60,6 +60,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from camp2p_overlap.emulation.device import worker
+from camp2p_overlap.emulation.device.timing import Model
 from camp2p_overlap.emulation.device.worker import CaptureViolation, Event, Record, Stream
 
 _capture_lock = threading.Lock()
@@ -73,6 +74,8 @@ class Node:
     #: kernel: the function; record: the event; wait: the record node's id.
     payload: Any
     deps: list[int] = field(default_factory=list)
+    #: kernel: its modelled duration, honoured at every replay (None: wall clock).
+    model: Model | None = None
 
 
 class CapturedRecord:
@@ -132,8 +135,10 @@ class Capture:
         self.last[stream] = node.id
         return node.id
 
-    def add_kernel(self, stream: Stream, fn: Callable[[], None], writes: Iterable[Any]) -> None:
-        self._add(stream, "kernel", fn)
+    def add_kernel(
+        self, stream: Stream, fn: Callable[[], None], writes: Iterable[Any], model: Model | None = None
+    ) -> None:
+        self.nodes[self._add(stream, "kernel", fn)].model = model
         for t in writes:
             ptr = _storage(t)
             if ptr is not None:
@@ -323,7 +328,7 @@ class Graph:
                 target.enqueue_wait(start)
                 begun.add(target)
             if node.kind == "kernel":
-                target.enqueue_kernel(node.payload)
+                target.enqueue_kernel(node.payload, node.model)
             elif node.kind == "record":
                 rec = fresh[node.id] = Record(node.payload)
                 if node.payload.external:  # an external record node; any other is an edge inside the graph

@@ -47,6 +47,8 @@ from typing import Any
 
 from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.overlap.streams.base import OpHandle, StreamPoisonedError
+from camp2p_overlap.emulation.device import timing
+from camp2p_overlap.emulation.device.timing import KernelClock, Model
 
 #: Execution order across every stream: taken when a stream starts an item.
 _order = itertools.count()
@@ -165,13 +167,16 @@ class Record:
     fires, is what waiters block on (a ``threading.Event`` costs several
     times more to make and to set, and a step makes many records)."""
 
-    __slots__ = ("_gate", "done", "event", "ns", "seq")
+    __slots__ = ("_gate", "done", "event", "model_ns", "ns", "seq")
 
     def __init__(self, event: Event | None = None) -> None:
         self._gate = _allocate_lock()
         self._gate.acquire()
         self.done = False
         self.ns = 0
+        #: Its time on the modelled timeline (``timing.py``): when it was
+        #: made, then, once its stream performs it, the stream's modelled clock.
+        self.model_ns = time.perf_counter_ns()
         self.seq = next(_record_ids)
         self.event = event
 
@@ -373,6 +378,10 @@ class _Worker:
         self.done_count = 0
         #: Records fired on the host at once (the stream was idle).
         self.fired_idle = 0
+        #: The stream's modelled clock (``timing.py``): the modelled end of
+        #: what it ran last, or the modelled time of a record it waited on.
+        self.clock_ns = 0
+        self.kclock = KernelClock()
         #: Items dropped, never run (interpreter exit, or inherited by a forked child).
         self.dropped = 0
         #: What the worker is doing now (diagnostics): a label, or None.
@@ -483,6 +492,7 @@ class _Worker:
 
     def run(self) -> None:
         _tls.worker = self
+        timing.bind(self.kclock)
         try:
             self._loop()
         except DeviceShutdown:  # an interrupt at exit that landed between two items
@@ -509,11 +519,16 @@ class _Worker:
                     self.pending -= 1
                     self.done_count += 1
 
-    def _kernel(self, fn: Callable[[], None], op: TrackedOp | None, log: StreamLog | None, launched: int) -> None:
+    def _kernel(
+        self, fn: Callable[[], None], op: TrackedOp | None, log: StreamLog | None, launched: int, model: Model | None
+    ) -> None:
         order, t0 = next(_order), time.perf_counter_ns()
         if op is not None:
             op.started(t0, order)
         exc: BaseException | None = None
+        clock = self.kclock
+        clock.reset(max(self.clock_ns, launched), model)
+        deadline: int | None = None
         if self.poisoned is not None:
             exc = StreamPoisonedError(
                 f"{op.label if op is not None else 'kernel'} skipped on stream {self.name}: an earlier kernel "
@@ -523,22 +538,35 @@ class _Worker:
             self.doing = op.label if op is not None else "kernel"
             try:
                 fn()
+                deadline = clock.finish()  # a modelled kernel holds the stream until its modelled end
             except BaseException as e:  # noqa: BLE001 - an asynchronous error, as on a device
                 exc = e
                 self.poisoned = e
                 self.errors.append((order, e))
         t1 = time.perf_counter_ns()
+        if deadline is None:
+            self.clock_ns = t1
+        else:  # the modelled timeline goes on from the modelled end; what it cost is counted
+            self.clock_ns = deadline
+            timing.LEDGER.kernel(clock.kind, clock.start_ns, deadline, t0, clock.held_ns, t1)
         if log is not None:
             log.add(StreamLogEntry(self.name, "kernel", None, -1, order, t0, t1, op.label if op else "", launched))
         if op is not None:
             op.finished(t1, exc)
 
     def _record(self, rec: Record, log: StreamLog | None) -> None:
+        if self.clock_ns > rec.model_ns:
+            rec.model_ns = self.clock_ns
         if log is not None:  # logged before the record lets anyone go
             order, now = next(_order), time.perf_counter_ns()
             key = rec.event.key if rec.event is not None else None
             log.add(StreamLogEntry(self.name, "record", key, rec.seq, order, now, now))
         rec.fire()
+
+    def _after(self, rec: Record) -> None:
+        """A wait is over: the stream's modelled clock is no earlier than the record's."""
+        if rec.model_ns > self.clock_ns:
+            self.clock_ns = rec.model_ns
 
     def _await(self, rec: Record) -> None:
         """Hold the stream until ``rec`` fires (or the device stops)."""
@@ -551,9 +579,11 @@ class _Worker:
         if log is None:
             if not rec.done:
                 self._await(rec)
+            self._after(rec)
             return
         order, t0 = next(_order), time.perf_counter_ns()
         self._await(rec)
+        self._after(rec)
         key = rec.event.key if rec.event is not None else None
         log.add(StreamLogEntry(self.name, "wait", key, rec.seq, order, t0, time.perf_counter_ns()))
 
@@ -594,16 +624,16 @@ class Stream:
         self._w.thread.name = name
 
     # -- what a stream is asked to do ----------------------------------
-    def launch(self, fn: Callable[[], None], writes: Iterable[Any] = ()) -> None:
+    def launch(self, fn: Callable[[], None], writes: Iterable[Any] = (), model: Model | None = None) -> None:
         cap = hooks.capture
         if cap is not None and cap.owns(self):
-            cap.add_kernel(self, fn, writes)
+            cap.add_kernel(self, fn, writes, model)
             return
         op = getattr(_tls, "op", None)
         log = getattr(_tls, "log", None)
         if op is not None:
             op.queued()
-        self._w.put(("kernel", fn, op, log, time.perf_counter_ns() if log is not None else -1))
+        self._w.put(("kernel", fn, op, log, time.perf_counter_ns(), model))
 
     def record_event(self, event: Event | None = None) -> Event:
         event = event if event is not None else _unchecked_event()
@@ -647,9 +677,9 @@ class Stream:
     def enqueue_wait(self, rec: Record) -> None:
         self._w.put(("wait", rec, getattr(_tls, "log", None)))
 
-    def enqueue_kernel(self, fn: Callable[[], None]) -> None:
+    def enqueue_kernel(self, fn: Callable[[], None], model: Model | None = None) -> None:
         log = getattr(_tls, "log", None)
-        self._w.put(("kernel", fn, None, log, time.perf_counter_ns() if log is not None else -1))
+        self._w.put(("kernel", fn, None, log, time.perf_counter_ns(), model))
 
     # -- host side -----------------------------------------------------
     def query(self) -> bool:
@@ -775,12 +805,17 @@ class stream:  # lower case: the device modules' name
         _tls.stream = self.previous
 
 
-def launch(kernel: Callable[[], None], *, writes: Iterable[Any] = ()) -> None:
+def launch(
+    kernel: Callable[[], None], *, writes: Iterable[Any] = (), model_s: float | None = None, kind: str = "kernel"
+) -> None:
     """Enqueue ``kernel`` on this thread's current stream: it runs on the
     stream's worker after everything queued there before, and the host
     returns at once. ``writes``: the tensors it fills (allocated by the
-    caller before the launch), which a capture keeps the host from reading."""
-    current_stream().launch(kernel, writes)
+    caller before the launch), which a capture keeps the host from reading.
+    ``model_s``: its modelled duration (``timing.py``): the worker holds the
+    stream until the modelled end after running it (a capture keeps it with
+    the kernel, for every replay); ``kind`` names it in the counts."""
+    current_stream().launch(kernel, writes, timing.model_of(model_s, kind))
 
 
 def executing_stream() -> str | None:
@@ -828,6 +863,7 @@ def drain_all(timeout: float | None = None) -> bool:
     for w in _closing_workers():  # closed: what it had queued runs before its thread ends
         w.thread.join(timeout)
         ok = not w.thread.is_alive() and ok
+    fences = []
     for w in live_workers():
         try:
             rec = w.fence()
@@ -839,6 +875,9 @@ def drain_all(timeout: float | None = None) -> bool:
                 ok = not w.thread.is_alive() and ok
             continue
         ok = rec.wait(timeout) and ok
+        fences.append(rec)
+    if ok and fences:  # how long after the modelled end of the work the host got back
+        timing.LEDGER.sync(time.perf_counter_ns() - max(r.model_ns for r in fences))
     return ok
 
 

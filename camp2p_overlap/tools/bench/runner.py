@@ -83,10 +83,15 @@ from camp2p_overlap.core.env_vars import MAX_STAGES
 from camp2p_overlap.core.keys import COMPUTE_STREAM, side_stream_name
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, TraceOp, TraceRecorder, recording
 from camp2p_overlap.core.overlap.graphs import VariantGraph
+from camp2p_overlap.emulation import device as emulated_device
+from camp2p_overlap.emulation.device import TimingCounts
+from camp2p_overlap.emulation.ffn_timing import fixed as fixed_ffn
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.standin_layer import emulated_layer, release_site, standin_site
 from camp2p_overlap.emulation.world import LinkModel, WorldSpec, build_world
+from camp2p_overlap.tools.bench.calibrate import in_run_schedules, refine_ffn_in_run
 from camp2p_overlap.tools.bench.launch import launch_sample, launch_summary, launch_verdict
+from camp2p_overlap.tools.bench.timing import timing_mode, timing_noise, timing_problems, timing_report
 from camp2p_overlap.verify.edges import check_step
 from camp2p_overlap.verify.peer_cycle import check_peer_cycle
 
@@ -174,6 +179,18 @@ class BenchParams:
     #: device instead of the host world: the code path of ``--device cuda``, on
     #: the CPU. (cuda and npu always run the device world.)
     device_world: bool = False
+    #: ``--timing``: ``model`` (kernels take modelled durations: the FFN's
+    #: calibrated at the start of the run), ``wall`` (wall-clock kernels) or
+    #: ``auto`` (model on the CPU's emulated device, wall with
+    #: ``--comm-cores``; a device's own time on cuda/npu). tools/bench/timing.py.
+    timing: str = "auto"
+    #: ``--ffn-us``: the FFN kernel's modelled duration, given instead of
+    #: calibrated (modelled timing only), so that runs compare exactly.
+    ffn_us: float | None = None
+
+    def timing_mode(self) -> tuple[str, str]:
+        """``(model, why)`` of this run: ``model``, ``wall`` or ``device``."""
+        return timing_mode(self.device, self.timing, self.comm_cores)
 
     def link(self) -> LinkModel:
         return LinkModel(latency_s=self.link_latency_us * 1e-6, bandwidth_Bps=self.link_gbps * 1e9 / 8)
@@ -191,6 +208,7 @@ class BenchParams:
             device="cpu",
             comm_cores=self.comm_cores,
             graph=self.graph,
+            timing="model" if self.timing_mode()[0] == "model" else "wall",
         )
 
     def validate(self) -> None:
@@ -224,6 +242,13 @@ class BenchParams:
             problems.append("--policies names a policy twice")
         if self.graph and self.device == "npu":
             problems.append(f"--device {self.device}: {GRAPH_NOT_ON_NPU}")
+        problems += timing_problems(self.device, self.timing, self.comm_cores)
+        if self.ffn_us is not None and not (self.ffn_us > 0 and math.isfinite(self.ffn_us)):
+            problems.append("--ffn-us must be a positive number")
+        elif self.ffn_us is not None and self.timing_mode()[0] != "model":
+            problems.append(
+                f"--ffn-us sets the FFN's modelled duration: it needs modelled timing ({self.timing_mode()[1]})"
+            )
         if self.device_world and self.device == "cpu" and self.comm_cores:
             problems.append(
                 "--device-world runs the comm kernel's host reference on the emulated device, which holds no "
@@ -524,6 +549,8 @@ class PolicyStats:
     decision: str | None = None
     #: Every traced step's host and device times (device world; ``tools/bench/launch.py``).
     launch: list[dict[str, Any]] = field(default_factory=list)
+    #: Its modelled kernels against their model (``--timing model``).
+    timing: TimingCounts = field(default_factory=TimingCounts)
 
 
 @dataclass
@@ -614,6 +641,11 @@ def run_bench(
     try:
         host = params.device == "cpu" and not params.device_world
         handle = _cpu_handle(params, site.root) if host else _device_handle(params, site.root)
+        if params.ffn_us is not None:  # given: every run with it holds the FFN to the same duration
+            handle.world.runner.model.moe.timing = fixed_ffn(params.tokens, params.ffn_us * 1e-6)
+        elif params.timing_mode()[0] == "model":  # the FFN's model, refined from the run's own schedules
+            schedules = in_run_schedules({p: POLICIES[p] for p in params.policies}, handle.backend)
+            refine_ffn_in_run(handle.world, schedules, manifest=site.manifest, sync=handle.sync)
         layers = tuple(handle.world.layer_list())
         stages = tuple(handle.world.spec.stage_ids)
 
@@ -685,6 +717,7 @@ def _run_policies(
             for policy in order:
                 st = stats[policy]
                 engine = engines[policy]
+                emulated_device.take_timing()  # between blocks: nothing of this policy's
                 cfg = _config_for(policy, handle.backend)
                 if cfg is not None:
                     engine.apply(config=cfg, manifest=manifest, strict=True)
@@ -739,6 +772,7 @@ def _run_policies(
                     st.violations.extend(f"rep {rep}: {v}" for v in result.violations)
                 st.engaged.append(engaged)
                 st.timeline = ops
+                st.timing.merge(emulated_device.take_timing())
                 if policy != order[-1]:  # what a run cut short keeps: each policy as it ends
                     emit(stats, f"repetition {rep + 1} of {params.reps}: {policy} done")
             emit(stats, f"repetition {rep + 1} of {params.reps}")
@@ -902,6 +936,7 @@ def _run_graph_policies(
         graph = captured[policy]["graph"]
         counts = dict(graph.captured.replays) if isinstance(graph, VariantGraph) else None
         world.put_graph(captured[policy])
+        emulated_device.take_timing()  # what ran before is not this replay's
         try:
             world.steps_run = sid
             t0 = time.perf_counter()
@@ -910,6 +945,7 @@ def _run_graph_policies(
             elapsed = time.perf_counter() - t0
         finally:
             world.take_graph()
+        st.timing.merge(emulated_device.take_timing())
         handle.check()
         if timed:
             st.per_layer_s.append(elapsed / len(layers))
@@ -925,6 +961,7 @@ def _run_graph_policies(
         """Serial's traced pass-through steps of every timed step id (eager)."""
         st = stats["serial"]
         patch_layers["serial"].engine.apply(config=passthrough, manifest=manifest, strict=True)
+        emulated_device.take_timing()
         try:
             for sid in timed_ids:
                 world.steps_run = sid
@@ -932,6 +969,7 @@ def _run_graph_policies(
                 st.traced.append((ops, waits))
                 bar.tick("serial")
         finally:
+            st.timing.merge(emulated_device.take_timing())
             unpatch("serial")
         if handle.edges_checkable:
             result = check_step(ops, ExpectedSchedule(layers, stages, False, False))
@@ -1190,6 +1228,10 @@ def _report(
     """The JSON report; ``progress`` (a partial report): what is done so far
     (a policy with no timed step yet has null figures)."""
     attn_s = params.attn_us * 1e-6 if handle.attn_modeled else 0.0
+    mode, why = params.timing_mode()
+    total = TimingCounts()
+    for st in stats.values():
+        total.merge(st.timing)
     terms = _step_terms(stats["serial"].traced, stages)
     measured = _measure(terms, stages, attn_s)
     serial_s = stats["serial"].per_layer_s
@@ -1214,6 +1256,8 @@ def _report(
                 noise = _noise(t_serial / med, speedup_ci, eta, eta_ci)
                 if st.learning and st.decision is None:
                     noise.append("adaptive engage was still learning at the end: not its steady state")
+        policy_timing = st.timing.to_dict() if mode == "model" else None
+        noise += timing_noise(policy_timing)
         policies.append(
             {
                 "policy": name,
@@ -1244,6 +1288,7 @@ def _report(
                 "peer_cycle_checked_steps": st.peer_checked,
                 "peer_cycle_violations": st.peer_violations[:10],
                 "launch": launch_summary(st.launch),
+                "timing": policy_timing,
             }
         )
     measured["launch"] = launch_verdict(
@@ -1268,6 +1313,7 @@ def _report(
         "comm_model": handle.comm_model,
         "fallbacks": list(handle.fallbacks),
         "attn_modeled": handle.attn_modeled,
+        "timing": timing_report(mode, why, ffn=_ffn_timing(handle), attn_us=_us(attn_s), total=total),
         "ffn_layers": len(layers),
         "stages": list(stages),
         "measured": measured,
@@ -1283,6 +1329,12 @@ def _report(
         },
         "wall_s": round(wall_s, 3),
     }
+
+
+def _ffn_timing(handle: _Handle) -> Any:
+    """The FFN's timing model of the run (None: none)."""
+    model = getattr(handle.world.runner, "model", None)
+    return getattr(getattr(model, "moe", None), "timing", None)
 
 
 def _graph_pool(handle: _Handle, stats: Mapping[str, PolicyStats]) -> dict[str, Any]:

@@ -9,6 +9,15 @@ too (``bench --graph``: each policy's step captured once, adaptive
 ``overlap``'s with both variants, replays timed), reported as its
 ``graph_report`` next to the eager ``report``.
 
+Timing (``--timing``, docs/benchmark.md, "Timing model"): every point runs
+with the base's timing model, the ratio and stage points with the FFN held
+to the model of the f calibration run (``--ffn-us``), so f is the same at
+every point, each work point calibrating its own; except the contention
+points, which run with wall-clock kernels unless
+``--timing`` says otherwise: ``--comm-cores N`` measures what the comm
+cores' busy-wait takes from the FFN, which a modelled FFN would hide, and
+the point at 0 runs like the others of its table.
+
 The ratio is set through the modeled link: the FFN time f is measured once
 (a short serial run of the same world), then for each target ratio r the
 link bandwidth is chosen so that the modeled A2E + E2A of one (layer, stage)
@@ -64,6 +73,11 @@ ADAPTIVE_FLOOR = 0.95
 #: The goal for adaptive ``overlap``'s decode graph (both variants, chosen
 #: per replay) against serial's graph, at every work point (reported only).
 GRAPH_ADAPTIVE_FLOOR = 0.97
+#: Why the contention points run wall-clock kernels (unless --timing says otherwise).
+CONTENTION_TIMING = (
+    "the contention points: --comm-cores measures what the comm cores' busy-wait takes from the FFN, which a "
+    "modelled FFN would hide under its margin; the point at 0 runs as the others do"
+)
 #: Smaller runs than the benchmark's own, on top of the scenario preset.
 SWEEP_DEFAULTS: dict[str, Any] = {"layers": 4, "steps": 5, "warmup": 1, "reps": 2}
 
@@ -104,8 +118,14 @@ def _calibrate(base: BenchParams) -> dict[str, Any]:
     return run_bench(probe).report
 
 
-def _calibrate_f(base: BenchParams) -> float:
-    return _calibrate(base)["measured"]["f_us"] * 1e-6
+def _calibrated_f_s(calibration: Mapping[str, Any]) -> float:
+    """f of the base world from its calibration run: with modelled timing,
+    the FFN's model (which the ratio and stage points then hold the FFN to,
+    so every point has the same f); else its measured f."""
+    ffn = (calibration.get("timing") or {}).get("ffn")
+    if ffn:
+        return ffn["points"][0]["model_us"] * 1e-6
+    return calibration["measured"]["f_us"] * 1e-6
 
 
 def comm_core_capacity(device: str) -> tuple[int | None, str]:
@@ -198,7 +218,7 @@ def run_sweep(
             "camp2p-overlap sweep: contention point %s %s: %s", change["asked"], change["action"], change["why"]
         )
     calibration = _calibrate(base) if (ratios or stage_counts or core_points) else None
-    f_s = calibration["measured"]["f_us"] * 1e-6 if calibration is not None else float("nan")
+    f_s = _calibrated_f_s(calibration) if calibration is not None else float("nan")
     total = len(ratios) + len(stage_counts) + len(core_points) + len(work_tokens) * len(work_hidden) * (1 + work_graph)
     done = 0
     result: dict[str, Any] = {
@@ -250,6 +270,8 @@ def run_sweep(
         """A point with the modeled link set so that (a+e)/f is ``ratio``."""
         lat, gbps = link_for_ratio(base, f_s, ratio)
         params = replace(base, link_latency_us=round(lat, 3), link_gbps=round(gbps, 6), **changes)
+        if params.ffn_us is None and params.timing_mode()[0] == "model":  # every point at the same f
+            params = replace(params, ffn_us=round(f_s * 1e6, 3))
         report = point(params, label)
         return {
             "target_ratio": ratio,
@@ -258,6 +280,9 @@ def run_sweep(
             "report": report,
         }
 
+    # contention points run on wall-clock kernels unless asked: their point
+    # is the CPU the comm ops take, which a modelled hold would hide
+    contention_timing = "wall" if base.timing == "auto" else base.timing
     for r in ratios:
         result["ratio_points"].append(linked(r, f"(a+e)/f = {r:g}, {base.stages} stages"))
         emit(f"ratio point {len(result['ratio_points'])} of {len(ratios)}")
@@ -266,7 +291,11 @@ def run_sweep(
         emit(f"stage point {len(result['stage_points'])} of {len(stage_counts)}")
     for asked, n in core_points:
         label = f"--comm-cores {n}" + (f" (asked {asked})" if asked != n else "") + f", (a+e)/f = {stage_ratio:g}"
-        pt = {"comm_cores": n, "asked_comm_cores": asked, **linked(stage_ratio, label, comm_cores=n)}
+        pt = {
+            "comm_cores": n,
+            "asked_comm_cores": asked,
+            **linked(stage_ratio, label, comm_cores=n, timing=contention_timing),
+        }
         result["comm_core_points"].append(pt)
         emit(f"contention point {len(result['comm_core_points'])} of {len(core_points)}")
     work = [(h, t) for h in work_hidden for t in work_tokens]
@@ -324,6 +353,38 @@ def _cells(report: Mapping[str, Any], policies: Sequence[str]) -> list[str]:
         cells.append(f"{p['speedup']:.2f}x{interval} / {eta}")
     cells.append("yes" if report["outputs_equal"] else "NO")
     return cells
+
+
+def _timing_lines(pts: Sequence[Mapping[str, Any]], rkey: str, name: Any, key: str) -> list[str]:
+    """Under a table: its points' timing model and the points its overruns
+    flagged (nothing for reports written before the timing model)."""
+    timings = [pt[rkey].get("timing") for pt in pts]
+    if not any(timings):
+        return []
+    models = sorted({t["model"] for t in timings if t})
+    held = {t["ffn_model"] for t in timings if t and t.get("ffn") and t["ffn"].get("fixed")}
+    text = {
+        "model": f"modelled kernels ({next(iter(held))} at every point, the f calibration's model)"
+        if len(held) == 1 and all(t and t.get("ffn") and t["ffn"].get("fixed") for t in timings)
+        else "modelled kernels (each point's FFN calibrated in its run)",
+        "wall": "wall-clock kernels",
+        "device": "device time",
+    }
+    flagged = [name(pt) for pt, t in zip(pts, timings, strict=True) if t and t.get("noisy")]
+    line = "Timing: " + ", ".join(text.get(m, m) for m in models)
+    why = sorted({t["why"] for t in timings if t and t["model"] == "wall"})
+    if key == "comm_core_points" and models == ["wall"]:
+        why = [CONTENTION_TIMING]
+    if why:
+        line += f" ({'; '.join(why)})"
+    line += (
+        f"; overruns above the timing model's error at {len(flagged)} point(s): {', '.join(flagged)}."
+        if flagged
+        else "; no point's overruns exceed the timing model's error."
+        if "model" in models
+        else "."
+    )
+    return ["", line]
 
 
 def adaptive_worst(sweep: Mapping[str, Any], rkey: str = "report") -> tuple[float, str] | None:
@@ -465,6 +526,7 @@ def sweep_markdown(sweep: Mapping[str, Any], command: str | None = None) -> str:
             measured = "-" if ratio is None else f"{ratio:.2f}"
             row = [first_cell(pt), measured, *_cells(pt[rkey], policies)]
             lines.append("| " + " | ".join(row) + " |")
+        lines += _timing_lines(pts, rkey, lambda pt, f=first_cell, c=first_col: f"{c} {f(pt)}", key)
     lines += _notes(sweep)
     worst = adaptive_worst(sweep)
     lines.append("")

@@ -13,6 +13,7 @@ from typing import Any
 from camp2p_overlap.core.keys import COMPUTE_STREAM
 from camp2p_overlap.core.observe.trace import TraceOp
 from camp2p_overlap.tools.bench.runner import POLICIES, BenchRun
+from camp2p_overlap.tools.bench.timing import timing_lines
 from camp2p_overlap.verify.edges import to_chrome_trace
 
 CPU_CAVEAT = (
@@ -215,6 +216,7 @@ def bench_table(report: Mapping[str, Any]) -> str:
         f"comm ops: {report.get('comm_model', '-')}"
         + (f"; --comm-cores {prm.get('comm_cores', 0)}" if prm.get("comm_cores") else ""),
         *fallback_lines(report),
+        *timing_lines(report),
         *graph_lines(report),
         "",
         f"Measured on the serial run's trace (medians of {m['samples']} FFN ops; A2E without its attention wait):",

@@ -1,0 +1,86 @@
+"""``--timing model``: the FFN's model refined from the run's own steps.
+
+The world calibrates its FFN kernel from isolated runs when it is built
+(``emulation/ffn_timing.py``). Before the policies run, the benchmark runs
+a few steps of each schedule it is about to measure (serial, E2A on side
+streams, both directions on side streams) with the FFN kernel unheld, each
+on a patch layer of its own (adaptive engage off, so no policy's learning
+sees them), reads each FFN kernel's work from the device's counts, and
+sets the model to the margin times the largest quantile of them all and of
+the isolated runs (:func:`camp2p_overlap.emulation.ffn_timing.refine_in_run`):
+one FFN duration for every policy, long enough for the slowest schedule's
+kernels, whose threads compete with the FFN for the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.emulation import device as emulated_device
+from camp2p_overlap.emulation.ffn_timing import measuring, refine_in_run
+from camp2p_overlap.emulation.standin_layer import emulated_layer
+
+#: FFN kernels measured per schedule (after one warm-up step).
+IN_RUN_SAMPLES = 24
+
+
+def in_run_schedules(sides: Mapping[str, tuple[bool, bool] | None], backend: str) -> dict[str, OverlapConfig | None]:
+    """The distinct schedules of the policies (``policy -> (A2E on side
+    streams, E2A on side streams)``, None: unpatched), named ``serial``,
+    ``e2a-only``, ``a2e-only`` or ``overlap``, with adaptive engage off."""
+    names = {(False, True): "e2a-only", (True, False): "a2e-only", (True, True): "overlap"}
+    out: dict[str, OverlapConfig | None] = {"serial": None}
+    for pair in sides.values():
+        if pair is None or not any(pair):
+            continue
+        out[names[pair]] = OverlapConfig(
+            enabled=True,
+            backend=backend,  # type: ignore[arg-type]
+            a2e_on_side_stream=pair[0],
+            e2a_on_side_stream=pair[1],
+            adaptive=False,
+        )
+    return out
+
+
+def refine_ffn_in_run(
+    world: Any,
+    schedules: Mapping[str, OverlapConfig | None],
+    *,
+    manifest: Any,
+    sync: Callable[[], None] = lambda: None,
+) -> Any:
+    """Refine ``world``'s FFN model (module docstring); returns the model
+    (None, and nothing run, when the world's FFN has none)."""
+    moe = world.runner.model.moe
+    base = moe.timing
+    if base is None:
+        return None
+    tokens = world.spec.tokens
+    per_step = max(1, len(world.layer_list()) * len(world.spec.stage_ids))
+    steps = 1 + math.ceil(IN_RUN_SAMPLES / per_step)
+    work: dict[str, list[int]] = {}
+    moe.timing = measuring([tokens])
+    try:
+        for name, cfg in schedules.items():
+            layer = emulated_layer() if cfg is not None else None
+            if layer is not None:
+                layer.engine.apply(config=cfg, manifest=manifest, strict=True)
+            try:
+                for i in range(steps):
+                    emulated_device.take_timing()
+                    world.steps_run = i
+                    world.run_step()
+                    sync()
+                    ffn = emulated_device.take_timing().kinds.get("ffn")
+                    if i and ffn is not None:  # the first step warms up
+                        work.setdefault(name, []).extend(ffn.work_ns)
+            finally:
+                if layer is not None and not layer.engine.unpatch(timeout=30.0):
+                    raise RuntimeError("the calibration's patch engine could not unpatch; see the log")
+    finally:
+        moe.timing = refine_in_run(base, tokens, work)
+    return moe.timing
