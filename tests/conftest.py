@@ -5,10 +5,12 @@ idle."""
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -50,8 +52,41 @@ if settings is not None:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(scope="session")
+def _alone_locks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two lock files every pytest-xdist worker of the run shares (the
+    workers' temporary folders have one parent); one process: its own."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    return root / "camp2p-alone-gate.lock", root / "camp2p-alone.lock"
+
+
 @pytest.fixture(autouse=True)
-def _clean_state() -> Iterator[None]:
+def _alone(request: pytest.FixtureRequest, _alone_locks: tuple[Path, Path]) -> Iterator[None]:
+    """A test marked ``alone`` (one whose check reads a time or a CPU share,
+    which a second busy process could change) runs while no other test of
+    the run does: it holds the run's lock exclusively, every other test
+    holds it shared. It takes the gate first and holds it until it has the
+    lock, and every other test passes the gate before it takes its share, so
+    it waits only for the tests already running. Parallel workers only
+    (pytest-xdist); in one process the locks are never contended."""
+    gate_path, lock_path = _alone_locks
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(gate_path, "a") as gate, open(lock_path, "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True)
+def _clean_state(_alone: None) -> Iterator[None]:
     import torch
 
     torch.set_num_threads(1)
