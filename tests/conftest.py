@@ -52,6 +52,14 @@ if settings is not None:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The ``alone`` tests run last (in their order): one waits for the tests
+    already running on the other workers, and at the end of a parallel run
+    (``--dist load`` hands tests out in this order) those are short, or
+    other ``alone`` tests."""
+    items.sort(key=lambda item: item.get_closest_marker("alone") is not None)
+
+
 @pytest.fixture(scope="session")
 def _alone_locks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Two lock files every pytest-xdist worker of the run shares (the
