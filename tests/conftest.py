@@ -5,10 +5,12 @@ idle."""
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -50,8 +52,80 @@ if settings is not None:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The ``alone`` tests run first, one after the other: a parallel run
+    (``-n auto --dist worksteal`` gives the first worker the first half)
+    starts with them on one worker, and they wait only for the test the
+    other worker started with."""
+    items.sort(key=lambda item: item.get_closest_marker("alone") is None)
+
+
+_NEXT_ITEM = pytest.StashKey["pytest.Item | None"]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    item.stash[_NEXT_ITEM] = nextitem
+
+
+def _is_alone(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("alone") is not None
+
+
+class _AloneLock:
+    """The run's two lock files (every pytest-xdist worker's temporary
+    folder has one parent; in one process they are never contended) and
+    whether this process holds the lock exclusively."""
+
+    def __init__(self, root: Path) -> None:
+        self.gate = open(root / "camp2p-alone-gate.lock", "a")  # held for the session
+        self.lock = open(root / "camp2p-alone.lock", "a")
+        self.exclusive = False
+
+    def take(self, alone: bool) -> None:
+        if alone and self.exclusive:
+            return  # the previous test was alone too: kept
+        fcntl.flock(self.gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self.gate, fcntl.LOCK_UN)
+        self.exclusive = alone
+
+    def give(self, keep: bool) -> None:
+        if not keep:
+            fcntl.flock(self.lock, fcntl.LOCK_UN)
+            self.exclusive = False
+
+
+@pytest.fixture(scope="session")
+def _alone_lock(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_AloneLock]:
+    root = tmp_path_factory.getbasetemp()
+    made = _AloneLock(root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root)
+    yield made
+    made.gate.close()
+    made.lock.close()
+
+
 @pytest.fixture(autouse=True)
-def _clean_state() -> Iterator[None]:
+def _alone(request: pytest.FixtureRequest, _alone_lock: _AloneLock) -> Iterator[None]:
+    """A test marked ``alone`` (one whose check reads a time or a CPU share,
+    which a second busy process could change) runs while no other test of
+    the run does: it holds the run's lock exclusively (kept for the next
+    test when that one is alone too), every other test holds it shared. It
+    takes the gate first and holds it until it has the lock, and every
+    other test passes the gate before it takes its share, so it waits only
+    for the tests already running."""
+    alone = _is_alone(request.node)
+    _alone_lock.take(alone)
+    try:
+        yield
+    finally:
+        _alone_lock.give(keep=alone and _is_alone(request.node.stash.get(_NEXT_ITEM, None)))
+
+
+@pytest.fixture(autouse=True)
+def _clean_state(_alone: None) -> Iterator[None]:
     import torch
 
     torch.set_num_threads(1)

@@ -33,6 +33,7 @@ def _cpu_during(fn: Any) -> tuple[float, float]:
     return time.process_time() - c0, time.perf_counter() - w0
 
 
+@pytest.mark.alone
 def test_comm_cores_busy_wait_takes_cpu_time_sleep_does_not() -> None:
     sleeping, spinning = CoreSpinner(0), CoreSpinner(1)
     try:
@@ -48,6 +49,7 @@ def test_comm_cores_busy_wait_takes_cpu_time_sleep_does_not() -> None:
     assert cpu_spin > 10 * cpu_sleep
 
 
+@pytest.mark.alone
 def test_comm_cores_n_keeps_n_threads_busy() -> None:
     spinner = CoreSpinner(3)
     try:
@@ -59,6 +61,7 @@ def test_comm_cores_n_keeps_n_threads_busy() -> None:
     assert all(cpu >= 0.05 * WAIT_S for cpu in per_thread), per_thread
 
 
+@pytest.mark.alone
 def test_the_peer_wait_spins_too() -> None:
     """A lookahead A2E waiting for its attention peer holds its cores for
     the whole wait (CAM's kernel spins while it waits): a step whose time is

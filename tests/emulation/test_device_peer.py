@@ -180,6 +180,7 @@ def test_the_cuda_kernel_spins_on_wall_time_and_holds_shared_memory() -> None:
     assert "timeout_ns" in KERNEL_SOURCE and "atomicAdd" in KERNEL_SOURCE
 
 
+@pytest.mark.alone
 def test_the_device_bench_runs_the_peer_model_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
     """``bench --device cuda``'s path (device world, device trace, peer waits
     read back, the peer-cycle check on every traced step, the report) on the

@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 MAIN_JOB = "bash scripts/setup.sh && .venv/bin/camp2p-overlap bench --scenario ffn-bound"
 TEST_JOB = (
     "bash scripts/setup.sh --test && .venv/bin/ruff check . && .venv/bin/ruff format --check . "
-    "&& .venv/bin/lint-imports && .venv/bin/python -m pytest -q && .venv/bin/python -m pytest -q -m slow"
+    "&& .venv/bin/lint-imports && .venv/bin/python -m pytest -q -n auto --dist worksteal"
+    " && .venv/bin/python -m pytest -q -m slow -n auto"
 )
 
 

@@ -43,6 +43,7 @@ def _connector_wrapped_at_class_level() -> bool:
     return any(t.action == "wrap" and t.owner_path == ("CAMP2pAFDConnector",) for t in load_manifest().targets())
 
 
+@pytest.mark.alone
 def test_a_delay_outside_our_code_is_subtracted() -> None:
     result = measure_overhead(_small(delay_us=DELAY_US, ab_rounds=0))
     (shape,) = result["shapes"]
@@ -57,6 +58,7 @@ def test_a_delay_outside_our_code_is_subtracted() -> None:
     assert result["passthrough_us_per_call"]["median"] < DELAY_US / 4
 
 
+@pytest.mark.alone
 def test_a_delay_inside_our_code_is_counted(monkeypatch: pytest.MonkeyPatch) -> None:
     original = OverlapSession.recv
 
@@ -72,6 +74,7 @@ def test_a_delay_inside_our_code_is_counted(monkeypatch: pytest.MonkeyPatch) -> 
     assert result["passthrough_us_per_call"]["median"] < DELAY_US / 4
 
 
+@pytest.mark.alone
 def test_a_delay_in_the_step_wrapper_counts_once_per_pass_through_step(monkeypatch: pytest.MonkeyPatch) -> None:
     original = FfnStep.run
 
