@@ -290,3 +290,21 @@ def test_a_modelled_a2e_waits_for_its_peer_on_the_modelled_timeline() -> None:
         assert counts["a2e"].modelled_ns == sum(waits.values()) + len(layers) * link
     finally:
         world.close()
+
+
+def test_each_calibration_run_follows_an_idle_gap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel after a hold runs slower than one in a tight loop, so each
+    timed run of the calibration follows a sleep as long as the run before
+    it, at least MIN_GAP_S (emulation/ffn_timing.py)."""
+    from camp2p_overlap.emulation import ffn_timing
+
+    events: list[tuple[str, float]] = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(ffn_timing.time, "sleep", lambda s: (events.append(("sleep", s)), real_sleep(0))[1])
+    moe = MoEFFN(MoEShape(hidden=16, ffn=32, experts=2, top_k=1))
+    body = moe.kernel_body
+    monkeypatch.setattr(moe, "kernel_body", lambda *a: (events.append(("run", 0.0)), body(*a))[1])
+    point = ffn_timing.calibrate_point(moe, 4)
+    runs = [i for i, (what, _) in enumerate(events) if what == "run"]
+    assert len(runs) == ffn_timing.WARMUP + point.runs
+    assert all(i > 0 and events[i - 1][0] == "sleep" and events[i - 1][1] >= ffn_timing.MIN_GAP_S for i in runs)

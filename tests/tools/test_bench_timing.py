@@ -180,13 +180,14 @@ def test_the_sweep_refuses_the_model_with_contention_points(capsys: pytest.Captu
 
 
 def test_the_timing_counts_start_with_the_policies() -> None:
-    """What ran before a run (here: a modelled kernel) is not its count."""
+    """What ran before a run (here: a modelled kernel) is not its count
+    (``--ffn-us``: no calibration steps in between)."""
     s = device.Stream()
     try:
         with device.stream(s):
             device.launch(lambda: None, model_s=0.001, kind="stray")
         device.synchronize()
-        r = run_bench(replace(TINY, policies=("serial",), reps=1)).report
+        r = run_bench(replace(TINY, policies=("serial",), reps=1, ffn_us=500.0)).report
         assert "stray" not in r["timing"]["counts"]["by_kind"]
     finally:
         s.close()
