@@ -203,6 +203,16 @@ def _add_world_flags(p: argparse.ArgumentParser, defaults: dict[str, Any] | None
         "(e.g. another run's timing.ffn.points[].model_us, so that the two compare exactly)",
     )
     p.add_argument(
+        "--comm-ratio",
+        dest="comm_ratio",
+        type=float,
+        default=None,
+        help="with --timing model: set the modelled link once the FFN's model is known, so that A2E + E2A of one "
+        "(layer, stage) take this share of it (the ffn-bound preset: 0.5; the sweep sets each point's link itself; "
+        "--link-latency-us/--link-gbps given "
+        "explicitly set the link instead)",
+    )
+    p.add_argument(
         "--policies",
         type=_policies,
         default=None,

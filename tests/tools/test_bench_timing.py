@@ -191,3 +191,23 @@ def test_the_timing_counts_start_with_the_policies() -> None:
         assert "stray" not in r["timing"]["counts"]["by_kind"]
     finally:
         s.close()
+
+
+def test_comm_ratio_sets_the_link_from_the_ffn_model(capsys: Any) -> None:
+    """With modelled timing, ``comm_ratio`` sets the link once the FFN's model
+    is known: the modelled A2E + E2A of one (layer, stage) take that share
+    of the FFN's model, the report's link is the one that ran, and the
+    measured ratio follows. It needs the model; explicit link flags (or the
+    wall clock) take it out of a preset."""
+    r = run_bench(replace(TINY, ffn_us=4000.0, comm_ratio=0.5, policies=("serial",))).report
+    lat, gbps = runner.link_for_ratio(replace(TINY, ffn_us=4000.0), 4000e-6, 0.5)
+    assert r["params"]["link_latency_us"] == pytest.approx(lat, abs=1e-3)
+    assert r["params"]["link_gbps"] == pytest.approx(gbps, rel=1e-5)
+    assert r["params"]["link_gbps"] != TINY.link_gbps
+    assert r["measured"]["comm_over_ffn"] == pytest.approx(0.5, abs=0.1)
+    assert cli.main(["bench", *TINY_ARGS, "--timing", "wall", "--comm-ratio", "0.5"]) == 2
+    assert "--comm-ratio sets the link from the FFN's modelled duration" in capsys.readouterr().err
+    preset = runner.resolve_params({}, "ffn-bound")
+    assert preset.comm_ratio == 0.5
+    assert runner.resolve_params({"link_gbps": 2.0}, "ffn-bound").comm_ratio is None
+    assert runner.resolve_params({"timing": "wall"}, "ffn-bound").comm_ratio is None

@@ -187,6 +187,11 @@ class BenchParams:
     #: ``--ffn-us``: the FFN kernel's modelled duration, given instead of
     #: calibrated (modelled timing only), so that runs compare exactly.
     ffn_us: float | None = None
+    #: ``--comm-ratio``: with modelled timing, the link is set once the FFN's
+    #: model is known so that A2E + E2A of one (layer, stage) take this share
+    #: of it (:func:`link_for_ratio`; the ffn-bound preset: 0.5), in place of
+    #: the link flags; None: the link flags as given.
+    comm_ratio: float | None = None
 
     def timing_mode(self) -> tuple[str, str]:
         """``(model, why)`` of this run: ``model``, ``wall`` or ``device``."""
@@ -243,6 +248,13 @@ class BenchParams:
         if self.graph and self.device == "npu":
             problems.append(f"--device {self.device}: {GRAPH_NOT_ON_NPU}")
         problems += timing_problems(self.device, self.timing, self.comm_cores)
+        if self.comm_ratio is not None and not (0 < self.comm_ratio < 10):
+            problems.append("--comm-ratio must be above 0 and below 10")
+        elif self.comm_ratio is not None and self.timing_mode()[0] != "model":
+            problems.append(
+                f"--comm-ratio sets the link from the FFN's modelled duration: it needs modelled timing "
+                f"({self.timing_mode()[1]})"
+            )
         if self.ffn_us is not None and not (self.ffn_us > 0 and math.isfinite(self.ffn_us)):
             problems.append("--ffn-us must be a positive number")
         elif self.ffn_us is not None and self.timing_mode()[0] != "model":
@@ -275,6 +287,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "link_latency_us": 500.0,
         "link_gbps": 0.8,
         "attn_us": 500.0,
+        # the link is set from the FFN's modelled duration (modelled timing):
+        # A2E + E2A take half of it, whatever this machine's FFN takes
+        "comm_ratio": 0.5,
         "steps": 8,
         "warmup": 2,
         "reps": 3,
@@ -316,6 +331,33 @@ SCENARIO_HELP = {
 }
 
 
+def link_for_ratio(params: BenchParams, f_s: float, ratio: float) -> tuple[float, float]:
+    """(latency us, Gbit/s) making the modeled A2E + E2A of one (layer,
+    stage) take ``ratio * f_s``. A2E moves tokens x hidden; E2A moves the
+    routed and the shared expert outputs (twice that)."""
+    itemsize = 4 if params.device == "cpu" else 2
+    bytes_a = params.tokens * params.hidden * itemsize
+    bytes_total = 3 * bytes_a
+    target = ratio * f_s
+    latency_s = min(params.link_latency_us * 1e-6, 0.2 * target / 2)
+    transfer = target - 2 * latency_s
+    gbps = bytes_total * 8 / transfer / 1e9
+    return latency_s * 1e6, gbps
+
+
+def linked_to_ffn(params: BenchParams, world: Any) -> BenchParams:
+    """``params`` with the link that makes A2E + E2A take ``comm_ratio`` of
+    the FFN's modelled duration, set on ``world``'s transport too."""
+    model = world.runner.model.moe.timing
+    f_s = model.model_s(params.tokens) if model is not None else None
+    if not f_s:
+        raise RuntimeError("--comm-ratio: the FFN has no modelled duration to set the link from")
+    lat_us, gbps = link_for_ratio(params, f_s, params.comm_ratio)  # type: ignore[arg-type]
+    params = replace(params, link_latency_us=round(lat_us, 3), link_gbps=round(gbps, 6))
+    world.transport.link = params.link()
+    return params
+
+
 def resolve_params(explicit: Mapping[str, Any], scenario: str | None = None) -> BenchParams:
     """Defaults, then the scenario's preset, then every explicitly given value."""
     if scenario is not None and scenario not in SCENARIOS:
@@ -327,6 +369,12 @@ def resolve_params(explicit: Mapping[str, Any], scenario: str | None = None) -> 
             raise ValueError(f"unknown benchmark parameter {key!r}")
         if value is not None:
             values[key] = tuple(value) if key == "policies" else value
+    link_given = any(explicit.get(k) is not None for k in ("link_latency_us", "link_gbps"))
+    if link_given and explicit.get("comm_ratio") is None:
+        values.pop("comm_ratio", None)  # a link given explicitly is the link
+    timing_given = explicit.get("timing") == "wall" or bool(values.get("comm_cores"))
+    if timing_given and explicit.get("comm_ratio") is None:
+        values.pop("comm_ratio", None)  # wall-clock kernels: no model to set the link from
     values["scenario"] = scenario
     params = replace(BenchParams(), **values)
     params.validate()
@@ -646,6 +694,8 @@ def run_bench(
         elif params.timing_mode()[0] == "model":  # the FFN's model, refined from the run's own schedules
             schedules = in_run_schedules({p: POLICIES[p] for p in params.policies}, handle.backend)
             refine_ffn_in_run(handle.world, schedules, manifest=site.manifest, sync=handle.sync)
+        if params.comm_ratio is not None:  # the link from the FFN's model, which is now known
+            params = linked_to_ffn(params, handle.world)
         layers = tuple(handle.world.layer_list())
         stages = tuple(handle.world.spec.stage_ids)
 

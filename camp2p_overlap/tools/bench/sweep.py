@@ -36,7 +36,7 @@ from dataclasses import replace
 from typing import Any
 
 from camp2p_overlap.core.log import logger
-from camp2p_overlap.tools.bench.runner import BenchParams, run_bench
+from camp2p_overlap.tools.bench.runner import BenchParams, link_for_ratio, run_bench
 from camp2p_overlap.tools.bench.tables import CPU_CAVEAT, fmt_time
 
 DEFAULT_RATIOS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
@@ -80,20 +80,6 @@ CONTENTION_TIMING = (
 )
 #: Smaller runs than the benchmark's own, on top of the scenario preset.
 SWEEP_DEFAULTS: dict[str, Any] = {"layers": 4, "steps": 5, "warmup": 1, "reps": 2}
-
-
-def link_for_ratio(params: BenchParams, f_s: float, ratio: float) -> tuple[float, float]:
-    """(latency us, Gbit/s) making the modeled A2E + E2A of one (layer,
-    stage) take ``ratio * f_s``. A2E moves tokens x hidden; E2A moves the
-    routed and the shared expert outputs (twice that)."""
-    itemsize = 4 if params.device == "cpu" else 2
-    bytes_a = params.tokens * params.hidden * itemsize
-    bytes_total = 3 * bytes_a
-    target = ratio * f_s
-    latency_s = min(params.link_latency_us * 1e-6, 0.2 * target / 2)
-    transfer = target - 2 * latency_s
-    gbps = bytes_total * 8 / transfer / 1e9
-    return latency_s * 1e6, gbps
 
 
 def work_run(params: BenchParams, timed_s: float) -> tuple[int, int]:
@@ -209,6 +195,7 @@ def run_sweep(
     after the calibration and after each point, so a run cut short leaves
     the points it finished; the returned sweep has ``"partial": false``."""
     t0 = time.perf_counter()
+    base = replace(base, comm_ratio=None)  # each point sets its own link (or keeps the preset's)
     if comm_cores is None:
         comm_cores = DEFAULT_COMM_CORES.get(base.device, ())
     capacity, capacity_source = comm_core_capacity(base.device) if comm_cores else (None, "no contention points")
