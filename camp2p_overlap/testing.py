@@ -33,6 +33,10 @@ def overlap_patched(
     always unpatch. Strict by default: a refusal fails the test."""
     base = config if config is not None else load_config().with_overrides(enabled=True)
     cfg = base.with_overrides(**overrides) if overrides else base
+    if cfg.backend == "cpu":
+        # the cpu backend runs on the emulated device, which registers itself
+        # when imported (the layer itself never imports the emulation)
+        import camp2p_overlap.emulation.device  # noqa: F401
     LAYER.engine.unpatch()
     try:
         yield LAYER.engine.apply(strict=strict, config=cfg)

@@ -98,3 +98,11 @@ def test_import_and_apply_with_the_default_backend_load_no_emulation_module(enab
 def test_the_public_path_is_the_one_module() -> None:
     assert camp2p_overlap.emulation.device is emulated_device  # type: ignore[attr-defined]
     assert emulated_device.launch is emulated_device.worker.launch
+
+
+def test_the_testing_helper_makes_the_cpu_backend_available() -> None:
+    """A user's test asking ``overlap_patched(backend="cpu")`` gets the
+    emulated device, with nothing else imported."""
+    proc = run_program("testing_helper_backend.py")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["before: False", "inside: camp2p_overlap.emulation.device"]

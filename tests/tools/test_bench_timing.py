@@ -74,7 +74,7 @@ def test_the_default_on_the_cpu_holds_every_kernel_to_its_model(monkeypatch: pyt
     text = bench_table(r)
     assert "timing model: modelled kernels (FFN calibrated: " in text
     assert (
-        f"at 16 tokens, q0.9 of isolated runs and the run's e2a-only/overlap/serial steps x{t['ffn']['margin']:g}"
+        f"at 16 tokens, q0.5 of isolated runs and the run's e2a-only/overlap/serial steps x{t['ffn']['margin']:g}"
         in text
     )
     assert f"error {TIMING_ERROR * 100:g} %" in text
