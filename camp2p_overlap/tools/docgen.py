@@ -60,6 +60,11 @@ class DocsError(Exception):
     """An input is missing or malformed, or a file's markers do not pair up."""
 
 
+#: What every entry of runs.json names: the command, the code it ran (a
+#: commit), the machine and the date.
+RUN_KEYS = ("command", "commit", "machine", "date")
+
+
 @dataclass(frozen=True)
 class Results:
     """The generators' inputs, read once."""
@@ -76,7 +81,7 @@ class Results:
         run = self.runs[name]
         wall = self.reports[name].get("wall_s")
         took = f", {wall:.0f} s" if isinstance(wall, (int, float)) else ""
-        line = f"Run: `{run['command']}` on {run['machine']}, {run['date']}{took}."
+        line = f"Run: `{run['command']}` at commit {run['commit']} on {run['machine']}, {run['date']}{took}."
         note = run.get("note")
         return line + (f" {note}" if note else "")
 
@@ -93,7 +98,7 @@ def load_results(root: Path) -> Results:
     reports = {}
     for name, (file, schema) in REPORTS.items():
         run = runs.get(name)
-        missing = [k for k in ("command", "machine", "date") if not (run or {}).get(k)]
+        missing = [k for k in RUN_KEYS if not (run or {}).get(k)]
         if missing:
             raise DocsError(f"{runs_path}: run {name!r} lacks {', '.join(missing)}")
         path = results / file
