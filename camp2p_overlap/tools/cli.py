@@ -529,6 +529,7 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
     scenario = args.scenario or "ffn-bound"
     try:
         params = resolve_params({**SWEEP_DEFAULTS, **_explicit(args)}, scenario)
+        params = replace(params, comm_ratio=None)  # each point sets its own link (or keeps the preset's)
         for s in args.stage_counts:
             if not 1 <= s <= 3:
                 raise ValueError(f"--stage-counts: {s} is out of range 1..3")
