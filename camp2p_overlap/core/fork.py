@@ -15,6 +15,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 Reset = Callable[[], object]
 
@@ -23,13 +24,19 @@ _RESETS: list[Callable[[], Reset | None]] = []
 _lock = threading.Lock()
 
 
+def held_weakly_if_bound(callback: Callable[..., Any]) -> Callable[[], Callable[..., Any] | None]:
+    """A reference to ``callback`` called like a weak one: weak for a bound
+    method (its object may die: the reference then gives None), strong for
+    a function (the package's hooks keep theirs alive)."""
+    if hasattr(callback, "__self__") and hasattr(callback, "__func__"):
+        return weakref.WeakMethod(callback)  # type: ignore[arg-type]
+    return lambda: callback
+
+
 def after_fork_in_child(reset: Reset) -> None:
     """Call ``reset()`` in every forked child, right after the fork (before
     the child runs anything else of ours)."""
-    if hasattr(reset, "__self__") and hasattr(reset, "__func__"):
-        ref: Callable[[], Reset | None] = weakref.WeakMethod(reset)  # type: ignore[arg-type]
-    else:
-        ref = lambda: reset  # noqa: E731 - a strong reference, called like a weak one
+    ref = held_weakly_if_bound(reset)
     with _lock:
         if len(_RESETS) >= 64 and len(_RESETS) % 64 == 0:  # drop the resets of objects gone
             _RESETS[:] = [r for r in _RESETS if r() is not None]

@@ -14,6 +14,7 @@ import pytest
 import torch
 from support.child import run_cli
 from support.overlap import SHAPE, apply_cpu, assert_same
+from support.tiny_bench import TINY, TINY_PARAMS
 
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.layer import LAYER, Layer
@@ -39,15 +40,6 @@ from camp2p_overlap.tools.bench.runner import (
 )
 from camp2p_overlap.tools.bench.tables import bench_table
 
-TINY = [
-    "--layers", "2", "--tokens", "16", "--hidden", "64", "--ffn", "128", "--experts", "4", "--top-k", "2",
-    "--link-latency-us", "100", "--link-gbps", "8", "--attn-us", "100",
-    "--steps", "2", "--warmup", "1", "--reps", "2", "--no-progress",
-]  # fmt: skip
-TINY_PARAMS = {
-    "layers": 2, "tokens": 16, "hidden": 64, "ffn": 128, "experts": 4, "top_k": 2,
-    "link_latency_us": 100.0, "link_gbps": 8.0, "attn_us": 100.0, "steps": 2, "warmup": 1, "reps": 2,
-}  # fmt: skip
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -36,6 +36,7 @@ import torch
 from support.child import REPO, child_env
 from support.host_device import HostDevice, use_host_device
 from support.logs import PackageLogs
+from support.tiny_bench import TINY, TINY_PARAMS
 
 from camp2p_overlap.core.observe.trace import TraceOp
 from camp2p_overlap.emulation import device_comm, device_world
@@ -49,15 +50,6 @@ from camp2p_overlap.tools.bench.launch import LAUNCH_BOUND_SHARE, launch_sample,
 from camp2p_overlap.tools.bench.runner import SCENARIOS, BenchParams, run_bench
 from camp2p_overlap.tools.bench.tables import bench_table
 
-TINY = [
-    "--layers", "2", "--tokens", "16", "--hidden", "64", "--ffn", "128", "--experts", "4", "--top-k", "2",
-    "--link-latency-us", "100", "--link-gbps", "8", "--attn-us", "100",
-    "--steps", "2", "--warmup", "1", "--reps", "2", "--no-progress",
-]  # fmt: skip
-TINY_PARAMS = {
-    "layers": 2, "tokens": 16, "hidden": 64, "ffn": 128, "experts": 4, "top_k": 2,
-    "link_latency_us": 100.0, "link_gbps": 8.0, "attn_us": 100.0, "steps": 2, "warmup": 1, "reps": 2,
-}  # fmt: skip
 #: The device world on the emulated device, tiny, two policies.
 DEVICE_WORLD = BenchParams(
     device="cpu", device_world=True, layers=2, stages=2, tokens=8, hidden=32, ffn=64, experts=2, top_k=1,

@@ -25,8 +25,8 @@ from camp2p_overlap.core.keys import A2E, COMPUTE_STREAM, E2A, OpKey
 from camp2p_overlap.core.observe.trace import StepTrace, TraceOp, TraceRecorder
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes, RouterFactory
-from camp2p_overlap.core.overlap.streams import registered_device_module
-from camp2p_overlap.core.overlap.streams.base import NO_CAPABILITIES, DeviceCapabilities, DoneHandle
+from camp2p_overlap.core.overlap.streams import registered_capabilities
+from camp2p_overlap.core.overlap.streams.base import DoneHandle
 
 Wrapped = Callable[..., Any]
 
@@ -39,7 +39,7 @@ def run_traced_serial(recorder: TraceRecorder, engine: Any, runner: Any, origina
     previous = state["step"], state.get("trace")
     # What the registered cpu device's streams perform for this thread's
     # work (none on a real device): the trace is built from it when read.
-    caps = serial_capabilities()
+    caps = registered_capabilities("cpu")  # none on a real device: its truth is the profiler's
     log = caps.new_log() if caps.new_log is not None else None
     saved_log = caps.set_log(log) if caps.set_log is not None else None
     state["step"], state["trace"] = step_id, StepTrace(recorder, step_id, log=log)
@@ -70,18 +70,10 @@ def traced_routes(recorder: TraceRecorder, engine: Any, runner: Any) -> Connecto
     return routes
 
 
-def serial_capabilities() -> DeviceCapabilities:
-    """What the device registered for the ``cpu`` backend offers the serial
-    path's trace (its stream log, its kernel tracking); none when nothing
-    is registered (a real device: its truth comes from the profiler)."""
-    module = registered_device_module("cpu")
-    return DeviceCapabilities.of(module) if module is not None else NO_CAPABILITIES
-
-
 def _tracked(fn: Callable[[], Any], label: str) -> Any:
     """``fn()`` as a tracked op of the registered device, or run on the host
     and timed there where none offers tracking."""
-    tracked = serial_capabilities().tracked
+    tracked = registered_capabilities("cpu").tracked
     if tracked is not None:
         return tracked(fn, label)
     t0 = time.perf_counter_ns()

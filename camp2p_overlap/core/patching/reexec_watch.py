@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import sys
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
 
-from camp2p_overlap.core.fork import after_fork_in_child
+from camp2p_overlap.core.fork import after_fork_in_child, held_weakly_if_bound
 
 Callback = Callable[[ModuleType], None]
 
@@ -70,7 +69,7 @@ class ReexecWatch:
     def watch(self, names: Sequence[str], callback: Callback) -> None:
         """Call ``callback(module)`` after each execution of the body of a
         module in ``names`` (an import or a reload)."""
-        ref = _ref(callback)
+        ref = held_weakly_if_bound(callback)
         with self._lock:
             for name in names:
                 refs = self._callbacks.setdefault(name, [])
@@ -136,12 +135,6 @@ def _find_elsewhere(me: ReexecWatch, fullname: str, path: Any, target: ModuleTyp
         if spec is not None:
             return spec
     return None
-
-
-def _ref(callback: Callback) -> Callable[[], Callback | None]:
-    if hasattr(callback, "__self__") and hasattr(callback, "__func__"):
-        return weakref.WeakMethod(callback)  # type: ignore[arg-type]
-    return lambda: callback
 
 
 #: The process's one watch.

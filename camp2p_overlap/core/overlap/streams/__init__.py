@@ -10,6 +10,7 @@ import importlib.util
 from typing import Any
 
 from camp2p_overlap.core.overlap.streams.base import (
+    NO_CAPABILITIES,
     BackendUnavailable,
     DeviceCapabilities,
     DeviceModule,
@@ -36,6 +37,7 @@ __all__ = [
     "device_module",
     "make_backend",
     "register_device_module",
+    "registered_capabilities",
     "registered_device_module",
     "resolve_backend_name",
     "unregister_device_module",
@@ -44,6 +46,8 @@ __all__ = [
 #: Device modules registered for a backend name that torch does not provide
 #: (``cpu``: the emulated device), by that name.
 _REGISTERED: dict[str, DeviceModule] = {}
+#: What each registered module offers beyond the protocol, read once when it is registered.
+_CAPABILITIES: dict[str, DeviceCapabilities] = {}
 #: The only backend names a module can be registered for.
 REGISTRABLE = ("cpu",)
 
@@ -61,16 +65,24 @@ def register_device_module(backend: str, module: DeviceModule) -> None:
             f"{getattr(module, '__name__', module)!r} is not a device module: it has no {', '.join(missing)}"
         )
     _REGISTERED[backend] = module
+    _CAPABILITIES[backend] = DeviceCapabilities.of(module)
 
 
 def unregister_device_module(backend: str) -> DeviceModule | None:
     """Drop ``backend``'s module (returned, or None when none was registered)."""
+    _CAPABILITIES.pop(backend, None)
     return _REGISTERED.pop(backend, None)
 
 
 def registered_device_module(backend: str = "cpu") -> DeviceModule | None:
     """The module registered for ``backend``, or None."""
     return _REGISTERED.get(backend)
+
+
+def registered_capabilities(backend: str = "cpu") -> DeviceCapabilities:
+    """What the module registered for ``backend`` offers beyond the protocol
+    (none when nothing is registered)."""
+    return _CAPABILITIES.get(backend, NO_CAPABILITIES)
 
 
 def device_module(kind: str) -> Any:
