@@ -1,25 +1,36 @@
-"""The FFN's timing model on the emulated device: calibrated once per run.
+"""The FFN's timing model on the emulated device: rated from its shape.
 
 The FFN kernel is real tensor work, so on the CPU its wall time follows the
-machine (other processes, frequency, thread scheduling). Its *modelled*
-duration is fixed for a run instead: for each token count the run uses, a
-few isolated timed runs of the real kernel body on an idle device, the
-:data:`QUANTILE` of their times times :data:`MARGIN`, so that the kernel
-overruns the model only when the machine gets markedly slower than it was
-while calibrating (the device counts and the benchmark reports each overrun).
+machine (other processes, frequency, thread scheduling, and this machine's
+speed, which drifts by tens of per cent in stretches of a second). Its
+*modelled* duration is fixed instead, so that a run's times hold still:
+
+* **Rated** (the default): the emulated device's cost of the kernel's shape
+  (:func:`rated_s`: a fixed cost per kernel, its weights and activations
+  read, its arithmetic; :data:`RATE`), the same on every run and every
+  machine. A rating is an emulated device's speed, not this CPU's: it is
+  set about twice the time the reference 2-core machine takes, so that
+  the real work fits under it with room for the in-run slowdowns and the
+  CPU's slower stretches.
+* **Calibrated**, where this machine cannot hold the rating: a few
+  isolated timed runs of the real kernel body, the :data:`QUANTILE` of
+  their times times :data:`MARGIN`. A point is calibrated when its
+  isolated runs' median, or a schedule's in the run (:func:`refine_in_run`),
+  times :data:`HOLD` exceeds its rating; the benchmark says so, as such a
+  run's times follow this machine's speed.
+
 The kernel then runs its real work and holds its stream until the modelled
-duration has passed (``camp2p_overlap.emulation.device.launch(model_s=)``).
+duration has passed (``camp2p_overlap.emulation.device.launch(model_s=)``);
+a kernel that overruns is counted and the benchmark reports it.
 
 Isolated runs miss what the run itself costs the kernel: on the CPU the
 host and the side streams' worker threads share the cores and the
 interpreter with it, more so when the comm ops are overlapped. So the run
-can refine the model from its own steps (:func:`refine_in_run`): a few
+checks the model against its own steps (:func:`refine_in_run`): a few
 steps of each schedule it measures with the FFN kernel unheld (a model of
-0 s, :func:`measuring`), the device counting each FFN kernel's work; the
-model is then the margin times the largest quantile of the isolated runs
-and of each schedule's kernels. It stays one duration for every policy, as
-a device's FFN takes the same time whether or not communication overlaps
-it.
+0 s, :func:`measuring`), the device counting each FFN kernel's work. It
+stays one duration for every policy, as a device's FFN takes the same time
+whether or not communication overlaps it.
 
 Each timed run follows an idle gap as long as the run before it (at least
 :data:`MIN_GAP_S`): in a step the FFN kernel runs after its stream held or
@@ -33,11 +44,37 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 
+
+@dataclass(frozen=True)
+class Rate:
+    """The emulated device's FFN cost (microseconds): per kernel, per
+    routed expert its tokens may pick (each one's own ops), per MB of
+    weights read (the router's, each routed expert's a token may pick, the
+    shared expert's), per MB of activations (each routed and shared row's
+    gate/up, product and output), per MFLOP; times :attr:`scale`."""
+
+    kernel_us: float = 200.0
+    picked_expert_us: float = 40.0
+    weights_us_per_mb: float = 150.0
+    activations_us_per_mb: float = 470.0
+    us_per_mflop: float = 16.0
+    scale: float = 2.0
+
+
+#: The rating: its terms are a fit of the kernel body's median times on the
+#: reference 2-core machine (20 shapes, 1-128 tokens, hidden 16-512, ffn
+#: 128-1024, 4-8 experts, top-2; within 0.6-1.3x of each, the small shapes'
+#: per-expert ops raised to what they cost beside the side streams'
+#: threads), doubled.
+RATE = Rate()
+#: A point keeps its rating while its medians (isolated, and each
+#: schedule's in the run) times HOLD stay within it.
+HOLD = 1.25
 #: The quantile of the calibration runs the model starts from: the median,
 #: the statistic that holds still from run to run (on the reference 2-core
 #: machine the FFN's median moved 2 % between an idle and a loaded run, its
@@ -68,6 +105,10 @@ class Calibrated:
     median_s: float
     quantile_s: float
     model_s: float
+    #: The point's rating (seconds; None: not rated, a device tensor's FFN) ...
+    rated_s: float | None = None
+    #: ... and why the model is not it (empty: it is).
+    calibrated_why: str = ""
     #: The quantile of the FFN kernels' work in the run's own steps, per
     #: schedule (seconds; empty: not refined in the run).
     in_run_s: Mapping[str, float] = field(default_factory=dict)
@@ -89,18 +130,42 @@ class FFNTiming:
         point = self.points.get(int(tokens))
         return None if point is None else point.model_s
 
+    @property
+    def rated(self) -> bool:
+        """Every point takes its rating (the run's times hold still)."""
+        return (
+            bool(self.points)
+            and not self.fixed
+            and all(p.rated_s is not None and not p.calibrated_why for p in self.points.values())
+        )
+
     def describe(self) -> str:
-        """``FFN calibrated: 412 us at 8 tokens, q0.5 x1.6``."""
-        at = ", ".join(f"{p.model_s * 1e6:,.0f} us at {t} tokens" for t, p in sorted(self.points.items()))
+        """``FFN rated: 908 us at 8 tokens (its kernel's median here: 430 us)``,
+        or ``FFN calibrated: ...`` and why."""
         if self.fixed:
+            at = ", ".join(f"{p.model_s * 1e6:,.0f} us at {t} tokens" for t, p in sorted(self.points.items()))
             return f"FFN fixed: {at} (--ffn-us)"
-        runs = sorted({name for p in self.points.values() for name in p.in_run_s})
-        of = f" of isolated runs and the run's {'/'.join(runs)} steps" if runs else " of isolated runs"
-        return f"FFN calibrated: {at or 'no token count'}, q{self.quantile:g}{of} x{self.margin:g}"
+        parts = []
+        for t, p in sorted(self.points.items()):
+            checked = "/".join(sorted(p.in_run_s))
+            if p.rated_s is not None and not p.calibrated_why:
+                held = f"; held in the run's {checked} steps" if checked else ""
+                here = f"its kernel's median here: {p.median_s * 1e6:,.0f} us{held}"
+                parts.append(f"rated {p.model_s * 1e6:,.0f} us at {t} tokens ({here})")
+            else:
+                of = f" of isolated runs and the run's {checked} steps" if checked else " of isolated runs"
+                why = f" ({p.calibrated_why})" if p.calibrated_why else ""
+                parts.append(
+                    f"calibrated {p.model_s * 1e6:,.0f} us at {t} tokens, q{self.quantile:g}{of} x{self.margin:g}{why}"
+                )
+        return "FFN " + ("; ".join(parts) or "no token count")
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "fixed": self.fixed,
+            "rated": self.rated,
+            "rate": asdict(RATE),
+            "hold": HOLD,
             "quantile": self.quantile,
             "margin": self.margin,
             "points": [
@@ -110,6 +175,8 @@ class FFNTiming:
                     "median_us": round(p.median_s * 1e6, 1),
                     "quantile_us": round(p.quantile_s * 1e6, 1),
                     "model_us": round(p.model_s * 1e6, 1),
+                    "rated_us": None if p.rated_s is None else round(p.rated_s * 1e6, 1),
+                    "calibrated_why": p.calibrated_why,
                     "in_run_quantile_us": {k: round(v * 1e6, 1) for k, v in sorted(p.in_run_s.items())},
                 }
                 for t, p in sorted(self.points.items())
@@ -120,6 +187,41 @@ class FFNTiming:
 def _quantile(values: list[float], q: float) -> float:
     data = sorted(values)
     return data[min(len(data) - 1, round(q * (len(data) - 1)))]
+
+
+def rated_s(moe: Any, tokens: int, rate: Rate = RATE) -> float | None:
+    """The emulated device's duration of ``moe``'s kernel over ``tokens``
+    rows (seconds; None for weights off the CPU: a device times its own)."""
+    ref = moe.groups[0]["router"]
+    if ref.device.type != "cpu":
+        return None
+    s = moe.shape
+    item = ref.element_size()
+    t, h, f = int(tokens), s.hidden, s.ffn
+    expert = h * 2 * f + f * h  # gate/up and down, elements
+    picked = min(s.experts, t * s.top_k)
+    weights = h * s.experts + picked * expert + (expert if s.shared_expert else 0)
+    rows = t * s.top_k + (t if s.shared_expert else 0)
+    activations = rows * (2 * f + f + h)
+    flops = 2 * t * h * s.experts + 2 * rows * expert
+    us = (
+        rate.kernel_us
+        + rate.picked_expert_us * picked
+        + rate.weights_us_per_mb * weights * item / 1e6
+        + rate.activations_us_per_mb * activations * item / 1e6
+        + rate.us_per_mflop * flops / 1e6
+    )
+    return rate.scale * us * 1e-6
+
+
+def _held_why(rated: float, median_s: float, what: str) -> str:
+    """Why a rating is not held (empty: it is): ``what``'s median times HOLD over it."""
+    if median_s * HOLD <= rated:
+        return ""
+    return (
+        f"its rating of {rated * 1e6:,.0f} us is not held on this machine ({what} median {median_s * 1e6:,.0f} us "
+        f"x{HOLD:g}); its times follow this machine's speed"
+    )
 
 
 def calibrate_point(moe: Any, tokens: int, *, quantile: float = QUANTILE, margin: float = MARGIN) -> Calibrated:
@@ -148,7 +250,12 @@ def calibrate_point(moe: Any, tokens: int, *, quantile: float = QUANTILE, margin
             spent += dt
         i += 1
     q = _quantile(times, quantile)
-    return Calibrated(tokens, len(times), statistics.median(times), q, q * margin)
+    median = statistics.median(times)
+    rated = rated_s(moe, tokens)
+    if rated is None:
+        return Calibrated(tokens, len(times), median, q, q * margin)
+    why = _held_why(rated, median, "the isolated runs'")
+    return Calibrated(tokens, len(times), median, q, q * margin if why else rated, rated, why)
 
 
 def calibrate_ffn(
@@ -181,15 +288,24 @@ def measuring(tokens: Iterable[int]) -> FFNTiming:
 
 
 def refine_in_run(base: FFNTiming, tokens: int, work_ns: Mapping[str, Iterable[int]]) -> FFNTiming:
-    """``base`` with its point at ``tokens`` set to the margin times the
-    largest quantile of its isolated runs and of each schedule's FFN kernel
-    work in ``work_ns`` (schedule name -> ns per kernel; one with no sample
-    is left out)."""
+    """``base`` with its point at ``tokens`` checked against each schedule's
+    FFN kernel work in ``work_ns`` (schedule name -> ns per kernel; one with
+    no sample is left out): a rated point keeps its rating while each
+    schedule's median times :data:`HOLD` is within it; otherwise the model
+    is the margin times the largest quantile of its isolated runs and of
+    each schedule's kernels."""
     point = base.points[int(tokens)]
     samples = {name: [w / 1e9 for w in ws] for name, ws in work_ns.items()}
     in_run = {name: _quantile(ws, base.quantile) for name, ws in samples.items() if ws}
-    slowest = max([point.quantile_s, *in_run.values()])
-    refined = Calibrated(point.tokens, point.runs, point.median_s, point.quantile_s, slowest * base.margin, in_run)
+    why = point.calibrated_why
+    if point.rated_s is not None and not why:
+        for name, ws in sorted(samples.items()):
+            why = why or (_held_why(point.rated_s, statistics.median(ws), f"the run's {name} kernels'") if ws else "")
+    if point.rated_s is not None and not why:
+        model = point.rated_s
+    else:
+        model = max([point.quantile_s, *in_run.values()]) * base.margin
+    refined = replace(point, model_s=model, calibrated_why=why, in_run_s=in_run)
     return FFNTiming(base.quantile, base.margin, {**base.points, int(tokens): refined})
 
 

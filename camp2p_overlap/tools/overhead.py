@@ -26,8 +26,10 @@ count where our allocations cause them.
 The decided-serial A/B runs on the emulated world of the sweep's smallest
 work point (``camp2p-overlap sweep``: the ``ffn-bound`` preset with the
 sweep's defaults, the smallest hidden size and tokens per stage), not on
-the no-op world: rounds of two blocks, unpatched and applied with the
-adaptive bucket decided serial, alternating which runs first. Each round
+the no-op world: many rounds of two short blocks, unpatched and applied with
+the adaptive bucket decided serial, alternating which runs first (short,
+so that both blocks of a round fall on one stretch of the machine's speed,
+which on a shared CPU moves in stretches of a tenth of a second and more). Each round
 gives one paired figure, the applied block's median step over the
 unpatched block's, as extra step time in %; reported are its median over
 the rounds, a bootstrap 95 % interval of that median, and its min and max.
@@ -106,9 +108,12 @@ class OverheadParams:
     #: Busy wait added to every no-op receive (a cost outside our code).
     delay_us: float = 0.0
     #: The decided-serial A/B: rounds (0 skips it), timed and warm-up steps per arm and round.
-    ab_rounds: int = 40
-    ab_steps: int = 30
-    ab_warmup: int = 3
+    #: Many short rounds: this machine's speed moves in stretches of 0.1-1 s,
+    #: and a round of two 5-step blocks (about 50 ms at the A/B's point)
+    #: falls on one stretch, so each round's pair sees the same speed.
+    ab_rounds: int = 300
+    ab_steps: int = 5
+    ab_warmup: int = 1
 
     def validate(self) -> None:
         if not self.layers or any(n < 1 for n in self.layers):
