@@ -199,8 +199,12 @@ def rated_s(moe: Any, tokens: int, rate: Rate = RATE) -> float | None:
     ref = moe.groups[0]["router"]
     if ref.device.type != "cpu":
         return None
-    s = moe.shape
-    item = ref.element_size()
+    return rated_shape_s(moe.shape, tokens, ref.element_size(), rate)
+
+
+def rated_shape_s(shape: Any, tokens: int, itemsize: int = 4, rate: Rate = RATE) -> float:
+    """:func:`rated_s` of a ``MoEShape`` (``itemsize`` bytes per element)."""
+    s = shape
     t, h, f = int(tokens), s.hidden, s.ffn
     expert = h * 2 * f + f * h  # gate/up and down, elements
     picked = min(s.experts, t * s.top_k)
@@ -210,8 +214,8 @@ def rated_s(moe: Any, tokens: int, rate: Rate = RATE) -> float | None:
     flops = 2 * t * h * s.experts + 2 * rows * expert
     dispatch = rate.kernel_us + rate.picked_expert_us * picked
     data = (
-        rate.weights_us_per_mb * weights * item / 1e6
-        + rate.activations_us_per_mb * activations * item / 1e6
+        rate.weights_us_per_mb * weights * itemsize / 1e6
+        + rate.activations_us_per_mb * activations * itemsize / 1e6
         + rate.us_per_mflop * flops / 1e6
     )
     return (rate.dispatch_scale * dispatch + rate.data_scale * data) * 1e-6

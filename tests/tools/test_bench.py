@@ -686,13 +686,14 @@ def test_work_points_run_short_interleaved_blocks(
     monkeypatch: pytest.MonkeyPatch, step_ms: float, expected: tuple[int, int]
 ) -> None:
     """A work point's blocks (timed steps per policy and repetition) and
-    repetitions follow the serial probe's step time."""
+    repetitions follow its serial step time: with wall-clock kernels a
+    serial probe's; with modelled ones the model's, and no probe runs."""
     from dataclasses import replace
 
     from camp2p_overlap.tools.bench import sweep
     from camp2p_overlap.tools.bench.runner import BenchRun, resolve_params
 
-    params = replace(resolve_params({"layers": 4}, "ffn-bound"), steps=8, warmup=2, reps=3)
+    params = replace(resolve_params({"layers": 4}, "ffn-bound"), steps=8, warmup=2, reps=3, comm_ratio=None)
     per_layer_us = step_ms * 1e3 / params.layers
     probes: list[Any] = []
 
@@ -701,9 +702,19 @@ def test_work_points_run_short_interleaved_blocks(
         return BenchRun({"policies": [{"policy": "serial", "per_layer_us": {"median": per_layer_us}}]}, {})
 
     monkeypatch.setattr(sweep, "run_bench", fake_bench)
-    assert sweep.work_run(params, sweep.WORK_TIMED_S) == expected
+    wall = replace(params, timing="wall")
+    assert sweep.work_run(wall, sweep.WORK_TIMED_S) == expected
     (probe,) = probes
     assert probe.policies == ("serial",) and probe.reps == 1
+    # modelled: the FFN's rating and the link model give the step (no link, no attention here)
+    modelled = replace(params, link_latency_us=0.0, link_gbps=1e9, attn_us=0.0)
+    assert modelled.timing_mode()[0] == "model"
+    per_kernel_s = step_ms * 1e-3 / (modelled.layers * modelled.stages)
+    monkeypatch.setattr(sweep, "rated_shape_s", lambda shape, tokens: per_kernel_s)
+    step_s = sweep.modelled_serial_step_s(modelled)
+    assert step_s == pytest.approx(step_ms * 1e-3, rel=1e-3)
+    assert sweep.work_run(modelled, sweep.WORK_TIMED_S) == expected
+    assert len(probes) == 1, "a modelled work point ran a probe"
 
 
 # ---------------------------------------------------------------------------

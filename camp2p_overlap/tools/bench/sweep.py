@@ -36,6 +36,8 @@ from dataclasses import replace
 from typing import Any
 
 from camp2p_overlap.core.log import logger
+from camp2p_overlap.emulation.ffn_timing import rated_shape_s
+from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.tools.bench.runner import BenchParams, link_for_ratio, run_bench
 from camp2p_overlap.tools.bench.tables import CPU_CAVEAT, fmt_time
 
@@ -82,15 +84,31 @@ CONTENTION_TIMING = (
 SWEEP_DEFAULTS: dict[str, Any] = {"layers": 4, "steps": 5, "warmup": 1, "reps": 2}
 
 
+def modelled_serial_step_s(params: BenchParams) -> float | None:
+    """A serial step's time on the modelled timeline, from the FFN's rating
+    and the link model (None: the point's kernels are not modelled)."""
+    if params.timing_mode()[0] != "model" or params.ffn_us is not None:
+        return None
+    shape = MoEShape(hidden=params.hidden, ffn=params.ffn, experts=params.experts, top_k=params.top_k)
+    f_s = rated_shape_s(shape, params.tokens)
+    link = params.link()
+    a_s = link.seconds(params.tokens * params.hidden * 4)
+    e_s = link.seconds(2 * params.tokens * params.hidden * 4)
+    return params.layers * params.stages * (f_s + a_s + e_s) + params.layers * params.attn_us * 1e-6
+
+
 def work_run(params: BenchParams, timed_s: float) -> tuple[int, int]:
-    """(timed steps per block, repetitions) for a work point, from a short
-    serial probe's step time: blocks of about ``WORK_BLOCK_S`` seconds
+    """(timed steps per block, repetitions) for a work point, from its step
+    time: on the modelled timeline the model's (no run needed), else a short
+    serial probe's: blocks of about ``WORK_BLOCK_S`` seconds
     (``params.steps``..``WORK_MAX_STEPS`` steps), enough of them for about
     ``timed_s`` seconds per policy (``params.reps``..``WORK_MAX_REPS``)."""
-    probe = replace(params, policies=("serial",), steps=3, warmup=1, reps=1)
-    serial = _policy(run_bench(probe).report, "serial")
-    assert serial is not None
-    step_s = serial["per_layer_us"]["median"] * 1e-6 * params.layers
+    step_s = modelled_serial_step_s(params)
+    if step_s is None:
+        probe = replace(params, policies=("serial",), steps=3, warmup=1, reps=1)
+        serial = _policy(run_bench(probe).report, "serial")
+        assert serial is not None
+        step_s = serial["per_layer_us"]["median"] * 1e-6 * params.layers
     if step_s <= 0:
         return WORK_MAX_STEPS, WORK_MAX_REPS
     steps = max(params.steps, min(WORK_MAX_STEPS, math.ceil(WORK_BLOCK_S / step_s)))
