@@ -425,9 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="regenerate the docs' generated blocks (figures, configuration table) from docs/results/",
         description="Rewrite every generated block (between '<!-- BEGIN generated: NAME -->' and "
         "'<!-- END generated: NAME -->') of README.md and docs/benchmark.md from the JSON reports in "
-        "docs/results/ (bench.json, sweep.json, overhead.json, written by the tools' --json options; "
-        "runs.json says how each was made) and the table of environment variables. Text outside the "
-        "blocks is left alone.",
+        "docs/results/ (bench.json, sweep.json, overhead.json, written by the tools' --json options, each "
+        "recording its run; runs.json for a report that does not) and the table of environment variables; "
+        "every figure block names its run (command, commit, machine, date). Text outside the blocks is left alone.",
     )
     docs.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each block that would change")
     docs.add_argument("--root", default=".", metavar="DIR", help="the checkout (default: the current directory)")
