@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -426,9 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="regenerate the docs' generated blocks (figures, configuration table) from docs/results/",
         description="Rewrite every generated block (between '<!-- BEGIN generated: NAME -->' and "
         "'<!-- END generated: NAME -->') of README.md and docs/benchmark.md from the JSON reports in "
-        "docs/results/ (bench.json, sweep.json, overhead.json, written by the tools' --json options; "
-        "runs.json says how each was made) and the table of environment variables. Text outside the "
-        "blocks is left alone.",
+        "docs/results/ (bench.json, sweep.json, overhead.json, written by the tools' --json options, each "
+        "recording its run; runs.json for a report that does not) and the table of environment variables; "
+        "every figure block names its run (command, commit, machine, date). Text outside the blocks is left alone.",
     )
     docs.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each block that would change")
     docs.add_argument("--root", default=".", metavar="DIR", help="the checkout (default: the current directory)")
@@ -472,9 +471,10 @@ def _preflight(device: str, plot: str | None) -> str | None:
     return None
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from camp2p_overlap.tools.bench.runner import resolve_params, run_bench
     from camp2p_overlap.tools.bench.tables import bench_table, problems, write_json, write_outputs
+    from camp2p_overlap.tools.provenance import run_record
 
     try:
         params = resolve_params(_explicit(args), args.scenario)
@@ -489,17 +489,19 @@ def _bench(args: argparse.Namespace) -> int:
         return _fail(why)
     from camp2p_overlap.emulation.device_world import DeviceUnavailable
 
+    record = run_record(argv)  # how the report was made (docs/benchmark.md, "Where the figures come from")
     on_report = None
     if args.json:
         json_path = args.json
 
         def on_report(partial: dict[str, Any]) -> None:  # what a run cut short leaves
-            write_json(json_path, partial)
+            write_json(json_path, {**partial, "run": record})
 
     try:
         run = run_bench(params, progress=not args.no_progress, profile_trace=args.profile_trace, on_report=on_report)
     except DeviceUnavailable as exc:
         return _fail(str(exc))
+    run.report["run"] = record
     print(bench_table(run.report))
     prof = run.report.get("profile")
     if prof is not None:
@@ -525,7 +527,9 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from camp2p_overlap.tools.bench.runner import resolve_params
     from camp2p_overlap.tools.bench.sweep import SWEEP_DEFAULTS, sweep_markdown
     from camp2p_overlap.tools.bench.tables import problems, write_json
+    from camp2p_overlap.tools.provenance import run_record
 
+    record = run_record(argv)
     scenario = args.scenario or "ffn-bound"
     try:
         params = resolve_params({**SWEEP_DEFAULTS, **_explicit(args)}, scenario)
@@ -545,11 +549,11 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from camp2p_overlap.emulation.device_world import DeviceUnavailable
 
     try:
-        result = _run_sweep(args, params)
+        result = _run_sweep(args, params, record)
     except DeviceUnavailable as exc:
         return _fail(str(exc))
-    command = "camp2p-overlap " + " ".join(shlex.quote(a) for a in argv)
-    text = sweep_markdown(result, command)
+    result["run"] = record
+    text = sweep_markdown(result, record["command"])
     print(text)
     if args.md:
         with open(args.md, "w", encoding="utf-8") as fh:
@@ -571,9 +575,10 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 1 if failed else 0
 
 
-def _overhead(args: argparse.Namespace) -> int:
+def _overhead(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from camp2p_overlap.tools.bench.tables import write_json
     from camp2p_overlap.tools.overhead import format_overhead, measure_overhead
+    from camp2p_overlap.tools.provenance import run_record
 
     params = OverheadParams(
         layers=tuple(args.layers),
@@ -588,7 +593,8 @@ def _overhead(args: argparse.Namespace) -> int:
         params.validate()
     except ValueError as exc:
         return _fail(str(exc))
-    result = measure_overhead(params)
+    record = run_record(argv)
+    result = {**measure_overhead(params), "run": record}
     print(format_overhead(result))
     if args.json:
         write_json(args.json, result)
@@ -596,7 +602,7 @@ def _overhead(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_sweep(args: argparse.Namespace, params: Any) -> dict[str, Any]:
+def _run_sweep(args: argparse.Namespace, params: Any, record: dict[str, Any]) -> dict[str, Any]:
     from camp2p_overlap.tools.bench.sweep import run_sweep
     from camp2p_overlap.tools.bench.tables import write_json
 
@@ -605,7 +611,7 @@ def _run_sweep(args: argparse.Namespace, params: Any) -> dict[str, Any]:
         json_path = args.json
 
         def on_result(partial: dict[str, Any]) -> None:  # what a sweep cut short leaves
-            write_json(json_path, partial)
+            write_json(json_path, {**partial, "run": record})
 
     return run_sweep(
         params,
@@ -629,11 +635,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         use_tool_switch_interval()  # these tools' processes only (docs/benchmark.md, "Thread switching")
     if args.command == "bench":
-        return _bench(args)
+        return _bench(args, argv)
     if args.command == "sweep":
         return _sweep(args, argv)
     if args.command == "overhead":
-        return _overhead(args)
+        return _overhead(args, argv)
     if args.command == "docs":
         from pathlib import Path
 

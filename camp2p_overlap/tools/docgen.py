@@ -4,10 +4,13 @@ copied by hand.
 
 The sources are the JSON reports in ``docs/results/`` that the tools write
 themselves (``bench --json``, ``sweep --json``, ``overhead --json``; schemas
-in docs/benchmark.md, "JSON schemas"), ``docs/results/runs.json`` (how each
-report was made: command, machine, date), and the declarative table of
-environment variables (``core.env_vars``). A generated block of a Markdown
-file lies between two marker lines::
+in docs/benchmark.md, "JSON schemas"), ``docs/results/runs.json`` (how a
+report was made, for a report that does not record its own ``run``), and the
+declarative table of environment variables (``core.env_vars``). Every block
+that quotes a report carries that report's run line (:meth:`Results.run_line`:
+command, commit, machine, date, all read from the JSON), and a block whose
+body lacks it is an error (:data:`FIGURE_BLOCKS`). A generated block of a
+Markdown file lies between two marker lines::
 
     <!-- BEGIN generated: NAME (optional note) -->
     ...
@@ -43,7 +46,7 @@ REPORTS = {
 }
 #: The files with generated blocks, and the blocks each must hold.
 DOC_BLOCKS: dict[str, tuple[str, ...]] = {
-    "README.md": ("headline figures", "configuration table"),
+    "README.md": ("configuration table",),
     "docs/benchmark.md": (
         "headline figures",
         "bench table",
@@ -60,9 +63,28 @@ class DocsError(Exception):
     """An input is missing or malformed, or a file's markers do not pair up."""
 
 
-#: What every entry of runs.json names: the command, the code it ran (a
-#: commit), the machine and the date.
-RUN_KEYS = ("command", "commit", "machine", "date")
+#: How a report was made: the command, the code it ran (a commit) and the
+#: date; the report's own ``run`` (what the tools record), or else its entry
+#: of runs.json. A null value is printed as not recorded. The machine is
+#: the report's own ``env`` (:data:`MACHINE_KEYS`).
+RUN_KEYS = ("command", "commit", "date")
+#: The report's ``env`` keys the run line names the machine by, in order,
+#: with how each is printed.
+MACHINE_KEYS: tuple[tuple[str, Callable[[Any], str], str], ...] = (
+    ("cpu_count", lambda n: f"{n} CPU{'' if n == 1 else 's'}", "CPU count"),
+    ("machine", str, "architecture"),
+    ("python", lambda v: f"Python {v}", "Python version"),
+    ("torch", lambda v: f"torch {v}", "torch version"),
+    ("torch_threads", lambda n: f"{n} torch thread{'' if n == 1 else 's'}", "torch threads"),
+)
+#: The blocks that quote figures, and the reports each quotes: each body
+#: must hold the run line of every one of them.
+FIGURE_BLOCKS: dict[str, tuple[str, ...]] = {
+    "headline figures": ("bench", "sweep", "overhead"),
+    "bench table": ("bench",),
+    "sweep tables": ("sweep",),
+    "overhead table": ("overhead",),
+}
 
 
 @dataclass(frozen=True)
@@ -77,13 +99,34 @@ class Results:
         return self.reports[name]
 
     def run_line(self, name: str) -> str:
-        """How report ``name`` was made, from runs.json and the report's own ``wall_s``."""
+        """How report ``name`` was made: its command, commit and date (the
+        report's ``run``, else runs.json), the machine (the report's
+        ``env``) and its own ``wall_s``."""
         run = self.runs[name]
-        wall = self.reports[name].get("wall_s")
-        took = f", {wall:.0f} s" if isinstance(wall, (int, float)) else ""
-        line = f"Run: `{run['command']}` at commit {run['commit']} on {run['machine']}, {run['date']}{took}."
+        report = self.reports[name]
+        commit = run["commit"] or "not recorded"
+        date = run["date"] or "not recorded"
+        wall = report.get("wall_s")
+        took = f"; {wall:.0f} s" if isinstance(wall, (int, float)) else ""
+        line = (
+            f"Run: `{run['command']}`; commit {commit}; machine: {machine_words(report.get('env') or {})}; "
+            f"date {date}{took}."
+        )
         note = run.get("note")
         return line + (f" {note}" if note else "")
+
+
+def machine_words(env: Mapping[str, Any]) -> str:
+    """The machine of a report's ``env``, each missing key said to be not
+    recorded, and which keys were filled in after the run (``filled``)."""
+    parts = []
+    for key, fmt, what in MACHINE_KEYS:
+        value = env.get(key)
+        parts.append(fmt(value) if value not in (None, "") else f"{what} not recorded")
+    filled = env.get("filled")
+    if isinstance(filled, Mapping) and filled.get("keys"):
+        parts[-1] += f" ({', '.join(filled['keys'])}: filled in after the run, from {filled['source']})"
+    return ", ".join(parts)
 
 
 def load_results(root: Path) -> Results:
@@ -94,19 +137,34 @@ def load_results(root: Path) -> Results:
     runs_doc = _read_json(runs_path)
     if runs_doc.get("schema") != RUNS_SCHEMA:
         raise DocsError(f"{runs_path}: schema is {runs_doc.get('schema')!r}, expected {RUNS_SCHEMA!r}")
-    runs = runs_doc.get("runs", {})
+    listed = runs_doc.get("runs", {})
+    runs: dict[str, Mapping[str, Any]] = {}
     reports = {}
     for name, (file, schema) in REPORTS.items():
-        run = runs.get(name)
-        missing = [k for k in RUN_KEYS if not (run or {}).get(k)]
-        if missing:
-            raise DocsError(f"{runs_path}: run {name!r} lacks {', '.join(missing)}")
         path = results / file
+        entry = listed.get(name)
         if not path.exists():
-            raise DocsError(f"{path} is missing: write it with `{run['command']}`")  # type: ignore[index]
+            how = f": write it with `{entry['command']}`" if (entry or {}).get("command") else ""
+            raise DocsError(f"{path} is missing{how} (`camp2p-overlap {name} --json {path.relative_to(root)}`)")
         report = _read_json(path)
         if report.get("schema") != schema:
             raise DocsError(f"{path}: schema is {report.get('schema')!r}, expected {schema!r}")
+        own = report.get("run")
+        if own is not None:
+            if entry is not None and any(entry.get(k) != own.get(k) for k in RUN_KEYS):
+                raise DocsError(
+                    f"{runs_path}: run {name!r} differs from the run {file} records: delete the entry"
+                    " (a report that records its run needs none)"
+                )
+            run, where = own, f"{path}: run"
+        else:
+            run, where = entry, f"{runs_path}: run {name!r}"
+        if run is None:
+            raise DocsError(f"{path} records no run and {runs_path} has no entry {name!r}")
+        missing = [k for k in RUN_KEYS if k not in run]
+        if missing or not run.get("command"):
+            raise DocsError(f"{where} lacks {', '.join(missing or ['command'])} (null: not recorded)")
+        runs[name] = run
         reports[name] = report
     return Results(root, runs, reports)
 
@@ -136,7 +194,7 @@ def _speedup(p: Mapping[str, Any], *, ci: bool = False) -> str:
 
 
 def headline_figures(res: Results) -> str:
-    """The one-paragraph result, in the README and in docs/benchmark.md alike."""
+    """The result in three figures, each with the run it comes from."""
     from camp2p_overlap.tools.bench.sweep import adaptive_worst
 
     bench = res.report("bench")
@@ -147,14 +205,11 @@ def headline_figures(res: Results) -> str:
             steady = " at its steady state" if (p.get("learning") or {}).get("decision") else ""
             parts.append(f"{label}{steady} {_speedup(p, ci=name == 'overlap')}")
     equal = "bitwise equal" if bench["outputs_equal"] else "NOT all equal to serial"
-    text = [
-        f"One run of `bench --scenario ffn-bound` ({res.runs['bench']['date']}), per layer over serial: "
-        + ", ".join(parts)
-        + f"; outputs {equal}."
-    ]
+    items = [(f"`bench --scenario ffn-bound`, per layer over serial: {', '.join(parts)}; outputs {equal}.", "bench")]
     worst = adaptive_worst(res.report("sweep"))
     if worst is not None:
-        text.append(f"Adaptive `overlap` at its slowest in `sweep`: {worst[0]:.2f}x of serial ({worst[1]}).")
+        slowest = f"Adaptive `overlap` at its slowest in `sweep`: {worst[0]:.2f}x of serial ({worst[1]})."
+        items.append((slowest, "sweep"))
     ovh = res.report("overhead")
     engaged = ovh["engaged_us_per_layer_stage"]["median"]
     per_step = ovh.get("passthrough_us_per_step")
@@ -162,11 +217,10 @@ def headline_figures(res: Results) -> str:
         passed = f"{per_step['median']:.2f} µs per passed-through step"
     else:
         passed = f"{ovh['passthrough_us_per_call']['median']:.2f} µs per passed-through wrapped call"
-    text.append(
-        f"Host cost of our code (`overhead`, pooled medians): {engaged:.2f} µs per (layer, stage) engaged, {passed}."
-    )
-    text.append("CPU emulation: only the ratios carry over to an NPU.")
-    return " ".join(text) + "\n"
+    cost = f"Host cost of our code (`overhead`, pooled medians): {engaged:.2f} µs per (layer, stage) engaged, {passed}."
+    items.append((cost, "overhead"))
+    lines = [line for text, name in items for line in (f"- {text}", f"  {res.run_line(name)}")]
+    return "\n".join([*lines, "", "CPU emulation: only the ratios carry over to an NPU."]) + "\n"
 
 
 def configuration_table(res: Results) -> str:
@@ -214,7 +268,19 @@ def bench_block(res: Results) -> str:
 def sweep_block(res: Results) -> str:
     from camp2p_overlap.tools.bench.sweep import sweep_markdown
 
-    return f"{res.run_line('sweep')}\n\n{sweep_markdown(res.report('sweep'))}"
+    sweep = res.report("sweep")
+    points = [pt for key in _SWEEP_POINTS for pt in sweep.get(key, [])]
+    reports = [pt[k] for pt in points for k in ("report", "graph_report") if k in pt]
+    untimed = ""
+    if reports and not any("timing" in r for r in reports):
+        untimed = (
+            "\n\nIts points' reports carry no `timing`: the code that ran them had no timing model, so their"
+            ' kernels took wall-clock time ("Timing model").'
+        )
+    return f"{res.run_line('sweep')}{untimed}\n\n{sweep_markdown(sweep)}"
+
+
+_SWEEP_POINTS = ("ratio_points", "stage_points", "comm_core_points", "work_points")
 
 
 def overhead_block(res: Results) -> str:
@@ -237,6 +303,16 @@ def overhead_block(res: Results) -> str:
             f"medians above: about {pairs * engaged / 1000:.2f} ms of our host time per engaged step and "
             f"{passed:.1f} µs per passed-through step.",
         ]
+    ab = ovh.get("decided_serial_ab")
+    interval = ((ab or {}).get("extra_pct") or {}).get("ci95")
+    if interval:
+        lo, hi = interval
+        verdict = (
+            "includes 0: this run does not tell a decided-serial step's cost apart from noise"
+            if lo <= 0 <= hi
+            else "excludes 0: a difference beyond this run's noise"
+        )
+        lines += ["", f"The decided-serial A/B's 95 % interval [{lo:+.2f}, {hi:+.2f}] % {verdict}."]
     return "\n".join(lines) + "\n"
 
 
@@ -247,6 +323,18 @@ GENERATORS: dict[str, Callable[[Results], str]] = {
     "sweep tables": sweep_block,
     "overhead table": overhead_block,
 }
+
+
+#: The blocks that quote no report.
+NO_FIGURES = ("configuration table",)
+
+
+def runs_not_named(block: str, body: str, res: Results) -> list[str]:
+    """The reports block ``block`` quotes whose run line ``body`` lacks; a
+    block neither in :data:`FIGURE_BLOCKS` nor in :data:`NO_FIGURES` is
+    taken to quote every report."""
+    quoted = () if block in NO_FIGURES else FIGURE_BLOCKS.get(block, tuple(REPORTS))
+    return [f"{REPORTS[name][0]}" for name in quoted if res.run_line(name) not in body]
 
 
 # ---------------------------------------------------------------------------
@@ -296,7 +384,14 @@ def render_file(text: str, where: str, res: Results) -> tuple[str, list[str]]:
     changed: list[str] = []
     pos = 0
     for b in blocks:
-        body = GENERATORS[b.name](res).rstrip("\n").split("\n")
+        text_of_block = GENERATORS[b.name](res)
+        unnamed = runs_not_named(b.name, text_of_block, res)
+        if unnamed:
+            raise DocsError(
+                f"{where}: block {b.name!r} quotes {', '.join(unnamed)} without its run line"
+                " (command, commit, machine, date: Results.run_line)"
+            )
+        body = text_of_block.rstrip("\n").split("\n")
         if lines[b.begin + 1 : b.end] != body:
             changed.append(b.name)
         out += lines[pos : b.begin + 1] + body + [lines[b.end]]

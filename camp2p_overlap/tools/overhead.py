@@ -42,7 +42,6 @@ from __future__ import annotations
 import inspect
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -65,6 +64,7 @@ from camp2p_overlap.tools.bench.sweep import (
     SWEEP_DEFAULTS,
     WORK_POINT_CHANGES,
 )
+from camp2p_overlap.tools.provenance import report_env
 
 PATHS = ("engaged", "pass-through")
 SCHEMA = "camp2p-overlap/overhead/v1"
@@ -422,7 +422,7 @@ def measure_overhead(params: OverheadParams) -> dict[str, Any]:
         "shapes": shapes,
         "decided_serial_ab": ab,
         "params": asdict(params),
-        "env": {"switch_interval_s": round(sys.getswitchinterval(), 9)},
+        "env": report_env(),
         "wall_s": round(time.perf_counter() - wall0, 2),
     }
 

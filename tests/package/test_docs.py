@@ -1,5 +1,7 @@
 """The docs: generated blocks are what ``camp2p-overlap docs`` writes from
-``docs/results/``, a hand edit inside one fails ``--check``, the README
+``docs/results/``, every block that quotes a report names its run (command,
+commit, machine, date, from the JSON), a hand edit inside one fails
+``--check``, the README
 keeps the two set-up-and-go commands and its troubleshooting names the
 layer's serial reasons, section references name real headings, and
 docs/design.md's folder tree lists the package's modules."""
@@ -12,13 +14,15 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from camp2p_overlap.core.overlap.decision import GRAPH_OFF
 from camp2p_overlap.core.overlap.step import NO_STREAMS_IN_CAPTURE, NOT_APPLIED, SERIAL_FASTER, SERIAL_PROBE
+from camp2p_overlap.tools import docgen
 from camp2p_overlap.tools.cli import main
-from camp2p_overlap.tools.docgen import DOC_BLOCKS, RESULTS_DIR, run_docs
+from camp2p_overlap.tools.docgen import DOC_BLOCKS, FIGURE_BLOCKS, REPORTS, RESULTS_DIR, run_docs
 
 REPO = Path(__file__).resolve().parents[2]
 MAIN_JOB = "bash scripts/setup.sh && .venv/bin/camp2p-overlap bench --scenario ffn-bound"
@@ -98,26 +102,21 @@ def test_the_figures_come_from_the_reports(checkout: Path) -> None:
 
     code, out = _check(checkout)
     assert code == 1
-    for stale in (
-        "README.md: block 'headline figures'",
-        "docs/benchmark.md: block 'headline figures'",
-        "docs/benchmark.md: block 'bench table'",
-    ):
+    for stale in ("docs/benchmark.md: block 'headline figures'", "docs/benchmark.md: block 'bench table'"):
         assert stale in out
-    assert "sweep tables" not in out and "overhead table" not in out
+    assert "sweep tables" not in out and "overhead table" not in out and "README.md" not in out
     run_docs(checkout, check=False, out=io.StringIO())
-    for rel in ("README.md", "docs/benchmark.md"):
-        assert "7.77x" in _block_body((checkout / rel).read_text(encoding="utf-8"), "headline figures")
+    assert "7.77x" in _block_body((checkout / "docs/benchmark.md").read_text(encoding="utf-8"), "headline figures")
 
 
 def test_broken_markers_and_missing_inputs_are_errors(checkout: Path) -> None:
     readme = checkout / "README.md"
     text = readme.read_text(encoding="utf-8")
-    readme.write_text(text.replace("<!-- END generated: headline figures -->\n", ""), encoding="utf-8")
+    readme.write_text(text.replace("<!-- END generated: configuration table -->\n", ""), encoding="utf-8")
     code, out = _check(checkout)
-    assert code == 2 and "README.md" in out and "'headline figures'" in out
+    assert code == 2 and "README.md" in out and "'configuration table'" in out
 
-    typo = text.replace("generated: headline figures -->", "generated: headline typo -->")
+    typo = text.replace("generated: configuration table", "generated: headline typo")
     readme.write_text(typo, encoding="utf-8")
     code, out = _check(checkout)
     assert code == 2 and "no generator for block(s) 'headline typo'" in out
@@ -126,6 +125,93 @@ def test_broken_markers_and_missing_inputs_are_errors(checkout: Path) -> None:
     (checkout / RESULTS_DIR / "overhead.json").unlink()
     code, out = _check(checkout)
     assert code == 2 and "overhead.json is missing" in out and "camp2p-overlap overhead" in out
+
+
+# ---------------------------------------------------------------------------
+# every figure names its run
+_RUN_LINE = re.compile(
+    r"^ *Run: `camp2p-overlap (\w+) [^`]*`; commit [^;]+; machine: [^;]+; date [^;]+(?:; \d+ s)?\.", re.M
+)
+
+
+def test_every_figure_block_of_the_docs_names_its_run() -> None:
+    """Read from the files, not from the generators: each block that quotes
+    a report holds a run line (command, commit, machine, date) per report."""
+    text = (REPO / "docs/benchmark.md").read_text(encoding="utf-8")
+    assert set(FIGURE_BLOCKS) | set(docgen.NO_FIGURES) == set(docgen.GENERATORS)
+    for block, quoted in FIGURE_BLOCKS.items():
+        named = [m.group(1) for m in _RUN_LINE.finditer(_block_body(text, block))]
+        assert named == list(quoted), f"block {block!r} names the runs {named}, quotes {list(quoted)}"
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "Run: `" not in readme and not re.search(r"\d\.\d\dx\b", readme), "run figures belong in benchmark.md"
+
+
+def test_a_figure_block_without_its_run_line_is_an_error(checkout: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = docgen.GENERATORS["bench table"]
+
+    def without_run_line(res: docgen.Results) -> str:
+        return real(res).replace(res.run_line("bench"), "Run: somewhere, some day.")
+
+    monkeypatch.setitem(docgen.GENERATORS, "bench table", without_run_line)
+    for check in (True, False):
+        out = io.StringIO()
+        assert run_docs(checkout, check=check, out=out) == 2
+        assert "docs/benchmark.md: block 'bench table' quotes bench.json without its run line" in out.getvalue()
+
+
+def _edit_json(path: Path, edit: Any) -> None:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    edit(data)
+    path.write_text(json.dumps(data), encoding="utf-8")
+
+
+def test_the_run_line_reads_the_json(checkout: Path) -> None:
+    """A report's own ``run`` names its run and needs no runs.json entry;
+    an entry contradicting it is an error; an unrecorded date or machine key
+    is said to be so, never made up."""
+    results = checkout / RESULTS_DIR
+    own = {"command": "camp2p-overlap bench --scenario ffn-bound", "commit": "abc1234+", "date": "2027-01-02T03:04:05Z"}
+    _edit_json(results / "bench.json", lambda d: d.update(run=own))
+    out = io.StringIO()
+    assert run_docs(checkout, check=True, out=out) == 2
+    assert "run 'bench' differs from the run bench.json records: delete the entry" in out.getvalue()
+    _edit_json(results / "runs.json", lambda d: d["runs"].pop("bench"))
+    assert _check(checkout)[0] == 1, "the bench blocks now name the report's own run"
+
+    def unrecorded(d: dict[str, Any]) -> None:
+        d["runs"]["overhead"]["date"] = None
+        d["runs"]["overhead"]["commit"] = None
+
+    _edit_json(results / "runs.json", unrecorded)
+    _edit_json(results / "sweep.json", lambda d: d["env"].pop("machine"))
+    assert run_docs(checkout, check=False, out=io.StringIO()) == 0
+    text = (checkout / "docs/benchmark.md").read_text(encoding="utf-8")
+    bench = _block_body(text, "bench table")
+    assert "Run: `camp2p-overlap bench --scenario ffn-bound`; commit abc1234+;" in bench
+    assert "; date 2027-01-02T03:04:05Z;" in bench
+    overhead = _block_body(text, "overhead table")
+    assert "; commit not recorded;" in overhead and "; date not recorded;" in overhead
+    assert "architecture not recorded" in _block_body(text, "sweep tables")
+    for block, quoted in FIGURE_BLOCKS.items():
+        assert len(_RUN_LINE.findall(_block_body(text, block))) == len(quoted), block
+
+    _edit_json(results / "runs.json", lambda d: d["runs"].pop("sweep"))
+    out = io.StringIO()
+    assert run_docs(checkout, check=True, out=out) == 2
+    assert "sweep.json records no run and" in out.getvalue() and "has no entry 'sweep'" in out.getvalue()
+
+
+def test_every_report_of_the_docs_says_how_it_was_made() -> None:
+    """Each report records its run, or runs.json has its entry; each names
+    its machine in ``env``, and a key filled in after the run says from where."""
+    runs = json.loads((REPO / RESULTS_DIR / "runs.json").read_text(encoding="utf-8"))["runs"]
+    for name, (file, _) in REPORTS.items():
+        report = json.loads((REPO / RESULTS_DIR / file).read_text(encoding="utf-8"))
+        run = report.get("run") or runs[name]
+        assert set(docgen.RUN_KEYS) <= set(run) and run["command"].startswith(f"camp2p-overlap {name} ")
+        env = report["env"]
+        filled = env.get("filled", {"keys": []})
+        assert set(filled["keys"]) <= set(env) and (not filled["keys"] or filled["source"])
 
 
 def test_the_readme_keeps_the_two_commands_ci_runs() -> None:

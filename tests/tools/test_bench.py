@@ -6,6 +6,8 @@ and plot files are what they claim to be. No timing is asserted."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -94,6 +96,7 @@ TOP_KEYS = {
     "outputs_equal": bool,
     "env": dict,
     "wall_s": float,
+    "run": dict,
 }
 PARAM_KEYS = {f for f in BenchParams.__dataclass_fields__}
 MEASURED_KEYS = {
@@ -300,6 +303,11 @@ def test_bench_json_has_the_documented_schema(bench_files: dict[str, Any]) -> No
     _check_keys(r["env"], ENV_KEYS, "env")
     assert r["env"]["torch_threads"] == 1
     assert r["env"]["switch_interval_s"] == TOOL_SWITCH_INTERVAL_S, "the bench command sets the tools' interval"
+    assert set(r["run"]) == {"command", "commit", "date"}
+    paths = bench_files["paths"]
+    argv = ["bench", *TINY, "--json", paths["json"], "--trace", paths["trace"], "--plot", paths["plot"]]
+    assert r["run"]["command"] == shlex.join(["camp2p-overlap", *map(str, argv)]), "the command as run"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", r["run"]["date"])
 
 
 def test_report_values_are_consistent(bench_files: dict[str, Any]) -> None:
@@ -622,6 +630,12 @@ def test_sweep_writes_markdown_plot_and_json(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == PNG_SIGNATURE
     data = json.loads(js.read_text())
     assert data["partial"] is False and data["progress"] == "done" and data["fallbacks"] == []
+    assert data["run"]["command"].startswith("camp2p-overlap sweep ") and set(data["run"]) == {
+        "command",
+        "commit",
+        "date",
+    }
+    assert set(data["env"]) == set(ENV_KEYS) and data["env"]["torch_threads"] == 1
     assert data["comm_core_points"] == [] and data["comm_core_changes"] == []
     assert [p["target_ratio"] for p in data["ratio_points"]] == [0.5, 2.0]
     assert [p["stages"] for p in data["stage_points"]] == [1, 2]

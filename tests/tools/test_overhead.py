@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import shlex
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -186,6 +187,10 @@ def test_cli_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFi
     assert main([*argv, "--ab-rounds", "2", "--ab-steps", "5", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
     assert data["schema"] == "camp2p-overlap/overhead/v1"
+    ran = [*argv, "--ab-rounds", "2", "--ab-steps", "5", "--json", str(path)]
+    assert data["run"]["command"] == shlex.join(["camp2p-overlap", *ran])
+    assert set(data["run"]) == {"command", "commit", "date"}
+    assert {"python", "torch", "torch_threads", "cpu_count", "machine", "switch_interval_s"} == set(data["env"])
     for key in ("engaged_us_per_layer_stage", "passthrough_us_per_step", "passthrough_us_per_call"):
         assert set(data[key]) == FIGURE
         assert data[key]["p90"] >= data[key]["median"]

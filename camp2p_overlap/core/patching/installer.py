@@ -454,7 +454,8 @@ class Installer:
 #
 # Why not a ``wrapt.FunctionWrapper`` for plain methods too: every lookup of
 # one through an instance builds a bound proxy, which costs several times
-# what a plain function costs (docs/benchmark.md, "Earlier runs"); a plain
+# what a plain function costs (measured: the history section of
+# docs/benchmark.md as of commit 5f75083); a plain
 # function is bound by the interpreter itself. What wrapt's removal
 # needs stays: ``patched.__wrapped__`` is the original, so
 # ``wrapt.wrapper_chain``/``find_wrapper`` see it as a chain entry,

@@ -64,8 +64,6 @@ which enforces the capture rules.
 from __future__ import annotations
 
 import math
-import os
-import platform
 import random
 import statistics
 import sys
@@ -92,6 +90,7 @@ from camp2p_overlap.emulation.world import LinkModel, WorldSpec, build_world
 from camp2p_overlap.tools.bench.calibrate import in_run_schedules, refine_ffn_in_run
 from camp2p_overlap.tools.bench.launch import launch_sample, launch_summary, launch_verdict
 from camp2p_overlap.tools.bench.timing import timing_mode, timing_noise, timing_problems, timing_report
+from camp2p_overlap.tools.provenance import report_env
 from camp2p_overlap.verify.edges import check_step
 from camp2p_overlap.verify.peer_cycle import check_peer_cycle
 
@@ -1369,14 +1368,7 @@ def _report(
         "measured": measured,
         "policies": policies,
         "outputs_equal": all(p["outputs_equal"] for p in policies),
-        "env": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "torch_threads": params.threads,
-            "cpu_count": os.cpu_count(),
-            "machine": platform.machine(),
-            "switch_interval_s": round(sys.getswitchinterval(), 9),
-        },
+        "env": report_env(params.threads),
         "wall_s": round(wall_s, 3),
     }
 

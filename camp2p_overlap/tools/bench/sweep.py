@@ -40,6 +40,7 @@ from camp2p_overlap.emulation.ffn_timing import rated_shape_s
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.tools.bench.runner import BenchParams, link_for_ratio, run_bench
 from camp2p_overlap.tools.bench.tables import CPU_CAVEAT, fmt_time
+from camp2p_overlap.tools.provenance import report_env
 
 DEFAULT_RATIOS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
 DEFAULT_STAGE_COUNTS = (1, 2, 3)
@@ -245,7 +246,7 @@ def run_sweep(
         "comm_core_changes": core_changes,
         "fallbacks": [],
         "graph": bool(work_graph),
-        "env": {"switch_interval_s": round(sys.getswitchinterval(), 9)},
+        "env": report_env(base.threads),
         "wall_s": 0.0,
     }
 
