@@ -26,7 +26,7 @@ from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.emulation.device_comm import KERNEL_SOURCE, DevicePeerTimeout, HostCommKernels
 from camp2p_overlap.emulation.device_world import build_device_world
 from camp2p_overlap.emulation.moe import MoEShape
-from camp2p_overlap.emulation.standin_layer import emulation_engine, release_site, standin_site
+from camp2p_overlap.emulation.standin_patch_layer import emulation_engine, release_site, standin_site
 from camp2p_overlap.emulation.world import LinkModel, WorldSpec
 from camp2p_overlap.verify.peer_cycle import check_peer_cycle
 

@@ -79,7 +79,7 @@ def _spec(**kw: Any) -> Any:
 
 @pytest.fixture
 def site() -> Iterator[Any]:
-    from camp2p_overlap.emulation.standin_layer import release_site, standin_site
+    from camp2p_overlap.emulation.standin_patch_layer import release_site, standin_site
 
     s = standin_site()
     yield s
@@ -90,7 +90,7 @@ def site() -> Iterator[Any]:
 def overlap_on(site: Any, **overrides: Any) -> Iterator[Any]:
     """The patch layer applied for the CUDA backend. The benchmark's engine
     is used so the check does not depend on which vLLM the GPU box has."""
-    from camp2p_overlap.emulation.standin_layer import emulation_engine
+    from camp2p_overlap.emulation.standin_patch_layer import emulation_engine
 
     overrides.setdefault("adaptive", False)  # every step overlapped: the checks need the overlap to run
     with emulation_engine() as engine:

@@ -380,7 +380,7 @@ def test_a_comm_kernel_that_falls_back_says_why(monkeypatch: pytest.MonkeyPatch,
     """No CUDA comm kernel can be built (forced): the world runs calibrated
     delays, and the reason is in the world's fallbacks, the bench report's,
     the table, and the log (once for two builds)."""
-    from camp2p_overlap.emulation.standin_layer import release_site, standin_site
+    from camp2p_overlap.emulation.standin_patch_layer import release_site, standin_site
 
     monkeypatch.setattr(device_world, "NvrtcCommKernels", _NoNvrtc)
     dev = HostDevice()
@@ -443,7 +443,7 @@ def test_a_comm_kernel_launcher_that_falls_back_says_why(monkeypatch: pytest.Mon
     NvrtcCommKernels(3, 0, torch.device("cpu"))
     assert len(logs.texts("comm kernel launcher nvrtc (torch.cuda._compile_kernel) failed", logging.WARNING)) == 1
     # build_device_world passes a kernel's own fallbacks on.
-    from camp2p_overlap.emulation.standin_layer import release_site, standin_site
+    from camp2p_overlap.emulation.standin_patch_layer import release_site, standin_site
 
     site = standin_site()
     try:

@@ -87,7 +87,7 @@ from camp2p_overlap.emulation import device as emulated_device
 from camp2p_overlap.emulation.device import TimingCounts
 from camp2p_overlap.emulation.ffn_timing import fixed as fixed_ffn
 from camp2p_overlap.emulation.moe import MoEShape
-from camp2p_overlap.emulation.standin_layer import emulated_layer, release_site, standin_site
+from camp2p_overlap.emulation.standin_patch_layer import emulated_patch_layer, release_site, standin_site
 from camp2p_overlap.emulation.world import LinkModel, WorldSpec, build_world
 from camp2p_overlap.tools.bench.calibrate import in_run_schedules, refine_ffn_in_run
 from camp2p_overlap.tools.bench.launch import launch_sample, launch_summary, launch_verdict
@@ -760,8 +760,8 @@ def _run_policies(
     )
     # One engine per policy, kept over the repetitions (what adaptive engage
     # learned carries over, as in a serving process), applied per repetition.
-    patch_layers = {p: emulated_layer() for p in order}
-    engines = {p: layer.engine for p, layer in patch_layers.items()}
+    patch_layers = {p: emulated_patch_layer() for p in order}
+    engines = {p: patch_layer.engine for p, patch_layer in patch_layers.items()}
     try:
         for rep in range(params.reps):
             for policy in order:
@@ -920,7 +920,7 @@ def _run_graph_policies(
         e2a_on_side_stream=False,
         adaptive=False,
     )
-    patch_layers = {p: emulated_layer() for p in order}
+    patch_layers = {p: emulated_patch_layer() for p in order}
     per_rep = len(order) * (params.warmup + params.steps) + params.steps
     bar = _Progress(len(warm_ids) + len(timed_ids) + len(order) + params.reps * per_rep, progress, desc)
     side_streams = {side_stream_name(s) for s in stages}
