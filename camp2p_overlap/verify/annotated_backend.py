@@ -1,6 +1,6 @@
 """A stream backend whose every op, record and wait is issued inside a
 ``camp2p:`` profiler range, around the layer's own backend: the bench's
-``--profile-trace`` step uses it, and ``device_timeline.py`` reads the
+``--profile-trace`` step uses it, and ``profiler_timeline.py`` reads the
 ranges back from the profiler's trace (:func:`parse_event_range`).
 
 It lives outside core, which never imports it (an import contract in

@@ -121,7 +121,7 @@ def _fake_forward_context(*args: Any, **kwargs: Any) -> Iterator[_ForwardContext
 
 
 def _device_parts(device: torch.device, hidden: int, tokens: int) -> tuple[Any, Any, Any]:
-    from camp2p_overlap.emulation.device_world import DeviceDelay, DeviceFFN, DeviceTiming, DeviceTransport
+    from camp2p_overlap.emulation.kernel_world import DeviceDelay, DeviceFFN, DeviceTiming, DeviceTransport
     from camp2p_overlap.emulation.moe import MoEShape
     from camp2p_overlap.emulation.world import LinkModel
 
@@ -217,7 +217,7 @@ def test_real_ffn_forward_loop_overlapped_equals_serial(monkeypatch: pytest.Monk
 
 
 def test_npu_backend_runs_the_emulated_world_bitwise_serial() -> None:
-    from camp2p_overlap.emulation.device_world import build_device_world
+    from camp2p_overlap.emulation.kernel_world import build_device_world
     from camp2p_overlap.emulation.moe import MoEShape
     from camp2p_overlap.emulation.standin_patch_layer import emulation_engine, release_site, standin_site
     from camp2p_overlap.emulation.world import WorldSpec

@@ -450,7 +450,7 @@ def test_the_scrape_and_the_summary_touch_no_device_event(
     fresh_reporting: None, monkeypatch: pytest.MonkeyPatch, logs: PackageLogs, tmp_path: Path
 ) -> None:
     from camp2p_overlap.core.overlap.step_timings import StepTimings
-    from camp2p_overlap.core.overlap.streams import base, device
+    from camp2p_overlap.core.overlap.streams import base, torch_streams
     from camp2p_overlap.emulation.device import worker
 
     w = world(layers=2, stage_ids=(0, 1))
@@ -475,7 +475,7 @@ def test_the_scrape_and_the_summary_touch_no_device_event(
         (PATCH_LAYER.runtime, ("stats",)),
         (StepTimings, ("read_ready", "record")),
         (base.StreamBackend, ("elapsed", "timing_start", "timing_stop", "synchronize", "record", "wait")),
-        (device.TorchDeviceBackend, ("elapsed", "timing_start", "timing_stop", "synchronize", "record", "wait")),
+        (torch_streams.TorchStreamBackend, ("elapsed", "timing_start", "timing_stop", "synchronize", "record", "wait")),
         (worker.Event, ("query", "synchronize", "elapsed_time", "record", "wait")),
         (worker.Stream, ("query", "synchronize", "record_event", "wait_event")),
     ):

@@ -12,7 +12,7 @@ import torch
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.keys import A_DONE
 from camp2p_overlap.core.overlap.session import OverlapSession
-from camp2p_overlap.emulation.device_world import build_device_world
+from camp2p_overlap.emulation.kernel_world import build_device_world
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.standin_patch_layer import emulation_engine, standin_site
 from camp2p_overlap.emulation.world import LinkModel, WorldSpec

@@ -571,14 +571,14 @@ def test_device_cuda_without_a_gpu_errors_clearly(capsys: pytest.CaptureFixture[
 
 
 def test_device_world_imports_without_a_device() -> None:
-    from camp2p_overlap.emulation import device_world
+    from camp2p_overlap.emulation import kernel_world
 
-    assert hasattr(device_world, "build_device_world")
+    assert hasattr(kernel_world, "build_device_world")
     if not torch.cuda.is_available():
-        with pytest.raises(device_world.DeviceUnavailable, match=r"torch\.cuda\.is_available"):
-            device_world.build_device_world(_tiny_spec(), "cuda")
-    with pytest.raises(device_world.DeviceUnavailable, match=r"--device tpu: no device module for 'tpu'"):
-        device_world.require_device("tpu")
+        with pytest.raises(kernel_world.DeviceUnavailable, match=r"torch\.cuda\.is_available"):
+            kernel_world.build_device_world(_tiny_spec(), "cuda")
+    with pytest.raises(kernel_world.DeviceUnavailable, match=r"--device tpu: no device module for 'tpu'"):
+        kernel_world.require_device("tpu")
 
 
 def test_help_documents_the_metrics(capsys: pytest.CaptureFixture[str]) -> None:
@@ -1126,7 +1126,7 @@ def test_device_world_results_are_snapshots_and_inputs_follow_the_step_id() -> N
     outputs), a step's results are a snapshot (a later step does not change
     them), and a graph replayed for another step id gives that id's eager
     outputs (its inputs were copied in before the replay, not captured)."""
-    from camp2p_overlap.emulation.device_world import EMULATED, build_device_world
+    from camp2p_overlap.emulation.kernel_world import EMULATED, build_device_world
     from camp2p_overlap.emulation.standin_patch_layer import release_site, standin_site
 
     site = standin_site()
@@ -1166,7 +1166,7 @@ def test_device_world_host_read_inside_the_capture_fails_the_run(monkeypatch: py
     record, which the comm kernel writes) injected. Eager steps read it
     freely; inside the capture the emulated device raises CaptureViolation
     and the run fails with it."""
-    from camp2p_overlap.emulation.device_world import DeviceTransport
+    from camp2p_overlap.emulation.kernel_world import DeviceTransport
 
     real_a2e = DeviceTransport.a2e
     reads = {"eager": 0}

@@ -1,7 +1,7 @@
 """``bench --profile-trace PATH`` on ``--device cuda|npu``: one overlapped
 step under the device profiler (``torch.profiler`` with Kineto on CUDA,
 ``torch_npu.profiler`` on an NPU), read back as per-stream kernel timelines
-(``verify/device_timeline.py``), checked by the edge checker on device times,
+(``verify/profiler_timeline.py``), checked by the edge checker on device times,
 and written as Chrome/Perfetto trace JSON (one track per stream: C, K0, K1,
 ..., each op's span over its kernels).
 
@@ -28,8 +28,8 @@ from camp2p_overlap.core.overlap.streams import device_module
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.emulation.standin_patch_layer import emulated_patch_layer
 from camp2p_overlap.verify.annotated_backend import RANGE_PREFIX, annotating, profiler_range
-from camp2p_overlap.verify.device_timeline import DeviceTimeline, parse
 from camp2p_overlap.verify.edges import check_step
+from camp2p_overlap.verify.profiler_timeline import DeviceTimeline, parse
 
 #: The step id of the profiled step (its own: the attention inputs depend on it).
 PROFILE_STEP_ID = 10_000

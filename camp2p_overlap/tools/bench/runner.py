@@ -55,7 +55,7 @@ replays: speedup against serial's graph.
 Worlds: ``--device cpu`` runs the host world (``emulation/world.py``: the
 transport and the attention peers on the host); ``--device cuda|npu``, and
 ``--device cpu --device-world``, the device world
-(``emulation/device_world.py``: static attention buffers filled before each
+(``emulation/kernel_world.py``: static attention buffers filled before each
 step or replay, results read from static buffers after it, the peer on the
 device), which is capturable: on the CPU it runs on the emulated device,
 which enforces the capture rules.
@@ -175,7 +175,7 @@ class BenchParams:
     #: (cuda: CUDA graphs; cpu: the emulated device's).
     graph: bool = False
     #: ``--device cpu`` only: run the device world (static attention buffers,
-    #: the device-side peer, ``emulation/device_world.py``) on the emulated
+    #: the device-side peer, ``emulation/kernel_world.py``) on the emulated
     #: device instead of the host world: the code path of ``--device cuda``, on
     #: the CPU. (cuda and npu always run the device world.)
     device_world: bool = False
@@ -515,7 +515,7 @@ def _cuda_memory(mod: Any) -> Callable[[Any], dict[str, int | None]]:
 
 
 def _device_handle(params: BenchParams, root: str) -> _Handle:
-    from camp2p_overlap.emulation.device_world import EMULATED, build_device_world
+    from camp2p_overlap.emulation.kernel_world import EMULATED, build_device_world
 
     kind = EMULATED if params.device == "cpu" else params.device
     dw = build_device_world(params.world_spec(), kind, root=root)

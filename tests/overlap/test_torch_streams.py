@@ -1,5 +1,5 @@
 """The ``cuda`` and ``npu`` backends: they construct only where their torch
-device module is usable; the shared TorchDeviceBackend is exercised here
+device module is usable; the shared TorchStreamBackend is exercised here
 through a host-synchronous stand-in device module, and on a real device by
 the gpu/npu-marked tests (which skip with a reason elsewhere)."""
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.host_device import HostDevice, use_host_device
+from support.host_device_module import HostDeviceModule, use_host_device_module
 from support.overlap import (
     SHAPE,
     Schedule,
@@ -33,7 +33,7 @@ from camp2p_overlap.core.keys import A2E, COMPUTE_STREAM, E2A, side_stream_name
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.overlap.streams import (
     BackendUnavailable,
-    TorchDeviceBackend,
+    TorchStreamBackend,
     device_module,
     make_backend,
 )
@@ -65,17 +65,17 @@ def test_unknown_device_kind_and_incomplete_modules_are_refused() -> None:
         device_module("xpu")
     incomplete = SimpleNamespace(__name__="fakedev", Stream=object, Event=object, stream=None)
     with pytest.raises(BackendUnavailable, match="fakedev has no current_stream"):
-        TorchDeviceBackend("fake", incomplete)  # type: ignore[arg-type]
+        TorchStreamBackend("fake", incomplete)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------
-# The host stand-in device module (support.host_device), with a tick clock.
+# The host stand-in device module (support.host_device_module), with a tick clock.
 
 
 @pytest.fixture
-def fake_device(monkeypatch: pytest.MonkeyPatch) -> HostDevice:
-    dev = HostDevice(name="fakedev", clock=itertools.count(1).__next__, tick_ms=1.0)
-    use_host_device(monkeypatch, dev)
+def fake_device(monkeypatch: pytest.MonkeyPatch) -> HostDeviceModule:
+    dev = HostDeviceModule(name="fakedev", clock=itertools.count(1).__next__, tick_ms=1.0)
+    use_host_device_module(monkeypatch, dev)
     return dev
 
 
@@ -134,7 +134,7 @@ def test_device_backend_schedule_equals_serial_and_reuses_events(
 
 
 def test_device_capture_gates_unless_graph_mode(
-    fake_device: HostDevice, monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer
+    fake_device: HostDeviceModule, monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer
 ) -> None:
     w = world(layers=2, stage_ids=(0, 1))
     sched = Schedule(2, (0, 1), (5, 5), step=1)
@@ -158,7 +158,7 @@ def test_device_capture_gates_unless_graph_mode(
 
 
 def test_first_engaged_step_inside_capture_creates_no_streams(
-    fake_device: HostDevice,
+    fake_device: HostDeviceModule,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
     patch_layer: PatchLayer,
@@ -259,7 +259,7 @@ def test_emulated_world_on_a_real_device(monkeypatch: pytest.MonkeyPatch, kind: 
         release_site(site)
 
 
-def test_adaptive_device_steps_read_events_and_never_synchronize(fake_device: HostDevice) -> None:
+def test_adaptive_device_steps_read_events_and_never_synchronize(fake_device: HostDeviceModule) -> None:
     """Adaptive engage on a device backend: step times come from timing
     events queried later; no step synchronizes anything; outputs stay equal
     across the learning steps that switch between overlap and serial."""

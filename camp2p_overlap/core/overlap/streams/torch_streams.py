@@ -28,7 +28,7 @@ from camp2p_overlap.core.overlap.streams.base import (
 )
 
 
-class TorchDeviceBackend(StreamBackend):
+class TorchStreamBackend(StreamBackend):
     def __init__(self, name: str, device_module: ModuleType, device: Any = None) -> None:
         for attr in ("Stream", "Event", "stream", "current_stream"):
             if not hasattr(device_module, attr):
