@@ -682,21 +682,21 @@ def test_step_timing_reads_the_events_by_query_only(
     c = backend.compute_stream()
     gate = gate_on(c)
     try:
-        token = backend.timing_start()
+        token = backend.step_timer_start()
         backend.submit(c, lambda: dev.launch(lambda: time.sleep(0.01)))
-        backend.timing_stop(token)
-        assert backend.elapsed(token) is None  # C has not reached the end event
+        backend.step_timer_stop(token)
+        assert backend.step_timer_elapsed_s(token) is None  # C has not reached the end event
         assert queries == [False]
     finally:
         gate.set()
     assert c.drain(timeout=BOUND_S)
-    seconds = backend.elapsed(token)
+    seconds = backend.step_timer_elapsed_s(token)
     assert seconds is not None and 0.009 <= seconds < 60.0
-    again = backend.timing_start()  # the events went back to the pool
+    again = backend.step_timer_start()  # the events went back to the pool
     assert again[0] is token[0] and again[1] is token[1]
-    backend.timing_stop(again)
+    backend.step_timer_stop(again)
     assert c.drain(timeout=BOUND_S)
-    assert backend.elapsed(again) is not None
+    assert backend.step_timer_elapsed_s(again) is not None
     assert queries == [False, True, True]
 
 

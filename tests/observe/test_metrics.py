@@ -474,8 +474,14 @@ def test_the_scrape_and_the_summary_touch_no_device_event(
     for owner, names in (
         (PATCH_LAYER.runtime, ("stats",)),
         (StepTimings, ("read_ready", "record")),
-        (base.StreamBackend, ("elapsed", "timing_start", "timing_stop", "synchronize", "record", "wait")),
-        (torch_streams.TorchStreamBackend, ("elapsed", "timing_start", "timing_stop", "synchronize", "record", "wait")),
+        (
+            base.StreamBackend,
+            ("step_timer_elapsed_s", "step_timer_start", "step_timer_stop", "synchronize", "record", "wait"),
+        ),
+        (
+            torch_streams.TorchStreamBackend,
+            ("step_timer_elapsed_s", "step_timer_start", "step_timer_stop", "synchronize", "record", "wait"),
+        ),
         (worker.Event, ("query", "synchronize", "elapsed_time", "record", "wait")),
         (worker.Stream, ("query", "synchronize", "record_event", "wait_event")),
     ):

@@ -401,15 +401,15 @@ class _FakeDevice:
 def test_device_step_timing_reads_events_later_and_never_synchronizes() -> None:
     dev = _FakeDevice()
     backend = TorchStreamBackend("fake", dev)  # type: ignore[arg-type]
-    token = backend.timing_start()
+    token = backend.step_timer_start()
     dev.clock[0] = 0.025
-    backend.timing_stop(token)
-    assert backend.elapsed(token) is None  # not complete yet: ask again later
+    backend.step_timer_stop(token)
+    assert backend.step_timer_elapsed_s(token) is None  # not complete yet: ask again later
     for ev in dev.events:
         ev.done = True
-    assert backend.elapsed(token) == pytest.approx(0.025)
+    assert backend.step_timer_elapsed_s(token) == pytest.approx(0.025)
     assert "query" in dev.log and len(dev.events) == 2
-    again = backend.timing_start()  # the pair went back to the pool
+    again = backend.step_timer_start()  # the pair went back to the pool
     assert len(dev.events) == 2 and again == token
 
 
@@ -425,9 +425,9 @@ def test_runtime_collect_reads_only_completed_timings_in_order() -> None:
     try:
         tokens = []
         for i, mode in enumerate(("overlap", "serial")):
-            t = backend.timing_start()
+            t = backend.step_timer_start()
             dev.clock[0] += 0.010 * (i + 1)
-            backend.timing_stop(t)
+            backend.step_timer_stop(t)
             tokens.append(t)
             timings.record(key, mode, backend, t)  # type: ignore[arg-type]
         assert recorded == []  # nothing completed: nothing read, nothing waited for

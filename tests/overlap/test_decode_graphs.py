@@ -100,7 +100,7 @@ class InjectedTimes:
         self.seconds = seconds
 
         def record(timings: StepTimings, key: Any, path: str, backend: Any, token: Any, into: Any = None) -> None:
-            backend.timing_discard(token)
+            backend.step_timer_discard(token)
             (into or timings._adaptive()).record(key, path, self.seconds(into, path))
 
         monkeypatch.setattr(StepTimings, "record", record)
@@ -510,8 +510,8 @@ def test_a_replay_that_raises_gives_its_timing_pair_back(patch_layer: PatchLayer
             replay(w, n)
         backend = chooser.captured.backend
         made: list[Any] = []
-        real_pair = backend._new_timing_pair
-        backend._new_timing_pair = lambda: made.append(1) or real_pair()
+        real_pair = backend._new_step_timer_pair
+        backend._new_step_timer_pair = lambda: made.append(1) or real_pair()
 
         def broken() -> None:
             raise RuntimeError("replay failed")

@@ -27,6 +27,8 @@ from typing import Any
 
 from camp2p_overlap.core.keys import COMPUTE_STREAM, EventKey, side_stream_name
 
+#: What a trace entry (:attr:`TraceOp.kind`) can be: a connector op (one of
+#: ``keys.CONNECTOR_OP_KINDS``), an FFN, a record, a wait, or a step's span.
 TRACE_KINDS = ("a2e", "ffn", "e2a", "wait", "record", "step")
 
 
