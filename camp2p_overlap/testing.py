@@ -35,7 +35,7 @@ def overlap_patched(
     cfg = base.with_overrides(**overrides) if overrides else base
     if cfg.backend == "cpu":
         # the cpu backend runs on the emulated device, which registers itself
-        # when imported (the layer itself never imports the emulation)
+        # when imported (the patch layer itself never imports the emulation)
         import camp2p_overlap.emulation.device  # noqa: F401
     PATCH_LAYER.engine.unpatch()
     try:

@@ -34,7 +34,7 @@ from camp2p_overlap.tools.bench.runner import TOOL_SWITCH_INTERVAL_S
 # engage's step times, the benchmark's own runs). At CPython's default switch
 # interval (5 ms) a stream that could run may wait that long for the GIL;
 # the test process runs with the emulation tools' interval, as they do
-# (docs/benchmark.md, "Thread switching"). The layer itself never sets it.
+# (docs/benchmark.md, "Thread switching"). The patch layer itself never sets it.
 sys.setswitchinterval(TOOL_SWITCH_INTERVAL_S)
 
 # Hypothesis profiles (HYPOTHESIS_PROFILE, default "ci"). Every example runs

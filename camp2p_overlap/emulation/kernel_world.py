@@ -193,7 +193,7 @@ class DeviceUnavailable(RuntimeError):
 
 
 def require_device(kind: str) -> ModuleType:
-    """The torch device module for ``--device kind`` (the layer's own check,
+    """The torch device module for ``--device kind`` (the patch layer's own check,
     :func:`~camp2p_overlap.core.overlap.streams.device_module`), or raise
     :class:`DeviceUnavailable` with its reason, worded for the command line."""
     try:

@@ -147,7 +147,7 @@ def passthrough_config() -> OverlapConfig:
 
 
 def decide_serial(patch_layer: PatchLayer, world: World) -> None:
-    """Teach the layer's adaptive engage that serial is faster for this
+    """Teach the patch layer's adaptive engage that serial is faster for this
     shape, so that every step takes the pass-through path (no probe runs:
     the re-probe interval is the largest allowed)."""
     runtime = patch_layer.runtime

@@ -1,4 +1,4 @@
-"""The emulated device reaches the layer only through the registry: core
+"""The emulated device reaches the patch layer only through the registry: core
 imports no emulation module, the emulated device registers itself for the
 ``cpu`` backend when imported, and with nothing registered the ``cpu``
 backend is refused with its reason (the step runs upstream's serial path)."""

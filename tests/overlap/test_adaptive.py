@@ -73,8 +73,8 @@ def test_first_decision_with_times_read_one_step_late_comes_by_the_eighth_step()
 
 
 def test_the_first_decision_takes_the_faster_median_by_default() -> None:
-    """Both paths are timed under the layer, so a serial step's time holds
-    the layer's pass-through cost: no margin by default; a tie stays serial."""
+    """Both paths are timed under the patch layer, so a serial step's time holds
+    the patch layer's pass-through cost: no margin by default; a tie stays serial."""
     a = AdaptiveEngage()
     drive(a, KEY, {"overlap": 0.0097, "serial": 0.0100}, 7)  # 3% better
     assert a.decision(KEY) == "overlap"

@@ -1,12 +1,12 @@
-"""The layer's own capture paths on the emulated device (installed as
+"""The patch layer's own capture paths on the emulated device (installed as
 ``torch.npu``), through the stand-in runners' upstream graph path
 (warm-up, ``capture_model``/``_capture_graphs``, replay from
 ``execute_model``), on both stacks.
 
-Every mode the layer captures (overlap, e2a-only, a2e-only, parity,
+Every mode the patch layer captures (overlap, e2a-only, a2e-only, parity,
 reorder) passes the device's capture rules and its replays are bitwise
 equal to eager serial steps with the same inputs; a rule broken inside the
-layer's capture path (injected here) is caught and leaves nothing
+patch layer's capture path (injected here) is caught and leaves nothing
 capturing; a fault inside the capture surfaces with its type and the next
 steps are correct; ``unpatch()`` during a capture waits for it and the
 captured graph still replays."""
@@ -27,7 +27,7 @@ from camp2p_overlap.emulation.world import World
 
 pytestmark = pytest.mark.usefixtures("standin_stack", "emulated_torch_npu")
 
-#: name -> the config overrides of a mode the layer captures.
+#: name -> the config overrides of a mode the patch layer captures.
 MODES: dict[str, dict[str, Any]] = {
     "overlap": {},
     "e2a-only": {"a2e_on_side_stream": False},
@@ -128,7 +128,7 @@ def test_a_rule_broken_inside_the_layers_capture_path_is_caught(
         monkeypatch.setattr(patch_layer.runtime, "session_class", OverlapSession)
         device.synchronize()
         w.runner.use_aclgraph = False
-        assert_same(step(w, 30), ref)  # the device and the layer work on
+        assert_same(step(w, 30), ref)  # the device and the patch layer work on
     finally:
         assert patch_layer.engine.unpatch(timeout=10)
 
@@ -210,8 +210,8 @@ def test_unpatch_during_a_capture_waits_for_it_and_the_graph_replays(patch_layer
     model.compute_ffn_output = original
     assert "r" in done and not device.capture_in_progress()
     assert patch_layer.engine.unpatch(timeout=10) is True
-    # The graph holds the overlap it captured; it replays without the layer
-    # (its side streams closed with the layer: a device graph needs them not).
+    # The graph holds the overlap it captured; it replays without the patch layer
+    # (its side streams closed with the patch layer: a device graph needs them not).
     (entry,) = w.runner._acl_graphs.values()
     assert {"K0", "K1"} <= {name for name, _, _ in entry["graph"].nodes()}
     for n in range(60, 62):

@@ -69,7 +69,7 @@ def test_both_variants_capture_and_every_replay_is_bitwise_serial(patch_layer: P
             assert_same(replay(w, n), refs[n], f"{mode}: replay {n}")
         replays = chooser.captured.replays
         assert replays[SERIAL] + replays[OVERLAP] == 20
-        if mode != "overlap":  # the static variants always replay the layer's
+        if mode != "overlap":  # the static variants always replay the patch layer's
             assert replays == {SERIAL: 0, OVERLAP: 20}
         else:  # learning runs both
             assert replays[SERIAL] >= 3 and replays[OVERLAP] >= 3
@@ -109,7 +109,7 @@ class InjectedTimes:
 def replayed_graph(chooser: VariantGraph, w: World, n: int, ref: dict) -> str:
     """Replay step ``n`` (bitwise equal to ``ref``) and say which graph object
     replayed, from the emulated graphs' own replay counts; check the label
-    the layer counted names the same one."""
+    the patch layer counted names the same one."""
     c = chooser.captured
     before = (c.upstream.replays, c.ours.replays, dict(c.replays))
     assert_same(replay(w, n), ref, f"replay {n}")
@@ -143,7 +143,7 @@ def test_a_key_switches_variant_mid_run_bitwise_and_the_switch_is_logged_once(
         (graph_stats,) = patch_layer.runtime.stats()["graphs"]
         assert graph_stats["decision"] == SERIAL
         # Learning replays both; decided overlap before the change (the
-        # layer's graph replays); after it, upstream's, except the re-probes
+        # patch layer's graph replays); after it, upstream's, except the re-probes
         # of the other variant (every few decided replays).
         assert seen[:8].count(SERIAL) >= 3 and seen[:8].count(OVERLAP) >= 3, seen
         assert seen[8:14].count(OVERLAP) > seen[8:14].count(SERIAL), seen
@@ -379,7 +379,7 @@ def test_a_capture_with_no_eager_warm_up_captures_both_and_counts_captures_not_s
 def test_the_variant_capture_does_not_depend_on_the_callers_stream(patch_layer: PatchLayer) -> None:
     """``_capture_graphs`` called with the default stream current (not inside
     vLLM-Ascend's ``graph_capture()``): upstream captures on a capture stream
-    of its own, and so does the layer (the emulated device, as CUDA, refuses
+    of its own, and so does the patch layer (the emulated device, as CUDA, refuses
     a capture on the default stream)."""
     w = graph_world()
     refs = eager_refs(w, range(1, 3))

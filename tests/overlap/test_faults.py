@@ -285,7 +285,7 @@ class Runner:
         self.op_timeout_s = op_timeout_s
         self.worlds: dict[tuple[int, tuple[int, ...]], World] = {}
         #: The runner's own patch layer (not the process-wide one).
-        self.layer = build_patch_layer()
+        self.patch_layer = build_patch_layer()
 
     def world(self, run: FaultRun) -> World:
         key = (run.layers, run.stages)
@@ -305,8 +305,8 @@ class Runner:
         fault = run.fault
         n = next(_STEP_NUMBERS)
         a, b = 2 * n + 11, 2 * n + 12  # step numbers: peers send per-step data
-        self.layer.engine.unpatch(timeout=10)  # a failed example may have left it applied
-        assert not self.layer.engine.is_applied()
+        self.patch_layer.engine.unpatch(timeout=10)  # a failed example may have left it applied
+        assert not self.patch_layer.engine.is_applied()
         ref_a = self.step(w, a, run.tokens)
         ref_b = self.step(w, b, run.tokens)
         assert ref_a.error is None and ref_b.error is None
@@ -331,7 +331,7 @@ class Runner:
             e2a_on_side_stream=e2a_side,
             mode=run.mode,  # type: ignore[arg-type]
         )
-        report = self.layer.engine.apply(config=cfg, strict=True)
+        report = self.patch_layer.engine.apply(config=cfg, strict=True)
         assert report.applied
         assert_stack(report)
         try:
@@ -344,7 +344,7 @@ class Runner:
                 busy = {s: p.busy for s, p in w.transport.peers.items() if p.busy is not None}
             assert not busy, f"{run}: ops still running after the step returned: {busy}"
             assert len(plan.fired) == 1, f"{run}: fault fired {len(plan.fired)} times"
-            for k in _side_streams(self.layer):
+            for k in _side_streams(self.patch_layer):
                 assert k.drain(timeout=5.0), f"{run}: side stream {k.name} not idle"
             want = fault.expected_error()
             if want is None:
@@ -358,7 +358,7 @@ class Runner:
             assert nxt.error is None, f"{run}: the next step failed: {nxt.error!r}"
             assert_same(nxt.results, ref_b.results, f"{run}: the next step's outputs differ")
         finally:
-            assert self.layer.engine.unpatch(timeout=10)
+            assert self.patch_layer.engine.unpatch(timeout=10)
         assert not _stream_threads(), f"{run}: stream threads left after unpatch: {_stream_threads()}"
         for t in _camp2p_threads():  # cancelled watchdog timers end on their own
             t.join(5.0)
@@ -368,11 +368,11 @@ class Runner:
 
 @pytest.fixture
 def runners() -> Iterator[dict[float, Runner]]:
-    """One runner (its worlds, its layer) per op timeout; the examples of a test share them."""
+    """One runner (its worlds, its patch layer) per op timeout; the examples of a test share them."""
     made: dict[float, Runner] = {}
     yield made
     for r in made.values():
-        r.layer.engine.unpatch(timeout=10)
+        r.patch_layer.engine.unpatch(timeout=10)
 
 
 def _runner(runners: dict[float, Runner], op_timeout_s: float) -> Runner:
@@ -444,7 +444,7 @@ def test_the_harness_catches_a_hang(patch_layer: PatchLayer) -> None:
         plan.arm()
         out = run_step_bounded(w, 1, 0.2)
         assert out.hung
-        # Let it finish before the plan is removed and the layer unpatched.
+        # Let it finish before the plan is removed and the patch layer unpatched.
         for t in threading.enumerate():
             if t.name == "camp2p-test-step-1":
                 t.join(10)

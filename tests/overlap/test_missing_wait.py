@@ -157,7 +157,7 @@ def _run_broken(
     wait: Any = None,
     hold: Callable[[Any], None] | None = None,
 ):
-    """One step of a layer of its own with the schedule broken as asked."""
+    """One step of a patch layer of its own with the schedule broken as asked."""
     w = _world(timing)
     patch_layer = build_patch_layer()
     (ref,) = serial_results(w, [SCHED], patch_layer)

@@ -40,7 +40,7 @@ def node_streams(graph: Any) -> set[str]:
 
 
 def apply_lenient(graph: str) -> None:
-    """Apply the process-wide layer on the CPU backend, not strict (strict
+    """Apply the process-wide patch layer on the CPU backend, not strict (strict
     mode with the graph variants asked for refuses such a runner module:
     tests/patching/test_optional_refusal.py); it must engage."""
     PATCH_LAYER.engine.unpatch(timeout=10)
@@ -107,7 +107,7 @@ def test_graph_0_captures_serially_for_its_own_reason(logs: PackageLogs) -> None
 
 
 def test_with_the_target_present_the_graph_variant_is_captured() -> None:
-    """The control: the unchanged runner captures the layer's variant."""
+    """The control: the unchanged runner captures the patch layer's variant."""
     w = graph_world()
     apply_cpu(graph="1")
     assert graph_variants_refused(PATCH_LAYER.engine) is None

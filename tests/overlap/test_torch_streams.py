@@ -268,7 +268,7 @@ def test_adaptive_device_steps_read_events_and_never_synchronize(fake_device: Ho
     w = world(layers=3, stage_ids=(0, 1))
     scheds = [Schedule(3, (0, 1), (8, 8), step=i + 1) for i in range(10)]
     refs = serial_results(w, scheds)
-    apply_cpu(adaptive=True)  # the process-wide layer: stats() reads it
+    apply_cpu(adaptive=True)  # the process-wide patch layer: stats() reads it
     before = camp2p_overlap.stats()["steps"]
     for sched, ref in zip(scheds, refs, strict=True):
         assert_same(bounded(lambda sched=sched: run_step(w, sched)), ref)

@@ -220,7 +220,7 @@ def test_fast_steps_log_no_stall(make_world, logs, patch_layer: PatchLayer) -> N
 
 
 def _expected(patch_layer: PatchLayer, world) -> ExpectedSchedule:
-    """The schedule a world's step should have under ``layer``'s config."""
+    """The schedule a world's step should have under ``patch_layer``'s config."""
     cfg = patch_layer.engine.config
     return ExpectedSchedule(
         tuple(world.layer_list()), tuple(world.spec.stage_ids), cfg.a2e_on_side_stream, cfg.e2a_on_side_stream

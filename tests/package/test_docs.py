@@ -1,7 +1,7 @@
 """The docs: generated blocks are what ``camp2p-overlap docs`` writes from
 ``docs/results/``, a hand edit inside one fails ``--check``, the README
 keeps the two set-up-and-go commands and its troubleshooting names the
-layer's serial reasons, section references name real headings, and
+patch layer's serial reasons, section references name real headings, and
 docs/design.md's folder tree lists the package's modules."""
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def import_connector() -> None:
 
 def assert_feature_refused_alone(patch_layer: PatchLayer, variant: str) -> None:
     """The graph variants are refused with the variant's reason; every other
-    target is wrapped or checked; the layer is applied and engaged."""
+    target is wrapped or checked; the patch layer is applied and engaged."""
     report = patch_layer.engine.status()
     reason = reason_of(variant)
     assert report.applied and report.reason == "applied" and report.engaged, str(report)

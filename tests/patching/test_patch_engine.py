@@ -130,7 +130,7 @@ def test_repeated_apply_keeps_the_one_wrapper_it_installed(patch_layer: Any) -> 
     holds exactly one of ours, the very wrapper the first install put there."""
     standins.install()
     assert patch_layer.engine.apply(config=CFG).applied
-    for _ in range(2):  # another configuration is ignored: the layer is applied already
+    for _ in range(2):  # another configuration is ignored: the patch layer is applied already
         assert patch_layer.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", min_stages=3)).applied
     assert patch_layer.engine.config is CFG
     cls = import_targets()

@@ -308,7 +308,7 @@ def test_concurrent_apply_and_unpatch_leave_a_consistent_state(make_world: Any) 
             for n, c in cls.items():
                 assert all(vars(c)[k] is v for k, v in snap[n].items())
         assert PATCH_LAYER.engine.installer.stuck == []
-        # Either way the layer is in one of the two whole states.
+        # Either way the patch layer is in one of the two whole states.
         wrapped = [PATCH_LAYER.engine.is_ours(vars(cls[c])[a]) for _, c, a in WRAPPED]
         assert all(wrapped) == PATCH_LAYER.engine.is_applied() and any(wrapped) == PATCH_LAYER.engine.is_applied()
 
@@ -545,7 +545,7 @@ def test_unpatch_waits_for_the_active_step_and_new_steps_run_original(make_world
     # unpatch() was shown above to wait while the step was held; once the step
     # is released, which thread appends first is a race of this test's own
     # threads (unpatch may return between the wrapper's exit and the step
-    # thread's append), not of the layer.
+    # thread's append), not of the patch layer.
     assert sorted(events) == ["step done", "unpatch returned"]
     assert box["running_when_unpatch_returned"] == 0, "unpatch() returned while a wrapped step was running"
     assert box["unpatch"] is True and not PATCH_LAYER.engine.is_applied()
@@ -572,7 +572,7 @@ def test_unpatch_timeout_refuses_cleanly_and_leaves_the_layer_working(make_world
     st.join(STEP_BOUND_S)
     assert box["out"].error is None
     assert_same(box["out"].results, refs[2])
-    # The layer still engages on the next step.
+    # The patch layer still engages on the next step.
     comm = CommThreads(w)
     nxt = run_step_bounded(w, 3, STEP_BOUND_S)
     assert nxt.error is None
@@ -582,7 +582,7 @@ def test_unpatch_timeout_refuses_cleanly_and_leaves_the_layer_working(make_world
 
 
 def test_unpatch_refuses_while_a_step_waits_in_the_connectors_receive(make_world, patch_layer) -> None:
-    """A step of a layer of the test's own, held inside the connector's
+    """A step of a patch layer of the test's own, held inside the connector's
     receive (an A2E waiting on an Event) on another thread: unpatch(timeout=0.2)
     returns False and leaves the wrappers and the step's connector routes in
     place; once the receive is released the step ends bitwise and unpatch()

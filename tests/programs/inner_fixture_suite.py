@@ -1,6 +1,6 @@
 """Copied as ``test_inner.py`` into a folder of its own and run by a
 separate pytest by tests/package/test_testing_helpers.py: a test that fails
-while the ``camp2p_overlap_patched`` fixture holds the layer applied, then
+while the ``camp2p_overlap_patched`` fixture holds the patch layer applied, then
 one that checks it was unpatched (pytest collects tests in file order)."""
 
 import importlib

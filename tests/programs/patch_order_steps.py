@@ -1,6 +1,6 @@
 """Child of tests/patching/test_patch_orders.py: runs the steps named in
 argv (``import``, ``apply``, ``unpatch``) in order, with the stand-ins
-installed, and prints one ``SNAP <json>`` snapshot of the layer and the
+installed, and prints one ``SNAP <json>`` snapshot of the patch layer and the
 wrap targets after each step."""
 
 import importlib

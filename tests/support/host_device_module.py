@@ -4,9 +4,9 @@ the host issue order must itself be a legal protocol order, as on one
 in-order device queue), events carry the clock time they were last
 recorded at (``time.perf_counter_ns`` by default: the device world and the
 device backend run on it without a GPU, with real times in their traces;
-a counter where a test wants ticks), and it counts what the layer asked of
+a counter where a test wants ticks), and it counts what the patch layer asked of
 it: streams and events made, waits, synchronizes, queries.
-``use_host_device_module`` makes the layer's stream sets use it."""
+``use_host_device_module`` makes the patch layer's stream sets use it."""
 
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ def eager_refs(w: World, steps: range) -> dict[int, dict]:
 
 
 def apply_cpu(*, patch_layer: PatchLayer = PATCH_LAYER, **overrides: Any) -> PatchReport:
-    """Apply ``layer`` (strict; default the process-wide one) switched on
+    """Apply ``patch_layer`` (strict; default the process-wide one) switched on
     with the CPU backend plus ``overrides``; the engine must have picked the
     stack whose stand-ins are installed."""
     patch_layer.engine.unpatch(timeout=10)
@@ -220,7 +220,7 @@ def wrap_model(
 
 
 class SessionSpy:
-    """Make ``layer``'s runtime (default the process-wide one) build sessions
+    """Make ``patch_layer``'s runtime (default the process-wide one) build sessions
     of a subclass that remembers every session it builds (weakly unless
     ``keep``) and, for kept ones, the ops it issued (``issued_ops``, taken
     when the session closes)."""
@@ -261,7 +261,7 @@ class SessionSpy:
 
 def spy_forward(runner_cls: type, patch_layer: PatchLayer = PATCH_LAYER) -> list[dict[str, Any]]:
     """Replace ``_ffn_forward`` in the class dict (before apply) by a function
-    of the same signature that records its arguments (and ``layer``'s active
+    of the same signature that records its arguments (and ``patch_layer``'s active
     session) and calls the original."""
     original = vars(runner_cls)["_ffn_forward"]
     calls: list[dict[str, Any]] = []

@@ -60,7 +60,7 @@ def raw_targets() -> dict[tuple[str, str], Any]:
 
 
 def assert_wrapped_once(patch_layer: PatchLayer = PATCH_LAYER) -> None:
-    """Each wrap target carries exactly one wrapper of ``layer`` (default the
+    """Each wrap target carries exactly one wrapper of ``patch_layer`` (default the
     process-wide one), outermost; each route target none."""
     cls = classes()
     for _, cname, attr in WRAPPED:

@@ -426,7 +426,7 @@ def test_overlap_outputs_equal_serial_outputs_independently() -> None:
 
 def _perturb_the_ffn_under_a2e_side_sessions(monkeypatch: pytest.MonkeyPatch) -> None:
     """Add 1e-3 to the routed FFN output while a session with A2E on the
-    side streams is active (in the benchmark's own layers): on the device,
+    side streams is active (in the benchmark's own patch layers): on the device,
     as a kernel after the FFN's, so it changes what the FFN wrote."""
     original = EmulatedModel.compute_ffn_output
     patch_layers: list[PatchLayer] = []
@@ -721,7 +721,7 @@ def test_world_capture_replays_bitwise_equal_to_eager_serial(overlapped: bool) -
     the runner on upstream's graph path; World.capture runs warm-up then
     capture; run_step replays the key (the graph's replay count moves) and
     every replay equals the eager serial step of the same step id, with
-    the layer applied and after it is unpatched; take_graph hands the key
+    the patch layer applied and after it is unpatched; take_graph hands the key
     back to eager steps."""
     was_npu = device.is_torch_npu()
     w = _graph_world()
@@ -832,7 +832,7 @@ def test_bench_graph_json_schema_and_bitwise_replays(graph_bench: dict[str, Any]
     assert choice["decision"] in ("learning", "serial", "overlap") and choice["capture_failures"] == {}
     assert set(choice["replays"]) == set(choice["timed_replays"]) == {"serial", "overlap"}
     # Its graph counted its own replays only (6), not the fixed graphs' that
-    # replayed while its layer was applied; 4 of them timed.
+    # replayed while its patch layer was applied; 4 of them timed.
     assert sum(choice["replays"].values()) == 6 and sum(choice["timed_replays"].values()) == 4, choice
     assert all(choice["replays"][v] >= choice["timed_replays"][v] for v in ("serial", "overlap"))
     assert choice["replays"]["serial"] >= 1 and choice["replays"]["overlap"] >= 1, "learning replays both"
@@ -845,8 +845,8 @@ def test_bench_graph_json_schema_and_bitwise_replays(graph_bench: dict[str, Any]
 @pytest.mark.usefixtures("standin_stack")
 def test_fixed_graphs_replay_unchanged_while_the_adaptive_graph_layer_is_applied() -> None:
     """The scheme of bench --graph: a fixed overlap graph captured under its
-    own layer, unpatched; then adaptive overlap's key captured with both
-    variants, its layer kept applied. The fixed graph's replays are bitwise
+    own patch layer, unpatched; then adaptive overlap's key captured with both
+    variants, its patch layer kept applied. The fixed graph's replays are bitwise
     the eager serial steps and go past the applied layer entirely (no eager
     step, no replay counted there); the adaptive graph's replays count on
     its own key; unpatch restores upstream's graph in its entry."""
@@ -943,7 +943,7 @@ def test_bench_graph_outputs_flag_fails_when_a_captured_step_differs(monkeypatch
 
 
 def test_bench_graph_reports_a_failed_second_capture(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Adaptive overlap's key keeps upstream's graph when the layer's second
+    """Adaptive overlap's key keeps upstream's graph when the patch layer's second
     capture fails: one variant, no decision, the reason, and a failed run."""
     from camp2p_overlap.core.overlap import graphs
     from camp2p_overlap.tools.bench.tables import problems

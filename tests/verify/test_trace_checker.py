@@ -21,7 +21,7 @@ STAGES = (0, 1)
 
 
 def _record(a2e: bool = True, e2a: bool = True) -> tuple[list[TraceOp], ExpectedSchedule]:
-    """The trace of one engaged step, by a layer of its own."""
+    """The trace of one engaged step, by a patch layer of its own."""
     w = world(layers=3, stage_ids=STAGES)
     patch_layer = build_patch_layer()
     apply_cpu(patch_layer=patch_layer, a2e_on_side_stream=a2e, e2a_on_side_stream=e2a)

@@ -1,7 +1,7 @@
 """Stream backends: one device backend over ``torch.npu``, ``torch.cuda``
 or, for ``cpu``, the device module registered for it (the emulated device,
 ``camp2p_overlap.emulation.device``, registers itself when imported; the
-layer imports no emulation module), chosen from the runner's device."""
+patch layer imports no emulation module), chosen from the runner's device."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def registered_capabilities(backend: str = "cpu") -> DeviceCapabilities:
 def device_module(kind: str) -> Any:
     """``torch.cuda`` or ``torch.npu`` when a device of that kind is usable,
     else raise :class:`BackendUnavailable` saying why: the one check the
-    layer, the emulated device worlds and the command line share. Importing
+    patch layer, the emulated device worlds and the command line share. Importing
     torch_npu is attempted only for ``npu``."""
     import torch
 

@@ -90,7 +90,7 @@ class TorchStreamBackend(StreamBackend):
 
     def reserve(self, keys: Any) -> int:
         """Make the pooled events of ``keys`` now (before a graph capture,
-        inside which the layer creates none); returns how many were new."""
+        inside which the patch layer creates none); returns how many were new."""
         made = 0
         for key in keys:
             if key not in self._events:
