@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from camp2p_overlap.core.config import ConfigError, OverlapConfig, load_config
-from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.core.patching.lifecycle import PatchRefused
 from camp2p_overlap.core.patching.status_report import PatchReport, TargetState, TargetStatus
 from camp2p_overlap.core.plugin import register
@@ -41,24 +41,24 @@ def apply(*, strict: bool | None = None) -> PatchReport:
     target module (post-import hooks wrap each when it is imported). Never
     raises unless strict mode is on (``strict=True`` or
     ``VLLM_CAMP2P_MULTISTREAM_STRICT=1``)."""
-    return LAYER.engine.apply(strict=strict)
+    return PATCH_LAYER.engine.apply(strict=strict)
 
 
 def unpatch(*, timeout: float = 30.0) -> bool:
     """Restore every original object exactly. Steps already running wrapped
     finish first (up to ``timeout`` seconds); new ones run the original.
     Idempotent. Returns whether everything was removed."""
-    return LAYER.engine.unpatch(timeout=timeout)
+    return PATCH_LAYER.engine.unpatch(timeout=timeout)
 
 
 def is_applied() -> bool:
-    return LAYER.engine.is_applied()
+    return PATCH_LAYER.engine.is_applied()
 
 
 def status() -> PatchReport:
     """Per target: not-imported-yet / wrapped / checked / refused (with why),
     or inactive after ``unpatch()``."""
-    return LAYER.engine.status()
+    return PATCH_LAYER.engine.status()
 
 
 def stats() -> dict[str, Any]:
@@ -67,4 +67,4 @@ def stats() -> dict[str, Any]:
     (reason -> steps), and ``buckets``: per runner and shape bucket the
     adaptive decision, the overlap and serial medians in ms and the sample
     counts. The shape is documented in the README ("Reading stats()")."""
-    return LAYER.runtime.stats()
+    return PATCH_LAYER.runtime.stats()

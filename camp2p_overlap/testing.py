@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from camp2p_overlap.core.config import OverlapConfig, load_config
-from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.core.patching.status_report import PatchReport
 
 
@@ -35,13 +35,13 @@ def overlap_patched(
     cfg = base.with_overrides(**overrides) if overrides else base
     if cfg.backend == "cpu":
         # the cpu backend runs on the emulated device, which registers itself
-        # when imported (the layer itself never imports the emulation)
+        # when imported (the patch layer itself never imports the emulation)
         import camp2p_overlap.emulation.device  # noqa: F401
-    LAYER.engine.unpatch()
+    PATCH_LAYER.engine.unpatch()
     try:
-        yield LAYER.engine.apply(strict=strict, config=cfg)
+        yield PATCH_LAYER.engine.apply(strict=strict, config=cfg)
     finally:
-        LAYER.engine.unpatch()
+        PATCH_LAYER.engine.unpatch()
 
 
 try:  # the fixture exists only where pytest does

@@ -49,10 +49,10 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 import torch  # noqa: E402
 
 from camp2p_overlap.core.config import OverlapConfig  # noqa: E402
-from camp2p_overlap.core.layer import LAYER  # noqa: E402
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, recording  # noqa: E402
+from camp2p_overlap.core.patch_layer import PATCH_LAYER  # noqa: E402
 from camp2p_overlap.emulation.moe import MoEShape  # noqa: E402
-from camp2p_overlap.emulation.standin_layer import standin_site  # noqa: E402
+from camp2p_overlap.emulation.standin_patch_layer import standin_site  # noqa: E402
 from camp2p_overlap.emulation.world import LinkModel, World, WorldSpec, build_world  # noqa: E402
 from camp2p_overlap.tools.bench.runner import use_tool_switch_interval  # noqa: E402
 from camp2p_overlap.verify.edges import check_step  # noqa: E402
@@ -170,15 +170,15 @@ def patched(cfg: OverlapConfig, manifest: Any) -> Iterator[tuple[Any, str]]:
     """Apply the patch layer with ``cfg``: through the process engine (the
     real version gate) when it accepts this install, else through the
     benchmark's emulation engine (which accepts the emulated stack)."""
-    report = LAYER.engine.apply(config=cfg, manifest=manifest)
+    report = PATCH_LAYER.engine.apply(config=cfg, manifest=manifest)
     if report.applied:
         try:
-            yield LAYER.engine, "process engine"
+            yield PATCH_LAYER.engine, "process engine"
         finally:
-            LAYER.engine.unpatch()
+            PATCH_LAYER.engine.unpatch()
         return
     try:
-        from camp2p_overlap.emulation.standin_layer import emulation_engine
+        from camp2p_overlap.emulation.standin_patch_layer import emulation_engine
     except ImportError as exc:
         raise SystemExit(f"soak: the patch layer refused ({report.reason}) and no emulation engine: {exc}") from exc
     with emulation_engine() as engine:

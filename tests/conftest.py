@@ -23,8 +23,8 @@ from support.logs import PackageLogs
 from support.stacks import STACK_DISTS, use_stack
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import LAYER, Layer, build_layer
 from camp2p_overlap.core.log import reset_log_once
+from camp2p_overlap.core.patch_layer import PATCH_LAYER, PatchLayer, build_patch_layer
 from camp2p_overlap.emulation import device as emulated_device
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.tools.bench.runner import TOOL_SWITCH_INTERVAL_S
@@ -34,7 +34,7 @@ from camp2p_overlap.tools.bench.runner import TOOL_SWITCH_INTERVAL_S
 # engage's step times, the benchmark's own runs). At CPython's default switch
 # interval (5 ms) a stream that could run may wait that long for the GIL;
 # the test process runs with the emulation tools' interval, as they do
-# (docs/benchmark.md, "Thread switching"). The layer itself never sets it.
+# (docs/benchmark.md, "Thread switching"). The patch layer itself never sets it.
 sys.setswitchinterval(TOOL_SWITCH_INTERVAL_S)
 
 # Hypothesis profiles (HYPOTHESIS_PROFILE, default "ci"). Every example runs
@@ -130,7 +130,7 @@ def _clean_state(_alone: None) -> Iterator[None]:
 
     torch.set_num_threads(1)
     yield
-    LAYER.engine.unpatch(timeout=10)
+    PATCH_LAYER.engine.unpatch(timeout=10)
     standins.uninstall(standins.REAL_ROOT)
     standins.uninstall(standins.ALIAS_ROOT)
     reset_log_once()
@@ -170,16 +170,16 @@ def forget_stuck() -> Iterator[None]:
     foreign one on a stand-in class that is about to be thrown away: unpatch
     and forget it (``pytestmark = pytest.mark.usefixtures("forget_stuck")``)."""
     yield
-    LAYER.engine.unpatch(timeout=10)
-    LAYER.engine.installer.stuck.clear()
+    PATCH_LAYER.engine.unpatch(timeout=10)
+    PATCH_LAYER.engine.installer.stuck.clear()
 
 
 @pytest.fixture
-def layer() -> Iterator[Layer]:
-    """A patch layer of the test's own (``build_layer()``: its engine, runtime,
+def patch_layer() -> Iterator[PatchLayer]:
+    """A patch layer of the test's own (``build_patch_layer()``: its engine, runtime,
     stream sets and sessions), unpatched after the test; the process-wide
-    ``LAYER`` stays for the tests about it and about the public API."""
-    own = build_layer()
+    ``PATCH_LAYER`` stays for the tests about it and about the public API."""
+    own = build_patch_layer()
     yield own
     own.engine.unpatch(timeout=10)
     own.engine.installer.stuck.clear()

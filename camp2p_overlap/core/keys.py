@@ -28,7 +28,7 @@ EVENT_KINDS = (A_DONE, F_DONE, E_DONE, E_DONE_ON_C, FORK, JOIN)
 #: The connector ops a step issues: a receive (A2E) and a send (E2A).
 A2E = "a2e"
 E2A = "e2a"
-OP_KINDS = (A2E, E2A)
+CONNECTOR_OP_KINDS = (A2E, E2A)
 
 
 def side_stream_name(stage: int) -> str:
@@ -85,7 +85,7 @@ class EventKey(NamedTuple):
 
 
 class OpKey(NamedTuple):
-    """One connector op of a step: its kind (one of :data:`OP_KINDS`) and
+    """One connector op of a step: its kind (one of :data:`CONNECTOR_OP_KINDS`) and
     its (layer, stage), None where the loop's call named none."""
 
     kind: str
@@ -104,4 +104,4 @@ class OpKey(NamedTuple):
 
 
 _EVENT_LABEL = _label_pattern(EVENT_KINDS)
-_OP_LABEL = _label_pattern(OP_KINDS)
+_OP_LABEL = _label_pattern(CONNECTOR_OP_KINDS)

@@ -43,14 +43,14 @@ def register() -> None:
     """Entry point: register our env names with vLLM, then ``apply()`` when
     switched on. Never raises (unless strict mode asks for it)."""
     from camp2p_overlap.core.config import strict_requested
-    from camp2p_overlap.core.layer import LAYER
+    from camp2p_overlap.core.patch_layer import PATCH_LAYER
 
     try:
         register_env_vars()
     except Exception:  # noqa: BLE001 - never break vLLM's start-up
         logger.exception("camp2p-overlap: could not register environment variables with vLLM")
     try:
-        LAYER.engine.apply()
+        PATCH_LAYER.engine.apply()
     except Exception:
         if strict_requested():
             raise

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from camp2p_overlap.core.overlap.streams.device import TorchDeviceBackend
+from camp2p_overlap.core.overlap.streams.torch_streams import TorchStreamBackend
 
 
 class NoopEvent:
@@ -67,9 +67,9 @@ noop_device_module = SimpleNamespace(
 )
 
 
-def noop_backend(name: str = "cpu", device: Any = None) -> TorchDeviceBackend:
+def noop_backend(name: str = "cpu", device: Any = None) -> TorchStreamBackend:
     """The real device backend over :data:`noop_device_module`."""
-    return TorchDeviceBackend("noop", noop_device_module, device)  # type: ignore[arg-type]
+    return TorchStreamBackend("noop", noop_device_module, device)  # type: ignore[arg-type]
 
 
 def busy_wait(seconds: float) -> None:

@@ -447,7 +447,7 @@ def _fail(message: str, code: int = 2) -> int:
 def _device_check(device: str) -> str | None:
     if device == "cpu":
         return None
-    from camp2p_overlap.emulation.device_world import DeviceUnavailable, require_device
+    from camp2p_overlap.emulation.kernel_world import DeviceUnavailable, require_device
 
     try:
         require_device(device)
@@ -487,7 +487,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     why = _preflight(params.device, args.plot)
     if why:
         return _fail(why)
-    from camp2p_overlap.emulation.device_world import DeviceUnavailable
+    from camp2p_overlap.emulation.kernel_world import DeviceUnavailable
 
     record = run_record(argv)  # how the report was made (docs/benchmark.md, "Where the figures come from")
     on_report = None
@@ -546,7 +546,7 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
     why = _preflight(params.device, args.plot)
     if why:
         return _fail(why)
-    from camp2p_overlap.emulation.device_world import DeviceUnavailable
+    from camp2p_overlap.emulation.kernel_world import DeviceUnavailable
 
     try:
         result = _run_sweep(args, params, record)

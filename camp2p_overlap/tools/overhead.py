@@ -51,11 +51,11 @@ import torch
 
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.env_vars import MAX_REPROBE, MAX_STAGES
-from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.overlap.step import bucket_of
+from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.noop import NoopModel, NoopTransport, noop_backend
-from camp2p_overlap.emulation.standin_layer import StandinSite, emulated_layer, release_site, standin_site
+from camp2p_overlap.emulation.standin_patch_layer import StandinSite, emulated_patch_layer, release_site, standin_site
 from camp2p_overlap.emulation.world import World, WorldSpec, build_world
 from camp2p_overlap.tools.bench.runner import BenchParams, percentile, resolve_params
 from camp2p_overlap.tools.bench.sweep import (
@@ -151,11 +151,11 @@ def passthrough_config() -> OverlapConfig:
     return OverlapConfig(enabled=True, backend="cpu", min_stages=1, adaptive=True, reprobe_every=MAX_REPROBE)
 
 
-def decide_serial(layer: Layer, world: World) -> None:
-    """Teach the layer's adaptive engage that serial is faster for this
+def decide_serial(patch_layer: PatchLayer, world: World) -> None:
+    """Teach the patch layer's adaptive engage that serial is faster for this
     shape, so that every step takes the pass-through path (no probe runs:
     the re-probe interval is the largest allowed)."""
-    runtime = layer.runtime
+    runtime = patch_layer.runtime
     key = bucket_of(runtime.runner_name(world.runner), len(world.layer_list()), world.dp_metadata())
     for _ in range(4 * runtime.adaptive.settings.min_samples + 4):
         if runtime.adaptive.decision(key) is not None:
@@ -266,9 +266,9 @@ def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, 
     upstream = resolved_targets(world, manifest)
     samples: dict[str, list[float]] = {"engaged": [], "pass-through": [], "pass-through-step": []}
     base_medians: list[float] = []
-    engines = {"engaged": emulated_layer(), "pass-through": emulated_layer()}
-    for layer in engines.values():
-        layer.runtime.runners.make_backend = noop_backend
+    engines = {"engaged": emulated_patch_layer(), "pass-through": emulated_patch_layer()}
+    for patch_layer in engines.values():
+        patch_layer.runtime.runners.make_backend = noop_backend
     decide_serial(engines["pass-through"], world)
     configs = {"engaged": engaged_config(), "pass-through": passthrough_config()}
     engines["pass-through"].engine.apply(config=configs["pass-through"], manifest=manifest, strict=True)
@@ -281,13 +281,13 @@ def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, 
     for r in range(params.rounds):
         times: dict[str, list[int]] = {}
         for name in order[r % 3 :] + order[: r % 3]:
-            layer = engines.get(name)
-            if layer is not None:
-                layer.engine.apply(config=configs[name], manifest=manifest, strict=True)
+            patch_layer = engines.get(name)
+            if patch_layer is not None:
+                patch_layer.engine.apply(config=configs[name], manifest=manifest, strict=True)
             try:
                 times[name] = time_block(step, params.warmup, params.steps)
             finally:
-                if layer is not None and not layer.engine.unpatch(timeout=30.0):
+                if patch_layer is not None and not patch_layer.engine.unpatch(timeout=30.0):
                     raise RuntimeError("the overhead harness could not unpatch its engine")
         base = statistics.median(times["unpatched"])
         base_medians.append(base)
@@ -341,8 +341,8 @@ def decided_serial_ab(params: OverheadParams, site: StandinSite) -> dict[str, An
     torch.set_num_threads(point.threads)
     world = build_world(point.world_spec(), root=site.root)
     try:
-        layer = emulated_layer()
-        decide_serial(layer, world)
+        patch_layer = emulated_patch_layer()
+        decide_serial(patch_layer, world)
         config = passthrough_config()
         upstream = inspect.getattr_static(world.runner, "_ffn_forward")
         per_round = []
@@ -352,13 +352,13 @@ def decided_serial_ab(params: OverheadParams, site: StandinSite) -> dict[str, An
             for arm in arms:
                 applied = arm == "decided-serial"
                 if applied:
-                    layer.engine.apply(config=config, manifest=site.manifest, strict=True)
+                    patch_layer.engine.apply(config=config, manifest=site.manifest, strict=True)
                 try:
                     if (inspect.getattr_static(world.runner, "_ffn_forward") is not upstream) != applied:
                         raise RuntimeError(f"the A/B arm {arm!r} did not run as planned (layer applied: {not applied})")
                     medians[arm] = statistics.median(time_block(world.run_step, params.ab_warmup, params.ab_steps))
                 finally:
-                    if applied and not layer.engine.unpatch(timeout=30.0):
+                    if applied and not patch_layer.engine.unpatch(timeout=30.0):
                         raise RuntimeError("the overhead harness could not unpatch its engine")
             per_round.append(
                 {
@@ -368,7 +368,7 @@ def decided_serial_ab(params: OverheadParams, site: StandinSite) -> dict[str, An
                     "extra_pct": round(100.0 * (medians["decided-serial"] / medians["unpatched"] - 1.0), 3),
                 }
             )
-        steps = layer.runtime.counters.to_dict()["steps"]
+        steps = patch_layer.runtime.counters.to_dict()["steps"]
         expected = params.ab_rounds * (params.ab_warmup + params.ab_steps)
         if steps.get("serial") != expected or steps.get("overlap"):
             raise RuntimeError(f"the decided-serial arm did not take the serial path on every step: {steps}")

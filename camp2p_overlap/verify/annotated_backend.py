@@ -1,10 +1,10 @@
 """A stream backend whose every op, record and wait is issued inside a
-``camp2p:`` profiler range, around the layer's own backend: the bench's
-``--profile-trace`` step uses it, and ``device_timeline.py`` reads the
+``camp2p:`` profiler range, around the patch layer's own backend: the bench's
+``--profile-trace`` step uses it, and ``profiler_timeline.py`` reads the
 ranges back from the profiler's trace (:func:`parse_event_range`).
 
 It lives outside core, which never imports it (an import contract in
-``pyproject.toml``): the layer's backend carries no annotation and no op
+``pyproject.toml``): the patch layer's backend carries no annotation and no op
 timing, so a step pays nothing for them. :func:`annotating` puts the
 wrapper on a runner's :class:`~camp2p_overlap.core.overlap.streams.streamset.StreamSet`
 for the steps run inside it, and takes it off again.
@@ -20,7 +20,7 @@ from camp2p_overlap.core.keys import EventKey
 from camp2p_overlap.core.overlap.streams.base import OpHandle, StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 
-#: The prefix of every profiler range the layer's tools open.
+#: The prefix of every profiler range the patch layer's tools open.
 RANGE_PREFIX = "camp2p:"
 #: What a stream does inside an event range.
 EVENT_ACTIONS = ("record", "wait")

@@ -48,7 +48,7 @@ def check_step(ops: Sequence[TraceOp], expected: ExpectedSchedule, *, source: st
     event it waited on and satisfied only after that event fired),
     ``"session"`` (what the session asked for, in issue order, a wait bound
     to the latest record of its name), ``"device"`` (a profiler's kernel
-    timeline, ``verify/device_timeline.py``: device times only, no event
+    timeline, ``verify/profiler_timeline.py``: device times only, no event
     graph), or ``"auto"``: the backend's where the trace has them."""
     if source not in ("auto", "backend", "session", "device"):
         raise ValueError(f"source must be auto, backend, session or device, not {source!r}")

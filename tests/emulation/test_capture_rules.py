@@ -665,7 +665,7 @@ def test_a_graph_with_no_captured_nodes_refuses_replay(st: Streams) -> None:
 
 def test_creating_an_event_during_a_capture_fails(st: Streams) -> None:
     """The project's rule (stricter than CUDA's): events are made before
-    capture; the layer pools them (docs/design.md, "The emulated device")."""
+    capture; the patch layer pools them (docs/design.md, "The emulated device")."""
     g = dev.Graph()
     made: list[BaseException] = []
 

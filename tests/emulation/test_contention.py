@@ -16,8 +16,8 @@ import pytest
 from support.overlap import SHAPE, Schedule, apply_cpu, assert_same, run_step, serial_results
 
 from camp2p_overlap.core.keys import A2E, E2A, side_stream_name
-from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.observe import trace
+from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.emulation.contention import CoreSpinner
 from camp2p_overlap.emulation.world import LinkModel, WorldSpec, build_world
 from camp2p_overlap.tools import cli
@@ -89,7 +89,7 @@ def test_the_peer_wait_spins_too() -> None:
     assert cpu1 - cpu0 >= 0.25 * 0.2, f"peer waits took {cpu1 - cpu0:.3f} s more CPU with --comm-cores 1"
 
 
-def test_busy_comm_keeps_outputs_bitwise_and_the_overlap_engaged(layer: Layer) -> None:
+def test_busy_comm_keeps_outputs_bitwise_and_the_overlap_engaged(patch_layer: PatchLayer) -> None:
     w = build_world(
         WorldSpec(
             layers=3,
@@ -104,8 +104,8 @@ def test_busy_comm_keeps_outputs_bitwise_and_the_overlap_engaged(layer: Layer) -
     )
     try:
         scheds = [Schedule(3, (0, 1), (8, 5), step=i + 1) for i in range(3)]
-        refs = serial_results(w, scheds, layer)
-        apply_cpu(layer=layer)
+        refs = serial_results(w, scheds, patch_layer)
+        apply_cpu(patch_layer=patch_layer)
         with trace.recording() as rec:
             for sched, ref in zip(scheds, refs, strict=True):
                 assert_same(run_step(w, sched), ref)

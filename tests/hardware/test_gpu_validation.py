@@ -1,9 +1,9 @@
 """GPU validation of the schedule with real CUDA streams and events (marker
 ``gpu``; skipped without a CUDA device). Run by ``scripts/gpu_check.sh``.
 
-The emulated FFN rank on the device (``emulation/device_world.py``): dense
+The emulated FFN rank on the device (``emulation/kernel_world.py``): dense
 bf16 MoE compute on the compute stream, A2E/E2A as the emulated CAM kernel
-(``emulation/device_comm.py``: it waits for the attention peer on the device,
+(``emulation/comm_kernel.py``: it waits for the attention peer on the device,
 then spins the link time on the device's wall clock) plus a device op for
 the data moved, on whatever stream the patch layer puts them. Checked here:
 
@@ -79,7 +79,7 @@ def _spec(**kw: Any) -> Any:
 
 @pytest.fixture
 def site() -> Iterator[Any]:
-    from camp2p_overlap.emulation.standin_layer import release_site, standin_site
+    from camp2p_overlap.emulation.standin_patch_layer import release_site, standin_site
 
     s = standin_site()
     yield s
@@ -90,7 +90,7 @@ def site() -> Iterator[Any]:
 def overlap_on(site: Any, **overrides: Any) -> Iterator[Any]:
     """The patch layer applied for the CUDA backend. The benchmark's engine
     is used so the check does not depend on which vLLM the GPU box has."""
-    from camp2p_overlap.emulation.standin_layer import emulation_engine
+    from camp2p_overlap.emulation.standin_patch_layer import emulation_engine
 
     overrides.setdefault("adaptive", False)  # every step overlapped: the checks need the overlap to run
     with emulation_engine() as engine:
@@ -108,7 +108,7 @@ def _step(dw: Any, n: int) -> dict:
 
 
 def test_cuda_overlap_is_bitwise_serial_and_the_trace_overlaps(site: Any) -> None:
-    from camp2p_overlap.emulation.device_world import build_device_world
+    from camp2p_overlap.emulation.kernel_world import build_device_world
     from camp2p_overlap.verify.edges import overlaps
 
     dw = build_device_world(_spec(), "cuda", root=site.root)
@@ -184,7 +184,7 @@ def test_cuda_sanitizer_catches_a_missing_edge() -> None:
 
 
 def test_cuda_graph_capture_replays_the_eager_outputs(site: Any) -> None:
-    from camp2p_overlap.emulation.device_world import build_device_world
+    from camp2p_overlap.emulation.kernel_world import build_device_world
 
     dw = build_device_world(_spec(layers=4, stage_ids=(0, 1)), "cuda", root=site.root)
     tokens = {0: 256, 1: 160}
@@ -251,7 +251,7 @@ def test_cuda_graph_capture_through_the_environment_switch() -> None:
 
 
 def test_cuda_comm_kernel_holds_n_whole_sms() -> None:
-    from camp2p_overlap.emulation.device_comm import NvrtcCommKernels
+    from camp2p_overlap.emulation.comm_kernel import NvrtcCommKernels
 
     n = 4
     k = NvrtcCommKernels(3, n, torch.device("cuda", torch.cuda.current_device()))  # runs its self-test
@@ -278,7 +278,7 @@ def test_cuda_comm_kernel_holds_n_whole_sms() -> None:
 
 
 def _peer_world(site: Any, **kw: Any) -> Any:
-    from camp2p_overlap.emulation.device_world import build_device_world
+    from camp2p_overlap.emulation.kernel_world import build_device_world
 
     spec = _spec(layers=4, stage_ids=(0, 1), attn_s=kw.pop("attn_s", 300e-6), **kw)
     return build_device_world(spec, "cuda", root=site.root)
@@ -323,7 +323,7 @@ def test_cuda_attention_peer_cycle_holds_on_the_device(site: Any) -> None:
 
 def test_cuda_a2e_ahead_of_its_e2a_times_out_instead_of_hanging(site: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from camp2p_overlap.core.overlap.session import OverlapSession
-    from camp2p_overlap.emulation.device_comm import DevicePeerTimeout
+    from camp2p_overlap.emulation.comm_kernel import DevicePeerTimeout
 
     dw = _peer_world(site, op_timeout_s=0.2, attn_s=0.0)
     orig_send = OverlapSession.send
@@ -399,7 +399,7 @@ def test_cuda_tensor_ownership_without_record_stream(
     import weakref
 
     from camp2p_overlap.core.overlap.session import OverlapSession
-    from camp2p_overlap.emulation.device_world import DeviceTransport, TimedModel, build_device_world
+    from camp2p_overlap.emulation.kernel_world import DeviceTransport, TimedModel, build_device_world
     from camp2p_overlap.emulation.world import LinkModel
 
     spec = _spec(layers=3, stage_ids=STAGES, attn_s=0.0, link=LinkModel(latency_s=5e-6, bandwidth_Bps=1e12))

@@ -31,7 +31,7 @@ import torch
 from support.overlap import assert_same
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.core.patching.status_report import TargetState
 
 RUNNER_MOD = "afd_plugin.v1.worker.npu.ffn_model_runner"
@@ -71,7 +71,7 @@ def _import_real() -> tuple[Any, Any, Any]:
 
 
 def _apply_or_skip() -> None:
-    report = LAYER.engine.apply(config=NPU_CFG)
+    report = PATCH_LAYER.engine.apply(config=NPU_CFG)
     if not report.applied and report.reason.startswith("refused"):
         pytest.skip(f"the installed stack is not the supported one: {report.reason}")
     assert report.applied, str(report)
@@ -86,13 +86,13 @@ def test_patch_applies_to_the_real_classes_and_restores_them_exactly() -> None:
         "send_ffn_output": vars(conn_cls)["send_ffn_output"],
     }
     _apply_or_skip()
-    report = LAYER.engine.status()
+    report = PATCH_LAYER.engine.status()
     states = {t.target: (t.state, t.reason) for t in report.targets}
     assert report.engaged, "the manifest no longer matches the installed afd-plugin:\n" + str(report)
     assert all(s in (TargetState.WRAPPED, TargetState.CHECKED) for s, _ in states.values()), states
     assert vars(runner_cls)["_ffn_forward"].__wrapped__ is before["_ffn_forward"]
     assert vars(conn_cls)["recv_attn_output"].__wrapped__ is before["recv_attn_output"]
-    assert LAYER.engine.unpatch(timeout=30)
+    assert PATCH_LAYER.engine.unpatch(timeout=30)
     assert vars(runner_cls)["_ffn_forward"] is before["_ffn_forward"]
     assert vars(conn_cls)["recv_attn_output"] is before["recv_attn_output"]
     assert vars(conn_cls)["send_ffn_output"] is before["send_ffn_output"]
@@ -121,7 +121,7 @@ def _fake_forward_context(*args: Any, **kwargs: Any) -> Iterator[_ForwardContext
 
 
 def _device_parts(device: torch.device, hidden: int, tokens: int) -> tuple[Any, Any, Any]:
-    from camp2p_overlap.emulation.device_world import DeviceDelay, DeviceFFN, DeviceTiming, DeviceTransport
+    from camp2p_overlap.emulation.kernel_world import DeviceDelay, DeviceFFN, DeviceTiming, DeviceTransport
     from camp2p_overlap.emulation.moe import MoEShape
     from camp2p_overlap.emulation.world import LinkModel
 
@@ -200,7 +200,7 @@ def test_real_ffn_forward_loop_overlapped_equals_serial(monkeypatch: pytest.Monk
     serial = {n: step(n, t) for n, t in cases}
     _apply_or_skip()
     try:
-        assert LAYER.engine.status().engaged, str(LAYER.engine.status())
+        assert PATCH_LAYER.engine.status().engaged, str(PATCH_LAYER.engine.status())
         step(0, {0: 8, 1: 8})  # warm-up: side streams created outside any capture
         timing.active = True
         got = {n: step(n, t) for n, t in cases}
@@ -208,7 +208,7 @@ def test_real_ffn_forward_loop_overlapped_equals_serial(monkeypatch: pytest.Monk
         timing.active = False
     finally:
         # Before monkeypatch puts the real transfer methods back.
-        assert LAYER.engine.unpatch(timeout=30)
+        assert PATCH_LAYER.engine.unpatch(timeout=30)
     for n, _ in cases:
         assert serial[n].keys() == got[n].keys()
         assert_same(got[n], serial[n], f"step {n} differs from serial")
@@ -217,9 +217,9 @@ def test_real_ffn_forward_loop_overlapped_equals_serial(monkeypatch: pytest.Monk
 
 
 def test_npu_backend_runs_the_emulated_world_bitwise_serial() -> None:
-    from camp2p_overlap.emulation.device_world import build_device_world
+    from camp2p_overlap.emulation.kernel_world import build_device_world
     from camp2p_overlap.emulation.moe import MoEShape
-    from camp2p_overlap.emulation.standin_layer import emulation_engine, release_site, standin_site
+    from camp2p_overlap.emulation.standin_patch_layer import emulation_engine, release_site, standin_site
     from camp2p_overlap.emulation.world import WorldSpec
 
     site = standin_site()  # under the alias root: the real afd_plugin is never shadowed

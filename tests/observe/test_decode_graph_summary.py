@@ -13,12 +13,12 @@ import pytest
 from support.logs import PackageLogs
 from support.overlap import bounded, run_step, world
 
-from camp2p_overlap.core import layer as process
+from camp2p_overlap.core import patch_layer as process
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.observe import metrics
 from camp2p_overlap.core.observe.decode_graphs import GRAPH_OFF_WORDS, summary_note, upstream_graph_only
 from camp2p_overlap.core.overlap.decision import GRAPH_OFF
+from camp2p_overlap.core.patch_layer import PATCH_LAYER
 
 RUNG_NOTE = "decode replays upstream's graph (Roll out rung 6: VLLM_CAMP2P_MULTISTREAM_GRAPH=adaptive)"
 NOT_CAPTURED = "decode replays upstream's graph (graph variants not captured: the log says why)"
@@ -92,7 +92,7 @@ def fresh_reporting() -> Iterator[None]:
 def test_the_process_layer_hands_the_reporter_its_graph_setting(fresh_reporting: None, graph: str) -> None:
     w = world(layers=2, stage_ids=(0, 1))
     cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False, summary_s=0, graph=graph)
-    LAYER.engine.apply(strict=True, config=cfg)
+    PATCH_LAYER.engine.apply(strict=True, config=cfg)
     bounded(lambda: run_step(w))  # the first step starts the reporter
     reporter = metrics.current_reporter()
     assert reporter is not None and reporter.graph == graph

@@ -26,12 +26,12 @@ from support.logs import PackageLogs
 from support.overlap import Schedule, bounded, run_step, world
 
 import camp2p_overlap
-from camp2p_overlap.core import layer as process
+from camp2p_overlap.core import patch_layer as process
 from camp2p_overlap.core.config import ConfigError, OverlapConfig, load_config
 from camp2p_overlap.core.env_vars import ENV_METRICS_ADDR, ENV_METRICS_PORT, ENV_SUMMARY
-from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.observe import metrics
 from camp2p_overlap.core.observe.counters import StepCounters
+from camp2p_overlap.core.patch_layer import PATCH_LAYER
 
 
 @pytest.fixture
@@ -63,7 +63,7 @@ def families(m: metrics.StepMetrics) -> dict[str, Any]:
 
 def test_endpoint_is_scraped_over_loopback(fresh_reporting: None) -> None:
     w = world(layers=2, stage_ids=(0, 1))
-    LAYER.engine.apply(
+    PATCH_LAYER.engine.apply(
         strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, metrics_port=0, summary_s=0)
     )
     bounded(lambda: run_step(w))  # the first step starts the reporter
@@ -86,7 +86,7 @@ def test_endpoint_is_scraped_over_loopback(fresh_reporting: None) -> None:
     # Graph replays, per variant, next to (not inside) the eager steps.
     steps_before, replays_before = camp2p_overlap.stats()["steps"], camp2p_overlap.stats()["graph_replays"]
     for variant in ("serial", "overlap", "overlap"):
-        LAYER.runtime.counters.graph_replay(variant)
+        PATCH_LAYER.runtime.counters.graph_replay(variant)
     fams = scrape(reporter.port)
     replays = samples(fams["vllm:camp2p_overlap_graph_replays"], "variant")
     assert fams["vllm:camp2p_overlap_graph_replays"].type == "counter"
@@ -97,7 +97,9 @@ def test_endpoint_is_scraped_over_loopback(fresh_reporting: None) -> None:
 
 def test_no_endpoint_unless_asked(fresh_reporting: None) -> None:
     w = world(layers=2, stage_ids=(0, 1))
-    LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, summary_s=0))
+    PATCH_LAYER.engine.apply(
+        strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, summary_s=0)
+    )
     bounded(lambda: run_step(w))
     reporter = metrics.current_reporter()
     assert reporter is not None and reporter.server is None and reporter.port is None
@@ -239,7 +241,7 @@ def test_port_address_and_summary_settings_are_validated() -> None:
 
 def test_the_endpoint_listens_on_loopback_by_default(fresh_reporting: None) -> None:
     w = world(layers=2, stage_ids=(0, 1))
-    LAYER.engine.apply(
+    PATCH_LAYER.engine.apply(
         strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, metrics_port=0, summary_s=0)
     )
     bounded(lambda: run_step(w))
@@ -263,7 +265,7 @@ def test_the_endpoint_listens_on_the_configured_address(fresh_reporting: None) -
     addr = _loopback_alias()
     w = world(layers=2, stage_ids=(0, 1))
     cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False, metrics_port=0, metrics_addr=addr, summary_s=0)
-    LAYER.engine.apply(strict=True, config=cfg)
+    PATCH_LAYER.engine.apply(strict=True, config=cfg)
     bounded(lambda: run_step(w))
     reporter = metrics.current_reporter()
     assert reporter is not None and reporter.port, "no endpoint started"
@@ -448,16 +450,16 @@ def test_the_scrape_and_the_summary_touch_no_device_event(
     fresh_reporting: None, monkeypatch: pytest.MonkeyPatch, logs: PackageLogs, tmp_path: Path
 ) -> None:
     from camp2p_overlap.core.overlap.step_timings import StepTimings
-    from camp2p_overlap.core.overlap.streams import base, device
+    from camp2p_overlap.core.overlap.streams import base, torch_streams
     from camp2p_overlap.emulation.device import worker
 
     w = world(layers=2, stage_ids=(0, 1))
-    LAYER.engine.apply(  # adaptive: the steps leave timings whose events a careless reader would query
+    PATCH_LAYER.engine.apply(  # adaptive: the steps leave timings whose events a careless reader would query
         strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=True, metrics_port=0, summary_s=0)
     )
     for _ in range(4):
         bounded(lambda: run_step(w))
-    LAYER.runtime.counters.graph_replay("overlap")
+    PATCH_LAYER.runtime.counters.graph_replay("overlap")
     reporter = metrics.current_reporter()
     assert reporter is not None and reporter.port
     touched: list[str] = []
@@ -470,17 +472,23 @@ def test_the_scrape_and_the_summary_touch_no_device_event(
         return call
 
     for owner, names in (
-        (LAYER.runtime, ("stats",)),
+        (PATCH_LAYER.runtime, ("stats",)),
         (StepTimings, ("read_ready", "record")),
-        (base.StreamBackend, ("elapsed", "timing_start", "timing_stop", "synchronize", "record", "wait")),
-        (device.TorchDeviceBackend, ("elapsed", "timing_start", "timing_stop", "synchronize", "record", "wait")),
+        (
+            base.StreamBackend,
+            ("step_timer_elapsed_s", "step_timer_start", "step_timer_stop", "synchronize", "record", "wait"),
+        ),
+        (
+            torch_streams.TorchStreamBackend,
+            ("step_timer_elapsed_s", "step_timer_start", "step_timer_stop", "synchronize", "record", "wait"),
+        ),
         (worker.Event, ("query", "synchronize", "elapsed_time", "record", "wait")),
         (worker.Stream, ("query", "synchronize", "record_event", "wait_event")),
     ):
         for name in names:
             if hasattr(owner, name):
                 monkeypatch.setattr(owner, name, forbidden(f"{getattr(owner, '__name__', 'runtime')}.{name}"))
-    counts = LAYER.runtime.counters.to_dict()
+    counts = PATCH_LAYER.runtime.counters.to_dict()
     fams = scrape(reporter.port)  # the endpoint's HTTP thread syncs
     assert samples(fams[metrics.STEPS], "path") == {k: float(v) for k, v in counts["steps"].items()}
     assert samples(fams[metrics.GRAPH_REPLAYS], "variant") == {k: float(v) for k, v in counts["graph_replays"].items()}
@@ -489,10 +497,12 @@ def test_the_scrape_and_the_summary_touch_no_device_event(
     # is set; prometheus_client chose its storage at import, so nothing is
     # written there) and the summary.
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    LAYER.runtime.counters.graph_replay("serial")
+    PATCH_LAYER.runtime.counters.graph_replay("serial")
     synced = []
     monkeypatch.setattr(reporter.metrics, "sync", lambda real=reporter.metrics.sync: synced.append(1) or real())
-    ticking = metrics.Reporter(LAYER.runtime.counters.to_dict, port=None, summary_s=0.02, metrics=reporter.metrics)
+    ticking = metrics.Reporter(
+        PATCH_LAYER.runtime.counters.to_dict, port=None, summary_s=0.02, metrics=reporter.metrics
+    )
     logged = len(logs.texts("camp2p-overlap steps:"))
     try:
         deadline = time.monotonic() + 10

@@ -17,10 +17,10 @@ from support.overlap import Schedule, apply_cpu, assert_same, bounded, run_step,
 import camp2p_overlap
 from camp2p_overlap.core.config import ConfigError, load_config
 from camp2p_overlap.core.env_vars import ENV_ADAPTIVE, ENV_REPROBE
-from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey, Passed, pow2_ceil
 from camp2p_overlap.core.overlap.step_timings import StepTimings
-from camp2p_overlap.core.overlap.streams.device import TorchDeviceBackend
+from camp2p_overlap.core.overlap.streams.torch_streams import TorchStreamBackend
+from camp2p_overlap.core.patch_layer import PATCH_LAYER
 
 KEY = BucketKey("runner#0", 2, 6, 128)
 OTHER = BucketKey("runner#0", 2, 6, 256)
@@ -73,8 +73,8 @@ def test_first_decision_with_times_read_one_step_late_comes_by_the_eighth_step()
 
 
 def test_the_first_decision_takes_the_faster_median_by_default() -> None:
-    """Both paths are timed under the layer, so a serial step's time holds
-    the layer's pass-through cost: no margin by default; a tie stays serial."""
+    """Both paths are timed under the patch layer, so a serial step's time holds
+    the patch layer's pass-through cost: no margin by default; a tie stays serial."""
     a = AdaptiveEngage()
     drive(a, KEY, {"overlap": 0.0097, "serial": 0.0100}, 7)  # 3% better
     assert a.decision(KEY) == "overlap"
@@ -331,8 +331,8 @@ def test_graph_capture_uses_the_static_setting() -> None:
     w = world(layers=2, stage_ids=(0, 1), tokens=8)
     apply_cpu(adaptive=True, graph=True)
     key_calls: list[Any] = []
-    real_choose = LAYER.runtime.adaptive.choose
-    LAYER.runtime.adaptive.choose = lambda key: key_calls.append(key) or ("serial", False)  # type: ignore[method-assign]
+    real_choose = PATCH_LAYER.runtime.adaptive.choose
+    PATCH_LAYER.runtime.adaptive.choose = lambda key: key_calls.append(key) or ("serial", False)  # type: ignore[method-assign]
     try:
         before = camp2p_overlap.stats()
         run_step(w, Schedule(2, (0, 1), (8, 8), step=1), is_graph_capturing=True)
@@ -342,8 +342,8 @@ def test_graph_capture_uses_the_static_setting() -> None:
         run_step(w, Schedule(2, (0, 1), (8, 8), step=2))  # eager: the bucket's path
         assert camp2p_overlap.stats()["steps"]["overlap"] == before["steps"]["overlap"] and len(key_calls) == 1
     finally:
-        LAYER.runtime.adaptive.choose = real_choose  # type: ignore[method-assign]
-    assert LAYER.engine.is_applied()
+        PATCH_LAYER.runtime.adaptive.choose = real_choose  # type: ignore[method-assign]
+    assert PATCH_LAYER.engine.is_applied()
 
 
 # ---------------------------------------------------------------------------
@@ -400,34 +400,34 @@ class _FakeDevice:
 
 def test_device_step_timing_reads_events_later_and_never_synchronizes() -> None:
     dev = _FakeDevice()
-    backend = TorchDeviceBackend("fake", dev)  # type: ignore[arg-type]
-    token = backend.timing_start()
+    backend = TorchStreamBackend("fake", dev)  # type: ignore[arg-type]
+    token = backend.step_timer_start()
     dev.clock[0] = 0.025
-    backend.timing_stop(token)
-    assert backend.elapsed(token) is None  # not complete yet: ask again later
+    backend.step_timer_stop(token)
+    assert backend.step_timer_elapsed_s(token) is None  # not complete yet: ask again later
     for ev in dev.events:
         ev.done = True
-    assert backend.elapsed(token) == pytest.approx(0.025)
+    assert backend.step_timer_elapsed_s(token) == pytest.approx(0.025)
     assert "query" in dev.log and len(dev.events) == 2
-    again = backend.timing_start()  # the pair went back to the pool
+    again = backend.step_timer_start()  # the pair went back to the pool
     assert len(dev.events) == 2 and again == token
 
 
 def test_runtime_collect_reads_only_completed_timings_in_order() -> None:
     dev = _FakeDevice()
-    backend = TorchDeviceBackend("fake", dev)  # type: ignore[arg-type]
-    a = LAYER.runtime.adaptive
+    backend = TorchStreamBackend("fake", dev)  # type: ignore[arg-type]
+    a = PATCH_LAYER.runtime.adaptive
     key = BucketKey("collect-test", 2, 2, 8)
     recorded: list[tuple[str, float]] = []
     real = a.record
     a.record = lambda k, m, s: recorded.append((m, round(s, 3))) if k == key else real(k, m, s)  # type: ignore[method-assign]
-    timings = StepTimings(lambda: LAYER.runtime.adaptive)  # one runner's
+    timings = StepTimings(lambda: PATCH_LAYER.runtime.adaptive)  # one runner's
     try:
         tokens = []
         for i, mode in enumerate(("overlap", "serial")):
-            t = backend.timing_start()
+            t = backend.step_timer_start()
             dev.clock[0] += 0.010 * (i + 1)
-            backend.timing_stop(t)
+            backend.step_timer_stop(t)
             tokens.append(t)
             timings.record(key, mode, backend, t)  # type: ignore[arg-type]
         assert recorded == []  # nothing completed: nothing read, nothing waited for
@@ -445,9 +445,9 @@ def test_runtime_collect_reads_only_completed_timings_in_order() -> None:
 @pytest.fixture(autouse=True)
 def _fresh_adaptive_state() -> Any:
     """Each test learns from scratch (the process runtime keeps what it learned)."""
-    LAYER.runtime.adaptive = AdaptiveEngage()
+    PATCH_LAYER.runtime.adaptive = AdaptiveEngage()
     yield
-    LAYER.runtime.adaptive = AdaptiveEngage()
+    PATCH_LAYER.runtime.adaptive = AdaptiveEngage()
 
 
 def test_logs_at_info_name_the_bucket(logs: PackageLogs) -> None:
@@ -473,7 +473,7 @@ def test_a_decided_serial_step_is_not_planned_and_a_probe_is(monkeypatch: pytest
     w = world(layers=2, stage_ids=(0, 1), tokens=8)
     scheds = [Schedule(2, (0, 1), (8, 8), step=i + 1) for i in range(16)]
     refs = serial_results(w, scheds)
-    LAYER.runtime.adaptive = _SerialWins()
+    PATCH_LAYER.runtime.adaptive = _SerialWins()
     apply_cpu(adaptive=True, reprobe_every=8)
     planned: list[int] = []
     now = [0]  # the step running
@@ -491,7 +491,7 @@ def test_a_decided_serial_step_is_not_planned_and_a_probe_is(monkeypatch: pytest
     unplanned = [s for s in range(16) if s not in planned]
     assert unplanned == list(range(8, 14))
     assert planned[8:] == [14, 15]
-    (bucket,) = [b for b in LAYER.runtime.adaptive.snapshot() if b["key"]["layers"] == 2]
+    (bucket,) = [b for b in PATCH_LAYER.runtime.adaptive.snapshot() if b["key"]["layers"] == 2]
     assert bucket["decision"] == "serial" and bucket["steps"] == 16
 
 

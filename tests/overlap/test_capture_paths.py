@@ -1,12 +1,12 @@
-"""The layer's own capture paths on the emulated device (installed as
+"""The patch layer's own capture paths on the emulated device (installed as
 ``torch.npu``), through the stand-in runners' upstream graph path
 (warm-up, ``capture_model``/``_capture_graphs``, replay from
 ``execute_model``), on both stacks.
 
-Every mode the layer captures (overlap, e2a-only, a2e-only, parity,
+Every mode the patch layer captures (overlap, e2a-only, a2e-only, parity,
 reorder) passes the device's capture rules and its replays are bitwise
 equal to eager serial steps with the same inputs; a rule broken inside the
-layer's capture path (injected here) is caught and leaves nothing
+patch layer's capture path (injected here) is caught and leaves nothing
 capturing; a fault inside the capture surfaces with its type and the next
 steps are correct; ``unpatch()`` during a capture waits for it and the
 captured graph still replays."""
@@ -20,14 +20,14 @@ import pytest
 from support.capture_breakers import ForgetsToJoin, QueriesInCapture, ReadsOnTheHost, SyncsInCapture
 from support.overlap import apply_cpu, assert_same, world
 
-from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.emulation import device
 from camp2p_overlap.emulation.world import World
 
 pytestmark = pytest.mark.usefixtures("standin_stack", "emulated_torch_npu")
 
-#: name -> the config overrides of a mode the layer captures.
+#: name -> the config overrides of a mode the patch layer captures.
 MODES: dict[str, dict[str, Any]] = {
     "overlap": {},
     "e2a-only": {"a2e_on_side_stream": False},
@@ -71,10 +71,10 @@ def eager_serial(w: World, steps: range) -> dict[int, dict]:
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_each_mode_captures_legally_and_replays_bitwise(layer: Layer, mode: str) -> None:
+def test_each_mode_captures_legally_and_replays_bitwise(patch_layer: PatchLayer, mode: str) -> None:
     w = graph_world()
     refs = eager_serial(w, range(10, 14))
-    apply_cpu(layer=layer, graph=True, **MODES[mode])
+    apply_cpu(patch_layer=patch_layer, graph=True, **MODES[mode])
     try:
         graph = capture(w, 1)
         streams = {name for name, _, _ in graph.nodes()}
@@ -85,21 +85,21 @@ def test_each_mode_captures_legally_and_replays_bitwise(layer: Layer, mode: str)
             assert_same(step(w, n), refs[n], f"{mode} replay of step {n}")
         assert graph.replays == 4
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
 
 
-def test_the_serial_variant_captures_when_graph_mode_is_off(layer: Layer) -> None:
+def test_the_serial_variant_captures_when_graph_mode_is_off(patch_layer: PatchLayer) -> None:
     """GRAPH off: the capture takes the serial path (no side stream in the graph)."""
     w = graph_world()
     refs = eager_serial(w, range(20, 22))
-    apply_cpu(layer=layer, graph=False)
+    apply_cpu(patch_layer=patch_layer, graph=False)
     try:
         graph = capture(w, 1)
         assert {name for name, _, _ in graph.nodes()} <= {"C", "capture"}
         for n in range(20, 22):
             assert_same(step(w, n), refs[n])
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
 
 
 @pytest.mark.parametrize(
@@ -113,48 +113,48 @@ def test_the_serial_variant_captures_when_graph_mode_is_off(layer: Layer) -> Non
     ids=["synchronize", "query", "unjoined", "host-read"],
 )
 def test_a_rule_broken_inside_the_layers_capture_path_is_caught(
-    layer: Layer, monkeypatch: pytest.MonkeyPatch, session: type, message: str
+    patch_layer: PatchLayer, monkeypatch: pytest.MonkeyPatch, session: type, message: str
 ) -> None:
     w = graph_world()
     (ref,) = eager_serial(w, range(30, 31)).values()
-    apply_cpu(layer=layer, graph=True)
+    apply_cpu(patch_layer=patch_layer, graph=True)
     try:
         step(w, 1, is_warmup=True)  # eager: creates the side streams
-        monkeypatch.setattr(layer.runtime, "session_class", session)
+        monkeypatch.setattr(patch_layer.runtime, "session_class", session)
         with pytest.raises(device.CaptureViolation, match=message):
             step(w, 1, is_graph_capturing=True)
         assert not device.capture_in_progress()
         assert w.runner._acl_graphs == {}  # nothing stored for the key
-        monkeypatch.setattr(layer.runtime, "session_class", OverlapSession)
+        monkeypatch.setattr(patch_layer.runtime, "session_class", OverlapSession)
         device.synchronize()
         w.runner.use_aclgraph = False
-        assert_same(step(w, 30), ref)  # the device and the layer work on
+        assert_same(step(w, 30), ref)  # the device and the patch layer work on
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
 
 
-def test_the_rules_hold_for_the_layers_own_paths_with_a_watchdog_thread(layer: Layer) -> None:
+def test_the_rules_hold_for_the_layers_own_paths_with_a_watchdog_thread(patch_layer: PatchLayer) -> None:
     """A watchdog configured on the step: the capture is short, so its timer
     never fires inside it, and the capture passes."""
     w = graph_world()
     refs = eager_serial(w, range(40, 42))
-    apply_cpu(layer=layer, graph=True, watchdog_s=30.0)
+    apply_cpu(patch_layer=patch_layer, graph=True, watchdog_s=30.0)
     try:
         capture(w, 1)
         for n in range(40, 42):
             assert_same(step(w, n), refs[n])
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
 
 
 class InjectedFault(RuntimeError):
     pass
 
 
-def test_a_fault_inside_the_capture_surfaces_and_the_next_steps_are_correct(layer: Layer) -> None:
+def test_a_fault_inside_the_capture_surfaces_and_the_next_steps_are_correct(patch_layer: PatchLayer) -> None:
     w = graph_world()
     refs = eager_serial(w, range(50, 53))
-    apply_cpu(layer=layer, graph=True)
+    apply_cpu(patch_layer=patch_layer, graph=True)
     model = w.runner.model
     original = model.compute_ffn_output
     calls = {"n": 0}
@@ -178,13 +178,13 @@ def test_a_fault_inside_the_capture_surfaces_and_the_next_steps_are_correct(laye
         assert graph.replays == 3
     finally:
         model.compute_ffn_output = original
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
 
 
-def test_unpatch_during_a_capture_waits_for_it_and_the_graph_replays(layer: Layer) -> None:
+def test_unpatch_during_a_capture_waits_for_it_and_the_graph_replays(patch_layer: PatchLayer) -> None:
     w = graph_world()
     refs = eager_serial(w, range(60, 62))
-    apply_cpu(layer=layer, graph=True)
+    apply_cpu(patch_layer=patch_layer, graph=True)
     step(w, 1, is_warmup=True)
     inside, go = threading.Event(), threading.Event()
     model = w.runner.model
@@ -202,25 +202,25 @@ def test_unpatch_during_a_capture_waits_for_it_and_the_graph_replays(layer: Laye
     t.start()
     try:
         assert inside.wait(10), "the capture never reached the model"
-        assert layer.engine.unpatch(timeout=0.2) is False  # refused while the captured step runs
+        assert patch_layer.engine.unpatch(timeout=0.2) is False  # refused while the captured step runs
         assert device.capture_in_progress()
     finally:
         go.set()
         t.join(20)
     model.compute_ffn_output = original
     assert "r" in done and not device.capture_in_progress()
-    assert layer.engine.unpatch(timeout=10) is True
-    # The graph holds the overlap it captured; it replays without the layer
-    # (its side streams closed with the layer: a device graph needs them not).
+    assert patch_layer.engine.unpatch(timeout=10) is True
+    # The graph holds the overlap it captured; it replays without the patch layer
+    # (its side streams closed with the patch layer: a device graph needs them not).
     (entry,) = w.runner._acl_graphs.values()
     assert {"K0", "K1"} <= {name for name, _, _ in entry["graph"].nodes()}
     for n in range(60, 62):
         assert_same(step(w, n), refs[n])
 
 
-def test_a_capture_creates_no_stream_and_the_streams_do_not_grow_with_keys(layer: Layer) -> None:
+def test_a_capture_creates_no_stream_and_the_streams_do_not_grow_with_keys(patch_layer: PatchLayer) -> None:
     w = graph_world()
-    apply_cpu(layer=layer, graph=True)
+    apply_cpu(patch_layer=patch_layer, graph=True)
     try:
         step(w, 1, is_warmup=True)
         before = {t.name for t in threading.enumerate()}
@@ -235,20 +235,20 @@ def test_a_capture_creates_no_stream_and_the_streams_do_not_grow_with_keys(layer
         assert len(w.runner._acl_graphs) == 3  # one graph per key
         assert {t.name for t in threading.enumerate()} == before
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
 
 
-def test_a_watchdog_following_an_earlier_step_ends_before_a_capture(layer: Layer) -> None:
+def test_a_watchdog_following_an_earlier_step_ends_before_a_capture(patch_layer: PatchLayer) -> None:
     """A watchdog still following an eager step's device work (it queries
     events) is ended when a capture begins: no query overlaps the capture."""
     from camp2p_overlap.core.overlap import watchdog
 
     w = graph_world()
-    apply_cpu(layer=layer, graph=True, watchdog_s=30.0)
+    apply_cpu(patch_layer=patch_layer, graph=True, watchdog_s=30.0)
     try:
         step(w, 1, is_warmup=True)  # eager, engaged: its watchdog may still follow it
         capture(w, 1)
         assert not [t for t in threading.enumerate() if t.name == "camp2p-overlap-watchdog" and t.is_alive()]
         assert watchdog.stop_watchdogs() is True
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)

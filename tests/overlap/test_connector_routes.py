@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from support.overlap import apply_cpu, assert_same, run_step, serial_results, world
 
-from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.observe.trace import TraceRecorder
 from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes, is_router
 from camp2p_overlap.core.overlap.serial_trace import TRACE_ROUTERS
+from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.emulation import device as emulated_device
 
 pytestmark = pytest.mark.usefixtures("standin_stack")
@@ -46,9 +46,9 @@ def _our_frames(call: Any) -> list[str]:
 
 @pytest.fixture
 def applied() -> Iterator[None]:
-    LAYER.engine.unpatch()
+    PATCH_LAYER.engine.unpatch()
     yield
-    assert LAYER.engine.unpatch() is True
+    assert PATCH_LAYER.engine.unpatch() is True
 
 
 def test_between_steps_a_connector_call_runs_no_frame_of_ours(applied: None) -> None:
@@ -56,7 +56,7 @@ def test_between_steps_a_connector_call_runs_no_frame_of_ours(applied: None) -> 
     originals = {name: vars(type(w.connector))[name] for name in ROUTED}
     apply_cpu()
     run_step(w)  # an engaged step ran and ended
-    assert LAYER.runtime.counters.to_dict()["steps"]["overlap"] >= 1
+    assert PATCH_LAYER.runtime.counters.to_dict()["steps"]["overlap"] >= 1
     for name in ROUTED:
         assert vars(type(w.connector))[name] is originals[name]
         assert name not in vars(w.connector)
@@ -125,7 +125,7 @@ def test_a_users_instance_attribute_is_kept_and_called_where_the_loop_would(appl
     w.steps_run = 0  # the reference's step again
     got = run_step(w)
     assert_same(got, reference)
-    assert LAYER.runtime.counters.to_dict()["steps"]["overlap"] >= 1
+    assert PATCH_LAYER.runtime.counters.to_dict()["steps"]["overlap"] >= 1
     assert len(calls) == 2 * 2  # every send of the loop reached the user's attribute
     assert sorted(calls) == ["K0", "K0", "K1", "K1"]  # issued on the side streams: the step engaged
     assert vars(w.connector)["send_ffn_output"] is users_send  # the very same object is back
@@ -207,15 +207,15 @@ def test_a_connector_that_cannot_be_routed_is_a_serial_reason_and_a_plain_one_en
     sub = type("DescribedConnector", (cls,), {"send_ffn_output": property(lambda self: None)})
     w.connector.__class__ = sub
     try:
-        problem = connector_problem(LAYER.engine, w.connector)
+        problem = connector_problem(PATCH_LAYER.engine, w.connector)
         assert problem is not None and "cannot be routed per instance" in problem
     finally:
         w.connector.__class__ = cls
-    assert connector_problem(LAYER.engine, w.connector) is None
-    before = LAYER.runtime.counters.to_dict()["steps"]["overlap"]
+    assert connector_problem(PATCH_LAYER.engine, w.connector) is None
+    before = PATCH_LAYER.runtime.counters.to_dict()["steps"]["overlap"]
     w.steps_run = 0
     assert_same(run_step(w), reference)
-    assert LAYER.runtime.counters.to_dict()["steps"]["overlap"] == before + 1
+    assert PATCH_LAYER.runtime.counters.to_dict()["steps"]["overlap"] == before + 1
 
 
 def test_a_serial_trace_routes_the_same_keys_as_an_engaged_step() -> None:

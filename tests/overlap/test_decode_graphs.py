@@ -17,9 +17,9 @@ from support.logs import PackageLogs
 from support.overlap import apply_cpu, assert_same, eager_refs, graph_world, world
 
 from camp2p_overlap.core.config import ConfigError, load_config
-from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.overlap.graphs import OVERLAP, SERIAL, VariantGraph
 from camp2p_overlap.core.overlap.step_timings import StepTimings
+from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.emulation import device
 from camp2p_overlap.emulation.world import World
 
@@ -51,10 +51,10 @@ def entry_of(w: World) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_both_variants_capture_and_every_replay_is_bitwise_serial(layer: Layer, mode: str) -> None:
+def test_both_variants_capture_and_every_replay_is_bitwise_serial(patch_layer: PatchLayer, mode: str) -> None:
     w = graph_world()
     refs = eager_refs(w, range(1, 21))
-    apply_cpu(layer=layer, graph="adaptive", **MODES[mode])
+    apply_cpu(patch_layer=patch_layer, graph="adaptive", **MODES[mode])
     try:
         w.capture()
         entry = entry_of(w)
@@ -69,26 +69,26 @@ def test_both_variants_capture_and_every_replay_is_bitwise_serial(layer: Layer, 
             assert_same(replay(w, n), refs[n], f"{mode}: replay {n}")
         replays = chooser.captured.replays
         assert replays[SERIAL] + replays[OVERLAP] == 20
-        if mode != "overlap":  # the static variants always replay the layer's
+        if mode != "overlap":  # the static variants always replay the patch layer's
             assert replays == {SERIAL: 0, OVERLAP: 20}
         else:  # learning runs both
             assert replays[SERIAL] >= 3 and replays[OVERLAP] >= 3
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
     assert entry["graph"] is upstream  # identity restored
 
 
-def test_graph_mode_1_and_0_capture_one_graph_as_before(layer: Layer) -> None:
+def test_graph_mode_1_and_0_capture_one_graph_as_before(patch_layer: PatchLayer) -> None:
     for value, side in (("1", True), ("0", False)):
         w = graph_world()
-        apply_cpu(layer=layer, graph=value)
+        apply_cpu(patch_layer=patch_layer, graph=value)
         try:
             w.capture()
             graph = entry_of(w)["graph"]
             assert not isinstance(graph, VariantGraph)
             assert ({"K0", "K1"} <= {name for name, _, _ in graph.nodes()}) == side
         finally:
-            assert layer.engine.unpatch(timeout=10)
+            assert patch_layer.engine.unpatch(timeout=10)
 
 
 class InjectedTimes:
@@ -100,7 +100,7 @@ class InjectedTimes:
         self.seconds = seconds
 
         def record(timings: StepTimings, key: Any, path: str, backend: Any, token: Any, into: Any = None) -> None:
-            backend.timing_discard(token)
+            backend.step_timer_discard(token)
             (into or timings._adaptive()).record(key, path, self.seconds(into, path))
 
         monkeypatch.setattr(StepTimings, "record", record)
@@ -109,7 +109,7 @@ class InjectedTimes:
 def replayed_graph(chooser: VariantGraph, w: World, n: int, ref: dict) -> str:
     """Replay step ``n`` (bitwise equal to ``ref``) and say which graph object
     replayed, from the emulated graphs' own replay counts; check the label
-    the layer counted names the same one."""
+    the patch layer counted names the same one."""
     c = chooser.captured
     before = (c.upstream.replays, c.ours.replays, dict(c.replays))
     assert_same(replay(w, n), ref, f"replay {n}")
@@ -121,7 +121,7 @@ def replayed_graph(chooser: VariantGraph, w: World, n: int, ref: dict) -> str:
 
 
 def test_a_key_switches_variant_mid_run_bitwise_and_the_switch_is_logged_once(
-    layer: Layer, logs: PackageLogs, monkeypatch: pytest.MonkeyPatch
+    patch_layer: PatchLayer, logs: PackageLogs, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Injected replay times: the overlap is faster for the first replays
     (the key decides overlap), then slower (a re-probe switches it to
@@ -129,7 +129,7 @@ def test_a_key_switches_variant_mid_run_bitwise_and_the_switch_is_logged_once(
     the chosen one, and the switch is one log line."""
     w = graph_world()
     refs = eager_refs(w, range(1, 61))
-    apply_cpu(layer=layer, graph="adaptive", adaptive=True, reprobe_every=4)
+    apply_cpu(patch_layer=patch_layer, graph="adaptive", adaptive=True, reprobe_every=4)
     phase = {"overlap_s": 0.001}
     InjectedTimes(monkeypatch, lambda choice, path: phase["overlap_s"] if path == OVERLAP else 0.002)
     try:
@@ -140,10 +140,10 @@ def test_a_key_switches_variant_mid_run_bitwise_and_the_switch_is_logged_once(
             if n == 15:
                 phase["overlap_s"] = 0.004
             seen.append(replayed_graph(chooser, w, n, refs[n]))
-        (graph_stats,) = layer.runtime.stats()["graphs"]
+        (graph_stats,) = patch_layer.runtime.stats()["graphs"]
         assert graph_stats["decision"] == SERIAL
         # Learning replays both; decided overlap before the change (the
-        # layer's graph replays); after it, upstream's, except the re-probes
+        # patch layer's graph replays); after it, upstream's, except the re-probes
         # of the other variant (every few decided replays).
         assert seen[:8].count(SERIAL) >= 3 and seen[:8].count(OVERLAP) >= 3, seen
         assert seen[8:14].count(OVERLAP) > seen[8:14].count(SERIAL), seen
@@ -151,18 +151,18 @@ def test_a_key_switches_variant_mid_run_bitwise_and_the_switch_is_logged_once(
         lines = [m for m in logs.messages if " graph " in m and "-> serial" in m]
         assert len(lines) == 1, lines
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
 
 
 def test_two_keys_of_one_eager_bucket_each_decide_on_their_own_times(
-    layer: Layer, monkeypatch: pytest.MonkeyPatch
+    patch_layer: PatchLayer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """5 and 7 tokens share one eager bucket (tokens rounded up to 8); as
     graph keys each has its own decision, samples and medians: the overlap
     is faster for one key, serial for the other."""
     w = graph_world()
     five, seven = {0: 5, 1: 5}, {0: 7, 1: 7}
-    apply_cpu(layer=layer, graph="adaptive", adaptive=True)
+    apply_cpu(patch_layer=patch_layer, graph="adaptive", adaptive=True)
     choices: dict[int, str] = {}
 
     def seconds(choice: Any, path: str) -> float:
@@ -188,7 +188,7 @@ def test_two_keys_of_one_eager_bucket_each_decide_on_their_own_times(
             w.transport.begin_step(w.steps_run, w.layer_list(), [0, 1])
             w.runner.execute_model(dp_metadata_list=w.dp_metadata(seven))
             w.synchronize()
-        by_key = {g["key"]: g for g in layer.runtime.stats()["graphs"]}
+        by_key = {g["key"]: g for g in patch_layer.runtime.stats()["graphs"]}
         five_stats = by_key[graphs["five"].captured.key_text]
         seven_stats = by_key[graphs["seven"].captured.key_text]
         assert five_stats["decision"] == OVERLAP and seven_stats["decision"] == SERIAL
@@ -201,17 +201,17 @@ def test_two_keys_of_one_eager_bucket_each_decide_on_their_own_times(
                 SERIAL: own[0]["serial_samples"],
                 OVERLAP: own[0]["overlap_samples"],
             }
-        assert not [b for b in layer.runtime.stats()["buckets"] if "graph" in b["key"]["runner"]]
+        assert not [b for b in patch_layer.runtime.stats()["buckets"] if "graph" in b["key"]["runner"]]
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
 
 
-def test_each_groups_op_order_is_the_same_for_both_variants(layer: Layer) -> None:
+def test_each_groups_op_order_is_the_same_for_both_variants(patch_layer: PatchLayer) -> None:
     """What the attention side sees: per group (stage), the sequence of
     CAMP2P ops of a replay, A2E(L, s), E2A(L, s), A2E(L+1, s), ..., is the
     same whichever variant replays."""
     w = graph_world()
-    apply_cpu(layer=layer, graph="adaptive", adaptive=False)
+    apply_cpu(patch_layer=patch_layer, graph="adaptive", adaptive=False)
     order: dict[int, list[tuple[str, int]]] = {}
     lock = threading.Lock()
 
@@ -234,7 +234,7 @@ def test_each_groups_op_order_is_the_same_for_both_variants(layer: Layer) -> Non
         assert seqs[SERIAL] == seqs[OVERLAP] == {0: want, 1: want}
     finally:
         w.transport.fault_hook = None
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
 
 
 @pytest.mark.parametrize(
@@ -243,30 +243,30 @@ def test_each_groups_op_order_is_the_same_for_both_variants(layer: Layer) -> Non
     ids=["synchronize", "unjoined"],
 )
 def test_a_failed_second_capture_keeps_upstreams_graph_logged_once_and_counted(
-    layer: Layer, logs: PackageLogs, monkeypatch: pytest.MonkeyPatch, session: type, reason: str
+    patch_layer: PatchLayer, logs: PackageLogs, monkeypatch: pytest.MonkeyPatch, session: type, reason: str
 ) -> None:
     w = graph_world()
     refs = eager_refs(w, range(1, 4))
-    apply_cpu(layer=layer, graph="adaptive")
-    monkeypatch.setattr(layer.runtime, "session_class", session)
+    apply_cpu(patch_layer=patch_layer, graph="adaptive")
+    monkeypatch.setattr(patch_layer.runtime, "session_class", session)
     try:
         w.capture()
         graph = entry_of(w)["graph"]
         assert not isinstance(graph, VariantGraph)  # upstream's own graph stays
-        (failure,) = layer.runtime.stats()["graph_capture_failures"].items()
+        (failure,) = patch_layer.runtime.stats()["graph_capture_failures"].items()
         assert reason in failure[0] and failure[1] == 1
         assert len(logs.texts("second variant of a decode graph was not captured", logging.WARNING)) == 1
         for n in range(1, 4):
             assert_same(replay(w, n), refs[n])
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
     assert entry_of(w)["graph"] is graph
 
 
-def test_unpatch_during_a_capture_waits_and_restores_identity(layer: Layer) -> None:
+def test_unpatch_during_a_capture_waits_and_restores_identity(patch_layer: PatchLayer) -> None:
     w = graph_world()
     refs = eager_refs(w, range(1, 3))
-    apply_cpu(layer=layer, graph="adaptive")
+    apply_cpu(patch_layer=patch_layer, graph="adaptive")
     w.steps_run = 0
     w.transport.begin_step(1, w.layer_list(), [0, 1])
     w.runner.execute_ffn_step(dp_metadata_list=w.dp_metadata(), is_warmup=True)
@@ -291,7 +291,7 @@ def test_unpatch_during_a_capture_waits_and_restores_identity(layer: Layer) -> N
     t.start()
     try:
         assert inside.wait(10)
-        assert layer.engine.unpatch(timeout=0.2) is False
+        assert patch_layer.engine.unpatch(timeout=0.2) is False
     finally:
         go.set()
         t.join(20)
@@ -300,35 +300,35 @@ def test_unpatch_during_a_capture_waits_and_restores_identity(layer: Layer) -> N
     chooser = entry_of(w)["graph"]
     assert isinstance(chooser, VariantGraph)
     upstream = chooser.captured.upstream
-    assert layer.engine.unpatch(timeout=10) is True
+    assert patch_layer.engine.unpatch(timeout=10) is True
     assert entry_of(w)["graph"] is upstream
     for n in range(1, 3):
         assert_same(replay(w, n), refs[n])
 
 
-def test_a_runner_captured_before_apply_is_left_alone(layer: Layer) -> None:
+def test_a_runner_captured_before_apply_is_left_alone(patch_layer: PatchLayer) -> None:
     w = graph_world()
     w.capture()
     graph = entry_of(w)["graph"]
-    apply_cpu(layer=layer, graph="adaptive")
+    apply_cpu(patch_layer=patch_layer, graph="adaptive")
     try:
         replay(w, 1)
         assert entry_of(w)["graph"] is graph
-        assert layer.runtime.stats()["graphs"] == []
+        assert patch_layer.runtime.stats()["graphs"] == []
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
     assert entry_of(w)["graph"] is graph
 
 
-def test_stats_count_replays_per_variant_and_steps_count_eager_only(layer: Layer) -> None:
+def test_stats_count_replays_per_variant_and_steps_count_eager_only(patch_layer: PatchLayer) -> None:
     w = graph_world()
-    apply_cpu(layer=layer, graph="adaptive", adaptive=False)
+    apply_cpu(patch_layer=patch_layer, graph="adaptive", adaptive=False)
     try:
         w.capture()
-        steps_before = dict(layer.runtime.stats()["steps"])
+        steps_before = dict(patch_layer.runtime.stats()["steps"])
         for n in range(1, 6):
             replay(w, n)
-        st = layer.runtime.stats()
+        st = patch_layer.runtime.stats()
         assert st["steps"] == steps_before  # replays are not eager steps
         (g,) = st["graphs"]
         assert g["variants"] == [SERIAL, OVERLAP] and g["replays"] == {SERIAL: 0, OVERLAP: 5}
@@ -336,7 +336,7 @@ def test_stats_count_replays_per_variant_and_steps_count_eager_only(layer: Layer
         if "graph_replays" in st:
             assert st["graph_replays"] == {SERIAL: 0, OVERLAP: 5}
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
 
 
 @pytest.mark.parametrize("raw", ["2", "auto", "adaptiv", "yes please"])
@@ -356,72 +356,72 @@ def replay_with(w: World, graph: Any, n: int) -> dict:
     return dict(w.transport.results)
 
 
-def test_a_capture_with_no_eager_warm_up_captures_both_and_counts_captures_not_steps(layer: Layer) -> None:
+def test_a_capture_with_no_eager_warm_up_captures_both_and_counts_captures_not_steps(patch_layer: PatchLayer) -> None:
     """No eager step before the capture: the side streams, the variant's
     capture stream and the pooled events are made before upstream's capture
     begins (a capture may make none). Captures are counted as captures."""
     w = graph_world()
     refs = eager_refs(w, range(1, 5))
-    apply_cpu(layer=layer, graph="adaptive", adaptive=False)
+    apply_cpu(patch_layer=patch_layer, graph="adaptive", adaptive=False)
     try:
         w.capture(warmups=0)
         chooser = entry_of(w)["graph"]
-        assert isinstance(chooser, VariantGraph), layer.runtime.stats()["graph_capture_failures"]
-        st = layer.runtime.stats()
+        assert isinstance(chooser, VariantGraph), patch_layer.runtime.stats()["graph_capture_failures"]
+        st = patch_layer.runtime.stats()
         assert st["steps"] == {"overlap": 0, "parity": 0, "reorder": 0, "serial": 0}
         assert st["graph_captures"] == {SERIAL: 1, OVERLAP: 1}
         for n in range(1, 5):
             assert_same(replay(w, n), refs[n])
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
 
 
-def test_the_variant_capture_does_not_depend_on_the_callers_stream(layer: Layer) -> None:
+def test_the_variant_capture_does_not_depend_on_the_callers_stream(patch_layer: PatchLayer) -> None:
     """``_capture_graphs`` called with the default stream current (not inside
     vLLM-Ascend's ``graph_capture()``): upstream captures on a capture stream
-    of its own, and so does the layer (the emulated device, as CUDA, refuses
+    of its own, and so does the patch layer (the emulated device, as CUDA, refuses
     a capture on the default stream)."""
     w = graph_world()
     refs = eager_refs(w, range(1, 3))
-    apply_cpu(layer=layer, graph="adaptive", adaptive=False)
+    apply_cpu(patch_layer=patch_layer, graph="adaptive", adaptive=False)
     try:
         dp = w.dp_metadata()
         w.transport.begin_step(1, w.layer_list(), [0, 1])
         assert isinstance(device.current_stream(), device.DefaultStream)
         w.runner._capture_graphs(aclgraph_runtime_mode=None, dp_metadata_list=dp, is_attn_graph_capturing=True)
         w.synchronize()
-        assert isinstance(entry_of(w)["graph"], VariantGraph), layer.runtime.stats()["graph_capture_failures"]
+        assert isinstance(entry_of(w)["graph"], VariantGraph), patch_layer.runtime.stats()["graph_capture_failures"]
         for n in range(1, 3):
             assert_same(replay(w, n), refs[n])
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
 
 
-def test_a_variant_graph_held_across_unpatch_replays_upstreams_graph(layer: Layer) -> None:
+def test_a_variant_graph_held_across_unpatch_replays_upstreams_graph(patch_layer: PatchLayer) -> None:
     w = graph_world()
     refs = eager_refs(w, range(1, 5))
-    apply_cpu(layer=layer, graph="adaptive", adaptive=False)
+    apply_cpu(patch_layer=patch_layer, graph="adaptive", adaptive=False)
     w.capture()
     held = entry_of(w)["graph"]
     upstream, ours = held.captured.upstream, held.captured.ours
     assert_same(replay_with(w, held, 1), refs[1])
     assert (upstream.replays, ours.replays) == (0, 1)
-    assert layer.engine.unpatch(timeout=10)
+    assert patch_layer.engine.unpatch(timeout=10)
     assert entry_of(w)["graph"] is upstream
     assert_same(replay_with(w, held, 2), refs[2])  # never raises: upstream's graph
     assert upstream.replays == 1
-    apply_cpu(layer=layer, graph="adaptive", adaptive=False)  # applied again: the held one stays released
+    apply_cpu(patch_layer=patch_layer, graph="adaptive", adaptive=False)  # applied again: the held one stays released
     try:
         assert_same(replay_with(w, held, 3), refs[3])
         assert upstream.replays == 2 and held.captured.replays == {SERIAL: 0, OVERLAP: 1}
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
 
 
-def test_unpatch_waits_for_a_replay_in_flight(layer: Layer) -> None:
+def test_unpatch_waits_for_a_replay_in_flight(patch_layer: PatchLayer) -> None:
     w = graph_world()
     refs = eager_refs(w, range(1, 3))
-    apply_cpu(layer=layer, graph="adaptive", adaptive=False)
+    apply_cpu(patch_layer=patch_layer, graph="adaptive", adaptive=False)
     w.capture()
     chooser = entry_of(w)["graph"]
     ours = chooser.captured.ours
@@ -446,22 +446,22 @@ def test_unpatch_waits_for_a_replay_in_flight(layer: Layer) -> None:
     t.start()
     try:
         assert inside.wait(10)
-        assert layer.engine.unpatch(timeout=0.2) is False  # the replay is still inside
+        assert patch_layer.engine.unpatch(timeout=0.2) is False  # the replay is still inside
         assert entry_of(w)["graph"] is chooser
     finally:
         go.set()
         t.join(20)
     assert "error" not in box, box.get("error")
     assert_same(box["out"], refs[1])
-    assert layer.engine.unpatch(timeout=10) is True
+    assert patch_layer.engine.unpatch(timeout=10) is True
     assert entry_of(w)["graph"] is chooser.captured.upstream
     assert_same(replay(w, 2), refs[2])
 
 
-def test_reset_reaches_both_graphs_and_a_copy_replays(layer: Layer) -> None:
+def test_reset_reaches_both_graphs_and_a_copy_replays(patch_layer: PatchLayer) -> None:
     w = graph_world()
     refs = eager_refs(w, range(1, 3))
-    apply_cpu(layer=layer, graph="adaptive", adaptive=False)
+    apply_cpu(patch_layer=patch_layer, graph="adaptive", adaptive=False)
     try:
         w.capture()
         chooser = entry_of(w)["graph"]
@@ -476,11 +476,11 @@ def test_reset_reaches_both_graphs_and_a_copy_replays(layer: Layer) -> None:
         with pytest.raises(RuntimeError, match="captured nothing"):  # as upstream's reset graph does
             chooser.replay()
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
     assert entry_of(w)["graph"] is upstream
 
 
-def test_no_watchdog_starts_inside_a_capture(layer: Layer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_watchdog_starts_inside_a_capture(patch_layer: PatchLayer, monkeypatch: pytest.MonkeyPatch) -> None:
     from camp2p_overlap.core.overlap import step
 
     started_in_capture: list[bool] = []
@@ -492,17 +492,17 @@ def test_no_watchdog_starts_inside_a_capture(layer: Layer, monkeypatch: pytest.M
 
     monkeypatch.setattr(step, "start_watchdog", spy)
     w = graph_world()
-    apply_cpu(layer=layer, graph="1", watchdog_s=60.0)
+    apply_cpu(patch_layer=patch_layer, graph="1", watchdog_s=60.0)
     try:
         w.capture(warmups=2)
         assert started_in_capture == [False, False]  # the warm-ups only
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
 
 
-def test_a_replay_that_raises_gives_its_timing_pair_back(layer: Layer) -> None:
+def test_a_replay_that_raises_gives_its_timing_pair_back(patch_layer: PatchLayer) -> None:
     w = graph_world()
-    apply_cpu(layer=layer, graph="adaptive", adaptive=True)
+    apply_cpu(patch_layer=patch_layer, graph="adaptive", adaptive=True)
     try:
         w.capture()
         chooser = entry_of(w)["graph"]
@@ -510,8 +510,8 @@ def test_a_replay_that_raises_gives_its_timing_pair_back(layer: Layer) -> None:
             replay(w, n)
         backend = chooser.captured.backend
         made: list[Any] = []
-        real_pair = backend._new_timing_pair
-        backend._new_timing_pair = lambda: made.append(1) or real_pair()
+        real_pair = backend._new_step_timer_pair
+        backend._new_step_timer_pair = lambda: made.append(1) or real_pair()
 
         def broken() -> None:
             raise RuntimeError("replay failed")
@@ -522,17 +522,17 @@ def test_a_replay_that_raises_gives_its_timing_pair_back(layer: Layer) -> None:
                 chooser.replay()
         assert len(made) <= 1  # the first failed replay's pair came back and served the next ones
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
 
 
 def test_second_capture_memory_and_time_are_reported_and_a_low_free_memory_skips_it(
-    layer: Layer, logs: PackageLogs, monkeypatch: pytest.MonkeyPatch
+    patch_layer: PatchLayer, logs: PackageLogs, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     w = graph_world()
-    apply_cpu(layer=layer, graph="adaptive", adaptive=False)
+    apply_cpu(patch_layer=patch_layer, graph="adaptive", adaptive=False)
     try:
         w.capture({0: 8, 1: 8})
-        (g,) = layer.runtime.stats()["graphs"]
+        (g,) = patch_layer.runtime.stats()["graphs"]
         assert isinstance(g["graph_size_bytes"], int) and isinstance(g["extra_bytes"], int)
         assert g["capture_ms"] > 0 and g["upstream_capture_ms"] > 0
         (line,) = logs.texts("decode graph", logging.INFO)
@@ -542,17 +542,17 @@ def test_second_capture_memory_and_time_are_reported_and_a_low_free_memory_skips
         free[0] = 100 << 20  # below the headroom alone
         w.capture({0: 4, 1: 4})
         assert not isinstance(entry_of_key(w, {0: 4, 1: 4}), VariantGraph)
-        (failure,) = layer.runtime.stats()["graph_capture_failures"]
+        (failure,) = patch_layer.runtime.stats()["graph_capture_failures"]
         assert "free device memory 100.0 MiB is below the margin" in failure
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
 
 
-def test_a_replay_that_stalls_is_reported_with_its_key_and_variant(layer: Layer) -> None:
+def test_a_replay_that_stalls_is_reported_with_its_key_and_variant(patch_layer: PatchLayer) -> None:
     from camp2p_overlap.core.overlap.watchdog import REPLAY_WATCH
 
     w = graph_world()
-    apply_cpu(layer=layer, graph="adaptive", adaptive=False, watchdog_s=0.3)
+    apply_cpu(patch_layer=patch_layer, graph="adaptive", adaptive=False, watchdog_s=0.3)
     REPLAY_WATCH.reports.clear()
     try:
         w.capture()
@@ -575,10 +575,12 @@ def test_a_replay_that_stalls_is_reported_with_its_key_and_variant(layer: Layer)
         assert "has not finished after 0.3 s" in report
     finally:
         hold.set()
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
 
 
-def test_a_capture_on_one_thread_and_adaptive_eager_steps_of_another_runner_break_no_rule(layer: Layer) -> None:
+def test_a_capture_on_one_thread_and_adaptive_eager_steps_of_another_runner_break_no_rule(
+    patch_layer: PatchLayer,
+) -> None:
     """Runner A captures (held inside its capture) while runner B, on another
     thread, runs adaptive eager steps: B's step timings are neither read nor
     taken while the capture is in progress (global capture mode refuses an
@@ -587,7 +589,7 @@ def test_a_capture_on_one_thread_and_adaptive_eager_steps_of_another_runner_brea
     a = graph_world()
     b = world(layers=2, stage_ids=(0, 1), tokens=8)
     b_refs = eager_refs(b, range(1, 13))
-    apply_cpu(layer=layer, graph="adaptive", adaptive=True)
+    apply_cpu(patch_layer=patch_layer, graph="adaptive", adaptive=True)
     try:
         for n in range(1, 5):  # B's side streams, pooled events and timing pairs exist
             b.steps_run = n - 1
@@ -629,12 +631,12 @@ def test_a_capture_on_one_thread_and_adaptive_eager_steps_of_another_runner_brea
             model.compute_ffn_output = original
         assert "error" not in box, box.get("error")
         assert box["capturing"] is True  # B's steps ran inside A's capture
-        assert isinstance(entry_of(a)["graph"], VariantGraph), layer.runtime.stats()["graph_capture_failures"]
+        assert isinstance(entry_of(a)["graph"], VariantGraph), patch_layer.runtime.stats()["graph_capture_failures"]
         b.synchronize()
         assert_same(dict(b.transport.results), b_refs[5])
         for n in range(6, 13):  # B's timings are read again after the capture
             b.steps_run = n - 1
             assert_same(b.run_step(), b_refs[n])
-        assert any(bk["overlap_samples"] + bk["serial_samples"] for bk in layer.runtime.stats()["buckets"])
+        assert any(bk["overlap_samples"] + bk["serial_samples"] for bk in patch_layer.runtime.stats()["buckets"])
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)

@@ -28,8 +28,8 @@ from support.overlap import (
 )
 from support.strategies import DIRECTIONS, MODES, schedules
 
-from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.observe import trace
+from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.verify import edges
 
 pytestmark = pytest.mark.usefixtures("standin_stack")
@@ -92,23 +92,23 @@ def issue_order(layers: tuple[int, ...], stages: tuple[int, ...], mode: str) -> 
 @example(job=(0, Schedule(3, (0,), (8,), 1), (True, True, 2), "overlap"))
 @example(job=(1, Schedule(8, (0, 1, 2), (3, 3, 3), 1), (True, True, 2), "reorder"))
 @example(job=(0, Schedule(4, (0, 1, 2), (7, 2, 9), 1), (True, True, 2), "parity"))
-def test_random_schedules_equal_serial_and_every_edge_holds(worlds: list, layer: Layer, job: tuple) -> None:
+def test_random_schedules_equal_serial_and_every_edge_holds(worlds: list, patch_layer: PatchLayer, job: tuple) -> None:
     wi, sched, (a2e, e2a, min_stages), mode = job
     sched = Schedule(sched.layers, sched.stages, sched.tokens, next(_STEPS))
     w = worlds[wi]
-    layer.engine.unpatch(timeout=10)
-    (ref,) = serial_results(w, [sched], layer)
+    patch_layer.engine.unpatch(timeout=10)
+    (ref,) = serial_results(w, [sched], patch_layer)
     layers = tuple(ffn_layers(wi, sched.layers))
     assert len(layers) >= 2, f"schedule {sched} has FFN layers {layers}"
     # Every (FFN layer, stage) pair delivered an output: nothing compares {} with {}.
     assert sorted(ref) == sorted(itertools.product(layers, sched.stages)), sched
 
-    apply_cpu(layer=layer, a2e_on_side_stream=a2e, e2a_on_side_stream=e2a, min_stages=min_stages, mode=mode)
+    apply_cpu(patch_layer=patch_layer, a2e_on_side_stream=a2e, e2a_on_side_stream=e2a, min_stages=min_stages, mode=mode)
     try:
         with trace.recording() as rec:
             got = run_step(w, sched)
     finally:
-        layer.engine.unpatch(timeout=10)
+        patch_layer.engine.unpatch(timeout=10)
     assert_same(got, ref)
     assert tuple(w.layer_list()) == layers
     on = len(sched.stages) >= min_stages

@@ -66,9 +66,9 @@ from support.overlap import (
 from support.strategies import DIRECTIONS, FAULT_SITES, FaultRun, fault_runs, schedules, tokens_for
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import Layer, build_layer
 from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.core.overlap.streams import StreamPoisonedError, make_backend
+from camp2p_overlap.core.patch_layer import PatchLayer, build_patch_layer
 from camp2p_overlap.emulation.device import Stream
 from camp2p_overlap.emulation.faults import Fault, FaultPlan, InjectedIOError, run_step_bounded
 from camp2p_overlap.emulation.world import PeerTimeoutError, World
@@ -126,13 +126,13 @@ def error_world(standin_stack: str) -> World:
 @example(p={**POINT, "where": "ffn", "dirs": (False, True)})
 @example(p={**POINT, "where": "e2a", "dirs": (True, False)})
 def test_injected_errors_surface_unchanged_and_the_next_step_is_correct(
-    error_world: World, layer: Layer, p: dict[str, Any]
+    error_world: World, patch_layer: PatchLayer, p: dict[str, Any]
 ) -> None:
     w = error_world
     steps = itertools.count(2 * next(_STEP_NUMBERS) + 1)
     p = {**p, "sched": replace(p["sched"], step=next(steps)), "next": replace(p["next"], step=next(steps))}
-    layer.engine.unpatch(timeout=10)
-    (ref,) = serial_results(w, [p["next"]], layer)
+    patch_layer.engine.unpatch(timeout=10)
+    (ref,) = serial_results(w, [p["next"]], patch_layer)
     raised: dict[str, Any] = {}
     target: dict[str, Any] = {}
 
@@ -151,7 +151,7 @@ def test_injected_errors_surface_unchanged_and_the_next_step_is_correct(
     w.transport.fault_hook = hook
     try:
         a2e, e2a = p["dirs"]
-        apply_cpu(layer=layer, a2e_on_side_stream=a2e, e2a_on_side_stream=e2a)
+        apply_cpu(patch_layer=patch_layer, a2e_on_side_stream=a2e, e2a_on_side_stream=e2a)
         target.clear()
         target.update(where=p["where"], layer=p["layer"], stage=p["stage"])
         raised.clear()
@@ -160,7 +160,7 @@ def test_injected_errors_surface_unchanged_and_the_next_step_is_correct(
             bounded(lambda p=p: run_step(w, p["sched"]), timeout=30)
         assert info.value is raised["exc"], "the caller must get the injected exception object itself"
         assert str(info.value) == f"injected {p['where']} fault at layer {p['layer']} stage {p['stage']}"
-        assert_streams_idle(timeout=5, layer=layer)
+        assert_streams_idle(timeout=5, patch_layer=patch_layer)
         sched = p["sched"]
         order = [(L, s) for L in range(sched.layers) for s in sorted(sched.stages)]
         at = order.index((p["layer"], p["stage"]))
@@ -180,16 +180,16 @@ def test_injected_errors_surface_unchanged_and_the_next_step_is_correct(
             assert ffn_calls == order[: len(ffn_calls)] and len(ffn_calls) > at
         target.clear()
         assert_same(bounded(lambda p=p: run_step(w, p["next"]), timeout=30), ref)
-        assert_streams_idle(timeout=5, layer=layer)
+        assert_streams_idle(timeout=5, patch_layer=patch_layer)
     finally:
-        layer.engine.unpatch(timeout=10)
+        patch_layer.engine.unpatch(timeout=10)
         w.transport.fault_hook = None
         vars(w.transport).pop("a2e", None)  # the examples share the world: undo wrap_model
         vars(w.runner.model).pop("compute_ffn_output", None)
         assert w.runner.model.compute_ffn_output == original
 
 
-def test_error_in_first_prefetch_of_another_stage_surfaces_at_the_end_of_the_step(layer: Layer) -> None:
+def test_error_in_first_prefetch_of_another_stage_surfaces_at_the_end_of_the_step(patch_layer: PatchLayer) -> None:
     """The prologue A2E of stage 1 fails in its kernel, on K1. It used to
     surface at the loop's receive of (L0, s1), before FFN(L0, s1); on the
     device it is an asynchronous error of K1: the host issues the whole step
@@ -198,8 +198,8 @@ def test_error_in_first_prefetch_of_another_stage_surfaces_at_the_end_of_the_ste
     w = world(layers=3, stage_ids=(0, 1))
     sched = Schedule(3, (0, 1), (8, 8), step=1)
     nxt = Schedule(3, (0, 1), (8, 8), step=2)
-    (ref,) = serial_results(w, [nxt], layer=layer)
-    apply_cpu(layer=layer)
+    (ref,) = serial_results(w, [nxt], patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer)
     ffn_layers: list[int] = []
     wrap_model(w, before=ffn_layers.append)
 
@@ -215,18 +215,18 @@ def test_error_in_first_prefetch_of_another_stage_surfaces_at_the_end_of_the_ste
     # stage 0's first E2A (which depends on nothing of K1) still runs.
     assert (0, 0) in w.transport.results
     assert not [key for key in w.transport.results if key[1] == 1]
-    assert_streams_idle(layer=layer)
+    assert_streams_idle(patch_layer=patch_layer)
     w.transport.fault_hook = None
     assert_same(bounded(lambda: run_step(w, nxt)), ref)
 
 
-def test_model_error_surfaces_and_streams_join(layer: Layer) -> None:
+def test_model_error_surfaces_and_streams_join(patch_layer: PatchLayer) -> None:
     """A model error is a host error: it raises at once."""
     w = world(layers=4, stage_ids=(0, 1, 2))
     sched = Schedule(4, (0, 1, 2), (4, 9, 16), step=5)
     nxt = Schedule(4, (0, 1, 2), (16, 1, 7), step=6)
-    (ref,) = serial_results(w, [nxt], layer=layer)
-    apply_cpu(layer=layer)
+    (ref,) = serial_results(w, [nxt], patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer)
     calls: list[int] = []
 
     def before(layer: int) -> None:
@@ -238,14 +238,14 @@ def test_model_error_surfaces_and_streams_join(layer: Layer) -> None:
     with pytest.raises(ZeroDivisionError, match=r"^model blew up at its 8th call$"):
         bounded(lambda: run_step(w, sched))
     assert len(calls) == 8  # raised at once: the loop went no further
-    assert_streams_idle(layer=layer)
+    assert_streams_idle(patch_layer=patch_layer)
     w.runner.model.compute_ffn_output = original
     assert_same(bounded(lambda: run_step(w, nxt)), ref)
 
 
-def test_a_silent_peer_is_reported_as_a_stall_then_times_out(logs: PackageLogs, layer: Layer) -> None:
+def test_a_silent_peer_is_reported_as_a_stall_then_times_out(logs: PackageLogs, patch_layer: PatchLayer) -> None:
     w = world(layers=3, stage_ids=(0, 1), op_timeout_s=1.0)
-    apply_cpu(layer=layer, watchdog_s=0.2)
+    apply_cpu(patch_layer=patch_layer, watchdog_s=0.2)
 
     def hook(kind: str, layer: int, stage: int) -> None:
         if (kind, layer, stage) == ("a2e", 1, 1):
@@ -258,7 +258,7 @@ def test_a_silent_peer_is_reported_as_a_stall_then_times_out(logs: PackageLogs, 
     # It names the op that waits for the silent peer, and its pending event.
     assert "a2e(L1,s1) on K1" in report
     assert "event a L1 s1: pending" in report
-    assert_streams_idle(layer=layer)
+    assert_streams_idle(patch_layer=patch_layer)
 
 
 # ---------------------------------------------------------------------------
@@ -275,8 +275,8 @@ def _stream_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("camp2p-overlap-stream-")]
 
 
-def _side_streams(layer: Layer) -> list[Stream]:
-    return [k for s in stream_sets(layer) for k in s.streams.values() if isinstance(k, Stream)]
+def _side_streams(patch_layer: PatchLayer) -> list[Stream]:
+    return [k for s in stream_sets(patch_layer) for k in s.streams.values() if isinstance(k, Stream)]
 
 
 class Runner:
@@ -285,7 +285,7 @@ class Runner:
         self.op_timeout_s = op_timeout_s
         self.worlds: dict[tuple[int, tuple[int, ...]], World] = {}
         #: The runner's own patch layer (not the process-wide one).
-        self.layer = build_layer()
+        self.patch_layer = build_patch_layer()
 
     def world(self, run: FaultRun) -> World:
         key = (run.layers, run.stages)
@@ -305,8 +305,8 @@ class Runner:
         fault = run.fault
         n = next(_STEP_NUMBERS)
         a, b = 2 * n + 11, 2 * n + 12  # step numbers: peers send per-step data
-        self.layer.engine.unpatch(timeout=10)  # a failed example may have left it applied
-        assert not self.layer.engine.is_applied()
+        self.patch_layer.engine.unpatch(timeout=10)  # a failed example may have left it applied
+        assert not self.patch_layer.engine.is_applied()
         ref_a = self.step(w, a, run.tokens)
         ref_b = self.step(w, b, run.tokens)
         assert ref_a.error is None and ref_b.error is None
@@ -331,7 +331,7 @@ class Runner:
             e2a_on_side_stream=e2a_side,
             mode=run.mode,  # type: ignore[arg-type]
         )
-        report = self.layer.engine.apply(config=cfg, strict=True)
+        report = self.patch_layer.engine.apply(config=cfg, strict=True)
         assert report.applied
         assert_stack(report)
         try:
@@ -344,7 +344,7 @@ class Runner:
                 busy = {s: p.busy for s, p in w.transport.peers.items() if p.busy is not None}
             assert not busy, f"{run}: ops still running after the step returned: {busy}"
             assert len(plan.fired) == 1, f"{run}: fault fired {len(plan.fired)} times"
-            for k in _side_streams(self.layer):
+            for k in _side_streams(self.patch_layer):
                 assert k.drain(timeout=5.0), f"{run}: side stream {k.name} not idle"
             want = fault.expected_error()
             if want is None:
@@ -358,7 +358,7 @@ class Runner:
             assert nxt.error is None, f"{run}: the next step failed: {nxt.error!r}"
             assert_same(nxt.results, ref_b.results, f"{run}: the next step's outputs differ")
         finally:
-            assert self.layer.engine.unpatch(timeout=10)
+            assert self.patch_layer.engine.unpatch(timeout=10)
         assert not _stream_threads(), f"{run}: stream threads left after unpatch: {_stream_threads()}"
         for t in _camp2p_threads():  # cancelled watchdog timers end on their own
             t.join(5.0)
@@ -368,11 +368,11 @@ class Runner:
 
 @pytest.fixture
 def runners() -> Iterator[dict[float, Runner]]:
-    """One runner (its worlds, its layer) per op timeout; the examples of a test share them."""
+    """One runner (its worlds, its patch layer) per op timeout; the examples of a test share them."""
     made: dict[float, Runner] = {}
     yield made
     for r in made.values():
-        r.layer.engine.unpatch(timeout=10)
+        r.patch_layer.engine.unpatch(timeout=10)
 
 
 def _runner(runners: dict[float, Runner], op_timeout_s: float) -> Runner:
@@ -433,20 +433,22 @@ def test_fault_injection_many_examples(runners: dict[float, Runner], run: FaultR
     _runner(runners, {"stop": 0.3, "raise": ERROR_OP_TIMEOUT_S}.get(run.fault.action, 10.0)).check(run)
 
 
-def test_the_harness_catches_a_hang(layer: Layer) -> None:
+def test_the_harness_catches_a_hang(patch_layer: PatchLayer) -> None:
     """The bound is real: a delay longer than the bound is reported as hung
     (so a deadlocked overlap would fail a run rather than block the suite)."""
     w = world(layers=1, stage_ids=(0, 1), tokens=4)
-    assert layer.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True).applied
+    assert patch_layer.engine.apply(
+        config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True
+    ).applied
     with FaultPlan(w, [Fault("delay", "e2a", 0, 1, delay_s=1.5)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 1, 0.2)
         assert out.hung
-        # Let it finish before the plan is removed and the layer unpatched.
+        # Let it finish before the plan is removed and the patch layer unpatched.
         for t in threading.enumerate():
             if t.name == "camp2p-test-step-1":
                 t.join(10)
-    assert layer.engine.unpatch(timeout=10)
+    assert patch_layer.engine.unpatch(timeout=10)
 
 
 # ---------------------------------------------------------------------------
@@ -472,7 +474,7 @@ class LookaheadBeforeE2A(OverlapSession):
 
 
 def test_lookahead_queued_before_its_e2a_deadlocks_until_the_op_timeout(
-    monkeypatch: pytest.MonkeyPatch, layer: Layer
+    monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer
 ) -> None:
     """Both stages' lookahead A2Es deadlock, each on its own side stream.
     The host no longer blocks in stage 0's receive, so the error the step
@@ -480,16 +482,16 @@ def test_lookahead_queued_before_its_e2a_deadlocks_until_the_op_timeout(
     reports asynchronous errors in the order its kernels ran): either
     group's."""
     w = world(layers=3, stage_ids=(0, 1), op_timeout_s=0.5)
-    apply_cpu(layer=layer)
+    apply_cpu(patch_layer=patch_layer)
     # Control: the real order completes with the same short timeout.
     run_step(w, Schedule(3, (0, 1), (8, 8), step=1))
-    monkeypatch.setattr(layer.runtime, "session_class", LookaheadBeforeE2A)
+    monkeypatch.setattr(patch_layer.runtime, "session_class", LookaheadBeforeE2A)
     with pytest.raises(
         PeerTimeoutError,
         match=r"^a2e\(L1\) on afd1?: no data from attention after 0.5 s \(waiting for this stage's e2a\)$",
     ):
         bounded(lambda: run_step(w, Schedule(3, (0, 1), (8, 8), step=2)), timeout=30)
-    assert_streams_idle(layer=layer)
+    assert_streams_idle(patch_layer=patch_layer)
 
 
 def test_wrong_order_on_one_stream_deadlocks_driving_the_backend_directly() -> None:

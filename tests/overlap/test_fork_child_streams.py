@@ -12,7 +12,7 @@ import pytest
 import torch
 from support.overlap import Schedule, apply_cpu, assert_same, run_step, serial_results, world
 
-from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.patch_layer import PATCH_LAYER
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="fork start method is Linux-only here")
 
@@ -22,9 +22,9 @@ _SCHED = Schedule(3, (0, 1), (8, 8), step=5)
 
 def _child(q: mp.Queue) -> None:  # runs in the forked child
     try:
-        sets_inherited = len(LAYER.runtime.runners.stream_sets())
+        sets_inherited = len(PATCH_LAYER.runtime.runners.stream_sets())
         out = run_step(_W, _SCHED)
-        q.put((sets_inherited, len(LAYER.runtime.runners.stream_sets()), {k: v.tolist() for k, v in out.items()}))
+        q.put((sets_inherited, len(PATCH_LAYER.runtime.runners.stream_sets()), {k: v.tolist() for k, v in out.items()}))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         q.put(repr(exc))
 
@@ -35,7 +35,7 @@ def test_forked_child_gets_fresh_streams_and_correct_outputs() -> None:
     (ref,) = serial_results(_W, [_SCHED])
     apply_cpu()
     assert_same(run_step(_W, _SCHED), ref)
-    assert len(LAYER.runtime.runners.stream_sets()) == 1
+    assert len(PATCH_LAYER.runtime.runners.stream_sets()) == 1
 
     ctx = mp.get_context("fork")
     q = ctx.Queue()
@@ -57,10 +57,10 @@ def test_forked_child_gets_fresh_streams_and_correct_outputs() -> None:
 
 
 def _child_unpatch(q: mp.Queue) -> None:
-    from camp2p_overlap.core.layer import LAYER
+    from camp2p_overlap.core.patch_layer import PATCH_LAYER
 
     try:
-        q.put((LAYER.engine.unpatch(timeout=5), LAYER.engine.is_applied()))
+        q.put((PATCH_LAYER.engine.unpatch(timeout=5), PATCH_LAYER.engine.is_applied()))
     except BaseException as exc:  # noqa: BLE001
         q.put(repr(exc))
 
@@ -71,7 +71,7 @@ def test_fork_while_another_thread_runs_a_step_leaves_the_child_able_to_unpatch(
     wait for it."""
     import threading
 
-    from camp2p_overlap.core.layer import LAYER
+    from camp2p_overlap.core.patch_layer import PATCH_LAYER
 
     w = world(layers=2, stage_ids=(0, 1), tokens=8)
     apply_cpu()
@@ -90,7 +90,7 @@ def test_fork_while_another_thread_runs_a_step_leaves_the_child_able_to_unpatch(
     t.start()
     try:
         assert inside.wait(30)
-        assert LAYER.engine.gate.running() == 1  # the step is counted in the parent
+        assert PATCH_LAYER.engine.gate.running() == 1  # the step is counted in the parent
         ctx = mp.get_context("fork")
         q = ctx.Queue()
         proc = ctx.Process(target=_child_unpatch, args=(q,))

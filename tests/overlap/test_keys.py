@@ -7,10 +7,10 @@ import pytest
 
 from camp2p_overlap.core.keys import (
     COMPUTE_STREAM,
+    CONNECTOR_OP_KINDS,
     EVENT_KINDS,
     FORK,
     JOIN,
-    OP_KINDS,
     EventKey,
     OpKey,
     side_stream_name,
@@ -34,7 +34,7 @@ def test_fork_and_join_carry_what_they_name() -> None:
     assert EventKey.parse("join s1") == EventKey.join(1)
 
 
-@pytest.mark.parametrize("kind", OP_KINDS)
+@pytest.mark.parametrize("kind", CONNECTOR_OP_KINDS)
 def test_op_labels_read_back_as_their_key(kind: str) -> None:
     key = OpKey(kind, 3, 0)
     assert key.label() == f"{kind} L3 s0"

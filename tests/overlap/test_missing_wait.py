@@ -29,12 +29,12 @@ import torch
 from support.overlap import Schedule, apply_cpu, assert_same, run_step, serial_results, world, wrap_model
 
 from camp2p_overlap.core.keys import A_DONE, COMPUTE_STREAM, F_DONE, EventKey
-from camp2p_overlap.core.layer import Layer, build_layer
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.observe.trace import ExpectedSchedule
 from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.core.overlap.streams import make_backend
-from camp2p_overlap.core.overlap.streams.device import TorchDeviceBackend
+from camp2p_overlap.core.overlap.streams.torch_streams import TorchStreamBackend
+from camp2p_overlap.core.patch_layer import PatchLayer, build_patch_layer
 from camp2p_overlap.emulation import device
 from camp2p_overlap.verify import edges
 
@@ -65,9 +65,9 @@ def _backend_dropping(on_compute: bool, kind: str) -> Callable[..., None]:
     """A backend ``wait`` that silently drops waits of the compute stream
     (``on_compute``) or of the side streams on events of ``kind`` (the
     session believes it waited)."""
-    original = TorchDeviceBackend.wait
+    original = TorchStreamBackend.wait
 
-    def wait(self: TorchDeviceBackend, stream: Any, event: Any) -> None:
+    def wait(self: TorchStreamBackend, stream: Any, event: Any) -> None:
         if (stream.name == COMPUTE_STREAM) == on_compute and event.key.kind == kind:
             return
         original(self, stream, event)
@@ -157,15 +157,15 @@ def _run_broken(
     wait: Any = None,
     hold: Callable[[Any], None] | None = None,
 ):
-    """One step of a layer of its own with the schedule broken as asked."""
+    """One step of a patch layer of its own with the schedule broken as asked."""
     w = _world(timing)
-    layer = build_layer()
-    (ref,) = serial_results(w, [SCHED], layer)
-    apply_cpu(layer=layer)
+    patch_layer = build_patch_layer()
+    (ref,) = serial_results(w, [SCHED], patch_layer)
+    apply_cpu(patch_layer=patch_layer)
     if session is not None:
-        monkeypatch.setattr(layer.runtime, "session_class", session)
+        monkeypatch.setattr(patch_layer.runtime, "session_class", session)
     if wait is not None:
-        monkeypatch.setattr(TorchDeviceBackend, "wait", wait)
+        monkeypatch.setattr(TorchStreamBackend, "wait", wait)
     if hold is not None:
         hold(w)
     device.take_timing()
@@ -173,7 +173,7 @@ def _run_broken(
         with trace.recording() as rec:
             got = run_step(w, SCHED)
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
     _assert_timing_ran(timing)
     return got, ref, rec.ops(rec.steps()[0])
 
@@ -184,18 +184,18 @@ def _differs(got: dict, ref: dict) -> list[tuple[int, int]]:
 
 
 @TIMINGS
-def test_control_every_wait_in_place_passes(layer: Layer, timing: str) -> None:
+def test_control_every_wait_in_place_passes(patch_layer: PatchLayer, timing: str) -> None:
     """Control: the same world and step with every wait in place gives the
     serial outputs and a clean check."""
     w = _world(timing)
-    (ref,) = serial_results(w, [SCHED], layer=layer)
-    apply_cpu(layer=layer)
+    (ref,) = serial_results(w, [SCHED], patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer)
     device.take_timing()
     try:
         with trace.recording() as rec:
             got = run_step(w, SCHED)
     finally:
-        layer.engine.unpatch(timeout=10)
+        patch_layer.engine.unpatch(timeout=10)
     _assert_timing_ran(timing)
     assert_same(got, ref)
     res = edges.check_step(rec.ops(rec.steps()[0]), EXPECTED)
@@ -203,7 +203,9 @@ def test_control_every_wait_in_place_passes(layer: Layer, timing: str) -> None:
 
 
 @TIMINGS
-def test_session_without_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch, layer: Layer, timing: str) -> None:
+def test_session_without_compute_wait_for_a2e(
+    monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer, timing: str
+) -> None:
     got, ref, ops = _run_broken(
         monkeypatch, timing, session=SessionSkipsComputeWaitForA2E, hold=_hold_a2e_fill_until_its_ffn_ran
     )

@@ -19,9 +19,9 @@ from support.patching import GRAPH_VARIANTS_REFUSED, RUNNER, RUNNER_VARIANT_PROB
 
 import camp2p_overlap
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.overlap.decision import GRAPH_OFF, decide, graph_variants_refused
 from camp2p_overlap.core.overlap.graphs import VariantGraph
+from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.core.patching.status_report import TargetState
 from camp2p_overlap.emulation.world import World
 
@@ -40,18 +40,18 @@ def node_streams(graph: Any) -> set[str]:
 
 
 def apply_lenient(graph: str) -> None:
-    """Apply the process-wide layer on the CPU backend, not strict (strict
+    """Apply the process-wide patch layer on the CPU backend, not strict (strict
     mode with the graph variants asked for refuses such a runner module:
     tests/patching/test_optional_refusal.py); it must engage."""
-    LAYER.engine.unpatch(timeout=10)
-    report = LAYER.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=graph))
+    PATCH_LAYER.engine.unpatch(timeout=10)
+    report = PATCH_LAYER.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=graph))
     assert report.engaged, str(report)
     assert_stack(report)
 
 
 def decided(w: World, **kwargs: Any) -> Any:
     """The decision for a call of ``w``'s runner's ``_ffn_forward``."""
-    return decide(LAYER.engine, w.runner, {"dp_metadata_list": w.dp_metadata(), **kwargs})
+    return decide(PATCH_LAYER.engine, w.runner, {"dp_metadata_list": w.dp_metadata(), **kwargs})
 
 
 @pytest.mark.parametrize("graph", ["1", "adaptive"])
@@ -68,15 +68,15 @@ def test_graph_variants_refused_eager_overlap_engaged(variant: str, graph: str, 
     lines = str(report).splitlines()
     assert f"  {CAPTURE}: refused ({reason})" in lines
     assert [t.target for t in report.targets if t.state not in (TargetState.WRAPPED, TargetState.CHECKED)] == [CAPTURE]
-    assert graph_variants_refused(LAYER.engine) == reason
+    assert graph_variants_refused(PATCH_LAYER.engine) == reason
     assert decided(w, is_graph_capturing=True).reason == reason  # a capture runs serially
     eager = decided(w)
     assert eager.engages and eager.plan is not None  # an eager step engages
 
     # An eager step engages the overlap, bitwise equal to the serial step.
-    steps = LAYER.runtime.stats()["steps"]
+    steps = PATCH_LAYER.runtime.stats()["steps"]
     assert_same(step(w, 1), refs[1], "eager step")
-    after = LAYER.runtime.stats()["steps"]
+    after = PATCH_LAYER.runtime.stats()["steps"]
     assert after["overlap"] == steps["overlap"] + 1 and after["serial"] == steps["serial"]
 
     # A capture (its eager warm-up engages) runs serially inside the graph:
@@ -85,7 +85,7 @@ def test_graph_variants_refused_eager_overlap_engaged(variant: str, graph: str, 
     captured = w.capture()
     assert not isinstance(captured, VariantGraph)
     assert node_streams(captured) <= {"C", "capture"}
-    assert LAYER.runtime.stats()["steps"]["overlap"] == after["overlap"] + 1  # the warm-up
+    assert PATCH_LAYER.runtime.stats()["steps"]["overlap"] == after["overlap"] + 1  # the warm-up
     for n in range(4, 9):  # replays of upstream's graph
         assert_same(step(w, n), refs[n], f"replay {n}")
 
@@ -99,7 +99,7 @@ def test_graph_0_captures_serially_for_its_own_reason(logs: PackageLogs) -> None
     variant_module(RUNNER, RUNNER_VARIANTS["capture-graphs-moved"])
     w = graph_world()
     apply_cpu(graph="0")  # strict: the graph variants are not asked for
-    assert graph_variants_refused(LAYER.engine) is not None
+    assert graph_variants_refused(PATCH_LAYER.engine) is not None
     assert decided(w, is_graph_capturing=True).reason == GRAPH_OFF
     assert decided(w).engages
     assert node_streams(w.capture()) <= {"C", "capture"}
@@ -107,8 +107,8 @@ def test_graph_0_captures_serially_for_its_own_reason(logs: PackageLogs) -> None
 
 
 def test_with_the_target_present_the_graph_variant_is_captured() -> None:
-    """The control: the unchanged runner captures the layer's variant."""
+    """The control: the unchanged runner captures the patch layer's variant."""
     w = graph_world()
     apply_cpu(graph="1")
-    assert graph_variants_refused(LAYER.engine) is None
+    assert graph_variants_refused(PATCH_LAYER.engine) is None
     assert {"K0", "K1"} <= node_streams(w.capture())

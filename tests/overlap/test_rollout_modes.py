@@ -29,18 +29,18 @@ import camp2p_overlap
 from camp2p_overlap.core import config, env_vars
 from camp2p_overlap.core.config import ConfigError, OverlapConfig, load_config
 from camp2p_overlap.core.env_vars import ENV_MODE
-from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.decision import rung
+from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.emulation.coupled import couple_stages
 from camp2p_overlap.emulation.faults import run_step_bounded
 from camp2p_overlap.emulation.world import PeerTimeoutError, ProtocolError, World
 
 
 def _apply(**overrides: Any) -> None:
-    LAYER.engine.unpatch(timeout=10)
+    PATCH_LAYER.engine.unpatch(timeout=10)
     overrides.setdefault("adaptive", False)
-    report = LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", **overrides))
+    report = PATCH_LAYER.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", **overrides))
     assert report.engaged, str(report)
 
 
@@ -91,11 +91,11 @@ def test_mode_values_and_default() -> None:
 def test_bad_mode_makes_apply_refuse_not_raise(logs: PackageLogs, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(env_vars.ENV_SWITCH, "1")
     monkeypatch.setenv(ENV_MODE, "turbo")
-    report = LAYER.engine.apply()
-    assert not report.applied and not LAYER.engine.is_applied()
+    report = PATCH_LAYER.engine.apply()
+    assert not report.applied and not PATCH_LAYER.engine.is_applied()
     assert any(ENV_MODE in m and "'turbo'" in m for m in logs.texts(level=40)), logs.messages
     with pytest.raises(ConfigError, match="turbo"):
-        LAYER.engine.apply(strict=True)
+        PATCH_LAYER.engine.apply(strict=True)
 
 
 def test_rungs() -> None:

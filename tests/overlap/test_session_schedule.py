@@ -31,13 +31,13 @@ from support.overlap import (
 )
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.plan import Directions, StepPlan
 from camp2p_overlap.core.overlap.session import OverlapSession, ScheduleMismatchError
 from camp2p_overlap.core.overlap.streams import make_backend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
+from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.emulation import device as emulated_device
 from camp2p_overlap.emulation.world import LinkModel, ProtocolError
 from camp2p_overlap.verify import edges
@@ -46,7 +46,7 @@ from camp2p_overlap.verify import edges
 # The overlap itself
 
 
-def test_two_stages_eight_layers_overlap_in_the_trace(layer: Layer) -> None:
+def test_two_stages_eight_layers_overlap_in_the_trace(patch_layer: PatchLayer) -> None:
     """Comm ops of 14 ms (link latency), FFN of 30 ms (real MoE compute padded
     with a sleep): per stage, E2A + attention + A2E = 28 ms <= FFN, so in the
     steady state A2E(L,1) runs under FFN(L,0) and E2A(L,0) under FFN(L,1),
@@ -57,10 +57,10 @@ def test_two_stages_eight_layers_overlap_in_the_trace(layer: Layer) -> None:
     w = world(layers=8, stage_ids=(0, 1), link=LinkModel(latency_s=14e-3, bandwidth_Bps=1e15), attn_s=0.0)
     scheds = [Schedule(8, (0, 1), (16, 16), step=i + 1) for i in range(3)]
     link, w.transport.link = w.transport.link, LinkModel(latency_s=0.0)  # outputs do not depend on timing
-    refs = serial_results(w, scheds, layer=layer)
+    refs = serial_results(w, scheds, patch_layer=patch_layer)
     w.transport.link = link
     wrap_model(w, after=lambda _out: emulated_device.launch(lambda: time.sleep(0.030)))  # FFN time, on C
-    apply_cpu(layer=layer)
+    apply_cpu(patch_layer=patch_layer)
     missed: list[str] = []
     for sched, ref in zip(scheds, refs, strict=True):
         with trace.recording() as rec:
@@ -106,15 +106,15 @@ DIRECTIONS = {"both": (True, True), "A2E=0": (False, True), "E2A=0": (True, Fals
 
 @pytest.mark.parametrize("direction", list(DIRECTIONS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_stream_selection(monkeypatch: pytest.MonkeyPatch, case: str, direction: str, layer: Layer) -> None:
+def test_stream_selection(monkeypatch: pytest.MonkeyPatch, case: str, direction: str, patch_layer: PatchLayer) -> None:
     spec, stages, min_stages, layers = CASES[case]
     a2e, e2a = DIRECTIONS[direction]
     w = world(**spec)
     assert tuple(w.layer_list()) == layers
     sched = Schedule(spec["layers"], stages, tuple(5 + 3 * s for s in stages), step=4)
-    (ref,) = serial_results(w, [sched], layer=layer)
-    apply_cpu(layer=layer, a2e_on_side_stream=a2e, e2a_on_side_stream=e2a, min_stages=min_stages)
-    sessions = SessionSpy(monkeypatch, layer=layer, keep=True)
+    (ref,) = serial_results(w, [sched], patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer, a2e_on_side_stream=a2e, e2a_on_side_stream=e2a, min_stages=min_stages)
+    sessions = SessionSpy(monkeypatch, patch_layer=patch_layer, keep=True)
     with trace.recording() as rec:
         got = bounded(lambda: run_step(w, sched))
     assert_same(got, ref)
@@ -151,17 +151,17 @@ def _serial_c_order(layers: tuple[int, ...], stages: tuple[int, ...]) -> list[tu
 
 @pytest.mark.parametrize("why", ["one-stage", "switched-off-at-runtime"])
 def test_serial_path_calls_the_original_with_every_op_on_c(
-    monkeypatch: pytest.MonkeyPatch, why: str, layer: Layer
+    monkeypatch: pytest.MonkeyPatch, why: str, patch_layer: PatchLayer
 ) -> None:
     stages = (0,) if why == "one-stage" else (0, 1)
     w = world(layers=3, stage_ids=stages)
     sched = Schedule(3, stages, (7,) * len(stages), step=2)
-    (ref,) = serial_results(w, [sched], layer=layer)
-    calls = spy_forward(type(w.runner), layer=layer)
-    apply_cpu(layer=layer)
+    (ref,) = serial_results(w, [sched], patch_layer=patch_layer)
+    calls = spy_forward(type(w.runner), patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer)
     if why == "switched-off-at-runtime":
-        monkeypatch.setattr(layer.engine, "config", layer.engine.config.with_overrides(enabled=False))
-    sessions = SessionSpy(monkeypatch, layer=layer)
+        monkeypatch.setattr(patch_layer.engine, "config", patch_layer.engine.config.with_overrides(enabled=False))
+    sessions = SessionSpy(monkeypatch, patch_layer=patch_layer)
     with trace.recording() as rec:
         got = run_step(w, sched)
     assert_same(got, ref)
@@ -175,11 +175,11 @@ def test_serial_path_calls_the_original_with_every_op_on_c(
     assert {o.stream for o in ops} == {"C"}
 
 
-def test_switched_off_at_apply_leaves_the_original_in_place(layer: Layer) -> None:
+def test_switched_off_at_apply_leaves_the_original_in_place(patch_layer: PatchLayer) -> None:
     w = world(layers=2, stage_ids=(0, 1))
     cls = type(w.runner)
     raw = vars(cls)["_ffn_forward"]
-    report = layer.engine.apply(config=OverlapConfig(enabled=False, backend="cpu"))
+    report = patch_layer.engine.apply(config=OverlapConfig(enabled=False, backend="cpu"))
     assert not report.applied
     assert vars(cls)["_ffn_forward"] is raw
     with trace.recording() as rec:
@@ -216,17 +216,17 @@ class LookaheadPastTheEnd(OverlapSession):
         return out
 
 
-def test_no_a2e_is_issued_past_the_last_layer(monkeypatch: pytest.MonkeyPatch, layer: Layer) -> None:
+def test_no_a2e_is_issued_past_the_last_layer(monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer) -> None:
     w = world(layers=4, stage_ids=(0, 2))
-    apply_cpu(layer=layer)
-    sessions = SessionSpy(monkeypatch, layer=layer, keep=True)
+    apply_cpu(patch_layer=patch_layer)
+    sessions = SessionSpy(monkeypatch, patch_layer=patch_layer, keep=True)
     with trace.recording() as rec:
         bounded(lambda: run_step(w, Schedule(4, (0, 2), (8, 8), step=1)))
     a2e_layers = sorted(o.layer for o in rec.ops() if o.kind == "a2e")
     assert a2e_layers == [0, 0, 1, 1, 2, 2, 3, 3]
     assert max(L for k, L, _ in sessions.kept[0].issued_ops if k == "a2e") == 3
     # The guard matters: a session that does issue one fails the step.
-    monkeypatch.setattr(layer.runtime, "session_class", LookaheadPastTheEnd)
+    monkeypatch.setattr(patch_layer.runtime, "session_class", LookaheadPastTheEnd)
     with pytest.raises(ProtocolError, match="stage 2: a2e for layer 4, attention sends layer None"):
         bounded(lambda: run_step(w, Schedule(4, (0, 2), (8, 8), step=2)))
 
@@ -251,7 +251,7 @@ def _tracked_model(w: Any, refs: list[weakref.ref[Any]]) -> None:
 
 @pytest.mark.parametrize("direction", list(DIRECTIONS))
 def test_nothing_the_step_allocated_stays_referenced(
-    monkeypatch: pytest.MonkeyPatch, direction: str, layer: Layer
+    monkeypatch: pytest.MonkeyPatch, direction: str, patch_layer: PatchLayer
 ) -> None:
     a2e, e2a = DIRECTIONS[direction]
     w = world(layers=3, stage_ids=(0, 1, 2))
@@ -263,21 +263,21 @@ def test_nothing_the_step_allocated_stays_referenced(
     assert refs and all(r() is None for r in refs)
     refs.clear()
 
-    apply_cpu(layer=layer, a2e_on_side_stream=a2e, e2a_on_side_stream=e2a)
-    sessions = SessionSpy(monkeypatch, layer=layer)
+    apply_cpu(patch_layer=patch_layer, a2e_on_side_stream=a2e, e2a_on_side_stream=e2a)
+    sessions = SessionSpy(monkeypatch, patch_layer=patch_layer)
     bounded(lambda: run_step(w, Schedule(3, (0, 1, 2), (8, 8, 8), step=2)))
     gc.collect()
     assert len(refs) == 3 * 9
     alive = [r() for r in refs if r() is not None]
     assert not alive, f"{len(alive)} tensors of the step are still referenced"
-    assert layer.runtime.active_session() is None
+    assert patch_layer.runtime.active_session() is None
     assert sessions.count == 1 and sessions.refs[0]() is None, "the session outlived its step"
 
 
-def test_session_releases_everything_at_close(monkeypatch: pytest.MonkeyPatch, layer: Layer) -> None:
+def test_session_releases_everything_at_close(monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer) -> None:
     w = world(layers=3, stage_ids=(0, 1))
-    apply_cpu(layer=layer)
-    sessions = SessionSpy(monkeypatch, layer=layer, keep=True)
+    apply_cpu(patch_layer=patch_layer)
+    sessions = SessionSpy(monkeypatch, patch_layer=patch_layer, keep=True)
     run_step(w, Schedule(3, (0, 1), (8, 8), step=1))
     (s,) = sessions.kept
     assert s.closed and s.connector is None
@@ -357,16 +357,16 @@ def test_ownership_inside_the_step(direction: str) -> None:
 # Many steps: streams, threads and events reused
 
 
-def test_fifty_steps_reuse_streams_and_threads(layer: Layer) -> None:
+def test_fifty_steps_reuse_streams_and_threads(patch_layer: PatchLayer) -> None:
     w = world(layers=3, stage_ids=(0, 1, 2))
     scheds = [
         Schedule(3, (0, 1, 2) if i % 3 else (0, 2), (1 + i % 16, 16 - i % 16, 8)[: 3 if i % 3 else 2], i + 1)
         for i in range(50)
     ]
-    refs = serial_results(w, scheds, layer=layer)
-    apply_cpu(layer=layer)
+    refs = serial_results(w, scheds, patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer)
     assert_same(run_step(w, scheds[0]), refs[0])
-    (sset,) = stream_sets(layer=layer)
+    (sset,) = stream_sets(patch_layer=patch_layer)
     count = threading.active_count()
 
     def ours() -> set[threading.Thread]:
@@ -378,9 +378,9 @@ def test_fifty_steps_reuse_streams_and_threads(layer: Layer) -> None:
         assert_same(run_step(w, sched), ref)
         assert ours() == threads
         assert threading.active_count() <= count
-    assert stream_sets(layer=layer) == [sset]
+    assert stream_sets(patch_layer=patch_layer) == [sset]
     assert all(s.alive for s in sset.streams.values())
-    assert_streams_idle(layer=layer)
+    assert_streams_idle(patch_layer=patch_layer)
 
 
 # ---------------------------------------------------------------------------
@@ -404,36 +404,36 @@ def _layer_lists(monkeypatch: pytest.MonkeyPatch, w: Any, loop: list[int], plan:
 def test_loop_runs_past_the_plan_falls_back_with_correct_outputs(
     monkeypatch: pytest.MonkeyPatch,
     logs: PackageLogs,
-    layer: Layer,
+    patch_layer: PatchLayer,
 ) -> None:
     w = world(layers=4, stage_ids=(0, 1))
     sched = Schedule(4, (0, 1), (8, 8), step=1)
-    (ref,) = serial_results(w, [sched], layer=layer)
-    apply_cpu(layer=layer)
+    (ref,) = serial_results(w, [sched], patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer)
     _layer_lists(monkeypatch, w, loop=[0, 1, 2, 3], plan=[0, 1, 2])
     got = bounded(lambda: run_step(w, sched))
     assert_same(got, ref)
     (msg,) = logs.texts("the session planned", logging.WARNING)
     assert "asked for (3, 0)" in msg and "planned None" in msg
-    assert_streams_idle(layer=layer)
+    assert_streams_idle(patch_layer=patch_layer)
 
 
 def test_loop_skips_a_planned_layer_raises_schedule_mismatch(
     monkeypatch: pytest.MonkeyPatch,
     logs: PackageLogs,
-    layer: Layer,
+    patch_layer: PatchLayer,
 ) -> None:
     w = world(layers=4, stage_ids=(0, 1))
     nxt = Schedule(4, (0, 1), (8, 8), step=2)
-    (ref,) = serial_results(w, [nxt], layer=layer)
-    apply_cpu(layer=layer)
+    (ref,) = serial_results(w, [nxt], patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer)
     _layer_lists(monkeypatch, w, loop=[0, 2, 3], plan=[0, 1, 2, 3])
     with pytest.raises(ScheduleMismatchError) as info:
         bounded(lambda: run_step(w, Schedule(4, (0, 1), (8, 8), step=1)))
     assert "receive for (layer 2, stage 0)" in str(info.value) and "[(1, 0)]" in str(info.value)
     (msg,) = logs.texts("the session planned", logging.WARNING)
     assert "asked for (2, 0)" in msg and "planned (1, 0)" in msg
-    assert_streams_idle(layer=layer)
+    assert_streams_idle(patch_layer=patch_layer)
     monkeypatch.undo()
     assert_same(bounded(lambda: run_step(w, nxt)), ref)
 
@@ -441,12 +441,12 @@ def test_loop_skips_a_planned_layer_raises_schedule_mismatch(
 def test_max_num_tokens_changed_before_the_first_receive_falls_back(
     monkeypatch: pytest.MonkeyPatch,
     logs: PackageLogs,
-    layer: Layer,
+    patch_layer: PatchLayer,
 ) -> None:
     w = world(layers=3, stage_ids=(0, 1))
     sched = Schedule(3, (0, 1), (8, 8), step=1)
-    (ref,) = serial_results(w, [sched], layer=layer)
-    apply_cpu(layer=layer)
+    (ref,) = serial_results(w, [sched], patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer)
     plane = w.connector.control_plane
     original = type(plane).update_state_from_dp_metadata.__get__(plane)
 
@@ -461,11 +461,11 @@ def test_max_num_tokens_changed_before_the_first_receive_falls_back(
     assert "'max_num_tokens': 12" in msg and "planned (0, 0)" in msg
 
 
-def test_max_num_tokens_changed_mid_step_is_a_schedule_mismatch(logs: PackageLogs, layer: Layer) -> None:
+def test_max_num_tokens_changed_mid_step_is_a_schedule_mismatch(logs: PackageLogs, patch_layer: PatchLayer) -> None:
     w = world(layers=3, stage_ids=(0, 1))
     nxt = Schedule(3, (0, 1), (8, 8), step=2)
-    (ref,) = serial_results(w, [nxt], layer=layer)
-    apply_cpu(layer=layer)
+    (ref,) = serial_results(w, [nxt], patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer)
     n = {"calls": 0}
 
     def after(_out: Any) -> None:
@@ -477,7 +477,7 @@ def test_max_num_tokens_changed_mid_step_is_a_schedule_mismatch(logs: PackageLog
     with pytest.raises(ScheduleMismatchError, match=r"\(layer 1, stage 1\)"):
         bounded(lambda: run_step(w, Schedule(3, (0, 1), (8, 8), step=1)))
     assert logs.texts("the session planned", logging.WARNING)
-    assert_streams_idle(layer=layer)
+    assert_streams_idle(patch_layer=patch_layer)
     w.runner.max_num_tokens = 16
     n["calls"] = -(10**6)
     assert_same(bounded(lambda: run_step(w, nxt)), ref)

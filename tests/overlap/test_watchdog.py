@@ -20,8 +20,8 @@ from support.logs import PackageLogs
 from support.overlap import assert_same
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, recording
+from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.emulation.faults import Fault, FaultPlan, run_step_bounded
 from camp2p_overlap.emulation.world import PeerTimeoutError
 from camp2p_overlap.verify.edges import check_step
@@ -40,29 +40,29 @@ def _wait_watchdogs_gone(timeout: float = 5.0) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "camp2p-overlap-watchdog"]
 
 
-def _serial(layer: Layer, world, step: int) -> dict:
-    assert not layer.engine.is_applied()
+def _serial(patch_layer: PatchLayer, world, step: int) -> dict:
+    assert not patch_layer.engine.is_applied()
     out = run_step_bounded(world, step, STEP_BOUND_S)
     assert not out.hung and out.error is None, out
     return out.results
 
 
-def _apply(layer: Layer, **overrides: object) -> None:
-    layer.engine.unpatch()
-    report = layer.engine.apply(
+def _apply(patch_layer: PatchLayer, **overrides: object) -> None:
+    patch_layer.engine.unpatch()
+    report = patch_layer.engine.apply(
         config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, **overrides), strict=True
     )
     assert report.applied
 
 
-def test_stopped_peer_a2e_is_reported_once_with_the_pending_op(make_world, logs, layer: Layer) -> None:
+def test_stopped_peer_a2e_is_reported_once_with_the_pending_op(make_world, logs, patch_layer: PatchLayer) -> None:
     """The host ran ahead: it issued the whole step (every op of every
     stage) and closed it before the report, so the report no longer shows
     the host blocked in a receive: C waits on the device for the stalled
     A2E's event, the ops behind it are queued, and the other stages' streams
     wait for C (they are not blamed)."""
     w = make_world(layers=3, stage_ids=(0, 1, 2), tokens=8, op_timeout_s=1.2)
-    _apply(layer, watchdog_s=0.25)
+    _apply(patch_layer, watchdog_s=0.25)
     with FaultPlan(w, [Fault("stop", "a2e", 1, 1)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 5, STEP_BOUND_S)
@@ -95,11 +95,11 @@ def test_stopped_peer_a2e_is_reported_once_with_the_pending_op(make_world, logs,
     assert not _wait_watchdogs_gone()
 
 
-def test_stopped_peer_e2a_reports_it_and_the_a2e_queued_behind_it(make_world, logs, layer: Layer) -> None:
+def test_stopped_peer_e2a_reports_it_and_the_a2e_queued_behind_it(make_world, logs, patch_layer: PatchLayer) -> None:
     """C waits on the device for the A2E queued behind the stalled E2A (the
     host issued the whole step: it is not blocked in that receive)."""
     w = make_world(layers=3, stage_ids=(0, 2), tokens=8, op_timeout_s=1.2)
-    _apply(layer, watchdog_s=0.3)
+    _apply(patch_layer, watchdog_s=0.3)
     with FaultPlan(w, [Fault("stop", "e2a", 0, 0)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 3, STEP_BOUND_S)
@@ -117,12 +117,12 @@ def test_stopped_peer_e2a_reports_it_and_the_a2e_queued_behind_it(make_world, lo
     assert "ops not finished: e2a(L0,s0) on K0, a2e(L1,s0) on K0, e2a(L1,s0) on K0, a2e(L2,s0) on K0" in text
 
 
-def test_a2e_on_the_compute_stream_is_named_when_it_stalls(make_world, logs, layer: Layer) -> None:
+def test_a2e_on_the_compute_stream_is_named_when_it_stalls(make_world, logs, patch_layer: PatchLayer) -> None:
     """C itself runs the stalled A2E on the device (the host is not in the
     receive: it has issued the rest of the step behind it); the next
     stage's A2E, queued behind it on C, is not blamed."""
     w = make_world(layers=2, stage_ids=(0, 1), tokens=8, op_timeout_s=1.0)
-    _apply(layer, watchdog_s=0.25, a2e_on_side_stream=False)
+    _apply(patch_layer, watchdog_s=0.25, a2e_on_side_stream=False)
     with FaultPlan(w, [Fault("stop", "a2e", 1, 0)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 2, STEP_BOUND_S)
@@ -136,14 +136,16 @@ def test_a2e_on_the_compute_stream_is_named_when_it_stalls(make_world, logs, lay
     assert text.count("likely missing peer op") == 1
 
 
-def test_a2e_on_the_compute_stream_behind_a_stalled_e2a_blames_the_e2a(make_world, logs, layer: Layer) -> None:
+def test_a2e_on_the_compute_stream_behind_a_stalled_e2a_blames_the_e2a(
+    make_world, logs, patch_layer: PatchLayer
+) -> None:
     """A2E on C, E2A on K_s: C waits the stage's last E2A before it runs the
     stage's next A2E. The host does not block on that wait (it enqueues it
     and issues the A2E behind it), so the A2E is listed, queued on C, and
     not blamed: the E2A the peer never acknowledged is, and C is named
     waiting on the device for it."""
     w = make_world(layers=2, stage_ids=(0, 1), tokens=8, op_timeout_s=1.0)
-    _apply(layer, watchdog_s=0.25, a2e_on_side_stream=False)
+    _apply(patch_layer, watchdog_s=0.25, a2e_on_side_stream=False)
     with FaultPlan(w, [Fault("stop", "e2a", 0, 0)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 2, STEP_BOUND_S)
@@ -157,13 +159,13 @@ def test_a2e_on_the_compute_stream_behind_a_stalled_e2a_blames_the_e2a(make_worl
     assert text.count("likely missing peer op") == 1
 
 
-def test_e2a_on_the_compute_stream_is_named_once_when_it_stalls(make_world, logs, layer: Layer) -> None:
+def test_e2a_on_the_compute_stream_is_named_once_when_it_stalls(make_world, logs, patch_layer: PatchLayer) -> None:
     """C runs the stalled E2A on the device; the host is past it (it issued
     the whole step, so the report no longer says C is "not waiting on a
     receive"): the side streams' lookahead A2Es wait for C's E2A of their
     stage, and only the stalled E2A is blamed."""
     w = make_world(layers=2, stage_ids=(0, 1), tokens=8, op_timeout_s=1.0)
-    _apply(layer, watchdog_s=0.25, e2a_on_side_stream=False)
+    _apply(patch_layer, watchdog_s=0.25, e2a_on_side_stream=False)
     with FaultPlan(w, [Fault("stop", "e2a", 0, 0)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 2, STEP_BOUND_S)
@@ -183,13 +185,13 @@ def test_e2a_on_the_compute_stream_is_named_once_when_it_stalls(make_world, logs
     )
 
 
-def test_a_host_held_in_the_ffn_is_reported_from_the_live_session(make_world, logs, layer: Layer) -> None:
+def test_a_host_held_in_the_ffn_is_reported_from_the_live_session(make_world, logs, patch_layer: PatchLayer) -> None:
     """The host's own part can stall too (here the model's host part sleeps):
     the report then comes from the open session, says where the host is, and
     blames no peer (every op issued so far has run on the device)."""
     w = make_world(layers=2, stage_ids=(0, 1), tokens=8)
-    ref = _serial(layer, w, 4)
-    _apply(layer, watchdog_s=0.2)
+    ref = _serial(patch_layer, w, 4)
+    _apply(patch_layer, watchdog_s=0.2)
     with FaultPlan(w, [Fault("delay", "ffn", 1, 0, delay_s=0.6)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 4, STEP_BOUND_S)
@@ -204,10 +206,10 @@ def test_a_host_held_in_the_ffn_is_reported_from_the_live_session(make_world, lo
     assert not _wait_watchdogs_gone()
 
 
-def test_fast_steps_log_no_stall(make_world, logs, layer: Layer) -> None:
+def test_fast_steps_log_no_stall(make_world, logs, patch_layer: PatchLayer) -> None:
     w = make_world(layers=3, stage_ids=(0, 1), tokens=8)
-    ref = [_serial(layer, w, n) for n in (1, 2, 3)]
-    _apply(layer, watchdog_s=20.0)
+    ref = [_serial(patch_layer, w, n) for n in (1, 2, 3)]
+    _apply(patch_layer, watchdog_s=20.0)
     for n in (1, 2, 3):
         out = run_step_bounded(w, n, STEP_BOUND_S)
         assert out.error is None and not out.hung
@@ -217,9 +219,9 @@ def test_fast_steps_log_no_stall(make_world, logs, layer: Layer) -> None:
     assert not _wait_watchdogs_gone()
 
 
-def _expected(layer: Layer, world) -> ExpectedSchedule:
-    """The schedule a world's step should have under ``layer``'s config."""
-    cfg = layer.engine.config
+def _expected(patch_layer: PatchLayer, world) -> ExpectedSchedule:
+    """The schedule a world's step should have under ``patch_layer``'s config."""
+    cfg = patch_layer.engine.config
     return ExpectedSchedule(
         tuple(world.layer_list()), tuple(world.spec.stage_ids), cfg.a2e_on_side_stream, cfg.e2a_on_side_stream
     )
@@ -236,15 +238,15 @@ def _shape(ops) -> list[tuple]:
     [Fault("delay", "e2a", 1, 0, delay_s=1.0), Fault("delay", "a2e", 2, 1, delay_s=1.0)],
     ids=lambda f: f.describe(),
 )
-def test_watchdog_only_reads_a_slow_step_has_the_same_outcome(make_world, logs, fault, layer: Layer) -> None:
+def test_watchdog_only_reads_a_slow_step_has_the_same_outcome(make_world, logs, fault, patch_layer: PatchLayer) -> None:
     """A step slower than the watchdog: the report fires mid-step and the
     outputs, the ops and their streams are those of the same step without
     a watchdog (and of the serial path)."""
     w = make_world(layers=3, stage_ids=(0, 1), tokens=8)
-    ref = _serial(layer, w, 7)
+    ref = _serial(patch_layer, w, 7)
     outcomes = {}
     for watchdog in (None, 0.3):
-        _apply(layer, watchdog_s=watchdog)
+        _apply(patch_layer, watchdog_s=watchdog)
         with FaultPlan(w, [fault]) as plan, recording() as rec:
             plan.arm()
             out = run_step_bounded(w, 7, STEP_BOUND_S)
@@ -252,7 +254,7 @@ def test_watchdog_only_reads_a_slow_step_has_the_same_outcome(make_world, logs, 
         assert out.error is None and not out.hung, out
         (step,) = rec.steps()
         ops = rec.ops(step)
-        assert check_step(ops, _expected(layer, w)).ok
+        assert check_step(ops, _expected(patch_layer, w)).ok
         outcomes[watchdog] = (out.results, _shape(ops), len(stall_reports(logs)))
     (res_off, shape_off, n_off), (res_on, shape_on, n_on) = outcomes[None], outcomes[0.3]
     assert n_off == 0 and n_on == 1
@@ -265,12 +267,12 @@ def test_watchdog_only_reads_a_slow_step_has_the_same_outcome(make_world, logs, 
     assert f"{fault.op}(L{fault.layer},s{fault.stage}) on K{fault.stage}: RUNNING" in text
 
 
-def test_watchdog_only_reads_a_failing_step_fails_the_same_way(make_world, logs, layer: Layer) -> None:
+def test_watchdog_only_reads_a_failing_step_fails_the_same_way(make_world, logs, patch_layer: PatchLayer) -> None:
     w = make_world(layers=2, stage_ids=(0, 1), tokens=8, op_timeout_s=0.6)
-    ref_next = _serial(layer, w, 9)
+    ref_next = _serial(patch_layer, w, 9)
     errors = {}
     for watchdog in (None, 0.1):
-        _apply(layer, watchdog_s=watchdog)
+        _apply(patch_layer, watchdog_s=watchdog)
         with FaultPlan(w, [Fault("stop", "a2e", 1, 1)]) as plan:
             plan.arm()
             out = run_step_bounded(w, 8, STEP_BOUND_S)

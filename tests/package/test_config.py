@@ -30,8 +30,8 @@ from camp2p_overlap.core.env_vars import (
     ENV_SWITCH,
     ENV_WATCHDOG,
 )
-from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.log import logger
+from camp2p_overlap.core.patch_layer import PATCH_LAYER
 
 PACKAGE = Path(camp2p_overlap.__file__).resolve().parent
 
@@ -193,7 +193,7 @@ def test_apply_reports_a_bad_value_instead_of_raising(
     monkeypatch.setenv(ENV_SWITCH, "1")
     monkeypatch.setenv(name, raw)
     report = camp2p_overlap.apply()
-    assert not report.applied and not LAYER.engine.is_applied()
+    assert not report.applied and not PATCH_LAYER.engine.is_applied()
     assert report.reason.startswith("configuration error") and name in report.reason and raw in report.reason
     assert len(errors) == 1 and name in errors[0].getMessage()
     # Strict by argument, or by the environment (unless the strict switch itself is the bad one).
@@ -203,7 +203,7 @@ def test_apply_reports_a_bad_value_instead_of_raising(
         monkeypatch.setenv(ENV_STRICT, "1")
         with pytest.raises(ConfigError, match=re.escape(name)):
             camp2p_overlap.apply()
-    assert not LAYER.engine.is_applied()
+    assert not PATCH_LAYER.engine.is_applied()
 
 
 def test_bad_value_after_apply_keeps_the_layer_applied(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -213,7 +213,7 @@ def test_bad_value_after_apply_keeps_the_layer_applied(monkeypatch: pytest.Monke
     assert camp2p_overlap.apply().applied
     monkeypatch.setenv(ENV_MIN_STAGES, "nine")
     report = camp2p_overlap.apply()
-    assert report.applied and report.reason == "applied" and LAYER.engine.is_applied()
+    assert report.applied and report.reason == "applied" and PATCH_LAYER.engine.is_applied()
 
 
 def test_strict_requested_tolerates_other_bad_values() -> None:

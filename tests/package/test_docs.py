@@ -3,7 +3,7 @@
 commit, machine, date, from the JSON), a hand edit inside one fails
 ``--check``, the README
 keeps the two set-up-and-go commands and its troubleshooting names the
-layer's serial reasons, section references name real headings, and
+patch layer's serial reasons, section references name real headings, and
 docs/design.md's folder tree lists the package's modules."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import camp2p_overlap
 from camp2p_overlap.core import plugin
 from camp2p_overlap.core.config import ENV_VARS
 from camp2p_overlap.core.env_vars import ENV_BACKEND, ENV_STRICT, ENV_SWITCH
-from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.patch_layer import PATCH_LAYER
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -75,7 +75,7 @@ def test_register_never_raises_when_apply_breaks(clean_env: pytest.MonkeyPatch) 
         raise RuntimeError("engine exploded")
 
     clean_env.setenv(ENV_SWITCH, "1")
-    clean_env.setattr(LAYER.engine, "apply", boom)
+    clean_env.setattr(PATCH_LAYER.engine, "apply", boom)
     plugin.register()  # logged, swallowed
     clean_env.setenv(ENV_STRICT, "1")
     with pytest.raises(RuntimeError, match="engine exploded"):

@@ -16,7 +16,7 @@ import pytest
 from support.child import PROGRAMS, REPO
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.core.patching.lifecycle import PatchRefused
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.testing import overlap_patched
@@ -41,12 +41,14 @@ def test_context_manager_applies_and_unpatches() -> None:
     runner, conn = _classes()
     snap = {runner: dict(vars(runner)), conn: dict(vars(conn))}
     with overlap_patched(backend="cpu", min_stages=3) as report:
-        assert report.applied and report.engaged and LAYER.engine.is_applied()
+        assert report.applied and report.engaged and PATCH_LAYER.engine.is_applied()
         assert (
-            LAYER.engine.config.backend == "cpu" and LAYER.engine.config.min_stages == 3 and LAYER.engine.config.enabled
+            PATCH_LAYER.engine.config.backend == "cpu"
+            and PATCH_LAYER.engine.config.min_stages == 3
+            and PATCH_LAYER.engine.config.enabled
         )
-        assert LAYER.engine.is_ours(vars(runner)["_ffn_forward"])
-    assert not LAYER.engine.is_applied()
+        assert PATCH_LAYER.engine.is_ours(vars(runner)["_ffn_forward"])
+    assert not PATCH_LAYER.engine.is_applied()
     assert _restored(snap)
 
 
@@ -54,19 +56,19 @@ def test_context_manager_unpatches_when_the_body_raises() -> None:
     runner, conn = _classes()
     snap = {runner: dict(vars(runner)), conn: dict(vars(conn))}
     with pytest.raises(KeyError, match="body failed"), overlap_patched(backend="cpu"):
-        assert LAYER.engine.is_ours(vars(runner)["_ffn_forward"])
+        assert PATCH_LAYER.engine.is_ours(vars(runner)["_ffn_forward"])
         assert vars(conn)["send_ffn_output"] is snap[conn]["send_ffn_output"]  # routed per step, never wrapped
         raise KeyError("body failed")
-    assert not LAYER.engine.is_applied()
+    assert not PATCH_LAYER.engine.is_applied()
     assert _restored(snap)
 
 
 def test_context_manager_uses_the_given_config_over_an_earlier_apply() -> None:
-    LAYER.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, min_stages=2))
+    PATCH_LAYER.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, min_stages=2))
     cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False, min_stages=1, graph=True)
     with overlap_patched(cfg) as report:
-        assert report.applied and LAYER.engine.config == cfg
-    assert not LAYER.engine.is_applied()
+        assert report.applied and PATCH_LAYER.engine.config == cfg
+    assert not PATCH_LAYER.engine.is_applied()
 
 
 def test_context_manager_is_strict_and_still_unpatches() -> None:
@@ -77,11 +79,11 @@ def test_context_manager_is_strict_and_still_unpatches() -> None:
     try:
         with pytest.raises(PatchRefused, match="CAMP2pAFDConnector"), overlap_patched(backend="cpu"):
             pytest.fail("the body must not run when the patch is refused")
-        assert not LAYER.engine.is_applied()
+        assert not PATCH_LAYER.engine.is_applied()
         assert _restored({runner: runner_snap})
         with overlap_patched(backend="cpu", strict=False) as report:
             assert report.applied and report.refused and not report.engaged
-        assert not LAYER.engine.is_applied()
+        assert not PATCH_LAYER.engine.is_applied()
     finally:
         sys.modules.pop(CONNECTOR, None)
 

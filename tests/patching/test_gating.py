@@ -27,8 +27,8 @@ from support.overlap import (
 )
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.observe import trace
+from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.emulation.world import World
 from camp2p_overlap.verify import edges
 
@@ -207,7 +207,7 @@ def test_gate_runs_the_original_with_the_same_arguments(
     monkeypatch: pytest.MonkeyPatch,
     logs: PackageLogs,
     name: str,
-    layer: Layer,
+    patch_layer: PatchLayer,
 ) -> None:
     case = CASES[name]
     if case.skip_if is not None and (why := case.skip_if()):
@@ -215,17 +215,19 @@ def test_gate_runs_the_original_with_the_same_arguments(
     w = world(layers=3, stage_ids=(0, 1, 2))
     refs = None
     if case.error is None:
-        refs = serial_results(w, [Schedule(3, case.stages, (6,) * len(case.stages), step) for step in (1, 2)], layer)
-    calls = spy_forward(type(w.runner), layer=layer)
+        refs = serial_results(
+            w, [Schedule(3, case.stages, (6,) * len(case.stages), step) for step in (1, 2)], patch_layer
+        )
+    calls = spy_forward(type(w.runner), patch_layer=patch_layer)
     if case.before_apply is not None:
         case.before_apply(w, monkeypatch)
     cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False).with_overrides(**case.config)
-    assert_stack(layer.engine.apply(strict=case.strict, config=cfg))
+    assert_stack(patch_layer.engine.apply(strict=case.strict, config=cfg))
     if case.after_apply is not None:
         case.after_apply(w, monkeypatch)
     if case.switch_off_after_apply:
-        monkeypatch.setattr(layer.engine, "config", layer.engine.config.with_overrides(enabled=False))
-    sessions = SessionSpy(monkeypatch, layer=layer)
+        monkeypatch.setattr(patch_layer.engine, "config", patch_layer.engine.config.with_overrides(enabled=False))
+    sessions = SessionSpy(monkeypatch, patch_layer=patch_layer)
     with trace.recording() as rec:
         for step in (1, 2):
             if case.error is not None:
@@ -256,9 +258,13 @@ def test_gate_runs_the_original_with_the_same_arguments(
     assert not side
 
 
-def test_each_distinct_reason_is_logged_once(monkeypatch: pytest.MonkeyPatch, logs: PackageLogs, layer: Layer) -> None:
+def test_each_distinct_reason_is_logged_once(
+    monkeypatch: pytest.MonkeyPatch, logs: PackageLogs, patch_layer: PatchLayer
+) -> None:
     w = world(layers=2, stage_ids=(0, 1, 2))
-    layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, min_stages=3))
+    patch_layer.engine.apply(
+        strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, min_stages=3)
+    )
     _run(w, (0, 1), 1, {})
     _run(w, (0,), 2, {})
     _run(w, (0, 1), 3, {})
@@ -270,12 +276,12 @@ def test_each_distinct_reason_is_logged_once(monkeypatch: pytest.MonkeyPatch, lo
     assert "1 stage(s), fewer than the minimum 3" in logged[1]
 
 
-def test_graph_capture_engages_with_the_graph_switch(monkeypatch: pytest.MonkeyPatch, layer: Layer) -> None:
+def test_graph_capture_engages_with_the_graph_switch(monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer) -> None:
     w = world(layers=3, stage_ids=(0, 1))
     (ref,) = serial_results(w, [Schedule(3, (0, 1), (6, 6), 1)])
-    calls = spy_forward(type(w.runner), layer=layer)
-    layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
-    sessions = SessionSpy(monkeypatch, layer=layer)
+    calls = spy_forward(type(w.runner), patch_layer=patch_layer)
+    patch_layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
+    sessions = SessionSpy(monkeypatch, patch_layer=patch_layer)
     with trace.recording() as rec:
         got, dp = _run(w, (0, 1), 1, {"is_graph_capturing": True})
     assert_same(got, ref)
@@ -285,14 +291,16 @@ def test_graph_capture_engages_with_the_graph_switch(monkeypatch: pytest.MonkeyP
     assert res.ok, str(res)
 
 
-def test_reentrant_forward_runs_the_original(monkeypatch: pytest.MonkeyPatch, logs: PackageLogs, layer: Layer) -> None:
+def test_reentrant_forward_runs_the_original(
+    monkeypatch: pytest.MonkeyPatch, logs: PackageLogs, patch_layer: PatchLayer
+) -> None:
     outer = world(layers=3, stage_ids=(0, 1))
     inner = world(layers=2, stage_ids=(0, 1), seed=5)
     (ref_outer,) = serial_results(outer, [Schedule(3, (0, 1), (6, 6), 1)])
     (ref_inner,) = serial_results(inner, [Schedule(2, (0, 1), (6, 6), 7)])
-    calls = spy_forward(type(outer.runner), layer=layer)
-    layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False))
-    sessions = SessionSpy(monkeypatch, layer=layer)
+    calls = spy_forward(type(outer.runner), patch_layer=patch_layer)
+    patch_layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False))
+    sessions = SessionSpy(monkeypatch, patch_layer=patch_layer)
     model = outer.runner.model
     original = type(model).compute_ffn_output.__get__(model)
     inner_out: dict[str, Any] = {}
@@ -314,11 +322,13 @@ def test_reentrant_forward_runs_the_original(monkeypatch: pytest.MonkeyPatch, lo
     assert "re-entrant FFN forward inside an active step" in msg
 
 
-def test_planning_error_runs_the_original(monkeypatch: pytest.MonkeyPatch, logs: PackageLogs, layer: Layer) -> None:
+def test_planning_error_runs_the_original(
+    monkeypatch: pytest.MonkeyPatch, logs: PackageLogs, patch_layer: PatchLayer
+) -> None:
     """A failure while planning (here the layer list holds a non-integer)
     never breaks the call: the original runs (and fails or not on its own)."""
     w = world(layers=2, stage_ids=(0, 1))
-    layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False))
+    patch_layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False))
     plan_calls = {"n": 0}
     real = w.modules[0]._ffn_layer_indices
 

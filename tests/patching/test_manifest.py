@@ -7,8 +7,8 @@ import importlib
 import pytest
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import build_layer
 from camp2p_overlap.core.overlap.step import make_wrappers
+from camp2p_overlap.core.patch_layer import build_patch_layer
 from camp2p_overlap.core.patching.lifecycle import PatchRefused
 from camp2p_overlap.core.patching.manifest import (
     DEFAULT_STACK,
@@ -40,7 +40,7 @@ def test_shipped_manifest_loads() -> None:
         "recv_attn_output",
         "send_ffn_output",
     }
-    own = build_layer()
+    own = build_patch_layer()
     wrappers = make_wrappers(own.engine, runtime=own.runtime)
     for t in man.targets():
         assert t.changes and t.why
@@ -233,7 +233,7 @@ def test_unloadable_manifest_is_reported_not_raised() -> None:
     def broken() -> object:
         raise ManifestError("patches/x.toml: missing key 'stack'")
 
-    engine = build_layer(
+    engine = build_patch_layer(
         manifest_loader=broken,
         version_check=lambda manifest: judge_vllm_version("0.19.1", manifest.vllm),
     ).engine

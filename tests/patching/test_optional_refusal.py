@@ -27,8 +27,8 @@ from support.patching import (
 )
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.overlap.decision import graph_variants_refused
+from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.core.patching.lifecycle import PatchRefused
 from camp2p_overlap.core.patching.status_report import PatchReport, TargetState
 from camp2p_overlap.emulation import standins
@@ -55,10 +55,10 @@ def import_connector() -> None:
     importlib.import_module(CONNECTOR)
 
 
-def assert_feature_refused_alone(layer: Layer, variant: str) -> None:
+def assert_feature_refused_alone(patch_layer: PatchLayer, variant: str) -> None:
     """The graph variants are refused with the variant's reason; every other
-    target is wrapped or checked; the layer is applied and engaged."""
-    report = layer.engine.status()
+    target is wrapped or checked; the patch layer is applied and engaged."""
+    report = patch_layer.engine.status()
     reason = reason_of(variant)
     assert report.applied and report.reason == "applied" and report.engaged, str(report)
     st = by_target(report)
@@ -67,9 +67,9 @@ def assert_feature_refused_alone(layer: Layer, variant: str) -> None:
     others = {t: s.state for t, s in st.items() if t != CAPTURE}
     assert others[FORWARD] is TargetState.WRAPPED
     assert set(others.values()) <= {TargetState.WRAPPED, TargetState.CHECKED}, others
-    assert layer.engine.feature_refusal("graph_variants") == reason
-    assert graph_variants_refused(layer.engine) == reason
-    assert layer.engine.features_refused() == {"graph_variants": reason}
+    assert patch_layer.engine.feature_refusal("graph_variants") == reason
+    assert graph_variants_refused(patch_layer.engine) == reason
+    assert patch_layer.engine.features_refused() == {"graph_variants": reason}
     assert report.features_refused == {"graph_variants": reason}
     assert report.to_dict()["features_refused"] == {"graph_variants": reason}
     assert report.to_dict()["engaged"] is True
@@ -77,27 +77,27 @@ def assert_feature_refused_alone(layer: Layer, variant: str) -> None:
     assert PatchReport.unready_of(report.targets) is None
     assert f"  {CAPTURE}: refused ({reason})" in str(report).splitlines()
     cls = sys.modules[RUNNER].AFDNPUFFNModelRunner
-    assert layer.engine.is_ours(vars(cls)["_ffn_forward"])
-    assert all(not layer.engine.is_ours(getattr(c, "_capture_graphs", None)) for c in cls.__mro__)
+    assert patch_layer.engine.is_ours(vars(cls)["_ffn_forward"])
+    assert all(not patch_layer.engine.is_ours(getattr(c, "_capture_graphs", None)) for c in cls.__mro__)
 
 
 @pytest.mark.parametrize("when", ["imported-before-apply", "imported-after-apply"])
 @pytest.mark.parametrize("variant", sorted(RUNNER_VARIANTS))
 def test_an_optional_target_missing_or_changed_refuses_its_feature_only(
-    variant: str, when: str, layer: Layer, logs: PackageLogs
+    variant: str, when: str, patch_layer: PatchLayer, logs: PackageLogs
 ) -> None:
     if when == "imported-after-apply":
         standins.install()
-        assert layer.engine.apply(config=CFG).applied
+        assert patch_layer.engine.apply(config=CFG).applied
     module = variant_module(RUNNER, RUNNER_VARIANTS[variant])
     cls = module.AFDNPUFFNModelRunner
     raw = {c: dict(vars(c)) for c in cls.__mro__ if c.__module__ == RUNNER}
     if when == "imported-before-apply":
-        layer.engine.apply(config=CFG)
+        patch_layer.engine.apply(config=CFG)
     else:
         wrapt.notify_module_loaded(module)  # what the import system does for a real import
     import_connector()
-    assert_feature_refused_alone(layer, variant)
+    assert_feature_refused_alone(patch_layer, variant)
     assert feature_warnings(logs) == [f"camp2p-overlap: {reason_of(variant)}"]
     (outcome,) = logs.matching("pid=")
     assert outcome.levelno == logging.INFO
@@ -106,28 +106,28 @@ def test_an_optional_target_missing_or_changed_refuses_its_feature_only(
 
     # Idempotent: apply() again and the installer handed the module again
     # keep the refusal, and log nothing more.
-    layer.engine.apply(config=CFG)
-    for mspec in layer.engine.manifest.modules:
-        statuses = layer.engine.installer.install(mspec, sys.modules[mspec.name], layer.engine.wrappers)
+    patch_layer.engine.apply(config=CFG)
+    for mspec in patch_layer.engine.manifest.modules:
+        statuses = patch_layer.engine.installer.install(mspec, sys.modules[mspec.name], patch_layer.engine.wrappers)
         if mspec.name == RUNNER:
             assert statuses[CAPTURE].state is TargetState.REFUSED and statuses[CAPTURE].feature == "graph_variants"
-    assert_feature_refused_alone(layer, variant)
+    assert_feature_refused_alone(patch_layer, variant)
     assert len(feature_warnings(logs)) == 1
 
     # unpatch() clears it and restores every entry; a new apply() recomputes
     # it (and logs it again: a new outcome).
-    assert layer.engine.unpatch() is True
-    assert layer.engine.feature_refusal("graph_variants") is None and layer.engine.features_refused() == {}
-    assert layer.engine.status().features_refused == {}
-    assert {t.state for t in layer.engine.status().targets} == {TargetState.INACTIVE}
+    assert patch_layer.engine.unpatch() is True
+    assert patch_layer.engine.feature_refusal("graph_variants") is None and patch_layer.engine.features_refused() == {}
+    assert patch_layer.engine.status().features_refused == {}
+    assert {t.state for t in patch_layer.engine.status().targets} == {TargetState.INACTIVE}
     for c, entries in raw.items():
         assert vars(c).keys() == entries.keys() and all(vars(c)[k] is v for k, v in entries.items()), c
-    layer.engine.apply(config=CFG)
-    assert_feature_refused_alone(layer, variant)
+    patch_layer.engine.apply(config=CFG)
+    assert_feature_refused_alone(patch_layer, variant)
     assert len(feature_warnings(logs)) == 2
 
 
-def test_a_required_target_missing_still_refuses_its_module(layer: Layer) -> None:
+def test_a_required_target_missing_still_refuses_its_module(patch_layer: PatchLayer) -> None:
     """With ``_capture_graphs`` gone and ``_ffn_forward`` changed too, the
     required target refuses the runner module: nothing of it is wrapped, and
     no feature refusal is recorded (the whole module is)."""
@@ -138,7 +138,7 @@ def test_a_required_target_missing_still_refuses_its_module(layer: Layer) -> Non
     module = variant_module(RUNNER, edits)
     snap = dict(vars(module.AFDNPUFFNModelRunner))
     import_connector()
-    report = layer.engine.apply(config=CFG)
+    report = patch_layer.engine.apply(config=CFG)
     st = by_target(report)
     assert report.applied and not report.engaged
     runner_targets = {t for t in st if t.startswith(RUNNER)}
@@ -146,7 +146,7 @@ def test_a_required_target_missing_still_refuses_its_module(layer: Layer) -> Non
     assert "signature changed: unexpected parameter(s) stream_hint" in st[FORWARD].reason
     assert st[CAPTURE].feature is None and "module refused because" in st[CAPTURE].reason
     assert "AFDNPUFFNModelRunner._ffn_forward" in st[CAPTURE].reason
-    assert layer.engine.feature_refusal("graph_variants") is None and report.features_refused == {}
+    assert patch_layer.engine.feature_refusal("graph_variants") is None and report.features_refused == {}
     now = vars(module.AFDNPUFFNModelRunner)
     assert now.keys() == snap.keys() and all(now[k] is v for k, v in snap.items())
     assert FORWARD in (PatchReport.unready_of(report.targets) or "")
@@ -155,65 +155,65 @@ def test_a_required_target_missing_still_refuses_its_module(layer: Layer) -> Non
 @pytest.mark.parametrize("when", ["imported-before-apply", "imported-after-apply"])
 @pytest.mark.parametrize("graph", ["1", "adaptive"])
 def test_strict_mode_refuses_the_module_when_the_configuration_asks_for_graph_variants(
-    graph: str, when: str, layer: Layer
+    graph: str, when: str, patch_layer: PatchLayer
 ) -> None:
     cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=graph)
     if when == "imported-after-apply":
         standins.install()
-        assert layer.engine.apply(config=cfg, strict=True).applied
+        assert patch_layer.engine.apply(config=cfg, strict=True).applied
     module = variant_module(RUNNER, RUNNER_VARIANTS["capture-graphs-moved"])
     cls = module.AFDNPUFFNModelRunner
     snap = dict(vars(cls))
     with pytest.raises(PatchRefused, match=r"_capture_graphs.*strict mode the configuration asks for decode graph"):
         if when == "imported-before-apply":
-            layer.engine.apply(config=cfg, strict=True)
+            patch_layer.engine.apply(config=cfg, strict=True)
         else:
             wrapt.notify_module_loaded(module)
     assert vars(cls).keys() == snap.keys() and all(vars(cls)[k] is v for k, v in snap.items())  # nothing wrapped
-    assert layer.engine.feature_refusal("graph_variants") is None
+    assert patch_layer.engine.feature_refusal("graph_variants") is None
     if when == "imported-before-apply":
-        assert not layer.engine.is_applied()
+        assert not patch_layer.engine.is_applied()
     else:  # the hook refused the module (nothing of it installed), as for any refused module
-        st = by_target(layer.engine.status())
+        st = by_target(patch_layer.engine.status())
         assert st[FORWARD].state is TargetState.REFUSED and st[CAPTURE].feature is None
 
 
 def test_strict_mode_applies_and_logs_when_the_configuration_does_not_ask_for_graph_variants(
-    layer: Layer, logs: PackageLogs
+    patch_layer: PatchLayer, logs: PackageLogs
 ) -> None:
     variant_module(RUNNER, RUNNER_VARIANTS["capture-graphs-new-param"])
     import_connector()
     cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph="0", strict=True)
-    assert layer.engine.apply(config=cfg).engaged  # strict from the configuration
-    assert_feature_refused_alone(layer, "capture-graphs-new-param")
+    assert patch_layer.engine.apply(config=cfg).engaged  # strict from the configuration
+    assert_feature_refused_alone(patch_layer, "capture-graphs-new-param")
     assert len(feature_warnings(logs)) == 1
 
 
-def test_a_reload_checks_the_optional_target_again(layer: Layer, logs: PackageLogs) -> None:
+def test_a_reload_checks_the_optional_target_again(patch_layer: PatchLayer, logs: PackageLogs) -> None:
     """Reloaded without ``_capture_graphs``, the runner module's new classes
     are wrapped with the graph variants refused; reloaded with it back, the
     refusal is cleared (logged at INFO)."""
     module = variant_module(RUNNER, ())
     import_connector()
-    assert layer.engine.apply(config=CFG).engaged
-    assert layer.engine.feature_refusal("graph_variants") is None
+    assert patch_layer.engine.apply(config=CFG).engaged
+    assert patch_layer.engine.feature_refusal("graph_variants") is None
     old = module.AFDNPUFFNModelRunner
     original = {a: vars(old)[a].__wrapped__ for a in ("_ffn_forward", "_capture_graphs")}
 
     variant_module(RUNNER, RUNNER_VARIANTS["capture-graphs-moved"], into=module)  # as importlib.reload does
-    assert by_target(layer.engine.status())[FORWARD].state is TargetState.NOT_IMPORTED  # until a refresh
-    layer.engine.refresh()
-    assert_feature_refused_alone(layer, "capture-graphs-moved")
+    assert by_target(patch_layer.engine.status())[FORWARD].state is TargetState.NOT_IMPORTED  # until a refresh
+    patch_layer.engine.refresh()
+    assert_feature_refused_alone(patch_layer, "capture-graphs-moved")
     assert all(vars(old)[a] is f for a, f in original.items())  # the old classes are restored
     assert len(feature_warnings(logs)) == 1
-    layer.engine.refresh()
+    patch_layer.engine.refresh()
     assert len(feature_warnings(logs)) == 1
 
     variant_module(RUNNER, (), into=module)
-    layer.engine.refresh()
-    report = layer.engine.status()
+    patch_layer.engine.refresh()
+    report = patch_layer.engine.status()
     assert report.engaged and by_target(report)[CAPTURE].state is TargetState.WRAPPED
-    assert layer.engine.feature_refusal("graph_variants") is None and report.features_refused == {}
+    assert patch_layer.engine.feature_refusal("graph_variants") is None and report.features_refused == {}
     assert logs.texts("decode graph variants are no longer refused", level=logging.INFO) == [
         "camp2p-overlap: decode graph variants are no longer refused: AFDNPUFFNModelRunner._capture_graphs "
         "installed again"

@@ -37,15 +37,15 @@ from support.patching import (
 )
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import Layer
+from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.core.patching.lifecycle import PatchRefused
 from camp2p_overlap.core.patching.manifest import load_manifest
 from camp2p_overlap.core.patching.status_report import PatchReport, TargetState
 from camp2p_overlap.emulation import standins
 
 
-def engine_states(layer: Layer) -> dict[str, TargetState]:
-    return {t.target.rsplit(".", 1)[-1]: t.state for t in layer.engine.status().targets}
+def engine_states(patch_layer: PatchLayer) -> dict[str, TargetState]:
+    return {t.target.rsplit(".", 1)[-1]: t.state for t in patch_layer.engine.status().targets}
 
 
 @pytest.fixture
@@ -55,59 +55,59 @@ def world(make_world: Any) -> Any:
 
 # ---------------------------------------------------------------------------
 # apply() imports nothing and waits for the import
-def test_apply_does_not_import_targets(layer: Layer) -> None:
+def test_apply_does_not_import_targets(patch_layer: PatchLayer) -> None:
     standins.install()
     before = set(sys.modules)
-    report = layer.engine.apply(config=CFG)
-    assert report.applied and layer.engine.is_applied()
+    report = patch_layer.engine.apply(config=CFG)
+    assert report.applied and patch_layer.engine.is_applied()
     new = set(sys.modules) - before
     assert not [m for m in new if m.startswith(("afd_plugin", "vllm", "torch_npu"))], new
     assert RUNNER not in sys.modules and CONNECTOR not in sys.modules
-    assert set(engine_states(layer=layer).values()) == {TargetState.NOT_IMPORTED}
+    assert set(engine_states(patch_layer=patch_layer).values()) == {TargetState.NOT_IMPORTED}
     assert len(report.targets) == len(load_manifest().targets())
     # The post-import hooks do the wrapping.
     import_targets()
-    assert_wrapped_once(layer=layer)
-    states = engine_states(layer=layer)
+    assert_wrapped_once(patch_layer=patch_layer)
+    states = engine_states(patch_layer=patch_layer)
     assert states["_ffn_layer_indices"] is TargetState.CHECKED
     assert {states[a] for _, _, a in WRAPPED} == {TargetState.WRAPPED}
-    assert layer.engine.status().engaged
+    assert patch_layer.engine.status().engaged
 
 
-def test_status_not_imported_then_partial_then_complete(layer: Layer) -> None:
+def test_status_not_imported_then_partial_then_complete(patch_layer: PatchLayer) -> None:
     standins.install()
-    layer.engine.apply(config=CFG)
+    patch_layer.engine.apply(config=CFG)
     importlib.import_module(RUNNER)
-    states = engine_states(layer=layer)
+    states = engine_states(patch_layer=patch_layer)
     assert states["_ffn_forward"] is TargetState.WRAPPED
     assert states["recv_attn_output"] is TargetState.NOT_IMPORTED
-    partial = layer.engine.status()
+    partial = patch_layer.engine.status()
     assert not partial.engaged and not partial.to_dict()["engaged"]
     assert "recv_attn_output" in (PatchReport.unready_of(partial.targets) or "")
     importlib.import_module(CONNECTOR)
-    complete = layer.engine.status()
+    complete = patch_layer.engine.status()
     assert complete.engaged and PatchReport.unready_of(complete.targets) is None
-    layer.engine.unpatch()
-    assert not layer.engine.is_applied()
-    assert set(engine_states(layer=layer).values()) == {TargetState.INACTIVE}
+    patch_layer.engine.unpatch()
+    assert not patch_layer.engine.is_applied()
+    assert set(engine_states(patch_layer=patch_layer).values()) == {TargetState.INACTIVE}
 
 
 # ---------------------------------------------------------------------------
 # one wrapper, exact restore
-def test_apply_twice_then_import_leaves_one_wrapper_and_restores_identity(layer: Layer) -> None:
+def test_apply_twice_then_import_leaves_one_wrapper_and_restores_identity(patch_layer: PatchLayer) -> None:
     standins.install()
-    r1 = layer.engine.apply(config=CFG)
-    r2 = layer.engine.apply(config=CFG)
+    r1 = patch_layer.engine.apply(config=CFG)
+    r2 = patch_layer.engine.apply(config=CFG)
     assert r1.applied and r2.applied
     cls = import_targets()
-    layer.engine.apply(config=CFG)  # and once more after the import
-    assert_wrapped_once(layer=layer)
+    patch_layer.engine.apply(config=CFG)  # and once more after the import
+    assert_wrapped_once(patch_layer=patch_layer)
     inner = {(c, a): vars(cls[c])[a].__wrapped__ for _, c, a in WRAPPED}
     rest = {c: {k: v for k, v in vars(k_).items() if (c, k) not in inner} for c, k_ in cls.items()}
-    assert layer.engine.unpatch() is True
+    assert patch_layer.engine.unpatch() is True
     for (c, a), original in inner.items():
         assert vars(cls[c])[a] is original
-        assert not layer.engine.is_ours(vars(cls[c])[a])
+        assert not patch_layer.engine.is_ours(vars(cls[c])[a])
     for c, entries in rest.items():
         assert all(vars(cls[c])[k] is v for k, v in entries.items())
         assert set(vars(cls[c])) == set(entries) | {a for (cc, a) in inner if cc == c}
@@ -124,100 +124,102 @@ def ours_in_chain(engine: Any, entry: Any) -> int:
     return n
 
 
-def test_repeated_apply_keeps_the_one_wrapper_it_installed(layer: Any) -> None:
+def test_repeated_apply_keeps_the_one_wrapper_it_installed(patch_layer: Any) -> None:
     """apply() on an applied layer, before and after the import, wraps
     nothing again and keeps its configuration: each wrap target's chain
     holds exactly one of ours, the very wrapper the first install put there."""
     standins.install()
-    assert layer.engine.apply(config=CFG).applied
-    for _ in range(2):  # another configuration is ignored: the layer is applied already
-        assert layer.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", min_stages=3)).applied
-    assert layer.engine.config is CFG
+    assert patch_layer.engine.apply(config=CFG).applied
+    for _ in range(2):  # another configuration is ignored: the patch layer is applied already
+        assert patch_layer.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", min_stages=3)).applied
+    assert patch_layer.engine.config is CFG
     cls = import_targets()
     first = {(c, a): vars(cls[c])[a] for _, c, a in WRAPPED}
     for _ in range(3):
-        assert layer.engine.apply(config=CFG).engaged and layer.engine.config is CFG
+        assert patch_layer.engine.apply(config=CFG).engaged and patch_layer.engine.config is CFG
         for (c, a), entry in first.items():
             assert vars(cls[c])[a] is entry, f"{c}.{a} was wrapped again"
-            assert ours_in_chain(layer.engine, entry) == 1
-            assert not layer.engine.is_ours(entry.__wrapped__)
-    assert layer.engine.unpatch() is True
+            assert ours_in_chain(patch_layer.engine, entry) == 1
+            assert not patch_layer.engine.is_ours(entry.__wrapped__)
+    assert patch_layer.engine.unpatch() is True
     for (c, a), entry in first.items():
-        assert vars(cls[c])[a] is entry.__wrapped__ and ours_in_chain(layer.engine, vars(cls[c])[a]) == 0
+        assert vars(cls[c])[a] is entry.__wrapped__ and ours_in_chain(patch_layer.engine, vars(cls[c])[a]) == 0
 
 
-def test_installing_a_module_twice_keeps_the_one_wrapper(layer: Any) -> None:
+def test_installing_a_module_twice_keeps_the_one_wrapper(patch_layer: Any) -> None:
     """The installer, handed the same (unreloaded) module twice, keeps its
     first wrap: one of ours in the chain, one record, the same wrapper."""
     cls = import_targets()
     raw = raw_targets()
-    assert layer.engine.apply(config=CFG).engaged
-    installer, manifest = layer.engine.installer, layer.engine.manifest
+    assert patch_layer.engine.apply(config=CFG).engaged
+    installer, manifest = patch_layer.engine.installer, patch_layer.engine.manifest
     entries = {(c, a): vars(cls[c])[a] for _, c, a in WRAPPED}
     records = {m: list(r) for m, r in installer.records.items()}
-    wrappers = layer.engine.wrappers
+    wrappers = patch_layer.engine.wrappers
     for mspec in manifest.modules:
         for _ in range(2):
             statuses = installer.install(mspec, sys.modules[mspec.name], wrappers)
             assert {s.state for s in statuses.values()} <= {TargetState.WRAPPED, TargetState.CHECKED}
     for (c, a), entry in entries.items():
-        assert ours_in_chain(layer.engine, vars(cls[c])[a]) == 1, f"{c}.{a}: not exactly one of ours"
+        assert ours_in_chain(patch_layer.engine, vars(cls[c])[a]) == 1, f"{c}.{a}: not exactly one of ours"
         assert vars(cls[c])[a] is entry, f"{c}.{a} was wrapped again"
     assert {m: list(r) for m, r in installer.records.items()} == records
-    assert layer.engine.unpatch() is True
+    assert patch_layer.engine.unpatch() is True
     for (c, a), original in raw.items():
         assert vars(cls[c])[a] is original
 
 
-def test_import_then_apply_then_unpatch_restores_every_dict_entry_and_no_subclass_residue(layer: Layer) -> None:
+def test_import_then_apply_then_unpatch_restores_every_dict_entry_and_no_subclass_residue(
+    patch_layer: PatchLayer,
+) -> None:
     cls = import_targets()
     sub = {name: type(f"Sub{name}", (c,), {}) for name, c in cls.items()}
     snap = {name: dict(vars(c)) for name, c in cls.items()}
     sub_snap = {name: dict(vars(c)) for name, c in sub.items()}
-    layer.engine.apply(config=CFG)
-    assert_wrapped_once(layer=layer)
+    patch_layer.engine.apply(config=CFG)
+    assert_wrapped_once(patch_layer=patch_layer)
     for name, c in sub.items():
         assert dict(vars(c)).keys() == sub_snap[name].keys()
         assert {a for _, cn, a in WRAPPED if cn == name}.isdisjoint(vars(c))
-    assert layer.engine.unpatch() is True
+    assert patch_layer.engine.unpatch() is True
     for name, c in cls.items():
         now = dict(vars(c))
         assert now.keys() == snap[name].keys()
         assert all(now[k] is v for k, v in snap[name].items()), name
     for name, c in sub.items():
         assert dict(vars(c)).keys() == sub_snap[name].keys()
-    assert layer.engine.installer.stuck == []
+    assert patch_layer.engine.installer.stuck == []
 
 
-def test_unpatch_twice_and_before_apply_are_noops(layer: Layer) -> None:
-    assert layer.engine.unpatch() is True
+def test_unpatch_twice_and_before_apply_are_noops(patch_layer: PatchLayer) -> None:
+    assert patch_layer.engine.unpatch() is True
     cls = import_targets()
     snap = {n: dict(vars(c)) for n, c in cls.items()}
-    assert layer.engine.unpatch() is True
-    layer.engine.apply(config=CFG)
-    assert layer.engine.unpatch() is True
-    assert layer.engine.unpatch() is True
+    assert patch_layer.engine.unpatch() is True
+    patch_layer.engine.apply(config=CFG)
+    assert patch_layer.engine.unpatch() is True
+    assert patch_layer.engine.unpatch() is True
     for n, c in cls.items():
         assert all(vars(c)[k] is v for k, v in snap[n].items())
 
 
-def test_instance_created_before_apply_follows_patch_unpatch_repatch(world: Any, layer: Layer) -> None:
+def test_instance_created_before_apply_follows_patch_unpatch_repatch(world: Any, patch_layer: PatchLayer) -> None:
     conn_cls, runner_cls = type(world.connector), type(world.runner)
     original = vars(conn_cls)["recv_attn_output"]
     reference, streams = run_traced(world)
     assert streams == set()  # nothing of ours ran
     for _ in range(2):  # patch, unpatch, re-patch, unpatch
-        layer.engine.apply(config=CFG)
+        patch_layer.engine.apply(config=CFG)
         assert vars(conn_cls)["recv_attn_output"] is original  # routed per step, never wrapped
-        assert layer.engine.is_ours(vars(runner_cls)["_ffn_forward"])
+        assert patch_layer.engine.is_ours(vars(runner_cls)["_ffn_forward"])
         assert "recv_attn_output" not in vars(world.connector)
         out, streams = run_traced(world)
         assert_same(out, reference)
         assert {"K0", "K1"} <= streams  # the overlap engaged: side streams ran
         assert "recv_attn_output" not in vars(world.connector)  # the step's route is gone
-        assert layer.engine.unpatch() is True
+        assert patch_layer.engine.unpatch() is True
         assert vars(conn_cls)["recv_attn_output"] is original
-        assert not layer.engine.is_ours(vars(runner_cls)["_ffn_forward"])
+        assert not patch_layer.engine.is_ours(vars(runner_cls)["_ffn_forward"])
         out, streams = run_traced(world)
         assert_same(out, reference)
         assert streams == set()
@@ -226,11 +228,11 @@ def test_instance_created_before_apply_follows_patch_unpatch_repatch(world: Any,
 # ---------------------------------------------------------------------------
 # foreign wrappers
 def test_third_party_wrapt_wrapper_on_the_connector_while_applied_is_called_and_survives_unpatch(
-    world: Any, layer: Layer
+    world: Any, patch_layer: PatchLayer
 ) -> None:
     conn_cls = type(world.connector)
     reference, _ = run_traced(world)
-    layer.engine.apply(config=CFG)
+    patch_layer.engine.apply(config=CFG)
     original = vars(conn_cls)["send_ffn_output"]
     calls: list[Any] = []
 
@@ -244,10 +246,10 @@ def test_third_party_wrapt_wrapper_on_the_connector_while_applied_is_called_and_
     assert_same(out, reference)
     assert {"K0", "K1"} <= streams
     assert len(calls) == 2 * 2 and all(c is world.connector for c in calls)  # layers x stages
-    assert layer.engine.unpatch() is True
-    assert layer.engine.installer.stuck == []
+    assert patch_layer.engine.unpatch() is True
+    assert patch_layer.engine.installer.stuck == []
     assert vars(conn_cls)["send_ffn_output"] is handle and handle.__wrapped__ is original
-    assert count_our_wrappers(handle, layer.engine) == 0
+    assert count_our_wrappers(handle, patch_layer.engine) == 0
     out, streams = run_traced(world)
     assert_same(out, reference)
     assert streams == set()
@@ -256,7 +258,9 @@ def test_third_party_wrapt_wrapper_on_the_connector_while_applied_is_called_and_
     assert vars(conn_cls)["send_ffn_output"] is original
 
 
-def test_third_party_wrapt_wrapper_on_the_connector_before_apply_stays_in_the_chain(world: Any, layer: Layer) -> None:
+def test_third_party_wrapt_wrapper_on_the_connector_before_apply_stays_in_the_chain(
+    world: Any, patch_layer: PatchLayer
+) -> None:
     cls = type(world.connector)
     reference, _ = run_traced(world)
     original = vars(cls)["recv_attn_output"]
@@ -268,12 +272,12 @@ def test_third_party_wrapt_wrapper_on_the_connector_before_apply_stays_in_the_ch
 
     handle = wrapt.wrap_function_wrapper(cls, "recv_attn_output", theirs)
     try:
-        layer.engine.apply(config=CFG)
+        patch_layer.engine.apply(config=CFG)
         assert vars(cls)["recv_attn_output"] is handle and handle.__wrapped__ is original
         out, streams = run_traced(world)
         assert_same(out, reference)
         assert {"K0", "K1"} <= streams and sorted(calls) == [0, 0, 1, 1]  # the prefetches went through theirs
-        assert layer.engine.unpatch() is True
+        assert patch_layer.engine.unpatch() is True
         assert vars(cls)["recv_attn_output"] is handle and handle.__wrapped__ is original
     finally:
         wrapt.unwrap_object(cls, "recv_attn_output", handle, missing_ok=True)
@@ -284,12 +288,12 @@ def test_non_wrapt_wrapper_on_top_is_a_clear_refusal_that_breaks_nothing(
     world: Any,
     logs: PackageLogs,
     capture: str,
-    layer: Layer,
+    patch_layer: PatchLayer,
 ) -> None:
     runner_cls = type(world.runner)
     original = vars(runner_cls)["_ffn_forward"]
     reference, _ = run_traced(world)
-    layer.engine.apply(config=CFG)
+    patch_layer.engine.apply(config=CFG)
     ours = vars(runner_cls)["_ffn_forward"]
     # Two ways a third party captures what it wraps: the raw __dict__ entry,
     # or ``Cls.method`` (a bound wrapt wrapper, not our handle itself).
@@ -302,60 +306,60 @@ def test_non_wrapt_wrapper_on_top_is_a_clear_refusal_that_breaks_nothing(
         return inner(self, *args, **kwargs) if capture == "class-attribute" else inner.__get__(self)(*args, **kwargs)
 
     runner_cls._ffn_forward = foreign
-    assert layer.engine.unpatch() is False
+    assert patch_layer.engine.unpatch() is False
     refusals = logs.matching(level=logging.ERROR)
     assert len(refusals) == 1
     assert "cannot remove our wrapper" in refusals[0].getMessage()
     assert "AFDNPUFFNModelRunner._ffn_forward" in refusals[0].getMessage()
-    assert [r.spec.qualname for r in layer.engine.installer.stuck] == ["AFDNPUFFNModelRunner._ffn_forward"]
-    assert not layer.engine.is_applied()
+    assert [r.spec.qualname for r in patch_layer.engine.installer.stuck] == ["AFDNPUFFNModelRunner._ffn_forward"]
+    assert not patch_layer.engine.is_applied()
     assert vars(runner_cls)["_ffn_forward"] is foreign
     # Still works: ours passes straight through (serial path, compute stream only).
     out, streams = run_traced(world)
     assert_same(out, reference)
     assert streams <= {"C"} and calls
     # The other targets were removed.
-    assert not layer.engine.is_ours(vars(type(world.connector))["recv_attn_output"])
+    assert not patch_layer.engine.is_ours(vars(type(world.connector))["recv_attn_output"])
 
     # Re-apply takes the stuck wrapper back instead of wrapping twice.
-    layer.engine.apply(config=CFG)
-    assert count_our_wrappers(vars(runner_cls)["_ffn_forward"], layer.engine) == 1
-    assert layer.engine.installer.stuck == []
-    assert engine_states(layer=layer)["_ffn_forward"] is TargetState.WRAPPED
+    patch_layer.engine.apply(config=CFG)
+    assert count_our_wrappers(vars(runner_cls)["_ffn_forward"], patch_layer.engine) == 1
+    assert patch_layer.engine.installer.stuck == []
+    assert engine_states(patch_layer=patch_layer)["_ffn_forward"] is TargetState.WRAPPED
     out, streams = run_traced(world)
     assert_same(out, reference)
     assert {"K0", "K1"} <= streams
 
     # Once the foreign wrapper is gone, unpatch restores the original exactly.
     runner_cls._ffn_forward = ours
-    assert layer.engine.unpatch() is True
+    assert patch_layer.engine.unpatch() is True
     assert vars(runner_cls)["_ffn_forward"] is original
-    assert layer.engine.installer.stuck == []
+    assert patch_layer.engine.installer.stuck == []
 
 
-def test_stuck_wrapper_is_removed_by_a_later_unpatch_once_unblocked(world: Any, layer: Layer) -> None:
+def test_stuck_wrapper_is_removed_by_a_later_unpatch_once_unblocked(world: Any, patch_layer: PatchLayer) -> None:
     runner_cls = type(world.runner)
     original = vars(runner_cls)["_ffn_forward"]
-    layer.engine.apply(config=CFG)
+    patch_layer.engine.apply(config=CFG)
     ours = vars(runner_cls)["_ffn_forward"]
     runner_cls._ffn_forward = functools.wraps(ours)(lambda self, *a, **k: ours.__get__(self)(*a, **k))
-    assert layer.engine.unpatch() is False and len(layer.engine.installer.stuck) == 1
+    assert patch_layer.engine.unpatch() is False and len(patch_layer.engine.installer.stuck) == 1
     runner_cls._ffn_forward = ours  # the third party went away
-    assert layer.engine.unpatch() is True
-    assert layer.engine.installer.stuck == [] and vars(runner_cls)["_ffn_forward"] is original
+    assert patch_layer.engine.unpatch() is True
+    assert patch_layer.engine.installer.stuck == [] and vars(runner_cls)["_ffn_forward"] is original
 
 
-def test_attribute_replaced_wholesale_is_left_alone(layer: Layer) -> None:
+def test_attribute_replaced_wholesale_is_left_alone(patch_layer: PatchLayer) -> None:
     cls = import_targets()["CAMP2pAFDConnector"]
-    layer.engine.apply(config=CFG)
+    patch_layer.engine.apply(config=CFG)
 
     def replacement(self: Any, ffn_output: Any, context: Any, **kwargs: Any) -> None:
         return None
 
     cls.send_ffn_output = replacement
-    assert layer.engine.unpatch() is True
+    assert patch_layer.engine.unpatch() is True
     assert vars(cls)["send_ffn_output"] is replacement
-    assert layer.engine.installer.stuck == []
+    assert patch_layer.engine.installer.stuck == []
 
 
 # ---------------------------------------------------------------------------
@@ -400,20 +404,20 @@ VARIANTS = {
 
 @pytest.mark.parametrize("when", ["imported-before-apply", "imported-after-apply"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_changed_or_missing_target_refuses_that_module_only(variant: str, when: str, layer: Layer) -> None:
+def test_changed_or_missing_target_refuses_that_module_only(variant: str, when: str, patch_layer: PatchLayer) -> None:
     modname, old, new, culprit, why = VARIANTS[variant]
     other = CONNECTOR if modname == RUNNER else RUNNER
     if when == "imported-after-apply":
         standins.install()
-        layer.engine.apply(config=CFG)
+        patch_layer.engine.apply(config=CFG)
     module = _variant_module(modname, old, new)
     snap = {n: dict(vars(c)) for n, c in vars(module).items() if isinstance(c, type) and c.__module__ == modname}
     funcs = {n: f for n, f in vars(module).items() if callable(f)}
     if when == "imported-before-apply":
-        report = layer.engine.apply(config=CFG)
+        report = patch_layer.engine.apply(config=CFG)
     else:
         wrapt.notify_module_loaded(module)  # what the import system does for a real import
-        report = layer.engine.status()
+        report = patch_layer.engine.status()
     try:
         assert report.applied
         refused = {t.target: t.reason for t in report.refused}
@@ -427,40 +431,40 @@ def test_changed_or_missing_target_refuses_that_module_only(variant: str, when: 
             assert now.keys() == entries.keys()
             assert all(now[k] is v for k, v in entries.items()), n
         assert all(vars(module)[n] is f for n, f in funcs.items())
-        assert not layer.engine.status().engaged
+        assert not patch_layer.engine.status().engaged
         # The other module is still wrapped when it is imported.
         importlib.import_module(other)
-        other_states = {t.target: t.state for t in layer.engine.status().targets if t.target.startswith(other)}
+        other_states = {t.target: t.state for t in patch_layer.engine.status().targets if t.target.startswith(other)}
         assert set(other_states.values()) <= {TargetState.WRAPPED, TargetState.CHECKED}
-        assert culprit in str(layer.engine.status())
+        assert culprit in str(patch_layer.engine.status())
     finally:
-        layer.engine.unpatch()
+        patch_layer.engine.unpatch()
         sys.modules.pop(modname, None)
 
 
-def test_strict_refusal_raises_and_leaves_nothing_wrapped(layer: Layer) -> None:
+def test_strict_refusal_raises_and_leaves_nothing_wrapped(patch_layer: PatchLayer) -> None:
     module = _variant_module(CONNECTOR, *VARIANTS["recv-lost-kwargs"][1:3])
     try:
         runner_cls = import_targets()["AFDNPUFFNModelRunner"]
         before = dict(vars(runner_cls))
         with pytest.raises(PatchRefused, match="recv_attn_output"):
-            layer.engine.apply(config=CFG, strict=True)
-        assert not layer.engine.is_applied()
+            patch_layer.engine.apply(config=CFG, strict=True)
+        assert not patch_layer.engine.is_applied()
         assert all(vars(runner_cls)[k] is v for k, v in before.items())
-        assert not layer.engine.is_ours(vars(module.CAMP2pAFDConnector)["send_ffn_output"])
+        assert not patch_layer.engine.is_ours(vars(module.CAMP2pAFDConnector)["send_ffn_output"])
     finally:
         sys.modules.pop(CONNECTOR, None)
 
 
-def test_missing_class_refuses_module(layer: Layer) -> None:
+def test_missing_class_refuses_module(patch_layer: PatchLayer) -> None:
     standins.install()
-    layer.engine.apply(config=CFG)
+    patch_layer.engine.apply(config=CFG)
     module = types.ModuleType(CONNECTOR)
     module.SomethingElse = type("SomethingElse", (), {})
     sys.modules[CONNECTOR] = module
     try:
         wrapt.notify_module_loaded(module)
-        reasons = {t.target.rsplit(".", 1)[-1]: t.reason for t in layer.engine.status().refused}
+        reasons = {t.target.rsplit(".", 1)[-1]: t.reason for t in patch_layer.engine.status().refused}
         assert set(reasons) == {"recv_attn_output", "send_ffn_output"}
         assert "'CAMP2pAFDConnector' not found" in reasons["recv_attn_output"]
     finally:
@@ -473,12 +477,12 @@ SYNTHETIC_SOURCE = (SUPPORT / "synthetic_targets.py").read_text(encoding="utf-8"
 
 
 @pytest.fixture
-def synthetic(layer: Layer) -> Iterator[tuple[str, types.ModuleType]]:
+def synthetic(patch_layer: PatchLayer) -> Iterator[tuple[str, types.ModuleType]]:
     name = f"camp2p_synthetic_{uuid.uuid4().hex[:8]}"
     module = types.ModuleType(name)
     exec(compile(SYNTHETIC_SOURCE, f"<{name}>", "exec"), module.__dict__)
     yield name, module
-    layer.engine.unpatch()
+    patch_layer.engine.unpatch()
     sys.modules.pop(name, None)
 
 
@@ -486,7 +490,7 @@ def synthetic(layer: Layer) -> Iterator[tuple[str, types.ModuleType]]:
 def test_synthetic_static_and_class_methods_wrapped_and_restored_exactly(
     synthetic: tuple[str, types.ModuleType],
     when: str,
-    layer: Layer,
+    patch_layer: PatchLayer,
 ) -> None:
     name, module = synthetic
     man = synthetic_manifest(name, [("Target.static", None), ("Target.klass", "cls"), ("Target.plain", "self")])
@@ -495,23 +499,23 @@ def test_synthetic_static_and_class_methods_wrapped_and_restored_exactly(
     assert isinstance(snap["static"], staticmethod) and isinstance(snap["klass"], classmethod)
     if when == "imported-before-apply":
         sys.modules[name] = module
-        layer.engine.apply(config=CFG, manifest=man, strict=True)
+        patch_layer.engine.apply(config=CFG, manifest=man, strict=True)
     else:
-        layer.engine.apply(config=CFG, manifest=man, strict=True)
-        assert {t.state for t in layer.engine.status().targets} == {TargetState.NOT_IMPORTED}
+        patch_layer.engine.apply(config=CFG, manifest=man, strict=True)
+        assert {t.state for t in patch_layer.engine.status().targets} == {TargetState.NOT_IMPORTED}
         sys.modules[name] = module
         wrapt.notify_module_loaded(module)
-    assert {t.state for t in layer.engine.status().targets} == {TargetState.WRAPPED}
+    assert {t.state for t in patch_layer.engine.status().targets} == {TargetState.WRAPPED}
     for attr in ("static", "klass", "plain"):
         entry = vars(target)[attr]
-        assert layer.engine.is_ours(entry) and count_our_wrappers(entry, layer.engine) == 1
+        assert patch_layer.engine.is_ours(entry) and count_our_wrappers(entry, patch_layer.engine) == 1
         assert entry.__wrapped__ is snap[attr]  # the raw descriptor is what we wrapped
     assert vars(sub).keys() == sub_snap.keys()  # nothing on the subclass
     # Behaviour unchanged through every access path.
     assert target.static(3) == ("static", 3) and target().static(ubatch_idx=4) == ("static", 4)
     assert target.klass(5) == ("klass", "Target", 5) and sub.klass(6) == ("klass", "Sub", 6)
     assert sub().klass(7) == ("klass", "Sub", 7) and sub().plain(8) == ("plain", 8)
-    assert layer.engine.unpatch() is True
+    assert patch_layer.engine.unpatch() is True
     assert dict(vars(target)).keys() == snap.keys()
     assert all(vars(target)[k] is v for k, v in snap.items())
     assert dict(vars(sub)) == sub_snap
@@ -520,38 +524,40 @@ def test_synthetic_static_and_class_methods_wrapped_and_restored_exactly(
 
 def test_synthetic_module_function_is_wrapped_without_an_instance_and_restored(
     synthetic: tuple[str, types.ModuleType],
-    layer: Layer,
+    patch_layer: PatchLayer,
 ) -> None:
     name, module = synthetic
     raw = vars(module)["free"]
     sys.modules[name] = module
-    layer.engine.apply(config=CFG, manifest=synthetic_manifest(name, [("free", None)]), strict=True)
-    assert {t.state for t in layer.engine.status().targets} == {TargetState.WRAPPED}
+    patch_layer.engine.apply(config=CFG, manifest=synthetic_manifest(name, [("free", None)]), strict=True)
+    assert {t.state for t in patch_layer.engine.status().targets} == {TargetState.WRAPPED}
     entry = vars(module)["free"]
-    assert layer.engine.is_ours(entry) and entry.__wrapped__ is raw
+    assert patch_layer.engine.is_ours(entry) and entry.__wrapped__ is raw
     assert module.free(ubatch_idx=3) == ("free", 3) and module.free(4) == ("free", 4)
-    assert layer.engine.unpatch() is True
+    assert patch_layer.engine.unpatch() is True
     assert vars(module)["free"] is raw
 
 
 def test_synthetic_inherited_method_is_refused_and_module_untouched(
-    synthetic: tuple[str, types.ModuleType], layer: Layer
+    synthetic: tuple[str, types.ModuleType], patch_layer: PatchLayer
 ) -> None:
     name, module = synthetic
     man = synthetic_manifest(name, [("Target.static", None), ("Target.inherited", "self")])
     snap, base_snap = dict(vars(module.Target)), dict(vars(module.Base))
     sys.modules[name] = module
-    report = layer.engine.apply(config=CFG, manifest=man)
+    report = patch_layer.engine.apply(config=CFG, manifest=man)
     reasons = {t.target.rsplit(".", 1)[-1]: t.reason for t in report.refused}
     assert set(reasons) == {"static", "inherited"}
     assert "only inherited" in reasons["inherited"]
     assert "Target.inherited" in reasons["static"]
     assert dict(vars(module.Target)) == snap and all(vars(module.Target)[k] is v for k, v in snap.items())
     assert dict(vars(module.Base)) == base_snap
-    assert layer.engine.installer.records == {}
+    assert patch_layer.engine.installer.records == {}
 
 
-def test_wrapping_failure_half_way_rolls_the_module_back(synthetic: tuple[str, types.ModuleType], layer: Layer) -> None:
+def test_wrapping_failure_half_way_rolls_the_module_back(
+    synthetic: tuple[str, types.ModuleType], patch_layer: PatchLayer
+) -> None:
     name, module = synthetic
 
     class ReadOnlySecond(type):
@@ -570,33 +576,33 @@ def test_wrapping_failure_half_way_rolls_the_module_back(synthetic: tuple[str, t
     snap = dict(vars(module.Guarded))
     man = synthetic_manifest(name, [("Guarded.first", "self"), ("Guarded.second", "self")])
     sys.modules[name] = module
-    report = layer.engine.apply(config=CFG, manifest=man)
+    report = patch_layer.engine.apply(config=CFG, manifest=man)
     reasons = {t.target.rsplit(".", 1)[-1]: t.reason for t in report.refused}
     assert set(reasons) == {"first", "second"}
     assert "wrapping failed: TypeError: second is read-only" in reasons["second"]
     assert dict(vars(module.Guarded)).keys() == snap.keys()
     assert all(vars(module.Guarded)[k] is v for k, v in snap.items())  # 'first' was unwrapped again
-    assert layer.engine.installer.records == {} and layer.engine.installer.stuck == []
+    assert patch_layer.engine.installer.records == {} and patch_layer.engine.installer.stuck == []
     with pytest.raises(PatchRefused, match="second is read-only"):
-        layer.engine.unpatch()
-        layer.engine.apply(config=CFG, manifest=man, strict=True)
+        patch_layer.engine.unpatch()
+        patch_layer.engine.apply(config=CFG, manifest=man, strict=True)
     assert vars(module.Guarded)["first"] is snap["first"]
 
 
 # ---------------------------------------------------------------------------
 # the one log line and the report
-def test_one_log_line_when_every_target_is_settled(logs: PackageLogs, layer: Layer) -> None:
+def test_one_log_line_when_every_target_is_settled(logs: PackageLogs, patch_layer: PatchLayer) -> None:
     import os
 
     standins.install()
-    layer.engine.apply(config=CFG)
-    layer.engine.apply(config=CFG)
+    patch_layer.engine.apply(config=CFG)
+    patch_layer.engine.apply(config=CFG)
     assert logs.matching("pid=") == []  # nothing settled yet
     importlib.import_module(RUNNER)
     assert logs.matching("pid=") == []  # one module still to come
     importlib.import_module(CONNECTOR)
-    layer.engine.apply(config=CFG)
-    layer.engine.status()
+    patch_layer.engine.apply(config=CFG)
+    patch_layer.engine.status()
     lines = logs.matching("pid=")
     assert len(lines) == 1
     msg = lines[0].getMessage()
@@ -610,12 +616,12 @@ def test_one_log_line_when_every_target_is_settled(logs: PackageLogs, layer: Lay
     assert "_ffn_layer_indices=checked" in msg
 
 
-def test_one_log_line_on_refusal(logs: PackageLogs, layer: Layer) -> None:
+def test_one_log_line_on_refusal(logs: PackageLogs, patch_layer: PatchLayer) -> None:
     _variant_module(CONNECTOR, *VARIANTS["recv-lost-kwargs"][1:3])
     try:
-        layer.engine.apply(config=CFG)
+        patch_layer.engine.apply(config=CFG)
         importlib.import_module(RUNNER)
-        layer.engine.status()
+        patch_layer.engine.status()
         lines = logs.matching("pid=")
         assert len(lines) == 1 and lines[0].levelno == logging.WARNING
         msg = lines[0].getMessage()
@@ -624,9 +630,9 @@ def test_one_log_line_on_refusal(logs: PackageLogs, layer: Layer) -> None:
         sys.modules.pop(CONNECTOR, None)
 
 
-def test_report_serialises_every_target(layer: Layer) -> None:
+def test_report_serialises_every_target(patch_layer: PatchLayer) -> None:
     import_targets()
-    report = layer.engine.apply(config=CFG)
+    report = patch_layer.engine.apply(config=CFG)
     d = report.to_dict()
     assert d["applied"] is True and d["engaged"] is True and d["stack"] == "vllm-0.19.1"
     assert d["vllm_version"] == "0.19.1" and d["wrapt_version"] == wrapt.__version__

@@ -46,8 +46,8 @@ from support.patching import (
     synthetic_manifest,
 )
 
-from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.overlap.connector_routes import is_router
+from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.core.patching.status_report import TargetState
 from camp2p_overlap.emulation import device as emulated_device
 from camp2p_overlap.emulation import standins
@@ -183,9 +183,9 @@ def _child(q: Any, env: dict[str, str], ref: dict, step: int) -> None:
         os.environ.update(env)
         torch.set_num_threads(1)
         from camp2p_overlap.core import plugin
-        from camp2p_overlap.core.layer import LAYER
+        from camp2p_overlap.core.patch_layer import PATCH_LAYER
 
-        engine = LAYER.engine
+        engine = PATCH_LAYER.engine
         from camp2p_overlap.emulation.moe import MoEShape
         from camp2p_overlap.emulation.world import WorldSpec, build_world
 
@@ -236,7 +236,7 @@ def test_entry_point_in_forked_and_spawned_children_patches_exactly_once(make_wo
     w = make_world(layers=3, stage_ids=(0, 1), tokens=8)
     ref = _serial_refs(w, range(7, 8))[7]
     # The parent is patched and has imported the targets (fork children inherit it).
-    assert LAYER.engine.apply(config=CFG, strict=True).engaged
+    assert PATCH_LAYER.engine.apply(config=CFG, strict=True).engaged
     env = {"VLLM_CAMP2P_MULTISTREAM": "1", "VLLM_CAMP2P_MULTISTREAM_BACKEND": "cpu"}
     ctx = mp.get_context(method)
     q = ctx.Queue()
@@ -259,7 +259,7 @@ def test_entry_point_in_forked_and_spawned_children_patches_exactly_once(make_wo
     assert res["unpatched"] is True
     assert p.exitcode == 0
     # The parent is unaffected by what the child did.
-    assert LAYER.engine.status().engaged
+    assert PATCH_LAYER.engine.status().engaged
     assert all(count_our_wrappers(v) == 1 for v in raw_targets().values())
 
 
@@ -278,10 +278,10 @@ def test_concurrent_apply_and_unpatch_leave_a_consistent_state(make_world: Any) 
             barrier.wait(timeout=10)
             for j in range(30):
                 if (i + j) % 3:
-                    LAYER.engine.apply(config=CFG)
+                    PATCH_LAYER.engine.apply(config=CFG)
                 else:
-                    LAYER.engine.unpatch(timeout=10)
-                LAYER.engine.status()
+                    PATCH_LAYER.engine.unpatch(timeout=10)
+                PATCH_LAYER.engine.status()
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -294,12 +294,12 @@ def test_concurrent_apply_and_unpatch_leave_a_consistent_state(make_world: Any) 
         assert not any(t.is_alive() for t in threads), "apply/unpatch threads hung"
         assert errors == []
         if final == "applied":
-            LAYER.engine.apply(config=CFG)
+            PATCH_LAYER.engine.apply(config=CFG)
         else:
-            LAYER.engine.unpatch()
-        if LAYER.engine.is_applied():
+            PATCH_LAYER.engine.unpatch()
+        if PATCH_LAYER.engine.is_applied():
             assert_wrapped_once()
-            assert LAYER.engine.status().engaged
+            assert PATCH_LAYER.engine.status().engaged
             _, streams = run_traced(world)
             assert {"K0", "K1"} <= streams
         else:
@@ -307,10 +307,10 @@ def test_concurrent_apply_and_unpatch_leave_a_consistent_state(make_world: Any) 
                 assert vars(cls[c])[a] is original
             for n, c in cls.items():
                 assert all(vars(c)[k] is v for k, v in snap[n].items())
-        assert LAYER.engine.installer.stuck == []
-        # Either way the layer is in one of the two whole states.
-        wrapped = [LAYER.engine.is_ours(vars(cls[c])[a]) for _, c, a in WRAPPED]
-        assert all(wrapped) == LAYER.engine.is_applied() and any(wrapped) == LAYER.engine.is_applied()
+        assert PATCH_LAYER.engine.installer.stuck == []
+        # Either way the patch layer is in one of the two whole states.
+        wrapped = [PATCH_LAYER.engine.is_ours(vars(cls[c])[a]) for _, c, a in WRAPPED]
+        assert all(wrapped) == PATCH_LAYER.engine.is_applied() and any(wrapped) == PATCH_LAYER.engine.is_applied()
 
 
 def test_apply_while_another_thread_is_importing_the_target(tmp_path: Any, monkeypatch: Any) -> None:
@@ -333,12 +333,12 @@ def test_apply_while_another_thread_is_importing_the_target(tmp_path: Any, monke
             ev_go.clear()
             sys.modules.pop(name, None)
             if hook_first:  # a hook from an earlier apply() is pending
-                LAYER.engine.apply(config=CFG, manifest=man)
-                LAYER.engine.unpatch()
+                PATCH_LAYER.engine.apply(config=CFG, manifest=man)
+                PATCH_LAYER.engine.unpatch()
             importer = threading.Thread(target=lambda: result.append(importlib.import_module(name)), daemon=True)
             importer.start()
             assert ev_started.wait(10)
-            report = LAYER.engine.apply(config=CFG, manifest=man)
+            report = PATCH_LAYER.engine.apply(config=CFG, manifest=man)
             assert report.refused == ()
             assert {t.state for t in report.targets} == {TargetState.NOT_IMPORTED}
             ev_go.set()
@@ -347,17 +347,17 @@ def test_apply_while_another_thread_is_importing_the_target(tmp_path: Any, monke
             if not hook_first:
                 # No hook saw the import. status() only reads (and says so);
                 # refresh() is the explicit step that wraps the module.
-                seen = LAYER.engine.status().targets
+                seen = PATCH_LAYER.engine.status().targets
                 assert {t.state for t in seen} == {TargetState.NOT_IMPORTED}
                 assert all("imported while apply() ran" in t.reason for t in seen)
                 assert count_our_wrappers(vars(result[0].Target)["plain"]) == 0
-                LAYER.engine.refresh()
-            assert {t.state for t in LAYER.engine.status().targets} == {TargetState.WRAPPED}
+                PATCH_LAYER.engine.refresh()
+            assert {t.state for t in PATCH_LAYER.engine.status().targets} == {TargetState.WRAPPED}
             assert count_our_wrappers(vars(result[0].Target)["plain"]) == 1
-            assert LAYER.engine.unpatch() is True
+            assert PATCH_LAYER.engine.unpatch() is True
     finally:
         ev_go.set()
-        LAYER.engine.unpatch()
+        PATCH_LAYER.engine.unpatch()
         sys.modules.pop(name, None)
         sys.modules.pop(gate, None)
 
@@ -396,7 +396,7 @@ class CommThreads:
 
 
 def _serial_refs(world: World, steps: range) -> dict[int, dict]:
-    assert not LAYER.engine.is_applied()
+    assert not PATCH_LAYER.engine.is_applied()
     refs = {}
     for n in steps:
         out = run_step_bounded(world, n, STEP_BOUND_S)
@@ -446,9 +446,9 @@ def test_apply_unpatch_storm_while_steps_run(make_world) -> None:
         try:
             while not stop.is_set():
                 if rng.random() < 0.5:
-                    LAYER.engine.apply(config=CFG)
+                    PATCH_LAYER.engine.apply(config=CFG)
                 else:
-                    unpatch_results.append(LAYER.engine.unpatch(timeout=10))
+                    unpatch_results.append(PATCH_LAYER.engine.unpatch(timeout=10))
                 time.sleep(rng.uniform(0, 0.004))
         except BaseException:  # noqa: BLE001 - reported below
             errors.append(traceback.format_exc())
@@ -494,11 +494,11 @@ def test_apply_unpatch_storm_while_steps_run(make_world) -> None:
 
     # Whatever state the storm left: consistent. Applied means each target
     # carries exactly one of our wrappers; after unpatch, the exact originals.
-    if LAYER.engine.is_applied():
-        assert LAYER.engine.status().engaged
+    if PATCH_LAYER.engine.is_applied():
+        assert PATCH_LAYER.engine.status().engaged
         for key, obj in raw_targets().items():
             assert count_our_wrappers(obj) == 1, key
-    assert LAYER.engine.unpatch(timeout=10)
+    assert PATCH_LAYER.engine.unpatch(timeout=10)
     assert raw_targets() == originals and all(raw_targets()[k] is originals[k] for k in originals)
     assert not [t for t in threading.enumerate() if t.name.startswith("camp2p-overlap-stream-")]
 
@@ -508,7 +508,7 @@ def test_unpatch_waits_for_the_active_step_and_new_steps_run_original(make_world
     other = make_world(layers=2, stage_ids=(0, 1), tokens=8, seed=5)
     ref = _serial_refs(w, range(4, 5))[4]
     ref_other = _serial_refs(other, range(6, 7))[6]
-    assert LAYER.engine.apply(config=CFG, strict=True).engaged
+    assert PATCH_LAYER.engine.apply(config=CFG, strict=True).engaged
     gate = Gate(w, layer=1, stage=0)
     events: list[str] = []
     box: dict[str, Any] = {}
@@ -518,8 +518,8 @@ def test_unpatch_waits_for_the_active_step_and_new_steps_run_original(make_world
         events.append("step done")
 
     def unpatch() -> None:
-        box["unpatch"] = LAYER.engine.unpatch(timeout=20)
-        box["running_when_unpatch_returned"] = LAYER.engine.gate.running()
+        box["unpatch"] = PATCH_LAYER.engine.unpatch(timeout=20)
+        box["running_when_unpatch_returned"] = PATCH_LAYER.engine.gate.running()
         events.append("unpatch returned")
 
     st = threading.Thread(target=step, name="stepper")
@@ -530,9 +530,9 @@ def test_unpatch_waits_for_the_active_step_and_new_steps_run_original(make_world
     # While unpatch() waits for the step, a new step (another runner, another
     # thread) runs the original code, with no side stream.
     deadline = time.monotonic() + 10
-    while not LAYER.engine.gate.draining and time.monotonic() < deadline:
+    while not PATCH_LAYER.engine.gate.draining and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert LAYER.engine.gate.draining and ut.is_alive() and LAYER.engine.is_applied()
+    assert PATCH_LAYER.engine.gate.draining and ut.is_alive() and PATCH_LAYER.engine.is_applied()
     comm = CommThreads(other)
     out_other = run_step_bounded(other, 6, STEP_BOUND_S)
     assert out_other.error is None
@@ -545,10 +545,10 @@ def test_unpatch_waits_for_the_active_step_and_new_steps_run_original(make_world
     # unpatch() was shown above to wait while the step was held; once the step
     # is released, which thread appends first is a race of this test's own
     # threads (unpatch may return between the wrapper's exit and the step
-    # thread's append), not of the layer.
+    # thread's append), not of the patch layer.
     assert sorted(events) == ["step done", "unpatch returned"]
     assert box["running_when_unpatch_returned"] == 0, "unpatch() returned while a wrapped step was running"
-    assert box["unpatch"] is True and not LAYER.engine.is_applied()
+    assert box["unpatch"] is True and not PATCH_LAYER.engine.is_applied()
     assert box["step"].error is None
     assert_same(box["step"].results, ref)
 
@@ -556,33 +556,33 @@ def test_unpatch_waits_for_the_active_step_and_new_steps_run_original(make_world
 def test_unpatch_timeout_refuses_cleanly_and_leaves_the_layer_working(make_world, logs) -> None:
     w = make_world(layers=3, stage_ids=(0, 1), tokens=8)
     refs = _serial_refs(w, range(2, 4))
-    assert LAYER.engine.apply(config=CFG, strict=True).engaged
+    assert PATCH_LAYER.engine.apply(config=CFG, strict=True).engaged
     wrapped_before = raw_targets()
     gate = Gate(w, layer=0, stage=1)
     box: dict[str, Any] = {}
     st = threading.Thread(target=lambda: box.setdefault("out", run_step_bounded(w, 2, STEP_BOUND_S)))
     st.start()
     assert gate.entered.wait(STEP_BOUND_S)
-    assert LAYER.engine.unpatch(timeout=0.2) is False
+    assert PATCH_LAYER.engine.unpatch(timeout=0.2) is False
     assert any("unpatch() refused: 1 step(s) still running after 0.2 s" in m for m in logs.messages), logs.messages
-    assert LAYER.engine.is_applied() and not LAYER.engine.gate.draining
-    assert LAYER.engine.status().engaged
+    assert PATCH_LAYER.engine.is_applied() and not PATCH_LAYER.engine.gate.draining
+    assert PATCH_LAYER.engine.status().engaged
     assert all(raw_targets()[k] is wrapped_before[k] for k in wrapped_before)
     gate.release.set()
     st.join(STEP_BOUND_S)
     assert box["out"].error is None
     assert_same(box["out"].results, refs[2])
-    # The layer still engages on the next step.
+    # The patch layer still engages on the next step.
     comm = CommThreads(w)
     nxt = run_step_bounded(w, 3, STEP_BOUND_S)
     assert nxt.error is None
     assert_same(nxt.results, refs[3])
     assert comm.mode(3, "camp2p-test-step-3") == "wrapped"
-    assert LAYER.engine.unpatch(timeout=10) is True
+    assert PATCH_LAYER.engine.unpatch(timeout=10) is True
 
 
-def test_unpatch_refuses_while_a_step_waits_in_the_connectors_receive(make_world, layer) -> None:
-    """A step of a layer of the test's own, held inside the connector's
+def test_unpatch_refuses_while_a_step_waits_in_the_connectors_receive(make_world, patch_layer) -> None:
+    """A step of a patch layer of the test's own, held inside the connector's
     receive (an A2E waiting on an Event) on another thread: unpatch(timeout=0.2)
     returns False and leaves the wrappers and the step's connector routes in
     place; once the receive is released the step ends bitwise and unpatch()
@@ -591,18 +591,18 @@ def test_unpatch_refuses_while_a_step_waits_in_the_connectors_receive(make_world
     ref = _serial_refs(w, range(2, 3))[2]
     routed = [a for _, _, a in ROUTED]
     plain = raw_targets()
-    assert layer.engine.apply(config=CFG, strict=True).engaged
+    assert patch_layer.engine.apply(config=CFG, strict=True).engaged
     wrapped = raw_targets()
-    assert all(layer.engine.is_ours(v) for v in wrapped.values())
+    assert all(patch_layer.engine.is_ours(v) for v in wrapped.values())
     gate = Gate(w, layer=1, stage=1, kind="a2e")
     box: dict[str, Any] = {}
     st = threading.Thread(target=lambda: box.setdefault("out", run_step_bounded(w, 2, STEP_BOUND_S)))
     st.start()
     try:
         assert gate.entered.wait(STEP_BOUND_S), "the step never reached the receive"
-        assert layer.engine.gate.running() == 1
-        assert layer.engine.unpatch(timeout=0.2) is False
-        assert layer.engine.is_applied() and not layer.engine.gate.draining
+        assert patch_layer.engine.gate.running() == 1
+        assert patch_layer.engine.unpatch(timeout=0.2) is False
+        assert patch_layer.engine.is_applied() and not patch_layer.engine.gate.draining
         assert all(raw_targets()[k] is wrapped[k] for k in wrapped), "a wrapper went while the step ran"
         assert all(is_router(vars(w.connector).get(a)) for a in routed), "the step's routes went while it ran"
     finally:
@@ -610,7 +610,7 @@ def test_unpatch_refuses_while_a_step_waits_in_the_connectors_receive(make_world
         st.join(STEP_BOUND_S)
     assert box["out"].error is None and not box["out"].hung
     assert_same(box["out"].results, ref)
-    assert layer.engine.unpatch(timeout=10) is True
+    assert patch_layer.engine.unpatch(timeout=10) is True
     assert all(raw_targets()[k] is plain[k] for k in plain)
     assert not set(routed) & set(vars(w.connector)), "a route of ours is left on the connector instance"
 
@@ -619,14 +619,14 @@ def test_unpatch_refuses_while_a_step_waits_in_the_connectors_receive(make_world
 def test_unpatch_from_inside_a_step_on_the_same_thread_refuses(make_world, logs, stages) -> None:
     w = make_world(layers=3, stage_ids=stages, tokens=8)
     ref = _serial_refs(w, range(5, 6))[5]
-    assert LAYER.engine.apply(config=CFG, strict=True).engaged
+    assert PATCH_LAYER.engine.apply(config=CFG, strict=True).engaged
     inner = w.runner.model
     calls: list[bool] = []
 
     class Model:
         def compute_ffn_output(self, *, hidden_states: Any, layer_idx: int) -> Any:
             if layer_idx == 1 and not calls:
-                calls.append(LAYER.engine.unpatch(timeout=1))
+                calls.append(PATCH_LAYER.engine.unpatch(timeout=1))
             return inner.compute_ffn_output(hidden_states=hidden_states, layer_idx=layer_idx)
 
     w.runner.model = Model()
@@ -637,8 +637,8 @@ def test_unpatch_from_inside_a_step_on_the_same_thread_refuses(make_world, logs,
     assert out.error is None
     assert_same(out.results, ref)
     assert comm.mode(5, "camp2p-test-step-5") == ("wrapped" if len(stages) > 1 else "original")
-    assert LAYER.engine.is_applied()
-    assert LAYER.engine.unpatch(timeout=10) is True
+    assert PATCH_LAYER.engine.is_applied()
+    assert PATCH_LAYER.engine.unpatch(timeout=10) is True
 
 
 # ---------------------------------------------------------------------------
@@ -656,9 +656,9 @@ def test_reload_of_the_runner_module(make_world) -> None:
     runner_mod = w_old.modules[0]
     old_cls = runner_mod.AFDNPUFFNModelRunner
     old_raw = vars(old_cls)["_ffn_forward"]
-    assert LAYER.engine.apply(config=CFG, strict=True).engaged
+    assert PATCH_LAYER.engine.apply(config=CFG, strict=True).engaged
     assert count_our_wrappers(vars(old_cls)["_ffn_forward"]) == 1
-    assert LAYER.engine.unready is None
+    assert PATCH_LAYER.engine.unready is None
 
     importlib.reload(runner_mod)
     new_cls = runner_mod.AFDNPUFFNModelRunner
@@ -666,7 +666,7 @@ def test_reload_of_the_runner_module(make_world) -> None:
     assert count_our_wrappers(vars(new_cls)["_ffn_forward"]) == 1  # wrapped as the reload ended
     new_raw = vars(new_cls)["_ffn_forward"].__wrapped__
     assert vars(old_cls)["_ffn_forward"] is old_raw  # the old class got its original back
-    assert LAYER.engine.unready is None and LAYER.engine.status().engaged
+    assert PATCH_LAYER.engine.unready is None and PATCH_LAYER.engine.status().engaged
 
     w_new = make_world(layers=2, stage_ids=(0, 1), tokens=8)
     assert type(w_new.runner) is new_cls
@@ -683,7 +683,7 @@ def test_reload_of_the_runner_module(make_world) -> None:
     assert_same(out.results, refs[3])
     assert comm_old.mode(3, "camp2p-test-step-3") == "original"
 
-    assert LAYER.engine.unpatch(timeout=10)
+    assert PATCH_LAYER.engine.unpatch(timeout=10)
     assert vars(new_cls)["_ffn_forward"] is new_raw
     assert vars(old_cls)["_ffn_forward"] is old_raw
 
@@ -697,16 +697,16 @@ def test_a_reload_no_hook_saw_is_reported_and_refresh_wraps_it(make_world, monke
 
     w_old = make_world(layers=2, stage_ids=(0, 1), tokens=8)
     runner_mod = w_old.modules[0]
-    assert LAYER.engine.apply(config=CFG, strict=True).engaged
+    assert PATCH_LAYER.engine.apply(config=CFG, strict=True).engaged
     monkeypatch.setattr(reexec_watch.REEXEC_WATCH, "_notify", lambda module: None)
     importlib.reload(runner_mod)
     new_cls = runner_mod.AFDNPUFFNModelRunner
     assert count_our_wrappers(vars(new_cls)["_ffn_forward"]) == 0  # no hook saw it
-    stale = LAYER.engine.status()
+    stale = PATCH_LAYER.engine.status()
     assert not stale.engaged and "module reloaded since it was wrapped" in str(stale)
     assert count_our_wrappers(vars(new_cls)["_ffn_forward"]) == 0
-    LAYER.engine.refresh()
-    assert LAYER.engine.status().engaged and LAYER.engine.unready is None
+    PATCH_LAYER.engine.refresh()
+    assert PATCH_LAYER.engine.status().engaged and PATCH_LAYER.engine.unready is None
     assert count_our_wrappers(vars(new_cls)["_ffn_forward"]) == 1
 
 
@@ -720,15 +720,15 @@ def test_reimport_of_the_target_modules(make_world) -> None:
     refs = _serial_refs(w1, range(1, 3))
     first_raw = raw_targets()
     first_owners = {(cls, attr): getattr(importlib.import_module(mod), cls) for mod, cls, attr in WRAPPED}
-    assert LAYER.engine.apply(config=CFG, strict=True).engaged
+    assert PATCH_LAYER.engine.apply(config=CFG, strict=True).engaged
     assert all(count_our_wrappers(v) == 1 for v in raw_targets().values())
     standins.uninstall(standins.REAL_ROOT)
     w2 = make_world(layers=2, stage_ids=(0, 2), tokens=8)  # imports the stand-ins again
     assert type(w2.runner) is not type(w1.runner)
     assert all(count_our_wrappers(v) == 1 for v in raw_targets().values())  # wrapped at the re-import
     fresh = {k: v.__wrapped__ for k, v in raw_targets().items()}
-    assert LAYER.engine.status().engaged and LAYER.engine.unready is None
-    assert LAYER.engine.apply(config=CFG, strict=True).engaged  # apply() again changes nothing
+    assert PATCH_LAYER.engine.status().engaged and PATCH_LAYER.engine.unready is None
+    assert PATCH_LAYER.engine.apply(config=CFG, strict=True).engaged  # apply() again changes nothing
     assert all(count_our_wrappers(v) == 1 for v in raw_targets().values())
     # The first import's classes got their exact originals back.
     assert all(vars(first_owners[k])[k[1]] is first_raw[k] for k in first_raw)
@@ -737,7 +737,7 @@ def test_reimport_of_the_target_modules(make_world) -> None:
     assert out.error is None
     assert_same(out.results, refs[1])
     assert comm.mode(1, "camp2p-test-step-1") == "wrapped"
-    assert LAYER.engine.unpatch(timeout=10)
+    assert PATCH_LAYER.engine.unpatch(timeout=10)
     after = raw_targets()
     assert all(after[k] is fresh[k] for k in fresh)
 
@@ -749,21 +749,23 @@ def test_a_ready_step_reads_the_ready_flag_and_walks_no_target(make_world, monke
     refreshes (and so wraps what a hook missed)."""
     w = make_world(layers=2, stage_ids=(0, 1), tokens=8)
     refs = _serial_refs(w, range(1, 4))
-    assert LAYER.engine.apply(config=CFG, strict=True).engaged
+    assert PATCH_LAYER.engine.apply(config=CFG, strict=True).engaged
     walks: list[int] = []
-    real = LAYER.engine.installer.needing_install
-    monkeypatch.setattr(LAYER.engine.installer, "needing_install", lambda *a, **k: walks.append(1) or real(*a, **k))
+    real = PATCH_LAYER.engine.installer.needing_install
+    monkeypatch.setattr(
+        PATCH_LAYER.engine.installer, "needing_install", lambda *a, **k: walks.append(1) or real(*a, **k)
+    )
     comm = CommThreads(w)
     out = run_step_bounded(w, 1, STEP_BOUND_S)
     assert out.error is None and comm.mode(1, "camp2p-test-step-1") == "wrapped"
     assert_same(out.results, refs[1])
     assert walks == []
-    LAYER.engine.unready = "a target module was imported while apply() ran"
+    PATCH_LAYER.engine.unready = "a target module was imported while apply() ran"
     out = run_step_bounded(w, 2, STEP_BOUND_S)
     assert out.error is None and comm.mode(2, "camp2p-test-step-2") == "wrapped"
-    assert walks and LAYER.engine.unready is None  # the step refreshed, and found every target ready
+    assert walks and PATCH_LAYER.engine.unready is None  # the step refreshed, and found every target ready
     walks.clear()
     out = run_step_bounded(w, 3, STEP_BOUND_S)
     assert out.error is None and walks == []
-    assert LAYER.engine.unpatch(timeout=10)
-    assert LAYER.engine.unready is not None  # unpatched: not ready until the next apply()
+    assert PATCH_LAYER.engine.unpatch(timeout=10)
+    assert PATCH_LAYER.engine.unready is not None  # unpatched: not ready until the next apply()

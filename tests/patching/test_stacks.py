@@ -13,8 +13,8 @@ import pytest
 from support.overlap import Schedule, apply_cpu, assert_same, run_step, serial_results, world, wrap_model
 from support.stacks import STACK_DISTS, use_stack
 
-from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.observe import trace
+from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.core.patching.manifest import (
     DEFAULT_STACK,
     available_stacks,
@@ -23,7 +23,7 @@ from camp2p_overlap.core.patching.manifest import (
     signature_of,
 )
 from camp2p_overlap.emulation import standins
-from camp2p_overlap.emulation.standin_layer import release_site, standin_site
+from camp2p_overlap.emulation.standin_patch_layer import release_site, standin_site
 
 RUNNER = "afd_plugin.v1.worker.npu.ffn_model_runner"
 
@@ -98,7 +98,9 @@ def _contexts_seen(w: Any) -> list[tuple[int, int, int, Any]]:
 
 
 @pytest.mark.parametrize("stack", sorted(standins.STACKS))
-def test_forward_context_per_step_or_per_layer_and_stage_and_the_overlap_keeps_it(stack: str, layer: Layer) -> None:
+def test_forward_context_per_step_or_per_layer_and_stage_and_the_overlap_keeps_it(
+    stack: str, patch_layer: PatchLayer
+) -> None:
     """release/v0.19.1rc1 opens one context for the step (sized by the first
     stage's tokens); main opens one per (layer, stage), sized by that stage.
     With the overlap engaged each compute still runs in the context the loop
@@ -108,17 +110,17 @@ def test_forward_context_per_step_or_per_layer_and_stage_and_the_overlap_keeps_i
     with use_stack(stack):
         w = world(layers=3, stage_ids=(0, 1))
         seen = _contexts_seen(w)
-        (ref, _) = serial_results(w, scheds, layer=layer)
+        (ref, _) = serial_results(w, scheds, patch_layer=patch_layer)
         serial_seen = list(seen)
         seen.clear()
-        apply_cpu(layer=layer)
+        apply_cpu(patch_layer=patch_layer)
         with trace.recording() as rec:
             got = run_step(w, scheds[0])
         assert_same(got, ref)
         (step,) = rec.steps()
         side = {(o.kind, o.stream) for o in rec.ops(step) if o.kind in ("a2e", "e2a")}
         assert {k for k, _ in side} == {"a2e", "e2a"} and all(s != "C" for _, s in side), side
-        layer.engine.unpatch(timeout=10)
+        patch_layer.engine.unpatch(timeout=10)
     pairs = [(layer, stage) for layer in range(3) for stage in (0, 1)]
     for calls in (serial_seen[: len(pairs)], seen):
         assert [(layer, stage) for layer, stage, _, _ in calls] == pairs
@@ -131,7 +133,7 @@ def test_forward_context_per_step_or_per_layer_and_stage_and_the_overlap_keeps_i
 
 
 @pytest.mark.parametrize("stack", sorted(standins.STACKS))
-def test_a_runner_without_afd_config(stack: str, layer: Layer) -> None:
+def test_a_runner_without_afd_config(stack: str, patch_layer: PatchLayer) -> None:
     """release/v0.19.1rc1 runs every layer for a runner without afd_config;
     main reads it directly and raises. Applied, the gate refuses the runner
     (no AFD role) and the original runs: the caller sees the same either way."""
@@ -142,7 +144,7 @@ def test_a_runner_without_afd_config(stack: str, layer: Layer) -> None:
         outcomes = []
         for applied in (False, True):
             if applied:
-                apply_cpu(layer=layer)
+                apply_cpu(patch_layer=patch_layer)
             # The transport is told the layers itself: the harness must not
             # call _ffn_layer_indices for the runner (main's would raise here).
             w.transport.begin_step(sched.step, [0, 1], sched.stages)
@@ -152,7 +154,7 @@ def test_a_runner_without_afd_config(stack: str, layer: Layer) -> None:
                 outcomes.append(("ok", sorted(w.transport.results)))
             except AttributeError as exc:
                 outcomes.append(("AttributeError", str(exc)))
-        layer.engine.unpatch(timeout=10)
+        patch_layer.engine.unpatch(timeout=10)
     assert outcomes[0] == outcomes[1]
     if stack == "vllm-0.26.0":
         assert outcomes[0][0] == "AttributeError" and "afd_config" in outcomes[0][1]

@@ -15,7 +15,7 @@ import pytest
 from support.child import REPO, run_program
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import build_layer
+from camp2p_overlap.core.patch_layer import build_patch_layer
 from camp2p_overlap.core.patching import versions
 from camp2p_overlap.core.patching.lifecycle import PatchEngine, PatchRefused
 from camp2p_overlap.core.patching.status_report import TargetState
@@ -55,7 +55,7 @@ def test_check_vllm_reads_installed_metadata_without_importing_vllm(monkeypatch:
 
 
 def _engine_for(found: str | None) -> PatchEngine:
-    return build_layer(version_check=lambda manifest: judge_vllm_version(found, manifest.vllm)).engine
+    return build_patch_layer(version_check=lambda manifest: judge_vllm_version(found, manifest.vllm)).engine
 
 
 def _stand_in_dicts() -> tuple[dict[str, dict[str, Any]], tuple[type, type]]:

@@ -11,7 +11,7 @@ import os
 import wrapt
 
 import camp2p_overlap
-from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.emulation import standins
 
 standins.install()
@@ -23,7 +23,7 @@ runner = importlib.import_module("afd_plugin.v1.worker.npu.ffn_model_runner").AF
 def count():
     """count_our_wrappers() of tests/support/overlap.py, inline (no test helpers here)."""
     return [
-        sum(1 for e in wrapt.wrapper_chain(vars(c)[a]) if LAYER.engine.is_ours(e))
+        sum(1 for e in wrapt.wrapper_chain(vars(c)[a]) if PATCH_LAYER.engine.is_ours(e))
         for c, a in ((runner, "_ffn_forward"), (conn, "recv_attn_output"), (conn, "send_ffn_output"))
     ]
 

@@ -12,9 +12,9 @@ import torch
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.keys import A_DONE
 from camp2p_overlap.core.overlap.session import OverlapSession
-from camp2p_overlap.emulation.device_world import build_device_world
+from camp2p_overlap.emulation.kernel_world import build_device_world
 from camp2p_overlap.emulation.moe import MoEShape
-from camp2p_overlap.emulation.standin_layer import emulation_engine, standin_site
+from camp2p_overlap.emulation.standin_patch_layer import emulation_engine, standin_site
 from camp2p_overlap.emulation.world import LinkModel, WorldSpec
 
 mode = sys.argv[1]
@@ -50,23 +50,23 @@ def no_join(self):
 if mode == "graph-env":
     # The graph switch as users set it: the configuration comes from the
     # environment (VLLM_CAMP2P_MULTISTREAM=1, VLLM_CAMP2P_MULTISTREAM_GRAPH=1).
-    from camp2p_overlap.emulation.standin_layer import emulated_layer
+    from camp2p_overlap.emulation.standin_patch_layer import emulated_patch_layer
 
     dw.world.steps_run = 0
     ref = {k: v.clone() for k, v in dw.world.run_step(tokens).items()}
     torch.cuda.synchronize()
-    layer = emulated_layer()
+    patch_layer = emulated_patch_layer()
     sessions = []
 
-    class Counted(layer.runtime.session_class):
+    class Counted(patch_layer.runtime.session_class):
         def __init__(self, **kw):
             super().__init__(**kw)
             sessions.append(1)
 
-    layer.runtime.session_class = Counted
-    report = layer.engine.apply(manifest=site.manifest, strict=True)
+    patch_layer.runtime.session_class = Counted
+    report = patch_layer.engine.apply(manifest=site.manifest, strict=True)
     assert report.engaged, str(report)
-    assert layer.engine.config.graph, "VLLM_CAMP2P_MULTISTREAM_GRAPH=1 was not read"
+    assert patch_layer.engine.config.graph, "VLLM_CAMP2P_MULTISTREAM_GRAPH=1 was not read"
     dw.world.steps_run = 0
     eager = dw.world.run_step(tokens)
     torch.cuda.synchronize()
@@ -94,7 +94,7 @@ if mode == "graph-env":
         bad = [k for k in ref if not torch.equal(captured[k], ref[k])]
         assert not bad, f"graph replay differs from the eager serial step at {bad}"
     dw.synchronize()  # raises if an A2E gave up waiting for its peer
-    assert layer.engine.unpatch(timeout=30)
+    assert patch_layer.engine.unpatch(timeout=30)
     print("GRAPH_ENV_OK", len(sessions))
     sys.exit(0)
 

@@ -14,8 +14,8 @@ import os
 import sys
 
 import camp2p_overlap
-from camp2p_overlap.core.layer import LAYER
 from camp2p_overlap.core.observe import metrics
+from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.world import WorldSpec, build_world
 
@@ -34,7 +34,7 @@ for _ in range(3):
     w.run_step()
 fork = "fork" in sys.argv[1:]
 if fork:
-    LAYER.runtime.counters.graph_replay("overlap")
+    PATCH_LAYER.runtime.counters.graph_replay("overlap")
 metrics.current_reporter().metrics.sync()  # what the reporter thread does every few seconds
 if fork:
     pid = os.fork()

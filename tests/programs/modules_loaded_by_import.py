@@ -1,4 +1,4 @@
-"""Child of tests/package/test_layers.py and tests/emulation/test_device_registry.py:
+"""Child of tests/package/test_architecture.py and tests/emulation/test_device_module_registry.py:
 imports the package (and, with ``--apply`` first, calls ``apply()``), then
 prints the sorted list of loaded modules whose names start with one of the
 other arguments."""

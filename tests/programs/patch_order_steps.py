@@ -1,6 +1,6 @@
 """Child of tests/patching/test_patch_orders.py: runs the steps named in
 argv (``import``, ``apply``, ``unpatch``) in order, with the stand-ins
-installed, and prints one ``SNAP <json>`` snapshot of the layer and the
+installed, and prints one ``SNAP <json>`` snapshot of the patch layer and the
 wrap targets after each step."""
 
 import importlib
@@ -11,7 +11,7 @@ import types
 import wrapt
 
 import camp2p_overlap
-from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.emulation import standins
 
 RUNNER = "afd_plugin.v1.worker.npu.ffn_model_runner"
@@ -40,8 +40,8 @@ def snapshot(step, result):
         entry = vars(getattr(sys.modules[mod], cname))[attr]
         # "ours": count_our_wrappers() of tests/support/overlap.py, inline (no test helpers here)
         snap["targets"][attr] = {
-            "ours": sum(1 for e in wrapt.wrapper_chain(entry) if LAYER.engine.is_ours(e)),
-            "outer_is_ours": LAYER.engine.is_ours(entry),
+            "ours": sum(1 for e in wrapt.wrapper_chain(entry) if PATCH_LAYER.engine.is_ours(e)),
+            "outer_is_ours": PATCH_LAYER.engine.is_ours(entry),
             "plain_function": isinstance(entry, types.FunctionType) and not hasattr(entry, "__wrapped__"),
             "is_original": attr in ORIGINAL and entry is ORIGINAL[attr],
         }

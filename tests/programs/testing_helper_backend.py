@@ -1,4 +1,4 @@
-"""Child of tests/emulation/test_device_registry.py: in a fresh interpreter,
+"""Child of tests/emulation/test_device_module_registry.py: in a fresh interpreter,
 ``overlap_patched(backend="cpu")`` makes the cpu backend available (the
 emulated device registered); prints what a backend made inside it runs on."""
 

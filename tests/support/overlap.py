@@ -15,8 +15,8 @@ import torch
 import wrapt
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import LAYER, Layer
 from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.patch_layer import PATCH_LAYER, PatchLayer
 from camp2p_overlap.core.patching.status_report import PatchReport
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.moe import MoEShape
@@ -55,13 +55,13 @@ def eager_refs(w: World, steps: range) -> dict[int, dict]:
         w.runner.use_aclgraph = graphs
 
 
-def apply_cpu(*, layer: Layer = LAYER, **overrides: Any) -> PatchReport:
-    """Apply ``layer`` (strict; default the process-wide one) switched on
+def apply_cpu(*, patch_layer: PatchLayer = PATCH_LAYER, **overrides: Any) -> PatchReport:
+    """Apply ``patch_layer`` (strict; default the process-wide one) switched on
     with the CPU backend plus ``overrides``; the engine must have picked the
     stack whose stand-ins are installed."""
-    layer.engine.unpatch(timeout=10)
+    patch_layer.engine.unpatch(timeout=10)
     overrides.setdefault("adaptive", False)  # the schedule tests want every allowed step engaged
-    report = layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", **overrides))
+    report = patch_layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", **overrides))
     assert report.engaged, str(report)
     assert_stack(report)
     return report
@@ -108,9 +108,9 @@ def run_step(w: World, sched: Schedule | None = None, **forward_kwargs: Any) -> 
     return dict(w.transport.results)
 
 
-def serial_results(w: World, scheds: Sequence[Schedule], layer: Layer = LAYER) -> list[Results]:
+def serial_results(w: World, scheds: Sequence[Schedule], patch_layer: PatchLayer = PATCH_LAYER) -> list[Results]:
     """What the unpatched (upstream) code delivers for each schedule."""
-    assert not layer.engine.is_applied()
+    assert not patch_layer.engine.is_applied()
     assert "_ffn_forward" in vars(type(w.runner)) and not hasattr(vars(type(w.runner))["_ffn_forward"], "__wrapped__")
     return [run_step(w, s) for s in scheds]
 
@@ -126,11 +126,11 @@ def assert_same(got: Mapping[Any, torch.Tensor], want: Mapping[Any, torch.Tensor
 
 
 def count_our_wrappers(obj: Any, engine: Any = None) -> int:
-    """How many wrappers of ours (``engine``, default ``LAYER.engine``) are in the
+    """How many wrappers of ours (``engine``, default ``PATCH_LAYER.engine``) are in the
     wrapper chain of ``obj`` (``wrapt.wrapper_chain``: every ``__wrapped__``
     link, wrapt proxies and ``functools.wraps`` functions alike). Code run
     in a fresh interpreter inlines the same expression."""
-    engine = LAYER.engine if engine is None else engine
+    engine = PATCH_LAYER.engine if engine is None else engine
     return sum(1 for e in wrapt.wrapper_chain(obj) if engine.is_ours(e))
 
 
@@ -155,12 +155,12 @@ def bounded(fn: Callable[[], Any], timeout: float = 30.0) -> Any:
     return box.get("value")
 
 
-def stream_sets(layer: Layer = LAYER) -> list[Any]:
-    return layer.runtime.runners.stream_sets()
+def stream_sets(patch_layer: PatchLayer = PATCH_LAYER) -> list[Any]:
+    return patch_layer.runtime.runners.stream_sets()
 
 
-def assert_streams_idle(timeout: float = 5.0, layer: Layer = LAYER) -> None:
-    sets = stream_sets(layer)
+def assert_streams_idle(timeout: float = 5.0, patch_layer: PatchLayer = PATCH_LAYER) -> None:
+    sets = stream_sets(patch_layer)
     assert sets, "no stream set was created"
     for sset in sets:
         for s, stream in sset.streams.items():
@@ -220,7 +220,7 @@ def wrap_model(
 
 
 class SessionSpy:
-    """Make ``layer``'s runtime (default the process-wide one) build sessions
+    """Make ``patch_layer``'s runtime (default the process-wide one) build sessions
     of a subclass that remembers every session it builds (weakly unless
     ``keep``) and, for kept ones, the ops it issued (``issued_ops``, taken
     when the session closes)."""
@@ -231,7 +231,7 @@ class SessionSpy:
         base: type[OverlapSession] = OverlapSession,
         *,
         keep: bool = False,
-        layer: Layer = LAYER,
+        patch_layer: PatchLayer = PATCH_LAYER,
     ) -> None:
         import weakref
 
@@ -252,16 +252,16 @@ class SessionSpy:
                     self.issued_ops = self.issued()
                 super().close(raising=raising)
 
-        monkeypatch.setattr(layer.runtime, "session_class", Recorded)
+        monkeypatch.setattr(patch_layer.runtime, "session_class", Recorded)
 
     @property
     def count(self) -> int:
         return len(self.refs)
 
 
-def spy_forward(runner_cls: type, layer: Layer = LAYER) -> list[dict[str, Any]]:
+def spy_forward(runner_cls: type, patch_layer: PatchLayer = PATCH_LAYER) -> list[dict[str, Any]]:
     """Replace ``_ffn_forward`` in the class dict (before apply) by a function
-    of the same signature that records its arguments (and ``layer``'s active
+    of the same signature that records its arguments (and ``patch_layer``'s active
     session) and calls the original."""
     original = vars(runner_cls)["_ffn_forward"]
     calls: list[dict[str, Any]] = []
@@ -281,7 +281,7 @@ def spy_forward(runner_cls: type, layer: Layer = LAYER) -> list[dict[str, Any]]:
                 "aclgraph_runtime_mode": aclgraph_runtime_mode,
                 "is_graph_capturing": is_graph_capturing,
                 "update_connector_state": update_connector_state,
-                "session": layer.runtime.active_session(),
+                "session": patch_layer.runtime.active_session(),
             }
         )
         return original(

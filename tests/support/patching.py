@@ -14,8 +14,8 @@ from typing import Any
 import wrapt
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import LAYER, Layer
 from camp2p_overlap.core.observe.trace import recording
+from camp2p_overlap.core.patch_layer import PATCH_LAYER, PatchLayer
 from camp2p_overlap.core.patching.manifest import parse_manifest
 from camp2p_overlap.emulation import standins
 from support.overlap import count_our_wrappers
@@ -59,19 +59,21 @@ def raw_targets() -> dict[tuple[str, str], Any]:
     return out
 
 
-def assert_wrapped_once(layer: Layer = LAYER) -> None:
-    """Each wrap target carries exactly one wrapper of ``layer`` (default the
+def assert_wrapped_once(patch_layer: PatchLayer = PATCH_LAYER) -> None:
+    """Each wrap target carries exactly one wrapper of ``patch_layer`` (default the
     process-wide one), outermost; each route target none."""
     cls = classes()
     for _, cname, attr in WRAPPED:
         entry = vars(cls[cname])[attr]
-        assert layer.engine.is_ours(entry), f"{cname}.{attr} is not our wrapper: {entry!r}"
-        assert not layer.engine.is_ours(entry.__wrapped__), f"{cname}.{attr} is double wrapped"
-        assert count_our_wrappers(entry, layer.engine) == 1
-        assert wrapt.find_wrapper(entry, predicate=layer.engine.is_ours) is entry
+        assert patch_layer.engine.is_ours(entry), f"{cname}.{attr} is not our wrapper: {entry!r}"
+        assert not patch_layer.engine.is_ours(entry.__wrapped__), f"{cname}.{attr} is double wrapped"
+        assert count_our_wrappers(entry, patch_layer.engine) == 1
+        assert wrapt.find_wrapper(entry, predicate=patch_layer.engine.is_ours) is entry
     for _, cname, attr in ROUTED:  # route targets: nothing of ours on the class
         entry = vars(cls[cname])[attr]
-        assert count_our_wrappers(entry, layer.engine) == 0, f"{cname}.{attr} carries a wrapper of ours: {entry!r}"
+        assert count_our_wrappers(entry, patch_layer.engine) == 0, (
+            f"{cname}.{attr} carries a wrapper of ours: {entry!r}"
+        )
 
 
 def run_traced(world: Any) -> tuple[dict, set[str]]:

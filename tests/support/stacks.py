@@ -10,7 +10,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from camp2p_overlap.core.layer import LAYER
+from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.emulation import standins
 
 #: The stacks, with the distributions a process of that stack has installed.
@@ -50,5 +50,5 @@ def use_stack(stack: str) -> Iterator[None]:
             yield
         finally:
             sys.path.remove(site)
-            LAYER.engine.unpatch(timeout=10)
+            PATCH_LAYER.engine.unpatch(timeout=10)
             standins.uninstall(standins.REAL_ROOT)

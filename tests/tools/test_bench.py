@@ -19,16 +19,16 @@ from support.overlap import SHAPE, apply_cpu, assert_same
 from support.tiny_bench import TINY, TINY_PARAMS
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.layer import LAYER, Layer
 from camp2p_overlap.core.overlap.graphs import VariantGraph
 from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.patch_layer import PATCH_LAYER, PatchLayer
 from camp2p_overlap.core.patching.lifecycle import PatchRefused
 from camp2p_overlap.core.patching.manifest import load_manifest
 from camp2p_overlap.emulation import device, standins
 from camp2p_overlap.emulation import device as emulated_device
-from camp2p_overlap.emulation import standin_layer as emulation
+from camp2p_overlap.emulation import standin_patch_layer as emulation
 from camp2p_overlap.emulation.moe import MoEShape
-from camp2p_overlap.emulation.standin_layer import emulated_layer, emulated_version_check, emulation_engine
+from camp2p_overlap.emulation.standin_patch_layer import emulated_patch_layer, emulated_version_check, emulation_engine
 from camp2p_overlap.emulation.world import EmulatedModel, LinkModel, WorldSpec, build_world
 from camp2p_overlap.tools import cli
 from camp2p_overlap.tools.bench.runner import (
@@ -50,20 +50,20 @@ def bench_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One tiny benchmark run through ``main(argv)`` writing every output."""
     out = tmp_path_factory.mktemp("bench")
     paths = {"json": out / "b.json", "trace": out / "t.json", "plot": out / "p.png"}
-    layers: list[Layer] = []
-    real_build = emulation.build_layer
-    emulation.build_layer = lambda **kw: layers.append(real_build(**kw)) or layers[-1]  # type: ignore[assignment]
+    patch_layers: list[PatchLayer] = []
+    real_build = emulation.build_patch_layer
+    emulation.build_patch_layer = lambda **kw: patch_layers.append(real_build(**kw)) or patch_layers[-1]  # type: ignore[assignment]
     try:
         rc = cli.main(
             ["bench", *TINY, "--json", str(paths["json"]), "--trace", str(paths["trace"]), "--plot", str(paths["plot"])]
         )
     finally:
-        emulation.build_layer = real_build  # type: ignore[assignment]
+        emulation.build_patch_layer = real_build  # type: ignore[assignment]
     return {
         "rc": rc,
         "paths": paths,
         "report": json.loads(paths["json"].read_text()),
-        "layers": layers,
+        "patch_layers": patch_layers,
         "finder_left": [f for f in sys.meta_path if isinstance(f, standins.StandinFinder)],
     }
 
@@ -355,15 +355,15 @@ def test_outputs_equal_and_overlap_engaged(bench_files: dict[str, Any]) -> None:
 
 def test_bench_leaves_the_process_as_it_found_it(bench_files: dict[str, Any]) -> None:
     assert bench_files["finder_left"] == []
-    assert not LAYER.engine.is_applied() and len(LAYER.engine.installer.records) == 0
+    assert not PATCH_LAYER.engine.is_applied() and len(PATCH_LAYER.engine.installer.records) == 0
     # Each policy ran on an engine of its own (kept over the repetitions,
     # so adaptive engage learns once), and so did each patched schedule the
     # FFN's timing model was refined on (e2a-only, overlap: built first),
     # all unpatched with their streams closed.
-    layers = bench_files["layers"]
-    assert len(layers) == len(POLICIES) + 2, (len(layers), len(POLICIES))
-    assert len({id(layer.engine) for layer in layers}) == len(layers)
-    assert all(not layer.engine.is_applied() and not layer.runtime.runners.stream_sets() for layer in layers)
+    patch_layers = bench_files["patch_layers"]
+    assert len(patch_layers) == len(POLICIES) + 2, (len(patch_layers), len(POLICIES))
+    assert len({id(p.engine) for p in patch_layers}) == len(patch_layers)
+    assert all(not p.engine.is_applied() and not p.runtime.runners.stream_sets() for p in patch_layers)
 
 
 def test_trace_is_chrome_trace_event_json_with_a_track_per_stream(bench_files: dict[str, Any]) -> None:
@@ -431,9 +431,9 @@ def test_overlap_outputs_equal_serial_outputs_independently() -> None:
             super().__init__(**kw)
             engaged.append(True)
 
-    layer = emulated_layer()
-    layer.runtime.session_class = Counted
-    layer.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True)
+    patch_layer = emulated_patch_layer()
+    patch_layer.runtime.session_class = Counted
+    patch_layer.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True)
     try:
         for sid in (5, 6):
             world.steps_run = sid
@@ -441,22 +441,24 @@ def test_overlap_outputs_equal_serial_outputs_independently() -> None:
             assert len(out) == 3 * 2
             assert_same(out, serial[sid], f"step {sid}")
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
     assert engaged == [True, True]
 
 
 def _perturb_the_ffn_under_a2e_side_sessions(monkeypatch: pytest.MonkeyPatch) -> None:
     """Add 1e-3 to the routed FFN output while a session with A2E on the
-    side streams is active (in the benchmark's own layers): on the device,
+    side streams is active (in the benchmark's own patch layers): on the device,
     as a kernel after the FFN's, so it changes what the FFN wrote."""
     original = EmulatedModel.compute_ffn_output
-    layers: list[Layer] = []
-    real_build = emulation.build_layer
-    monkeypatch.setattr(emulation, "build_layer", lambda **kw: layers.append(real_build(**kw)) or layers[-1])
+    patch_layers: list[PatchLayer] = []
+    real_build = emulation.build_patch_layer
+    monkeypatch.setattr(
+        emulation, "build_patch_layer", lambda **kw: patch_layers.append(real_build(**kw)) or patch_layers[-1]
+    )
 
     def perturbed(self: EmulatedModel, *, hidden_states: torch.Tensor, layer_idx: int) -> Any:
         out = original(self, hidden_states=hidden_states, layer_idx=layer_idx)
-        sessions = [s for layer in layers if (s := layer.runtime.active_session()) is not None]
+        sessions = [s for p in patch_layers if (s := p.runtime.active_session()) is not None]
         if sessions and sessions[0].directions.a2e_side:
             routed = out.routed_output
             emulated_device.launch(lambda: routed.add_(1e-3), writes=(routed,))
@@ -500,7 +502,7 @@ def test_with_a_real_afd_plugin_the_stand_ins_move_to_the_alias_root(monkeypatch
 
 def test_emulation_engines_are_fresh_and_unpatched_on_the_way_out() -> None:
     with emulation_engine() as engine, emulation_engine() as other:
-        assert engine is not LAYER.engine and other is not LAYER.engine and other is not engine
+        assert engine is not PATCH_LAYER.engine and other is not PATCH_LAYER.engine and other is not engine
     with pytest.raises(ValueError, match="boom"):
         with emulation_engine() as engine:
             world = build_world(_tiny_spec())
@@ -508,7 +510,7 @@ def test_emulation_engines_are_fresh_and_unpatched_on_the_way_out() -> None:
             assert engine.is_applied()
             raise ValueError("boom")
     assert not engine.is_applied(), "the emulation engine is unpatched on the way out"
-    assert not LAYER.engine.is_applied()
+    assert not PATCH_LAYER.engine.is_applied()
     runner_cls = type(world.runner)
     assert not hasattr(vars(runner_cls)["_ffn_forward"], "__wrapped__")
 
@@ -527,14 +529,14 @@ def test_a_second_engine_refuses_targets_another_engine_wrapped() -> None:
 
 def test_emulation_engine_refuses_when_the_process_engine_is_applied(monkeypatch: pytest.MonkeyPatch) -> None:
     build_world(_tiny_spec())
-    monkeypatch.setattr(LAYER.engine, "version_check", emulated_version_check)
-    LAYER.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True)
+    monkeypatch.setattr(PATCH_LAYER.engine, "version_check", emulated_version_check)
+    PATCH_LAYER.engine.apply(config=OverlapConfig(enabled=True, backend="cpu", adaptive=False), strict=True)
     try:
         with pytest.raises(RuntimeError, match="process-wide camp2p-overlap patch layer is applied"):
             with emulation_engine():
                 pass
     finally:
-        LAYER.engine.unpatch(timeout=10)
+        PATCH_LAYER.engine.unpatch(timeout=10)
 
 
 def test_emulated_version_check_accepts_without_consulting_vllm() -> None:
@@ -590,14 +592,14 @@ def test_device_cuda_without_a_gpu_errors_clearly(capsys: pytest.CaptureFixture[
 
 
 def test_device_world_imports_without_a_device() -> None:
-    from camp2p_overlap.emulation import device_world
+    from camp2p_overlap.emulation import kernel_world
 
-    assert hasattr(device_world, "build_device_world")
+    assert hasattr(kernel_world, "build_device_world")
     if not torch.cuda.is_available():
-        with pytest.raises(device_world.DeviceUnavailable, match=r"torch\.cuda\.is_available"):
-            device_world.build_device_world(_tiny_spec(), "cuda")
-    with pytest.raises(device_world.DeviceUnavailable, match=r"--device tpu: no device module for 'tpu'"):
-        device_world.require_device("tpu")
+        with pytest.raises(kernel_world.DeviceUnavailable, match=r"torch\.cuda\.is_available"):
+            kernel_world.build_device_world(_tiny_spec(), "cuda")
+    with pytest.raises(kernel_world.DeviceUnavailable, match=r"--device tpu: no device module for 'tpu'"):
+        kernel_world.require_device("tpu")
 
 
 def test_help_documents_the_metrics(capsys: pytest.CaptureFixture[str]) -> None:
@@ -757,7 +759,7 @@ def test_world_capture_replays_bitwise_equal_to_eager_serial(overlapped: bool) -
     the runner on upstream's graph path; World.capture runs warm-up then
     capture; run_step replays the key (the graph's replay count moves) and
     every replay equals the eager serial step of the same step id, with
-    the layer applied and after it is unpatched; take_graph hands the key
+    the patch layer applied and after it is unpatched; take_graph hands the key
     back to eager steps."""
     was_npu = device.is_torch_npu()
     w = _graph_world()
@@ -779,7 +781,7 @@ def test_world_capture_replays_bitwise_equal_to_eager_serial(overlapped: bool) -
             assert_same(w.run_step(), serial[sid], f"replay of step {sid}, layer applied")
             assert graph.replays == n
         if overlapped:
-            assert LAYER.engine.unpatch(timeout=10)
+            assert PATCH_LAYER.engine.unpatch(timeout=10)
         for n, sid in enumerate((3, 4, 3), start=3):
             w.steps_run = sid
             assert_same(w.run_step(), serial[sid], f"replay of step {sid}, layer unpatched")
@@ -868,43 +870,43 @@ def test_bench_graph_json_schema_and_bitwise_replays(graph_bench: dict[str, Any]
     assert choice["decision"] in ("learning", "serial", "overlap") and choice["capture_failures"] == {}
     assert set(choice["replays"]) == set(choice["timed_replays"]) == {"serial", "overlap"}
     # Its graph counted its own replays only (6), not the fixed graphs' that
-    # replayed while its layer was applied; 4 of them timed.
+    # replayed while its patch layer was applied; 4 of them timed.
     assert sum(choice["replays"].values()) == 6 and sum(choice["timed_replays"].values()) == 4, choice
     assert all(choice["replays"][v] >= choice["timed_replays"][v] for v in ("serial", "overlap"))
     assert choice["replays"]["serial"] >= 1 and choice["replays"]["overlap"] >= 1, "learning replays both"
     assert r["measured"]["samples"] == 16 and r["measured"]["f_us"] > 0
     assert graph_bench["npu_after"] is graph_bench["was_npu"], "the run removes the torch.npu it installed"
     assert not device.capture_in_progress()
-    assert not LAYER.engine.is_applied()
+    assert not PATCH_LAYER.engine.is_applied()
 
 
 @pytest.mark.usefixtures("standin_stack")
 def test_fixed_graphs_replay_unchanged_while_the_adaptive_graph_layer_is_applied() -> None:
     """The scheme of bench --graph: a fixed overlap graph captured under its
-    own layer, unpatched; then adaptive overlap's key captured with both
-    variants, its layer kept applied. The fixed graph's replays are bitwise
+    own patch layer, unpatched; then adaptive overlap's key captured with both
+    variants, its patch layer kept applied. The fixed graph's replays are bitwise
     the eager serial steps and go past the applied layer entirely (no eager
     step, no replay counted there); the adaptive graph's replays count on
     its own key; unpatch restores upstream's graph in its entry."""
     w = _graph_world()
-    fixed_layer, adaptive_layer = emulated_layer(), emulated_layer()
+    fixed_patch_layer, adaptive_patch_layer = emulated_patch_layer(), emulated_patch_layer()
     graphs: list[Any] = []
     try:
         serial = {}
         for sid in range(1, 9):
             w.steps_run = sid
             serial[sid] = w.run_step()
-        fixed_layer.engine.apply(
+        fixed_patch_layer.engine.apply(
             strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph="1")
         )
         try:
             fixed = w.capture()
             fixed_entry = w.take_graph()
         finally:
-            assert fixed_layer.engine.unpatch(timeout=10)
+            assert fixed_patch_layer.engine.unpatch(timeout=10)
         graphs.append(fixed)
         assert {"K0", "K1"} <= {name for name, _, _ in fixed.nodes()}
-        adaptive_layer.engine.apply(
+        adaptive_patch_layer.engine.apply(
             strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=True, graph="adaptive")
         )
         try:
@@ -913,14 +915,14 @@ def test_fixed_graphs_replay_unchanged_while_the_adaptive_graph_layer_is_applied
             assert isinstance(chooser, VariantGraph) and adaptive_entry is not None
             upstream = chooser.captured.upstream
             graphs.append(upstream)
-            before = adaptive_layer.runtime.stats()
+            before = adaptive_patch_layer.runtime.stats()
             (g_before,) = before["graphs"]
             w.put_graph(fixed_entry)
             for n, sid in enumerate(range(1, 9), start=1):
                 w.steps_run = sid
                 assert_same(w.run_step(), serial[sid], f"fixed graph's replay of step {sid}, adaptive layer applied")
                 assert fixed.replays == n
-            after = adaptive_layer.runtime.stats()
+            after = adaptive_patch_layer.runtime.stats()
             assert after["steps"] == before["steps"], "no eager step went through the applied layer"
             assert after["graphs"] == [g_before], "nor did its graph count a replay"
             assert chooser.captured.replays == {"serial": 0, "overlap": 0}
@@ -930,11 +932,11 @@ def test_fixed_graphs_replay_unchanged_while_the_adaptive_graph_layer_is_applied
                 w.steps_run = sid
                 assert_same(w.run_step(), serial[sid], f"adaptive graph's replay of step {sid}")
             assert sum(chooser.captured.replays.values()) == 8 and fixed.replays == 8
-            (g_after,) = adaptive_layer.runtime.stats()["graphs"]
+            (g_after,) = adaptive_patch_layer.runtime.stats()["graphs"]
             assert g_after["replays"] == chooser.captured.replays
             w.take_graph()
         finally:
-            assert adaptive_layer.engine.unpatch(timeout=10)
+            assert adaptive_patch_layer.engine.unpatch(timeout=10)
         assert adaptive_entry["graph"] is upstream, "unpatch puts upstream's serial graph back"
     finally:
         for graph in graphs:
@@ -979,7 +981,7 @@ def test_bench_graph_outputs_flag_fails_when_a_captured_step_differs(monkeypatch
 
 
 def test_bench_graph_reports_a_failed_second_capture(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Adaptive overlap's key keeps upstream's graph when the layer's second
+    """Adaptive overlap's key keeps upstream's graph when the patch layer's second
     capture fails: one variant, no decision, the reason, and a failed run."""
     from camp2p_overlap.core.overlap import graphs
     from camp2p_overlap.tools.bench.tables import problems
@@ -1115,7 +1117,7 @@ def test_device_world_graph_replays_are_bitwise_the_eager_serial_steps(device_gr
     choice = by["overlap"]["graph_choice"]
     assert choice["capture_failures"] == {} and sum(choice["timed_replays"].values()) == 4, choice
     assert device_graph_bench["npu_restored"], "the run removes the torch.npu it installed"
-    assert not device.capture_in_progress() and not LAYER.engine.is_applied()
+    assert not device.capture_in_progress() and not PATCH_LAYER.engine.is_applied()
 
 
 def test_device_world_graph_captures_each_policy_once_in_one_pool(device_graph_bench: dict[str, Any]) -> None:
@@ -1162,8 +1164,8 @@ def test_device_world_results_are_snapshots_and_inputs_follow_the_step_id() -> N
     outputs), a step's results are a snapshot (a later step does not change
     them), and a graph replayed for another step id gives that id's eager
     outputs (its inputs were copied in before the replay, not captured)."""
-    from camp2p_overlap.emulation.device_world import EMULATED, build_device_world
-    from camp2p_overlap.emulation.standin_layer import release_site, standin_site
+    from camp2p_overlap.emulation.kernel_world import EMULATED, build_device_world
+    from camp2p_overlap.emulation.standin_patch_layer import release_site, standin_site
 
     site = standin_site()
     spec = WorldSpec(layers=3, stage_ids=(0, 1), tokens=8, shape=SHAPE, op_timeout_s=10.0, graph=True)
@@ -1202,7 +1204,7 @@ def test_device_world_host_read_inside_the_capture_fails_the_run(monkeypatch: py
     record, which the comm kernel writes) injected. Eager steps read it
     freely; inside the capture the emulated device raises CaptureViolation
     and the run fails with it."""
-    from camp2p_overlap.emulation.device_world import DeviceTransport
+    from camp2p_overlap.emulation.kernel_world import DeviceTransport
 
     real_a2e = DeviceTransport.a2e
     reads = {"eager": 0}
@@ -1219,7 +1221,7 @@ def test_device_world_host_read_inside_the_capture_fails_the_run(monkeypatch: py
         run_bench(resolve_params({**DEVICE_GRAPH, "reps": 1}))
     assert reads["eager"] >= 2 * 2 * 3, "the eager reference steps read it (outside any capture)"
     assert not device.capture_in_progress() and device.is_torch_npu() is was_npu
-    assert not LAYER.engine.is_applied()
+    assert not PATCH_LAYER.engine.is_applied()
 
 
 def test_capture_memory_is_measured_around_the_capture_step(monkeypatch: pytest.MonkeyPatch) -> None:

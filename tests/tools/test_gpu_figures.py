@@ -34,14 +34,14 @@ from typing import Any
 import pytest
 import torch
 from support.child import REPO, child_env
-from support.host_device import HostDevice, use_host_device
+from support.host_device_module import HostDeviceModule, use_host_device_module
 from support.logs import PackageLogs
 from support.tiny_bench import TINY, TINY_PARAMS
 
 from camp2p_overlap.core.observe.trace import TraceOp
-from camp2p_overlap.emulation import device_comm, device_world
-from camp2p_overlap.emulation.device_comm import HostCommKernels, NvrtcCommKernels
-from camp2p_overlap.emulation.device_world import DEVICE_FFN_KERNELS, DeviceFFN
+from camp2p_overlap.emulation import comm_kernel, kernel_world
+from camp2p_overlap.emulation.comm_kernel import HostCommKernels, NvrtcCommKernels
+from camp2p_overlap.emulation.kernel_world import DEVICE_FFN_KERNELS, DeviceFFN
 from camp2p_overlap.emulation.moe import MoEFFN, MoEShape
 from camp2p_overlap.emulation.world import EmulatedModel, LinkModel, WorldSpec
 from camp2p_overlap.tools import cli
@@ -380,12 +380,12 @@ def test_a_comm_kernel_that_falls_back_says_why(monkeypatch: pytest.MonkeyPatch,
     """No CUDA comm kernel can be built (forced): the world runs calibrated
     delays, and the reason is in the world's fallbacks, the bench report's,
     the table, and the log (once for two builds)."""
-    from camp2p_overlap.emulation.standin_layer import release_site, standin_site
+    from camp2p_overlap.emulation.standin_patch_layer import release_site, standin_site
 
-    monkeypatch.setattr(device_world, "NvrtcCommKernels", _NoNvrtc)
-    dev = HostDevice()
-    use_host_device(monkeypatch, dev)
-    real_build = device_world.build_device_world
+    monkeypatch.setattr(kernel_world, "NvrtcCommKernels", _NoNvrtc)
+    dev = HostDeviceModule()
+    use_host_device_module(monkeypatch, dev)
+    real_build = kernel_world.build_device_world
 
     def build(spec: Any, kind: str, *, root: str) -> Any:
         return real_build(spec, kind, root=root, module=dev, device=torch.device("cpu"))  # type: ignore[arg-type]
@@ -403,7 +403,7 @@ def test_a_comm_kernel_that_falls_back_says_why(monkeypatch: pytest.MonkeyPatch,
     assert dw.kernels.kind.startswith(dw.kernels.method)
     assert len(logs.texts("the emulated CAM comm kernel is not used (no NVRTC here (test))", logging.WARNING)) == 1
 
-    monkeypatch.setattr(device_world, "build_device_world", build)
+    monkeypatch.setattr(kernel_world, "build_device_world", build)
     params = BenchParams(
         device="cuda", layers=2, stages=2, tokens=8, hidden=32, ffn=64, experts=2, top_k=1,
         link_latency_us=50.0, link_gbps=8.0, attn_us=50.0, steps=1, warmup=1, reps=1,
@@ -423,7 +423,7 @@ def test_a_comm_kernel_launcher_that_falls_back_says_why(monkeypatch: pytest.Mon
     )
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(device_comm, "_COMPILED", {})
+    monkeypatch.setattr(comm_kernel, "_COMPILED", {})
 
     def no_torch_launcher(self: Any) -> Any:
         raise RuntimeError("torch has no _compile_kernel (test)")
@@ -443,12 +443,12 @@ def test_a_comm_kernel_launcher_that_falls_back_says_why(monkeypatch: pytest.Mon
     NvrtcCommKernels(3, 0, torch.device("cpu"))
     assert len(logs.texts("comm kernel launcher nvrtc (torch.cuda._compile_kernel) failed", logging.WARNING)) == 1
     # build_device_world passes a kernel's own fallbacks on.
-    from camp2p_overlap.emulation.standin_layer import release_site, standin_site
+    from camp2p_overlap.emulation.standin_patch_layer import release_site, standin_site
 
     site = standin_site()
     try:
-        dw = device_world.build_device_world(
-            _world_spec(), "cuda", root=site.root, module=HostDevice(), kernels=k, device=torch.device("cpu")
+        dw = kernel_world.build_device_world(
+            _world_spec(), "cuda", root=site.root, module=HostDeviceModule(), kernels=k, device=torch.device("cpu")
         )  # type: ignore[arg-type]
         dw.close()
     finally:

@@ -21,7 +21,7 @@ from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.core.overlap.step import FfnStep
 from camp2p_overlap.core.patching.manifest import load_manifest
 from camp2p_overlap.emulation.noop import busy_wait
-from camp2p_overlap.emulation.standin_layer import release_site, standin_site
+from camp2p_overlap.emulation.standin_patch_layer import release_site, standin_site
 from camp2p_overlap.tools import overhead
 from camp2p_overlap.tools.bench.sweep import DEFAULT_WORK_HIDDEN, DEFAULT_WORK_TOKENS
 from camp2p_overlap.tools.cli import main

@@ -11,9 +11,9 @@ import pytest
 from support.overlap import Schedule, apply_cpu, run_step, world
 
 from camp2p_overlap.core.keys import EventKey
-from camp2p_overlap.core.layer import Layer, build_layer
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, TraceOp
+from camp2p_overlap.core.patch_layer import PatchLayer, build_patch_layer
 from camp2p_overlap.verify import edges
 
 LAYERS = (0, 1, 2)
@@ -21,15 +21,15 @@ STAGES = (0, 1)
 
 
 def _record(a2e: bool = True, e2a: bool = True) -> tuple[list[TraceOp], ExpectedSchedule]:
-    """The trace of one engaged step, by a layer of its own."""
+    """The trace of one engaged step, by a patch layer of its own."""
     w = world(layers=3, stage_ids=STAGES)
-    layer = build_layer()
-    apply_cpu(layer=layer, a2e_on_side_stream=a2e, e2a_on_side_stream=e2a)
+    patch_layer = build_patch_layer()
+    apply_cpu(patch_layer=patch_layer, a2e_on_side_stream=a2e, e2a_on_side_stream=e2a)
     try:
         with trace.recording() as rec:
             run_step(w, Schedule(3, STAGES, (8, 8), step=1))
     finally:
-        assert layer.engine.unpatch(timeout=10)
+        assert patch_layer.engine.unpatch(timeout=10)
     (step,) = rec.steps()
     return rec.ops(step), ExpectedSchedule(LAYERS, STAGES, a2e, e2a)
 
@@ -214,9 +214,9 @@ def test_backend_waits_must_return_after_their_event_fired(good: Any) -> None:
     assert "ffn(L0,s1) on C has no place in the backend's execution order" in str(edges.check_step(broken, expected))
 
 
-def test_serial_trace_passes_serial_schedule_only(layer: Layer) -> None:
+def test_serial_trace_passes_serial_schedule_only(patch_layer: PatchLayer) -> None:
     w = world(layers=3, stage_ids=STAGES)
-    apply_cpu(layer=layer, min_stages=3)  # two stages: serial path
+    apply_cpu(patch_layer=patch_layer, min_stages=3)  # two stages: serial path
     with trace.recording() as rec:
         run_step(w, Schedule(3, STAGES, (8, 8), step=1))
     ops = rec.ops(rec.steps()[0])

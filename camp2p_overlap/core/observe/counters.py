@@ -21,7 +21,7 @@ from camp2p_overlap.core.fork import after_fork_in_child
 PATHS = ("overlap", "parity", "reorder", "serial")
 ENGAGED = ("overlap", "parity", "reorder")
 #: The variants a decode graph replays: upstream's serial step, or the
-#: layer's (the overlap, or the rollout mode's graph).
+#: patch layer's (the overlap, or the rollout mode's graph).
 GRAPH_VARIANTS = ("serial", "overlap")
 
 
@@ -29,7 +29,7 @@ class StepCounters:
     def __init__(self) -> None:
         self._zero()
         #: Called once, after the first step or replay is counted (the
-        #: process-wide layer starts its metrics and summary there: only
+        #: process-wide patch layer starts its metrics and summary there: only
         #: processes that run FFN steps report).
         self.on_first_step: Callable[[], None] | None = None
         after_fork_in_child(self._zero)

@@ -1,6 +1,6 @@
 """What the step summary and ``doctor`` say about which graph decode
 replays: upstream's serial graph until the README's Roll-out rung
-:data:`GRAPH_RUNG` captures the layer's variant too."""
+:data:`GRAPH_RUNG` captures the patch layer's variant too."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ UPSTREAM_GRAPH = "decode replays upstream's graph"
 
 
 def rung_hint() -> str:
-    """Which rung switches decode to the layer's graphs."""
+    """Which rung switches decode to the patch layer's graphs."""
     return f"Roll out rung {GRAPH_RUNG} ({GRAPH_RUNG_SETTING}) switches it"
 
 
@@ -29,7 +29,7 @@ def _count(snap: Mapping[str, Any], key: str, variant: str) -> int:
 
 def upstream_graph_only(snap: Mapping[str, Any]) -> bool:
     """Whether every decode graph counted in ``snap`` (a ``stats()``-shaped
-    snapshot) is upstream's: captures counted, none of the layer's variant
+    snapshot) is upstream's: captures counted, none of the patch layer's variant
     (captured or replayed)."""
     if _count(snap, "graph_captures", "overlap") or _count(snap, "graph_replays", "overlap"):
         return False

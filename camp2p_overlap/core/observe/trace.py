@@ -7,7 +7,7 @@ read of the active recorder and nothing more for tracing. Times are
 ``time.perf_counter_ns()`` on the host (CPU backend: real op times), or
 device times resolved from timing events when a device backend was asked
 for them, the emulated device's own log of what its streams ran, or kernel
-times from a profiler trace (``verify/device_timeline.py``).
+times from a profiler trace (``verify/profiler_timeline.py``).
 
 Two records of a step's events can be in a trace: the session's (what it
 asked for: ``source="session"``, in host issue order ``seq``) and the
@@ -27,6 +27,8 @@ from typing import Any
 
 from camp2p_overlap.core.keys import COMPUTE_STREAM, EventKey, side_stream_name
 
+#: What a trace entry (:attr:`TraceOp.kind`) can be: a connector op (one of
+#: ``keys.CONNECTOR_OP_KINDS``), an FFN, a record, a wait, or a step's span.
 TRACE_KINDS = ("a2e", "ffn", "e2a", "wait", "record", "step")
 
 

@@ -11,8 +11,8 @@ path a step takes (``choose``); deterministic for given times. Per bucket:
   first overlap time is dropped (first-use costs: side streams, events,
   allocator). Once each path has ``min_samples`` kept times the bucket
   decides for the faster median (overlap must beat serial by
-  ``engage_margin``; 0 by default: both are measured under the layer, so a
-  serial step's time already holds what the layer costs it). With the
+  ``engage_margin``; 0 by default: both are measured under the patch layer, so a
+  serial step's time already holds what the patch layer costs it). With the
   defaults the first decision comes at the bucket's 7th step on the CPU
   backend (times read after the join) and at its 8th on a device (times read
   a step later).

@@ -1,12 +1,12 @@
 """Graph captures in progress, process-wide, and the one lock under which
-the layer's threads read events.
+the patch layer's threads read events.
 
 CUDA's default (*global*) capture mode, and ACL's, refuse an event query
 from any thread while a capture is in progress: the query fails and the
-capture is invalidated. The layer queries events from more than one
+capture is invalidated. The patch layer queries events from more than one
 thread: the adaptive step timings (any runner's step thread), the step
 watchdogs and the replay watch. Each of those reads goes through
-:meth:`CaptureGuard.read`, and each capture the layer wraps (the wrapped
+:meth:`CaptureGuard.read`, and each capture the patch layer wraps (the wrapped
 ``_capture_graphs``) runs inside :meth:`CaptureGuard.capture`: a capture
 begins only once no read is in progress, and no read starts until it has
 ended. A read that would overlap a capture returns None (not known yet:
@@ -26,7 +26,7 @@ T = TypeVar("T")
 
 
 class CaptureGuard:
-    """How many captures the layer runs now, and the lock reads take."""
+    """How many captures the patch layer runs now, and the lock reads take."""
 
     def __init__(self) -> None:
         self._reset()

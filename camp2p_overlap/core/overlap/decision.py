@@ -50,7 +50,7 @@ def serial(reason: str) -> Decision:
 
 def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any]) -> Decision:
     """Whether this call of ``runner._ffn_forward(**kwargs)`` engages, and
-    its plan; the step has already checked that the layer is on, the call is
+    its plan; the step has already checked that the patch layer is on, the call is
     not re-entrant and every target is ready (``FfnStep.blocking_reason``)."""
     cfg = engine.config
     connector = getattr(runner, "connector", None)

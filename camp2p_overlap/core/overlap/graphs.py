@@ -4,18 +4,18 @@ Upstream's ``_capture_graphs`` captures one graph per key and stores it in
 ``runner._acl_graphs[key]["graph"]``; ``execute_model`` replays it for every
 later step of that key. The wrapped ``_capture_graphs`` (:class:`GraphCapture`):
 
-1. runs every capture inside the capture guard, so no thread of the layer
+1. runs every capture inside the capture guard, so no thread of the patch layer
    reads an event while it is in progress (``capture_guard.py``);
 2. refuses graph variants where the stack cannot replay them (a missing
    optional patch target, a torch_npu without the multi-stream capture
    fix): upstream's serial graph only, logged once and counted;
 3. before upstream captures, makes the runner's side streams, the stream
-   the layer's variant is captured on, and the plan's pooled events, so a
+   the patch layer's variant is captured on, and the plan's pooled events, so a
    capture creates none (a capture with no eager warm-up works);
-4. lets upstream capture its own graph (the layer takes the serial path
+4. lets upstream capture its own graph (the patch layer takes the serial path
    inside it, so it is exactly upstream's), measuring its memory and time;
-5. under ``adaptive``, captures the layer's variant of the same step (the
-   overlap, or the rollout mode's) in the runner's pool on the layer's own
+5. under ``adaptive``, captures the patch layer's variant of the same step (the
+   overlap, or the rollout mode's) in the runner's pool on the patch layer's own
    capture stream, unless free memory is below the margin, and puts a
    :class:`VariantGraph` in the entry.
 
@@ -25,7 +25,7 @@ choice, its samples and medians belong to the key, not to a shared bucket),
 timed with pooled events read at a later replay with ``query()``, never a
 synchronize. A replay is a step of the gate: ``unpatch()`` waits for the
 replays in flight, then puts upstream's graph objects back (identity) and
-releases the layer's; a ``VariantGraph`` still held afterwards replays
+releases the patch layer's; a ``VariantGraph`` still held afterwards replays
 upstream's graph.
 
 Both variants keep CAMP2P's per-group op order (docs/design.md, "Decode
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 #: The two variants, by what ``stats()`` calls them.
 SERIAL, OVERLAP = "serial", "overlap"
-#: Free device memory the layer's variant capture leaves, at least, beyond
+#: Free device memory the patch layer's variant capture leaves, at least, beyond
 #: the key's own graph size (upstream's capture of the same step): below
 #: ``graph_size + SECOND_CAPTURE_HEADROOM_BYTES`` free, the key keeps
 #: upstream's graph only (docs/design.md, "Decode graphs").
@@ -91,11 +91,11 @@ class CapturedKey:
     gate: StepGate
     #: The runner's timings (read at its next step or replay).
     timings: StepTimings
-    #: Whether replays choose by timing (else the layer's variant always).
+    #: Whether replays choose by timing (else the patch layer's variant always).
     adaptive: bool
     #: The key's own adaptive state (one bucket: this key's).
     choice: AdaptiveEngage
-    #: Device memory and host time of upstream's capture and of the layer's.
+    #: Device memory and host time of upstream's capture and of the patch layer's.
     upstream_bytes: int | None = None
     upstream_ms: float | None = None
     extra_bytes: int | None = None
@@ -107,7 +107,7 @@ class CapturedKey:
 
 
 class VariantGraph:
-    """What ``_acl_graphs[key]["graph"]`` holds while the layer is applied:
+    """What ``_acl_graphs[key]["graph"]`` holds while the patch layer is applied:
     ``replay()`` replays the variant chosen for the key; ``reset()`` and the
     debug calls reach both graphs; anything else is upstream's graph's."""
 
@@ -126,7 +126,7 @@ class VariantGraph:
             c.gate.exit()
 
     def reset(self) -> None:
-        """Upstream's graph and the layer's are both reset; later replays are
+        """Upstream's graph and the patch layer's are both reset; later replays are
         upstream's (as its graph, reset, replays)."""
         c = self.captured
         c.released = True
@@ -165,7 +165,7 @@ def _reset(graph: Any) -> None:
 
 def restore_all(states: list[RunnerState]) -> int:
     """Put upstream's graph object back in every entry still holding the
-    layer's (identity), release the layer's; returns how many were restored.
+    patch layer's (identity), release the patch layer's; returns how many were restored.
     Called once no replay is in flight (after the gate drained)."""
     restored = 0
     for state in states:
@@ -262,7 +262,7 @@ class GraphCapture:
         if not self.engine.config.enabled or not self.engine.gate.enter():
             return wrapped(*args, **kwargs)
         try:
-            # The capture guard already keeps every read of the layer out of
+            # The capture guard already keeps every read of the patch layer out of
             # the capture; the step watchdogs still following earlier steps
             # end (the capture's synchronize runs those steps to their end).
             if not stop_watchdogs():
@@ -307,7 +307,7 @@ class GraphCapture:
         """Before the capture begins: whether graph variants may be captured
         for this runner (None: upstream's graph only, its reason logged and
         counted), and then the runner's side streams, the stream the
-        layer's variant is captured on and the plan's pooled events, which a
+        patch layer's variant is captured on and the plan's pooled events, which a
         capture may not create. Never raises (a step that cannot engage
         inside the capture says why itself)."""
         try:
@@ -342,7 +342,7 @@ class GraphCapture:
         kwargs: dict[str, Any],
         upstream: _Measured,
     ) -> None:
-        """The layer's variant of the step upstream just captured for ``key``."""
+        """The patch layer's variant of the step upstream just captured for ``key``."""
         runtime, cfg = self.runtime, self.engine.config
         sset = state.streamset
         if sset is None:

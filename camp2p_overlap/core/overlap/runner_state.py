@@ -1,4 +1,4 @@
-"""One state per FFN runner, weakly held: what the layer keeps of a runner
+"""One state per FFN runner, weakly held: what the patch layer keeps of a runner
 between its steps (its name, side streams, last planned shape, step
 timings not read yet, decode graph keys captured with both variants, and
 the mark of a variant capture in progress). :class:`RunnerStates` owns the
@@ -32,7 +32,7 @@ BackendMaker = Callable[[str, Any], StreamBackend]
 
 
 class NotWeaklyReferenceable(TypeError):
-    """A runner the layer cannot hold weakly (its class has ``__slots__``
+    """A runner the patch layer cannot hold weakly (its class has ``__slots__``
     without ``__weakref__``): its steps run serially, with this reason."""
 
 
@@ -49,7 +49,7 @@ class PlannedShape:
 
 @dataclass
 class VariantCapture:
-    """Set on a runner's state while the layer captures its variant of a
+    """Set on a runner's state while the patch layer captures its variant of a
     decode graph: the captured step says whether it engaged, and with how
     many layers."""
 
@@ -59,7 +59,7 @@ class VariantCapture:
 
 @dataclass(eq=False)
 class RunnerState:
-    """What the layer keeps of one runner."""
+    """What the patch layer keeps of one runner."""
 
     #: A short, stable name in bucket keys and stats (``Class#n``).
     name: str
@@ -71,7 +71,7 @@ class RunnerState:
     #: Decode graph keys captured with both variants, by key text
     #: (``graphs.CapturedKey``; ``graphs.py`` builds on this module).
     graphs: dict[str, Any] = field(default_factory=dict)
-    #: While the layer captures its variant of a decode graph of this runner.
+    #: While the patch layer captures its variant of a decode graph of this runner.
     variant_capture: VariantCapture | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 

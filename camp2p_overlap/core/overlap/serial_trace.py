@@ -4,7 +4,7 @@ worker's by default). It lives apart from the step (``step.py`` calls
 :func:`run_traced_serial` and nothing else of it) and in the overlap room,
 not the observe room: it reads CAMP2P's call shapes (``camp2p``) and routes
 a connector instance (``connector_routes``), both overlap's, which the
-observe room may not import (the layer contract in ``pyproject.toml``).
+observe room may not import (the rooms contract in ``pyproject.toml``).
 
 While it runs, the connector instance's ``route`` targets are routed to the
 step's trace (:data:`TRACE_ROUTERS`, the same keys as the session routers

@@ -9,7 +9,7 @@ missing peer op when it is a connector op), the event it waits for
 
 It sits in the overlap room, not the observe room: it reads the session's
 snapshot types, the capture guard and the streams' error type, all
-overlap's, and the observe room may not import them (the layer contract
+overlap's, and the observe room may not import them (the rooms contract
 in ``pyproject.toml``).
 """
 

@@ -129,7 +129,7 @@ class FfnStep:
         """Whether this call runs inside a graph capture, computed once: the
         caller says so, or the current stream of ``backend`` (the step's) is
         capturing. Without a backend (a step that got none), the runner's is
-        asked only while the layer captures (its wrapped ``_capture_graphs``)."""
+        asked only while the patch layer captures (its wrapped ``_capture_graphs``)."""
         if self._capture is None:
             capture = bool(self.kwargs.get("is_graph_capturing"))
             if not capture:
@@ -235,7 +235,7 @@ class FfnStep:
         return decision, streamset
 
     def blocking_reason(self) -> str | None:
-        """Why no step may engage now, whatever the call: the layer is
+        """Why no step may engage now, whatever the call: the patch layer is
         switched off, the call is re-entrant inside an active step, or a
         target is not ready (after the refresh that wraps a reloaded target
         module again)."""
@@ -318,7 +318,7 @@ class FfnStep:
                 runtime.counters.graph_capture("overlap")
                 state = runtime.runners.of(self.runner)
                 mark = state.variant_capture if state is not None else None
-                if mark is not None:  # the layer's variant of a decode graph is being captured
+                if mark is not None:  # the patch layer's variant of a decode graph is being captured
                     mark.engaged, mark.layers = True, len(decision.plan.layers)  # type: ignore[union-attr]
             else:
                 runtime.counters.engaged(decision.mode)

@@ -24,12 +24,12 @@ MAX_PENDING_TIMINGS = 64
 Pending = tuple["BucketKey", "Path", StreamBackend, Any, "AdaptiveEngage | None"]
 
 
-def timing_start(backend: StreamBackend) -> Any:
+def step_timer_start(backend: StreamBackend) -> Any:
     """A step's or a replay's timing token, or None (not timed) while a graph
     capture is in progress on any thread: the timing could not be read
     before the capture ends, it would time the step beside a capture, and a
     timing pair the pool lacks would be an event made during a capture."""
-    return None if GUARD.capturing() else backend.timing_start()
+    return None if GUARD.capturing() else backend.step_timer_start()
 
 
 class StepTimings:
@@ -59,12 +59,12 @@ class StepTimings:
         decode graph key's own; None: the runtime's)."""
         with self._lock:
             older = bool(self._pending)
-            seconds = None if older else GUARD.read(lambda: backend.elapsed(token))
+            seconds = None if older else GUARD.read(lambda: backend.step_timer_elapsed_s(token))
             if seconds is None:
                 self._pending.append((key, path, backend, token, into))
                 while len(self._pending) > MAX_PENDING_TIMINGS:
                     dropped = self._pending.popleft()
-                    dropped[2].timing_discard(dropped[3])
+                    dropped[2].step_timer_discard(dropped[3])
         if seconds is not None:
             (into or self._adaptive()).record(key, path, seconds)
         elif older:  # with none older, this one is first and not ready: nothing to read
@@ -81,15 +81,15 @@ class StepTimings:
         """``run()`` timed on the compute stream and recorded for ``key``
         (not timed while a capture is in progress; a run that raised is not
         recorded, and its event pair goes back)."""
-        token = timing_start(backend)
+        token = step_timer_start(backend)
         try:
             result = run()
         except BaseException:
             if token is not None:
-                backend.timing_discard(token)
+                backend.step_timer_discard(token)
             raise
         if token is not None:
-            backend.timing_stop(token)
+            backend.step_timer_stop(token)
             self.record(key, path, backend, token, into)
         return result
 
@@ -102,7 +102,7 @@ class StepTimings:
                 if not self._pending:
                     return
                 key, path, backend, token, into = self._pending[0]
-                seconds = GUARD.read(lambda b=backend, t=token: b.elapsed(t))
+                seconds = GUARD.read(lambda b=backend, t=token: b.step_timer_elapsed_s(t))
                 if seconds is None:
                     return
                 self._pending.popleft()

@@ -17,7 +17,7 @@ class _Depth(threading.local):
 
 class StepGate:
     """How many wrapped steps are running, over all threads and on this
-    one; and whether the layer is being removed (then no step may enter)."""
+    one; and whether the patch layer is being removed (then no step may enter)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -29,12 +29,12 @@ class StepGate:
         after_fork_in_child(self._after_fork_in_child)
 
     def open(self) -> None:
-        """Steps may enter (the layer is applied)."""
+        """Steps may enter (the patch layer is applied)."""
         with self._lock:
             self._open = True
 
     def close(self) -> None:
-        """No step may enter any more (the layer is removed)."""
+        """No step may enter any more (the patch layer is removed)."""
         with self._lock:
             self._open = False
 

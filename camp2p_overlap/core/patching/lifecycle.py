@@ -158,7 +158,7 @@ class PatchEngine:
     def unpatch(self, *, timeout: float = 30.0) -> bool:
         """Restore every original. Waits up to ``timeout`` seconds for steps
         already running wrapped (new steps run the original meanwhile).
-        Returns whether the layer is now fully removed."""
+        Returns whether the patch layer is now fully removed."""
         with self._lock:
             if not self.applied:
                 return self.installer.retry_stuck()

@@ -23,7 +23,7 @@ class TargetState(str, enum.Enum):
     WRAPPED = "wrapped"
     CHECKED = "checked"  # a 'read' target that matched the manifest
     REFUSED = "refused"
-    INACTIVE = "inactive"  # the layer is not applied
+    INACTIVE = "inactive"  # the patch layer is not applied
 
 
 #: States in which a target is ready for the overlap.
@@ -42,7 +42,7 @@ class TargetStatus:
 
     @property
     def ready(self) -> bool:
-        """Whether the target does not keep the layer from engaging: wrapped,
+        """Whether the target does not keep the patch layer from engaging: wrapped,
         checked, or an optional target refused alone (only its feature is)."""
         return self.state in READY or self.refuses_feature_only
 
@@ -83,7 +83,7 @@ class PatchReport:
 
     @property
     def required_refused(self) -> tuple[TargetStatus, ...]:
-        """The refusals that keep the layer from engaging (not an optional
+        """The refusals that keep the patch layer from engaging (not an optional
         target refused alone: that refuses its feature only)."""
         return tuple(t for t in self.refused if not t.refuses_feature_only)
 
@@ -155,7 +155,7 @@ def statuses(targets: Iterable[TargetSpec], state: TargetState, reason: str = ""
 
 
 class StatusBoard:
-    """The layer's current outcome: why it is in its state, the status of
+    """The patch layer's current outcome: why it is in its state, the status of
     every target of the stack in use, and whether the outcome's one log line
     has been written."""
 

@@ -3,11 +3,11 @@ whose streams are worker threads on the host (``worker.py``), whose kernels
 are host functions queued with :func:`launch`, and which captures and
 replays graphs under capture's rules (``capture.py``).
 
-Importing it registers it as the device module of the layer's ``cpu``
+Importing it registers it as the device module of the patch layer's ``cpu``
 backend (:func:`~camp2p_overlap.core.overlap.streams.register_device_module`):
-``VLLM_CAMP2P_MULTISTREAM_BACKEND=cpu`` then runs the layer's one device
-backend over it. The layer imports no emulation module; with this module
-not imported, the ``cpu`` backend is refused. What the layer reads of it is
+``VLLM_CAMP2P_MULTISTREAM_BACKEND=cpu`` then runs the patch layer's one device
+backend over it. The patch layer imports no emulation module; with this module
+not imported, the ``cpu`` backend is refused. What the patch layer reads of it is
 the protocol in ``core/overlap/streams/base.py`` (``DeviceModule`` and its
 optional capabilities: op tracking, asynchronous errors, the stream log).
 

@@ -618,7 +618,7 @@ class Stream:
         self._w.name = value
 
     def name_thread(self, name: str) -> None:
-        """Name the worker thread (diagnostics; the layer's streams are
+        """Name the worker thread (diagnostics; the patch layer's streams are
         ``camp2p-overlap-stream-<name>``, every other one keeps
         ``camp2p-emulated-stream-*``)."""
         self._w.thread.name = name
@@ -750,8 +750,8 @@ class Stream:
 class DefaultStream(Stream):
     """The device's default stream: current on a thread that set no other.
     It lives as long as the process, so its thread is named apart from the
-    streams the layer makes (``camp2p-overlap-stream-*``), which all end
-    with the layer."""
+    streams the patch layer makes (``camp2p-overlap-stream-*``), which all end
+    with the patch layer."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -775,7 +775,7 @@ def default_stream() -> DefaultStream:
                     s = _default[0] = DefaultStream()
                 finally:
                     hooks.capture = saved
-                s.name = "C"  # the compute stream of whoever runs on it (the layer names it so too)
+                s.name = "C"  # the compute stream of whoever runs on it (the patch layer names it so too)
     return s
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.emulation import device as emulated_device
 from camp2p_overlap.emulation.ffn_timing import measuring, refine_in_run
-from camp2p_overlap.emulation.standin_layer import emulated_layer
+from camp2p_overlap.emulation.standin_patch_layer import emulated_patch_layer
 
 #: FFN kernels measured per schedule (after one warm-up step).
 IN_RUN_SAMPLES = 24
@@ -66,9 +66,9 @@ def refine_ffn_in_run(
     moe.timing = measuring([tokens])
     try:
         for name, cfg in schedules.items():
-            layer = emulated_layer() if cfg is not None else None
-            if layer is not None:
-                layer.engine.apply(config=cfg, manifest=manifest, strict=True)
+            patch_layer = emulated_patch_layer() if cfg is not None else None
+            if patch_layer is not None:
+                patch_layer.engine.apply(config=cfg, manifest=manifest, strict=True)
             try:
                 for i in range(steps):
                     emulated_device.take_timing()
@@ -79,7 +79,7 @@ def refine_ffn_in_run(
                     if i and ffn is not None:  # the first step warms up
                         work.setdefault(name, []).extend(ffn.work_ns)
             finally:
-                if layer is not None and not layer.engine.unpatch(timeout=30.0):
+                if patch_layer is not None and not patch_layer.engine.unpatch(timeout=30.0):
                     raise RuntimeError("the calibration's patch engine could not unpatch; see the log")
     finally:
         moe.timing = refine_in_run(base, tokens, work)

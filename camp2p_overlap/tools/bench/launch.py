@@ -1,7 +1,7 @@
 """Launch-bound or device-bound: what the host took to issue a step's work
 against what the device took to run it, from the device world's traced
 steps (timing events for the device, the host clock between each op's two
-event records for the host: :class:`~camp2p_overlap.emulation.device_world.DeviceTiming`).
+event records for the host: :class:`~camp2p_overlap.emulation.kernel_world.DeviceTiming`).
 
 An op is launch-bound when issuing it takes the host about as long as (or
 longer than) running it takes the device: the device then waits for the

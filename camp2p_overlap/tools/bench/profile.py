@@ -1,7 +1,7 @@
 """``bench --profile-trace PATH`` on ``--device cuda|npu``: one overlapped
 step under the device profiler (``torch.profiler`` with Kineto on CUDA,
 ``torch_npu.profiler`` on an NPU), read back as per-stream kernel timelines
-(``verify/device_timeline.py``), checked by the edge checker on device times,
+(``verify/profiler_timeline.py``), checked by the edge checker on device times,
 and written as Chrome/Perfetto trace JSON (one track per stream: C, K0, K1,
 ..., each op's span over its kernels).
 
@@ -26,10 +26,10 @@ from camp2p_overlap.core.keys import COMPUTE_STREAM
 from camp2p_overlap.core.observe.trace import ExpectedSchedule
 from camp2p_overlap.core.overlap.streams import device_module
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
-from camp2p_overlap.emulation.standin_layer import emulated_layer
+from camp2p_overlap.emulation.standin_patch_layer import emulated_patch_layer
 from camp2p_overlap.verify.annotated_backend import RANGE_PREFIX, annotating, profiler_range
-from camp2p_overlap.verify.device_timeline import DeviceTimeline, parse
 from camp2p_overlap.verify.edges import check_step
+from camp2p_overlap.verify.profiler_timeline import DeviceTimeline, parse
 
 #: The step id of the profiled step (its own: the attention inputs depend on it).
 PROFILE_STEP_ID = 10_000
@@ -122,14 +122,14 @@ def profile_device_step(
     world.steps_run = PROFILE_STEP_ID
     reference = world.run_step()  # the engine is unpatched here: the serial path
     mod.synchronize()
-    layer = emulated_layer()
+    patch_layer = emulated_patch_layer()
     cfg = OverlapConfig(enabled=True, backend=kind, adaptive=False)  # type: ignore[arg-type]
-    layer.engine.apply(config=cfg, manifest=manifest, strict=True)
+    patch_layer.engine.apply(config=cfg, manifest=manifest, strict=True)
     try:
         world.steps_run = PROFILE_STEP_ID
         world.run_step()  # warm-up: side streams and events exist before the profile
         mod.synchronize()
-        (sset,) = layer.runtime.runners.stream_sets()
+        (sset,) = patch_layer.runtime.runners.stream_sets()
         launch = marker(torch.device(kind, mod.current_device()))
 
         def step() -> Any:
@@ -138,7 +138,7 @@ def profile_device_step(
 
         out, raw = capture(kind, lambda: profiled_step(step, mod=mod, streamset=sset, launch=launch))
     finally:
-        if not layer.engine.unpatch(timeout=30.0):
+        if not patch_layer.engine.unpatch(timeout=30.0):
             raise RuntimeError("the profiling patch engine could not unpatch; see the log")
     return write_profile(parse(raw), path, layers=layers, stages=stages, out=out, reference=reference)
 

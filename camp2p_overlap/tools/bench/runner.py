@@ -32,30 +32,30 @@ step (for ``--trace``/``--plot`` and the edge checker).
 ``graph`` (``--graph``; ``--device cuda``: CUDA graphs, ``--device cpu``: the
 emulated device's): upstream's decode graph path, every capture in the
 runner's one graph pool. Each fixed policy's step is captured once per graph
-key, with its layer config applied (``graph=True``; serial: unpatched), after
+key, with its patch layer's config applied (``graph=True``; serial: unpatched), after
 the eager warm-up steps that create the side streams (run apart from the
 capture step, whose wall time and device memory are measured alone: the
-report's ``capture``, ``graph_pool``), and the layer is unpatched after: a
+report's ``capture``, ``graph_pool``), and the patch layer is unpatched after: a
 replay runs only the captured kernels, so such a graph replays after its
-layer was unpatched (on streams of the graph's own). Adaptive ``overlap`` is
+patch layer was unpatched (on streams of the graph's own). Adaptive ``overlap`` is
 captured last with both variants (``graph="adaptive"``: upstream's serial
-graph and the layer's overlap graph behind one ``VariantGraph``), and its
-layer stays applied until every replay has run: its graph picks the variant
-per replay through the layer's runtime (learning, hysteresis, re-probes).
+graph and the patch layer's overlap graph behind one ``VariantGraph``), and its
+patch layer stays applied until every replay has run: its graph picks the variant
+per replay through the patch layer's runtime (learning, hysteresis, re-probes).
 Then, per repetition, the captured graphs are replayed round-robin, one
 replay per policy per step id in a rotating order, each timed as an eager
 step is (``run_step`` + synchronize) and compared bitwise with the eager
 serial step of the same step id. Serial's pass-through traced steps (eager)
 give f, a, e and the floor as above; they need serial's own engine applied,
 so with adaptive ``overlap`` in the run they follow the last repetition's
-replays (once its layer is unpatched) instead of each repetition's.
+replays (once its patch layer is unpatched) instead of each repetition's.
 Speedup, eta and their intervals are the eager run's (:func:`_report`), over
 replays: speedup against serial's graph.
 
 Worlds: ``--device cpu`` runs the host world (``emulation/world.py``: the
 transport and the attention peers on the host); ``--device cuda|npu``, and
 ``--device cpu --device-world``, the device world
-(``emulation/device_world.py``: static attention buffers filled before each
+(``emulation/kernel_world.py``: static attention buffers filled before each
 step or replay, results read from static buffers after it, the peer on the
 device), which is capturable: on the CPU it runs on the emulated device,
 which enforces the capture rules.
@@ -85,7 +85,7 @@ from camp2p_overlap.emulation import device as emulated_device
 from camp2p_overlap.emulation.device import TimingCounts
 from camp2p_overlap.emulation.ffn_timing import fixed as fixed_ffn
 from camp2p_overlap.emulation.moe import MoEShape
-from camp2p_overlap.emulation.standin_layer import emulated_layer, release_site, standin_site
+from camp2p_overlap.emulation.standin_patch_layer import emulated_patch_layer, release_site, standin_site
 from camp2p_overlap.emulation.world import LinkModel, WorldSpec, build_world
 from camp2p_overlap.tools.bench.calibrate import in_run_schedules, refine_ffn_in_run
 from camp2p_overlap.tools.bench.launch import launch_sample, launch_summary, launch_verdict
@@ -107,7 +107,7 @@ PROFILE_NEEDS_DEVICE = (
 #: eta is reported only when T_serial - T_floor is at least this share of T_serial.
 ETA_MIN_HIDEABLE = 0.05
 #: ``sys.setswitchinterval`` of the emulation tools' processes (bench, sweep,
-#: overhead, scripts/soak.py; never the layer's): the emulated streams,
+#: overhead, scripts/soak.py; never the patch layer's): the emulated streams,
 #: the compute stream included, are Python threads, and at CPython's default
 #: of 5 ms a thread that could run waits up to that long for the GIL, which
 #: at small work per (layer, stage) would swamp what is measured.
@@ -174,7 +174,7 @@ class BenchParams:
     #: (cuda: CUDA graphs; cpu: the emulated device's).
     graph: bool = False
     #: ``--device cpu`` only: run the device world (static attention buffers,
-    #: the device-side peer, ``emulation/device_world.py``) on the emulated
+    #: the device-side peer, ``emulation/kernel_world.py``) on the emulated
     #: device instead of the host world: the code path of ``--device cuda``, on
     #: the CPU. (cuda and npu always run the device world.)
     device_world: bool = False
@@ -432,7 +432,7 @@ class _Handle:
     #: ``host`` (the CPU world, its transport and peers on the host) or
     #: ``device`` (the device world: static buffers, the peer on the device).
     world_kind: str = "host"
-    #: Right after a capture: whether the captured step (its layer's variant)
+    #: Right after a capture: whether the captured step (its patch layer's variant)
     #: ran A2E/E2A on side streams (the side streams' names given).
     captured_engaged: Callable[[Any, set[str]], bool] = lambda graph, side: False
     #: Device memory figures for a capture into ``pool`` (:func:`_cuda_memory`); None: not measured.
@@ -445,7 +445,7 @@ class _Handle:
 
 def _graph_nodes_engaged(graph: Any, side_streams: set[str]) -> bool:
     """The emulated device's graph: whether a node of the captured step
-    (for a ``VariantGraph``, of the layer's variant) is on a side stream."""
+    (for a ``VariantGraph``, of the patch layer's variant) is on a side stream."""
     g = graph.captured.ours if isinstance(graph, VariantGraph) else graph
     return any(name in side_streams for name, _, _ in g.nodes())
 
@@ -514,7 +514,7 @@ def _cuda_memory(mod: Any) -> Callable[[Any], dict[str, int | None]]:
 
 
 def _device_handle(params: BenchParams, root: str) -> _Handle:
-    from camp2p_overlap.emulation.device_world import EMULATED, build_device_world
+    from camp2p_overlap.emulation.kernel_world import EMULATED, build_device_world
 
     kind = EMULATED if params.device == "cpu" else params.device
     dw = build_device_world(params.world_spec(), kind, root=root)
@@ -759,8 +759,8 @@ def _run_policies(
     )
     # One engine per policy, kept over the repetitions (what adaptive engage
     # learned carries over, as in a serving process), applied per repetition.
-    patch_layers = {p: emulated_layer() for p in order}
-    engines = {p: layer.engine for p, layer in patch_layers.items()}
+    patch_layers = {p: emulated_patch_layer() for p in order}
+    engines = {p: patch_layer.engine for p, patch_layer in patch_layers.items()}
     try:
         for rep in range(params.reps):
             for policy in order:
@@ -874,7 +874,7 @@ def _graph_warmups(world: Any, sync: Callable[[], None], n: int) -> None:
 
 
 def _graphs_of(graph: Any) -> list[Any]:
-    """The graphs a captured key holds: upstream's and the layer's for a
+    """The graphs a captured key holds: upstream's and the patch layer's for a
     ``VariantGraph``, else the one."""
     if isinstance(graph, VariantGraph):
         return [g for g in (graph.captured.upstream, graph.captured.ours) if g is not None]
@@ -900,7 +900,7 @@ def _run_graph_policies(
     """``--graph``: the eager serial reference of every step id; each fixed
     policy's step captured once (its config applied, ``graph=True``, then
     unpatched); adaptive ``overlap`` captured with both variants
-    (``graph="adaptive"``) and its layer kept applied while every policy's
+    (``graph="adaptive"``) and its patch layer kept applied while every policy's
     warm-up and timed replays run round-robin, per repetition; serial's
     traced pass-through steps (module docstring)."""
     world = handle.world
@@ -919,7 +919,7 @@ def _run_graph_policies(
         e2a_on_side_stream=False,
         adaptive=False,
     )
-    patch_layers = {p: emulated_layer() for p in order}
+    patch_layers = {p: emulated_patch_layer() for p in order}
     per_rep = len(order) * (params.warmup + params.steps) + params.steps
     bar = _Progress(len(warm_ids) + len(timed_ids) + len(order) + params.reps * per_rep, progress, desc)
     side_streams = {side_stream_name(s) for s in stages}
@@ -974,7 +974,7 @@ def _run_graph_policies(
             "pool_bytes": delta("pool", 1),
             "device_free_bytes": delta("free", -1),
             "allocated_bytes": delta("allocated", 1),
-            # The layer's own figure (mem_get_info): host memory on the emulated device, so not given there.
+            # The patch layer's own figure (mem_get_info): host memory on the emulated device, so not given there.
             "second_variant_bytes": layer_graph.get("extra_bytes") if handle.memory is not None else None,
         }
         bar.tick(policy)
@@ -1039,9 +1039,9 @@ def _run_graph_policies(
                 unpatch(policy)
             stats[policy].captured_variants += 1
             stats[policy].engaged.append(engaged)
-        # The adaptive policy: both variants (GRAPH=adaptive); its layer stays
+        # The adaptive policy: both variants (GRAPH=adaptive); its patch layer stays
         # applied through every policy's replays (its graph chooses through
-        # the layer's runtime; the fixed graphs replay only captured work).
+        # the patch layer's runtime; the fixed graphs replay only captured work).
         adaptive = [p for p in order if p in ADAPTIVE_POLICIES]
         assert len(adaptive) <= 1, "two engines cannot stay applied side by side"
         for policy in adaptive:

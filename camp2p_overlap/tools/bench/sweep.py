@@ -136,7 +136,7 @@ def _calibrated_f_s(calibration: Mapping[str, Any]) -> float:
 def comm_core_capacity(device: str) -> tuple[int | None, str]:
     """How many cores the device holds for the comm ops of one step, and
     where that figure comes from. CUDA: the GPU's SMs (a comm op's block
-    holds an SM of its own: ``emulation/device_comm.py``); elsewhere None:
+    holds an SM of its own: ``emulation/comm_kernel.py``); elsewhere None:
     CPU threads time-share their cores, so a point is never capped there."""
     if device != "cuda":
         return None, f"{device}: not capped (busy threads time-share the cores)"

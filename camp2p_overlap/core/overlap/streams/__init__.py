@@ -1,7 +1,7 @@
 """Stream backends: one device backend over ``torch.npu``, ``torch.cuda``
 or, for ``cpu``, the device module registered for it (the emulated device,
 ``camp2p_overlap.emulation.device``, registers itself when imported; the
-layer imports no emulation module), chosen from the runner's device."""
+patch layer imports no emulation module), chosen from the runner's device."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from camp2p_overlap.core.overlap.streams.base import (
     StreamBackend,
     StreamPoisonedError,
 )
-from camp2p_overlap.core.overlap.streams.device import TorchDeviceBackend
+from camp2p_overlap.core.overlap.streams.torch_streams import TorchStreamBackend
 
 __all__ = [
     "BackendUnavailable",
@@ -33,7 +33,7 @@ __all__ = [
     "Stream",
     "StreamBackend",
     "StreamPoisonedError",
-    "TorchDeviceBackend",
+    "TorchStreamBackend",
     "device_module",
     "make_backend",
     "register_device_module",
@@ -88,7 +88,7 @@ def registered_capabilities(backend: str = "cpu") -> DeviceCapabilities:
 def device_module(kind: str) -> Any:
     """``torch.cuda`` or ``torch.npu`` when a device of that kind is usable,
     else raise :class:`BackendUnavailable` saying why: the one check the
-    layer, the emulated device worlds and the command line share. Importing
+    patch layer, the emulated device worlds and the command line share. Importing
     torch_npu is attempted only for ``npu``."""
     import torch
 
@@ -135,9 +135,9 @@ def make_backend(name: str, device: Any = None) -> StreamBackend:
                 f"backend {name!r}: no device module is registered for it; the emulated device registers "
                 "itself when camp2p_overlap.emulation.device is imported (the layer never imports it)"
             )
-        return TorchDeviceBackend(name, registered, device)
+        return TorchStreamBackend(name, registered, device)
     try:
         mod = device_module(name)
     except BackendUnavailable as exc:
         raise BackendUnavailable(f"backend {name!r} unavailable: {exc}") from exc
-    return TorchDeviceBackend(name, mod, device)
+    return TorchStreamBackend(name, mod, device)

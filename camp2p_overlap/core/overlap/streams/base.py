@@ -212,17 +212,17 @@ class StreamBackend(abc.ABC):
         (``StreamLogEntry`` of the CPU backend), in execution order."""
         return []
 
-    # -- step timing for adaptive engage: never blocks the host -------------
-    def timing_start(self) -> Any:
+    # -- the step timer of adaptive engage: never blocks the host -----------
+    def step_timer_start(self) -> Any:
         """Start timing a step on the compute stream; returns a token.
         Here: the host clock (a backend whose compute stream is the host)."""
         return [time.perf_counter(), None]
 
-    def timing_stop(self, token: Any) -> None:
+    def step_timer_stop(self, token: Any) -> None:
         """The step's work has been issued (and, here, joined)."""
         token[1] = time.perf_counter()
 
-    def elapsed(self, token: Any) -> float | None:
+    def step_timer_elapsed_s(self, token: Any) -> float | None:
         """The step's time in seconds once known, else None (ask again later)."""
         return None if token[1] is None else token[1] - token[0]
 
@@ -235,7 +235,7 @@ class StreamBackend(abc.ABC):
     def release_marker(self, marker: Any) -> None:  # noqa: B027 - optional hook
         """Give back an :meth:`end_marker` seen complete."""
 
-    def timing_discard(self, token: Any) -> None:  # noqa: B027 - optional hook
-        """A timing that will not be read (its step raised, or it was
+    def step_timer_discard(self, token: Any) -> None:  # noqa: B027 - optional hook
+        """A step timer that will not be read (its step raised, or it was
         dropped unread): its resources go back (device backends: the
         pooled event pair)."""

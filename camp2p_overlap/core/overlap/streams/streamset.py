@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from camp2p_overlap.core.keys import side_stream_name
 from camp2p_overlap.core.overlap.streams.base import Stream, StreamBackend
 
-#: The name of the stream the layer captures its decode graph variant on.
+#: The name of the stream the patch layer captures its decode graph variant on.
 VARIANT_CAPTURE_STREAM = "G"
 
 
@@ -28,7 +28,7 @@ class StreamSet:
         self.lock = threading.Lock()
 
     def capture_stream(self) -> Stream:
-        """The stream the layer's variant capture runs on, made on first use
+        """The stream the patch layer's variant capture runs on, made on first use
         (call it outside any capture: no stream may be made inside one)."""
         if self._capture_stream is None:
             self._capture_stream = self.backend.new_stream(VARIANT_CAPTURE_STREAM)

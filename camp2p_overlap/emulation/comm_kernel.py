@@ -1,7 +1,7 @@
 """The emulated CAM communication kernel on a device, and its attention peer.
 
 One kernel plays every A2E and E2A of the device emulation
-(:mod:`camp2p_overlap.emulation.device_world`). It spins on the device's
+(:mod:`camp2p_overlap.emulation.kernel_world`). It spins on the device's
 wall clock (``%globaltimer``, nanoseconds), never on a calibrated cycle
 count, so SM clock changes (idle to boost is several times) do not change
 its duration. It runs as ``blocks`` thread blocks; with ``comm_cores = N >=
@@ -345,7 +345,7 @@ class HostCommKernels(CommKernels):
     end (never sooner after that E2A really began), and it holds its stream
     until its modelled end, the link time after both. Called when enqueued with a host stand-in device (which runs work
     at once); on the emulated device the device world launches each call as
-    a kernel of the current stream (``device_world.launcher``), so it runs in
+    a kernel of the current stream (``kernel_world.launcher``), so it runs in
     stream order, concurrently across streams as a device kernel does, and a
     graph capture records it."""
 

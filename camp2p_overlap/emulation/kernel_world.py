@@ -7,7 +7,7 @@ What is real and what is modeled:
   is applied densely, so it never synchronizes with the host, its experts
   batched into two GEMMs, so it issues the same few kernels whatever the
   number of experts), on the caller's current stream C.
-* A2E/E2A: the emulated CAM kernel (:mod:`device_comm`) on whatever
+* A2E/E2A: the emulated CAM kernel (:mod:`comm_kernel`) on whatever
   stream the patch layer puts them on, then a device op for the data moved.
   The kernel spins on the device's wall clock (``%globaltimer``), never on a
   calibrated cycle count; with ``comm_cores = N`` it holds N SMs for the
@@ -80,7 +80,7 @@ from camp2p_overlap.core.observe.trace import TraceOp
 from camp2p_overlap.core.overlap.streams import BackendUnavailable, device_module
 from camp2p_overlap.emulation import device as emulated_device
 from camp2p_overlap.emulation import standins
-from camp2p_overlap.emulation.device_comm import (
+from camp2p_overlap.emulation.comm_kernel import (
     CommKernels,
     DevicePeerTimeout,
     HostCommKernels,
@@ -158,7 +158,7 @@ def _stream_key(stream: Any) -> Any:
     return id(stream)
 
 
-_NPU_ALIAS_NAME = "camp2p_overlap.emulation.device_world.torch_npu_on_cuda"
+_NPU_ALIAS_NAME = "camp2p_overlap.emulation.kernel_world.torch_npu_on_cuda"
 
 
 def install_cuda_as_torch_npu() -> bool:
@@ -193,7 +193,7 @@ class DeviceUnavailable(RuntimeError):
 
 
 def require_device(kind: str) -> ModuleType:
-    """The torch device module for ``--device kind`` (the layer's own check,
+    """The torch device module for ``--device kind`` (the patch layer's own check,
     :func:`~camp2p_overlap.core.overlap.streams.device_module`), or raise
     :class:`DeviceUnavailable` with its reason, worded for the command line."""
     try:
@@ -204,7 +204,7 @@ def require_device(kind: str) -> ModuleType:
 
 class DeviceDelay:
     """Busy device work of a given duration on the current stream, where no
-    comm kernel can be built (:mod:`device_comm`): ``torch.cuda._sleep``
+    comm kernel can be built (:mod:`comm_kernel`): ``torch.cuda._sleep``
     cycles, or repeated copies of a scratch buffer (some torch_npu builds).
 
     A cycle count is only as good as the clock it was measured at, and the
@@ -459,7 +459,7 @@ class StaticAttentionInputs(AttentionInputs):
 
 class DeviceTransport:
     """The ``a2e``/``e2a`` ops as device work on the current stream, with no
-    host-side blocking: the comm kernel (:mod:`device_comm`) waits for the
+    host-side blocking: the comm kernel (:mod:`comm_kernel`) waits for the
     attention peer on the device and spins the link time; then the data
     moves (a device op computed from what the stage's previous E2A sent).
     Same interface as ``EmulatedTransport`` (``a2e``, ``e2a``,

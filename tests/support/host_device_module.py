@@ -4,9 +4,9 @@ the host issue order must itself be a legal protocol order, as on one
 in-order device queue), events carry the clock time they were last
 recorded at (``time.perf_counter_ns`` by default: the device world and the
 device backend run on it without a GPU, with real times in their traces;
-a counter where a test wants ticks), and it counts what the layer asked of
+a counter where a test wants ticks), and it counts what the patch layer asked of
 it: streams and events made, waits, synchronizes, queries.
-``use_host_device`` makes the layer's stream sets use it."""
+``use_host_device_module`` makes the patch layer's stream sets use it."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ import pytest
 
 from camp2p_overlap.core.overlap import decision as step_decision
 from camp2p_overlap.core.overlap import runner_state
-from camp2p_overlap.core.overlap.streams import TorchDeviceBackend
+from camp2p_overlap.core.overlap.streams import TorchStreamBackend
 
 
-class HostDevice:
+class HostDeviceModule:
     def __init__(
         self, *, name: str = "hostdev", clock: Callable[[], int] = time.perf_counter_ns, tick_ms: float = 1e-6
     ) -> None:
@@ -103,8 +103,8 @@ class HostDevice:
         self.syncs += 1
 
 
-def use_host_device(monkeypatch: pytest.MonkeyPatch, dev: HostDevice) -> None:
+def use_host_device_module(monkeypatch: pytest.MonkeyPatch, dev: HostDeviceModule) -> None:
     """Make every layer's stream sets use ``dev`` through the shared device
     backend, whatever backend the configuration names."""
     monkeypatch.setattr(step_decision, "resolve_backend_name", lambda requested, device: dev.__name__)
-    monkeypatch.setattr(runner_state, "make_backend", lambda name, device=None: TorchDeviceBackend(dev.__name__, dev))
+    monkeypatch.setattr(runner_state, "make_backend", lambda name, device=None: TorchStreamBackend(dev.__name__, dev))

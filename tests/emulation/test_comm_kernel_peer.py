@@ -1,4 +1,4 @@
-"""The device bench's attention peer (``emulation/device_comm.py``), run on
+"""The device bench's attention peer (``emulation/comm_kernel.py``), run on
 the host through a stand-in device module and the kernel's host reference:
 a stage's next A2E completes only after its previous E2A plus the attention
 time, the wait is reported per (layer, stage), outputs stay bitwise those
@@ -17,16 +17,16 @@ from typing import Any
 
 import pytest
 import torch
-from support.host_device import HostDevice, use_host_device
+from support.host_device_module import HostDeviceModule, use_host_device_module
 from support.overlap import assert_same
 
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.observe.trace import TraceOp
 from camp2p_overlap.core.overlap.session import OverlapSession
-from camp2p_overlap.emulation.device_comm import KERNEL_SOURCE, DevicePeerTimeout, HostCommKernels
-from camp2p_overlap.emulation.device_world import build_device_world
+from camp2p_overlap.emulation.comm_kernel import KERNEL_SOURCE, DevicePeerTimeout, HostCommKernels
+from camp2p_overlap.emulation.kernel_world import build_device_world
 from camp2p_overlap.emulation.moe import MoEShape
-from camp2p_overlap.emulation.standin_layer import emulation_engine, release_site, standin_site
+from camp2p_overlap.emulation.standin_patch_layer import emulation_engine, release_site, standin_site
 from camp2p_overlap.emulation.world import LinkModel, WorldSpec
 from camp2p_overlap.verify.peer_cycle import check_peer_cycle
 
@@ -43,7 +43,7 @@ def site() -> Iterator[Any]:
     release_site(s)
 
 
-def _world(site: Any, dev: HostDevice, kernels: HostCommKernels | None = None, **kw: Any) -> Any:
+def _world(site: Any, dev: HostDeviceModule, kernels: HostCommKernels | None = None, **kw: Any) -> Any:
     spec = WorldSpec(
         layers=len(LAYERS),
         stage_ids=STAGES,
@@ -86,8 +86,8 @@ def _overlap(site: Any) -> Iterator[None]:
 
 
 def test_the_peer_cycle_holds_serial_and_overlapped(site: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    dev = HostDevice()
-    use_host_device(monkeypatch, dev)
+    dev = HostDeviceModule()
+    use_host_device_module(monkeypatch, dev)
     dw = _world(site, dev)
     serial_ops, serial = _traced(dw, 1)
     waits = dw.transport.peer_wait_ns
@@ -119,8 +119,8 @@ class _EagerPeer(HostCommKernels):
 
 
 def test_the_cycle_check_fails_when_the_peer_answers_early(site: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    dev = HostDevice()
-    use_host_device(monkeypatch, dev)
+    dev = HostDeviceModule()
+    use_host_device_module(monkeypatch, dev)
     dw = _world(site, dev, kernels=_EagerPeer(3))
     with _overlap(site):
         ops, _ = _traced(dw, 1)
@@ -133,8 +133,8 @@ def test_an_a2e_queued_before_its_e2a_times_out_on_the_device(site: Any, monkeyp
     """A schedule that deadlocks on hardware: the lookahead A2E issued on K_s
     before the E2A it needs. The device kernel gives up after the op timeout
     and the step's synchronize raises instead of hanging."""
-    dev = HostDevice()
-    use_host_device(monkeypatch, dev)
+    dev = HostDeviceModule()
+    use_host_device_module(monkeypatch, dev)
     dw = _world(site, dev, op_timeout_s=0.05)
     orig_send = OverlapSession.send
 
@@ -186,17 +186,17 @@ def test_the_device_bench_runs_the_peer_model_end_to_end(monkeypatch: pytest.Mon
     read back, the peer-cycle check on every traced step, the report) on the
     host stand-in device: every policy bitwise equal to serial, the cycle held,
     the attention time modeled."""
-    from camp2p_overlap.emulation import device_world
+    from camp2p_overlap.emulation import kernel_world
     from camp2p_overlap.tools.bench.runner import BenchParams, run_bench
 
-    dev = HostDevice()
-    use_host_device(monkeypatch, dev)
-    real_build = device_world.build_device_world
+    dev = HostDeviceModule()
+    use_host_device_module(monkeypatch, dev)
+    real_build = kernel_world.build_device_world
 
     def build(spec: Any, kind: str, *, root: str) -> Any:
         return real_build(spec, kind, root=root, module=dev, kernels=HostCommKernels(3), device=torch.device("cpu"))  # type: ignore[arg-type]
 
-    monkeypatch.setattr(device_world, "build_device_world", build)
+    monkeypatch.setattr(kernel_world, "build_device_world", build)
     params = BenchParams(
         device="cuda", layers=3, stages=2, tokens=8, hidden=32, ffn=64, experts=2, top_k=1,
         link_latency_us=100.0, link_gbps=8.0, attn_us=1000.0, steps=2, warmup=1, reps=1,
@@ -270,7 +270,7 @@ class _FakeCompiledKernel:
 def _fake_cuda(monkeypatch: pytest.MonkeyPatch, kernel: _FakeCompiledKernel) -> None:
     from types import SimpleNamespace
 
-    from camp2p_overlap.emulation import device_comm
+    from camp2p_overlap.emulation import comm_kernel
 
     props = SimpleNamespace(
         multi_processor_count=132, shared_memory_per_block_optin=232448, shared_memory_per_multiprocessor=233472
@@ -279,11 +279,11 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch, kernel: _FakeCompiledKernel) -> 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "_compile_kernel", lambda source, name, **kw: kernel, raising=False)
-    monkeypatch.setattr(device_comm, "_COMPILED", {})
+    monkeypatch.setattr(comm_kernel, "_COMPILED", {})
 
 
 def test_the_nvrtc_launcher_packs_the_kernel_signature(site: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from camp2p_overlap.emulation.device_comm import NvrtcCommKernels
+    from camp2p_overlap.emulation.comm_kernel import NvrtcCommKernels
 
     kernel = _FakeCompiledKernel()
     _fake_cuda(monkeypatch, kernel)
@@ -292,8 +292,8 @@ def test_the_nvrtc_launcher_packs_the_kernel_signature(site: Any, monkeypatch: p
     assert kernel.shared_config == 232448
     assert {(grid, shared) for grid, shared, _ in kernel.launches} == {((4, 1, 1), 232448)}
     # The world through this launcher, on the host stand-in device: the cycle holds.
-    dev = HostDevice()
-    use_host_device(monkeypatch, dev)
+    dev = HostDeviceModule()
+    use_host_device_module(monkeypatch, dev)
     dw = _world(site, dev, kernels=k)
     with _overlap(site):
         ops, _ = _traced(dw, 1)
@@ -302,7 +302,7 @@ def test_the_nvrtc_launcher_packs_the_kernel_signature(site: Any, monkeypatch: p
 
 
 def test_the_self_test_rejects_a_kernel_fed_the_wrong_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
-    from camp2p_overlap.emulation.device_comm import NvrtcCommKernels
+    from camp2p_overlap.emulation.comm_kernel import NvrtcCommKernels
 
     _fake_cuda(monkeypatch, _FakeCompiledKernel(swap=True))
     monkeypatch.setitem(sys.modules, "cupy", None)  # no second way either
@@ -311,7 +311,7 @@ def test_the_self_test_rejects_a_kernel_fed_the_wrong_arguments(monkeypatch: pyt
 
 
 def test_comm_cores_a_gpu_cannot_give_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from camp2p_overlap.emulation.device_comm import NvrtcCommKernels
+    from camp2p_overlap.emulation.comm_kernel import NvrtcCommKernels
 
     _fake_cuda(monkeypatch, _FakeCompiledKernel())
     with pytest.raises(ValueError, match="the GPU has 132 SMs"):
@@ -332,10 +332,10 @@ def test_ffn_outputs_stay_referenced_until_c_waited_their_e2a(
     same rule is tested through the allocator itself (gpu tests)."""
     import weakref
 
-    from camp2p_overlap.emulation.device_world import TimedModel
+    from camp2p_overlap.emulation.kernel_world import TimedModel
 
-    dev = HostDevice()
-    use_host_device(monkeypatch, dev)
+    dev = HostDeviceModule()
+    use_host_device_module(monkeypatch, dev)
     spec_stages = (0, 1, 2)
     spec = WorldSpec(
         layers=2, stage_ids=spec_stages, tokens=8, shape=MoEShape(hidden=32, ffn=64, experts=2, top_k=1),

@@ -28,7 +28,7 @@ from camp2p_overlap.core.overlap.streams.base import (
 )
 
 
-class TorchDeviceBackend(StreamBackend):
+class TorchStreamBackend(StreamBackend):
     def __init__(self, name: str, device_module: ModuleType, device: Any = None) -> None:
         for attr in ("Stream", "Event", "stream", "current_stream"):
             if not hasattr(device_module, attr):
@@ -37,7 +37,7 @@ class TorchDeviceBackend(StreamBackend):
         self.mod = device_module
         self.device = device
         self._events: dict[EventKey, Any] = {}
-        #: Free (start, end) timing-event pairs for step timing.
+        #: Free (start, end) timing-event pairs for the step timer.
         self._step_events: list[tuple[Any, Any]] = []
         #: Free replay-end markers (the replay watch).
         self._markers: list[Any] = []
@@ -90,7 +90,7 @@ class TorchDeviceBackend(StreamBackend):
 
     def reserve(self, keys: Any) -> int:
         """Make the pooled events of ``keys`` now (before a graph capture,
-        inside which the layer creates none); returns how many were new."""
+        inside which the patch layer creates none); returns how many were new."""
         made = 0
         for key in keys:
             if key not in self._events:
@@ -145,17 +145,17 @@ class TorchDeviceBackend(StreamBackend):
             if callable(close):
                 close()
 
-    # -- step timing for adaptive engage ---------------------------------
-    def timing_start(self) -> Any:
+    # -- the step timer of adaptive engage -------------------------------
+    def step_timer_start(self) -> Any:
         """Record a timing event on the compute stream (pooled events)."""
-        start, end = self._step_events.pop() if self._step_events else self._new_timing_pair()
+        start, end = self._step_events.pop() if self._step_events else self._new_step_timer_pair()
         start.record(self.mod.current_stream())
         return (start, end)
 
-    def timing_stop(self, token: Any) -> None:
+    def step_timer_stop(self, token: Any) -> None:
         token[1].record(self.mod.current_stream())
 
-    def elapsed(self, token: Any) -> float | None:
+    def step_timer_elapsed_s(self, token: Any) -> float | None:
         """Read a step's events once the end event has completed (``query()``,
         never a synchronize); the events go back to the pool."""
         start, end = token
@@ -173,13 +173,13 @@ class TorchDeviceBackend(StreamBackend):
     def release_marker(self, marker: Any) -> None:
         self._markers.append(marker)
 
-    def timing_discard(self, token: Any) -> None:
-        """Put a timing's event pair back in the pool unread (re-recording
+    def step_timer_discard(self, token: Any) -> None:
+        """Put a step timer's event pair back in the pool unread (re-recording
         an event that has not completed is allowed: it then stands for its
         new record)."""
         self._step_events.append(token)
 
-    def _new_timing_pair(self) -> tuple[Any, Any]:
+    def _new_step_timer_pair(self) -> tuple[Any, Any]:
         return self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True)
 
 

@@ -1,5 +1,5 @@
 """The package's architecture as tests: no import cycle anywhere in the
-package (grimp's import graph, the one import-linter checks the layer
+package (grimp's import graph, the one import-linter checks the rooms
 contract of ``pyproject.toml`` on), and importing the package imports
 nothing of the tools or the emulation."""
 

@@ -1,4 +1,4 @@
-"""The emulated device reaches the layer only through the registry: core
+"""The emulated device reaches the patch layer only through the registry: core
 imports no emulation module, the emulated device registers itself for the
 ``cpu`` backend when imported, and with nothing registered the ``cpu``
 backend is refused with its reason (the step runs upstream's serial path)."""
@@ -13,7 +13,6 @@ from support.child import run_program
 from support.overlap import Schedule, apply_cpu, assert_same, run_step, serial_results, world
 
 import camp2p_overlap
-from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.overlap.streams import (
     BackendUnavailable,
     DeviceCapabilities,
@@ -22,6 +21,7 @@ from camp2p_overlap.core.overlap.streams import (
     registered_device_module,
     unregister_device_module,
 )
+from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.emulation import device as emulated_device
 
 UNREGISTERED = "no device module is registered"
@@ -55,15 +55,17 @@ def test_with_nothing_registered_the_cpu_backend_is_refused_with_its_reason(noth
     assert make_backend("cpu").mod is emulated_device
 
 
-def test_a_cpu_step_with_nothing_registered_runs_serial_and_counts_why(nothing_registered: None, layer: Layer) -> None:
+def test_a_cpu_step_with_nothing_registered_runs_serial_and_counts_why(
+    nothing_registered: None, patch_layer: PatchLayer
+) -> None:
     w = world(layers=2, stage_ids=(0, 1))
     sched = Schedule(2, (0, 1), (3, 5), step=1)
-    (ref,) = serial_results(w, [sched], layer=layer)
-    apply_cpu(layer=layer)
+    (ref,) = serial_results(w, [sched], patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer)
     assert_same(run_step(w, sched), ref)
-    reasons = layer.runtime.stats()["serial_reasons"]
+    reasons = patch_layer.runtime.stats()["serial_reasons"]
     assert any(UNREGISTERED in r for r in reasons), reasons
-    steps = layer.runtime.stats()["steps"]
+    steps = patch_layer.runtime.stats()["steps"]
     assert steps["serial"] == 1 and sum(steps.values()) == 1, steps
 
 

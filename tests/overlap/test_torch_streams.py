@@ -1,5 +1,5 @@
 """The ``cuda`` and ``npu`` backends: they construct only where their torch
-device module is usable; the shared TorchDeviceBackend is exercised here
+device module is usable; the shared TorchStreamBackend is exercised here
 through a host-synchronous stand-in device module, and on a real device by
 the gpu/npu-marked tests (which skip with a reason elsewhere)."""
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.host_device import HostDevice, use_host_device
+from support.host_device_module import HostDeviceModule, use_host_device_module
 from support.overlap import (
     SHAPE,
     Schedule,
@@ -30,14 +30,14 @@ from support.overlap import (
 
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.keys import A2E, COMPUTE_STREAM, E2A, side_stream_name
-from camp2p_overlap.core.layer import Layer
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.overlap.streams import (
     BackendUnavailable,
-    TorchDeviceBackend,
+    TorchStreamBackend,
     device_module,
     make_backend,
 )
+from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.emulation import device as emulated_device
 from camp2p_overlap.verify import edges
 
@@ -65,17 +65,17 @@ def test_unknown_device_kind_and_incomplete_modules_are_refused() -> None:
         device_module("xpu")
     incomplete = SimpleNamespace(__name__="fakedev", Stream=object, Event=object, stream=None)
     with pytest.raises(BackendUnavailable, match="fakedev has no current_stream"):
-        TorchDeviceBackend("fake", incomplete)  # type: ignore[arg-type]
+        TorchStreamBackend("fake", incomplete)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------
-# The host stand-in device module (support.host_device), with a tick clock.
+# The host stand-in device module (support.host_device_module), with a tick clock.
 
 
 @pytest.fixture
-def fake_device(monkeypatch: pytest.MonkeyPatch) -> HostDevice:
-    dev = HostDevice(name="fakedev", clock=itertools.count(1).__next__, tick_ms=1.0)
-    use_host_device(monkeypatch, dev)
+def fake_device(monkeypatch: pytest.MonkeyPatch) -> HostDeviceModule:
+    dev = HostDeviceModule(name="fakedev", clock=itertools.count(1).__next__, tick_ms=1.0)
+    use_host_device_module(monkeypatch, dev)
     return dev
 
 
@@ -97,15 +97,17 @@ def streams_ops_ran_on(w: Any) -> dict[tuple[str, int, int], str]:
     return ran_on
 
 
-def test_device_backend_schedule_equals_serial_and_reuses_events(monkeypatch: pytest.MonkeyPatch, layer: Layer) -> None:
+def test_device_backend_schedule_equals_serial_and_reuses_events(
+    monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer
+) -> None:
     """The device backend over the emulated device: every op's kernels run
     on the stream the schedule puts them on, every edge holds in what the
     streams performed, and streams and events are made once and reused."""
     w = world(layers=4, stage_ids=(0, 1, 2))
     scheds = [Schedule(4, (0, 1, 2), (3 + i, 9, 16 - i), step=i + 1) for i in range(6)]
-    refs = serial_results(w, scheds, layer=layer)
-    apply_cpu(layer=layer)
-    sessions = SessionSpy(monkeypatch, layer=layer)
+    refs = serial_results(w, scheds, patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer)
+    sessions = SessionSpy(monkeypatch, patch_layer=patch_layer)
     ran_on = streams_ops_ran_on(w)
     made_after_first = None
     for i, (sched, ref) in enumerate(zip(scheds, refs, strict=True)):
@@ -121,7 +123,7 @@ def test_device_backend_schedule_equals_serial_and_reuses_events(monkeypatch: py
         assert ran_on == want, {k: (v, want.get(k)) for k, v in ran_on.items() if v != want.get(k)}
         res = edges.check_step(rec.ops(rec.steps()[0]), trace.ExpectedSchedule((0, 1, 2, 3), (0, 1, 2), True, True))
         assert res.ok, str(res)
-        (sset,) = stream_sets(layer)
+        (sset,) = stream_sets(patch_layer)
         made = (len(sset.backend._events), tuple(id(k) for k in sset.streams.values()))
         if i == 0:
             made_after_first = made
@@ -132,21 +134,21 @@ def test_device_backend_schedule_equals_serial_and_reuses_events(monkeypatch: py
 
 
 def test_device_capture_gates_unless_graph_mode(
-    fake_device: HostDevice, monkeypatch: pytest.MonkeyPatch, layer: Layer
+    fake_device: HostDeviceModule, monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer
 ) -> None:
     w = world(layers=2, stage_ids=(0, 1))
     sched = Schedule(2, (0, 1), (5, 5), step=1)
-    (ref,) = serial_results(w, [sched], layer=layer)
-    apply_cpu(layer=layer)
-    sessions = SessionSpy(monkeypatch, layer=layer)
+    (ref,) = serial_results(w, [sched], patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer)
+    sessions = SessionSpy(monkeypatch, patch_layer=patch_layer)
     fake_device.capturing = True
     assert_same(run_step(w, sched), ref)
     assert sessions.count == 0
-    layer.engine.unpatch(timeout=10)
-    layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
+    patch_layer.engine.unpatch(timeout=10)
+    patch_layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
     # An eager step first creates the side streams; the capture then reuses them.
     fake_device.capturing = False
-    sessions = SessionSpy(monkeypatch, layer=layer)
+    sessions = SessionSpy(monkeypatch, patch_layer=patch_layer)
     assert_same(run_step(w, sched), ref)
     streams_before_capture = fake_device.streams_created
     fake_device.capturing = True
@@ -156,16 +158,16 @@ def test_device_capture_gates_unless_graph_mode(
 
 
 def test_first_engaged_step_inside_capture_creates_no_streams(
-    fake_device: HostDevice,
+    fake_device: HostDeviceModule,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
-    layer: Layer,
+    patch_layer: PatchLayer,
 ) -> None:
     w = world(layers=2, stage_ids=(0, 1))
     sched = Schedule(2, (0, 1), (5, 5), step=1)
-    (ref,) = serial_results(w, [sched], layer=layer)
-    layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
-    sessions = SessionSpy(monkeypatch, layer=layer)
+    (ref,) = serial_results(w, [sched], patch_layer=patch_layer)
+    patch_layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
+    sessions = SessionSpy(monkeypatch, patch_layer=patch_layer)
     streams_before = fake_device.streams_created
     fake_device.capturing = True
     with caplog.at_level(logging.INFO):
@@ -215,7 +217,7 @@ def test_emulated_world_on_a_real_device(monkeypatch: pytest.MonkeyPatch, kind: 
     why = _device_ready(kind)
     if why:
         pytest.skip(why)
-    from camp2p_overlap.emulation.standin_layer import emulated_layer, release_site, standin_site
+    from camp2p_overlap.emulation.standin_patch_layer import emulated_patch_layer, release_site, standin_site
     from camp2p_overlap.emulation.world import WorldSpec, build_world
 
     device = torch.device(kind, 0)
@@ -230,17 +232,17 @@ def test_emulated_world_on_a_real_device(monkeypatch: pytest.MonkeyPatch, kind: 
         _on_device(w, device)
         scheds = [Schedule(6, (0, 1, 2), (16, 9, 4), step=i + 1) for i in range(3)]
         refs = serial_results(w, scheds)
-        layer = emulated_layer()
+        patch_layer = emulated_patch_layer()
         sessions: list[object] = []
 
-        class Counted(layer.runtime.session_class):  # type: ignore[misc, name-defined]
+        class Counted(patch_layer.runtime.session_class):  # type: ignore[misc, name-defined]
             def __init__(self, **kw: Any) -> None:
                 super().__init__(**kw)
                 sessions.append(self.step_id)
 
-        monkeypatch.setattr(layer.runtime, "session_class", Counted)
+        monkeypatch.setattr(patch_layer.runtime, "session_class", Counted)
         try:
-            report = layer.engine.apply(
+            report = patch_layer.engine.apply(
                 strict=True,
                 manifest=site.manifest,
                 config=OverlapConfig(enabled=True, backend=kind, adaptive=False),
@@ -252,12 +254,12 @@ def test_emulated_world_on_a_real_device(monkeypatch: pytest.MonkeyPatch, kind: 
                 assert_same(got, ref)
             assert len(sessions) == len(scheds)
         finally:
-            assert layer.engine.unpatch(timeout=30)
+            assert patch_layer.engine.unpatch(timeout=30)
     finally:
         release_site(site)
 
 
-def test_adaptive_device_steps_read_events_and_never_synchronize(fake_device: HostDevice) -> None:
+def test_adaptive_device_steps_read_events_and_never_synchronize(fake_device: HostDeviceModule) -> None:
     """Adaptive engage on a device backend: step times come from timing
     events queried later; no step synchronizes anything; outputs stay equal
     across the learning steps that switch between overlap and serial."""
@@ -266,7 +268,7 @@ def test_adaptive_device_steps_read_events_and_never_synchronize(fake_device: Ho
     w = world(layers=3, stage_ids=(0, 1))
     scheds = [Schedule(3, (0, 1), (8, 8), step=i + 1) for i in range(10)]
     refs = serial_results(w, scheds)
-    apply_cpu(adaptive=True)  # the process-wide layer: stats() reads it
+    apply_cpu(adaptive=True)  # the process-wide patch layer: stats() reads it
     before = camp2p_overlap.stats()["steps"]
     for sched, ref in zip(scheds, refs, strict=True):
         assert_same(bounded(lambda sched=sched: run_step(w, sched)), ref)

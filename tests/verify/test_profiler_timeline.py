@@ -22,12 +22,12 @@ from camp2p_overlap.core.keys import A_DONE, F_DONE, EventKey, OpKey
 from camp2p_overlap.core.observe.trace import ExpectedSchedule
 from camp2p_overlap.core.overlap.plan import StepPlan
 from camp2p_overlap.core.overlap.session import OverlapSession
-from camp2p_overlap.core.overlap.streams import TorchDeviceBackend
+from camp2p_overlap.core.overlap.streams import TorchStreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.tools.bench import profile
-from camp2p_overlap.verify import annotated_backend, device_timeline
-from camp2p_overlap.verify.device_timeline import TimelineError, parse
+from camp2p_overlap.verify import annotated_backend, profiler_timeline
 from camp2p_overlap.verify.edges import check_step
+from camp2p_overlap.verify.profiler_timeline import TimelineError, parse
 
 LAYERS = (0, 1, 2)
 STAGES = (0, 1)
@@ -148,7 +148,7 @@ def simulated(monkeypatch: pytest.MonkeyPatch) -> Any:
 
     def run(
         session_class: type = OverlapSession, marker_kernels: int = 1, **sim_kw: Any
-    ) -> tuple[device_timeline.DeviceTimeline, SimDevice]:
+    ) -> tuple[profiler_timeline.DeviceTimeline, SimDevice]:
         sim = SimDevice(**sim_kw)
 
         def marker() -> None:  # the marker's kernels: a fill then "marker", as two-kernel markers are
@@ -158,7 +158,7 @@ def simulated(monkeypatch: pytest.MonkeyPatch) -> Any:
 
         monkeypatch.setattr(annotated_backend, "profiler_range", sim.range)
         monkeypatch.setattr(profile, "profiler_range", sim.range)
-        backend = TorchDeviceBackend("cuda", sim)  # type: ignore[arg-type]
+        backend = TorchStreamBackend("cuda", sim)  # type: ignore[arg-type]
         sset = StreamSet(backend, STAGES)
 
         def step() -> None:
@@ -353,7 +353,7 @@ def test_host_ranges_from_torch_profiler_on_cpu(tmp_path: Any) -> None:
             pass
     path = tmp_path / "cpu.json"
     prof.export_chrome_trace(str(path))
-    tl = device_timeline.load(str(path))
+    tl = profiler_timeline.load(str(path))
     names = [r.name for r in tl.ranges]
     assert names == ["a2e L0 s1", "record C f L0 s1"]
     # Read back as the keys they were made from, with no parsing of a repr.

@@ -1,8 +1,8 @@
 """Building a patch layer: an engine composed with the overlap runtime its
-wrappers share, and :data:`LAYER`, the one process-wide layer behind
+wrappers share, and :data:`PATCH_LAYER`, the one process-wide patch layer behind
 ``camp2p_overlap.apply()``. Each wrapper is bound to its own engine and
 runtime when the engine applies; tests and the benchmark build their own
-layers with :func:`build_layer`."""
+patch layers with :func:`build_patch_layer`."""
 
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ from camp2p_overlap.core.patching.lifecycle import PatchEngine
 
 
 @dataclass(frozen=True)
-class Layer:
+class PatchLayer:
     """One patch layer: its lifecycle engine and the runtime its wrappers share."""
 
     engine: PatchEngine
     runtime: OverlapRuntime
 
 
-def build_layer(*, on_unpatch: Callable[[], None] | None = None, **engine_options: Any) -> Layer:
+def build_patch_layer(*, on_unpatch: Callable[[], None] | None = None, **engine_options: Any) -> PatchLayer:
     """A fresh engine (``engine_options``: ``manifest_loader``,
     ``version_check``) with its own runtime: its wrappers, stream sets and
     sessions are its own, and ``unpatch()`` closes them (then calls
@@ -45,27 +45,27 @@ def build_layer(*, on_unpatch: Callable[[], None] | None = None, **engine_option
         on_unpatch=closed,
         **engine_options,
     )
-    return Layer(engine, runtime)
+    return PatchLayer(engine, runtime)
 
 
 def reset_reporting() -> None:
     """On unpatch: the reporter's thread and endpoint end (nothing is counted
     any more); the next step after a new apply starts them again."""
     metrics.stop_reporting()
-    LAYER.runtime.counters.on_first_step = _start_reporting
+    PATCH_LAYER.runtime.counters.on_first_step = _start_reporting
 
 
-#: The process-wide layer behind ``camp2p_overlap.apply()``/``unpatch()``/``status()``/``stats()``.
-LAYER = build_layer(on_unpatch=reset_reporting)
+#: The process-wide patch layer behind ``camp2p_overlap.apply()``/``unpatch()``/``status()``/``stats()``.
+PATCH_LAYER = build_patch_layer(on_unpatch=reset_reporting)
 
 
 def _start_reporting() -> None:
     """On this process's first FFN step: the step metrics (and the opt-in
     endpoint) and the periodic summary, with the applied configuration."""
     try:
-        cfg = LAYER.engine.config
+        cfg = PATCH_LAYER.engine.config
         metrics.start_reporting(
-            LAYER.runtime.counters.to_dict,  # steps and serial reasons: no bucket snapshot per scrape
+            PATCH_LAYER.runtime.counters.to_dict,  # steps and serial reasons: no bucket snapshot per scrape
             port=cfg.metrics_port,
             addr=cfg.metrics_addr,
             summary_s=cfg.summary_s,
@@ -77,7 +77,7 @@ def _start_reporting() -> None:
         logger.exception("camp2p-overlap: step reporting not started")
 
 
-LAYER.runtime.counters.on_first_step = _start_reporting
+PATCH_LAYER.runtime.counters.on_first_step = _start_reporting
 
 # a forked worker reports its own steps
-after_fork_in_child(lambda: setattr(LAYER.runtime.counters, "on_first_step", _start_reporting))
+after_fork_in_child(lambda: setattr(PATCH_LAYER.runtime.counters, "on_first_step", _start_reporting))

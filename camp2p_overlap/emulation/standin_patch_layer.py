@@ -2,7 +2,7 @@
 fresh engine with its own runtime whose version gate accepts the emulated
 stack (the stand-ins follow a supported stack's contract, whatever vLLM
 is installed), and where the stand-ins live for a run. Nothing here touches
-the process-wide layer behind ``camp2p_overlap.apply()``.
+the process-wide patch layer behind ``camp2p_overlap.apply()``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from camp2p_overlap.core.layer import LAYER, Layer, build_layer
+from camp2p_overlap.core.patch_layer import PATCH_LAYER, PatchLayer, build_patch_layer
 from camp2p_overlap.core.patching.lifecycle import PatchEngine
 from camp2p_overlap.core.patching.manifest import DEFAULT_STACK, StackManifest, load_manifest
 from camp2p_overlap.core.patching.versions import VersionCheck
@@ -25,22 +25,22 @@ def emulated_version_check(manifest: StackManifest) -> VersionCheck:
     return VersionCheck(True, "emulated", manifest.vllm, f"emulated stack (stand-ins for {manifest.describe()})")
 
 
-def emulated_layer() -> Layer:
+def emulated_patch_layer() -> PatchLayer:
     """A fresh patch layer for the emulated stack. Refuses
-    (``RuntimeError``) while the process-wide layer is applied: its wrappers
+    (``RuntimeError``) while the process-wide patch layer is applied: its wrappers
     would sit on the same stand-in classes."""
-    if LAYER.engine.is_applied():
+    if PATCH_LAYER.engine.is_applied():
         raise RuntimeError(
             "the process-wide camp2p-overlap patch layer is applied in this process; call "
             "camp2p_overlap.unpatch() first (the benchmark drives its own engines)"
         )
-    return build_layer(version_check=emulated_version_check)
+    return build_patch_layer(version_check=emulated_version_check)
 
 
 @contextlib.contextmanager
 def emulation_engine() -> Iterator[PatchEngine]:
     """A fresh emulated engine for the block, unpatched on every exit path."""
-    engine = emulated_layer().engine
+    engine = emulated_patch_layer().engine
     try:
         yield engine
     finally:
