@@ -72,7 +72,7 @@ WORK_BLOCK_S = 0.09
 WORK_MAX_STEPS = 36
 WORK_MAX_REPS = 8
 #: The goal for adaptive engage: never below this share of serial's speed.
-ADAPTIVE_FLOOR = 0.95
+ADAPTIVE_FLOOR = 0.97
 #: The goal for adaptive ``overlap``'s decode graph (both variants, chosen
 #: per replay) against serial's graph, at every work point (reported only).
 GRAPH_ADAPTIVE_FLOOR = 0.97
