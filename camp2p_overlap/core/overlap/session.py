@@ -308,9 +308,22 @@ class OverlapSession:
         (default: ``fn(**kw)``). ``kw`` holds ``layer_idx`` and ``ubatch_idx``."""
         i = self.next_recv
         if self._steady and i and not self.fallen_back and i < len(self.order):
-            expected = self.order[i]
-            if kw == self.plan.recv_kw[expected]:  # the planned receive (so its layer and stage too)
-                return self._recv_planned(i, expected)
+            key = self.order[i]
+            if kw == self.plan.recv_kw[key]:  # the planned receive (so its layer and stage too)
+                # The steady path, receive i > 0: C waits a_done (wait_event,
+                # inline), and the prefetched payload is handed over.
+                self.next_recv = i + 1
+                a_done = self._keys[key].a_done
+                ev = self._events.get(a_done)
+                if ev is None:
+                    raise SessionError(f"wait on event {a_done.label()!r} that was not recorded in this step")
+                self.backend.wait(self.compute, ev)
+                payload = self._take_prefetched(*key)
+                self._f_refs[key[1]].clear()  # as below
+                self._consumed.add(key)
+                self._inflight[key] = payload
+                self._contexts[id(self._context_of(payload))] = key
+                return payload
         got = (kw.get("layer_idx"), kw.get("ubatch_idx"))
         if self.fallen_back:
             return self._recv_after_fallback(dict(kw), got, _call_or(call, fn, kw))
@@ -347,22 +360,6 @@ class OverlapSession:
         self._contexts[id(self._context_of(payload))] = expected
         if self._trace is not None:
             self._ffn_started(expected)
-        return payload
-
-    def _recv_planned(self, i: int, key: StageLayer) -> Any:
-        """:meth:`recv` of the planned ``key``, the step's receive ``i`` (not
-        its first), on the steady path: C waits its ``a_done``, and the
-        prefetched payload is handed over."""
-        self.next_recv = i + 1
-        ev = self._events.get(self._keys[key].a_done)
-        if ev is None:
-            raise SessionError(f"wait on event {self._keys[key].a_done.label()!r} that was not recorded in this step")
-        self.backend.wait(self.compute, ev)
-        payload = self._take_prefetched(*key)
-        self._f_refs[key[1]].clear()  # see recv()
-        self._consumed.add(key)
-        self._inflight[key] = payload
-        self._contexts[id(self._context_of(payload))] = key
         return payload
 
     def _take_prefetched(self, L: int, s: int) -> Any:
@@ -422,26 +419,37 @@ class OverlapSession:
 
     def _send_planned(self, call: Callable[[], Any], output: Any, context: Any, key: StageLayer) -> None:
         """:meth:`send` of a received ``key`` on the steady path (both
-        directions on the side streams): the same records, waits and ops in
-        the same order, without a frame per record and wait."""
+        directions on the side streams, this class's wait and lookahead):
+        the same records, waits and ops in the same order, without a frame
+        per record and wait, and with the stage's E2A and its lookahead A2E
+        issued under one switch to K_s (``backend.scope``)."""
         L, s = key
         keys = self._keys[key]
-        backend, events = self.backend, self._events
+        backend, events, ops = self.backend, self._events, self._ops
         self._sent.add(key)
         f_done = events[keys.f_done] = backend.record(self.compute, keys.f_done)
         k = self.side_streams[s]
-        backend.wait(k, f_done)
-        h = backend.submit(k, call, keys.e2a_label)
-        self._ops.append((E2A, L, s, k.name, h, -1))
-        events[keys.e_done] = backend.record(k, keys.e_done)
-        self._f_refs[s].append((output, context, call))
-        self._inflight.pop(key, None)  # K_s has waited f_done(L, s)
-        if h.done():
-            h.result()  # a host-side failure surfaces here, as in the serial path
-        self._e_done_c[s] = keys.e_done
         nxt = self.plan.next_of[L]
-        if nxt is not None:
-            self.issue_a2e(nxt, s)
+        with backend.scope(k):
+            backend.wait(k, f_done)
+            h = backend.submit_here(k, call, keys.e2a_label)
+            ops.append((E2A, L, s, k.name, h, -1))
+            events[keys.e_done] = backend.record(k, keys.e_done)
+            self._f_refs[s].append((output, context, call))
+            self._inflight.pop(key, None)  # K_s has waited f_done(L, s)
+            if h.done():
+                h.result()  # a host-side failure surfaces here, as in the serial path
+            self._e_done_c[s] = keys.e_done
+            if nxt is None:
+                return
+            # issue_a2e(nxt, s), inline
+            fn, ahead = self._recv_fn, (nxt, s)
+            assert fn is not None
+            kw, next_keys = self.plan.recv_kw[ahead], self._keys[ahead]
+            h = self._a_handle[ahead] = backend.submit_here(k, partial(fn, **kw), next_keys.a2e_label)
+            ops.append((A2E, nxt, s, k.name, h, -1))
+            self._a_kwargs[ahead] = kw
+            events[next_keys.a_done] = backend.record(k, next_keys.a_done)
 
     # ------------------------------------------------------------------
     # mismatch handling
