@@ -205,9 +205,12 @@ class FfnStep:
         if shape is None:
             return None
         try:
-            if self.is_capture(shape.backend):
+            kwargs, capture = self.kwargs, self._capture  # is_capture(shape.backend), inline
+            if capture is None:
+                capture = self._capture = bool(kwargs.get("is_graph_capturing")) or shape.backend.is_capturing()
+            if capture:
                 return None
-            key = bucket_of(shape.runner, shape.layers, self.kwargs["dp_metadata_list"])
+            key = bucket_of(shape.runner, shape.layers, kwargs["dp_metadata_list"])
         except Exception:  # noqa: BLE001 - the planned path gives the reason
             return None
         # The re-probe interval was synced on the planned step before (the
