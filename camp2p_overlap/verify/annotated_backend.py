@@ -75,6 +75,10 @@ class AnnotatedBackend:
         with profiler_range(op_range_name(label)):
             return self.inner.submit(stream, fn, label)
 
+    def submit_here(self, stream: Any, fn: Callable[[], Any], label: str = "op") -> OpHandle:
+        with profiler_range(op_range_name(label)):
+            return self.inner.submit_here(stream, fn, label)
+
     def record(self, stream: Any, key: EventKey) -> Any:
         with profiler_range(event_range_name("record", _stream_name(stream), key)):
             event = self.inner.record(stream, key)

@@ -176,16 +176,25 @@ class AdaptiveEngage:
         caller plans the step and calls ``choose``). Lets a decided-serial
         step skip planning."""
         cfg = self.settings
-        with self._lock:
+        lock = self._lock  # by hand (every decided-serial step): half a with block's cost
+        lock.acquire()
+        try:
             b = self._buckets.get(key)
-            if b is None or b.decision != "serial" or b.probes_left > 0 or _probe_due(b, cfg):
+            # _probe_due(b, cfg), inline
+            if (
+                b is None
+                or b.decision != "serial"
+                or b.probes_left > 0
+                or b.since_probe + 1 >= cfg.reprobe_every * b.backoff
+            ):
                 return Passed.NO
             b.steps += 1
-            b.since_probe += 1
+            since = b.since_probe = b.since_probe + 1
             b.issued["serial"] += 1
-            return (
-                Passed.TIMED if b.since_probe % cfg.serial_time_every == 1 % cfg.serial_time_every else Passed.UNTIMED
-            )
+        finally:
+            lock.release()
+        every = cfg.serial_time_every
+        return Passed.TIMED if since % every == 1 % every else Passed.UNTIMED
 
     def record(self, key: BucketKey, path: Path, seconds: float) -> None:
         """The measured time of one step of ``key`` that ran ``path``."""

@@ -6,6 +6,7 @@ stage. The session and the engine know none of this."""
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,10 +61,17 @@ def resolve_group(stage: int, names: tuple[str, str, str]) -> str:
 def connector_comm_names(connector: Any) -> tuple[str, str, str]:
     """The connector's three communicator-name fields. Raises
     :class:`GroupError` when it lacks them."""
-    missing = [f for f in COMM_NAME_FIELDS if not hasattr(connector, f)]
-    if missing:
-        raise GroupError(f"{type(connector).__name__} has no {', '.join(missing)}")
-    return tuple(str(getattr(connector, f) or "") for f in COMM_NAME_FIELDS)  # type: ignore[return-value]
+    try:
+        first, second, third = _comm_names(connector)
+    except AttributeError:
+        missing = [f for f in COMM_NAME_FIELDS if not hasattr(connector, f)]
+        if not missing:
+            raise
+        raise GroupError(f"{type(connector).__name__} has no {', '.join(missing)}") from None
+    return str(first or ""), str(second or ""), str(third or "")
+
+
+_comm_names = operator.attrgetter(*COMM_NAME_FIELDS)
 
 
 def stage_groups(names: tuple[str, str, str], stages: Any) -> dict[int, str]:
@@ -113,7 +121,7 @@ def stage_ids(dp_metadata_list: Any) -> tuple[list[int], int]:
     """(sorted stage ids, stage count) of ``_ffn_forward``'s ``dp_metadata_list``."""
     if not dp_metadata_list:
         return [0], 1
-    return sorted(int(k) for k in dp_metadata_list), stage_count(dp_metadata_list)
+    return sorted(map(int, dp_metadata_list)), stage_count(dp_metadata_list)
 
 
 def max_stage_tokens(dp_metadata_list: Any) -> int:

@@ -23,7 +23,6 @@ sees no receive, runs the loop's order on the compute stream and logs it.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -58,8 +57,20 @@ def route_problem(instance: Any, attributes: Iterable[str]) -> str | None:
     for attribute in attributes:
         if is_router(slots.get(attribute)):
             return "the connector's calls are routed to a step on another thread"
-        if hasattr(type(inspect.getattr_static(cls, attribute, None)), "__set__"):
+        if hasattr(type(_class_attribute(cls, attribute)), "__set__"):
             return f"connector {cls.__name__}.{attribute} cannot be routed per instance (a data descriptor)"
+    return None
+
+
+def _class_attribute(cls: type, attribute: str) -> Any:
+    """What an instance of ``cls`` finds for ``attribute`` on its class (the
+    first ``__dict__`` along its MRO that holds it), without calling a
+    descriptor; None when no class holds it. ``inspect.getattr_static``'s
+    answer for an instance attribute lookup, at a fraction of its cost."""
+    for klass in cls.__mro__:
+        found = vars(klass).get(attribute, _MISSING)
+        if found is not _MISSING:
+            return found
     return None
 
 

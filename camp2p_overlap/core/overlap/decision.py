@@ -68,7 +68,7 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any]) -> Decis
         return serial(f"stage ids of dp_metadata_list are not integers ({exc})")
     if num_stages < cfg.min_stages:
         return serial(f"{num_stages} stage(s), fewer than the minimum {cfg.min_stages}")
-    if num_stages > MAX_STAGES or any(not 0 <= s < MAX_STAGES for s in stages):
+    if num_stages > MAX_STAGES or stages[0] < 0 or stages[-1] >= MAX_STAGES:  # sorted
         groups = ", ".join(camp2p.GROUPS)
         return serial(f"stage ids {stages} do not fit CAMP2P's {MAX_STAGES} stage groups ({groups})")
     problem = camp2p.group_problem(connector, stages)
@@ -95,7 +95,26 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any]) -> Decis
         if refused is not None:  # the capture runs serially: upstream's own graph
             return serial(refused)
     plan = step_plan(layers, tuple(stages), getattr(runner, "max_num_tokens", None))
-    return Decision(engages=True, plan=plan, backend=backend, directions=mode_directions(cfg), mode=cfg.mode)
+    return _engaging(plan, backend, mode_directions(cfg), cfg.mode)
+
+
+#: The last engaging decisions, by (id of their plan, backend, id of their
+#: directions, mode): a step of a shape seen before builds none.
+_ENGAGING: dict[tuple[int, str, int, str], Decision] = {}
+_ENGAGING_KEPT = 64
+
+
+def _engaging(plan: StepPlan, backend: str, directions: Directions, mode: str) -> Decision:
+    """The decision to engage with these (one shared object per plan and
+    setting: plans are cached per shape, and a Decision is immutable)."""
+    key = (id(plan), backend, id(directions), mode)
+    found = _ENGAGING.get(key)
+    if found is not None and found.plan is plan and found.directions is directions:
+        return found
+    if len(_ENGAGING) >= _ENGAGING_KEPT:
+        _ENGAGING.clear()
+    made = _ENGAGING[key] = Decision(engages=True, plan=plan, backend=backend, directions=directions, mode=mode)
+    return made
 
 
 def graph_variants_refused(engine: PatchEngine) -> str | None:
@@ -116,10 +135,35 @@ def connector_problem(engine: PatchEngine, connector: Any) -> str | None:
     targets, and each of them must be routable on the instance
     (:func:`~camp2p_overlap.core.overlap.connector_routes.route_problem`)."""
     routes = engine.installer.routes()
-    if not routes or not all(isinstance(connector, owner) for owner, _ in routes):
+    read = _attributes_of(routes)
+    if read is not None:
+        for owner in read[0]:
+            if not isinstance(connector, owner):
+                read = None
+                break
+    if read is None:
         wanted = sorted({spec.owner_path[-1] for spec in _route_specs(engine)}) or ["the routed connector class"]
         return f"connector is {type(connector).__name__}, not {' or '.join(wanted)}"
-    return route_problem(connector, [spec.attribute for _, spec in routes])
+    return route_problem(connector, read[1])
+
+
+#: The routes read last and what :func:`_attributes_of` made of them (one
+#: tuple, replaced whole: threads of other engines read it too).
+_ROUTES_READ: tuple[Any, Any] = ((), None)
+
+
+def _attributes_of(routes: tuple[tuple[Any, Any], ...]) -> tuple[tuple[type, ...], tuple[str, ...]] | None:
+    """(the classes a connector must be an instance of, every one, and the
+    routed attributes) of an installer's routes, or None when there are
+    none; computed again only when the routes read change."""
+    global _ROUTES_READ
+    last = _ROUTES_READ
+    if last[0] is routes:
+        return last[1]
+    owners = tuple({id(owner): owner for owner, _ in routes}.values())
+    made = (owners, tuple(spec.attribute for _, spec in routes)) if routes else None
+    _ROUTES_READ = (routes, made)
+    return made
 
 
 def _route_specs(engine: PatchEngine) -> list[Any]:

@@ -27,8 +27,10 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+from camp2p_overlap.core.env_vars import MAX_STAGES
 from camp2p_overlap.core.keys import A2E, E2A, EventKey, OpKey
 from camp2p_overlap.core.log import logger
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, StepTrace, TraceRecorder
@@ -101,6 +103,17 @@ def _call_or(call: Callable[[], Any] | None, fn: Callable[..., Any], kw: Mapping
     return call if call is not None else (lambda: fn(**kw))
 
 
+_FORK = EventKey.fork()
+#: The join key of each stage id (made once, not per step).
+_JOINS = {s: EventKey.join(s) for s in range(MAX_STAGES)}
+
+
+def _issued(o: IssuedOp | tuple[Any, ...]) -> IssuedOp:
+    """An entry of a session's op list as an :class:`IssuedOp` (a side-stream
+    op is listed as a plain tuple of its fields, made into one when read)."""
+    return o if type(o) is IssuedOp else IssuedOp(*o)  # type: ignore[arg-type]
+
+
 class OverlapSession:
     """Drive one step. Not thread-safe: one loop thread calls it."""
 
@@ -117,24 +130,37 @@ class OverlapSession:
     ) -> None:
         if not plan.layers or not plan.stages:
             raise SessionError("a step plan needs at least one layer and one stage")
-        missing = [s for s in plan.stages if s not in streamset.streams]
-        if missing:
-            raise SessionError(f"no side stream for stage(s) {missing}")
+        streams = streamset.streams
+        try:
+            #: Each stage's side stream (K_s).
+            self.side_streams = dict(zip(plan.stages, map(streams.__getitem__, plan.stages), strict=True))
+        except KeyError:
+            raise SessionError(f"no side stream for stage(s) {[s for s in plan.stages if s not in streams]}") from None
         #: The object whose calls this session serves (the runner's connector).
         self.connector = connector
         self.plan = plan
         self.order = plan.sequence
         self._keys = plan.keys
-        self.backend = streamset.backend
+        backend = self.backend = streamset.backend
         #: The compute stream (the runner's current stream).
-        self.compute = self.backend.compute_stream()
-        #: Each stage's side stream (K_s).
-        self.side_streams = {s: streamset.streams[s] for s in plan.stages}
+        self.compute = backend.compute_stream()
         #: Which connector ops run on the side streams.
         self.directions = directions
         self.step_id = step_id
         self._context_of = context_of
-        self._trace = StepTrace(recorder, step_id, self.backend) if recorder is not None else None
+        self._trace = StepTrace(recorder, step_id, backend) if recorder is not None else None
+        #: The steady path of a receive and a send (:meth:`_recv_planned`,
+        #: :meth:`_send_planned`): no trace, and the schedule's waits and the
+        #: lookahead through this class's own methods (a subclass or a
+        #: patched class that overrides one takes the general path).
+        cls = type(self)
+        self._steady = (
+            self._trace is None
+            and directions.a2e_side
+            and directions.e2a_side
+            and cls.wait_event is _BASE_WAIT_EVENT
+            and cls.issue_a2e is _BASE_ISSUE_A2E
+        )
 
         #: The index in ``self.order`` of the next expected receive.
         self.next_recv = 0
@@ -152,18 +178,24 @@ class OverlapSession:
         #: id(context) -> (layer, stage), for payloads handed to the loop.
         self._contexts: dict[int, StageLayer] = {}
         #: FFN outputs per stage, until C waits an event K_s recorded after their E2A.
-        self._f_refs: dict[int, list[Any]] = {s: [] for s in plan.stages}
+        self._f_refs: dict[int, list[Any]] = {}
+        for s in plan.stages:
+            self._f_refs[s] = []
         self._e_done_c: dict[int, EventKey] = {}
-        self._ops: list[IssuedOp] = []
+        #: Every op issued, in issue order: an :class:`IssuedOp`, or for a
+        #: side-stream op the tuple of its fields (read through ``_issued``).
+        self._ops: list[Any] = []
         self._ffn_start: dict[StageLayer, tuple[int, int]] = {}
         #: Host issue order of every record, wait and op of the step (traces:
         #: the checker rebuilds each stream's FIFO and the event graph from it).
         self._seq = itertools.count()
         self.t_open_ns = time.perf_counter_ns()
         #: The snapshot taken when the step closed: what the watchdog reads
-        #: while the device may still be running the step.
+        #: while the device may still be running the step. Built when first
+        #: asked for, from what the step held when it closed (``_closed_parts``).
         self._closed_snapshot: SessionSnapshot | None = None
-        self.backend.begin_step(list(self.side_streams.values()))
+        self._closed_parts: tuple[Any, ...] | None = None
+        backend.begin_step(list(self.side_streams.values()))
 
     # ------------------------------------------------------------------
     # events and ops
@@ -206,7 +238,7 @@ class OverlapSession:
         text = label or OpKey(kind, layer, stage).label()
         if stream is not self.compute:
             h = self.backend.submit(stream, fn, text)
-            self._ops.append(IssuedOp(kind, layer, stage, stream.name, h, seq))
+            self._ops.append((kind, layer, stage, stream.name, h, seq))
             return h
         # The host runs a compute-stream op: listed before it runs, so a
         # stall report shows it running while it blocks.
@@ -241,10 +273,9 @@ class OverlapSession:
     # ------------------------------------------------------------------
     # fork / prologue / lookahead
     def _fork(self) -> None:
-        fork = EventKey.fork()
-        self._record(self.compute, fork)
+        self._record(self.compute, _FORK)
         for k in self.side_streams.values():
-            self.wait_event(k, fork)
+            self.wait_event(k, _FORK)
         self.forked = True
 
     def issue_a2e(self, layer: int, stage: int) -> None:
@@ -259,7 +290,13 @@ class OverlapSession:
         if kw is None or keys is None:  # off the plan: only a broken schedule asks
             kw, keys = self.plan.build_recv_kwargs(layer, stage), OpKeys.of(layer, stage)
         k = self.side_streams[stage]
-        self._a_handle[key] = self._submit(k, A2E, layer, stage, lambda: fn(**kw), keys.a2e_label)
+        if self._trace is None:  # the steady path: _submit and _record inline
+            h = self._a_handle[key] = self.backend.submit(k, partial(fn, **kw), keys.a2e_label)
+            self._ops.append((A2E, layer, stage, k.name, h, -1))
+            self._a_kwargs[key] = kw
+            self._events[keys.a_done] = self.backend.record(k, keys.a_done)
+            return
+        self._a_handle[key] = self._submit(k, A2E, layer, stage, partial(fn, **kw), keys.a2e_label)
         self._a_kwargs[key] = kw
         self._record(k, keys.a_done)
 
@@ -269,6 +306,24 @@ class OverlapSession:
         """A receive of the loop: ``fn(**kw)`` is the connector's receive
         (used for prefetches); ``call`` runs the loop's call as it was made
         (default: ``fn(**kw)``). ``kw`` holds ``layer_idx`` and ``ubatch_idx``."""
+        i = self.next_recv
+        if self._steady and i and not self.fallen_back and i < len(self.order):
+            key = self.order[i]
+            if kw == self.plan.recv_kw[key]:  # the planned receive (so its layer and stage too)
+                # The steady path, receive i > 0: C waits a_done (wait_event,
+                # inline), and the prefetched payload is handed over.
+                self.next_recv = i + 1
+                a_done = self._keys[key].a_done
+                ev = self._events.get(a_done)
+                if ev is None:
+                    raise SessionError(f"wait on event {a_done.label()!r} that was not recorded in this step")
+                self.backend.wait(self.compute, ev)
+                payload = self._take_prefetched(*key)
+                self._f_refs[key[1]].clear()  # as below
+                self._consumed.add(key)
+                self._inflight[key] = payload
+                self._contexts[id(self._context_of(payload))] = key
+                return payload
         got = (kw.get("layer_idx"), kw.get("ubatch_idx"))
         if self.fallen_back:
             return self._recv_after_fallback(dict(kw), got, _call_or(call, fn, kw))
@@ -327,6 +382,8 @@ class OverlapSession:
         # Popped: the payload (and so its context) stays alive until its send,
         # so the id cannot be reused while it is mapped.
         key = self._contexts.pop(id(context), None)
+        if self._steady and key is not None and stage == key[1] and not self.fallen_back and key not in self._sent:
+            return self._send_planned(call, output, context, key)
         if self.fallen_back:
             return self._send_on_c(call, key)
         if key is None or key in self._sent or stage != key[1]:
@@ -359,6 +416,40 @@ class OverlapSession:
                 self._inflight.pop(key, None)
             self.issue_a2e(nxt, s)
         return None
+
+    def _send_planned(self, call: Callable[[], Any], output: Any, context: Any, key: StageLayer) -> None:
+        """:meth:`send` of a received ``key`` on the steady path (both
+        directions on the side streams, this class's wait and lookahead):
+        the same records, waits and ops in the same order, without a frame
+        per record and wait, and with the stage's E2A and its lookahead A2E
+        issued under one switch to K_s (``backend.scope``)."""
+        L, s = key
+        keys = self._keys[key]
+        backend, events, ops = self.backend, self._events, self._ops
+        self._sent.add(key)
+        f_done = events[keys.f_done] = backend.record(self.compute, keys.f_done)
+        k = self.side_streams[s]
+        nxt = self.plan.next_of[L]
+        with backend.scope(k):
+            backend.wait(k, f_done)
+            h = backend.submit_here(k, call, keys.e2a_label)
+            ops.append((E2A, L, s, k.name, h, -1))
+            events[keys.e_done] = backend.record(k, keys.e_done)
+            self._f_refs[s].append((output, context, call))
+            self._inflight.pop(key, None)  # K_s has waited f_done(L, s)
+            if h.done():
+                h.result()  # a host-side failure surfaces here, as in the serial path
+            self._e_done_c[s] = keys.e_done
+            if nxt is None:
+                return
+            # issue_a2e(nxt, s), inline
+            fn, ahead = self._recv_fn, (nxt, s)
+            assert fn is not None
+            kw, next_keys = self.plan.recv_kw[ahead], self._keys[ahead]
+            h = self._a_handle[ahead] = backend.submit_here(k, partial(fn, **kw), next_keys.a2e_label)
+            ops.append((A2E, nxt, s, k.name, h, -1))
+            self._a_kwargs[ahead] = kw
+            events[next_keys.a_done] = backend.record(k, next_keys.a_done)
 
     # ------------------------------------------------------------------
     # mismatch handling
@@ -407,7 +498,7 @@ class OverlapSession:
         if not self.forked:
             return
         for s, k in self.side_streams.items():
-            join = EventKey.join(s)
+            join = _JOINS.get(s) or EventKey.join(s)
             self._record(k, join)
             self.wait_event(self.compute, join)
         # Every side-stream op has completed (CPU) or is ordered before C's
@@ -439,20 +530,22 @@ class OverlapSession:
         try:
             self.join()
         finally:
-            self._closed_snapshot = self.snapshot()
+            # What the closed snapshot is built from, when first asked for: the
+            # step's own records, handed over (never changed again), not copied.
+            ops, events = self._ops, self._events
+            self._closed_parts = (self.next_recv, self._consumed, self._sent, ops, events)
+            self._ops, self._events = [], {}
             first = self._side_error(list(self.side_streams.values()))
             errors = [first] if first is not None else []
-            unconsumed = [k for k in self._a_handle if k not in self._consumed]
+            unconsumed = [k for k in self._a_handle if k not in self._consumed] if self._a_handle else []
             if self._trace is not None:
-                self._trace.emit((o.kind, o.layer, o.stage, o.stream, o.handle, o.seq) for o in self._ops)
+                self._trace.emit((o.kind, o.layer, o.stage, o.stream, o.handle, o.seq) for o in map(_issued, ops))
             self._a_handle.clear()
             self._a_kwargs.clear()
             self._contexts.clear()
             self._inflight.clear()
             for refs in self._f_refs.values():
                 refs.clear()
-            self._events.clear()
-            self._ops.clear()
             self._recv_fn = None
             self.connector = None
         if not raising and not self.fallen_back and self.next_recv < len(self.order):
@@ -513,23 +606,49 @@ class OverlapSession:
 
     def issued(self) -> list[tuple[str, int | None, int | None]]:
         """``(kind, layer, stage)`` of every op issued so far, in issue order."""
-        return [(o.kind, o.layer, o.stage) for o in self._ops]
+        ops = self._closed_parts[3] if self._closed_parts is not None else self._ops
+        return [(o.kind, o.layer, o.stage) for o in map(_issued, ops)]
 
     def snapshot(self) -> SessionSnapshot:
         """The session's progress, copied; safe to take from another thread.
         Once closed: the step as the host left it (what the device runs)."""
         if self._closed_snapshot is not None:
             return self._closed_snapshot
+        parts = self._closed_parts
+        if parts is None:
+            snap = self._snapshot_of(self.next_recv, self._consumed, self._sent, self._ops, self._events, self.closed)
+            parts = self._closed_parts
+            if parts is None:  # not closed meanwhile (close() hands its records over before it empties them)
+                return snap
+        snap = self._snapshot_of(*parts, True)
+        self._closed_snapshot = snap
+        return snap
+
+    def _snapshot_of(
+        self,
+        received: int,
+        consumed: set[StageLayer],
+        sent: set[StageLayer],
+        ops: list[Any],
+        events: dict[EventKey, Any],
+        closed: bool,
+    ) -> SessionSnapshot:
         return SessionSnapshot(
             step_id=self.step_id,
             plan=self.plan,
             directions=self.directions,
-            received=self.next_recv,
-            consumed=frozenset(self._consumed),
-            sent=frozenset(self._sent),
-            ops=tuple(self._ops),
-            events=tuple(self._events.items()),
+            received=received,
+            consumed=frozenset(consumed),
+            sent=frozenset(sent),
+            ops=tuple(map(_issued, ops)),
+            events=tuple(events.items()),
             side_streams={s: k.name for s, k in self.side_streams.items()},
             opened_ns=self.t_open_ns,
-            closed=self.closed,
+            closed=closed,
         )
+
+
+#: The schedule's own wait and lookahead (the steady path runs them inline
+#: only while a session's class still has these).
+_BASE_WAIT_EVENT = OverlapSession.wait_event
+_BASE_ISSUE_A2E = OverlapSession.issue_a2e

@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -34,7 +35,7 @@ from camp2p_overlap.core.keys import COMPUTE_STREAM
 from camp2p_overlap.core.log import log_once
 from camp2p_overlap.core.observe.trace import TraceOp, TraceRecorder, current_recorder
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Passed, pow2_ceil
+from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Passed
 from camp2p_overlap.core.overlap.capture_guard import GUARD
 from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes, RouterFactory
 from camp2p_overlap.core.overlap.decision import GRAPH_OFF, GRAPH_SERIAL_VARIANT, Decision, decide, serial, streams_for
@@ -88,8 +89,10 @@ def bucket_of(runner: str, layers: int, dp_metadata_list: Any) -> BucketKey:
     """The adaptive bucket of a step of runner ``runner`` (its name) with
     ``layers`` FFN layers: its stage count and its largest stage's tokens
     rounded up to a power of two."""
-    tokens = pow2_ceil(camp2p.max_stage_tokens(dp_metadata_list))
-    return _named_tuple_of(BucketKey, (runner, camp2p.stage_count(dp_metadata_list), layers, tokens))
+    tokens = camp2p.max_stage_tokens(dp_metadata_list)
+    tokens = 0 if tokens <= 0 else 1 << (tokens - 1).bit_length()  # pow2_ceil, inline
+    stages = len(dp_metadata_list) if dp_metadata_list else 1  # camp2p.stage_count, inline
+    return _named_tuple_of(BucketKey, (runner, stages, layers, tokens))
 
 
 #: ``tuple.__new__(NamedTupleClass, values)``: that named tuple, built without
@@ -105,6 +108,11 @@ class TimedBucket(NamedTuple):
     backend: StreamBackend
     state: RunnerState
     timed: bool = True
+
+
+#: What :meth:`FfnStep.decided_serial_bucket` gives for a decided-serial
+#: step that is not timed (three in four: ``AdaptiveSettings.serial_time_every``).
+_UNTIMED: TimedBucket = _named_tuple_of(TimedBucket, (None, None, None, False))
 
 
 class FfnStep:
@@ -149,23 +157,25 @@ class FfnStep:
 
     # -- 1. the gate ---------------------------------------------------------
     def run(self) -> Any:
-        self.recorder = current_recorder()
+        recorder = self.recorder = current_recorder()
         gate = self.engine.gate
         if not gate.enter():
             self.count_serial(NOT_APPLIED)
             return self.run_original()
         try:
-            return self.run_admitted()
+            if recorder is None:  # 2., here: a decided-serial step makes nothing more
+                decided = self.decided_serial_bucket()
+                if decided is not None:
+                    if decided is _UNTIMED:
+                        self.runtime.counters.serial(SERIAL_FASTER)
+                        return self.wrapped(*self.args, **self.kwargs)
+                    return self.run_adaptive_serial(decided, probe=False)
+            return self.run_planned()
         finally:
             gate.exit()
 
-    def run_admitted(self) -> Any:
-        decided = self.decided_serial_bucket() if self.recorder is None else None
-        if decided is not None:
-            if decided.timed:
-                return self.run_adaptive_serial(decided, probe=False)
-            self.runtime.counters.serial(SERIAL_FASTER)
-            return self.wrapped(*self.args, **self.kwargs)
+    def run_planned(self) -> Any:
+        """3. to 6.: a step that is not a decided-serial one."""
         decision, streamset = self.decide()
         if streamset is None:  # decide() gives a reason whenever it gives no streams
             self.count_serial(decision.reason)
@@ -180,10 +190,11 @@ class FfnStep:
         """The bucket, when this step belongs to one that adaptive engage
         decided runs serially and it is not a probe: the step then runs the
         original without being planned (no refresh, no decision, no stream
-        set), as the planned path would have run it. The bucket comes from
-        the runner's last planned step (its layer count) and this step's
-        stages and tokens; a probe, a capture, a re-entrant call, or a
-        runner not planned yet takes the planned path. Never raises: None
+        set), as the planned path would have run it; :data:`_UNTIMED` for
+        such a step that is not timed (no bucket is made for it). The bucket
+        comes from the runner's last planned step (its layer count) and this
+        step's stages and tokens; a probe, a capture, a re-entrant call, or
+        a runner not planned yet takes the planned path. Never raises: None
         whenever unsure."""
         cfg = self.engine.config
         runtime = self.runtime
@@ -194,15 +205,20 @@ class FfnStep:
         if shape is None:
             return None
         try:
-            if self.is_capture(shape.backend):
+            kwargs, capture = self.kwargs, self._capture  # is_capture(shape.backend), inline
+            if capture is None:
+                capture = self._capture = bool(kwargs.get("is_graph_capturing")) or shape.backend.is_capturing()
+            if capture:
                 return None
-            key = bucket_of(shape.runner, shape.layers, self.kwargs["dp_metadata_list"])
+            key = bucket_of(shape.runner, shape.layers, kwargs["dp_metadata_list"])
         except Exception:  # noqa: BLE001 - the planned path gives the reason
             return None
         # The re-probe interval was synced on the planned step before (the
         # engine's configuration does not change while it is applied).
         passed = runtime.adaptive.pass_serial(key)
-        return _named_tuple_of(TimedBucket, (key, shape.backend, state, passed is Passed.TIMED)) if passed else None
+        if passed is Passed.UNTIMED:
+            return _UNTIMED
+        return _named_tuple_of(TimedBucket, (key, shape.backend, state, True)) if passed else None
 
     # -- 3. refresh and decision -----------------------------------------------
     def decide(self) -> tuple[Decision, StreamSet | None]:
@@ -327,20 +343,21 @@ class FfnStep:
             # captured step only records work, it cannot stall.
             watchdog = None if capturing else start_watchdog(self.engine.config.watchdog_s, session.snapshot, step_id)
             t0 = time.perf_counter_ns()
-            runtime.set_session(session)
+            local = runtime.local  # this thread's session (runtime.set_session, inline)
+            local.session = session
             try:
                 try:
                     result = self.wrapped(*self.args, **self.kwargs)
                 except BaseException:
-                    runtime.set_session(None)
+                    local.session = None
                     session.close(raising=True)
                     raise
-                runtime.set_session(None)
+                local.session = None
                 session.close()
                 return result
             finally:
                 routes.remove()  # on every exit path: nothing of ours stays on the instance
-                runtime.set_session(None)
+                local.session = None
                 if watchdog is not None:
                     watchdog.cancel()
                 if recorder is not None:
@@ -369,8 +386,9 @@ def _session_recv(session: OverlapSession) -> RouterFactory:
         def recv_attn_output(*args: Any, **kwargs: Any) -> Any:
             if get_ident() != thread:
                 return callee(*args, **kwargs)
-            # the session calls callee(**kw): the same call (ubatch_idx by name)
-            return recv(callee, parse(args, kwargs))
+            # the session calls callee(**kw): the same call (ubatch_idx by name);
+            # upstream's call names every argument, and kwargs is this call's own dict
+            return recv(callee, kwargs if not args and "ubatch_idx" in kwargs else parse(args, kwargs))
 
         return recv_attn_output
 
@@ -388,7 +406,7 @@ def _session_send(session: OverlapSession) -> RouterFactory:
             # upstream's call, send_ffn_output(output, context, ubatch_idx=s), read inline
             output, context = (args[0], args[1]) if len(args) >= 2 else parts(args, kwargs)
             stage = int(kwargs["ubatch_idx"]) if "ubatch_idx" in kwargs else stage_of(context, kwargs)
-            return send(lambda: callee(*args, **kwargs), output, context, stage)
+            return send(partial(callee, *args, **kwargs), output, context, stage)
 
         return send_ffn_output
 

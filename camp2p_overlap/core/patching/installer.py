@@ -104,12 +104,29 @@ def live_owner(module: ModuleType, t: TargetSpec) -> Any:
 def live_target(manifest: StackManifest | None, qualname: str) -> Any:
     """A target's live object by qualname (a class attribute or a module
     function), or None while its module is not imported."""
-    for t in manifest.targets() if manifest is not None else ():
-        if t.qualname == qualname:
-            module = sys.modules.get(t.module)
-            owner = live_owner(module, t) if module is not None else None
-            return None if owner is None else vars(owner).get(t.attribute)
-    return None
+    t = _target_named(manifest, qualname) if manifest is not None else None
+    if t is None:
+        return None
+    module = sys.modules.get(t.module)
+    owner = live_owner(module, t) if module is not None else None
+    return None if owner is None else vars(owner).get(t.attribute)
+
+
+#: id(manifest) -> (that manifest, its first target of each qualname): what
+#: :func:`live_target` looks a qualname up in (a step reads one each call).
+_TARGETS_BY_QUALNAME: dict[int, tuple[StackManifest, dict[str, TargetSpec]]] = {}
+
+
+def _target_named(manifest: StackManifest, qualname: str) -> TargetSpec | None:
+    entry = _TARGETS_BY_QUALNAME.get(id(manifest))
+    if entry is None or entry[0] is not manifest:
+        by_name: dict[str, TargetSpec] = {}
+        for t in manifest.targets():
+            by_name.setdefault(t.qualname, t)
+        if len(_TARGETS_BY_QUALNAME) >= 64:
+            _TARGETS_BY_QUALNAME.clear()
+        entry = _TARGETS_BY_QUALNAME[id(manifest)] = (manifest, by_name)
+    return entry[1].get(qualname)
 
 
 def _resolve(t: TargetSpec, module: ModuleType) -> tuple[Any, Any]:
@@ -157,6 +174,8 @@ class Installer:
         self.optional_refused: dict[str, dict[str, TargetStatus]] = {}
         self.stuck: list[WrapRecord] = []
         self._handles: set[int] = set()
+        #: :meth:`routes`, kept until ``records`` changes (every step reads it).
+        self._routes: tuple[tuple[Any, TargetSpec], ...] | None = None
 
     # -- recognising our wrappers ---------------------------------------
     def handle_of(self, obj: Any) -> Any:
@@ -191,9 +210,12 @@ class Installer:
 
     def routes(self) -> tuple[tuple[Any, TargetSpec], ...]:
         """(class, spec) of every installed ``route`` target, in manifest order."""
-        return tuple(
-            (r.owner, r.spec) for recs in list(self.records.values()) for r in recs if r.spec.action == "route"
-        )
+        routes = self._routes
+        if routes is None:
+            routes = self._routes = tuple(
+                (r.owner, r.spec) for recs in list(self.records.values()) for r in recs if r.spec.action == "route"
+            )
+        return routes
 
     # -- install --------------------------------------------------------
     def installed(self, module_name: str) -> bool:
@@ -249,6 +271,7 @@ class Installer:
             if rec in self.stuck:
                 self.stuck.remove(rec)
         self.records[mspec.name] = done
+        self._routes = None
         if left_out:
             self.optional_refused[mspec.name] = left_out
         return self._settled(mspec)
@@ -381,6 +404,7 @@ class Installer:
             for rec in reversed(self.records[name]):
                 ok = self._unwrap(rec) and ok
         self.records.clear()
+        self._routes = None
         self.optional_refused.clear()
         return ok
 
@@ -395,6 +419,7 @@ class Installer:
         return not self.stuck
 
     def _drop(self, name: str) -> None:
+        self._routes = None
         for rec in reversed(self.records.pop(name, [])):
             self._unwrap(rec)
 

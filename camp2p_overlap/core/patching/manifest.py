@@ -79,7 +79,7 @@ class TargetSpec:
         module-level function)."""
         return tuple(self.qualname.split(".")[:-1])
 
-    @property
+    @functools.cached_property
     def attribute(self) -> str:
         return self.qualname.split(".")[-1]
 

@@ -9,6 +9,7 @@ is the caller's current stream.
 from __future__ import annotations
 
 import abc
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -171,6 +172,17 @@ class StreamBackend(abc.ABC):
     def submit(self, stream: Stream, fn: Callable[[], Any], label: str = "op") -> OpHandle:
         """Run ``fn()`` as work of ``stream``; ``label`` names it in traces
         and stall reports."""
+
+    def scope(self, stream: Stream) -> AbstractContextManager[Any]:
+        """``stream`` made current for the block, for :meth:`submit_here`:
+        several ops of one stream issued in a row switch to it once. Here:
+        nothing (:meth:`submit_here` is :meth:`submit`)."""
+        return contextlib.nullcontext()
+
+    def submit_here(self, stream: Stream, fn: Callable[[], Any], label: str = "op") -> OpHandle:
+        """:meth:`submit` from inside :meth:`scope` of ``stream`` (the same
+        op, without switching to the stream again)."""
+        return self.submit(stream, fn, label)
 
     @abc.abstractmethod
     def record(self, stream: Stream, key: EventKey) -> Event:

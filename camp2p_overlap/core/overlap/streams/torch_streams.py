@@ -77,6 +77,22 @@ class TorchStreamBackend(StreamBackend):
                 return DoneHandle(None, exc, t0, clock())
         return DoneHandle(value, None, t0, clock())
 
+    def scope(self, stream: Any) -> Any:
+        return self.mod.stream(stream)
+
+    def submit_here(self, stream: Any, fn: Callable[[], Any], label: str = "op") -> OpHandle:
+        """:meth:`submit` inside ``self.mod.stream(stream)`` already entered
+        (:meth:`scope`)."""
+        if self._tracked is not None:
+            return self._tracked(fn, label)
+        clock = time.perf_counter_ns
+        t0 = clock()
+        try:
+            value = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed back
+            return DoneHandle(None, exc, t0, clock())
+        return DoneHandle(value, None, t0, clock())
+
     def record(self, stream: Any, key: EventKey) -> Any:
         event = self._events.get(key)
         if event is None:
