@@ -319,7 +319,7 @@ TABLE: tuple[EnvVar, ...] = (
         64,
         "with adaptive engage, every this many steps of a shape (or graph key) run a probe round of the path"
         " not chosen: 3 probes faster by 5 % switch it; a round slower by 10 % doubles the interval, up to"
-        " 8 times; a close first decision (within 10 %) is probed within 16 steps",
+        " 8 times; a close first decision (within 10 %) is probed within 16 steps, where 1 % faster switches it",
         low=MIN_REPROBE,
         high=MAX_REPROBE,
     ),

@@ -140,6 +140,29 @@ def test_a_close_first_decision_is_checked_again_soon() -> None:
         assert next(i for i, (_, probe) in enumerate(seq) if probe) == first_round - 1
 
 
+def test_a_close_first_decision_a_few_per_cent_slower_is_undone_at_its_recheck() -> None:
+    """Learning saw overlap 3 % ahead, but it runs 3 % behind: the close
+    call's recheck round switches on probes 1 % faster (the full 5 %
+    hysteresis would keep the slower path for good), and later rounds keep
+    the full margin, so a path 3 % behind never wins back."""
+    a = AdaptiveEngage()
+    drive(a, KEY, {"overlap": 0.0100, "serial": 0.0103}, 7)
+    assert a.decision(KEY) == "overlap"
+    truth = {"overlap": 0.0100, "serial": 0.0097}
+    seq = drive(a, KEY, truth, 40)
+    assert a.decision(KEY) == "serial"
+    switched = next(i for i, (m, p) in enumerate(seq) if m == "serial" and not p)
+    assert switched <= 16 + 4  # the recheck round: a warm-up and 3 confirming probes
+    drive(a, KEY, truth, 400)  # later rounds probe overlap: 3 % behind, never 5 % ahead
+    (snap,) = a.snapshot()
+    assert snap["decision"] == "serial" and snap["changes"] == 2
+    # a clear first decision is checked with the full margin: 3 % does not switch it
+    b = AdaptiveEngage()
+    drive(b, KEY, {"overlap": 0.0100, "serial": 0.0150}, 7)
+    drive(b, KEY, {"overlap": 0.0100, "serial": 0.0097}, 200)
+    assert b.decision(KEY) == "overlap"
+
+
 def test_a_change_of_decision_resets_the_back_off() -> None:
     a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
     drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7 + 40)

@@ -24,7 +24,11 @@ path a step takes (``choose``); deterministic for given times. Per bucket:
   Otherwise the probe round ends and the decision stays.
 * a close first decision (the medians within ``close_call``, 10 %, of each
   other on 3 times each) gets its first probe round ``close_recheck`` (16)
-  steps after it instead of a whole interval.
+  steps after it instead of a whole interval, and that round switches on
+  probes that beat it by ``close_switch_margin`` (1 %) instead of
+  ``switch_margin``: 3 times each cannot tell two paths a few per cent apart,
+  and the hysteresis would otherwise keep a first decision that is a few per
+  cent slower (later rounds keep the full margin, so it cannot flap).
 * back-off: a probe round that loses by more than ``backoff_above`` (10 %)
   doubles the bucket's interval to the next one, up to ``max_backoff``
   times ``reprobe_every`` (8: 512 steps); one that loses by less, or a
@@ -100,6 +104,7 @@ class AdaptiveSettings:
     max_backoff: int = 8
     close_call: float = 0.10
     close_recheck: int = 16
+    close_switch_margin: float = 0.01
     #: A decided-serial step (not a probe) is timed one in this many: its
     #: times only keep the current path's median fresh for the next probe
     #: round to be judged against (``window`` samples span this many times
@@ -124,6 +129,9 @@ class _Bucket:
     #: The bucket's probe interval, in units of ``reprobe_every`` (back-off).
     backoff: int = 1
     changes: int = 0
+    #: The first decision was a close call: its recheck round switches on
+    #: ``close_switch_margin``.
+    close_recheck: bool = False
 
     def __post_init__(self) -> None:
         self.times = {m: deque(maxlen=self.window) for m in PATHS}
@@ -215,6 +223,7 @@ class AdaptiveEngage:
                     if abs(o - s) < cfg.close_call * min(o, s):
                         # a close call on 3 times each: check it again soon
                         b.since_probe = max(cfg.reprobe_every - cfg.close_recheck, 0)
+                        b.close_recheck = True
                 return
             if path == b.decision:
                 b.times[path].append(seconds)
@@ -228,7 +237,9 @@ class AdaptiveEngage:
         b.probe_times.append(seconds)
         current = b.median(b.decision)  # type: ignore[arg-type]
         probe = statistics.median(b.probe_times)
-        if current is None or probe > current * (1 - cfg.switch_margin):
+        margin = cfg.close_switch_margin if b.close_recheck else cfg.switch_margin
+        if current is None or probe > current * (1 - margin):
+            b.close_recheck = False
             b.probe_times.clear()  # not better: the probe round ends, the decision stays
             b.probes_left = 0
             b.times[path].append(seconds)
@@ -242,7 +253,8 @@ class AdaptiveEngage:
         b.times[path].extend(b.probe_times)
         b.probe_times.clear()
         b.probes_left = 0
-        self._decide(b, path, f"{cfg.confirm} probes beat it by more than {cfg.switch_margin:.0%}")
+        b.close_recheck = False
+        self._decide(b, path, f"{cfg.confirm} probes beat it by more than {margin:.0%}")
 
     def _decide(self, b: _Bucket, path: Path, why: str) -> None:
         if path == b.decision:
