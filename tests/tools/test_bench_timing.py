@@ -218,3 +218,21 @@ def test_comm_ratio_sets_the_link_from_the_ffn_model(capsys: Any) -> None:
     assert preset.comm_ratio == 0.5
     assert runner.resolve_params({"link_gbps": 2.0}, "ffn-bound").comm_ratio is None
     assert runner.resolve_params({"timing": "wall"}, "ffn-bound").comm_ratio is None
+
+
+def test_a_sweep_table_names_the_points_whose_ffn_was_calibrated() -> None:
+    """Under a work table: the FFN rated at each point, or the points where
+    this machine could not hold the rating and it was calibrated."""
+    from camp2p_overlap.tools.bench.sweep import _timing_lines
+
+    def point(tokens: int, rated: bool) -> dict[str, Any]:
+        ffn = {"fixed": False, "rated": rated}
+        return {"tokens": tokens, "report": {"timing": {"model": "model", "ffn": ffn, "noisy": False}}}
+
+    def name(pt: dict[str, Any]) -> str:
+        return f"{pt['tokens']} tokens"
+
+    line = "".join(_timing_lines([point(1, True), point(2, True)], "report", name, "work"))
+    assert "modelled kernels (each point's FFN rated from its shape)" in line
+    line = "".join(_timing_lines([point(1, True), point(2, False)], "report", name, "work"))
+    assert "rated from its shape, except at 2 tokens, where this machine could not hold its rating" in line

@@ -369,10 +369,20 @@ def _timing_lines(pts: Sequence[Mapping[str, Any]], rkey: str, name: Any, key: s
         return []
     models = sorted({t["model"] for t in timings if t})
     held = {t["ffn_model"] for t in timings if t and t.get("ffn") and t["ffn"].get("fixed")}
+    own = [t for t in timings if t and t.get("ffn") and not t["ffn"].get("fixed")]
+    calibrated = [name(pt) for pt, t in zip(pts, timings, strict=True) if t in own and not t["ffn"].get("rated")]
+    if not calibrated:
+        each = "each point's FFN rated from its shape"
+    else:
+        each = (
+            "each point's FFN rated from its shape, except at "
+            + ", ".join(calibrated)
+            + ", where this machine could not hold its rating and it was calibrated in its run"
+        )
     text = {
         "model": f"modelled kernels ({next(iter(held))} at every point, the f calibration's model)"
         if len(held) == 1 and all(t and t.get("ffn") and t["ffn"].get("fixed") for t in timings)
-        else "modelled kernels (each point's FFN calibrated in its run)",
+        else f"modelled kernels ({each})",
         "wall": "wall-clock kernels",
         "device": "device time",
     }
