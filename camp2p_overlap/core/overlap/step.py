@@ -4,7 +4,8 @@ object whose methods read top to bottom in the order a step runs.
 :func:`make_wrappers` builds, when an engine applies, the one wrapper the
 manifest names (``ffn_forward``), bound to that engine and its runtime (as
 OpenTelemetry's instrumentations build ``_traced_execute_factory(tracer)``).
-Each call makes an :class:`FfnStep`:
+Each call runs :func:`run_step`, which runs 1. and 2. itself and makes an
+:class:`FfnStep` for every step that goes on:
 
 1. the gate: a step of an engine being removed runs the original;
 2. the decided-serial fast path: a bucket adaptive engage decided for serial
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from camp2p_overlap.core.keys import COMPUTE_STREAM
 from camp2p_overlap.core.log import log_once
+from camp2p_overlap.core.observe import trace as _trace
 from camp2p_overlap.core.observe.trace import TraceOp, TraceRecorder, current_recorder
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Passed
@@ -71,7 +73,7 @@ def make_wrappers(engine: PatchEngine, *, runtime: OverlapRuntime) -> dict[str, 
     :class:`Routers` pair; nothing of them is installed on a class)."""
 
     def ffn_forward(wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
-        return FfnStep(engine, runtime, wrapped, instance, args, kwargs).run()
+        return run_step(engine, runtime, wrapped, instance, args, kwargs)  # the module's, read at each call
 
     capture = GraphCapture(engine, runtime, bucket_of)
 
@@ -115,6 +117,65 @@ class TimedBucket(NamedTuple):
 _UNTIMED: TimedBucket = _named_tuple_of(TimedBucket, (None, None, None, False))
 
 
+def run_step(
+    engine: PatchEngine, runtime: OverlapRuntime, wrapped: Wrapped, runner: Any, args: Args, kwargs: Kwargs
+) -> Any:
+    """One call of the wrapped ``_ffn_forward``. 1. and 2. run here: a step
+    of a decided-serial bucket (:func:`decided_serial_bucket`) runs the
+    original with no :class:`FfnStep` made; every other step is one."""
+    if _trace._active is not None:  # a recorder: the step traces its serial path too (current_recorder(), inline)
+        return FfnStep(engine, runtime, wrapped, runner, args, kwargs).run()
+    gate = engine.gate
+    if not gate.enter():
+        step = FfnStep(engine, runtime, wrapped, runner, args, kwargs)
+        step.count_serial(NOT_APPLIED)
+        return step.run_original()
+    try:
+        decided = decided_serial_bucket(engine, runtime, runner, kwargs)
+        if decided is None:
+            return FfnStep(engine, runtime, wrapped, runner, args, kwargs).run_planned()
+        runtime.counters.serial(SERIAL_FASTER)
+        if decided is _UNTIMED:
+            return wrapped(*args, **kwargs)
+        return decided.state.timings.timed(decided.key, "serial", decided.backend, partial(wrapped, *args, **kwargs))
+    finally:
+        gate.exit()
+
+
+def decided_serial_bucket(
+    engine: PatchEngine, runtime: OverlapRuntime, runner: Any, kwargs: Kwargs
+) -> TimedBucket | None:
+    """The bucket, when this step belongs to one that adaptive engage
+    decided runs serially and it is not a probe: the step then runs the
+    original without being planned (no refresh, no decision, no stream
+    set), as the planned path would have run it; :data:`_UNTIMED` for
+    such a step that is not timed (no bucket is made for it). The bucket
+    comes from the runner's last planned step (its layer count) and this
+    step's stages and tokens; a probe, a capture, a re-entrant call, or
+    a runner not planned yet takes the planned path. Never raises: None
+    whenever unsure."""
+    cfg = engine.config
+    if not (cfg.adaptive and cfg.enabled and cfg.mode == "overlap") or runtime.local.session is not None:
+        return None
+    entry = runtime.runners._states.get(id(runner))  # runtime.runners.of(runner), inline
+    state = entry[1] if entry is not None and entry[0]() is runner else None
+    shape = state.planned if state is not None else None
+    if shape is None:
+        return None
+    try:
+        if kwargs.get("is_graph_capturing") or shape.backend.is_capturing():
+            return None
+        key = bucket_of(shape.runner, shape.layers, kwargs["dp_metadata_list"])
+    except Exception:  # noqa: BLE001 - the planned path gives the reason
+        return None
+    # The re-probe interval was synced on the planned step before (the
+    # engine's configuration does not change while it is applied).
+    passed = runtime.adaptive.pass_serial(key)
+    if passed is Passed.UNTIMED:
+        return _UNTIMED
+    return _named_tuple_of(TimedBucket, (key, shape.backend, state, True)) if passed else None
+
+
 class FfnStep:
     """One call of the wrapped ``_ffn_forward``, with the engine and runtime
     its wrapper is bound to."""
@@ -155,7 +216,7 @@ class FfnStep:
         else:
             self.runtime.counters.serial(reason)
 
-    # -- 1. the gate ---------------------------------------------------------
+    # -- 1. the gate (a step with a trace recorder; run_step runs the others)
     def run(self) -> Any:
         recorder = self.recorder = current_recorder()
         gate = self.engine.gate
@@ -163,8 +224,8 @@ class FfnStep:
             self.count_serial(NOT_APPLIED)
             return self.run_original()
         try:
-            if recorder is None:  # 2., here: a decided-serial step makes nothing more
-                decided = self.decided_serial_bucket()
+            if recorder is None:  # 2., here too: a decided-serial step makes nothing more
+                decided = decided_serial_bucket(self.engine, self.runtime, self.runner, self.kwargs)
                 if decided is not None:
                     if decided is _UNTIMED:
                         self.runtime.counters.serial(SERIAL_FASTER)
@@ -184,41 +245,6 @@ class FfnStep:
         if self.follows_static_setting(decision, streamset):
             return self.run_engaged(decision, streamset)
         return self.run_adaptive(decision, streamset)
-
-    # -- 2. the decided-serial fast path -----------------------------------
-    def decided_serial_bucket(self) -> TimedBucket | None:
-        """The bucket, when this step belongs to one that adaptive engage
-        decided runs serially and it is not a probe: the step then runs the
-        original without being planned (no refresh, no decision, no stream
-        set), as the planned path would have run it; :data:`_UNTIMED` for
-        such a step that is not timed (no bucket is made for it). The bucket
-        comes from the runner's last planned step (its layer count) and this
-        step's stages and tokens; a probe, a capture, a re-entrant call, or
-        a runner not planned yet takes the planned path. Never raises: None
-        whenever unsure."""
-        cfg = self.engine.config
-        runtime = self.runtime
-        if not (cfg.adaptive and cfg.enabled and cfg.mode == "overlap") or runtime.local.session is not None:
-            return None
-        state = runtime.runners.of(self.runner)
-        shape = state.planned if state is not None else None
-        if shape is None:
-            return None
-        try:
-            kwargs, capture = self.kwargs, self._capture  # is_capture(shape.backend), inline
-            if capture is None:
-                capture = self._capture = bool(kwargs.get("is_graph_capturing")) or shape.backend.is_capturing()
-            if capture:
-                return None
-            key = bucket_of(shape.runner, shape.layers, kwargs["dp_metadata_list"])
-        except Exception:  # noqa: BLE001 - the planned path gives the reason
-            return None
-        # The re-probe interval was synced on the planned step before (the
-        # engine's configuration does not change while it is applied).
-        passed = runtime.adaptive.pass_serial(key)
-        if passed is Passed.UNTIMED:
-            return _UNTIMED
-        return _named_tuple_of(TimedBucket, (key, shape.backend, state, True)) if passed else None
 
     # -- 3. refresh and decision -----------------------------------------------
     def decide(self) -> tuple[Decision, StreamSet | None]:
