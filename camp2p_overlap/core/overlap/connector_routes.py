@@ -85,17 +85,24 @@ class ConnectorRoutes:
         #: (attribute, our router, what the instance's __dict__ held before or _MISSING)
         self._set: list[tuple[str, Any, Any]] = []
 
-    def install(self, routers: Sequence[tuple[str, RouterFactory]]) -> str | None:
+    def install(self, routers: Sequence[tuple[str, RouterFactory]], *, checked: bool = False) -> str | None:
         """Route each ``(attribute, factory)``; None when every route is in
-        place, else why none is (nothing is left set)."""
+        place, else why none is (nothing is left set). ``checked``: the
+        caller has just found :func:`route_problem` None for these
+        attributes (the engaged step's decision), and only whether another
+        thread's step has routed them since is checked again."""
         instance = self._instance
-        problem = route_problem(instance, [attribute for attribute, _ in routers])
-        if problem is not None:
-            return problem
+        if not checked:
+            problem = route_problem(instance, [attribute for attribute, _ in routers])
+            if problem is not None:
+                return problem
         slots = vars(instance)
         thread = threading.get_ident()
         for attribute, make in routers:
             before = slots.get(attribute, _MISSING)
+            if checked and getattr(before, ROUTER_MARK, False) is True:  # is_router(before), inline
+                self.remove()
+                return "the connector's calls are routed to a step on another thread"
             router = make(getattr(instance, attribute), thread)
             setattr(router, ROUTER_MARK, True)
             slots[attribute] = router

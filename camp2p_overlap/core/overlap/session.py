@@ -161,6 +161,10 @@ class OverlapSession:
             and cls.wait_event is _BASE_WAIT_EVENT
             and cls.issue_a2e is _BASE_ISSUE_A2E
         )
+        #: On the steady path, the backend's event pool when its record and
+        #: wait are the plain event calls (``StreamBackend.direct_events``):
+        #: the steady path then records and waits on the events itself.
+        self._direct = backend.direct_events() if self._steady else None
 
         #: The index in ``self.order`` of the next expected receive.
         self.next_recv = 0
@@ -317,8 +321,22 @@ class OverlapSession:
                 ev = self._events.get(a_done)
                 if ev is None:
                     raise SessionError(f"wait on event {a_done.label()!r} that was not recorded in this step")
-                self.backend.wait(self.compute, ev)
-                payload = self._take_prefetched(*key)
+                if self._direct is not None:
+                    self.compute.wait_event(ev)  # backend.wait, inline (direct_events)
+                else:
+                    self.backend.wait(self.compute, ev)
+                # _take_prefetched(*key), inline
+                h = self._a_handle.pop(key)
+                self._a_kwargs.pop(key, None)
+                try:
+                    payload = h.result()
+                except StreamPoisonedError:
+                    first = self.backend.step_errors([self.side_streams[key[1]]])
+                    if first:
+                        raise first[0] from None
+                    raise
+                finally:
+                    h.release()
                 self._f_refs[key[1]].clear()  # as below
                 self._consumed.add(key)
                 self._inflight[key] = payload
@@ -425,16 +443,32 @@ class OverlapSession:
         issued under one switch to K_s (``backend.scope``)."""
         L, s = key
         keys = self._keys[key]
-        backend, events, ops = self.backend, self._events, self._ops
+        backend, events, ops, pool = self.backend, self._events, self._ops, self._direct
         self._sent.add(key)
-        f_done = events[keys.f_done] = backend.record(self.compute, keys.f_done)
+        # With the backend's event pool (direct_events), each record and wait
+        # is the event's or the stream's own call, made here; an event the
+        # pool lacks is recorded through the backend (which makes it).
+        f_done = pool.get(keys.f_done) if pool is not None else None
+        if f_done is None:
+            f_done = backend.record(self.compute, keys.f_done)
+        else:
+            f_done.record(self.compute)
+        events[keys.f_done] = f_done
         k = self.side_streams[s]
         nxt = self.plan.next_of[L]
         with backend.scope(k):
-            backend.wait(k, f_done)
+            if pool is not None:
+                k.wait_event(f_done)
+            else:
+                backend.wait(k, f_done)
             h = backend.submit_here(k, call, keys.e2a_label)
             ops.append((E2A, L, s, k.name, h, -1))
-            events[keys.e_done] = backend.record(k, keys.e_done)
+            e_done = pool.get(keys.e_done) if pool is not None else None
+            if e_done is None:
+                e_done = backend.record(k, keys.e_done)
+            else:
+                e_done.record(k)
+            events[keys.e_done] = e_done
             self._f_refs[s].append((output, context, call))
             self._inflight.pop(key, None)  # K_s has waited f_done(L, s)
             if h.done():
@@ -449,7 +483,12 @@ class OverlapSession:
             h = self._a_handle[ahead] = backend.submit_here(k, partial(fn, **kw), next_keys.a2e_label)
             ops.append((A2E, nxt, s, k.name, h, -1))
             self._a_kwargs[ahead] = kw
-            events[next_keys.a_done] = backend.record(k, next_keys.a_done)
+            a_done = pool.get(next_keys.a_done) if pool is not None else None
+            if a_done is None:
+                a_done = backend.record(k, next_keys.a_done)
+            else:
+                a_done.record(k)
+            events[next_keys.a_done] = a_done
 
     # ------------------------------------------------------------------
     # mismatch handling

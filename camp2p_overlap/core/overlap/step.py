@@ -349,7 +349,7 @@ class FfnStep:
                 context_of=camp2p.context_of,
             )
             routes = ConnectorRoutes(connector)
-            refused = routes.install(self.session_routers(session))
+            refused = routes.install(self.session_routers(session), checked=True)  # decide() checked the connector
             if refused is not None:  # decide() checked it: only a race with another thread's step lands here
                 session.close(raising=True)  # nothing was issued: closing only releases it
                 self.count_serial(refused)

@@ -194,6 +194,14 @@ class StreamBackend(abc.ABC):
         """Make ``stream`` wait for ``event`` (never blocks the host on
         device backends; on the CPU backend ``C`` is the host)."""
 
+    def direct_events(self) -> dict[EventKey, Any] | None:
+        """The backend's pool of events by key, when its :meth:`record` and
+        :meth:`wait` are exactly ``pool[key].record(stream)`` (making the
+        event when the pool has none: call :meth:`record` then) and
+        ``stream.wait_event(event)``, so the session's steady path may issue
+        them itself (one frame less each); else None (here: always)."""
+        return None
+
     @abc.abstractmethod
     def is_capturing(self) -> bool:
         """Whether the current stream is capturing a graph."""

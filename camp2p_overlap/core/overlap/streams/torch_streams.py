@@ -104,6 +104,20 @@ class TorchStreamBackend(StreamBackend):
     def wait(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
 
+    def direct_events(self) -> dict[EventKey, Any] | None:
+        """The event pool, while ``record`` and ``wait`` are this class's
+        own (not a subclass's, a patched class's or an instance's: those
+        are called)."""
+        cls = type(self)
+        if (
+            cls.record is _RECORD
+            and cls.wait is _WAIT
+            and "record" not in self.__dict__
+            and "wait" not in self.__dict__
+        ):
+            return self._events
+        return None
+
     def reserve(self, keys: Any) -> int:
         """Make the pooled events of ``keys`` now (before a graph capture,
         inside which the patch layer creates none); returns how many were new."""
@@ -197,6 +211,11 @@ class TorchStreamBackend(StreamBackend):
 
     def _new_step_timer_pair(self) -> tuple[Any, Any]:
         return self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True)
+
+
+#: The class's own record and wait (:meth:`TorchStreamBackend.direct_events`).
+_RECORD = TorchStreamBackend.record
+_WAIT = TorchStreamBackend.wait
 
 
 def _name(obj: Any, name: Any, attr: str = "name") -> None:
