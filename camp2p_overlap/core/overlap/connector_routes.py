@@ -53,13 +53,29 @@ def route_problem(instance: Any, attributes: Iterable[str]) -> str | None:
         slots = vars(instance)
     except TypeError:
         return f"connector {type(instance).__name__} has no instance __dict__ to route its calls through"
-    cls = type(instance)
+    attributes = tuple(attributes)
     for attribute in attributes:
-        if is_router(slots.get(attribute)):
+        if getattr(slots.get(attribute), ROUTER_MARK, False) is True:  # is_router(), inline
             return "the connector's calls are routed to a step on another thread"
+    cls = type(instance)
+    key = (cls, attributes)
+    if key in _ROUTABLE:
+        return None
+    for attribute in attributes:
         if hasattr(type(_class_attribute(cls, attribute)), "__set__"):
             return f"connector {cls.__name__}.{attribute} cannot be routed per instance (a data descriptor)"
+    if len(_ROUTABLE) >= _ROUTABLE_KEPT:
+        _ROUTABLE.clear()
+    _ROUTABLE.add(key)
     return None
+
+
+#: (class, attributes) found with no data descriptor of those names: the
+#: classes are not walked again on every step. A descriptor set on such a
+#: class later is still caught: :meth:`ConnectorRoutes.install` checks that
+#: the instance resolves each attribute to its router, and refuses if not.
+_ROUTABLE: set[tuple[type, tuple[str, ...]]] = set()
+_ROUTABLE_KEPT = 64
 
 
 def _class_attribute(cls: type, attribute: str) -> Any:

@@ -199,7 +199,8 @@ class OverlapSession:
         #: asked for, from what the step held when it closed (``_closed_parts``).
         self._closed_snapshot: SessionSnapshot | None = None
         self._closed_parts: tuple[Any, ...] | None = None
-        backend.begin_step(list(self.side_streams.values()))
+        if backend.reports_step_errors:
+            backend.begin_step(list(self.side_streams.values()))
 
     # ------------------------------------------------------------------
     # events and ops
@@ -277,9 +278,17 @@ class OverlapSession:
     # ------------------------------------------------------------------
     # fork / prologue / lookahead
     def _fork(self) -> None:
-        self._record(self.compute, _FORK)
-        for k in self.side_streams.values():
-            self.wait_event(k, _FORK)
+        pool = self._direct
+        ev = pool.get(_FORK) if pool is not None else None
+        if ev is None:
+            self._record(self.compute, _FORK)
+            for k in self.side_streams.values():
+                self.wait_event(k, _FORK)
+        else:  # the steady path's pooled event: _record and wait_event, inline
+            ev.record(self.compute)
+            self._events[_FORK] = ev
+            for k in self.side_streams.values():
+                k.wait_event(ev)
         self.forked = True
 
     def issue_a2e(self, layer: int, stage: int) -> None:
@@ -536,10 +545,17 @@ class OverlapSession:
         then release the buffers held for them (:meth:`release_buffers`)."""
         if not self.forked:
             return
+        pool, compute = self._direct, self.compute
         for s, k in self.side_streams.items():
             join = _JOINS.get(s) or EventKey.join(s)
-            self._record(k, join)
-            self.wait_event(self.compute, join)
+            ev = pool.get(join) if pool is not None else None
+            if ev is None:
+                self._record(k, join)
+                self.wait_event(compute, join)
+            else:  # the steady path's pooled event: _record and wait_event, inline
+                ev.record(k)
+                self._events[join] = ev
+                compute.wait_event(ev)
         # Every side-stream op has completed (CPU) or is ordered before C's
         # next work (device): nothing the step allocated needs holding.
         self.release_buffers()
@@ -574,7 +590,7 @@ class OverlapSession:
             ops, events = self._ops, self._events
             self._closed_parts = (self.next_recv, self._consumed, self._sent, ops, events)
             self._ops, self._events = [], {}
-            first = self._side_error(list(self.side_streams.values()))
+            first = self._side_error(list(self.side_streams.values())) if self.backend.reports_step_errors else None
             errors = [first] if first is not None else []
             unconsumed = [k for k in self._a_handle if k not in self._consumed] if self._a_handle else []
             if self._trace is not None:

@@ -213,6 +213,10 @@ class StreamBackend(abc.ABC):
         """Errors raised by side-stream work during the step, in order."""
         return []
 
+    #: False only where :meth:`step_errors` is always empty and
+    #: :meth:`begin_step` does nothing (a session then calls neither).
+    reports_step_errors: bool = True
+
     def synchronize(self, stream: Stream) -> None:  # noqa: B027 - optional hook
         """Block the host until ``stream`` has finished its work (diagnostics,
         tests, the benchmark; the session itself never calls it)."""

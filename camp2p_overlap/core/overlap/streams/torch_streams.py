@@ -48,6 +48,15 @@ class TorchStreamBackend(StreamBackend):
         #: their kernels, asynchronous errors per stream, the stream log.
         self.capabilities = DeviceCapabilities.of(device_module)
         self._tracked = self.capabilities.tracked
+        # begin_step() and step_errors() read only these two (torch.npu and
+        # torch.cuda have neither: their errors surface at a synchronize).
+        cls = type(self)
+        self.reports_step_errors = (
+            self.capabilities.peek_errors is not None
+            or self.capabilities.take_errors is not None
+            or cls.step_errors is not TorchStreamBackend.step_errors
+            or cls.begin_step is not TorchStreamBackend.begin_step
+        )
         self._log_saved: list[Any] = []
 
     def compute_stream(self) -> Any:
