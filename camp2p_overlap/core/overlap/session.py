@@ -307,7 +307,13 @@ class OverlapSession:
             h = self._a_handle[key] = self.backend.submit(k, partial(fn, **kw), keys.a2e_label)
             self._ops.append((A2E, layer, stage, k.name, h, -1))
             self._a_kwargs[key] = kw
-            self._events[keys.a_done] = self.backend.record(k, keys.a_done)
+            pool = self._direct
+            ev = pool.get(keys.a_done) if pool is not None else None
+            if ev is None:
+                ev = self.backend.record(k, keys.a_done)
+            else:  # the backend's record, inline (direct_events)
+                ev.record(k)
+            self._events[keys.a_done] = ev
             return
         self._a_handle[key] = self._submit(k, A2E, layer, stage, partial(fn, **kw), keys.a2e_label)
         self._a_kwargs[key] = kw
@@ -320,11 +326,18 @@ class OverlapSession:
         (used for prefetches); ``call`` runs the loop's call as it was made
         (default: ``fn(**kw)``). ``kw`` holds ``layer_idx`` and ``ubatch_idx``."""
         i = self.next_recv
-        if self._steady and i and not self.fallen_back and i < len(self.order):
+        if self._steady and not self.fallen_back and i < len(self.order):
             key = self.order[i]
             if kw == self.plan.recv_kw[key]:  # the planned receive (so its layer and stage too)
-                # The steady path, receive i > 0: C waits a_done (wait_event,
+                # The steady path: the first receive forks and issues the
+                # prologue (as below); then C waits a_done (wait_event,
                 # inline), and the prefetched payload is handed over.
+                if not i:
+                    self._recv_fn = fn
+                    self._fork()
+                    first_layer = self.plan.layers[0]
+                    for stage in self.plan.stages:  # the prologue
+                        self.issue_a2e(first_layer, stage)
                 self.next_recv = i + 1
                 a_done = self._keys[key].a_done
                 ev = self._events.get(a_done)

@@ -131,7 +131,8 @@ def run_step(
         step.count_serial(NOT_APPLIED)
         return step.run_original()
     try:
-        decided = decided_serial_bucket(engine, runtime, runner, kwargs)
+        # decided_serial_bucket() only with adaptive engage on (its first check, here)
+        decided = decided_serial_bucket(engine, runtime, runner, kwargs) if engine.config.adaptive else None
         if decided is None:
             return FfnStep(engine, runtime, wrapped, runner, args, kwargs).run_planned()
         runtime.counters.serial(SERIAL_FASTER)
@@ -283,7 +284,7 @@ class FfnStep:
         module again)."""
         if not self.engine.config.enabled:
             return "switched off"
-        if self.runtime.active_session() is not None:
+        if self.runtime.local.session is not None:  # runtime.active_session(), inline
             return "re-entrant FFN forward inside an active step"
         engine = self.engine
         if engine.unready is None:  # the one read of the lifecycle a ready step makes
@@ -342,7 +343,7 @@ class FfnStep:
             session = runtime.session_class(
                 connector=connector,
                 plan=decision.plan,  # type: ignore[arg-type]
-                streamset=streams_for(decision.mode, streamset),
+                streamset=streamset if decision.mode == "overlap" else streams_for(decision.mode, streamset),
                 directions=decision.directions,
                 recorder=recorder,
                 step_id=step_id,
