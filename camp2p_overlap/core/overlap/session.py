@@ -350,15 +350,10 @@ class OverlapSession:
                 # _take_prefetched(*key), inline
                 h = self._a_handle.pop(key)
                 self._a_kwargs.pop(key, None)
-                try:
-                    payload = h.result()
-                except StreamPoisonedError:
-                    first = self.backend.step_errors([self.side_streams[key[1]]])
-                    if first:
-                        raise first[0] from None
-                    raise
-                finally:
-                    h.release()
+                if type(h) is DoneHandle and h.exception is None:  # result() and release(), inline
+                    payload, h.value = h.value, None
+                else:
+                    payload = self._take_handle(h, key[1])
                 self._f_refs[key[1]].clear()  # as below
                 self._consumed.add(key)
                 self._inflight[key] = payload
@@ -405,6 +400,10 @@ class OverlapSession:
     def _take_prefetched(self, L: int, s: int) -> Any:
         h = self._a_handle.pop((L, s))
         self._a_kwargs.pop((L, s), None)
+        return self._take_handle(h, s)
+
+    def _take_handle(self, h: OpHandle, s: int) -> Any:
+        """The result of a receive's handle ``h`` (stage ``s``), released."""
         try:
             return h.result()
         except StreamPoisonedError:
@@ -493,8 +492,11 @@ class OverlapSession:
             events[keys.e_done] = e_done
             self._f_refs[s].append((output, context, call))
             self._inflight.pop(key, None)  # K_s has waited f_done(L, s)
-            if h.done():
-                h.result()  # a host-side failure surfaces here, as in the serial path
+            if type(h) is DoneHandle:  # h.done() and h.result(), inline
+                if h.exception is not None:
+                    h.result()  # a host-side failure surfaces here, as in the serial path
+            elif h.done():
+                h.result()
             self._e_done_c[s] = keys.e_done
             if nxt is None:
                 return

@@ -125,9 +125,11 @@ class OpHandle(abc.ABC):
 
 
 class DoneHandle(OpHandle):
-    """A handle for work that already ran on the host."""
+    """A handle for work that already ran on the host. Its ``value`` (None
+    once released) and ``exception`` may be read directly: a session's
+    steady path does, instead of calling :meth:`result` and :meth:`release`."""
 
-    __slots__ = ("_exc", "_value", "end_ns", "order", "start_ns")
+    __slots__ = ("end_ns", "exception", "order", "start_ns", "value")
 
     def __init__(
         self,
@@ -137,22 +139,22 @@ class DoneHandle(OpHandle):
         end_ns: int | None = None,
         order: int = -1,
     ) -> None:
-        self._value = value
-        self._exc = exc
+        self.value = value
+        self.exception = exc
         self.start_ns = start_ns
         self.end_ns = end_ns
         self.order = order
 
     def result(self) -> Any:
-        if self._exc is not None:
-            raise self._exc
-        return self._value
+        if self.exception is not None:
+            raise self.exception
+        return self.value
 
     def done(self) -> bool:
         return True
 
     def release(self) -> None:
-        self._value = None
+        self.value = None
 
 
 class StreamBackend(abc.ABC):
