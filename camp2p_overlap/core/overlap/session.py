@@ -104,6 +104,9 @@ def _call_or(call: Callable[[], Any] | None, fn: Callable[..., Any], kw: Mapping
 
 
 _FORK = EventKey.fork()
+#: The issue sequence of a session without a trace (never read: every
+#: ``next(self._seq)`` is on a traced path).
+_NO_SEQ: Any = iter(())
 #: The join key of each stage id (made once, not per step).
 _JOINS = {s: EventKey.join(s) for s in range(MAX_STAGES)}
 
@@ -149,8 +152,8 @@ class OverlapSession:
         self.step_id = step_id
         self._context_of = context_of
         self._trace = StepTrace(recorder, step_id, backend) if recorder is not None else None
-        #: The steady path of a receive and a send (:meth:`_recv_planned`,
-        #: :meth:`_send_planned`): no trace, and the schedule's waits and the
+        #: The steady path of a receive and a send (the first branch of
+        #: :meth:`recv` and of :meth:`send`): no trace, and the schedule's waits and the
         #: lookahead through this class's own methods (a subclass or a
         #: patched class that overrides one takes the general path).
         cls = type(self)
@@ -165,6 +168,8 @@ class OverlapSession:
         #: wait are the plain event calls (``StreamBackend.direct_events``):
         #: the steady path then records and waits on the events itself.
         self._direct = backend.direct_events() if self._steady else None
+        #: And the backend's scope, when it is a plain call (``direct_scope``).
+        self._scope = backend.direct_scope() if self._direct is not None else None
 
         #: The index in ``self.order`` of the next expected receive.
         self.next_recv = 0
@@ -192,7 +197,7 @@ class OverlapSession:
         self._ffn_start: dict[StageLayer, tuple[int, int]] = {}
         #: Host issue order of every record, wait and op of the step (traces:
         #: the checker rebuilds each stream's FIFO and the event graph from it).
-        self._seq = itertools.count()
+        self._seq = itertools.count() if self._trace is not None else _NO_SEQ  # read only while tracing
         self.t_open_ns = time.perf_counter_ns()
         #: The snapshot taken when the step closed: what the watchdog reads
         #: while the device may still be running the step. Built when first
@@ -422,7 +427,64 @@ class OverlapSession:
         # so the id cannot be reused while it is mapped.
         key = self._contexts.pop(id(context), None)
         if self._steady and key is not None and stage == key[1] and not self.fallen_back and key not in self._sent:
-            return self._send_planned(call, output, context, key)
+            # The steady path (both directions on the side streams, this
+            # class's wait and lookahead): the same records, waits and ops in
+            # the same order as below, without a frame per record and wait,
+            # and with the stage's E2A and its lookahead A2E issued under one
+            # switch to K_s (``backend.scope``).
+            L, s = key
+            keys = self._keys[key]
+            backend, events, ops, pool = self.backend, self._events, self._ops, self._direct
+            self._sent.add(key)
+            # With the backend's event pool (direct_events), each record and wait
+            # is the event's or the stream's own call, made here; an event the
+            # pool lacks is recorded through the backend (which makes it).
+            f_done = pool.get(keys.f_done) if pool is not None else None
+            if f_done is None:
+                f_done = backend.record(self.compute, keys.f_done)
+            else:
+                f_done.record(self.compute)
+            events[keys.f_done] = f_done
+            k = self.side_streams[s]
+            nxt = self.plan.next_of[L]
+            scope = self._scope
+            with scope(k) if scope is not None else backend.scope(k):
+                if pool is not None:
+                    k.wait_event(f_done)
+                else:
+                    backend.wait(k, f_done)
+                h = backend.submit_here(k, call, keys.e2a_label)
+                ops.append((E2A, L, s, k.name, h, -1))
+                e_done = pool.get(keys.e_done) if pool is not None else None
+                if e_done is None:
+                    e_done = backend.record(k, keys.e_done)
+                else:
+                    e_done.record(k)
+                events[keys.e_done] = e_done
+                self._f_refs[s].append((output, context, call))
+                self._inflight.pop(key, None)  # K_s has waited f_done(L, s)
+                if type(h) is DoneHandle:  # h.done() and h.result(), inline
+                    if h.exception is not None:
+                        h.result()  # a host-side failure surfaces here, as in the serial path
+                elif h.done():
+                    h.result()
+                self._e_done_c[s] = keys.e_done
+                if nxt is None:
+                    return None
+                # issue_a2e(nxt, s), inline
+                fn, ahead = self._recv_fn, (nxt, s)
+                assert fn is not None
+                kw, next_keys = self.plan.recv_kw[ahead], self._keys[ahead]
+                h = self._a_handle[ahead] = backend.submit_here(k, partial(fn, **kw), next_keys.a2e_label)
+                ops.append((A2E, nxt, s, k.name, h, -1))
+                self._a_kwargs[ahead] = kw
+                a_done = pool.get(next_keys.a_done) if pool is not None else None
+                if a_done is None:
+                    a_done = backend.record(k, next_keys.a_done)
+                else:
+                    a_done.record(k)
+                events[next_keys.a_done] = a_done
+            return None
         if self.fallen_back:
             return self._send_on_c(call, key)
         if key is None or key in self._sent or stage != key[1]:
@@ -455,64 +517,6 @@ class OverlapSession:
                 self._inflight.pop(key, None)
             self.issue_a2e(nxt, s)
         return None
-
-    def _send_planned(self, call: Callable[[], Any], output: Any, context: Any, key: StageLayer) -> None:
-        """:meth:`send` of a received ``key`` on the steady path (both
-        directions on the side streams, this class's wait and lookahead):
-        the same records, waits and ops in the same order, without a frame
-        per record and wait, and with the stage's E2A and its lookahead A2E
-        issued under one switch to K_s (``backend.scope``)."""
-        L, s = key
-        keys = self._keys[key]
-        backend, events, ops, pool = self.backend, self._events, self._ops, self._direct
-        self._sent.add(key)
-        # With the backend's event pool (direct_events), each record and wait
-        # is the event's or the stream's own call, made here; an event the
-        # pool lacks is recorded through the backend (which makes it).
-        f_done = pool.get(keys.f_done) if pool is not None else None
-        if f_done is None:
-            f_done = backend.record(self.compute, keys.f_done)
-        else:
-            f_done.record(self.compute)
-        events[keys.f_done] = f_done
-        k = self.side_streams[s]
-        nxt = self.plan.next_of[L]
-        with backend.scope(k):
-            if pool is not None:
-                k.wait_event(f_done)
-            else:
-                backend.wait(k, f_done)
-            h = backend.submit_here(k, call, keys.e2a_label)
-            ops.append((E2A, L, s, k.name, h, -1))
-            e_done = pool.get(keys.e_done) if pool is not None else None
-            if e_done is None:
-                e_done = backend.record(k, keys.e_done)
-            else:
-                e_done.record(k)
-            events[keys.e_done] = e_done
-            self._f_refs[s].append((output, context, call))
-            self._inflight.pop(key, None)  # K_s has waited f_done(L, s)
-            if type(h) is DoneHandle:  # h.done() and h.result(), inline
-                if h.exception is not None:
-                    h.result()  # a host-side failure surfaces here, as in the serial path
-            elif h.done():
-                h.result()
-            self._e_done_c[s] = keys.e_done
-            if nxt is None:
-                return
-            # issue_a2e(nxt, s), inline
-            fn, ahead = self._recv_fn, (nxt, s)
-            assert fn is not None
-            kw, next_keys = self.plan.recv_kw[ahead], self._keys[ahead]
-            h = self._a_handle[ahead] = backend.submit_here(k, partial(fn, **kw), next_keys.a2e_label)
-            ops.append((A2E, nxt, s, k.name, h, -1))
-            self._a_kwargs[ahead] = kw
-            a_done = pool.get(next_keys.a_done) if pool is not None else None
-            if a_done is None:
-                a_done = backend.record(k, next_keys.a_done)
-            else:
-                a_done.record(k)
-            events[next_keys.a_done] = a_done
 
     # ------------------------------------------------------------------
     # mismatch handling

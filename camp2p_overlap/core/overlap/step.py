@@ -356,7 +356,9 @@ class FfnStep:
                 self.count_serial(refused)
                 log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", refused)
                 return self.run_original()
-            capturing = self.is_capture(streamset.backend)
+            capturing = self._capture  # is_capture(), as decide() computed it
+            if capturing is None:
+                capturing = self.is_capture(streamset.backend)
             if capturing:  # a capture, not a step: counted as the variant it captures
                 runtime.counters.graph_capture("overlap")
                 state = runtime.runners.of(self.runner)
@@ -368,7 +370,8 @@ class FfnStep:
             # No watchdog inside a capture: its timer thread would query events
             # while the capture runs (global capture mode forbids it), and a
             # captured step only records work, it cannot stall.
-            watchdog = None if capturing else start_watchdog(self.engine.config.watchdog_s, session.snapshot, step_id)
+            seconds = self.engine.config.watchdog_s
+            watchdog = None if capturing or not seconds else start_watchdog(seconds, session.snapshot, step_id)
             t0 = time.perf_counter_ns()
             local = runtime.local  # this thread's session (runtime.set_session, inline)
             local.session = session
@@ -404,46 +407,42 @@ class FfnStep:
 
 # ---------------------------------------------------------------------------
 # router factories: each binds what it routes to, and serves only the thread
-# that installed it (get_ident() is compared on every call).
-def _session_recv(session: OverlapSession) -> RouterFactory:
-    def make(callee: Wrapped, thread: int) -> Wrapped:
-        recv = session.recv
-        parse = camp2p.recv_kwargs
+# that installed it (get_ident() is compared on every call). A factory is
+# ``partial(router_of, session)``: ``ROUTERS[key](session)`` builds it, and
+# calling it builds the router, with no frame of ours but the router maker's.
+def _session_recv(session: OverlapSession, callee: Wrapped, thread: int) -> Wrapped:
+    recv = session.recv
+    parse = camp2p.recv_kwargs
 
-        def recv_attn_output(*args: Any, **kwargs: Any) -> Any:
-            if get_ident() != thread:
-                return callee(*args, **kwargs)
-            # the session calls callee(**kw): the same call (ubatch_idx by name);
-            # upstream's call names every argument, and kwargs is this call's own dict
-            return recv(callee, kwargs if not args and "ubatch_idx" in kwargs else parse(args, kwargs))
+    def recv_attn_output(*args: Any, **kwargs: Any) -> Any:
+        if get_ident() != thread:
+            return callee(*args, **kwargs)
+        # the session calls callee(**kw): the same call (ubatch_idx by name);
+        # upstream's call names every argument, and kwargs is this call's own dict
+        return recv(callee, kwargs if not args and "ubatch_idx" in kwargs else parse(args, kwargs))
 
-        return recv_attn_output
-
-    return make
+    return recv_attn_output
 
 
-def _session_send(session: OverlapSession) -> RouterFactory:
-    def make(callee: Wrapped, thread: int) -> Wrapped:
-        send = session.send
-        parts, stage_of = camp2p.send_parts, camp2p.send_stage
+def _session_send(session: OverlapSession, callee: Wrapped, thread: int) -> Wrapped:
+    send = session.send
+    parts, stage_of = camp2p.send_parts, camp2p.send_stage
 
-        def send_ffn_output(*args: Any, **kwargs: Any) -> Any:
-            if get_ident() != thread:
-                return callee(*args, **kwargs)
-            # upstream's call, send_ffn_output(output, context, ubatch_idx=s), read inline
-            output, context = (args[0], args[1]) if len(args) >= 2 else parts(args, kwargs)
-            stage = int(kwargs["ubatch_idx"]) if "ubatch_idx" in kwargs else stage_of(context, kwargs)
-            return send(partial(callee, *args, **kwargs), output, context, stage)
+    def send_ffn_output(*args: Any, **kwargs: Any) -> Any:
+        if get_ident() != thread:
+            return callee(*args, **kwargs)
+        # upstream's call, send_ffn_output(output, context, ubatch_idx=s), read inline
+        output, context = (args[0], args[1]) if len(args) >= 2 else parts(args, kwargs)
+        stage = int(kwargs["ubatch_idx"]) if "ubatch_idx" in kwargs else stage_of(context, kwargs)
+        return send(partial(callee, *args, **kwargs), output, context, stage)
 
-        return send_ffn_output
-
-    return make
+    return send_ffn_output
 
 
 #: The routers a manifest's ``route`` target may name, by key: each binds
 #: the connector's method, for one engaged step, to its session (a serial
 #: step's trace routes the same keys: ``serial_trace.TRACE_ROUTERS``).
 ROUTERS: dict[str, Callable[[OverlapSession], RouterFactory]] = {
-    "recv_attn_output": _session_recv,
-    "send_ffn_output": _session_send,
+    "recv_attn_output": partial(partial, _session_recv),
+    "send_ffn_output": partial(partial, _session_send),
 }

@@ -196,6 +196,12 @@ class StreamBackend(abc.ABC):
         """Make ``stream`` wait for ``event`` (never blocks the host on
         device backends; on the CPU backend ``C`` is the host)."""
 
+    def direct_scope(self) -> Callable[[Stream], AbstractContextManager[Any]] | None:
+        """What :meth:`scope` is exactly a call of (``scope(stream)`` is
+        ``direct_scope()(stream)``), so the session's steady path may call
+        it itself; else None (here: always)."""
+        return None
+
     def direct_events(self) -> dict[EventKey, Any] | None:
         """The backend's pool of events by key, when its :meth:`record` and
         :meth:`wait` are exactly ``pool[key].record(stream)`` (making the

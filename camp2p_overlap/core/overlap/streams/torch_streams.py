@@ -116,6 +116,12 @@ class TorchStreamBackend(StreamBackend):
     def wait(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
 
+    def direct_scope(self) -> Callable[[Any], Any] | None:
+        """The device module's ``stream``, while ``scope`` is this class's own."""
+        if type(self).scope is _SCOPE and "scope" not in self.__dict__:
+            return self.mod.stream
+        return None
+
     def direct_events(self) -> dict[EventKey, Any] | None:
         """The event pool, while ``record`` and ``wait`` are this class's
         own (not a subclass's, a patched class's or an instance's: those
@@ -225,9 +231,10 @@ class TorchStreamBackend(StreamBackend):
         return self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True)
 
 
-#: The class's own record and wait (:meth:`TorchStreamBackend.direct_events`).
+#: The class's own record, wait and scope (``direct_events``, ``direct_scope``).
 _RECORD = TorchStreamBackend.record
 _WAIT = TorchStreamBackend.wait
+_SCOPE = TorchStreamBackend.scope
 
 
 def _name(obj: Any, name: Any, attr: str = "name") -> None:
