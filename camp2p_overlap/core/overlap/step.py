@@ -166,7 +166,12 @@ def decided_serial_bucket(
     try:
         if kwargs.get("is_graph_capturing") or shape.backend.is_capturing():
             return None
-        key = bucket_of(shape.runner, shape.layers, kwargs["dp_metadata_list"])
+        # bucket_of(shape.runner, shape.layers, kwargs["dp_metadata_list"]), inline
+        dp_metadata_list = kwargs["dp_metadata_list"]
+        tokens = camp2p.max_stage_tokens(dp_metadata_list)
+        tokens = 0 if tokens <= 0 else 1 << (tokens - 1).bit_length()
+        stages = len(dp_metadata_list) if dp_metadata_list else 1
+        key = _named_tuple_of(BucketKey, (shape.runner, stages, shape.layers, tokens))
     except Exception:  # noqa: BLE001 - the planned path gives the reason
         return None
     # The re-probe interval was synced on the planned step before (the
@@ -243,7 +248,9 @@ class FfnStep:
             self.count_serial(decision.reason)
             log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", decision.reason)
             return self.run_original()
-        if self.follows_static_setting(decision, streamset):
+        # 4.: capture follows the static setting (a graph replays what it
+        # captured), and so do parity/reorder steps and adaptive engage off.
+        if not self.engine.config.adaptive or decision.mode != "overlap" or self.is_capture(streamset.backend):
             return self.run_engaged(decision, streamset)
         return self.run_adaptive(decision, streamset)
 
@@ -293,13 +300,6 @@ class FfnStep:
         return None if unready is None else f"not every target of the stack is patched ({unready})"
 
     # -- 4. the choice -------------------------------------------------------
-    def follows_static_setting(self, decision: Decision, streamset: StreamSet) -> bool:
-        """Capture follows the static setting (a graph replays what it
-        captured), and so do parity/reorder steps and adaptive engage off."""
-        if not self.engine.config.adaptive or decision.mode != "overlap":
-            return True
-        return self.is_capture(streamset.backend)
-
     def run_adaptive(self, decision: Decision, streamset: StreamSet) -> Any:
         """An engageable eager step: the bucket's path (overlap, or the
         original as decided or as a probe), timed without blocking the host."""
