@@ -104,6 +104,8 @@ def _call_or(call: Callable[[], Any] | None, fn: Callable[..., Any], kw: Mapping
 
 
 _FORK = EventKey.fork()
+#: The host clock of an op the steady path runs itself (``direct_submit``).
+clock = time.perf_counter_ns
 #: The issue sequence of a session without a trace (never read: every
 #: ``next(self._seq)`` is on a traced path).
 _NO_SEQ: Any = iter(())
@@ -170,6 +172,8 @@ class OverlapSession:
         self._direct = backend.direct_events() if self._steady else None
         #: And the backend's scope, when it is a plain call (``direct_scope``).
         self._scope = backend.direct_scope() if self._direct is not None else None
+        #: And whether it runs an op submitted in scope itself (``direct_submit``).
+        self._run_here = self._scope is not None and backend.direct_submit()
 
         #: The index in ``self.order`` of the next expected receive.
         self.next_recv = 0
@@ -453,7 +457,14 @@ class OverlapSession:
                     k.wait_event(f_done)
                 else:
                     backend.wait(k, f_done)
-                h = backend.submit_here(k, call, keys.e2a_label)
+                if self._run_here:  # backend.submit_here(k, call, label), inline (direct_submit)
+                    t0 = clock()
+                    try:
+                        h = DoneHandle(call(), None, t0, clock())
+                    except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
+                        h = DoneHandle(None, exc, t0, clock())
+                else:
+                    h = backend.submit_here(k, call, keys.e2a_label)
                 ops.append((E2A, L, s, k.name, h, -1))
                 e_done = pool.get(keys.e_done) if pool is not None else None
                 if e_done is None:
@@ -475,7 +486,15 @@ class OverlapSession:
                 fn, ahead = self._recv_fn, (nxt, s)
                 assert fn is not None
                 kw, next_keys = self.plan.recv_kw[ahead], self._keys[ahead]
-                h = self._a_handle[ahead] = backend.submit_here(k, partial(fn, **kw), next_keys.a2e_label)
+                if self._run_here:  # as above
+                    t0 = clock()
+                    try:
+                        h = DoneHandle(fn(**kw), None, t0, clock())
+                    except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
+                        h = DoneHandle(None, exc, t0, clock())
+                else:
+                    h = backend.submit_here(k, partial(fn, **kw), next_keys.a2e_label)
+                self._a_handle[ahead] = h
                 ops.append((A2E, nxt, s, k.name, h, -1))
                 self._a_kwargs[ahead] = kw
                 a_done = pool.get(next_keys.a_done) if pool is not None else None

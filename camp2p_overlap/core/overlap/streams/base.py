@@ -202,6 +202,13 @@ class StreamBackend(abc.ABC):
         it itself; else None (here: always)."""
         return None
 
+    def direct_submit(self) -> bool:
+        """Whether :meth:`submit_here` is exactly: run ``fn()`` now, timed,
+        into a :class:`DoneHandle` of its value or exception (start and end
+        on ``time.perf_counter_ns``), so the session's steady path may do it
+        itself; else False (here: always)."""
+        return False
+
     def direct_events(self) -> dict[EventKey, Any] | None:
         """The backend's pool of events by key, when its :meth:`record` and
         :meth:`wait` are exactly ``pool[key].record(stream)`` (making the

@@ -116,6 +116,10 @@ class TorchStreamBackend(StreamBackend):
     def wait(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
 
+    def direct_submit(self) -> bool:
+        """Without kernel tracking, while ``submit_here`` is this class's own."""
+        return self._tracked is None and type(self).submit_here is _SUBMIT_HERE and "submit_here" not in self.__dict__
+
     def direct_scope(self) -> Callable[[Any], Any] | None:
         """The device module's ``stream``, while ``scope`` is this class's own."""
         if type(self).scope is _SCOPE and "scope" not in self.__dict__:
@@ -235,6 +239,7 @@ class TorchStreamBackend(StreamBackend):
 _RECORD = TorchStreamBackend.record
 _WAIT = TorchStreamBackend.wait
 _SCOPE = TorchStreamBackend.scope
+_SUBMIT_HERE = TorchStreamBackend.submit_here
 
 
 def _name(obj: Any, name: Any, attr: str = "name") -> None:
