@@ -547,3 +547,24 @@ def test_worker_counters_reach_vllms_multiprocess_registry(tmp_path: Path, monke
     assert samples(fams["vllm:camp2p_overlap_steps"], "path") == {k: float(v) for k, v in steps.items()}
     info = fams["vllm:camp2p_overlap_mode_info"]
     assert any(s.labels.get("mode") == "reorder" and s.value == 1.0 for s in info.samples)
+
+
+def test_steps_counted_on_many_threads_without_a_lock_are_all_counted() -> None:
+    c = StepCounters()
+    per_thread, threads = 2000, 4
+
+    def count() -> None:
+        for i in range(per_thread):
+            c.serial("a" if i % 2 else "b")
+            c.engaged("overlap")
+
+    workers = [threading.Thread(target=count) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    c.serial("a")  # this thread too
+    d = c.to_dict()
+    assert d["steps"]["serial"] == threads * per_thread + 1
+    assert d["steps"]["overlap"] == threads * per_thread
+    assert d["serial_reasons"] == {"b": threads * per_thread // 2, "a": threads * per_thread // 2 + 1}

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
+from camp2p_overlap.core.overlap import step as step_module
 from camp2p_overlap.core.overlap.session import OverlapSession
-from camp2p_overlap.core.overlap.step import FfnStep
 from camp2p_overlap.core.patching.manifest import load_manifest
 from camp2p_overlap.emulation.noop import busy_wait
 from camp2p_overlap.emulation.standin_patch_layer import release_site, standin_site
@@ -77,13 +77,15 @@ def test_a_delay_inside_our_code_is_counted(monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.mark.alone
 def test_a_delay_in_the_step_wrapper_counts_once_per_pass_through_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = FfnStep.run
+    # The wrapper's entry point: a pass-through step makes no FfnStep, and
+    # every step, passed through or not, runs this once.
+    original = step_module.run_step
 
-    def slow_run(self: FfnStep) -> Any:
+    def slow_run_step(*args: Any) -> Any:
         busy_wait(DELAY_US / 1e6)
-        return original(self)
+        return original(*args)
 
-    monkeypatch.setattr(FfnStep, "run", slow_run)
+    monkeypatch.setattr(step_module, "run_step", slow_run_step)
     result = measure_overhead(_small(ab_rounds=0))
     (shape,) = result["shapes"]
     step, call = shape["passthrough_us_per_step"]["median"], shape["passthrough_us_per_call"]["median"]

@@ -25,6 +25,17 @@ ENGAGED = ("overlap", "parity", "reorder")
 GRAPH_VARIANTS = ("serial", "overlap")
 
 
+class _ThreadTally(threading.local):
+    """One thread's step counts (written by that thread only, so without a
+    lock), listed in ``tallies`` when the thread first counts a step."""
+
+    def __init__(self, tallies: list[tuple[dict[str, int], dict[str, int]]], lock: threading.Lock) -> None:
+        self.steps = dict.fromkeys(PATHS, 0)
+        self.reasons: dict[str, int] = {}
+        with lock:
+            tallies.append((self.steps, self.reasons))
+
+
 class StepCounters:
     def __init__(self) -> None:
         self._zero()
@@ -38,8 +49,11 @@ class StepCounters:
         """Nothing counted (at creation, and in a forked child: a new lock
         too, as a thread of the parent may have held the old one)."""
         self._lock = threading.Lock()
-        self._steps = dict.fromkeys(PATHS, 0)
-        self._serial_reasons: dict[str, int] = {}
+        #: Every thread's (steps, serial reasons), kept after the thread ends.
+        self._tallies: list[tuple[dict[str, int], dict[str, int]]] = []
+        #: This thread's: steps are counted per thread, each by its own
+        #: thread, so counting one takes no lock; to_dict() sums them.
+        self._here = _ThreadTally(self._tallies, self._lock)
         self._graph_replays = dict.fromkeys(GRAPH_VARIANTS, 0)
         self._graph_captures = dict.fromkeys(GRAPH_VARIANTS, 0)
 
@@ -55,24 +69,15 @@ class StepCounters:
         """An engaged step of rollout ``mode``."""
         if mode not in ENGAGED:
             raise ValueError(f"{mode!r} is not an engaged path ({', '.join(ENGAGED)})")
-        lock = self._lock  # as in serial()
-        lock.acquire()
-        try:
-            self._steps[mode] += 1
-        finally:
-            lock.release()
+        self._here.steps[mode] += 1  # this thread's own count: no lock
         if self.on_first_step is not None:
             self._first()
 
     def serial(self, reason: str) -> None:
-        lock = self._lock  # taken by hand (every step counts here): half a with block's cost
-        lock.acquire()
-        try:
-            self._steps["serial"] += 1
-            reasons = self._serial_reasons
-            reasons[reason] = reasons.get(reason, 0) + 1
-        finally:
-            lock.release()
+        here = self._here  # this thread's own counts: no lock (every step counts here)
+        here.steps["serial"] += 1
+        reasons = here.reasons
+        reasons[reason] = reasons.get(reason, 0) + 1
         if self.on_first_step is not None:
             self._first()
 
@@ -94,10 +99,16 @@ class StepCounters:
             self._graph_captures[variant] += 1
 
     def to_dict(self) -> dict[str, Any]:
+        steps = dict.fromkeys(PATHS, 0)
+        reasons: dict[str, int] = {}
         with self._lock:
-            return {
-                "steps": dict(self._steps),
-                "serial_reasons": dict(self._serial_reasons),
-                "graph_replays": dict(self._graph_replays),
-                "graph_captures": dict(self._graph_captures),
-            }
+            # dict() copies a thread's counts in one step under the GIL, while
+            # that thread may go on counting.
+            tallies = [(dict(s), dict(r)) for s, r in self._tallies]
+            replays, captures = dict(self._graph_replays), dict(self._graph_captures)
+        for thread_steps, thread_reasons in tallies:
+            for path, n in thread_steps.items():
+                steps[path] += n
+            for reason, n in thread_reasons.items():
+                reasons[reason] = reasons.get(reason, 0) + n
+        return {"steps": steps, "serial_reasons": reasons, "graph_replays": replays, "graph_captures": captures}

@@ -121,7 +121,7 @@ def stage_ids(dp_metadata_list: Any) -> tuple[list[int], int]:
     """(sorted stage ids, stage count) of ``_ffn_forward``'s ``dp_metadata_list``."""
     if not dp_metadata_list:
         return [0], 1
-    return sorted(map(int, dp_metadata_list)), stage_count(dp_metadata_list)
+    return sorted(map(int, dp_metadata_list)), len(dp_metadata_list)  # stage_count(), inline: not empty here
 
 
 def max_stage_tokens(dp_metadata_list: Any) -> int:

@@ -53,13 +53,29 @@ def route_problem(instance: Any, attributes: Iterable[str]) -> str | None:
         slots = vars(instance)
     except TypeError:
         return f"connector {type(instance).__name__} has no instance __dict__ to route its calls through"
-    cls = type(instance)
+    attributes = tuple(attributes)
     for attribute in attributes:
-        if is_router(slots.get(attribute)):
+        if getattr(slots.get(attribute), ROUTER_MARK, False) is True:  # is_router(), inline
             return "the connector's calls are routed to a step on another thread"
+    cls = type(instance)
+    key = (cls, attributes)
+    if key in _ROUTABLE:
+        return None
+    for attribute in attributes:
         if hasattr(type(_class_attribute(cls, attribute)), "__set__"):
             return f"connector {cls.__name__}.{attribute} cannot be routed per instance (a data descriptor)"
+    if len(_ROUTABLE) >= _ROUTABLE_KEPT:
+        _ROUTABLE.clear()
+    _ROUTABLE.add(key)
     return None
+
+
+#: (class, attributes) found with no data descriptor of those names: the
+#: classes are not walked again on every step. A descriptor set on such a
+#: class later is still caught: :meth:`ConnectorRoutes.install` checks that
+#: the instance resolves each attribute to its router, and refuses if not.
+_ROUTABLE: set[tuple[type, tuple[str, ...]]] = set()
+_ROUTABLE_KEPT = 64
 
 
 def _class_attribute(cls: type, attribute: str) -> Any:
@@ -85,17 +101,24 @@ class ConnectorRoutes:
         #: (attribute, our router, what the instance's __dict__ held before or _MISSING)
         self._set: list[tuple[str, Any, Any]] = []
 
-    def install(self, routers: Sequence[tuple[str, RouterFactory]]) -> str | None:
+    def install(self, routers: Sequence[tuple[str, RouterFactory]], *, checked: bool = False) -> str | None:
         """Route each ``(attribute, factory)``; None when every route is in
-        place, else why none is (nothing is left set)."""
+        place, else why none is (nothing is left set). ``checked``: the
+        caller has just found :func:`route_problem` None for these
+        attributes (the engaged step's decision), and only whether another
+        thread's step has routed them since is checked again."""
         instance = self._instance
-        problem = route_problem(instance, [attribute for attribute, _ in routers])
-        if problem is not None:
-            return problem
+        if not checked:
+            problem = route_problem(instance, [attribute for attribute, _ in routers])
+            if problem is not None:
+                return problem
         slots = vars(instance)
         thread = threading.get_ident()
         for attribute, make in routers:
             before = slots.get(attribute, _MISSING)
+            if checked and getattr(before, ROUTER_MARK, False) is True:  # is_router(before), inline
+                self.remove()
+                return "the connector's calls are routed to a step on another thread"
             router = make(getattr(instance, attribute), thread)
             setattr(router, ROUTER_MARK, True)
             slots[attribute] = router

@@ -135,7 +135,8 @@ class RunnerStates:
         (one side stream per stage id). None when they would have to be made
         inside a graph capture (Ascend graphs have a small stream budget).
         Raises ``BackendUnavailable`` and :class:`NotWeaklyReferenceable`."""
-        state = self.get(runner)
+        entry = self._states.get(id(runner))  # self.of(runner), inline: the common case
+        state = entry[1] if entry is not None and entry[0]() is runner else self.get(runner)
         sset = state.streamset
         if sset is not None and state.backend_name == backend_name:
             return sset

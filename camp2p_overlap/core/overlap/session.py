@@ -104,6 +104,11 @@ def _call_or(call: Callable[[], Any] | None, fn: Callable[..., Any], kw: Mapping
 
 
 _FORK = EventKey.fork()
+#: The host clock of an op the steady path runs itself (``direct_submit``).
+clock = time.perf_counter_ns
+#: The issue sequence of a session without a trace (never read: every
+#: ``next(self._seq)`` is on a traced path).
+_NO_SEQ: Any = iter(())
 #: The join key of each stage id (made once, not per step).
 _JOINS = {s: EventKey.join(s) for s in range(MAX_STAGES)}
 
@@ -149,8 +154,8 @@ class OverlapSession:
         self.step_id = step_id
         self._context_of = context_of
         self._trace = StepTrace(recorder, step_id, backend) if recorder is not None else None
-        #: The steady path of a receive and a send (:meth:`_recv_planned`,
-        #: :meth:`_send_planned`): no trace, and the schedule's waits and the
+        #: The steady path of a receive and a send (the first branch of
+        #: :meth:`recv` and of :meth:`send`): no trace, and the schedule's waits and the
         #: lookahead through this class's own methods (a subclass or a
         #: patched class that overrides one takes the general path).
         cls = type(self)
@@ -161,6 +166,14 @@ class OverlapSession:
             and cls.wait_event is _BASE_WAIT_EVENT
             and cls.issue_a2e is _BASE_ISSUE_A2E
         )
+        #: On the steady path, the backend's event pool when its record and
+        #: wait are the plain event calls (``StreamBackend.direct_events``):
+        #: the steady path then records and waits on the events itself.
+        self._direct = backend.direct_events() if self._steady else None
+        #: And the backend's scope, when it is a plain call (``direct_scope``).
+        self._scope = backend.direct_scope() if self._direct is not None else None
+        #: And whether it runs an op submitted in scope itself (``direct_submit``).
+        self._run_here = self._scope is not None and backend.direct_submit()
 
         #: The index in ``self.order`` of the next expected receive.
         self.next_recv = 0
@@ -188,14 +201,15 @@ class OverlapSession:
         self._ffn_start: dict[StageLayer, tuple[int, int]] = {}
         #: Host issue order of every record, wait and op of the step (traces:
         #: the checker rebuilds each stream's FIFO and the event graph from it).
-        self._seq = itertools.count()
+        self._seq = itertools.count() if self._trace is not None else _NO_SEQ  # read only while tracing
         self.t_open_ns = time.perf_counter_ns()
         #: The snapshot taken when the step closed: what the watchdog reads
         #: while the device may still be running the step. Built when first
         #: asked for, from what the step held when it closed (``_closed_parts``).
         self._closed_snapshot: SessionSnapshot | None = None
         self._closed_parts: tuple[Any, ...] | None = None
-        backend.begin_step(list(self.side_streams.values()))
+        if backend.reports_step_errors:
+            backend.begin_step(list(self.side_streams.values()))
 
     # ------------------------------------------------------------------
     # events and ops
@@ -273,9 +287,17 @@ class OverlapSession:
     # ------------------------------------------------------------------
     # fork / prologue / lookahead
     def _fork(self) -> None:
-        self._record(self.compute, _FORK)
-        for k in self.side_streams.values():
-            self.wait_event(k, _FORK)
+        pool = self._direct
+        ev = pool.get(_FORK) if pool is not None else None
+        if ev is None:
+            self._record(self.compute, _FORK)
+            for k in self.side_streams.values():
+                self.wait_event(k, _FORK)
+        else:  # the steady path's pooled event: _record and wait_event, inline
+            ev.record(self.compute)
+            self._events[_FORK] = ev
+            for k in self.side_streams.values():
+                k.wait_event(ev)
         self.forked = True
 
     def issue_a2e(self, layer: int, stage: int) -> None:
@@ -294,7 +316,13 @@ class OverlapSession:
             h = self._a_handle[key] = self.backend.submit(k, partial(fn, **kw), keys.a2e_label)
             self._ops.append((A2E, layer, stage, k.name, h, -1))
             self._a_kwargs[key] = kw
-            self._events[keys.a_done] = self.backend.record(k, keys.a_done)
+            pool = self._direct
+            ev = pool.get(keys.a_done) if pool is not None else None
+            if ev is None:
+                ev = self.backend.record(k, keys.a_done)
+            else:  # the backend's record, inline (direct_events)
+                ev.record(k)
+            self._events[keys.a_done] = ev
             return
         self._a_handle[key] = self._submit(k, A2E, layer, stage, partial(fn, **kw), keys.a2e_label)
         self._a_kwargs[key] = kw
@@ -307,18 +335,34 @@ class OverlapSession:
         (used for prefetches); ``call`` runs the loop's call as it was made
         (default: ``fn(**kw)``). ``kw`` holds ``layer_idx`` and ``ubatch_idx``."""
         i = self.next_recv
-        if self._steady and i and not self.fallen_back and i < len(self.order):
+        if self._steady and not self.fallen_back and i < len(self.order):
             key = self.order[i]
             if kw == self.plan.recv_kw[key]:  # the planned receive (so its layer and stage too)
-                # The steady path, receive i > 0: C waits a_done (wait_event,
+                # The steady path: the first receive forks and issues the
+                # prologue (as below); then C waits a_done (wait_event,
                 # inline), and the prefetched payload is handed over.
+                if not i:
+                    self._recv_fn = fn
+                    self._fork()
+                    first_layer = self.plan.layers[0]
+                    for stage in self.plan.stages:  # the prologue
+                        self.issue_a2e(first_layer, stage)
                 self.next_recv = i + 1
                 a_done = self._keys[key].a_done
                 ev = self._events.get(a_done)
                 if ev is None:
                     raise SessionError(f"wait on event {a_done.label()!r} that was not recorded in this step")
-                self.backend.wait(self.compute, ev)
-                payload = self._take_prefetched(*key)
+                if self._direct is not None:
+                    self.compute.wait_event(ev)  # backend.wait, inline (direct_events)
+                else:
+                    self.backend.wait(self.compute, ev)
+                # _take_prefetched(*key), inline
+                h = self._a_handle.pop(key)
+                self._a_kwargs.pop(key, None)
+                if type(h) is DoneHandle and h.exception is None:  # result() and release(), inline
+                    payload, h.value = h.value, None
+                else:
+                    payload = self._take_handle(h, key[1])
                 self._f_refs[key[1]].clear()  # as below
                 self._consumed.add(key)
                 self._inflight[key] = payload
@@ -365,6 +409,10 @@ class OverlapSession:
     def _take_prefetched(self, L: int, s: int) -> Any:
         h = self._a_handle.pop((L, s))
         self._a_kwargs.pop((L, s), None)
+        return self._take_handle(h, s)
+
+    def _take_handle(self, h: OpHandle, s: int) -> Any:
+        """The result of a receive's handle ``h`` (stage ``s``), released."""
         try:
             return h.result()
         except StreamPoisonedError:
@@ -383,7 +431,79 @@ class OverlapSession:
         # so the id cannot be reused while it is mapped.
         key = self._contexts.pop(id(context), None)
         if self._steady and key is not None and stage == key[1] and not self.fallen_back and key not in self._sent:
-            return self._send_planned(call, output, context, key)
+            # The steady path (both directions on the side streams, this
+            # class's wait and lookahead): the same records, waits and ops in
+            # the same order as below, without a frame per record and wait,
+            # and with the stage's E2A and its lookahead A2E issued under one
+            # switch to K_s (``backend.scope``).
+            L, s = key
+            keys = self._keys[key]
+            backend, events, ops, pool = self.backend, self._events, self._ops, self._direct
+            self._sent.add(key)
+            # With the backend's event pool (direct_events), each record and wait
+            # is the event's or the stream's own call, made here; an event the
+            # pool lacks is recorded through the backend (which makes it).
+            f_done = pool.get(keys.f_done) if pool is not None else None
+            if f_done is None:
+                f_done = backend.record(self.compute, keys.f_done)
+            else:
+                f_done.record(self.compute)
+            events[keys.f_done] = f_done
+            k = self.side_streams[s]
+            nxt = self.plan.next_of[L]
+            scope = self._scope
+            with scope(k) if scope is not None else backend.scope(k):
+                if pool is not None:
+                    k.wait_event(f_done)
+                else:
+                    backend.wait(k, f_done)
+                if self._run_here:  # backend.submit_here(k, call, label), inline (direct_submit)
+                    t0 = clock()
+                    try:
+                        h = DoneHandle(call(), None, t0, clock())
+                    except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
+                        h = DoneHandle(None, exc, t0, clock())
+                else:
+                    h = backend.submit_here(k, call, keys.e2a_label)
+                ops.append((E2A, L, s, k.name, h, -1))
+                e_done = pool.get(keys.e_done) if pool is not None else None
+                if e_done is None:
+                    e_done = backend.record(k, keys.e_done)
+                else:
+                    e_done.record(k)
+                events[keys.e_done] = e_done
+                self._f_refs[s].append((output, context, call))
+                self._inflight.pop(key, None)  # K_s has waited f_done(L, s)
+                if type(h) is DoneHandle:  # h.done() and h.result(), inline
+                    if h.exception is not None:
+                        h.result()  # a host-side failure surfaces here, as in the serial path
+                elif h.done():
+                    h.result()
+                self._e_done_c[s] = keys.e_done
+                if nxt is None:
+                    return None
+                # issue_a2e(nxt, s), inline
+                fn, ahead = self._recv_fn, (nxt, s)
+                assert fn is not None
+                kw, next_keys = self.plan.recv_kw[ahead], self._keys[ahead]
+                if self._run_here:  # as above
+                    t0 = clock()
+                    try:
+                        h = DoneHandle(fn(**kw), None, t0, clock())
+                    except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
+                        h = DoneHandle(None, exc, t0, clock())
+                else:
+                    h = backend.submit_here(k, partial(fn, **kw), next_keys.a2e_label)
+                self._a_handle[ahead] = h
+                ops.append((A2E, nxt, s, k.name, h, -1))
+                self._a_kwargs[ahead] = kw
+                a_done = pool.get(next_keys.a_done) if pool is not None else None
+                if a_done is None:
+                    a_done = backend.record(k, next_keys.a_done)
+                else:
+                    a_done.record(k)
+                events[next_keys.a_done] = a_done
+            return None
         if self.fallen_back:
             return self._send_on_c(call, key)
         if key is None or key in self._sent or stage != key[1]:
@@ -416,40 +536,6 @@ class OverlapSession:
                 self._inflight.pop(key, None)
             self.issue_a2e(nxt, s)
         return None
-
-    def _send_planned(self, call: Callable[[], Any], output: Any, context: Any, key: StageLayer) -> None:
-        """:meth:`send` of a received ``key`` on the steady path (both
-        directions on the side streams, this class's wait and lookahead):
-        the same records, waits and ops in the same order, without a frame
-        per record and wait, and with the stage's E2A and its lookahead A2E
-        issued under one switch to K_s (``backend.scope``)."""
-        L, s = key
-        keys = self._keys[key]
-        backend, events, ops = self.backend, self._events, self._ops
-        self._sent.add(key)
-        f_done = events[keys.f_done] = backend.record(self.compute, keys.f_done)
-        k = self.side_streams[s]
-        nxt = self.plan.next_of[L]
-        with backend.scope(k):
-            backend.wait(k, f_done)
-            h = backend.submit_here(k, call, keys.e2a_label)
-            ops.append((E2A, L, s, k.name, h, -1))
-            events[keys.e_done] = backend.record(k, keys.e_done)
-            self._f_refs[s].append((output, context, call))
-            self._inflight.pop(key, None)  # K_s has waited f_done(L, s)
-            if h.done():
-                h.result()  # a host-side failure surfaces here, as in the serial path
-            self._e_done_c[s] = keys.e_done
-            if nxt is None:
-                return
-            # issue_a2e(nxt, s), inline
-            fn, ahead = self._recv_fn, (nxt, s)
-            assert fn is not None
-            kw, next_keys = self.plan.recv_kw[ahead], self._keys[ahead]
-            h = self._a_handle[ahead] = backend.submit_here(k, partial(fn, **kw), next_keys.a2e_label)
-            ops.append((A2E, nxt, s, k.name, h, -1))
-            self._a_kwargs[ahead] = kw
-            events[next_keys.a_done] = backend.record(k, next_keys.a_done)
 
     # ------------------------------------------------------------------
     # mismatch handling
@@ -497,10 +583,17 @@ class OverlapSession:
         then release the buffers held for them (:meth:`release_buffers`)."""
         if not self.forked:
             return
+        pool, compute = self._direct, self.compute
         for s, k in self.side_streams.items():
             join = _JOINS.get(s) or EventKey.join(s)
-            self._record(k, join)
-            self.wait_event(self.compute, join)
+            ev = pool.get(join) if pool is not None else None
+            if ev is None:
+                self._record(k, join)
+                self.wait_event(compute, join)
+            else:  # the steady path's pooled event: _record and wait_event, inline
+                ev.record(k)
+                self._events[join] = ev
+                compute.wait_event(ev)
         # Every side-stream op has completed (CPU) or is ordered before C's
         # next work (device): nothing the step allocated needs holding.
         self.release_buffers()
@@ -535,7 +628,7 @@ class OverlapSession:
             ops, events = self._ops, self._events
             self._closed_parts = (self.next_recv, self._consumed, self._sent, ops, events)
             self._ops, self._events = [], {}
-            first = self._side_error(list(self.side_streams.values()))
+            first = self._side_error(list(self.side_streams.values())) if self.backend.reports_step_errors else None
             errors = [first] if first is not None else []
             unconsumed = [k for k in self._a_handle if k not in self._consumed] if self._a_handle else []
             if self._trace is not None:

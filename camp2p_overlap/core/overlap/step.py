@@ -4,7 +4,8 @@ object whose methods read top to bottom in the order a step runs.
 :func:`make_wrappers` builds, when an engine applies, the one wrapper the
 manifest names (``ffn_forward``), bound to that engine and its runtime (as
 OpenTelemetry's instrumentations build ``_traced_execute_factory(tracer)``).
-Each call makes an :class:`FfnStep`:
+Each call runs :func:`run_step`, which runs 1. and 2. itself and makes an
+:class:`FfnStep` for every step that goes on:
 
 1. the gate: a step of an engine being removed runs the original;
 2. the decided-serial fast path: a bucket adaptive engage decided for serial
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from camp2p_overlap.core.keys import COMPUTE_STREAM
 from camp2p_overlap.core.log import log_once
+from camp2p_overlap.core.observe import trace as _trace
 from camp2p_overlap.core.observe.trace import TraceOp, TraceRecorder, current_recorder
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Passed
@@ -71,7 +73,7 @@ def make_wrappers(engine: PatchEngine, *, runtime: OverlapRuntime) -> dict[str, 
     :class:`Routers` pair; nothing of them is installed on a class)."""
 
     def ffn_forward(wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
-        return FfnStep(engine, runtime, wrapped, instance, args, kwargs).run()
+        return run_step(engine, runtime, wrapped, instance, args, kwargs)  # the module's, read at each call
 
     capture = GraphCapture(engine, runtime, bucket_of)
 
@@ -115,6 +117,71 @@ class TimedBucket(NamedTuple):
 _UNTIMED: TimedBucket = _named_tuple_of(TimedBucket, (None, None, None, False))
 
 
+def run_step(
+    engine: PatchEngine, runtime: OverlapRuntime, wrapped: Wrapped, runner: Any, args: Args, kwargs: Kwargs
+) -> Any:
+    """One call of the wrapped ``_ffn_forward``. 1. and 2. run here: a step
+    of a decided-serial bucket (:func:`decided_serial_bucket`) runs the
+    original with no :class:`FfnStep` made; every other step is one."""
+    if _trace._active is not None:  # a recorder: the step traces its serial path too (current_recorder(), inline)
+        return FfnStep(engine, runtime, wrapped, runner, args, kwargs).run()
+    gate = engine.gate
+    if not gate.enter():
+        step = FfnStep(engine, runtime, wrapped, runner, args, kwargs)
+        step.count_serial(NOT_APPLIED)
+        return step.run_original()
+    try:
+        # decided_serial_bucket() only with adaptive engage on (its first check, here)
+        decided = decided_serial_bucket(engine, runtime, runner, kwargs) if engine.config.adaptive else None
+        if decided is None:
+            return FfnStep(engine, runtime, wrapped, runner, args, kwargs).run_planned()
+        runtime.counters.serial(SERIAL_FASTER)
+        if decided is _UNTIMED:
+            return wrapped(*args, **kwargs)
+        return decided.state.timings.timed(decided.key, "serial", decided.backend, partial(wrapped, *args, **kwargs))
+    finally:
+        gate.exit()
+
+
+def decided_serial_bucket(
+    engine: PatchEngine, runtime: OverlapRuntime, runner: Any, kwargs: Kwargs
+) -> TimedBucket | None:
+    """The bucket, when this step belongs to one that adaptive engage
+    decided runs serially and it is not a probe: the step then runs the
+    original without being planned (no refresh, no decision, no stream
+    set), as the planned path would have run it; :data:`_UNTIMED` for
+    such a step that is not timed (no bucket is made for it). The bucket
+    comes from the runner's last planned step (its layer count) and this
+    step's stages and tokens; a probe, a capture, a re-entrant call, or
+    a runner not planned yet takes the planned path. Never raises: None
+    whenever unsure."""
+    cfg = engine.config
+    if not (cfg.adaptive and cfg.enabled and cfg.mode == "overlap") or runtime.local.session is not None:
+        return None
+    entry = runtime.runners._states.get(id(runner))  # runtime.runners.of(runner), inline
+    state = entry[1] if entry is not None and entry[0]() is runner else None
+    shape = state.planned if state is not None else None
+    if shape is None:
+        return None
+    try:
+        if kwargs.get("is_graph_capturing") or shape.backend.is_capturing():
+            return None
+        # bucket_of(shape.runner, shape.layers, kwargs["dp_metadata_list"]), inline
+        dp_metadata_list = kwargs["dp_metadata_list"]
+        tokens = camp2p.max_stage_tokens(dp_metadata_list)
+        tokens = 0 if tokens <= 0 else 1 << (tokens - 1).bit_length()
+        stages = len(dp_metadata_list) if dp_metadata_list else 1
+        key = _named_tuple_of(BucketKey, (shape.runner, stages, shape.layers, tokens))
+    except Exception:  # noqa: BLE001 - the planned path gives the reason
+        return None
+    # The re-probe interval was synced on the planned step before (the
+    # engine's configuration does not change while it is applied).
+    passed = runtime.adaptive.pass_serial(key)
+    if passed is Passed.UNTIMED:
+        return _UNTIMED
+    return _named_tuple_of(TimedBucket, (key, shape.backend, state, True)) if passed else None
+
+
 class FfnStep:
     """One call of the wrapped ``_ffn_forward``, with the engine and runtime
     its wrapper is bound to."""
@@ -155,7 +222,7 @@ class FfnStep:
         else:
             self.runtime.counters.serial(reason)
 
-    # -- 1. the gate ---------------------------------------------------------
+    # -- 1. the gate (a step with a trace recorder; run_step runs the others)
     def run(self) -> Any:
         recorder = self.recorder = current_recorder()
         gate = self.engine.gate
@@ -163,8 +230,8 @@ class FfnStep:
             self.count_serial(NOT_APPLIED)
             return self.run_original()
         try:
-            if recorder is None:  # 2., here: a decided-serial step makes nothing more
-                decided = self.decided_serial_bucket()
+            if recorder is None:  # 2., here too: a decided-serial step makes nothing more
+                decided = decided_serial_bucket(self.engine, self.runtime, self.runner, self.kwargs)
                 if decided is not None:
                     if decided is _UNTIMED:
                         self.runtime.counters.serial(SERIAL_FASTER)
@@ -181,44 +248,11 @@ class FfnStep:
             self.count_serial(decision.reason)
             log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", decision.reason)
             return self.run_original()
-        if self.follows_static_setting(decision, streamset):
+        # 4.: capture follows the static setting (a graph replays what it
+        # captured), and so do parity/reorder steps and adaptive engage off.
+        if not self.engine.config.adaptive or decision.mode != "overlap" or self.is_capture(streamset.backend):
             return self.run_engaged(decision, streamset)
         return self.run_adaptive(decision, streamset)
-
-    # -- 2. the decided-serial fast path -----------------------------------
-    def decided_serial_bucket(self) -> TimedBucket | None:
-        """The bucket, when this step belongs to one that adaptive engage
-        decided runs serially and it is not a probe: the step then runs the
-        original without being planned (no refresh, no decision, no stream
-        set), as the planned path would have run it; :data:`_UNTIMED` for
-        such a step that is not timed (no bucket is made for it). The bucket
-        comes from the runner's last planned step (its layer count) and this
-        step's stages and tokens; a probe, a capture, a re-entrant call, or
-        a runner not planned yet takes the planned path. Never raises: None
-        whenever unsure."""
-        cfg = self.engine.config
-        runtime = self.runtime
-        if not (cfg.adaptive and cfg.enabled and cfg.mode == "overlap") or runtime.local.session is not None:
-            return None
-        state = runtime.runners.of(self.runner)
-        shape = state.planned if state is not None else None
-        if shape is None:
-            return None
-        try:
-            kwargs, capture = self.kwargs, self._capture  # is_capture(shape.backend), inline
-            if capture is None:
-                capture = self._capture = bool(kwargs.get("is_graph_capturing")) or shape.backend.is_capturing()
-            if capture:
-                return None
-            key = bucket_of(shape.runner, shape.layers, kwargs["dp_metadata_list"])
-        except Exception:  # noqa: BLE001 - the planned path gives the reason
-            return None
-        # The re-probe interval was synced on the planned step before (the
-        # engine's configuration does not change while it is applied).
-        passed = runtime.adaptive.pass_serial(key)
-        if passed is Passed.UNTIMED:
-            return _UNTIMED
-        return _named_tuple_of(TimedBucket, (key, shape.backend, state, True)) if passed else None
 
     # -- 3. refresh and decision -----------------------------------------------
     def decide(self) -> tuple[Decision, StreamSet | None]:
@@ -257,7 +291,7 @@ class FfnStep:
         module again)."""
         if not self.engine.config.enabled:
             return "switched off"
-        if self.runtime.active_session() is not None:
+        if self.runtime.local.session is not None:  # runtime.active_session(), inline
             return "re-entrant FFN forward inside an active step"
         engine = self.engine
         if engine.unready is None:  # the one read of the lifecycle a ready step makes
@@ -266,13 +300,6 @@ class FfnStep:
         return None if unready is None else f"not every target of the stack is patched ({unready})"
 
     # -- 4. the choice -------------------------------------------------------
-    def follows_static_setting(self, decision: Decision, streamset: StreamSet) -> bool:
-        """Capture follows the static setting (a graph replays what it
-        captured), and so do parity/reorder steps and adaptive engage off."""
-        if not self.engine.config.adaptive or decision.mode != "overlap":
-            return True
-        return self.is_capture(streamset.backend)
-
     def run_adaptive(self, decision: Decision, streamset: StreamSet) -> Any:
         """An engageable eager step: the bucket's path (overlap, or the
         original as decided or as a probe), timed without blocking the host."""
@@ -316,20 +343,22 @@ class FfnStep:
             session = runtime.session_class(
                 connector=connector,
                 plan=decision.plan,  # type: ignore[arg-type]
-                streamset=streams_for(decision.mode, streamset),
+                streamset=streamset if decision.mode == "overlap" else streams_for(decision.mode, streamset),
                 directions=decision.directions,
                 recorder=recorder,
                 step_id=step_id,
                 context_of=camp2p.context_of,
             )
             routes = ConnectorRoutes(connector)
-            refused = routes.install(self.session_routers(session))
+            refused = routes.install(self.session_routers(session), checked=True)  # decide() checked the connector
             if refused is not None:  # decide() checked it: only a race with another thread's step lands here
                 session.close(raising=True)  # nothing was issued: closing only releases it
                 self.count_serial(refused)
                 log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", refused)
                 return self.run_original()
-            capturing = self.is_capture(streamset.backend)
+            capturing = self._capture  # is_capture(), as decide() computed it
+            if capturing is None:
+                capturing = self.is_capture(streamset.backend)
             if capturing:  # a capture, not a step: counted as the variant it captures
                 runtime.counters.graph_capture("overlap")
                 state = runtime.runners.of(self.runner)
@@ -341,7 +370,8 @@ class FfnStep:
             # No watchdog inside a capture: its timer thread would query events
             # while the capture runs (global capture mode forbids it), and a
             # captured step only records work, it cannot stall.
-            watchdog = None if capturing else start_watchdog(self.engine.config.watchdog_s, session.snapshot, step_id)
+            seconds = self.engine.config.watchdog_s
+            watchdog = None if capturing or not seconds else start_watchdog(seconds, session.snapshot, step_id)
             t0 = time.perf_counter_ns()
             local = runtime.local  # this thread's session (runtime.set_session, inline)
             local.session = session
@@ -377,46 +407,42 @@ class FfnStep:
 
 # ---------------------------------------------------------------------------
 # router factories: each binds what it routes to, and serves only the thread
-# that installed it (get_ident() is compared on every call).
-def _session_recv(session: OverlapSession) -> RouterFactory:
-    def make(callee: Wrapped, thread: int) -> Wrapped:
-        recv = session.recv
-        parse = camp2p.recv_kwargs
+# that installed it (get_ident() is compared on every call). A factory is
+# ``partial(router_of, session)``: ``ROUTERS[key](session)`` builds it, and
+# calling it builds the router, with no frame of ours but the router maker's.
+def _session_recv(session: OverlapSession, callee: Wrapped, thread: int) -> Wrapped:
+    recv = session.recv
+    parse = camp2p.recv_kwargs
 
-        def recv_attn_output(*args: Any, **kwargs: Any) -> Any:
-            if get_ident() != thread:
-                return callee(*args, **kwargs)
-            # the session calls callee(**kw): the same call (ubatch_idx by name);
-            # upstream's call names every argument, and kwargs is this call's own dict
-            return recv(callee, kwargs if not args and "ubatch_idx" in kwargs else parse(args, kwargs))
+    def recv_attn_output(*args: Any, **kwargs: Any) -> Any:
+        if get_ident() != thread:
+            return callee(*args, **kwargs)
+        # the session calls callee(**kw): the same call (ubatch_idx by name);
+        # upstream's call names every argument, and kwargs is this call's own dict
+        return recv(callee, kwargs if not args and "ubatch_idx" in kwargs else parse(args, kwargs))
 
-        return recv_attn_output
-
-    return make
+    return recv_attn_output
 
 
-def _session_send(session: OverlapSession) -> RouterFactory:
-    def make(callee: Wrapped, thread: int) -> Wrapped:
-        send = session.send
-        parts, stage_of = camp2p.send_parts, camp2p.send_stage
+def _session_send(session: OverlapSession, callee: Wrapped, thread: int) -> Wrapped:
+    send = session.send
+    parts, stage_of = camp2p.send_parts, camp2p.send_stage
 
-        def send_ffn_output(*args: Any, **kwargs: Any) -> Any:
-            if get_ident() != thread:
-                return callee(*args, **kwargs)
-            # upstream's call, send_ffn_output(output, context, ubatch_idx=s), read inline
-            output, context = (args[0], args[1]) if len(args) >= 2 else parts(args, kwargs)
-            stage = int(kwargs["ubatch_idx"]) if "ubatch_idx" in kwargs else stage_of(context, kwargs)
-            return send(partial(callee, *args, **kwargs), output, context, stage)
+    def send_ffn_output(*args: Any, **kwargs: Any) -> Any:
+        if get_ident() != thread:
+            return callee(*args, **kwargs)
+        # upstream's call, send_ffn_output(output, context, ubatch_idx=s), read inline
+        output, context = (args[0], args[1]) if len(args) >= 2 else parts(args, kwargs)
+        stage = int(kwargs["ubatch_idx"]) if "ubatch_idx" in kwargs else stage_of(context, kwargs)
+        return send(partial(callee, *args, **kwargs), output, context, stage)
 
-        return send_ffn_output
-
-    return make
+    return send_ffn_output
 
 
 #: The routers a manifest's ``route`` target may name, by key: each binds
 #: the connector's method, for one engaged step, to its session (a serial
 #: step's trace routes the same keys: ``serial_trace.TRACE_ROUTERS``).
 ROUTERS: dict[str, Callable[[OverlapSession], RouterFactory]] = {
-    "recv_attn_output": _session_recv,
-    "send_ffn_output": _session_send,
+    "recv_attn_output": partial(partial, _session_recv),
+    "send_ffn_output": partial(partial, _session_send),
 }

@@ -24,7 +24,10 @@ class StepGate:
         self._idle = threading.Condition(self._lock)
         self._open = False
         self._drainers = 0
-        self._running = 0
+        #: One entry per step counted in, over all threads: a list, because its
+        #: append() and pop() are each one atomic operation under the GIL, so a
+        #: step counts itself in and out without taking the lock (see enter()).
+        self._steps: list[None] = []
         self._here = _Depth()
         after_fork_in_child(self._after_fork_in_child)
 
@@ -38,32 +41,36 @@ class StepGate:
         with self._lock:
             self._open = False
 
-    # enter() and exit() run on every step: the lock is taken and released
-    # by hand, in a try block (half the cost of a with block).
+    # enter() and exit() run on every step and take no lock. A step counts
+    # itself in (append) before it reads whether the gate is open and not
+    # draining; a drain counts itself in (under the lock) before it reads the
+    # running steps. Each of the four is one atomic operation under the GIL,
+    # so either the step sees the drain (and counts itself out again) or the
+    # drain sees the step (and waits for it): never neither. A step counting
+    # itself out while a drain waits takes the lock to wake it.
     def enter(self) -> bool:
         """Count a step in if the gate is open and not draining."""
-        lock = self._lock
-        lock.acquire()
-        try:
-            if not self._open or self._drainers:
-                return False
-            self._running += 1
-        finally:
-            lock.release()
+        steps = self._steps
+        steps.append(None)
+        if not self._open or self._drainers:
+            steps.pop()
+            if self._drainers:
+                self._wake_drain()
+            return False
         self._here.n += 1
         return True
 
     def exit(self) -> None:
         """Count a step out (paired with an :meth:`enter` that returned True)."""
         self._here.n -= 1
-        lock = self._lock  # the lock of self._idle
-        lock.acquire()
-        try:
-            self._running -= 1
-            if not self._running and self._drainers:  # only a drain waits on it
+        self._steps.pop()
+        if self._drainers:  # only a drain waits on it
+            self._wake_drain()
+
+    def _wake_drain(self) -> None:
+        with self._lock:  # the lock of self._idle
+            if not self._steps:
                 self._idle.notify_all()
-        finally:
-            lock.release()
 
     def running_here(self) -> bool:
         """Whether this thread is inside a wrapped step."""
@@ -71,8 +78,7 @@ class StepGate:
 
     def running(self) -> int:
         """How many wrapped steps run now, over all threads."""
-        with self._lock:
-            return self._running
+        return len(self._steps)
 
     @property
     def draining(self) -> bool:
@@ -84,7 +90,7 @@ class StepGate:
         for the running ones. Every call is paired with :meth:`end_drain`."""
         with self._idle:
             self._drainers += 1
-            return self._idle.wait_for(lambda: not self._running, timeout)
+            return self._idle.wait_for(lambda: not self._steps, timeout)
 
     def end_drain(self) -> None:
         with self._lock:
@@ -96,5 +102,5 @@ class StepGate:
         one of them held would stay held forever."""
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._running = self._here.n  # the forking thread's own steps (its thread-local survives)
+        self._steps = [None] * self._here.n  # the forking thread's own steps (its thread-local survives)
         self._drainers = 0

@@ -107,8 +107,11 @@ def live_target(manifest: StackManifest | None, qualname: str) -> Any:
     t = _target_named(manifest, qualname) if manifest is not None else None
     if t is None:
         return None
-    module = sys.modules.get(t.module)
-    owner = live_owner(module, t) if module is not None else None
+    owner: Any = sys.modules.get(t.module)
+    for part in t.owner_path:  # live_owner(module, t), inline (a step reads one target)
+        if owner is None:
+            return None
+        owner = vars(owner).get(part)
     return None if owner is None else vars(owner).get(t.attribute)
 
 

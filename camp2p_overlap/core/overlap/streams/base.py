@@ -125,9 +125,11 @@ class OpHandle(abc.ABC):
 
 
 class DoneHandle(OpHandle):
-    """A handle for work that already ran on the host."""
+    """A handle for work that already ran on the host. Its ``value`` (None
+    once released) and ``exception`` may be read directly: a session's
+    steady path does, instead of calling :meth:`result` and :meth:`release`."""
 
-    __slots__ = ("_exc", "_value", "end_ns", "order", "start_ns")
+    __slots__ = ("end_ns", "exception", "order", "start_ns", "value")
 
     def __init__(
         self,
@@ -137,22 +139,22 @@ class DoneHandle(OpHandle):
         end_ns: int | None = None,
         order: int = -1,
     ) -> None:
-        self._value = value
-        self._exc = exc
+        self.value = value
+        self.exception = exc
         self.start_ns = start_ns
         self.end_ns = end_ns
         self.order = order
 
     def result(self) -> Any:
-        if self._exc is not None:
-            raise self._exc
-        return self._value
+        if self.exception is not None:
+            raise self.exception
+        return self.value
 
     def done(self) -> bool:
         return True
 
     def release(self) -> None:
-        self._value = None
+        self.value = None
 
 
 class StreamBackend(abc.ABC):
@@ -194,6 +196,27 @@ class StreamBackend(abc.ABC):
         """Make ``stream`` wait for ``event`` (never blocks the host on
         device backends; on the CPU backend ``C`` is the host)."""
 
+    def direct_scope(self) -> Callable[[Stream], AbstractContextManager[Any]] | None:
+        """What :meth:`scope` is exactly a call of (``scope(stream)`` is
+        ``direct_scope()(stream)``), so the session's steady path may call
+        it itself; else None (here: always)."""
+        return None
+
+    def direct_submit(self) -> bool:
+        """Whether :meth:`submit_here` is exactly: run ``fn()`` now, timed,
+        into a :class:`DoneHandle` of its value or exception (start and end
+        on ``time.perf_counter_ns``), so the session's steady path may do it
+        itself; else False (here: always)."""
+        return False
+
+    def direct_events(self) -> dict[EventKey, Any] | None:
+        """The backend's pool of events by key, when its :meth:`record` and
+        :meth:`wait` are exactly ``pool[key].record(stream)`` (making the
+        event when the pool has none: call :meth:`record` then) and
+        ``stream.wait_event(event)``, so the session's steady path may issue
+        them itself (one frame less each); else None (here: always)."""
+        return None
+
     @abc.abstractmethod
     def is_capturing(self) -> bool:
         """Whether the current stream is capturing a graph."""
@@ -204,6 +227,10 @@ class StreamBackend(abc.ABC):
     def step_errors(self, streams: list[Stream]) -> list[BaseException]:
         """Errors raised by side-stream work during the step, in order."""
         return []
+
+    #: False only where :meth:`step_errors` is always empty and
+    #: :meth:`begin_step` does nothing (a session then calls neither).
+    reports_step_errors: bool = True
 
     def synchronize(self, stream: Stream) -> None:  # noqa: B027 - optional hook
         """Block the host until ``stream`` has finished its work (diagnostics,

@@ -48,11 +48,23 @@ class TorchStreamBackend(StreamBackend):
         #: their kernels, asynchronous errors per stream, the stream log.
         self.capabilities = DeviceCapabilities.of(device_module)
         self._tracked = self.capabilities.tracked
+        # begin_step() and step_errors() read only these two (torch.npu and
+        # torch.cuda have neither: their errors surface at a synchronize).
+        cls = type(self)
+        self.reports_step_errors = (
+            self.capabilities.peek_errors is not None
+            or self.capabilities.take_errors is not None
+            or cls.step_errors is not TorchStreamBackend.step_errors
+            or cls.begin_step is not TorchStreamBackend.begin_step
+        )
         self._log_saved: list[Any] = []
 
     def compute_stream(self) -> Any:
         stream = self.mod.current_stream()
-        _name(stream, COMPUTE_STREAM)
+        try:  # _name(stream, COMPUTE_STREAM), inline
+            stream.name = COMPUTE_STREAM
+        except (AttributeError, TypeError):
+            pass
         return stream
 
     def new_stream(self, name: str) -> Any:
@@ -103,6 +115,30 @@ class TorchStreamBackend(StreamBackend):
 
     def wait(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
+
+    def direct_submit(self) -> bool:
+        """Without kernel tracking, while ``submit_here`` is this class's own."""
+        return self._tracked is None and type(self).submit_here is _SUBMIT_HERE and "submit_here" not in self.__dict__
+
+    def direct_scope(self) -> Callable[[Any], Any] | None:
+        """The device module's ``stream``, while ``scope`` is this class's own."""
+        if type(self).scope is _SCOPE and "scope" not in self.__dict__:
+            return self.mod.stream
+        return None
+
+    def direct_events(self) -> dict[EventKey, Any] | None:
+        """The event pool, while ``record`` and ``wait`` are this class's
+        own (not a subclass's, a patched class's or an instance's: those
+        are called)."""
+        cls = type(self)
+        if (
+            cls.record is _RECORD
+            and cls.wait is _WAIT
+            and "record" not in self.__dict__
+            and "wait" not in self.__dict__
+        ):
+            return self._events
+        return None
 
     def reserve(self, keys: Any) -> int:
         """Make the pooled events of ``keys`` now (before a graph capture,
@@ -197,6 +233,13 @@ class TorchStreamBackend(StreamBackend):
 
     def _new_step_timer_pair(self) -> tuple[Any, Any]:
         return self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True)
+
+
+#: The class's own record, wait and scope (``direct_events``, ``direct_scope``).
+_RECORD = TorchStreamBackend.record
+_WAIT = TorchStreamBackend.wait
+_SCOPE = TorchStreamBackend.scope
+_SUBMIT_HERE = TorchStreamBackend.submit_here
 
 
 def _name(obj: Any, name: Any, attr: str = "name") -> None:
