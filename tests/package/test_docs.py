@@ -172,8 +172,11 @@ def test_the_run_line_reads_the_json(checkout: Path) -> None:
     results = checkout / RESULTS_DIR
     for name in ("sweep", "overhead"):  # these two as reports that record no run, with an entry each
         _edit_json(results / f"{name}.json", lambda d: d.pop("run", None))
-    entry = {"command": "camp2p-overlap x", "commit": "0000000", "date": "2026-01-01"}
-    _edit_json(results / "runs.json", lambda d: [d["runs"].setdefault(n, dict(entry)) for n in REPORTS])
+
+    def entry(name: str) -> dict[str, str]:
+        return {"command": f"camp2p-overlap {name} --json x.json", "commit": "0000000", "date": "2026-01-01"}
+
+    _edit_json(results / "runs.json", lambda d: [d["runs"].setdefault(n, entry(n)) for n in REPORTS])
     own = {"command": "camp2p-overlap bench --scenario ffn-bound", "commit": "abc1234+", "date": "2027-01-02T03:04:05Z"}
     _edit_json(results / "bench.json", lambda d: d.update(run=own))
     out = io.StringIO()
