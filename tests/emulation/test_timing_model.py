@@ -96,6 +96,7 @@ def test_a_wait_carries_the_modelled_time_to_the_waiting_stream() -> None:
         b.close()
 
 
+@pytest.mark.alone
 def test_hold_until_names_a_kernels_modelled_end_while_it_runs() -> None:
     """A comm kernel's duration depends on what it waited for: it names its
     modelled end itself; what it does after the hold is published then."""

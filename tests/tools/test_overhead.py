@@ -56,7 +56,8 @@ def test_a_delay_outside_our_code_is_subtracted() -> None:
     # call; the margins absorb a busy machine).
     assert result["engaged_us_per_layer_stage"]["median"] < DELAY_US * 0.75
     assert result["passthrough_us_per_step"]["median"] < DELAY_US
-    assert result["passthrough_us_per_call"]["median"] < DELAY_US / 4
+    calls = shape["wrapped_calls_per_step"]
+    assert result["passthrough_us_per_call"]["median"] < DELAY_US * 8 / calls / 4
 
 
 @pytest.mark.alone
