@@ -369,8 +369,11 @@ def _timing_lines(pts: Sequence[Mapping[str, Any]], rkey: str, name: Any, key: s
         return []
     models = sorted({t["model"] for t in timings if t})
     held = {t["ffn_model"] for t in timings if t and t.get("ffn") and t["ffn"].get("fixed")}
-    own = [t for t in timings if t and t.get("ffn") and not t["ffn"].get("fixed")]
-    calibrated = [name(pt) for pt, t in zip(pts, timings, strict=True) if t in own and not t["ffn"].get("rated")]
+    calibrated = [
+        name(pt)
+        for pt, t in zip(pts, timings, strict=True)
+        if t and t.get("ffn") and not t["ffn"].get("fixed") and not t["ffn"].get("rated")
+    ]
     if not calibrated:
         each = "each point's FFN rated from its shape"
     else:

@@ -77,17 +77,8 @@ class TorchStreamBackend(StreamBackend):
         return stream
 
     def submit(self, stream: Any, fn: Callable[[], Any], label: str = "op") -> OpHandle:
-        if self._tracked is not None:
-            with self.mod.stream(stream):
-                return self._tracked(fn, label)
-        clock = time.perf_counter_ns
         with self.mod.stream(stream):
-            t0 = clock()
-            try:
-                value = fn()
-            except BaseException as exc:  # noqa: BLE001 - handed back
-                return DoneHandle(None, exc, t0, clock())
-        return DoneHandle(value, None, t0, clock())
+            return self.submit_here(stream, fn, label)
 
     def scope(self, stream: Any) -> Any:
         return self.mod.stream(stream)
