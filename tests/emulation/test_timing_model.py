@@ -114,7 +114,11 @@ def test_hold_until_names_a_kernels_modelled_end_while_it_runs() -> None:
         device.synchronize()
         assert out[0] >= 7 * MS
         e2a = device.take_timing().kinds["e2a"]
-        assert e2a.kernels == 1 and e2a.modelled_ns == 7 * MS and e2a.overruns == 0
+        assert e2a.kernels == 1 and e2a.modelled_ns == 7 * MS
+        # its own work fits its model (whether the hold woke within the overrun
+        # tolerance is the OS's wake-up latency, which a loaded CI machine can
+        # exceed: overrun reports are tested with a kernel made to overrun)
+        assert len(e2a.work_ns) == 1 and e2a.work_ns[0] < 7 * MS
     finally:
         s.close()
 
