@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -516,6 +517,53 @@ def test_a_decided_serial_step_is_not_planned_and_a_probe_is(monkeypatch: pytest
     assert planned[8:] == [14, 15]
     (bucket,) = [b for b in PATCH_LAYER.runtime.adaptive.snapshot() if b["key"]["layers"] == 2]
     assert bucket["decision"] == "serial" and bucket["steps"] == 16
+
+
+def test_a_kept_decided_serial_bucket_counts_only_its_own_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner keeps the bucket its decided-serial steps were counted in:
+    a step of other tokens in the same power-of-two bucket is counted there
+    unplanned; a step of another bucket, or under a new adaptive engage, is
+    planned and counted in its own."""
+    from camp2p_overlap.core.overlap import step as wrappers
+
+    w = world(layers=2, stage_ids=(0, 1), tokens=16)
+    learn = [Schedule(2, (0, 1), (8, 8), step=i + 1) for i in range(9)]
+    PATCH_LAYER.runtime.adaptive = _SerialWins()
+    apply_cpu(adaptive=True, reprobe_every=1000)
+    planned: list[int] = []
+    real_decide = wrappers.decide
+    monkeypatch.setattr(wrappers, "decide", lambda *a, **k: planned.append(1) or real_decide(*a, **k))
+    for sched in learn:
+        bounded(lambda s=sched: run_step(w, s))
+
+    def steps_of(tokens: int) -> int:
+        buckets = [b for b in PATCH_LAYER.runtime.adaptive.snapshot() if b["key"]["tokens"] == tokens]
+        return buckets[0]["steps"] if buckets else 0
+
+    def one(tokens: tuple[int, ...], layers: int = 2) -> bool:
+        """Run one step; whether it was planned."""
+        before = len(planned)
+        bounded(lambda: run_step(w, Schedule(layers, (0, 1)[: len(tokens)], tokens, step=99)))
+        return len(planned) > before
+
+    (learnt,) = PATCH_LAYER.runtime.adaptive.snapshot()
+    assert learnt["decision"] == "serial" and learnt["key"]["tokens"] == 8
+    eight = steps_of(8)
+    assert not one((8, 8)) and steps_of(8) == eight + 1  # decided serial: kept, unplanned
+    assert not one((5, 3)) and steps_of(8) == eight + 2  # 5 tokens round to the same bucket
+    assert one((16, 9)) and steps_of(16) == 1 and steps_of(8) == eight + 2  # another bucket: planned, its own
+    assert one((4, 4)) and steps_of(4) == 1 and steps_of(8) == eight + 2  # below the bucket: its own
+    assert not one((8, 1)) and steps_of(8) == eight + 3
+    assert one((8,)) and steps_of(8) == eight + 3  # one stage: another bucket
+    # The runner's next planned step had one layer (a probe's, say): an
+    # 8-token step is then of another bucket, though the kept one matches it.
+    assert not one((8, 8)) and steps_of(8) == eight + 4
+    state = PATCH_LAYER.runtime.runners.of(w.runner)
+    assert state is not None and state.planned is not None and state.serial_pass is not None
+    state.planned = replace(state.planned, layers=1)
+    assert one((8, 8), layers=1) and steps_of(8) == eight + 4
+    PATCH_LAYER.runtime.adaptive = _SerialWins()  # a new adaptive engage has no decision
+    assert one((8, 8)) and steps_of(8) == 1
 
 
 def test_a_runners_state_is_forgotten_when_the_runner_is_collected() -> None:

@@ -109,7 +109,7 @@ class AdaptiveSettings:
     #: times only keep the current path's median fresh for the next probe
     #: round to be judged against (``window`` samples span this many times
     #: as many steps), and the timing costs the step host time.
-    serial_time_every: int = 4
+    serial_time_every: int = 8
 
 
 @dataclass
@@ -183,18 +183,24 @@ class AdaptiveEngage:
         Else changes nothing and returns :attr:`Passed.NO` (false: the
         caller plans the step and calls ``choose``). Lets a decided-serial
         step skip planning."""
+        b = self.bucket(key)
+        return Passed.NO if b is None else self.pass_serial_bucket(b)
+
+    def bucket(self, key: BucketKey) -> _Bucket | None:
+        """The bucket of ``key`` if a step of it was chosen (a caller may
+        keep it: a bucket lives as long as this adaptive engage)."""
+        with self._lock:
+            return self._buckets.get(key)
+
+    def pass_serial_bucket(self, b: _Bucket) -> Passed:
+        """:meth:`pass_serial` for a bucket the caller kept from
+        :meth:`bucket` (no key built, no lookup)."""
         cfg = self.settings
         lock = self._lock  # by hand (every decided-serial step): half a with block's cost
         lock.acquire()
         try:
-            b = self._buckets.get(key)
             # _probe_due(b, cfg), inline
-            if (
-                b is None
-                or b.decision != "serial"
-                or b.probes_left > 0
-                or b.since_probe + 1 >= cfg.reprobe_every * b.backoff
-            ):
+            if b.decision != "serial" or b.probes_left > 0 or b.since_probe + 1 >= cfg.reprobe_every * b.backoff:
                 return Passed.NO
             b.steps += 1
             since = b.since_probe = b.since_probe + 1

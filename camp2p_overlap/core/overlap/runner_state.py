@@ -16,7 +16,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.overlap.step_timings import StepTimings
@@ -25,7 +25,7 @@ from camp2p_overlap.core.overlap.streams.base import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 
 if TYPE_CHECKING:
-    from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage
+    from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey
 
 #: Builds a backend from its name and the runner's device.
 BackendMaker = Callable[[str, Any], StreamBackend]
@@ -45,6 +45,23 @@ class PlannedShape:
     runner: str
     layers: int
     backend: StreamBackend
+
+
+class SerialPass(NamedTuple):
+    """The adaptive bucket a runner's decided-serial steps were last counted
+    in, kept with what they must match for the next step to be counted
+    there too: the adaptive engage and planned shape it came from, the
+    step's stage count, and its token count in ``(above, tokens]`` (the
+    counts :func:`~camp2p_overlap.core.overlap.adaptive.pow2_ceil` rounds
+    to ``tokens``)."""
+
+    adaptive: AdaptiveEngage
+    shape: PlannedShape
+    stages: int
+    above: int
+    tokens: int
+    key: BucketKey
+    bucket: Any
 
 
 @dataclass
@@ -68,6 +85,8 @@ class RunnerState:
     backend_name: str | None = None
     #: The last planned adaptive step's shape (decided-serial steps reuse it).
     planned: PlannedShape | None = None
+    #: The bucket decided-serial steps were last counted in (``step.py``).
+    serial_pass: SerialPass | None = None
     #: Decode graph keys captured with both variants, by key text
     #: (``graphs.CapturedKey``; ``graphs.py`` builds on this module).
     graphs: dict[str, Any] = field(default_factory=dict)
@@ -77,13 +96,14 @@ class RunnerState:
 
     def close_streams(self) -> None:
         sset, self.streamset, self.backend_name, self.planned = self.streamset, None, None, None
+        self.serial_pass = None
         if sset is not None:
             sset.close()
 
     def keep_name_only(self) -> None:
         """Everything but the name dropped (the streams not closed: see
         :meth:`close_streams`)."""
-        self.streamset, self.backend_name, self.planned = None, None, None
+        self.streamset, self.backend_name, self.planned, self.serial_pass = None, None, None, None
         self.timings.clear()
         self.graphs = {}
         self.variant_capture = None

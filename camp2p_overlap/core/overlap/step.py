@@ -42,7 +42,7 @@ from camp2p_overlap.core.overlap.capture_guard import GUARD
 from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes, RouterFactory
 from camp2p_overlap.core.overlap.decision import GRAPH_OFF, GRAPH_SERIAL_VARIANT, Decision, decide, serial, streams_for
 from camp2p_overlap.core.overlap.graphs import GraphCapture, graph_variants_refusal
-from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, PlannedShape, RunnerState
+from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, PlannedShape, RunnerState, SerialPass
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
 from camp2p_overlap.core.overlap.serial_trace import run_traced_serial
 from camp2p_overlap.core.overlap.session import OverlapSession
@@ -113,7 +113,7 @@ class TimedBucket(NamedTuple):
 
 
 #: What :meth:`FfnStep.decided_serial_bucket` gives for a decided-serial
-#: step that is not timed (three in four: ``AdaptiveSettings.serial_time_every``).
+#: step that is not timed (seven in eight: ``AdaptiveSettings.serial_time_every``).
 _UNTIMED: TimedBucket = _named_tuple_of(TimedBucket, (None, None, None, False))
 
 
@@ -166,20 +166,47 @@ def decided_serial_bucket(
     try:
         if kwargs.get("is_graph_capturing") or shape.backend.is_capturing():
             return None
-        # bucket_of(shape.runner, shape.layers, kwargs["dp_metadata_list"]), inline
         dp_metadata_list = kwargs["dp_metadata_list"]
         tokens = camp2p.max_stage_tokens(dp_metadata_list)
-        tokens = 0 if tokens <= 0 else 1 << (tokens - 1).bit_length()
-        stages = len(dp_metadata_list) if dp_metadata_list else 1
-        key = _named_tuple_of(BucketKey, (shape.runner, stages, shape.layers, tokens))
+        stages = len(dp_metadata_list) if dp_metadata_list else 1  # camp2p.stage_count, inline
     except Exception:  # noqa: BLE001 - the planned path gives the reason
         return None
+    adaptive = runtime.adaptive
+    kept = state.serial_pass
+    if (
+        kept is None
+        or kept.adaptive is not adaptive
+        or kept.shape is not shape
+        or kept.stages != stages
+        or not kept.above < tokens <= kept.tokens
+    ):
+        kept = _keep_serial_pass(state, adaptive, shape, stages, tokens)
+        if kept is None:
+            return None
     # The re-probe interval was synced on the planned step before (the
     # engine's configuration does not change while it is applied).
-    passed = runtime.adaptive.pass_serial(key)
+    passed = adaptive.pass_serial_bucket(kept.bucket)
     if passed is Passed.UNTIMED:
         return _UNTIMED
-    return _named_tuple_of(TimedBucket, (key, shape.backend, state, True)) if passed else None
+    return _named_tuple_of(TimedBucket, (kept.key, shape.backend, state, True)) if passed else None
+
+
+def _keep_serial_pass(
+    state: RunnerState, adaptive: AdaptiveEngage, shape: PlannedShape, stages: int, tokens: int
+) -> SerialPass | None:
+    """The runner's bucket for a step of ``stages`` stages and ``tokens``
+    tokens (at most, per stage), kept on its state so that the next steps
+    of that bucket build no key and look nothing up; None when adaptive
+    engage has no such bucket yet (the planned path makes it)."""
+    rounded = 0 if tokens <= 0 else 1 << (tokens - 1).bit_length()  # pow2_ceil, inline
+    key = _named_tuple_of(BucketKey, (shape.runner, stages, shape.layers, rounded))
+    bucket = adaptive.bucket(key)
+    if bucket is None:
+        return None
+    # the token counts that round to ``rounded``: (rounded / 2, rounded], or (-1, 0]
+    above = rounded >> 1 if rounded > 1 else rounded - 1
+    kept = state.serial_pass = SerialPass(adaptive, shape, stages, above, rounded, key, bucket)
+    return kept
 
 
 class FfnStep:
