@@ -365,10 +365,10 @@ def time_pairs(first: Callable[[], Any], second: Callable[[], Any], pairs: int) 
     back: even pairs run ``first`` first, odd pairs ``second`` first. The
     step times (ns) of each, in pair order."""
     clock = time.perf_counter_ns
+    steps = (first, second)
     times: tuple[list[int], list[int]] = ([], [])
     for i in range(pairs):
         lead, follow = (0, 1) if i % 2 == 0 else (1, 0)
-        steps = (first, second)
         t0 = clock()
         steps[lead]()
         t1 = clock()

@@ -308,6 +308,22 @@ def test_the_ab_refuses_a_second_root_in_use() -> None:
         release_site(site)
 
 
+def test_a_report_of_the_block_design_still_prints() -> None:
+    """A report written before the paired design (rounds x steps per arm, no
+    control) still renders: docs/ quotes such reports."""
+    figure = {"median": 0.5, "ci95": [-0.8, 1.7], "min": -29.3, "max": 73.2}
+    world = {"layers": 4, "stages": 2, "hidden": 16, "tokens": 1}
+    old = {"world": world, "rounds": 300, "steps": 5, "extra_pct": figure}
+    old |= {"unpatched_us_per_step": 6191.5, "decided_serial_us_per_step": 6315.0}
+    keys = ("engaged_us_per_layer_stage", "passthrough_us_per_step", "passthrough_us_per_call")
+    result = {key: {"median": 1.0, "p90": 2.0} for key in keys}
+    out = overhead.format_overhead({**result, "shapes": [], "decided_serial_ab": old})
+    assert "over 300 rounds x 5 steps per arm" in out and "A/A control" not in out
+    paired = {**old, "pairs": 3000, "control": figure}
+    out = overhead.format_overhead({**result, "shapes": [], "decided_serial_ab": paired})
+    assert "over 3000 pairs" in out and "A/A control (both copies unpatched): +0.50 % median" in out
+
+
 def test_cli_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "overhead.json"
     argv = ["overhead", "--layers", "2,3", "--stages", "1,2", "--steps", "6", "--rounds", "1"]
