@@ -41,9 +41,9 @@
 #      captured with torch.cuda.CUDAGraph in one pool and replayed, each replay
 #      compared bitwise with the eager serial step; capture memory)      limit 45 s
 #   4. camp2p-overlap sweep --device cuda (ratios, --comm-cores points)       limit 55 s
-#   5. camp2p-overlap overhead --ab-rounds 20 --json $OUT/overhead.json       limit 30 s
+#   5. camp2p-overlap overhead --ab-pairs 20 --json $OUT/overhead.json        limit 30 s
 #      (host cost per (layer, stage) and per pass-through step; the decided-serial A/B
-#      in 20 rounds, OVERHEAD_AB_ROUNDS overrides)
+#      and its A/A control in 20 pairs each, OVERHEAD_AB_PAIRS overrides)
 # The bench and sweep parts write their JSON as they go (bench: after the
 # captures, each policy and each repetition; sweep: after the calibration and
 # each point; "partial": true), so a part cut at its limit leaves what it measured.
@@ -241,9 +241,7 @@ for name, file in (("bench", "bench_cuda.json"), ("graph", "bench_graph_cuda.jso
     else:
         s["parts"][name]["result"] = {k: v for k, v in data.items() if not isinstance(v, (list, dict)) or k in (
             "engaged_us_per_layer_stage", "passthrough_us_per_step", "passthrough_us_per_call")}
-        ab = data.get("decided_serial_ab")
-        if isinstance(ab, dict):
-            s["parts"][name]["result"]["decided_serial_ab"] = {k: v for k, v in ab.items() if k != "per_round"}
+        s["parts"][name]["result"]["decided_serial_ab"] = data.get("decided_serial_ab")
 env = pathlib.Path(os.environ.get("ENV_TXT") or "/nonexistent")
 if env.exists():
     s["env"] = env.read_text(errors="replace").strip().splitlines()[:80]
@@ -500,7 +498,7 @@ run_part sweep "$OUT/tools.log" "${CLI[@]}" sweep --device cuda --scenario gpu-f
   --layers 4 --steps 4 --warmup 1 --reps 2 --ratios 0.5,1.5 --stage-counts 2 --comm-core-points 0,8,32,96 \
   --work-tokens none --no-progress --json "$OUT/sweep_cuda.json"
 run_part overhead "$OUT/tools.log" "${CLI[@]}" overhead \
-  --ab-rounds "${OVERHEAD_AB_ROUNDS:-20}" --json "$OUT/overhead.json"
+  --ab-pairs "${OVERHEAD_AB_PAIRS:-20}" --json "$OUT/overhead.json"
 
 failed=()
 cut=()

@@ -363,8 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
         "pass-through (applied, adaptive engage decided for serial) steps run in a rotating order; each "
         "timed step minus the round's median unpatched step, per (layer, stage), per step or per wrapped call, "
         "is one sample. Then the decided-serial A/B on the emulated world of the sweep's smallest work point: "
-        "rounds alternating unpatched and applied-and-decided-serial blocks, the extra step time in %. Prints "
-        "medians and p90s; --json schema: docs/benchmark.md.",
+        "two identical copies of the stand-ins, one unpatched and one applied and decided serial, timed in pairs "
+        "of one step each, alternating which runs first; each pair gives the extra step time in %. An A/A "
+        "control of the same pairs with both copies unpatched, run first, measures the method's own bias. "
+        "Prints medians and p90s; --json schema: docs/benchmark.md.",
     )
     overhead.add_argument("--layers", type=_ints, default=OverheadParams.layers, help="layer counts (default 4,16,61)")
     overhead.add_argument("--stages", type=_ints, default=OverheadParams.stages, help="stage counts (default 1,2,3)")
@@ -381,16 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="busy wait added to every no-op receive: a cost outside our code, which must cancel out",
     )
     overhead.add_argument(
-        "--ab-rounds",
+        "--ab-pairs",
         type=int,
-        default=OverheadParams.ab_rounds,
-        help="rounds of the decided-serial A/B; 0 skips it (default %(default)s)",
-    )
-    overhead.add_argument(
-        "--ab-steps",
-        type=int,
-        default=OverheadParams.ab_steps,
-        help="timed steps per arm and round of the decided-serial A/B (default %(default)s)",
+        default=OverheadParams.ab_pairs,
+        help="timed pairs of steps of the decided-serial A/B and of its A/A control each; 0 skips both "
+        "(default %(default)s)",
     )
     overhead.add_argument("--json", metavar="PATH", help="write the result as JSON")
 
@@ -586,8 +583,7 @@ def _overhead(args: argparse.Namespace, argv: Sequence[str]) -> int:
         steps=args.steps,
         rounds=args.rounds,
         delay_us=args.delay_us,
-        ab_rounds=args.ab_rounds,
-        ab_steps=args.ab_steps,
+        ab_pairs=args.ab_pairs,
     )
     try:
         params.validate()

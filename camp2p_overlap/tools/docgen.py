@@ -313,6 +313,13 @@ def overhead_block(res: Results) -> str:
             else "excludes 0: a difference beyond this run's noise"
         )
         lines += ["", f"The decided-serial A/B's 95 % interval [{lo:+.2f}, {hi:+.2f}] % {verdict}."]
+        control = (ab or {}).get("control")
+        if control:
+            clo, chi = control["ci95"]
+            lines[-1] += (
+                f" Its A/A control, the same pairs with both copies unpatched, reads {control['median']:+.2f} % "
+                f"[{clo:+.2f}, {chi:+.2f}]: the method's own bias."
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -26,22 +26,31 @@ count where our allocations cause them.
 The decided-serial A/B runs on the emulated world of the sweep's smallest
 work point (``camp2p-overlap sweep``: the ``ffn-bound`` preset with the
 sweep's defaults, the smallest hidden size and tokens per stage), not on
-the no-op world: many rounds of two short blocks, unpatched and applied with
-the adaptive bucket decided serial, alternating which runs first (short,
-so that both blocks of a round fall on one stretch of the machine's speed,
-which on a shared CPU moves in stretches of a tenth of a second and more). Each round
-gives one paired figure, the applied block's median step over the
-unpatched block's, as extra step time in %; reported are its median over
-the rounds, a bootstrap 95 % interval of that median, and its min and max.
-Its kernels take wall-clock time, not the benchmark's default modelled
+the no-op world. Two identical copies of the stand-ins are imported at two
+module roots, the run's own and :data:`AB_APPLIED_ROOT`, and one world is
+built on each. The engine is applied once, to the second copy only, with
+the adaptive bucket decided serial; the first copy stays unpatched. After a
+few warm-up steps of each world, each timed pair runs one step of each
+world back to back, alternating which runs first; each pair gives one
+figure, the applied step over the unpatched step as extra step time in %.
+Both steps of a pair fall on one stretch of the machine's speed (on a
+shared CPU it moves in stretches of a tenth of a second and more), and
+there is no apply or unpatch between the timed steps. Before the engine is
+applied, an A/A control of the same design and size times the two copies
+both unpatched: the copies run the same code, so its figure is the
+method's own bias. Reported for each are the median over the pairs, a
+bootstrap 95 % interval of that median, and its min and max. The A/B's
+kernels take wall-clock time, not the benchmark's default modelled
 durations (:data:`AB_TIMING_WHY`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -53,6 +62,7 @@ from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.env_vars import MAX_REPROBE, MAX_STAGES
 from camp2p_overlap.core.overlap.step import bucket_of
 from camp2p_overlap.core.patch_layer import PatchLayer
+from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.noop import NoopModel, NoopTransport, noop_backend
 from camp2p_overlap.emulation.standin_patch_layer import StandinSite, emulated_patch_layer, release_site, standin_site
@@ -68,8 +78,13 @@ from camp2p_overlap.tools.provenance import report_env
 
 PATHS = ("engaged", "pass-through")
 SCHEMA = "camp2p-overlap/overhead/v1"
-#: The arms of the decided-serial A/B, in the order of its even rounds.
+#: The arms of the decided-serial A/B, in the order of its even pairs.
 AB_ARMS = ("unpatched", "decided-serial")
+#: Where the A/B installs its second copy of the stand-ins: the applied arm's
+#: world (the first copy, unpatched, is the run's own site).
+AB_APPLIED_ROOT = "camp2p_overlap_ab_applied_afd_plugin"
+#: The fewest timed pairs of a run that does not skip the A/B.
+AB_MIN_PAIRS = 20
 #: The sweep's preset, whose smallest work point the A/B runs on.
 AB_SCENARIO = "ffn-bound"
 AB_BOOTSTRAP = 1000
@@ -107,13 +122,13 @@ class OverheadParams:
     rounds: int = 10
     #: Busy wait added to every no-op receive (a cost outside our code).
     delay_us: float = 0.0
-    #: The decided-serial A/B: rounds (0 skips it), timed and warm-up steps per arm and round.
-    #: Many short rounds: this machine's speed moves in stretches of 0.1-1 s,
-    #: and a round of two 5-step blocks (about 50 ms at the A/B's point)
-    #: falls on one stretch, so each round's pair sees the same speed.
-    ab_rounds: int = 300
-    ab_steps: int = 5
-    ab_warmup: int = 1
+    #: The decided-serial A/B and its A/A control: timed pairs of steps each
+    #: (0 skips both), after ``ab_warmup`` warm-up steps per world and phase.
+    #: A pair is two steps back to back (about 12 ms at the A/B's point), so
+    #: both fall on one stretch of this machine's speed (it moves in
+    #: stretches of 0.1-1 s); many pairs make the median's interval narrow.
+    ab_pairs: int = 3000
+    ab_warmup: int = 5
 
     def validate(self) -> None:
         if not self.layers or any(n < 1 for n in self.layers):
@@ -124,8 +139,8 @@ class OverheadParams:
             raise ValueError("need steps >= 5, rounds >= 1 and warmup >= 0")
         if self.delay_us < 0:
             raise ValueError(f"delay_us must be >= 0, got {self.delay_us}")
-        if self.ab_rounds != 0 and (self.ab_rounds < 2 or self.ab_steps < 5 or self.ab_warmup < 0):
-            raise ValueError("the decided-serial A/B needs ab_rounds 0 (skip) or >= 2, ab_steps >= 5, ab_warmup >= 0")
+        if self.ab_pairs != 0 and (self.ab_pairs < AB_MIN_PAIRS or self.ab_warmup < 0):
+            raise ValueError(f"the decided-serial A/B needs ab_pairs 0 (skip) or >= {AB_MIN_PAIRS}, ab_warmup >= 0")
 
 
 def _figure(samples: Sequence[float]) -> dict[str, float]:
@@ -329,68 +344,113 @@ def smallest_work_point() -> BenchParams:
 
 
 def _ab_interval(extra: Sequence[float]) -> list[float]:
-    """A bootstrap 95 % interval of the median of the rounds' figures."""
+    """A bootstrap 95 % interval of the median of the pairs' figures."""
     rng = random.Random(0)
     medians = [statistics.median(rng.choices(extra, k=len(extra))) for _ in range(AB_BOOTSTRAP)]
     return [round(percentile(medians, 2.5), 3), round(percentile(medians, 97.5), 3)]
 
 
-def decided_serial_ab(params: OverheadParams, site: StandinSite) -> dict[str, Any]:
-    point = smallest_work_point()
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(point.threads)
-    world = build_world(point.world_spec(), root=site.root)
-    try:
-        patch_layer = emulated_patch_layer()
-        decide_serial(patch_layer, world)
-        config = passthrough_config()
-        upstream = inspect.getattr_static(world.runner, "_ffn_forward")
-        per_round = []
-        for r in range(params.ab_rounds):
-            arms = AB_ARMS if r % 2 == 0 else AB_ARMS[::-1]
-            medians: dict[str, float] = {}
-            for arm in arms:
-                applied = arm == "decided-serial"
-                if applied:
-                    patch_layer.engine.apply(config=config, manifest=site.manifest, strict=True)
-                try:
-                    if (inspect.getattr_static(world.runner, "_ffn_forward") is not upstream) != applied:
-                        raise RuntimeError(f"the A/B arm {arm!r} did not run as planned (layer applied: {not applied})")
-                    medians[arm] = statistics.median(time_block(world.run_step, params.ab_warmup, params.ab_steps))
-                finally:
-                    if applied and not patch_layer.engine.unpatch(timeout=30.0):
-                        raise RuntimeError("the overhead harness could not unpatch its engine")
-            per_round.append(
-                {
-                    "first": arms[0],
-                    "unpatched_us": round(medians["unpatched"] / 1e3, 3),
-                    "decided_serial_us": round(medians["decided-serial"] / 1e3, 3),
-                    "extra_pct": round(100.0 * (medians["decided-serial"] / medians["unpatched"] - 1.0), 3),
-                }
+def _extra_figure(extra: Sequence[float]) -> dict[str, Any]:
+    """Median, bootstrap 95 % interval of the median, min and max of the pairs' figures (%)."""
+    return {
+        "median": round(statistics.median(extra), 3),
+        "ci95": _ab_interval(extra),
+        "min": round(min(extra), 3),
+        "max": round(max(extra), 3),
+    }
+
+
+def time_pairs(first: Callable[[], Any], second: Callable[[], Any], pairs: int) -> tuple[list[int], list[int]]:
+    """Time ``pairs`` pairs of one ``first`` and one ``second`` step, back to
+    back: even pairs run ``first`` first, odd pairs ``second`` first. The
+    step times (ns) of each, in pair order."""
+    clock = time.perf_counter_ns
+    steps = (first, second)
+    times: tuple[list[int], list[int]] = ([], [])
+    for i in range(pairs):
+        lead, follow = (0, 1) if i % 2 == 0 else (1, 0)
+        t0 = clock()
+        steps[lead]()
+        t1 = clock()
+        steps[follow]()
+        t2 = clock()
+        times[lead].append(t1 - t0)
+        times[follow].append(t2 - t1)
+    return times
+
+
+def _paired_extra(times: tuple[list[int], list[int]]) -> list[float]:
+    """Per pair, the second world's step over the first's, as extra step time in %."""
+    return [100.0 * (b / a - 1.0) for a, b in zip(*times, strict=True)]
+
+
+def _check_arms(worlds: Sequence[World], upstream: Sequence[Any], applied: Sequence[bool], phase: str) -> None:
+    """Refuse a world whose runner is (not) wrapped against the plan."""
+    for world, original, planned, arm in zip(worlds, upstream, applied, AB_ARMS, strict=True):
+        wrapped = inspect.getattr_static(world.runner, "_ffn_forward") is not original
+        if wrapped != planned:
+            raise RuntimeError(
+                f"the {phase}'s {arm!r} arm did not run as planned (layer applied: {wrapped}, planned: {planned})"
             )
-        steps = patch_layer.runtime.counters.to_dict()["steps"]
-        expected = params.ab_rounds * (params.ab_warmup + params.ab_steps)
-        if steps.get("serial") != expected or steps.get("overlap"):
-            raise RuntimeError(f"the decided-serial arm did not take the serial path on every step: {steps}")
-    finally:
-        world.close()
-        torch.set_num_threads(previous_threads)
-    extra = [r["extra_pct"] for r in per_round]
+
+
+def _unpatch(patch_layer: PatchLayer) -> None:
+    if not patch_layer.engine.unpatch(timeout=30.0):
+        raise RuntimeError("the overhead harness could not unpatch its engine")
+
+
+def decided_serial_ab(params: OverheadParams, site: StandinSite) -> dict[str, Any]:
+    """The decided-serial A/B and its A/A control (see the module docstring);
+    the stand-ins at :data:`AB_APPLIED_ROOT` are installed for it and gone
+    after it, on every exit path."""
+    point = smallest_work_point()
+    if standins.installed_stack(AB_APPLIED_ROOT) is not None or any(
+        n == AB_APPLIED_ROOT or n.startswith(AB_APPLIED_ROOT + ".") for n in sys.modules
+    ):
+        raise RuntimeError(f"the A/B's own stand-in root {AB_APPLIED_ROOT!r} is already in use in this process")
+    applied_manifest = site.manifest.rebased(site.root, AB_APPLIED_ROOT)
+    with contextlib.ExitStack() as undo:
+        undo.callback(torch.set_num_threads, torch.get_num_threads())
+        torch.set_num_threads(point.threads)
+        undo.callback(standins.uninstall, AB_APPLIED_ROOT)
+        standins.install(AB_APPLIED_ROOT, stack=standins.installed_stack(site.root))
+        worlds = []
+        for root in (site.root, AB_APPLIED_ROOT):
+            worlds.append(build_world(point.world_spec(), root=root))
+            undo.callback(worlds[-1].close)
+        upstream = [inspect.getattr_static(w.runner, "_ffn_forward") for w in worlds]
+        steps = [w.run_step for w in worlds]
+
+        # the A/A control: both copies unpatched
+        _check_arms(worlds, upstream, (False, False), "control")
+        for step in steps:
+            time_block(step, params.ab_warmup, 0)
+        control = _paired_extra(time_pairs(*steps, params.ab_pairs))
+        _check_arms(worlds, upstream, (False, False), "control")
+
+        # the A/B: the second copy applied, its bucket decided serial
+        patch_layer = emulated_patch_layer()
+        decide_serial(patch_layer, worlds[1])
+        patch_layer.engine.apply(config=passthrough_config(), manifest=applied_manifest, strict=True)
+        undo.callback(_unpatch, patch_layer)
+        _check_arms(worlds, upstream, (False, True), "A/B")
+        for step in steps:
+            time_block(step, params.ab_warmup, 0)
+        times = time_pairs(*steps, params.ab_pairs)
+        _check_arms(worlds, upstream, (False, True), "A/B")
+        counted = patch_layer.runtime.counters.to_dict()["steps"]
+        if counted.get("serial") != params.ab_warmup + params.ab_pairs or counted.get("overlap"):
+            raise RuntimeError(f"the decided-serial arm did not take the serial path on every step: {counted}")
+    extra = _paired_extra(times)
     return {
         "world": {k: getattr(point, k) for k in AB_WORLD_KEYS},
         "timing": {"model": point.timing_mode()[0], "why": AB_TIMING_WHY},
-        "rounds": params.ab_rounds,
-        "steps": params.ab_steps,
+        "pairs": params.ab_pairs,
         "warmup": params.ab_warmup,
-        "unpatched_us_per_step": round(statistics.median(r["unpatched_us"] for r in per_round), 3),
-        "decided_serial_us_per_step": round(statistics.median(r["decided_serial_us"] for r in per_round), 3),
-        "extra_pct": {
-            "median": round(statistics.median(extra), 3),
-            "ci95": _ab_interval(extra),
-            "min": min(extra),
-            "max": max(extra),
-        },
-        "per_round": per_round,
+        "unpatched_us_per_step": round(statistics.median(times[0]) / 1e3, 3),
+        "decided_serial_us_per_step": round(statistics.median(times[1]) / 1e3, 3),
+        "extra_pct": _extra_figure(extra),
+        "control": _extra_figure(control),
     }
 
 
@@ -409,7 +469,7 @@ def measure_overhead(params: OverheadParams) -> dict[str, Any]:
             for layers in params.layers
             for stages in params.stages
         ]
-        ab = decided_serial_ab(params, site) if params.ab_rounds else None
+        ab = decided_serial_ab(params, site) if params.ab_pairs else None
     finally:
         release_site(site)
     shape_samples = [s.pop("_samples") for s in shapes]
@@ -450,6 +510,8 @@ def format_overhead(result: dict[str, Any]) -> str:
     ab = result.get("decided_serial_ab")
     if ab:
         w, x = ab["world"], ab["extra_pct"]
+        # reports of the block design (rounds x steps per arm, no control) still read
+        size = f"{ab['pairs']} pairs" if "pairs" in ab else f"{ab['rounds']} rounds x {ab['steps']} steps per arm"
         lines += [
             "",
             f"decided serial vs not applied, on the sweep's smallest work point ({w['layers']} layers x "
@@ -458,6 +520,12 @@ def format_overhead(result: dict[str, Any]) -> str:
             + "):",
             f"  {ab['unpatched_us_per_step']:.1f} us unpatched, {ab['decided_serial_us_per_step']:.1f} us applied "
             f"per step; extra {x['median']:+.2f} % median, 95 % interval [{x['ci95'][0]:+.2f}, {x['ci95'][1]:+.2f}], "
-            f"min {x['min']:+.2f}, max {x['max']:+.2f} over {ab['rounds']} rounds x {ab['steps']} steps per arm",
+            f"min {x['min']:+.2f}, max {x['max']:+.2f} over {size}",
         ]
+        c = ab.get("control")
+        if c:
+            lines.append(
+                f"  A/A control (both copies unpatched): {c['median']:+.2f} % median, 95 % interval "
+                f"[{c['ci95'][0]:+.2f}, {c['ci95'][1]:+.2f}], min {c['min']:+.2f}, max {c['max']:+.2f} over {size}"
+            )
     return "\n".join(lines)

@@ -289,9 +289,9 @@ def test_the_scripts_command_lines_pass_validation_and_stop_only_for_the_device(
         assert cli.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert "--device cuda: torch.cuda reports no CUDA device" in err, (argv, err)
-    assert parts["overhead"][1:] == ["--ab-rounds", "20", "--json", "overhead.json"]
+    assert parts["overhead"][1:] == ["--ab-pairs", "20", "--json", "overhead.json"]
     args = cli.build_parser().parse_args(parts["overhead"])  # the flags exist; the run is covered below
-    assert (args.ab_rounds, args.json) == (20, "overhead.json")
+    assert (args.ab_pairs, args.json) == (20, "overhead.json")
 
 
 def test_the_gpu_test_files_collect_without_what_the_gpu_box_lacks() -> None:
@@ -316,7 +316,7 @@ def test_the_parts_run_within_the_budget_and_the_summary_reads_them(
     summary read the JUnit counts of the gpu test files, the exit codes and
     the overhead figures (that command needs no device and passes)."""
     py = _pretend_cuda_venv(tmp_path / "venv")
-    monkeypatch.setenv("OVERHEAD_AB_ROUNDS", "2")  # the decided-serial A/B's plumbing, not its figure
+    monkeypatch.setenv("OVERHEAD_AB_PAIRS", "20")  # the decided-serial A/B's plumbing, not its figure
     os.environ["CAMP2P_TEST_PRETEND_CUDA"] = "1"
     try:
         # Five parts on a shared CPU, which a busy machine may slow several times over (set-up 25-60 s):
@@ -340,7 +340,8 @@ def test_the_parts_run_within_the_budget_and_the_summary_reads_them(
     assert parts["overhead"]["rc"] == 0, (out / "tools.log").read_text()[-3000:]
     result = parts["overhead"]["result"]
     assert set(result) >= {"engaged_us_per_layer_stage", "passthrough_us_per_step", "passthrough_us_per_call"}
-    assert result["decided_serial_ab"]["rounds"] == 2 and "per_round" not in result["decided_serial_ab"]
+    ab = result["decided_serial_ab"]
+    assert ab["pairs"] == 20 and set(ab["control"]) == set(ab["extra_pct"]) == {"median", "ci95", "min", "max"}
     plan = s["plan"]
     reserve = plan["kill_grace_s"] + plan["end_reserve_s"]
     for name in PARTS:

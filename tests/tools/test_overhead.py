@@ -1,8 +1,9 @@
 """``camp2p-overlap overhead`` times our code alone: a known cost outside
 it cancels out, a known cost inside it shows, every step takes the path
 the harness says it measures, the wrapped calls of a pass-through step are
-counted as installed, and the decided-serial A/B really alternates an
-unpatched and an applied arm on the sweep's emulated world. Behaviour only:
+counted as installed, and the decided-serial A/B really pairs an unpatched
+and an applied copy of the stand-ins on the sweep's emulated world, after an
+A/A control of both copies unpatched. Behaviour only:
 no timing goal here (the figures belong to the command's own output)."""
 
 from __future__ import annotations
@@ -11,17 +12,22 @@ import inspect
 import json
 import shlex
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from camp2p_overlap.core.overlap import step as step_module
 from camp2p_overlap.core.overlap.session import OverlapSession
-from camp2p_overlap.core.patching.manifest import load_manifest
+from camp2p_overlap.core.patching.lifecycle import PatchEngine
+from camp2p_overlap.core.patching.manifest import StackManifest, load_manifest
+from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.noop import busy_wait
-from camp2p_overlap.emulation.standin_patch_layer import release_site, standin_site
+from camp2p_overlap.emulation.standin_patch_layer import StandinSite, emulated_patch_layer, release_site, standin_site
+from camp2p_overlap.emulation.world import World
 from camp2p_overlap.tools import overhead
 from camp2p_overlap.tools.bench.sweep import DEFAULT_WORK_HIDDEN, DEFAULT_WORK_TOKENS
 from camp2p_overlap.tools.cli import main
@@ -33,7 +39,7 @@ FIGURE = {"median", "p90", "samples"}
 
 def _small(**changes: Any) -> OverheadParams:
     values: dict[str, Any] = {"layers": (4,), "stages": (2,), "steps": 20, "warmup": 2, "rounds": 3}
-    values.update(ab_rounds=2, ab_steps=5, ab_warmup=1)
+    values.update(ab_pairs=20, ab_warmup=1)
     values.update(changes)
     return OverheadParams(**values)
 
@@ -46,7 +52,7 @@ def _connector_wrapped_at_class_level() -> bool:
 
 @pytest.mark.alone
 def test_a_delay_outside_our_code_is_subtracted() -> None:
-    result = measure_overhead(_small(delay_us=DELAY_US, ab_rounds=0))
+    result = measure_overhead(_small(delay_us=DELAY_US, ab_pairs=0))
     (shape,) = result["shapes"]
     # The unpatched loop pays the delay in every receive ...
     assert shape["unpatched_us_per_layer_stage"] >= DELAY_US
@@ -69,7 +75,7 @@ def test_a_delay_inside_our_code_is_counted(monkeypatch: pytest.MonkeyPatch) -> 
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(OverlapSession, "recv", slow_recv)
-    result = measure_overhead(_small(ab_rounds=0))
+    result = measure_overhead(_small(ab_pairs=0))
     assert result["engaged_us_per_layer_stage"]["median"] >= DELAY_US * 0.9
     # The pass-through path opens no session: the delay is not there.
     assert result["passthrough_us_per_step"]["median"] < DELAY_US / 4
@@ -87,7 +93,7 @@ def test_a_delay_in_the_step_wrapper_counts_once_per_pass_through_step(monkeypat
         return original(*args)
 
     monkeypatch.setattr(step_module, "run_step", slow_run_step)
-    result = measure_overhead(_small(ab_rounds=0))
+    result = measure_overhead(_small(ab_pairs=0))
     (shape,) = result["shapes"]
     step, call = shape["passthrough_us_per_step"]["median"], shape["passthrough_us_per_call"]["median"]
     assert DELAY_US * 0.9 <= step < DELAY_US * 2.5
@@ -139,38 +145,81 @@ def test_the_wrapped_calls_are_counted_as_installed(monkeypatch: pytest.MonkeyPa
         release_site(site)
 
 
-def test_the_decided_serial_ab_alternates_unpatched_and_applied(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each round runs both arms, the first arm alternating; the applied arm
-    has our wrapper on the runner and the unpatched one has none; the world
-    is the sweep's smallest work point, not the no-op world."""
-    blocks: list[bool] = []
-    real = overhead.time_block
+def _no_second_root_left() -> None:
+    """The A/B's second copy of the stand-ins is gone: no module under its
+    root, no finder for it."""
+    root = overhead.AB_APPLIED_ROOT
+    assert not [n for n in sys.modules if n == root or n.startswith(root + ".")]
+    assert not [f for f in sys.meta_path if getattr(f, "root", None) == root]
 
-    def spy(step: Callable[[], Any], warmup: int, steps: int) -> list[int]:
-        world = getattr(step, "__self__", None)  # the A/B times world.run_step; the shapes a closure
-        if world is not None:
-            blocks.append(hasattr(inspect.getattr_static(world.runner, "_ffn_forward"), "__wrapped__"))
-            # wall-clock kernels (overhead.AB_TIMING_WHY): no modelled FFN, no held comm kernels
-            assert world.runner.model.moe.timing is None and world.transport.modelled is False
-        return real(step, warmup, steps)
 
-    monkeypatch.setattr(overhead, "time_block", spy)
-    result = measure_overhead(_small(ab_rounds=4))
-    ab = result["decided_serial_ab"]
+def _pairs(n: int, first: Any, second: Any) -> list[Any]:
+    return [x for i in range(n) for x in ((first, second) if i % 2 == 0 else (second, first))]
+
+
+def test_the_decided_serial_ab_pairs_an_unpatched_and_an_applied_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The A/A control first (both copies unpatched), then the A/B (the
+    second copy applied): each warms both worlds, then runs pairs of one
+    step of each, the first alternating. The figures are the applied (or
+    second) world's step over the unpatched (first) one's, per pair; the
+    world is the sweep's smallest work point, not the no-op world."""
+    ran: list[tuple[str, bool]] = []
+    run_step = World.run_step
+
+    def spy(self: World, *args: Any, **kwargs: Any) -> Any:
+        runner = self.runner
+        wrapped = hasattr(inspect.getattr_static(runner, "_ffn_forward"), "__wrapped__")
+        ran.append((type(runner).__module__.split(".")[0], wrapped))
+        # wall-clock kernels (overhead.AB_TIMING_WHY): no modelled FFN, no held comm kernels
+        assert runner.model.moe.timing is None and self.transport.modelled is False
+        return run_step(self, *args, **kwargs)
+
+    timed: list[tuple[list[int], list[int]]] = []
+    time_pairs = overhead.time_pairs
+
+    def keep(*args: Any) -> tuple[list[int], list[int]]:
+        timed.append(time_pairs(*args))
+        return timed[-1]
+
+    layers: list[Any] = []
+    make_layer = overhead.emulated_patch_layer
+
+    def new_layer() -> Any:
+        layers.append(make_layer())
+        return layers[-1]
+
+    monkeypatch.setattr(World, "run_step", spy)
+    monkeypatch.setattr(overhead, "time_pairs", keep)
+    monkeypatch.setattr(overhead, "emulated_patch_layer", new_layer)
+    threads = torch.get_num_threads()
+    site = standin_site()
+    try:
+        ab = overhead.decided_serial_ab(_small(ab_pairs=20, ab_warmup=2), site)
+    finally:
+        release_site(site)
+    _no_second_root_left()
+    assert torch.get_num_threads() == threads
+    (layer,) = layers  # applied once, and unpatched at the end
+    assert not layer.engine.is_applied()
+    first, second = (site.root, False), (overhead.AB_APPLIED_ROOT, False)
+    applied = (overhead.AB_APPLIED_ROOT, True)
+    control = [first] * 2 + [second] * 2 + _pairs(20, first, second)
+    assert ran == control + [first] * 2 + [applied] * 2 + _pairs(20, first, applied)
     assert ab["timing"] == {"model": "wall", "why": overhead.AB_TIMING_WHY}
-    assert blocks == [False, True, True, False, False, True, True, False]
-    assert [r["first"] for r in ab["per_round"]] == ["unpatched", "decided-serial"] * 2
-    assert (ab["rounds"], ab["steps"], ab["warmup"]) == (4, 5, 1)
+    assert (ab["pairs"], ab["warmup"]) == (20, 2)
     world = ab["world"]
     assert (world["hidden"], world["tokens"]) == (min(DEFAULT_WORK_HIDDEN), min(DEFAULT_WORK_TOKENS))
     assert world["stages"] == 2 and world["link_latency_us"] == 0 and world["attn_us"] == 0
-    for r in ab["per_round"]:
-        assert r["unpatched_us"] > 0 and r["decided_serial_us"] > 0
-        assert r["extra_pct"] == pytest.approx(100 * (r["decided_serial_us"] / r["unpatched_us"] - 1), abs=0.01)
-    extra = ab["extra_pct"]
-    assert extra["min"] <= extra["median"] <= extra["max"]
-    assert extra["min"] <= extra["ci95"][0] <= extra["ci95"][1] <= extra["max"]
-    assert extra["median"] == pytest.approx(statistics.median(r["extra_pct"] for r in ab["per_round"]), abs=0.001)
+    (c_first, c_second), (unpatched, decided) = timed
+    assert ab["unpatched_us_per_step"] == pytest.approx(statistics.median(unpatched) / 1e3, abs=0.001)
+    assert ab["decided_serial_us_per_step"] == pytest.approx(statistics.median(decided) / 1e3, abs=0.001)
+    for key, (a, b) in (("extra_pct", (unpatched, decided)), ("control", (c_first, c_second))):
+        extra = [100 * (y / x - 1) for x, y in zip(a, b, strict=True)]
+        figure = ab[key]
+        assert set(figure) == {"median", "ci95", "min", "max"}
+        assert figure["median"] == pytest.approx(statistics.median(extra), abs=0.001)
+        assert (figure["min"], figure["max"]) == pytest.approx((min(extra), max(extra)), abs=0.001)
+        assert figure["min"] <= figure["ci95"][0] <= figure["median"] <= figure["ci95"][1] <= figure["max"]
 
 
 def test_the_ab_refuses_an_applied_arm_that_engaged(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,15 +231,106 @@ def test_the_ab_refuses_an_applied_arm_that_engaged(monkeypatch: pytest.MonkeyPa
             overhead.decided_serial_ab(_small(), site)
     finally:
         release_site(site)
+    _no_second_root_left()
+
+
+def _engine_applies_nothing(monkeypatch: pytest.MonkeyPatch, site: StandinSite) -> Callable[[], None]:
+    """The applied arm would time upstream's code."""
+    monkeypatch.setattr(PatchEngine, "apply", lambda self, **kwargs: None)
+    return lambda: None
+
+
+def _manifest_not_rebased(monkeypatch: pytest.MonkeyPatch, site: StandinSite) -> Callable[[], None]:
+    """The engine would land on the unpatched copy."""
+    monkeypatch.setattr(StackManifest, "rebased", lambda self, old, new: self)
+    return lambda: None
+
+
+def _applied_during_the_control(monkeypatch: pytest.MonkeyPatch, site: StandinSite) -> Callable[[], None]:
+    """An engine applied to the second copy as the control warms up: its
+    pairs would time an applied world."""
+    engines: list[Any] = []
+    time_block = overhead.time_block
+
+    def warm(step: Callable[[], Any], warmup: int, steps: int) -> list[int]:
+        if not engines:
+            engines.append(emulated_patch_layer().engine)
+            manifest = site.manifest.rebased(site.root, overhead.AB_APPLIED_ROOT)
+            engines[0].apply(config=overhead.passthrough_config(), manifest=manifest, strict=True)
+        return time_block(step, warmup, steps)
+
+    monkeypatch.setattr(overhead, "time_block", warm)
+
+    def cleanup() -> None:
+        for engine in engines:
+            engine.unpatch(timeout=30.0)
+
+    return cleanup
+
+
+@pytest.mark.parametrize(
+    ("break_it", "message"),
+    [
+        (_engine_applies_nothing, "A/B's 'decided-serial' arm"),
+        (_manifest_not_rebased, "A/B's 'unpatched' arm"),
+        (_applied_during_the_control, "control's 'decided-serial' arm"),
+    ],
+)
+def test_the_ab_refuses_an_arm_against_the_plan(
+    monkeypatch: pytest.MonkeyPatch,
+    break_it: Callable[[pytest.MonkeyPatch, StandinSite], Callable[[], None]],
+    message: str,
+) -> None:
+    """Each phase checks, before and after its pairs, that each copy's runner
+    is wrapped or upstream's as planned; a refused run leaves no second root."""
+    site = standin_site()
+    try:
+        cleanup = break_it(monkeypatch, site)
+        try:
+            with pytest.raises(RuntimeError, match=f"the {message} did not run as planned"):
+                overhead.decided_serial_ab(_small(), site)
+        finally:
+            cleanup()
+    finally:
+        monkeypatch.undo()
+        release_site(site)
+    _no_second_root_left()
+
+
+def test_the_ab_refuses_a_second_root_in_use() -> None:
+    site = standin_site()
+    standins.install(overhead.AB_APPLIED_ROOT)
+    try:
+        with pytest.raises(RuntimeError, match="already in use"):
+            overhead.decided_serial_ab(_small(), site)
+    finally:
+        standins.uninstall(overhead.AB_APPLIED_ROOT)
+        release_site(site)
+
+
+def test_a_report_of_the_block_design_still_prints() -> None:
+    """A report written before the paired design (rounds x steps per arm, no
+    control) still renders: docs/ quotes such reports."""
+    figure = {"median": 0.5, "ci95": [-0.8, 1.7], "min": -29.3, "max": 73.2}
+    world = {"layers": 4, "stages": 2, "hidden": 16, "tokens": 1}
+    old = {"world": world, "rounds": 300, "steps": 5, "extra_pct": figure}
+    old |= {"unpatched_us_per_step": 6191.5, "decided_serial_us_per_step": 6315.0}
+    keys = ("engaged_us_per_layer_stage", "passthrough_us_per_step", "passthrough_us_per_call")
+    result = {key: {"median": 1.0, "p90": 2.0} for key in keys}
+    out = overhead.format_overhead({**result, "shapes": [], "decided_serial_ab": old})
+    assert "over 300 rounds x 5 steps per arm" in out and "A/A control" not in out
+    paired = {**old, "pairs": 3000, "control": figure}
+    out = overhead.format_overhead({**result, "shapes": [], "decided_serial_ab": paired})
+    assert "over 3000 pairs" in out and "A/A control (both copies unpatched): +0.50 % median" in out
 
 
 def test_cli_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "overhead.json"
     argv = ["overhead", "--layers", "2,3", "--stages", "1,2", "--steps", "6", "--rounds", "1"]
-    assert main([*argv, "--ab-rounds", "2", "--ab-steps", "5", "--json", str(path)]) == 0
+    assert main([*argv, "--ab-pairs", "20", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
     assert data["schema"] == "camp2p-overlap/overhead/v1"
-    ran = [*argv, "--ab-rounds", "2", "--ab-steps", "5", "--json", str(path)]
+    ran = [*argv, "--ab-pairs", "20", "--json", str(path)]
     assert data["run"]["command"] == shlex.join(["camp2p-overlap", *ran])
     assert set(data["run"]) == {"command", "commit", "date"}
     assert {"python", "torch", "torch_threads", "cpu_count", "machine", "switch_interval_s"} == set(data["env"])
@@ -208,24 +348,26 @@ def test_cli_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFi
     assert set(ab) == {
         "world",
         "timing",
-        "rounds",
-        "steps",
+        "pairs",
         "warmup",
         "unpatched_us_per_step",
         "decided_serial_us_per_step",
         "extra_pct",
-        "per_round",
+        "control",
     }
-    assert set(ab["extra_pct"]) == {"median", "ci95", "min", "max"} and len(ab["per_round"]) == 2
-    assert data["params"]["ab_rounds"] == 2 and data["params"]["ab_steps"] == 5
+    assert set(ab["extra_pct"]) == set(ab["control"]) == {"median", "ci95", "min", "max"}
+    assert (ab["pairs"], ab["warmup"]) == (20, overhead.OverheadParams.ab_warmup)
+    assert data["params"]["ab_pairs"] == 20 and "ab_rounds" not in data["params"]
+    _no_second_root_left()
     out = capsys.readouterr().out
     assert "us per (layer, stage)" in out and "us per step" in out and "decided serial vs not applied" in out
+    assert "over 20 pairs" in out and "A/A control (both copies unpatched)" in out
     assert "JSON:" in out
 
 
 def test_cli_skips_the_ab_when_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "overhead.json"
-    argv = ["overhead", "--layers", "2", "--stages", "2", "--steps", "5", "--rounds", "1", "--ab-rounds", "0"]
+    argv = ["overhead", "--layers", "2", "--stages", "2", "--steps", "5", "--rounds", "1", "--ab-pairs", "0"]
     assert main([*argv, "--json", str(path)]) == 0
     assert json.loads(path.read_text())["decided_serial_ab"] is None
     assert "decided serial" not in capsys.readouterr().out
@@ -238,8 +380,8 @@ def test_cli_skips_the_ab_when_asked(tmp_path: Path, capsys: pytest.CaptureFixtu
         (["--layers", "0"], "layer counts must be >= 1"),
         (["--steps", "2"], "need steps >= 5"),
         (["--delay-us", "-1"], "delay_us must be >= 0"),
-        (["--ab-rounds", "1"], "the decided-serial A/B needs ab_rounds 0 (skip) or >= 2"),
-        (["--ab-steps", "3"], "ab_steps >= 5"),
+        (["--ab-pairs", "19"], "the decided-serial A/B needs ab_pairs 0 (skip) or >= 20, ab_warmup >= 0"),
+        (["--ab-pairs", "-1"], "the decided-serial A/B needs ab_pairs 0 (skip) or >= 20"),
     ],
 )
 def test_cli_refuses_bad_values(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
