@@ -27,18 +27,21 @@ The decided-serial A/B runs on the emulated world of the sweep's smallest
 work point (``camp2p-overlap sweep``: the ``ffn-bound`` preset with the
 sweep's defaults, the smallest hidden size and tokens per stage), not on
 the no-op world. Two identical copies of the stand-ins are imported at two
-module roots, the run's own and :data:`AB_APPLIED_ROOT`, and one world is
-built on each. The engine is applied once, to the second copy only, with
-the adaptive bucket decided serial; the first copy stays unpatched. After a
-few warm-up steps of each world, each timed pair runs one step of each
-world back to back, alternating which runs first; each pair gives one
-figure, the applied step over the unpatched step as extra step time in %.
-Both steps of a pair fall on one stretch of the machine's speed (on a
-shared CPU it moves in stretches of a tenth of a second and more), and
-there is no apply or unpatch between the timed steps. Before the engine is
-applied, an A/A control of the same design and size times the two copies
-both unpatched: the copies run the same code, so its figure is the
-method's own bias. Reported for each are the median over the pairs, a
+module roots, the run's own and :data:`AB_SECOND_ROOT`, and one world is
+built on each. The A/B has two halves: the engine is applied to the second
+copy for the first half and to the first copy for the second, with every
+runner's adaptive bucket decided serial, the other copy unpatched. Two
+copies of the same code still run a little apart in one process (where
+their objects lie in memory), by a few tenths of a percent either way; the
+crossover cancels that. In each half, after a few warm-up steps of each
+world, each timed pair runs one step of each world back to back,
+alternating which runs first; each pair gives one figure, the applied step
+over the unpatched step as extra step time in %. Both steps of a pair fall
+on one stretch of the machine's speed (on a shared CPU it moves in
+stretches of a tenth of a second and more), and there is no apply or
+unpatch between the timed steps of a half. Before the engine is applied,
+an A/A control of the same design and size (its halves, its ratios) times
+the two copies both unpatched: its figure is the method's own bias. Reported for each are the median over the pairs, a
 bootstrap 95 % interval of that median, and its min and max. The A/B's
 kernels take wall-clock time, not the benchmark's default modelled
 durations (:data:`AB_TIMING_WHY`).
@@ -80,9 +83,9 @@ PATHS = ("engaged", "pass-through")
 SCHEMA = "camp2p-overlap/overhead/v1"
 #: The arms of the decided-serial A/B, in the order of its even pairs.
 AB_ARMS = ("unpatched", "decided-serial")
-#: Where the A/B installs its second copy of the stand-ins: the applied arm's
-#: world (the first copy, unpatched, is the run's own site).
-AB_APPLIED_ROOT = "camp2p_overlap_ab_applied_afd_plugin"
+#: Where the A/B installs its second copy of the stand-ins (the first is the
+#: run's own site): the applied copy of its first half.
+AB_SECOND_ROOT = "camp2p_overlap_ab_second_afd_plugin"
 #: The fewest timed pairs of a run that does not skip the A/B.
 AB_MIN_PAIRS = 20
 #: The sweep's preset, whose smallest work point the A/B runs on.
@@ -384,10 +387,14 @@ def _paired_extra(times: tuple[list[int], list[int]]) -> list[float]:
     return [100.0 * (b / a - 1.0) for a, b in zip(*times, strict=True)]
 
 
-def _check_arms(worlds: Sequence[World], upstream: Sequence[Any], applied: Sequence[bool], phase: str) -> None:
-    """Refuse a world whose runner is (not) wrapped against the plan."""
-    for world, original, planned, arm in zip(worlds, upstream, applied, AB_ARMS, strict=True):
+def _check_arms(worlds: Sequence[World], upstream: Sequence[Any], applied: int, phase: str) -> None:
+    """Refuse a world whose runner is (not) wrapped against the plan: the
+    copy ``applied`` is (in the A/B) or is to be (in its control) the
+    decided-serial arm, the other the unpatched arm; ``phase`` says which."""
+    for i, (world, original) in enumerate(zip(worlds, upstream, strict=True)):
         wrapped = inspect.getattr_static(world.runner, "_ffn_forward") is not original
+        planned = phase == "A/B" and i == applied
+        arm = AB_ARMS[1] if i == applied else AB_ARMS[0]
         if wrapped != planned:
             raise RuntimeError(
                 f"the {phase}'s {arm!r} arm did not run as planned (layer applied: {wrapped}, planned: {planned})"
@@ -399,57 +406,80 @@ def _unpatch(patch_layer: PatchLayer) -> None:
         raise RuntimeError("the overhead harness could not unpatch its engine")
 
 
+def _ab_halves(pairs: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(copy applied, pairs) of the A/B's two halves: the second copy first."""
+    return ((1, pairs - pairs // 2), (0, pairs // 2))
+
+
 def decided_serial_ab(params: OverheadParams, site: StandinSite) -> dict[str, Any]:
     """The decided-serial A/B and its A/A control (see the module docstring);
-    the stand-ins at :data:`AB_APPLIED_ROOT` are installed for it and gone
+    the stand-ins at :data:`AB_SECOND_ROOT` are installed for it and gone
     after it, on every exit path."""
     point = smallest_work_point()
-    if standins.installed_stack(AB_APPLIED_ROOT) is not None or any(
-        n == AB_APPLIED_ROOT or n.startswith(AB_APPLIED_ROOT + ".") for n in sys.modules
+    if standins.installed_stack(AB_SECOND_ROOT) is not None or any(
+        n == AB_SECOND_ROOT or n.startswith(AB_SECOND_ROOT + ".") for n in sys.modules
     ):
-        raise RuntimeError(f"the A/B's own stand-in root {AB_APPLIED_ROOT!r} is already in use in this process")
-    applied_manifest = site.manifest.rebased(site.root, AB_APPLIED_ROOT)
+        raise RuntimeError(f"the A/B's own stand-in root {AB_SECOND_ROOT!r} is already in use in this process")
+    roots = (site.root, AB_SECOND_ROOT)
+    manifests = (site.manifest, site.manifest.rebased(site.root, AB_SECOND_ROOT))
+    halves = _ab_halves(params.ab_pairs)
     with contextlib.ExitStack() as undo:
         undo.callback(torch.set_num_threads, torch.get_num_threads())
         torch.set_num_threads(point.threads)
-        undo.callback(standins.uninstall, AB_APPLIED_ROOT)
-        standins.install(AB_APPLIED_ROOT, stack=standins.installed_stack(site.root))
+        undo.callback(standins.uninstall, AB_SECOND_ROOT)
+        standins.install(AB_SECOND_ROOT, stack=standins.installed_stack(site.root))
         worlds = []
-        for root in (site.root, AB_APPLIED_ROOT):
+        for root in roots:
             worlds.append(build_world(point.world_spec(), root=root))
             undo.callback(worlds[-1].close)
         upstream = [inspect.getattr_static(w.runner, "_ffn_forward") for w in worlds]
         steps = [w.run_step for w in worlds]
 
-        # the A/A control: both copies unpatched
-        _check_arms(worlds, upstream, (False, False), "control")
-        for step in steps:
-            time_block(step, params.ab_warmup, 0)
-        control = _paired_extra(time_pairs(*steps, params.ab_pairs))
-        _check_arms(worlds, upstream, (False, False), "control")
+        def timed_half(copy: int, pairs: int, phase: str) -> tuple[list[int], list[int]]:
+            """(the other copy's step times, copy ``copy``'s), in pair order."""
+            _check_arms(worlds, upstream, copy, phase)
+            for step in steps:
+                time_block(step, params.ab_warmup, 0)
+            times = time_pairs(steps[1 - copy], steps[copy], pairs)
+            _check_arms(worlds, upstream, copy, phase)
+            return times
 
-        # the A/B: the second copy applied, its bucket decided serial
+        # the A/A control: both copies unpatched, in the A/B's halves and figures
+        control = [x for copy, pairs in halves for x in _paired_extra(timed_half(copy, pairs, "control"))]
+
+        # the A/B: one copy applied per half, every runner's bucket decided serial
         patch_layer = emulated_patch_layer()
-        decide_serial(patch_layer, worlds[1])
-        patch_layer.engine.apply(config=passthrough_config(), manifest=applied_manifest, strict=True)
-        undo.callback(_unpatch, patch_layer)
-        _check_arms(worlds, upstream, (False, True), "A/B")
-        for step in steps:
-            time_block(step, params.ab_warmup, 0)
-        times = time_pairs(*steps, params.ab_pairs)
-        _check_arms(worlds, upstream, (False, True), "A/B")
+        for world in worlds:
+            decide_serial(patch_layer, world)
+        unpatched: list[int] = []
+        decided: list[int] = []
+        extra: list[float] = []
+        by_copy = []
+        for copy, pairs in halves:
+            patch_layer.engine.apply(config=passthrough_config(), manifest=manifests[copy], strict=True)
+            try:
+                times = timed_half(copy, pairs, "A/B")
+            finally:
+                _unpatch(patch_layer)
+            half_extra = _paired_extra(times)
+            unpatched += times[0]
+            decided += times[1]
+            extra += half_extra
+            by_copy.append(
+                {"applied_root": roots[copy], "pairs": pairs, "median": round(statistics.median(half_extra), 3)}
+            )
         counted = patch_layer.runtime.counters.to_dict()["steps"]
-        if counted.get("serial") != params.ab_warmup + params.ab_pairs or counted.get("overlap"):
+        if counted.get("serial") != 2 * params.ab_warmup + params.ab_pairs or counted.get("overlap"):
             raise RuntimeError(f"the decided-serial arm did not take the serial path on every step: {counted}")
-    extra = _paired_extra(times)
     return {
         "world": {k: getattr(point, k) for k in AB_WORLD_KEYS},
         "timing": {"model": point.timing_mode()[0], "why": AB_TIMING_WHY},
         "pairs": params.ab_pairs,
         "warmup": params.ab_warmup,
-        "unpatched_us_per_step": round(statistics.median(times[0]) / 1e3, 3),
-        "decided_serial_us_per_step": round(statistics.median(times[1]) / 1e3, 3),
+        "unpatched_us_per_step": round(statistics.median(unpatched) / 1e3, 3),
+        "decided_serial_us_per_step": round(statistics.median(decided) / 1e3, 3),
         "extra_pct": _extra_figure(extra),
+        "by_copy": by_copy,
         "control": _extra_figure(control),
     }
 

@@ -148,7 +148,7 @@ def test_the_wrapped_calls_are_counted_as_installed(monkeypatch: pytest.MonkeyPa
 def _no_second_root_left() -> None:
     """The A/B's second copy of the stand-ins is gone: no module under its
     root, no finder for it."""
-    root = overhead.AB_APPLIED_ROOT
+    root = overhead.AB_SECOND_ROOT
     assert not [n for n in sys.modules if n == root or n.startswith(root + ".")]
     assert not [f for f in sys.meta_path if getattr(f, "root", None) == root]
 
@@ -199,26 +199,42 @@ def test_the_decided_serial_ab_pairs_an_unpatched_and_an_applied_copy(monkeypatc
         release_site(site)
     _no_second_root_left()
     assert torch.get_num_threads() == threads
-    (layer,) = layers  # applied once, and unpatched at the end
+    (layer,) = layers  # one engine, applied once per half and unpatched at the end
     assert not layer.engine.is_applied()
-    first, second = (site.root, False), (overhead.AB_APPLIED_ROOT, False)
-    applied = (overhead.AB_APPLIED_ROOT, True)
-    control = [first] * 2 + [second] * 2 + _pairs(20, first, second)
-    assert ran == control + [first] * 2 + [applied] * 2 + _pairs(20, first, applied)
+    first, second = (site.root, False), (overhead.AB_SECOND_ROOT, False)
+    first_applied, second_applied = (site.root, True), (overhead.AB_SECOND_ROOT, True)
+    warm = [first] * 2 + [second] * 2
+    control = warm + _pairs(10, first, second) + warm + _pairs(10, second, first)
+    ab_first_half = [first] * 2 + [second_applied] * 2 + _pairs(10, first, second_applied)
+    ab_second_half = [first_applied] * 2 + [second] * 2 + _pairs(10, second, first_applied)
+    assert ran == control + ab_first_half + ab_second_half
     assert ab["timing"] == {"model": "wall", "why": overhead.AB_TIMING_WHY}
     assert (ab["pairs"], ab["warmup"]) == (20, 2)
     world = ab["world"]
     assert (world["hidden"], world["tokens"]) == (min(DEFAULT_WORK_HIDDEN), min(DEFAULT_WORK_TOKENS))
     assert world["stages"] == 2 and world["link_latency_us"] == 0 and world["attn_us"] == 0
-    (c_first, c_second), (unpatched, decided) = timed
+    # each timed half: (the other copy's step times, the applied or to-be-applied copy's)
+    (c1_other, c1_copy), (c2_other, c2_copy), (u1, d1), (u2, d2) = timed
+    unpatched, decided = u1 + u2, d1 + d2
     assert ab["unpatched_us_per_step"] == pytest.approx(statistics.median(unpatched) / 1e3, abs=0.001)
     assert ab["decided_serial_us_per_step"] == pytest.approx(statistics.median(decided) / 1e3, abs=0.001)
-    for key, (a, b) in (("extra_pct", (unpatched, decided)), ("control", (c_first, c_second))):
-        extra = [100 * (y / x - 1) for x, y in zip(a, b, strict=True)]
+
+    def extra(a: list[int], b: list[int]) -> list[float]:
+        return [100 * (y / x - 1) for x, y in zip(a, b, strict=True)]
+
+    halves = [extra(u1, d1), extra(u2, d2)]
+    assert ab["by_copy"] == [
+        {"applied_root": root, "pairs": 10, "median": pytest.approx(statistics.median(h), abs=0.001)}
+        for root, h in zip((overhead.AB_SECOND_ROOT, site.root), halves, strict=True)
+    ]
+    for key, figures in (
+        ("extra_pct", halves[0] + halves[1]),
+        ("control", extra(c1_other, c1_copy) + extra(c2_other, c2_copy)),
+    ):
         figure = ab[key]
         assert set(figure) == {"median", "ci95", "min", "max"}
-        assert figure["median"] == pytest.approx(statistics.median(extra), abs=0.001)
-        assert (figure["min"], figure["max"]) == pytest.approx((min(extra), max(extra)), abs=0.001)
+        assert figure["median"] == pytest.approx(statistics.median(figures), abs=0.001)
+        assert (figure["min"], figure["max"]) == pytest.approx((min(figures), max(figures)), abs=0.001)
         assert figure["min"] <= figure["ci95"][0] <= figure["median"] <= figure["ci95"][1] <= figure["max"]
 
 
@@ -255,7 +271,7 @@ def _applied_during_the_control(monkeypatch: pytest.MonkeyPatch, site: StandinSi
     def warm(step: Callable[[], Any], warmup: int, steps: int) -> list[int]:
         if not engines:
             engines.append(emulated_patch_layer().engine)
-            manifest = site.manifest.rebased(site.root, overhead.AB_APPLIED_ROOT)
+            manifest = site.manifest.rebased(site.root, overhead.AB_SECOND_ROOT)
             engines[0].apply(config=overhead.passthrough_config(), manifest=manifest, strict=True)
         return time_block(step, warmup, steps)
 
@@ -299,12 +315,12 @@ def test_the_ab_refuses_an_arm_against_the_plan(
 
 def test_the_ab_refuses_a_second_root_in_use() -> None:
     site = standin_site()
-    standins.install(overhead.AB_APPLIED_ROOT)
+    standins.install(overhead.AB_SECOND_ROOT)
     try:
         with pytest.raises(RuntimeError, match="already in use"):
             overhead.decided_serial_ab(_small(), site)
     finally:
-        standins.uninstall(overhead.AB_APPLIED_ROOT)
+        standins.uninstall(overhead.AB_SECOND_ROOT)
         release_site(site)
 
 
@@ -353,8 +369,12 @@ def test_cli_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFi
         "unpatched_us_per_step",
         "decided_serial_us_per_step",
         "extra_pct",
+        "by_copy",
         "control",
     }
+    (second_half, first_half) = ab["by_copy"]  # the second copy applied first
+    assert (second_half["applied_root"], second_half["pairs"], first_half["pairs"]) == (overhead.AB_SECOND_ROOT, 10, 10)
+    assert first_half["applied_root"] != overhead.AB_SECOND_ROOT
     assert set(ab["extra_pct"]) == set(ab["control"]) == {"median", "ci95", "min", "max"}
     assert (ab["pairs"], ab["warmup"]) == (20, overhead.OverheadParams.ab_warmup)
     assert data["params"]["ab_pairs"] == 20 and "ab_rounds" not in data["params"]

@@ -131,8 +131,16 @@ def run_step(
         step.count_serial(NOT_APPLIED)
         return step.run_original()
     try:
-        # decided_serial_bucket() only with adaptive engage on (its first check, here)
-        decided = decided_serial_bucket(engine, runtime, runner, kwargs) if engine.config.adaptive else None
+        # decided_serial_bucket(), inline: a decided-serial step runs fewer
+        # frames of ours (each costs far more than its instructions on a host
+        # that comes back to the step from a wait, its caches cold)
+        decided = None
+        cfg = engine.config
+        if cfg.adaptive and cfg.enabled and cfg.mode == "overlap" and runtime.local.session is None:
+            entry = runtime.runners._states.get(id(runner))  # runtime.runners.of(runner), inline
+            state = entry[1] if entry is not None and entry[0]() is runner else None
+            if state is not None and state.planned is not None:
+                decided = _decided_serial(runtime, state, kwargs)
         if decided is None:
             return FfnStep(engine, runtime, wrapped, runner, args, kwargs).run_planned()
         runtime.counters.serial(SERIAL_FASTER)
@@ -154,20 +162,34 @@ def decided_serial_bucket(
     comes from the runner's last planned step (its layer count) and this
     step's stages and tokens; a probe, a capture, a re-entrant call, or
     a runner not planned yet takes the planned path. Never raises: None
-    whenever unsure."""
+    whenever unsure. (:func:`run_step` runs it inline.)"""
     cfg = engine.config
     if not (cfg.adaptive and cfg.enabled and cfg.mode == "overlap") or runtime.local.session is not None:
         return None
-    entry = runtime.runners._states.get(id(runner))  # runtime.runners.of(runner), inline
-    state = entry[1] if entry is not None and entry[0]() is runner else None
-    shape = state.planned if state is not None else None
-    if shape is None:
+    state = runtime.runners.of(runner)
+    if state is None or state.planned is None:
         return None
+    return _decided_serial(runtime, state, kwargs)
+
+
+def _decided_serial(runtime: OverlapRuntime, state: RunnerState, kwargs: Kwargs) -> TimedBucket | None:
+    """:func:`decided_serial_bucket` for a runner whose state has a planned shape."""
+    shape = state.planned
+    assert shape is not None
     try:
         if kwargs.get("is_graph_capturing") or shape.backend.is_capturing():
             return None
         dp_metadata_list = kwargs["dp_metadata_list"]
-        tokens = camp2p.max_stage_tokens(dp_metadata_list)
+        # camp2p.max_stage_tokens(dp_metadata_list), inline for the metadata
+        # that carries an int ``num_tokens`` (the emulation's)
+        tokens = 0
+        for meta in dp_metadata_list.values() if dp_metadata_list else ():
+            count = getattr(meta, "num_tokens", None)
+            if type(count) is not int:
+                tokens = camp2p.max_stage_tokens(dp_metadata_list)
+                break
+            if count > tokens:
+                tokens = count
         stages = len(dp_metadata_list) if dp_metadata_list else 1  # camp2p.stage_count, inline
     except Exception:  # noqa: BLE001 - the planned path gives the reason
         return None
