@@ -525,6 +525,7 @@ def test_a_kept_decided_serial_bucket_counts_only_its_own_steps(monkeypatch: pyt
     unplanned; a step of another bucket, or under a new adaptive engage, is
     planned and counted in its own."""
     from camp2p_overlap.core.overlap import step as wrappers
+    from camp2p_overlap.emulation import device as dev
 
     w = world(layers=2, stage_ids=(0, 1), tokens=16)
     learn = [Schedule(2, (0, 1), (8, 8), step=i + 1) for i in range(9)]
@@ -555,13 +556,33 @@ def test_a_kept_decided_serial_bucket_counts_only_its_own_steps(monkeypatch: pyt
     assert one((4, 4)) and steps_of(4) == 1 and steps_of(8) == eight + 2  # below the bucket: its own
     assert not one((8, 1)) and steps_of(8) == eight + 3
     assert one((8,)) and steps_of(8) == eight + 3  # one stage: another bucket
+    # A step nested in another wrapped step on this thread, and one while the
+    # current stream captures a graph, take the planned path.
+    gate = PATCH_LAYER.engine.gate
+
+    def nested() -> None:
+        assert gate.enter() == 1  # this thread is inside a step
+        try:
+            run_step(w, Schedule(2, (0, 1), (8, 8), step=99))
+        finally:
+            gate.exit()
+
+    before = len(planned)
+    bounded(nested)
+    assert len(planned) == before + 1
+    state = PATCH_LAYER.runtime.runners.of(w.runner)
+    assert state is not None
+    kwargs = {"dp_metadata_list": Schedule(2, (0, 1), (8, 8), step=99).dp()}
+    assert wrappers._decided_serial(PATCH_LAYER.runtime, state, kwargs) is not None
+    with dev.graph(dev.Graph(), stream=dev.Stream()):
+        assert wrappers._decided_serial(PATCH_LAYER.runtime, state, kwargs) is None
+    eight = steps_of(8)
     # The runner's next planned step had one layer (a probe's, say): an
     # 8-token step is then of another bucket, though the kept one matches it.
-    assert not one((8, 8)) and steps_of(8) == eight + 4
-    state = PATCH_LAYER.runtime.runners.of(w.runner)
-    assert state is not None and state.planned is not None and state.serial_pass is not None
+    assert not one((8, 8)) and steps_of(8) == eight + 1
+    assert state.planned is not None and state.serial_pass is not None
     state.planned = replace(state.planned, layers=1)
-    assert one((8, 8), layers=1) and steps_of(8) == eight + 4
+    assert one((8, 8), layers=1) and steps_of(8) == eight + 1
     PATCH_LAYER.runtime.adaptive = _SerialWins()  # a new adaptive engage has no decision
     assert one((8, 8)) and steps_of(8) == 1
 

@@ -76,6 +76,12 @@ class Passed(enum.IntEnum):
     UNTIMED = 2
 
 
+#: The members as module globals, which :meth:`AdaptiveEngage.pass_serial_bucket`
+#: returns on every decided-serial step (an enum class's attribute costs a
+#: lookup through its metaclass).
+_NO, _TIMED, _UNTIMED = Passed.NO, Passed.TIMED, Passed.UNTIMED
+
+
 class BucketKey(NamedTuple):
     """A runner and a step shape: steps of one bucket take comparable time.
 
@@ -201,14 +207,14 @@ class AdaptiveEngage:
         try:
             # _probe_due(b, cfg), inline
             if b.decision != "serial" or b.probes_left > 0 or b.since_probe + 1 >= cfg.reprobe_every * b.backoff:
-                return Passed.NO
+                return _NO
             b.steps += 1
             since = b.since_probe = b.since_probe + 1
             b.issued["serial"] += 1
         finally:
             lock.release()
         every = cfg.serial_time_every
-        return Passed.TIMED if since % every == 1 % every else Passed.UNTIMED
+        return _TIMED if since % every == 1 % every else _UNTIMED
 
     def record(self, key: BucketKey, path: Path, seconds: float) -> None:
         """The measured time of one step of ``key`` that ran ``path``."""

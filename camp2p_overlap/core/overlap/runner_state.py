@@ -40,11 +40,16 @@ class NotWeaklyReferenceable(TypeError):
 class PlannedShape:
     """What a runner's last planned adaptive step showed that its next
     decided-serial steps reuse without planning: the runner's name in bucket
-    keys, its layer count and its stream backend (for the step timing)."""
+    keys, its layer count and its stream backend (for the step timing), and
+    the backend's capture check (:meth:`StreamBackend.capture_check`)."""
 
     runner: str
     layers: int
     backend: StreamBackend
+    capturing: Callable[[], Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capturing", self.backend.capture_check())
 
 
 class SerialPass(NamedTuple):

@@ -115,6 +115,9 @@ class TimedBucket(NamedTuple):
 #: What :meth:`FfnStep.decided_serial_bucket` gives for a decided-serial
 #: step that is not timed (seven in eight: ``AdaptiveSettings.serial_time_every``).
 _UNTIMED: TimedBucket = _named_tuple_of(TimedBucket, (None, None, None, False))
+#: ``Passed.UNTIMED``, read as a module global (an enum class's attribute
+#: costs a lookup through its metaclass on every step).
+_PASSED_UNTIMED = Passed.UNTIMED
 
 
 def run_step(
@@ -126,17 +129,21 @@ def run_step(
     if _trace._active is not None:  # a recorder: the step traces its serial path too (current_recorder(), inline)
         return FfnStep(engine, runtime, wrapped, runner, args, kwargs).run()
     gate = engine.gate
-    if not gate.enter():
+    depth = gate.enter()
+    if not depth:
         step = FfnStep(engine, runtime, wrapped, runner, args, kwargs)
         step.count_serial(NOT_APPLIED)
         return step.run_original()
     try:
         # decided_serial_bucket(), inline: a decided-serial step runs fewer
-        # frames of ours (each costs far more than its instructions on a host
-        # that comes back to the step from a wait, its caches cold)
+        # frames of ours and touches fewer objects (each costs far more than
+        # its instructions on a host that comes back to the step from a wait,
+        # its caches cold). A step nested in another (depth > 1: inside an
+        # engaged step's session, say) takes the planned path, which refuses
+        # a re-entrant one (runtime.local.session is read there, not here).
         decided = None
         cfg = engine.config
-        if cfg.adaptive and cfg.enabled and cfg.mode == "overlap" and runtime.local.session is None:
+        if depth == 1 and cfg.adaptive and cfg.enabled and cfg.mode == "overlap":
             entry = runtime.runners._states.get(id(runner))  # runtime.runners.of(runner), inline
             state = entry[1] if entry is not None and entry[0]() is runner else None
             if state is not None and state.planned is not None:
@@ -177,7 +184,7 @@ def _decided_serial(runtime: OverlapRuntime, state: RunnerState, kwargs: Kwargs)
     shape = state.planned
     assert shape is not None
     try:
-        if kwargs.get("is_graph_capturing") or shape.backend.is_capturing():
+        if kwargs.get("is_graph_capturing") or shape.capturing():  # shape.backend.is_capturing(), one frame less
             return None
         dp_metadata_list = kwargs["dp_metadata_list"]
         # camp2p.max_stage_tokens(dp_metadata_list), inline for the metadata
@@ -208,7 +215,7 @@ def _decided_serial(runtime: OverlapRuntime, state: RunnerState, kwargs: Kwargs)
     # The re-probe interval was synced on the planned step before (the
     # engine's configuration does not change while it is applied).
     passed = adaptive.pass_serial_bucket(kept.bucket)
-    if passed is Passed.UNTIMED:
+    if passed is _PASSED_UNTIMED:
         return _UNTIMED
     return _named_tuple_of(TimedBucket, (kept.key, shape.backend, state, True)) if passed else None
 

@@ -48,17 +48,20 @@ class StepGate:
     # so either the step sees the drain (and counts itself out again) or the
     # drain sees the step (and waits for it): never neither. A step counting
     # itself out while a drain waits takes the lock to wake it.
-    def enter(self) -> bool:
-        """Count a step in if the gate is open and not draining."""
+    def enter(self) -> int:
+        """Count a step in if the gate is open and not draining: how many
+        steps this thread is inside now, this one included (1: not nested
+        in another), or 0 when it is not counted in."""
         steps = self._steps
         steps.append(None)
         if not self._open or self._drainers:
             steps.pop()
             if self._drainers:
                 self._wake_drain()
-            return False
-        self._here.n += 1
-        return True
+            return 0
+        here = self._here
+        depth = here.n = here.n + 1
+        return depth
 
     def exit(self) -> None:
         """Count a step out (paired with an :meth:`enter` that returned True)."""

@@ -221,6 +221,12 @@ class StreamBackend(abc.ABC):
     def is_capturing(self) -> bool:
         """Whether the current stream is capturing a graph."""
 
+    def capture_check(self) -> Callable[[], Any]:
+        """A callable whose truth is :meth:`is_capturing`'s, for a caller
+        that asks on every step (the decided-serial fast path): the device
+        module's own function where there is one (one frame less)."""
+        return self.is_capturing
+
     def begin_step(self, streams: list[Stream]) -> None:  # noqa: B027 - optional hook
         """Called when a session opens (CPU: clear sticky errors)."""
 

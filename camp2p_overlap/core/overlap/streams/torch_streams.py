@@ -146,6 +146,12 @@ class TorchStreamBackend(StreamBackend):
         fn = getattr(self.mod, "is_current_stream_capturing", None)
         return bool(fn()) if fn is not None else False
 
+    def capture_check(self) -> Callable[[], Any]:
+        if type(self).is_capturing is not TorchStreamBackend.is_capturing:
+            return self.is_capturing  # a subclass's own answer
+        fn = getattr(self.mod, "is_current_stream_capturing", None)
+        return fn if fn is not None else _never
+
     def synchronize(self, stream: Any) -> None:
         stream.synchronize()
 
@@ -231,6 +237,10 @@ _RECORD = TorchStreamBackend.record
 _WAIT = TorchStreamBackend.wait
 _SCOPE = TorchStreamBackend.scope
 _SUBMIT_HERE = TorchStreamBackend.submit_here
+
+
+def _never() -> bool:
+    return False
 
 
 def _name(obj: Any, name: Any, attr: str = "name") -> None:
