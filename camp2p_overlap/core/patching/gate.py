@@ -64,7 +64,7 @@ class StepGate:
         return depth
 
     def exit(self) -> None:
-        """Count a step out (paired with an :meth:`enter` that returned True)."""
+        """Count a step out (paired with an :meth:`enter` that counted it in)."""
         self._here.n -= 1
         self._steps.pop()
         if self._drainers:  # only a drain waits on it
