@@ -573,9 +573,10 @@ def test_a_kept_decided_serial_bucket_counts_only_its_own_steps(monkeypatch: pyt
     state = PATCH_LAYER.runtime.runners.of(w.runner)
     assert state is not None
     kwargs = {"dp_metadata_list": Schedule(2, (0, 1), (8, 8), step=99).dp()}
-    assert wrappers._decided_serial(PATCH_LAYER.runtime, state, kwargs) is not None
+    engine, runtime = PATCH_LAYER.engine, PATCH_LAYER.runtime
+    assert wrappers.decided_serial_bucket(engine, runtime, w.runner, kwargs, 1) is not None
     with dev.graph(dev.Graph(), stream=dev.Stream()):
-        assert wrappers._decided_serial(PATCH_LAYER.runtime, state, kwargs) is None
+        assert wrappers.decided_serial_bucket(engine, runtime, w.runner, kwargs, 1) is None
     eight = steps_of(8)
     # The runner's next planned step had one layer (a probe's, say): an
     # 8-token step is then of another bucket, though the kept one matches it.

@@ -37,7 +37,7 @@ from camp2p_overlap.core.log import log_once
 from camp2p_overlap.core.observe import trace as _trace
 from camp2p_overlap.core.observe.trace import TraceOp, TraceRecorder, current_recorder
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Passed
+from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Passed, pow2_ceil
 from camp2p_overlap.core.overlap.capture_guard import GUARD
 from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes, RouterFactory
 from camp2p_overlap.core.overlap.decision import GRAPH_OFF, GRAPH_SERIAL_VARIANT, Decision, decide, serial, streams_for
@@ -135,19 +135,7 @@ def run_step(
         step.count_serial(NOT_APPLIED)
         return step.run_original()
     try:
-        # decided_serial_bucket(), inline: a decided-serial step runs fewer
-        # frames of ours and touches fewer objects (each costs far more than
-        # its instructions on a host that comes back to the step from a wait,
-        # its caches cold). A step nested in another (depth > 1: inside an
-        # engaged step's session, say) takes the planned path, which refuses
-        # a re-entrant one (runtime.local.session is read there, not here).
-        decided = None
-        cfg = engine.config
-        if depth == 1 and cfg.adaptive and cfg.enabled and cfg.mode == "overlap":
-            entry = runtime.runners._states.get(id(runner))  # runtime.runners.of(runner), inline
-            state = entry[1] if entry is not None and entry[0]() is runner else None
-            if state is not None and state.planned is not None:
-                decided = _decided_serial(runtime, state, kwargs)
+        decided = decided_serial_bucket(engine, runtime, runner, kwargs, depth)
         if decided is None:
             return FfnStep(engine, runtime, wrapped, runner, args, kwargs).run_planned()
         runtime.counters.serial(SERIAL_FASTER)
@@ -159,7 +147,7 @@ def run_step(
 
 
 def decided_serial_bucket(
-    engine: PatchEngine, runtime: OverlapRuntime, runner: Any, kwargs: Kwargs
+    engine: PatchEngine, runtime: OverlapRuntime, runner: Any, kwargs: Kwargs, depth: int
 ) -> TimedBucket | None:
     """The bucket, when this step belongs to one that adaptive engage
     decided runs serially and it is not a probe: the step then runs the
@@ -167,36 +155,24 @@ def decided_serial_bucket(
     set), as the planned path would have run it; :data:`_UNTIMED` for
     such a step that is not timed (no bucket is made for it). The bucket
     comes from the runner's last planned step (its layer count) and this
-    step's stages and tokens; a probe, a capture, a re-entrant call, or
-    a runner not planned yet takes the planned path. Never raises: None
-    whenever unsure. (:func:`run_step` runs it inline.)"""
+    step's stages and tokens; a probe, a capture, a runner not planned yet,
+    or a step nested in another on this thread (``depth``, the gate's count
+    of the thread's steps, above 1: inside an engaged step's session, say)
+    takes the planned path, which refuses a re-entrant one. Never raises:
+    None whenever unsure."""
     cfg = engine.config
-    if not (cfg.adaptive and cfg.enabled and cfg.mode == "overlap") or runtime.local.session is not None:
+    if depth != 1 or not (cfg.adaptive and cfg.enabled and cfg.mode == "overlap"):
         return None
-    state = runtime.runners.of(runner)
-    if state is None or state.planned is None:
+    entry = runtime.runners._states.get(id(runner))  # runtime.runners.of(runner), inline
+    state = entry[1] if entry is not None and entry[0]() is runner else None
+    shape = state.planned if state is not None else None
+    if shape is None:
         return None
-    return _decided_serial(runtime, state, kwargs)
-
-
-def _decided_serial(runtime: OverlapRuntime, state: RunnerState, kwargs: Kwargs) -> TimedBucket | None:
-    """:func:`decided_serial_bucket` for a runner whose state has a planned shape."""
-    shape = state.planned
-    assert shape is not None
     try:
         if kwargs.get("is_graph_capturing") or shape.capturing():  # shape.backend.is_capturing(), one frame less
             return None
         dp_metadata_list = kwargs["dp_metadata_list"]
-        # camp2p.max_stage_tokens(dp_metadata_list), inline for the metadata
-        # that carries an int ``num_tokens`` (the emulation's)
-        tokens = 0
-        for meta in dp_metadata_list.values() if dp_metadata_list else ():
-            count = getattr(meta, "num_tokens", None)
-            if type(count) is not int:
-                tokens = camp2p.max_stage_tokens(dp_metadata_list)
-                break
-            if count > tokens:
-                tokens = count
+        tokens = camp2p.max_stage_tokens(dp_metadata_list)
         stages = len(dp_metadata_list) if dp_metadata_list else 1  # camp2p.stage_count, inline
     except Exception:  # noqa: BLE001 - the planned path gives the reason
         return None
@@ -227,8 +203,8 @@ def _keep_serial_pass(
     tokens (at most, per stage), kept on its state so that the next steps
     of that bucket build no key and look nothing up; None when adaptive
     engage has no such bucket yet (the planned path makes it)."""
-    rounded = 0 if tokens <= 0 else 1 << (tokens - 1).bit_length()  # pow2_ceil, inline
-    key = _named_tuple_of(BucketKey, (shape.runner, stages, shape.layers, rounded))
+    rounded = pow2_ceil(tokens)
+    key = BucketKey(shape.runner, stages, shape.layers, rounded)
     bucket = adaptive.bucket(key)
     if bucket is None:
         return None
@@ -282,12 +258,13 @@ class FfnStep:
     def run(self) -> Any:
         recorder = self.recorder = current_recorder()
         gate = self.engine.gate
-        if not gate.enter():
+        depth = gate.enter()
+        if not depth:
             self.count_serial(NOT_APPLIED)
             return self.run_original()
         try:
             if recorder is None:  # 2., here too: a decided-serial step makes nothing more
-                decided = decided_serial_bucket(self.engine, self.runtime, self.runner, self.kwargs)
+                decided = decided_serial_bucket(self.engine, self.runtime, self.runner, self.kwargs, depth)
                 if decided is not None:
                     if decided is _UNTIMED:
                         self.runtime.counters.serial(SERIAL_FASTER)
