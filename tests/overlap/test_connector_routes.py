@@ -221,6 +221,6 @@ def test_a_connector_that_cannot_be_routed_is_a_serial_reason_and_a_plain_one_en
 def test_a_serial_trace_routes_the_same_keys_as_an_engaged_step() -> None:
     """A manifest's ``route`` target names one router key; the session's and
     the serial trace's routers are kept apart and must serve the same keys."""
-    from camp2p_overlap.core.overlap.step import ROUTERS
+    from camp2p_overlap.core.overlap.session_routers import ROUTERS
 
     assert set(ROUTERS) == set(TRACE_ROUTERS) == {"recv_attn_output", "send_ffn_output"}

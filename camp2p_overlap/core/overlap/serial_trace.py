@@ -8,7 +8,7 @@ observe room may not import (the rooms contract in ``pyproject.toml``).
 
 While it runs, the connector instance's ``route`` targets are routed to the
 step's trace (:data:`TRACE_ROUTERS`, the same keys as the session routers
-of ``step.ROUTERS``): each A2E and E2A becomes a tracked op of the device
+of ``session_routers.ROUTERS``): each A2E and E2A becomes a tracked op of the device
 registered for the ``cpu`` backend (or a host-timed one where none is
 registered), the FFN the span from a receive to its send; and the stream
 log of that device, where it keeps one, is the trace's evidence.
@@ -147,7 +147,7 @@ def _traced_send(recorder: TraceRecorder) -> RouterFactory:
 
 
 #: The trace routers of the ``route`` targets, by the same keys as the
-#: session routers (``step.ROUTERS``).
+#: session routers (``session_routers.ROUTERS``).
 TRACE_ROUTERS: dict[str, Callable[[TraceRecorder], RouterFactory]] = {
     "recv_attn_output": _traced_recv,
     "send_ffn_output": _traced_send,

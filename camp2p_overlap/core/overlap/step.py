@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from threading import get_ident
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from camp2p_overlap.core.keys import COMPUTE_STREAM
@@ -46,6 +45,7 @@ from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, Pla
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
 from camp2p_overlap.core.overlap.serial_trace import run_traced_serial
 from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.overlap.session_routers import ROUTERS
 from camp2p_overlap.core.overlap.streams import BackendUnavailable
 from camp2p_overlap.core.overlap.streams.base import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
@@ -72,14 +72,14 @@ def make_wrappers(engine: PatchEngine, *, runtime: OverlapRuntime) -> dict[str, 
     wrapper, and the routers that ``route`` targets name (each a
     :class:`Routers` pair; nothing of them is installed on a class)."""
 
-    def ffn_forward(wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
-        return run_step(engine, runtime, wrapped, instance, args, kwargs)  # the module's, read at each call
-
     capture = GraphCapture(engine, runtime, bucket_of)
 
     def capture_graphs(wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
         return capture(wrapped, instance, args, kwargs)
 
+    # run_step itself, bound to the engine and runtime (a partial: no frame of
+    # ours between wrapt's call and the step)
+    ffn_forward = partial(run_step, engine, runtime)
     setattr(ffn_forward, MARK, True)
     setattr(capture_graphs, MARK, True)
     wrapper: Wrapper = ffn_forward
@@ -436,46 +436,3 @@ class FfnStep:
         if recorder is None:
             return self.wrapped(*self.args, **self.kwargs)
         return run_traced_serial(recorder, self.engine, self.runner, lambda: self.wrapped(*self.args, **self.kwargs))
-
-
-# ---------------------------------------------------------------------------
-# router factories: each binds what it routes to, and serves only the thread
-# that installed it (get_ident() is compared on every call). A factory is
-# ``partial(router_of, session)``: ``ROUTERS[key](session)`` builds it, and
-# calling it builds the router, with no frame of ours but the router maker's.
-def _session_recv(session: OverlapSession, callee: Wrapped, thread: int) -> Wrapped:
-    recv = session.recv
-    parse = camp2p.recv_kwargs
-
-    def recv_attn_output(*args: Any, **kwargs: Any) -> Any:
-        if get_ident() != thread:
-            return callee(*args, **kwargs)
-        # the session calls callee(**kw): the same call (ubatch_idx by name);
-        # upstream's call names every argument, and kwargs is this call's own dict
-        return recv(callee, kwargs if not args and "ubatch_idx" in kwargs else parse(args, kwargs))
-
-    return recv_attn_output
-
-
-def _session_send(session: OverlapSession, callee: Wrapped, thread: int) -> Wrapped:
-    send = session.send
-    parts, stage_of = camp2p.send_parts, camp2p.send_stage
-
-    def send_ffn_output(*args: Any, **kwargs: Any) -> Any:
-        if get_ident() != thread:
-            return callee(*args, **kwargs)
-        # upstream's call, send_ffn_output(output, context, ubatch_idx=s), read inline
-        output, context = (args[0], args[1]) if len(args) >= 2 else parts(args, kwargs)
-        stage = int(kwargs["ubatch_idx"]) if "ubatch_idx" in kwargs else stage_of(context, kwargs)
-        return send(partial(callee, *args, **kwargs), output, context, stage)
-
-    return send_ffn_output
-
-
-#: The routers a manifest's ``route`` target may name, by key: each binds
-#: the connector's method, for one engaged step, to its session (a serial
-#: step's trace routes the same keys: ``serial_trace.TRACE_ROUTERS``).
-ROUTERS: dict[str, Callable[[OverlapSession], RouterFactory]] = {
-    "recv_attn_output": partial(partial, _session_recv),
-    "send_ffn_output": partial(partial, _session_send),
-}
