@@ -224,3 +224,29 @@ def test_a_serial_trace_routes_the_same_keys_as_an_engaged_step() -> None:
     from camp2p_overlap.core.overlap.session_routers import ROUTERS
 
     assert set(ROUTERS) == set(TRACE_ROUTERS) == {"recv_attn_output", "send_ffn_output"}
+
+
+def _holds_a_dict(obj: Any, attribute: str) -> bool:
+    """Whether ``obj``'s attributes sit in a dict object (one holding
+    ``attribute``) rather than inline in the object, read through the
+    garbage collector so that the reading builds no dict itself."""
+    import gc
+
+    return any(type(r) is dict and attribute in r for r in gc.get_referents(obj))
+
+
+def test_routing_leaves_the_instance_attributes_inline(applied: None) -> None:
+    """CPython 3.11+ keeps an instance's attributes inline until something
+    asks for its ``__dict__``; from then on every attribute read of it (the
+    connector's methods read many per (layer, stage)) is slower, for the rest
+    of the process. Engaged steps (routes set and taken away) and planned
+    steps (the route check) must not ask for it."""
+    w = world(layers=2, stage_ids=(0, 1))
+    if _holds_a_dict(w.connector, "transport"):
+        pytest.skip(f"this Python ({sys.version.split()[0]}) keeps instance attributes in a dict from the start")
+    apply_cpu()
+    for _ in range(3):
+        run_step(w)
+    assert PATCH_LAYER.runtime.counters.to_dict()["steps"]["overlap"] >= 1
+    assert not _holds_a_dict(w.connector, "transport")
+    assert not [name for name in ROUTED if is_router(getattr(w.connector, name))]

@@ -49,15 +49,13 @@ def route_problem(instance: Any, attributes: Iterable[str]) -> str | None:
     None: it needs an instance ``__dict__``, no data descriptor of that name
     on its class (it would win over the instance attribute), and no route
     of another thread's step already in place."""
-    try:
-        slots = vars(instance)
-    except TypeError:
-        return f"connector {type(instance).__name__} has no instance __dict__ to route its calls through"
+    cls = type(instance)
+    if not cls.__dictoffset__:  # read off the class: vars(instance) would build the instance's dict
+        return f"connector {cls.__name__} has no instance __dict__ to route its calls through"
     attributes = tuple(attributes)
     for attribute in attributes:
-        if getattr(slots.get(attribute), ROUTER_MARK, False) is True:  # is_router(), inline
+        if getattr(getattr(instance, attribute, None), ROUTER_MARK, False) is True:  # is_router(), inline
             return "the connector's calls are routed to a step on another thread"
-    cls = type(instance)
     key = (cls, attributes)
     if key in _ROUTABLE:
         return None
@@ -90,6 +88,41 @@ def _class_attribute(cls: type, attribute: str) -> Any:
     return None
 
 
+# The instance's own attributes are read, set and deleted without
+# ``vars(instance)``: on CPython 3.11 and later an instance keeps its
+# attributes inline until something asks for its ``__dict__``, and from then
+# on every attribute read of that instance (upstream's connector methods
+# read many, on every (layer, stage)) takes the slower dictionary path for
+# the rest of the process. Setting and deleting through ``object`` keeps
+# them inline, and bypasses a ``__setattr__`` of the class as writing the
+# dict did (a data descriptor of that name is refused before: route_problem).
+_set_on_instance = object.__setattr__
+_delete_on_instance = object.__delattr__
+
+
+def _own_attribute(instance: Any, cls: type, attribute: str, found: Any) -> Any:
+    """What ``instance`` holds of its own under ``attribute`` (``found``,
+    what it resolves the name to now), or :data:`_MISSING` when ``found`` is
+    its class's attribute (bound to it). The class's is told from its own by
+    value: a bound method equals another binding of the same function to the
+    same instance. An instance that holds such a binding of its class's
+    method as its own is taken as holding nothing: the route then deletes
+    it, and the instance resolves the name to the same method again."""
+    held = _class_attribute(cls, attribute)
+    if held is None:
+        return found
+    if found is held:
+        return _MISSING
+    get = getattr(type(held), "__get__", None)
+    if get is None:
+        return found
+    try:
+        same = found == get(held, instance, cls)
+    except Exception:  # noqa: BLE001 - an odd __eq__ or __get__: the value is kept as the instance's
+        return found
+    return _MISSING if same is True else found
+
+
 class ConnectorRoutes:
     """The routers of one step on one connector instance. :meth:`install`
     sets them (all or none), :meth:`remove` takes them away exactly."""
@@ -112,16 +145,17 @@ class ConnectorRoutes:
             problem = route_problem(instance, [attribute for attribute, _ in routers])
             if problem is not None:
                 return problem
-        slots = vars(instance)
         thread = threading.get_ident()
+        cls = type(instance)
         for attribute, make in routers:
-            before = slots.get(attribute, _MISSING)
-            if checked and getattr(before, ROUTER_MARK, False) is True:  # is_router(before), inline
+            callee = getattr(instance, attribute)
+            if checked and getattr(callee, ROUTER_MARK, False) is True:  # is_router(callee), inline
                 self.remove()
                 return "the connector's calls are routed to a step on another thread"
-            router = make(getattr(instance, attribute), thread)
+            before = _own_attribute(instance, cls, attribute, callee)
+            router = make(callee, thread)
             setattr(router, ROUTER_MARK, True)
-            slots[attribute] = router
+            _set_on_instance(instance, attribute, router)
             self._set.append((attribute, router, before))
             if getattr(instance, attribute) is not router:  # e.g. a __getattribute__ of its own
                 self.remove()
@@ -131,10 +165,10 @@ class ConnectorRoutes:
     def remove(self) -> None:
         """Put back what the instance held, newest first. A route that
         someone replaced during the step is left as they set it."""
-        slots = vars(self._instance) if self._set else {}
+        instance = self._instance
         while self._set:
             attribute, router, before = self._set.pop()
-            if slots.get(attribute) is not router:
+            if getattr(instance, attribute, None) is not router:
                 log_once(
                     logging.WARNING,
                     f"route-replaced:{attribute}",
@@ -143,6 +177,6 @@ class ConnectorRoutes:
                 )
                 continue
             if before is _MISSING:
-                del slots[attribute]
+                _delete_on_instance(instance, attribute)
             else:
-                slots[attribute] = before
+                _set_on_instance(instance, attribute, before)
