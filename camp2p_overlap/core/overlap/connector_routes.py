@@ -4,7 +4,7 @@ that step's duration and on that step's thread only.
 The manifest's ``route`` targets (the CAMP2P connector's receive and send)
 are signature-checked at import, and nothing of ours is installed on their
 class. An engaged step (or a serial step while a trace recorder is active)
-sets one router per route target in the connector *instance's* ``__dict__``
+sets one router per route target as an attribute of the connector *instance*
 and removes it before the step returns or raises:
 
 * between steps a connector call is upstream's method, with no frame of
@@ -131,7 +131,7 @@ class ConnectorRoutes:
 
     def __init__(self, instance: Any) -> None:
         self._instance = instance
-        #: (attribute, our router, what the instance's __dict__ held before or _MISSING)
+        #: (attribute, our router, what the instance held of its own before, or _MISSING)
         self._set: list[tuple[str, Any, Any]] = []
 
     def install(self, routers: Sequence[tuple[str, RouterFactory]], *, checked: bool = False) -> str | None:
