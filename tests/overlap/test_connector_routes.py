@@ -7,6 +7,7 @@ on any class or instance, also after a step that raised."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 from collections.abc import Iterator
@@ -230,8 +231,6 @@ def _holds_a_dict(obj: Any, attribute: str) -> bool:
     """Whether ``obj``'s attributes sit in a dict object (one holding
     ``attribute``) rather than inline in the object, read through the
     garbage collector so that the reading builds no dict itself."""
-    import gc
-
     return any(type(r) is dict and attribute in r for r in gc.get_referents(obj))
 
 

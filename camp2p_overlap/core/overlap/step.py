@@ -68,9 +68,10 @@ NO_STREAMS_IN_CAPTURE = (
 
 
 def make_wrappers(engine: PatchEngine, *, runtime: OverlapRuntime) -> dict[str, Any]:
-    """What ``engine`` installs, by manifest key: the ``ffn_forward``
-    wrapper, and the routers that ``route`` targets name (each a
-    :class:`Routers` pair; nothing of them is installed on a class)."""
+    """What ``engine`` installs, by manifest key: the ``ffn_forward`` and
+    ``capture_graphs`` wrappers, and the router factories that ``route``
+    targets name (``session_routers.ROUTERS``; nothing of them is installed
+    on a class)."""
 
     capture = GraphCapture(engine, runtime, bucket_of)
 
