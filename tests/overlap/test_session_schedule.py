@@ -34,7 +34,7 @@ from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.plan import Directions, StepPlan
-from camp2p_overlap.core.overlap.session import OverlapSession, ScheduleMismatchError
+from camp2p_overlap.core.overlap.session import OverlapSession, ScheduleMismatchError, steady_slots
 from camp2p_overlap.core.overlap.streams import make_backend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.core.patch_layer import PatchLayer
@@ -317,38 +317,76 @@ def _fake_connector() -> tuple[Any, Any, list[tuple[str, int, int]]]:
 def test_ownership_inside_the_step(direction: str) -> None:
     """A2E outputs are released once K_s has waited their FFN's f_done
     (at the send); FFN outputs are held until C has waited an event that K_s
-    recorded after their E2A (the next receive of the stage), no longer."""
+    recorded after their E2A (the next receive of the stage), no longer. Two
+    steps on one stream set: the first records the plan's events through the
+    backend, the second (with both directions on the side streams) takes the
+    steady path's slots."""
     a2e, e2a = DIRECTIONS[direction]
     recv, send, _ = _fake_connector()
     sset = StreamSet(make_backend("cpu"), [0, 1])
     layers, stages = (0, 1, 2), (0, 1)
+    plan = StepPlan(layers, stages, {"max_num_tokens": 4})
     try:
-        session = OverlapSession(
-            connector=object(),
-            plan=StepPlan(layers, stages, {"max_num_tokens": 4}),
-            streamset=sset,
-            directions=Directions(a2e, e2a),
-            context_of=camp2p.context_of,
-        )
-        held_out: dict[int, weakref.ref[Any]] = {}
-        for L in layers:
-            for s in stages:
-                p = session.recv(recv, {"ubatch_idx": s, "layer_idx": L, "max_num_tokens": 4})
-                if s in held_out:  # (plain reference counting: no gc pass needed)
-                    assert held_out.pop(s)() is None, "FFN output held past the next receive of its stage"
-                hidden = weakref.ref(p.hidden_states)
-                out = p.hidden_states * 2.0
-                session.send(lambda o=out, c=p.context, s=s: send(o, c, ubatch_idx=s), out, p.context, s)
-                wo = weakref.ref(out)
-                del p, out
-                if L != layers[-1] or e2a:
-                    assert hidden() is None, f"A2E output of ({L}, {s}) held after its send"
-                if e2a:
-                    assert wo() is not None, f"FFN output of ({L}, {s}) freed while its E2A may read it"
-                    held_out[s] = wo
-        session.close()
-        gc.collect()
-        assert all(r() is None for r in held_out.values())
+        for step in range(2):
+            session = OverlapSession(
+                connector=object(),
+                plan=plan,
+                streamset=sset,
+                directions=Directions(a2e, e2a),
+                context_of=camp2p.context_of,
+            )
+            assert (session._send_slots is not None) == (step == 1 and a2e and e2a)
+            held_out: dict[int, weakref.ref[Any]] = {}
+            for L in layers:
+                for s in stages:
+                    p = session.recv(recv, {"ubatch_idx": s, "layer_idx": L, "max_num_tokens": 4})
+                    if s in held_out:  # (plain reference counting: no gc pass needed)
+                        assert held_out.pop(s)() is None, "FFN output held past the next receive of its stage"
+                    hidden = weakref.ref(p.hidden_states)
+                    out = p.hidden_states * 2.0
+                    session.send(lambda o=out, c=p.context, s=s: send(o, c, ubatch_idx=s), out, p.context, s)
+                    wo = weakref.ref(out)
+                    del p, out
+                    if L != layers[-1] or e2a:
+                        assert hidden() is None, f"A2E output of ({L}, {s}) held after its send"
+                    if e2a:
+                        assert wo() is not None, f"FFN output of ({L}, {s}) freed while its E2A may read it"
+                        held_out[s] = wo
+            session.close()
+            gc.collect()
+            assert all(r() is None for r in held_out.values())
+    finally:
+        sset.close()
+
+
+def test_the_steady_slots_name_the_pooled_events_once_every_one_is_made() -> None:
+    """A plan's steady-path slots are gathered only once the backend's pool
+    holds every event of the plan (none is made for them: that may be inside
+    a capture), name those very events and the stage's side stream, are kept
+    per plan on the stream set, and give each (layer, stage) its lookahead."""
+    sset = StreamSet(make_backend("cpu"), [0, 1])
+    plan = StepPlan((0, 1), (0, 1), {"max_num_tokens": 4})
+    pool = sset.backend.direct_events()
+    try:
+        assert pool is not None
+        assert steady_slots(sset, plan, pool) is None and not sset.session_slots
+        for key in plan.event_keys()[:-1]:  # all but the last (layer, stage)'s e_done_c
+            sset.backend.reserve([key])
+        slots = steady_slots(sset, plan, pool)
+        assert slots is not None
+        recv, send = slots
+        assert [k for k, _, _ in recv] == list(plan.sequence)
+        L, s, k, f_key, f_done, e_key, e_done, _, ahead, ahead_kw, a_key, a_done, _ = send[(0, 1)]
+        assert (L, s, k) == (0, 1, sset.streams[1])
+        assert f_done is pool[f_key] and e_done is pool[e_key] and a_done is pool[a_key]
+        assert ahead == (1, 1) and ahead_kw == plan.recv_kw[(1, 1)] and a_key == plan.keys[(1, 1)].a_done
+        assert send[(1, 0)][8:12] == (None, None, None, None)  # the last layer: no lookahead
+        assert steady_slots(sset, plan, pool) is slots  # kept: not gathered again
+        # an equal plan, not the same one, under a kept entry of its id (as
+        # when a plan dies and a new one gets its id): gathered for it afresh
+        other = StepPlan((0, 1), (0, 1), {"max_num_tokens": 4})
+        sset.session_slots[id(other)] = (plan, slots)
+        assert steady_slots(sset, other, pool) is not slots
     finally:
         sset.close()
 

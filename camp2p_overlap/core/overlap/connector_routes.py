@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from types import MethodType
 from typing import Any
 
 from camp2p_overlap.core.log import log_once
@@ -152,7 +153,14 @@ class ConnectorRoutes:
             if checked and getattr(callee, ROUTER_MARK, False) is True:  # is_router(callee), inline
                 self.remove()
                 return "the connector's calls are routed to a step on another thread"
-            before = _own_attribute(instance, cls, attribute, callee)
+            if (
+                type(callee) is MethodType
+                and callee.__self__ is instance
+                and getattr(cls, attribute, None) is callee.__func__
+            ):  # the common case: the class's plain function, bound to the instance
+                before = _MISSING
+            else:
+                before = _own_attribute(instance, cls, attribute, callee)
             router = make(callee, thread)
             setattr(router, ROUTER_MARK, True)
             _set_on_instance(instance, attribute, router)

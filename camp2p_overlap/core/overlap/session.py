@@ -113,6 +113,71 @@ _NO_SEQ: Any = iter(())
 _JOINS = {s: EventKey.join(s) for s in range(MAX_STAGES)}
 
 
+#: A receive's steady-path slot: its (layer, stage), its planned kwargs, and
+#: the key of its ``a_done``.
+RecvSlot = tuple[StageLayer, Mapping[str, Any], EventKey]
+#: A send's steady-path slot: layer, stage, K_s, ``f_done`` and ``e_done``
+#: (key and pooled event each), the E2A label, then the lookahead's (layer,
+#: stage) (None after the last layer), its receive kwargs, its ``a_done``
+#: (key and event) and its A2E label.
+SendSlot = tuple[Any, ...]
+#: How many plans' slots a stream set keeps (a runner sees a few shapes).
+MAX_SLOT_PLANS = 64
+
+
+def steady_slots(
+    streamset: StreamSet, plan: StepPlan, pool: Mapping[EventKey, Any] | None
+) -> tuple[tuple[RecvSlot, ...], dict[StageLayer, SendSlot]] | None:
+    """The steady path's slots of ``plan`` on ``streamset``, gathered once
+    per plan (kept on the stream set, whose streams they name) from the
+    backend's event ``pool``; None without a pool, or while an event of the
+    plan is not in it (none is made here: this may run inside a capture).
+    A pooled event is never replaced (``TorchStreamBackend.record`` only
+    adds), so kept slots stay right for the stream set's life."""
+    if pool is None:
+        return None
+    cache: dict[int, Any] | None = getattr(streamset, "session_slots", None)  # a view of one: gathered afresh
+    kept = cache.get(id(plan)) if cache is not None else None
+    if kept is not None and kept[0] is plan:
+        return kept[1]
+    streams, keys = streamset.streams, plan.keys
+    events: dict[EventKey, Any] = {}
+    for op_keys in keys.values():
+        for key in (op_keys.a_done, op_keys.f_done, op_keys.e_done):
+            ev = pool.get(key)
+            if ev is None:
+                return None
+            events[key] = ev
+    recv = tuple((key, plan.recv_kw[key], keys[key].a_done) for key in plan.sequence)
+    send: dict[StageLayer, SendSlot] = {}
+    for key in plan.sequence:
+        L, s = key
+        op, nxt = keys[key], plan.next_of[L]
+        ahead = (nxt, s) if nxt is not None else None
+        after = keys[ahead] if ahead is not None else None
+        send[key] = (
+            L,
+            s,
+            streams[s],
+            op.f_done,
+            events[op.f_done],
+            op.e_done,
+            events[op.e_done],
+            op.e2a_label,
+            ahead,
+            plan.recv_kw[ahead] if ahead is not None else None,
+            after.a_done if after is not None else None,
+            events[after.a_done] if after is not None else None,
+            after.a2e_label if after is not None else None,
+        )
+    made = (recv, send)
+    if cache is not None:
+        if len(cache) >= MAX_SLOT_PLANS:
+            cache.clear()
+        cache[id(plan)] = (plan, made)
+    return made
+
+
 def _issued(o: IssuedOp | tuple[Any, ...]) -> IssuedOp:
     """An entry of a session's op list as an :class:`IssuedOp` (a side-stream
     op is listed as a plain tuple of its fields, made into one when read)."""
@@ -174,6 +239,13 @@ class OverlapSession:
         self._scope = backend.direct_scope() if self._direct is not None else None
         #: And whether it runs an op submitted in scope itself (``direct_submit``).
         self._run_here = self._scope is not None and backend.direct_submit()
+        #: The steady path's per-(layer, stage) slots (:func:`steady_slots`):
+        #: a receive's and a send's keys, events and streams, gathered once
+        #: per plan and stream set; None off the steady path, or while an
+        #: event of the plan is not in the backend's pool yet (the first step
+        #: of a plan records them through the backend, on the general path).
+        slots = steady_slots(streamset, plan, self._direct) if self._scope is not None else None
+        self._recv_slots, self._send_slots = slots if slots is not None else (None, None)
 
         #: The index in ``self.order`` of the next expected receive.
         self.next_recv = 0
@@ -335,9 +407,10 @@ class OverlapSession:
         (used for prefetches); ``call`` runs the loop's call as it was made
         (default: ``fn(**kw)``). ``kw`` holds ``layer_idx`` and ``ubatch_idx``."""
         i = self.next_recv
-        if self._steady and not self.fallen_back and i < len(self.order):
-            key = self.order[i]
-            if kw == self.plan.recv_kw[key]:  # the planned receive (so its layer and stage too)
+        slots = self._recv_slots
+        if slots is not None and not self.fallen_back and i < len(slots):
+            key, planned_kw, a_key = slots[i]
+            if kw == planned_kw:  # the planned receive (so its layer and stage too)
                 # The steady path: the first receive forks and issues the
                 # prologue (as below); then C waits a_done (wait_event,
                 # inline), and the prefetched payload is handed over.
@@ -348,14 +421,10 @@ class OverlapSession:
                     for stage in self.plan.stages:  # the prologue
                         self.issue_a2e(first_layer, stage)
                 self.next_recv = i + 1
-                a_done = self._keys[key].a_done
-                ev = self._events.get(a_done)
+                ev = self._events.get(a_key)
                 if ev is None:
-                    raise SessionError(f"wait on event {a_done.label()!r} that was not recorded in this step")
-                if self._direct is not None:
-                    self.compute.wait_event(ev)  # backend.wait, inline (direct_events)
-                else:
-                    self.backend.wait(self.compute, ev)
+                    raise SessionError(f"wait on event {a_key.label()!r} that was not recorded in this step")
+                self.compute.wait_event(ev)  # backend.wait, inline (direct_events)
                 # _take_prefetched(*key), inline
                 h = self._a_handle.pop(key)
                 self._a_kwargs.pop(key, None)
@@ -430,33 +499,21 @@ class OverlapSession:
         # Popped: the payload (and so its context) stays alive until its send,
         # so the id cannot be reused while it is mapped.
         key = self._contexts.pop(id(context), None)
-        if self._steady and key is not None and stage == key[1] and not self.fallen_back and key not in self._sent:
+        slot = self._send_slots.get(key) if self._send_slots is not None else None
+        if slot is not None and stage == slot[1] and not self.fallen_back and key not in self._sent:
             # The steady path (both directions on the side streams, this
-            # class's wait and lookahead): the same records, waits and ops in
-            # the same order as below, without a frame per record and wait,
-            # and with the stage's E2A and its lookahead A2E issued under one
+            # class's wait and lookahead, the backend's pooled events): the
+            # same records, waits and ops in the same order as below, with
+            # each record and wait the event's or the stream's own call, and
+            # with the stage's E2A and its lookahead A2E issued under one
             # switch to K_s (``backend.scope``).
-            L, s = key
-            keys = self._keys[key]
-            backend, events, ops, pool = self.backend, self._events, self._ops, self._direct
+            L, s, k, f_key, f_done, e_key, e_done, e2a_label, ahead, ahead_kw, a_key, a_done, a2e_label = slot
+            events, ops = self._events, self._ops
             self._sent.add(key)
-            # With the backend's event pool (direct_events), each record and wait
-            # is the event's or the stream's own call, made here; an event the
-            # pool lacks is recorded through the backend (which makes it).
-            f_done = pool.get(keys.f_done) if pool is not None else None
-            if f_done is None:
-                f_done = backend.record(self.compute, keys.f_done)
-            else:
-                f_done.record(self.compute)
-            events[keys.f_done] = f_done
-            k = self.side_streams[s]
-            nxt = self.plan.next_of[L]
-            scope = self._scope
-            with scope(k) if scope is not None else backend.scope(k):
-                if pool is not None:
-                    k.wait_event(f_done)
-                else:
-                    backend.wait(k, f_done)
+            f_done.record(self.compute)
+            events[f_key] = f_done
+            with self._scope(k):  # type: ignore[misc]
+                k.wait_event(f_done)
                 if self._run_here:  # backend.submit_here(k, call, label), inline (direct_submit)
                     t0 = clock()
                     try:
@@ -464,14 +521,10 @@ class OverlapSession:
                     except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
                         h = DoneHandle(None, exc, t0, clock())
                 else:
-                    h = backend.submit_here(k, call, keys.e2a_label)
+                    h = self.backend.submit_here(k, call, e2a_label)
                 ops.append((E2A, L, s, k.name, h, -1))
-                e_done = pool.get(keys.e_done) if pool is not None else None
-                if e_done is None:
-                    e_done = backend.record(k, keys.e_done)
-                else:
-                    e_done.record(k)
-                events[keys.e_done] = e_done
+                e_done.record(k)
+                events[e_key] = e_done
                 self._f_refs[s].append((output, context, call))
                 self._inflight.pop(key, None)  # K_s has waited f_done(L, s)
                 if type(h) is DoneHandle:  # h.done() and h.result(), inline
@@ -479,30 +532,25 @@ class OverlapSession:
                         h.result()  # a host-side failure surfaces here, as in the serial path
                 elif h.done():
                     h.result()
-                self._e_done_c[s] = keys.e_done
-                if nxt is None:
+                self._e_done_c[s] = e_key
+                if ahead is None:
                     return None
-                # issue_a2e(nxt, s), inline
-                fn, ahead = self._recv_fn, (nxt, s)
+                # issue_a2e(*ahead), inline
+                fn = self._recv_fn
                 assert fn is not None
-                kw, next_keys = self.plan.recv_kw[ahead], self._keys[ahead]
                 if self._run_here:  # as above
                     t0 = clock()
                     try:
-                        h = DoneHandle(fn(**kw), None, t0, clock())
+                        h = DoneHandle(fn(**ahead_kw), None, t0, clock())
                     except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
                         h = DoneHandle(None, exc, t0, clock())
                 else:
-                    h = backend.submit_here(k, partial(fn, **kw), next_keys.a2e_label)
+                    h = self.backend.submit_here(k, partial(fn, **ahead_kw), a2e_label)
                 self._a_handle[ahead] = h
-                ops.append((A2E, nxt, s, k.name, h, -1))
-                self._a_kwargs[ahead] = kw
-                a_done = pool.get(next_keys.a_done) if pool is not None else None
-                if a_done is None:
-                    a_done = backend.record(k, next_keys.a_done)
-                else:
-                    a_done.record(k)
-                events[next_keys.a_done] = a_done
+                ops.append((A2E, ahead[0], s, k.name, h, -1))
+                self._a_kwargs[ahead] = ahead_kw
+                a_done.record(k)
+                events[a_key] = a_done
             return None
         if self.fallen_back:
             return self._send_on_c(call, key)

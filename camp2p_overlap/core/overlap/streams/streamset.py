@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from camp2p_overlap.core.keys import side_stream_name
 from camp2p_overlap.core.overlap.streams.base import Stream, StreamBackend
@@ -26,6 +27,9 @@ class StreamSet:
         self._capture_stream: Stream | None = None
         #: One step at a time per runner.
         self.lock = threading.Lock()
+        #: A session's steady-path slots per plan, by the plan's id: the plan
+        #: and its slots (``session.steady_slots``; read and made under ``lock``).
+        self.session_slots: dict[int, tuple[Any, Any]] = {}
 
     def capture_stream(self) -> Stream:
         """The stream the patch layer's variant capture runs on, made on first use
