@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from camp2p_overlap.core.env_vars import MAX_STAGES
 from camp2p_overlap.core.keys import A2E, E2A, EventKey, OpKey
@@ -113,14 +113,34 @@ _NO_SEQ: Any = iter(())
 _JOINS = {s: EventKey.join(s) for s in range(MAX_STAGES)}
 
 
-#: A receive's steady-path slot: its (layer, stage), its planned kwargs, and
-#: the key of its ``a_done``.
-RecvSlot = tuple[StageLayer, Mapping[str, Any], EventKey]
-#: A send's steady-path slot: layer, stage, K_s, ``f_done`` and ``e_done``
-#: (key and pooled event each), the E2A label, then the lookahead's (layer,
-#: stage) (None after the last layer), its receive kwargs, its ``a_done``
-#: (key and event) and its A2E label.
-SendSlot = tuple[Any, ...]
+class RecvSlot(NamedTuple):
+    """A receive's steady-path slot (unpacked in field order on the path)."""
+
+    key: StageLayer
+    kwargs: Mapping[str, Any]
+    a_done_key: EventKey
+
+
+class SendSlot(NamedTuple):
+    """A send's steady-path slot (unpacked in field order on the path): its
+    E2A's events and label, then its lookahead A2E's, None after the last
+    layer."""
+
+    layer: int
+    stage: int
+    side_stream: Stream
+    f_done_key: EventKey
+    f_done: Any
+    e_done_key: EventKey
+    e_done: Any
+    e2a_label: str
+    ahead: StageLayer | None
+    ahead_kwargs: Mapping[str, Any] | None
+    ahead_a_done_key: EventKey | None
+    ahead_a_done: Any
+    ahead_a2e_label: str | None
+
+
 #: How many plans' slots a stream set keeps (a runner sees a few shapes).
 MAX_SLOT_PLANS = 64
 
@@ -148,27 +168,27 @@ def steady_slots(
             if ev is None:
                 return None
             events[key] = ev
-    recv = tuple((key, plan.recv_kw[key], keys[key].a_done) for key in plan.sequence)
+    recv = tuple(RecvSlot(key, plan.recv_kw[key], keys[key].a_done) for key in plan.sequence)
     send: dict[StageLayer, SendSlot] = {}
     for key in plan.sequence:
         L, s = key
         op, nxt = keys[key], plan.next_of[L]
         ahead = (nxt, s) if nxt is not None else None
         after = keys[ahead] if ahead is not None else None
-        send[key] = (
-            L,
-            s,
-            streams[s],
-            op.f_done,
-            events[op.f_done],
-            op.e_done,
-            events[op.e_done],
-            op.e2a_label,
-            ahead,
-            plan.recv_kw[ahead] if ahead is not None else None,
-            after.a_done if after is not None else None,
-            events[after.a_done] if after is not None else None,
-            after.a2e_label if after is not None else None,
+        send[key] = SendSlot(
+            layer=L,
+            stage=s,
+            side_stream=streams[s],
+            f_done_key=op.f_done,
+            f_done=events[op.f_done],
+            e_done_key=op.e_done,
+            e_done=events[op.e_done],
+            e2a_label=op.e2a_label,
+            ahead=ahead,
+            ahead_kwargs=plan.recv_kw[ahead] if ahead is not None else None,
+            ahead_a_done_key=after.a_done if after is not None else None,
+            ahead_a_done=events[after.a_done] if after is not None else None,
+            ahead_a2e_label=after.a2e_label if after is not None else None,
         )
     made = (recv, send)
     if cache is not None:
@@ -499,7 +519,7 @@ class OverlapSession:
         # Popped: the payload (and so its context) stays alive until its send,
         # so the id cannot be reused while it is mapped.
         key = self._contexts.pop(id(context), None)
-        slot = self._send_slots.get(key) if self._send_slots is not None else None
+        slot = self._send_slots.get(key) if self._send_slots is not None else None  # slot[1]: slot.stage, by index
         if slot is not None and stage == slot[1] and not self.fallen_back and key not in self._sent:
             # The steady path (both directions on the side streams, this
             # class's wait and lookahead, the backend's pooled events): the
