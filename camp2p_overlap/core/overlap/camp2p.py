@@ -72,6 +72,9 @@ def connector_comm_names(connector: Any) -> tuple[str, str, str]:
 
 
 _comm_names = operator.attrgetter(*COMM_NAME_FIELDS)
+#: The connector's three communicator-name fields as they are (a tuple;
+#: AttributeError when one is missing): what a memoised decision compares.
+comm_name_fields = _comm_names
 
 
 def stage_groups(names: tuple[str, str, str], stages: Any) -> dict[int, str]:

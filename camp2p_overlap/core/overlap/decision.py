@@ -48,12 +48,105 @@ def serial(reason: str) -> Decision:
     return Decision(engages=False, reason=reason)
 
 
-def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any]) -> Decision:
+class DecisionMemo:
+    """A runner's last engaging decision, with every input it was made
+    from, so that a step whose inputs all compare equal takes it without
+    deciding again (one memo per patch layer's runtime: it is emptied on
+    unpatch, so a decision never outlives the apply it was made under).
+
+    The inputs are what :func:`decide` reads: the configuration, the
+    manifest and its route targets, the connector's class and its three
+    HCCL communicator names, the runner's AFD role, device and
+    ``max_num_tokens``, the stage ids of ``dp_metadata_list`` (its keys, as
+    given), and the live ``_ffn_layer_indices`` with what it returned. A
+    call inside a graph capture is never memoised. What may change between
+    two steps with equal inputs is re-checked where it is used: another
+    thread's step routing the connector (``ConnectorRoutes.install`` checks
+    it again), and a plan the loop does not follow (the session falls back
+    and logs it)."""
+
+    __slots__ = ("_last",)
+
+    #: Runners whose decision a memo keeps, at most (a worker has one or two).
+    KEPT = 64
+
+    def __init__(self) -> None:
+        #: id(runner) -> (inputs, decision). Keyed by id only: the inputs
+        #: decide alone, so a new runner at an old id finds a right answer.
+        self._last: dict[int, tuple[tuple[Any, ...], Decision]] = {}
+
+    def clear(self) -> None:
+        self._last = {}
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+
+def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], memo: DecisionMemo | None = None) -> Decision:
     """Whether this call of ``runner._ffn_forward(**kwargs)`` engages, and
     its plan; the step has already checked that the patch layer is on, the call is
-    not re-entrant and every target is ready (``FfnStep.blocking_reason``)."""
-    cfg = engine.config
+    not re-entrant and every target is ready (``FfnStep.blocking_reason``).
+    With ``memo``, an engaging decision is kept per runner with its inputs,
+    and a later call whose inputs compare equal gets it back (:class:`DecisionMemo`)."""
     connector = getattr(runner, "connector", None)
+    dp_metadata_list = kwargs.get("dp_metadata_list", _NONE)
+    if memo is None or kwargs.get("is_graph_capturing") or type(dp_metadata_list) is not dict:
+        return _decide(engine, runner, kwargs, connector, None)
+    try:
+        names = _comm_names(connector)
+    except AttributeError:  # the group check says why
+        return _decide(engine, runner, kwargs, connector, None)
+    manifest = engine.manifest
+    layer_fn = live_target(manifest, camp2p.LAYER_INDICES_TARGET)
+    if layer_fn is None:
+        return serial("_ffn_layer_indices is not available")
+    layers = layer_fn(runner)
+    if type(layers) is not range:  # a list the caller could change in place: compared by value
+        layers = tuple(layers)
+    inputs = (
+        engine.config,
+        manifest,
+        engine.installer.routes(),
+        type(connector),
+        names,
+        getattr(getattr(runner, "afd_config", None), "role", None),
+        getattr(runner, "device", None),
+        getattr(runner, "max_num_tokens", None),
+        tuple(dp_metadata_list),
+        layer_fn,
+        layers,
+    )
+    rid = id(runner)
+    last = memo._last.get(rid)
+    if last is not None:
+        try:
+            if last[0] == inputs:
+                return last[1]
+        except Exception:  # noqa: BLE001 - an input that does not compare: decided afresh
+            pass
+    decision = _decide(engine, runner, kwargs, connector, (layer_fn, layers))
+    if decision.engages:
+        kept = memo._last
+        if len(kept) >= DecisionMemo.KEPT:
+            kept.clear()
+        kept[rid] = (inputs, decision)
+    return decision
+
+
+_NONE: Any = object()
+_comm_names = camp2p.comm_name_fields
+
+
+def _decide(
+    engine: PatchEngine,
+    runner: Any,
+    kwargs: Mapping[str, Any],
+    connector: Any,
+    layer_list: tuple[Any, Any] | None,
+) -> Decision:
+    """:func:`decide` itself; ``layer_list``: the live ``_ffn_layer_indices``
+    and what it returned for ``runner``, when the caller has called it."""
+    cfg = engine.config
     problem = connector_problem(engine, connector)
     if problem is not None:
         return serial(problem)
@@ -80,10 +173,12 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any]) -> Decis
         backend = resolve_backend_name(cfg.backend, getattr(runner, "device", None))
     except BackendUnavailable as exc:
         return serial(str(exc))
-    layer_fn = live_target(engine.manifest, camp2p.LAYER_INDICES_TARGET)
-    if layer_fn is None:
-        return serial("_ffn_layer_indices is not available")
-    layers = tuple(map(int, layer_fn(runner)))
+    if layer_list is None:
+        layer_fn = live_target(engine.manifest, camp2p.LAYER_INDICES_TARGET)
+        if layer_fn is None:
+            return serial("_ffn_layer_indices is not available")
+        layer_list = (layer_fn, layer_fn(runner))
+    layers = tuple(map(int, layer_list[1]))
     if not layers:
         return serial("the step has no FFN layers")
     if len(set(layers)) != len(layers):

@@ -296,7 +296,7 @@ class FfnStep:
         if blocked is not None:
             return serial(blocked), None
         try:
-            decision = decide(engine, self.runner, self.kwargs)
+            decision = decide(engine, self.runner, self.kwargs, runtime.decisions)
         except Exception as exc:  # noqa: BLE001 - planning must never break the original call
             return serial(f"could not plan the step ({type(exc).__name__}: {exc})"), None
         if not decision.engages:
