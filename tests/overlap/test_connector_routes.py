@@ -249,3 +249,27 @@ def test_routing_leaves_the_instance_attributes_inline(applied: None) -> None:
     assert PATCH_LAYER.runtime.counters.to_dict()["steps"]["overlap"] >= 1
     assert not _holds_a_dict(w.connector, "transport")
     assert not [name for name in ROUTED if is_router(getattr(w.connector, name))]
+
+
+def test_a_checked_install_still_refuses_an_instance_another_step_routed() -> None:
+    """An engaged step installs with ``checked=True`` (its decision, which
+    a memo may hand back without looking at the instance, checked the
+    connector): whether another thread's step has routed the instance since
+    is still checked, and nothing is left set."""
+
+    class Plain:
+        def recv(self) -> str:
+            return "upstream"
+
+        def send(self) -> str:
+            return "sent"
+
+    plain = Plain()
+    first = ConnectorRoutes(plain)
+    assert first.install([("send", lambda c, t: lambda: "first")]) is None
+    second = ConnectorRoutes(plain)
+    reason = second.install([("recv", lambda c, t: lambda: "second"), ("send", lambda c, t: c)], checked=True)
+    assert reason is not None and "another thread" in reason
+    assert "recv" not in vars(plain) and plain.send() == "first"  # the second step's recv route was taken back
+    first.remove()
+    assert vars(plain) == {} and plain.recv() == "upstream" and plain.send() == "sent"

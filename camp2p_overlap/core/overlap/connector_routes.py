@@ -150,16 +150,16 @@ class ConnectorRoutes:
         cls = type(instance)
         for attribute, make in routers:
             callee = getattr(instance, attribute)
-            if checked and getattr(callee, ROUTER_MARK, False) is True:  # is_router(callee), inline
-                self.remove()
-                return "the connector's calls are routed to a step on another thread"
             if (
                 type(callee) is MethodType
                 and callee.__self__ is instance
                 and getattr(cls, attribute, None) is callee.__func__
-            ):  # the common case: the class's plain function, bound to the instance
+            ):  # the common case: the class's plain function, bound to the instance (a router is not one)
                 before = _MISSING
             else:
+                if checked and getattr(callee, ROUTER_MARK, False) is True:  # is_router(callee), inline
+                    self.remove()
+                    return "the connector's calls are routed to a step on another thread"
                 before = _own_attribute(instance, cls, attribute, callee)
             router = make(callee, thread)
             setattr(router, ROUTER_MARK, True)
