@@ -222,8 +222,10 @@ class OverlapSession:
             raise SessionError("a step plan needs at least one layer and one stage")
         streams = streamset.streams
         try:
-            #: Each stage's side stream (K_s).
-            self.side_streams = dict(zip(plan.stages, map(streams.__getitem__, plan.stages), strict=True))
+            #: Each stage's side stream (K_s): read, never changed (a stream
+            #: set shares one such dict among its sessions of these stages).
+            side_of = getattr(streamset, "side_streams_of", None)  # a view of a stream set has none
+            self.side_streams = side_of(plan.stages) if side_of is not None else {s: streams[s] for s in plan.stages}
         except KeyError:
             raise SessionError(f"no side stream for stage(s) {[s for s in plan.stages if s not in streams]}") from None
         #: The object whose calls this session serves (the runner's connector).

@@ -53,10 +53,15 @@ def _session_send(session: OverlapSession, callee: Wrapped, thread: int) -> Wrap
     return send_ffn_output
 
 
+#: Each router's maker by key: ``maker(session, callee, thread) -> router``.
+ROUTER_MAKERS: dict[str, Callable[[OverlapSession, Wrapped, int], Wrapped]] = {
+    "recv_attn_output": _session_recv,
+    "send_ffn_output": _session_send,
+}
+
 #: The routers a manifest's ``route`` target may name, by key: each binds
 #: the connector's method, for one engaged step, to its session (a serial
 #: step's trace routes the same keys: ``serial_trace.TRACE_ROUTERS``).
 ROUTERS: dict[str, Callable[[OverlapSession], RouterFactory]] = {
-    "recv_attn_output": partial(partial, _session_recv),
-    "send_ffn_output": partial(partial, _session_send),
+    key: partial(partial, maker) for key, maker in ROUTER_MAKERS.items()
 }

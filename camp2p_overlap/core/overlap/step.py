@@ -45,7 +45,7 @@ from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, Pla
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
 from camp2p_overlap.core.overlap.serial_trace import run_traced_serial
 from camp2p_overlap.core.overlap.session import OverlapSession
-from camp2p_overlap.core.overlap.session_routers import ROUTERS
+from camp2p_overlap.core.overlap.session_routers import ROUTER_MAKERS, ROUTERS
 from camp2p_overlap.core.overlap.streams import BackendUnavailable
 from camp2p_overlap.core.overlap.streams.base import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
@@ -213,6 +213,23 @@ def _keep_serial_pass(
     above = rounded >> 1 if rounded > 1 else rounded - 1
     kept = state.serial_pass = SerialPass(adaptive, shape, stages, above, rounded, key, bucket)
     return kept
+
+
+#: The route targets read last and their (attribute, router maker) pairs
+#: (one tuple, replaced whole: steps of other threads and engines read it).
+_MAKERS_READ: tuple[Any, tuple[tuple[str, Any], ...]] = ((), ())
+
+
+def _makers_of(routes: tuple[tuple[Any, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    """(attribute, ``session_routers.ROUTER_MAKERS`` entry) of each route
+    target, made again only when the installer's routes change."""
+    global _MAKERS_READ
+    last = _MAKERS_READ
+    if last[0] is routes:
+        return last[1]
+    made = tuple((spec.attribute, ROUTER_MAKERS[spec.router]) for _, spec in routes)
+    _MAKERS_READ = (routes, made)
+    return made
 
 
 class FfnStep:
@@ -429,7 +446,7 @@ class FfnStep:
 
     def session_routers(self, session: OverlapSession) -> list[tuple[str, RouterFactory]]:
         """The routers of the engine's ``route`` targets, bound to ``session``."""
-        return [(spec.attribute, ROUTERS[spec.router](session)) for _, spec in self.engine.installer.routes()]  # type: ignore[index]
+        return [(attribute, partial(maker, session)) for attribute, maker in _makers_of(self.engine.installer.routes())]
 
     # -- the original (traced while a recorder is active) -----------------------
     def run_original(self) -> Any:

@@ -30,6 +30,18 @@ class StreamSet:
         #: A session's steady-path slots per plan, by the plan's id: the plan
         #: and its slots (``session.steady_slots``; read and made under ``lock``).
         self.session_slots: dict[int, tuple[Any, Any]] = {}
+        #: Each stage's side stream, per tuple of stage ids (``side_streams_of``).
+        self._side_of: dict[tuple[int, ...], dict[int, Stream]] = {}
+
+    def side_streams_of(self, stages: tuple[int, ...]) -> dict[int, Stream]:
+        """Each stage's side stream, one dict per tuple of stage ids, made
+        once (the side streams of a stream set never change): shared by
+        every session of those stages, which only read it. Raises KeyError
+        for a stage without a side stream."""
+        side = self._side_of.get(stages)
+        if side is None:
+            side = self._side_of[stages] = {s: self.streams[s] for s in stages}
+        return side
 
     def capture_stream(self) -> Stream:
         """The stream the patch layer's variant capture runs on, made on first use
