@@ -150,9 +150,23 @@ def max_stage_tokens(dp_metadata_list: Any) -> int:
 
 
 def _tokens_across_dp(meta: Any) -> Any:
+    """The sum of vLLM's ``num_tokens_across_dp_cpu`` (a small CPU tensor),
+    0 when it is not there. Summed on the host from ``tolist()``: a torch
+    reduction and its ``int()`` cost about ten times as much, and a
+    decided-serial step reads this on every step."""
     across = getattr(meta, "num_tokens_across_dp_cpu", None)
+    if across is None:
+        return 0
     try:
-        return int(across.sum()) if across is not None else 0
+        values = across.tolist() if hasattr(across, "tolist") else across
+        if type(values) is list or type(values) is tuple:
+            total = 0
+            for v in values:
+                if type(v) is not int:
+                    return int(across.sum())  # nested, or not integers: the tensor's own sum
+                total += v
+            return total
+        return int(values)
     except (TypeError, ValueError, AttributeError):
         return 0
 
