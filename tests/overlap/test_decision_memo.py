@@ -127,3 +127,16 @@ def test_a_serial_decision_is_not_kept() -> None:
     w.runner.afd_config.role = "attention"
     assert not _decided(w, memo).engages
     assert len(memo) == 0
+
+
+def test_a_runner_the_layer_list_fails_on_gets_the_reason_of_its_first_failed_check() -> None:
+    """The memo calls ``_ffn_layer_indices`` before the checks that come
+    first in a decision: where it fails, the decision is made in order, so
+    a runner of the attention role is told so, not that planning failed."""
+    w = world(layers=3, stage_ids=(0, 1))
+    apply_cpu()
+    memo = DecisionMemo()
+    w.runner.afd_config.role = "attention"
+    w.runner.num_layers = "not a number"
+    made = _decided(w, memo)
+    assert not made.engages and "AFD role is 'attention'" in made.reason

@@ -98,11 +98,12 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], memo: De
         return _decide(engine, runner, kwargs, connector, None)
     manifest = engine.manifest
     layer_fn = live_target(manifest, camp2p.LAYER_INDICES_TARGET)
-    if layer_fn is None:
-        return serial("_ffn_layer_indices is not available")
-    layers = layer_fn(runner)
-    if type(layers) is not range:  # a list the caller could change in place: compared by value
-        layers = tuple(layers)
+    try:
+        layers = layer_fn(runner)  # type: ignore[misc]
+        if type(layers) is not range:  # a list the caller could change in place: compared by value
+            layers = tuple(layers)
+    except Exception:  # noqa: BLE001 - None, or a runner it fails on: decided in order, with the reason
+        return _decide(engine, runner, kwargs, connector, None)
     inputs = (
         engine.config,
         manifest,
