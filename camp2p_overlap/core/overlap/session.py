@@ -228,24 +228,56 @@ class OverlapSession:
             self.side_streams = side_of(plan.stages) if side_of is not None else {s: streams[s] for s in plan.stages}
         except KeyError:
             raise SessionError(f"no side stream for stage(s) {[s for s in plan.stages if s not in streams]}") from None
-        #: The object whose calls this session serves (the runner's connector).
+        #: The object whose calls this session serves (the runner's connector;
+        #: None once closed).
         self.connector = connector
         self.plan = plan
         self.order = plan.sequence
         self._keys = plan.keys
-        backend = self.backend = streamset.backend
-        #: The compute stream (the runner's current stream).
-        self.compute = backend.compute_stream()
+        self._streamset = streamset
+        self.backend = streamset.backend
         #: Which connector ops run on the side streams.
         self.directions = directions
-        self.step_id = step_id
         self._context_of = context_of
+        #: FFN outputs per stage, until C waits an event K_s recorded after their E2A.
+        self._f_refs: dict[int, list[Any]] = {}
+        for s in plan.stages:
+            self._f_refs[s] = []
+        # What close() empties in place (the per-step records below are made
+        # afresh by _open()).
+        self._a_handle: dict[StageLayer, OpHandle] = {}
+        self._a_kwargs: dict[StageLayer, dict[str, Any]] = {}
+        #: A2E outputs, until K_s has waited their FFN's f_done.
+        self._inflight: dict[StageLayer, Any] = {}
+        #: id(context) -> (layer, stage), for payloads handed to the loop.
+        self._contexts: dict[int, StageLayer] = {}
+        self._open(recorder, step_id)
+
+    def reopen(self, connector: Any) -> None:
+        """Serve the next step of the same plan on the same streams, for
+        ``connector``: a closed session without a trace starts afresh, as a
+        new one would (a step that keeps its session per stream set: see
+        ``session_routers.KeptSession``). The closed step's snapshot goes."""
+        if not self.closed or self._trace is not None:
+            raise SessionError("only a closed session without a trace may be reopened")
+        self.connector = connector
+        self._open(None, 0)
+
+    def _open(self, recorder: TraceRecorder | None, step_id: int) -> None:
+        """The per-step part of a session: the compute stream, the backend's
+        probes and the steady path's slots (asked again each step: a backend
+        patched since then is seen), and the step's own records."""
+        backend = self.backend
+        #: The compute stream (the runner's current stream).
+        self.compute = backend.compute_stream()
+        self.step_id = step_id
         self._trace = StepTrace(recorder, step_id, backend) if recorder is not None else None
         #: The steady path of a receive and a send (the first branch of
         #: :meth:`recv` and of :meth:`send`): no trace, and the schedule's waits and the
         #: lookahead through this class's own methods (a subclass or a
         #: patched class that overrides one takes the general path).
         cls = type(self)
+        directions = self.directions
         self._steady = (
             self._trace is None
             and directions.a2e_side
@@ -266,7 +298,7 @@ class OverlapSession:
         #: per plan and stream set; None off the steady path, or while an
         #: event of the plan is not in the backend's pool yet (the first step
         #: of a plan records them through the backend, on the general path).
-        slots = steady_slots(streamset, plan, self._direct) if self._scope is not None else None
+        slots = steady_slots(self._streamset, self.plan, self._direct) if self._scope is not None else None
         self._recv_slots, self._send_slots = slots if slots is not None else (None, None)
 
         #: The index in ``self.order`` of the next expected receive.
@@ -276,18 +308,8 @@ class OverlapSession:
         self.closed = False
         self._recv_fn: Callable[..., Any] | None = None
         self._events: dict[EventKey, Any] = {}
-        self._a_handle: dict[StageLayer, OpHandle] = {}
-        self._a_kwargs: dict[StageLayer, dict[str, Any]] = {}
         self._consumed: set[StageLayer] = set()
         self._sent: set[StageLayer] = set()
-        #: A2E outputs, until K_s has waited their FFN's f_done.
-        self._inflight: dict[StageLayer, Any] = {}
-        #: id(context) -> (layer, stage), for payloads handed to the loop.
-        self._contexts: dict[int, StageLayer] = {}
-        #: FFN outputs per stage, until C waits an event K_s recorded after their E2A.
-        self._f_refs: dict[int, list[Any]] = {}
-        for s in plan.stages:
-            self._f_refs[s] = []
         self._e_done_c: dict[int, EventKey] = {}
         #: Every op issued, in issue order: an :class:`IssuedOp`, or for a
         #: side-stream op the tuple of its fields (read through ``_issued``).

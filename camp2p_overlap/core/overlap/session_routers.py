@@ -4,10 +4,17 @@ thread only (``connector_routes`` installs them on the instance and removes
 them). A serial step's trace routes the same keys to its recorder
 (``serial_trace.TRACE_ROUTERS``).
 
-Each factory binds what it routes to, and a router serves only the thread
-that installed it (``get_ident()`` is compared on every call). A factory is
-``partial(router_of, session)``: ``ROUTERS[key](session)`` builds it, and
-calling it builds the router, with no frame of ours but the router maker's.
+A router is made once per session, with a :class:`RouterBinding` that
+holds what it routes to and the thread it serves (``get_ident()`` is
+compared on every call): ``ConnectorRoutes.install`` binds it to the
+step's callee and thread through :meth:`RouterBinding.bind`, the factory it
+is handed, and the step unbinds it when it removes the routes, so that no
+router holds the connector between steps.
+
+:class:`KeptSession`: a stream set's session with its routers, kept from
+one engaged step to the next of the same decision, so that such a step
+makes neither again (a closed session is reopened, its routers bound
+afresh).
 """
 
 from __future__ import annotations
@@ -15,21 +22,57 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from threading import get_ident
-from typing import Any
+from typing import Any, NamedTuple
 
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.connector_routes import RouterFactory
+from camp2p_overlap.core.overlap.connector_routes import ROUTER_MARK, RouterFactory
 from camp2p_overlap.core.overlap.session import OverlapSession
 
 Wrapped = Callable[..., Any]
 
 
-def _session_recv(session: OverlapSession, callee: Wrapped, thread: int) -> Wrapped:
+def _unbound(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError(
+        "camp2p-overlap: a connector route was called after its step ended (a bound method of the "
+        "connector taken during a step and called later)"
+    )
+
+
+class RouterBinding:
+    """What one router routes to: the callee (the connector's method as the
+    instance resolved it when the step began) and the thread it serves."""
+
+    __slots__ = ("callee", "router", "thread")
+
+    def __init__(self) -> None:
+        self.callee: Wrapped = _unbound
+        #: No thread's id (``get_ident()`` is never 0): every call goes to the callee.
+        self.thread = 0
+        self.router: Wrapped = _unbound
+
+    def bind(self, callee: Wrapped, thread: int) -> Wrapped:
+        """Route to ``callee`` for ``thread``; the router (a ``RouterFactory``)."""
+        self.callee = callee
+        self.thread = thread
+        return self.router
+
+    def unbind(self) -> None:
+        """Drop the callee (and so the connector it is bound to)."""
+        self.callee = _unbound
+        self.thread = 0
+
+
+#: Makes a router of a session: ``maker(session, binding) -> router``.
+RouterMaker = Callable[[OverlapSession, "RouterBinding"], Wrapped]
+
+
+def _session_recv(session: OverlapSession, binding: RouterBinding) -> Wrapped:
     recv = session.recv
     parse = camp2p.recv_kwargs
 
     def recv_attn_output(*args: Any, **kwargs: Any) -> Any:
-        if get_ident() != thread:
+        callee = binding.callee
+        if get_ident() != binding.thread:
             return callee(*args, **kwargs)
         # the session calls callee(**kw): the same call (ubatch_idx by name);
         # upstream's call names every argument, and kwargs is this call's own dict
@@ -38,12 +81,13 @@ def _session_recv(session: OverlapSession, callee: Wrapped, thread: int) -> Wrap
     return recv_attn_output
 
 
-def _session_send(session: OverlapSession, callee: Wrapped, thread: int) -> Wrapped:
+def _session_send(session: OverlapSession, binding: RouterBinding) -> Wrapped:
     send = session.send
     parts, stage_of = camp2p.send_parts, camp2p.send_stage
 
     def send_ffn_output(*args: Any, **kwargs: Any) -> Any:
-        if get_ident() != thread:
+        callee = binding.callee
+        if get_ident() != binding.thread:
             return callee(*args, **kwargs)
         # upstream's call, send_ffn_output(output, context, ubatch_idx=s), read inline
         output, context = (args[0], args[1]) if len(args) >= 2 else parts(args, kwargs)
@@ -53,15 +97,49 @@ def _session_send(session: OverlapSession, callee: Wrapped, thread: int) -> Wrap
     return send_ffn_output
 
 
-#: Each router's maker by key: ``maker(session, callee, thread) -> router``.
-ROUTER_MAKERS: dict[str, Callable[[OverlapSession, Wrapped, int], Wrapped]] = {
+#: Each router's maker by key: ``maker(session, binding) -> router``.
+ROUTER_MAKERS: dict[str, RouterMaker] = {
     "recv_attn_output": _session_recv,
     "send_ffn_output": _session_send,
 }
+
+
+def _router_factory(maker: RouterMaker, session: OverlapSession) -> RouterFactory:
+    return session_router(maker, session).bind
+
 
 #: The routers a manifest's ``route`` target may name, by key: each binds
 #: the connector's method, for one engaged step, to its session (a serial
 #: step's trace routes the same keys: ``serial_trace.TRACE_ROUTERS``).
 ROUTERS: dict[str, Callable[[OverlapSession], RouterFactory]] = {
-    key: partial(partial, maker) for key, maker in ROUTER_MAKERS.items()
+    key: partial(_router_factory, maker) for key, maker in ROUTER_MAKERS.items()
 }
+
+
+def session_router(maker: RouterMaker, session: OverlapSession) -> RouterBinding:
+    """A router of ``session`` made by ``maker``, marked, with its binding
+    (unbound: it routes nothing until :meth:`RouterBinding.bind`)."""
+    binding = RouterBinding()
+    router = binding.router = maker(session, binding)
+    setattr(router, ROUTER_MARK, True)
+    return binding
+
+
+class KeptSession(NamedTuple):
+    """A session kept on its stream set between steps, with what a step must
+    match to reuse it: the decision it was made for (the same object: the
+    decision memo hands the same one back), and the router makers it was
+    routed with; and its routers, each with its binding."""
+
+    decision: Any
+    makers: tuple[tuple[str, Any], ...]
+    session: OverlapSession
+    routers: tuple[tuple[str, RouterFactory], ...]
+    bindings: tuple[RouterBinding, ...]
+
+
+def keep_session(decision: Any, makers: tuple[tuple[str, Any], ...], session: OverlapSession) -> KeptSession:
+    """``session`` with one router per ``(attribute, maker)`` of ``makers``."""
+    bindings = tuple(session_router(maker, session) for _, maker in makers)
+    routers = tuple((attribute, b.bind) for (attribute, _), b in zip(makers, bindings, strict=True))
+    return KeptSession(decision, makers, session, routers, bindings)

@@ -38,14 +38,14 @@ from camp2p_overlap.core.observe.trace import TraceOp, TraceRecorder, current_re
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Passed, pow2_ceil
 from camp2p_overlap.core.overlap.capture_guard import GUARD
-from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes, RouterFactory
+from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes
 from camp2p_overlap.core.overlap.decision import GRAPH_OFF, GRAPH_SERIAL_VARIANT, Decision, decide, serial, streams_for
 from camp2p_overlap.core.overlap.graphs import GraphCapture, graph_variants_refusal
 from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, PlannedShape, RunnerState, SerialPass
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
 from camp2p_overlap.core.overlap.serial_trace import run_traced_serial
 from camp2p_overlap.core.overlap.session import OverlapSession
-from camp2p_overlap.core.overlap.session_routers import ROUTER_MAKERS, ROUTERS
+from camp2p_overlap.core.overlap.session_routers import ROUTER_MAKERS, ROUTERS, KeptSession, keep_session
 from camp2p_overlap.core.overlap.streams import BackendUnavailable
 from camp2p_overlap.core.overlap.streams.base import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
@@ -389,27 +389,21 @@ class FfnStep:
         connector is routed to it."""
         runtime, recorder = self.runtime, self.recorder
         step_id = recorder.next_step() if recorder is not None else 0
+        capturing = self._capture  # is_capture(), as decide() computed it
+        if capturing is None:
+            capturing = self.is_capture(streamset.backend)
+        seconds = self.engine.config.watchdog_s
         with streamset.lock:
             connector = self.runner.connector
-            session = runtime.session_class(
-                connector=connector,
-                plan=decision.plan,  # type: ignore[arg-type]
-                streamset=streamset if decision.mode == "overlap" else streams_for(decision.mode, streamset),
-                directions=decision.directions,
-                recorder=recorder,
-                step_id=step_id,
-                context_of=camp2p.context_of,
-            )
+            kept = self.session_of(decision, streamset, connector, step_id, keep=not (capturing or seconds))
+            session = kept.session
             routes = ConnectorRoutes(connector)
-            refused = routes.install(self.session_routers(session), checked=True)  # decide() checked the connector
+            refused = routes.install(kept.routers, checked=True)  # decide() checked the connector
             if refused is not None:  # decide() checked it: only a race with another thread's step lands here
                 session.close(raising=True)  # nothing was issued: closing only releases it
                 self.count_serial(refused)
                 log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", refused)
                 return self.run_original()
-            capturing = self._capture  # is_capture(), as decide() computed it
-            if capturing is None:
-                capturing = self.is_capture(streamset.backend)
             if capturing:  # a capture, not a step: counted as the variant it captures
                 runtime.counters.graph_capture("overlap")
                 state = runtime.runners.of(self.runner)
@@ -421,7 +415,6 @@ class FfnStep:
             # No watchdog inside a capture: its timer thread would query events
             # while the capture runs (global capture mode forbids it), and a
             # captured step only records work, it cannot stall.
-            seconds = self.engine.config.watchdog_s
             watchdog = None if capturing or not seconds else start_watchdog(seconds, session.snapshot, step_id)
             t0 = time.perf_counter_ns()
             local = runtime.local  # this thread's session (runtime.set_session, inline)
@@ -438,15 +431,43 @@ class FfnStep:
                 return result
             finally:
                 routes.remove()  # on every exit path: nothing of ours stays on the instance
+                for binding in kept.bindings:  # and no router holds the connector
+                    binding.unbind()
                 local.session = None
                 if watchdog is not None:
                     watchdog.cancel()
                 if recorder is not None:
                     recorder.add(TraceOp("step", None, None, COMPUTE_STREAM, t0, time.perf_counter_ns(), step_id))
 
-    def session_routers(self, session: OverlapSession) -> list[tuple[str, RouterFactory]]:
-        """The routers of the engine's ``route`` targets, bound to ``session``."""
-        return [(attribute, partial(maker, session)) for attribute, maker in _makers_of(self.engine.installer.routes())]
+    def session_of(
+        self, decision: Decision, streamset: StreamSet, connector: Any, step_id: int, *, keep: bool
+    ) -> KeptSession:
+        """The step's session and its routers. The stream set keeps the last
+        ones it made (``keep``: not a capture, no watchdog thread reading the
+        session, no trace, the overlap mode's own streams, this package's
+        session class), and a step of the same decision and route targets
+        reopens that session and binds its routers again; any other step
+        makes new ones."""
+        runtime = self.runtime
+        makers = _makers_of(self.engine.installer.routes())
+        keep = keep and self.recorder is None and decision.mode == "overlap" and runtime.session_class is OverlapSession
+        if keep:
+            kept: KeptSession | None = streamset.kept_session
+            if kept is not None and kept.decision is decision and kept.makers is makers and kept.session.closed:
+                kept.session.reopen(connector)
+                return kept
+        session = runtime.session_class(
+            connector=connector,
+            plan=decision.plan,  # type: ignore[arg-type]
+            streamset=streamset if decision.mode == "overlap" else streams_for(decision.mode, streamset),
+            directions=decision.directions,
+            recorder=self.recorder,
+            step_id=step_id,
+            context_of=camp2p.context_of,
+        )
+        kept = keep_session(decision, makers, session)
+        streamset.kept_session = kept if keep else None
+        return kept
 
     # -- the original (traced while a recorder is active) -----------------------
     def run_original(self) -> Any:

@@ -32,6 +32,10 @@ class StreamSet:
         self.session_slots: dict[int, tuple[Any, Any]] = {}
         #: Each stage's side stream, per tuple of stage ids (``side_streams_of``).
         self._side_of: dict[tuple[int, ...], dict[int, Stream]] = {}
+        #: The last engaged step's session and routers, kept for the next
+        #: step of the same decision (``session_routers.KeptSession``; read
+        #: and set under ``lock``).
+        self.kept_session: Any = None
 
     def side_streams_of(self, stages: tuple[int, ...]) -> dict[int, Stream]:
         """Each stage's side stream, one dict per tuple of stage ids, made
@@ -51,4 +55,5 @@ class StreamSet:
         return self._capture_stream
 
     def close(self) -> None:
+        self.kept_session = None
         self.backend.close()
