@@ -1,0 +1,169 @@
+"""A stream set keeps its last engaged step's session and routers: the next
+step of the same decision reopens that session and binds the routers again.
+A kept session holds nothing of a closed step, no router holds the
+connector between steps, and a step that must not share its session (a
+watchdog thread reads it, a session class of its own, another decision)
+makes its own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from support.overlap import Schedule, apply_cpu, assert_same, run_step, serial_results, stream_sets, world
+
+from camp2p_overlap.core.overlap.session import OverlapSession, SessionError
+from camp2p_overlap.core.overlap.session_routers import KeptSession
+from camp2p_overlap.core.patch_layer import PATCH_LAYER
+from camp2p_overlap.emulation.world import World
+
+SCHEDS = [Schedule(3, (0, 1), (16, 9), step=i + 1) for i in range(3)]
+
+
+def _kept(w: World) -> KeptSession | None:
+    (sset,) = stream_sets()
+    return sset.kept_session
+
+
+def _steps(w: World, scheds: list[Schedule]) -> list[Any]:
+    kept = []
+    for sched in scheds:
+        run_step(w, sched)
+        kept.append(_kept(w))
+    return kept
+
+
+def test_steps_of_one_decision_share_a_session_and_give_the_serial_results() -> None:
+    w = world(layers=3, stage_ids=(0, 1))
+    refs = serial_results(w, SCHEDS)
+    apply_cpu()
+    got = []
+    sessions = []
+    for sched in SCHEDS:
+        got.append(run_step(w, sched))
+        kept = _kept(w)
+        assert kept is not None
+        sessions.append(kept.session)
+    for g, ref in zip(got, refs, strict=True):
+        assert_same(g, ref)
+    assert sessions[0] is sessions[1] is sessions[2]
+    assert PATCH_LAYER.runtime.counters.to_dict()["steps"]["overlap"] == len(SCHEDS)
+
+
+def test_a_kept_session_and_its_routers_hold_nothing_between_steps() -> None:
+    w = world(layers=3, stage_ids=(0, 1))
+    apply_cpu()
+    run_step(w, SCHEDS[0])
+    kept = _kept(w)
+    assert kept is not None
+    session = kept.session
+    assert session.closed and session.connector is None
+    assert set(session.held().values()) == {0}
+    for binding in kept.bindings:
+        assert binding.thread == 0
+        assert getattr(binding.callee, "__self__", None) is not w.connector
+    # the routes are gone from the instance: its calls are its class's again
+    for attribute, _ in kept.routers:
+        assert getattr(w.connector, attribute).__func__ is getattr(type(w.connector), attribute)
+
+
+def test_a_route_taken_during_a_step_and_called_after_it_refuses() -> None:
+    w = world(layers=2, stage_ids=(0, 1))
+    apply_cpu()
+    taken: list[Any] = []
+    model = w.runner.model
+    compute = model.compute_ffn_output
+
+    def take(**kw: Any) -> Any:
+        if not taken:
+            taken.append(w.connector.recv_attn_output)
+        return compute(**kw)
+
+    model.compute_ffn_output = take
+    run_step(w, Schedule(2, (0, 1), (8, 4), step=1))
+    assert taken and getattr(taken[0], "__self__", None) is not w.connector  # a router, not the method
+    with pytest.raises(RuntimeError, match="after its step ended"):
+        taken[0](layer_idx=0, ubatch_idx=0)
+
+
+def test_a_reopened_session_starts_afresh() -> None:
+    w = world(layers=3, stage_ids=(0, 1))
+    apply_cpu()
+    run_step(w, SCHEDS[0])
+    kept = _kept(w)
+    assert kept is not None
+    session = kept.session
+    session.reopen(w.connector)
+    assert not session.closed and session.next_recv == 0 and not session.forked
+    assert session.connector is w.connector and session.issued() == []
+    with pytest.raises(SessionError, match="closed session"):
+        session.reopen(w.connector)  # open: not reopened twice
+    session.close(raising=True)
+
+
+def test_another_decision_makes_another_session() -> None:
+    w = world(layers=4, stage_ids=(0, 1))
+    apply_cpu()
+    first, second = _steps(w, [Schedule(4, (0, 1), (16, 9), step=1), Schedule(3, (0, 1), (16, 9), step=2)])
+    assert first is not None and second is not None
+    assert first.session is not second.session
+    assert first.decision is not second.decision
+
+
+def test_a_step_with_a_watchdog_makes_its_own_session() -> None:
+    w = world(layers=3, stage_ids=(0, 1))
+    refs = serial_results(w, SCHEDS[:2])
+    made: list[OverlapSession] = []
+    original_init = OverlapSession.__init__
+
+    def counted(self: OverlapSession, **kw: Any) -> None:
+        original_init(self, **kw)
+        made.append(self)
+
+    apply_cpu(watchdog_s=30.0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(OverlapSession, "__init__", counted)
+        got = [run_step(w, s) for s in SCHEDS[:2]]
+    for g, ref in zip(got, refs, strict=True):
+        assert_same(g, ref)
+    assert len(made) == 2 and made[0] is not made[1]
+    assert _kept(w) is None
+
+
+def test_a_session_class_of_its_own_is_made_each_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = world(layers=3, stage_ids=(0, 1))
+    made: list[int] = []
+
+    class Counted(OverlapSession):
+        def __init__(self, **kw: Any) -> None:
+            super().__init__(**kw)
+            made.append(id(self))
+
+    monkeypatch.setattr(PATCH_LAYER.runtime, "session_class", Counted)
+    apply_cpu()
+    _steps(w, SCHEDS)
+    assert len(made) == len(SCHEDS)
+    assert _kept(w) is None
+
+
+def test_a_step_that_raised_leaves_a_session_the_next_step_reopens() -> None:
+    w = world(layers=3, stage_ids=(0, 1))
+    refs = serial_results(w, SCHEDS[1:])
+    apply_cpu()
+    model = w.runner.model
+    compute = model.compute_ffn_output
+
+    def fails(**kw: Any) -> Any:
+        raise RuntimeError("ffn failed")
+
+    run_step(w, SCHEDS[0])
+    kept = _kept(w)
+    model.compute_ffn_output = fails
+    with pytest.raises(RuntimeError, match="ffn failed"):
+        run_step(w, SCHEDS[1])
+    model.compute_ffn_output = compute
+    assert kept is not None and kept.session.closed and set(kept.session.held().values()) == {0}
+    got = [run_step(w, s) for s in SCHEDS[1:]]
+    for g, ref in zip(got, refs, strict=True):
+        assert_same(g, ref)
+    assert _kept(w) is kept
