@@ -15,7 +15,10 @@ from support.overlap import Schedule, apply_cpu, assert_same, run_step, serial_r
 from camp2p_overlap.core.overlap.session import OverlapSession, SessionError
 from camp2p_overlap.core.overlap.session_routers import KeptSession
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
+from camp2p_overlap.emulation.noop import noop_backend
+from camp2p_overlap.emulation.standin_patch_layer import emulated_patch_layer, release_site, standin_site
 from camp2p_overlap.emulation.world import World
+from camp2p_overlap.tools.overhead import engaged_config, noop_world
 
 SCHEDS = [Schedule(3, (0, 1), (16, 9), step=i + 1) for i in range(3)]
 
@@ -37,6 +40,7 @@ def test_steps_of_one_decision_share_a_session_and_give_the_serial_results() -> 
     w = world(layers=3, stage_ids=(0, 1))
     refs = serial_results(w, SCHEDS)
     apply_cpu()
+    engaged_before = PATCH_LAYER.runtime.counters.to_dict()["steps"]["overlap"]
     got = []
     sessions = []
     for sched in SCHEDS:
@@ -47,7 +51,7 @@ def test_steps_of_one_decision_share_a_session_and_give_the_serial_results() -> 
     for g, ref in zip(got, refs, strict=True):
         assert_same(g, ref)
     assert sessions[0] is sessions[1] is sessions[2]
-    assert PATCH_LAYER.runtime.counters.to_dict()["steps"]["overlap"] == len(SCHEDS)
+    assert PATCH_LAYER.runtime.counters.to_dict()["steps"]["overlap"] - engaged_before == len(SCHEDS)
 
 
 def test_a_kept_session_and_its_routers_hold_nothing_between_steps() -> None:
@@ -84,6 +88,42 @@ def test_a_route_taken_during_a_step_and_called_after_it_refuses() -> None:
     assert taken and getattr(taken[0], "__self__", None) is not w.connector  # a router, not the method
     with pytest.raises(RuntimeError, match="after its step ended"):
         taken[0](layer_idx=0, ubatch_idx=0)
+
+
+@pytest.mark.parametrize("failing", ["send_ffn_output", "recv_attn_output"])
+def test_a_kept_session_on_a_direct_backend_lists_no_steady_op_and_still_raises_a_failure(failing: str) -> None:
+    """The overhead tool's device (its ops run in scope on the host, as on a
+    real device's backend): the steady path keeps no op, and a failed send
+    or lookahead receive still raises from the step, as upstream's would."""
+    site = standin_site()
+    patch_layer = emulated_patch_layer()
+    patch_layer.runtime.runners.make_backend = noop_backend
+    try:
+        w = noop_world(3, 2, 0.0, site.root)
+        dp = w.dp_metadata()
+        patch_layer.engine.apply(config=engaged_config(), manifest=site.manifest, strict=True)
+        for _ in range(3):
+            w.runner._ffn_forward(dp_metadata_list=dp)
+        (sset,) = patch_layer.runtime.runners.stream_sets()
+        kept = sset.kept_session
+        assert kept is not None and kept.session._run_here and kept.session.issued() == []
+        original = getattr(type(w.connector), failing)
+
+        def fails(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("ubatch_idx") == 1 and kwargs.get("layer_idx", 1) == 1:
+                raise RuntimeError(f"{failing} failed")
+            return original(self, *args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(type(w.connector), failing, fails)
+            with pytest.raises(RuntimeError, match=f"{failing} failed"):
+                w.runner._ffn_forward(dp_metadata_list=dp)
+        assert kept.session.closed and set(kept.session.held().values()) == {0}
+        w.runner._ffn_forward(dp_metadata_list=dp)
+        assert sset.kept_session is kept
+    finally:
+        patch_layer.engine.unpatch(timeout=10)
+        release_site(site)
 
 
 def test_a_reopened_session_starts_afresh() -> None:

@@ -104,6 +104,9 @@ def _call_or(call: Callable[[], Any] | None, fn: Callable[..., Any], kw: Mapping
 
 
 _FORK = EventKey.fork()
+#: The handle of a steady-path E2A that ran without failing, in a session
+#: without an op log (nothing of it is kept: not its result, not its times).
+_SENT = DoneHandle()
 #: The host clock of an op the steady path runs itself (``direct_submit``).
 clock = time.perf_counter_ns
 #: The issue sequence of a session without a trace (never read: every
@@ -217,6 +220,7 @@ class OverlapSession:
         recorder: TraceRecorder | None = None,
         step_id: int = 0,
         context_of: Callable[[Any], Any] = _identity,
+        op_log: bool = True,
     ) -> None:
         if not plan.layers or not plan.stages:
             raise SessionError("a step plan needs at least one layer and one stage")
@@ -239,6 +243,11 @@ class OverlapSession:
         #: Which connector ops run on the side streams.
         self.directions = directions
         self._context_of = context_of
+        #: Whether the steady path lists its ops (``_ops``, for stall reports,
+        #: traces and :meth:`issued`): a session no watchdog reads and no
+        #: trace records (a kept one: ``session_routers.KeptSession``) lists
+        #: only the ops of its other paths, and keeps no E2A's result or times.
+        self._log_ops = op_log
         #: FFN outputs per stage, until C waits an event K_s recorded after their E2A.
         self._f_refs: dict[int, list[Any]] = {}
         for s in plan.stages:
@@ -314,6 +323,8 @@ class OverlapSession:
         #: Every op issued, in issue order: an :class:`IssuedOp`, or for a
         #: side-stream op the tuple of its fields (read through ``_issued``).
         self._ops: list[Any] = []
+        #: ``_ops`` while the steady path lists its ops, else None.
+        self._op_log: list[Any] | None = self._ops if self._log_ops else None
         self._ffn_start: dict[StageLayer, tuple[int, int]] = {}
         #: Host issue order of every record, wait and op of the step (traces:
         #: the checker rebuilds each stream's FIFO and the event graph from it).
@@ -430,7 +441,8 @@ class OverlapSession:
         k = self.side_streams[stage]
         if self._trace is None:  # the steady path: _submit and _record inline
             h = self._a_handle[key] = self.backend.submit(k, partial(fn, **kw), keys.a2e_label)
-            self._ops.append((A2E, layer, stage, k.name, h, -1))
+            if self._op_log is not None:
+                self._op_log.append((A2E, layer, stage, k.name, h, -1))
             self._a_kwargs[key] = kw
             pool = self._direct
             ev = pool.get(keys.a_done) if pool is not None else None
@@ -552,21 +564,29 @@ class OverlapSession:
             # with the stage's E2A and its lookahead A2E issued under one
             # switch to K_s (``backend.scope``).
             L, s, k, f_key, f_done, e_key, e_done, e2a_label, ahead, ahead_kw, a_key, a_done, a2e_label = slot
-            events, ops = self._events, self._ops
+            events, ops = self._events, self._op_log
             self._sent.add(key)
             f_done.record(self.compute)
             events[f_key] = f_done
             with self._scope(k):  # type: ignore[misc]
                 k.wait_event(f_done)
                 if self._run_here:  # backend.submit_here(k, call, label), inline (direct_submit)
-                    t0 = clock()
-                    try:
-                        h = DoneHandle(call(), None, t0, clock())
-                    except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
-                        h = DoneHandle(None, exc, t0, clock())
+                    if ops is None:  # no op log: only a failure is kept
+                        try:
+                            call()
+                            h = _SENT
+                        except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
+                            h = DoneHandle(None, exc)
+                    else:
+                        t0 = clock()
+                        try:
+                            h = DoneHandle(call(), None, t0, clock())
+                        except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
+                            h = DoneHandle(None, exc, t0, clock())
                 else:
                     h = self.backend.submit_here(k, call, e2a_label)
-                ops.append((E2A, L, s, k.name, h, -1))
+                if ops is not None:
+                    ops.append((E2A, L, s, k.name, h, -1))
                 e_done.record(k)
                 events[e_key] = e_done
                 self._f_refs[s].append((output, context, call))
@@ -583,15 +603,22 @@ class OverlapSession:
                 fn = self._recv_fn
                 assert fn is not None
                 if self._run_here:  # as above
-                    t0 = clock()
-                    try:
-                        h = DoneHandle(fn(**ahead_kw), None, t0, clock())
-                    except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
-                        h = DoneHandle(None, exc, t0, clock())
+                    if ops is None:  # no op log: no times
+                        try:
+                            h = DoneHandle(fn(**ahead_kw))
+                        except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
+                            h = DoneHandle(None, exc)
+                    else:
+                        t0 = clock()
+                        try:
+                            h = DoneHandle(fn(**ahead_kw), None, t0, clock())
+                        except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
+                            h = DoneHandle(None, exc, t0, clock())
                 else:
                     h = self.backend.submit_here(k, partial(fn, **ahead_kw), a2e_label)
                 self._a_handle[ahead] = h
-                ops.append((A2E, ahead[0], s, k.name, h, -1))
+                if ops is not None:
+                    ops.append((A2E, ahead[0], s, k.name, h, -1))
                 self._a_kwargs[ahead] = ahead_kw
                 a_done.record(k)
                 events[a_key] = a_done

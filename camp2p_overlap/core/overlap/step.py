@@ -215,6 +215,9 @@ def _keep_serial_pass(
     return kept
 
 
+#: A kept session's keyword: no op log (no watchdog or trace reads it).
+_NO_OP_LOG = {"op_log": False}
+
 #: The route targets read last and their (attribute, router maker) pairs
 #: (one tuple, replaced whole: steps of other threads and engines read it).
 _MAKERS_READ: tuple[Any, tuple[tuple[str, Any], ...]] = ((), ())
@@ -464,6 +467,7 @@ class FfnStep:
             recorder=self.recorder,
             step_id=step_id,
             context_of=camp2p.context_of,
+            **_NO_OP_LOG if keep else {},
         )
         kept = keep_session(decision, makers, session)
         streamset.kept_session = kept if keep else None
