@@ -440,7 +440,12 @@ class OverlapSession:
             kw, keys = self.plan.build_recv_kwargs(layer, stage), OpKeys.of(layer, stage)
         k = self.side_streams[stage]
         if self._trace is None:  # the steady path: _submit and _record inline
-            h = self._a_handle[key] = self.backend.submit(k, partial(fn, **kw), keys.a2e_label)
+            if self._run_here:  # backend.submit(k, ...), inline (direct_scope and direct_submit)
+                with self._scope(k):  # type: ignore[misc]
+                    h = self._a2e_here(fn, kw)
+            else:
+                h = self.backend.submit(k, partial(fn, **kw), keys.a2e_label)
+            self._a_handle[key] = h
             if self._op_log is not None:
                 self._op_log.append((A2E, layer, stage, k.name, h, -1))
             self._a_kwargs[key] = kw
@@ -455,6 +460,21 @@ class OverlapSession:
         self._a_handle[key] = self._submit(k, A2E, layer, stage, partial(fn, **kw), keys.a2e_label)
         self._a_kwargs[key] = kw
         self._record(k, keys.a_done)
+
+    def _a2e_here(self, fn: Callable[..., Any], kw: Mapping[str, Any]) -> DoneHandle:
+        """A receive run by the host in its side stream's scope, already
+        entered (``backend.submit_here``, inline: ``direct_submit``): its
+        handle, timed while the session lists its ops."""
+        if self._op_log is None:
+            try:
+                return DoneHandle(fn(**kw))
+            except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
+                return DoneHandle(None, exc)
+        t0 = clock()
+        try:
+            return DoneHandle(fn(**kw), None, t0, clock())
+        except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
+            return DoneHandle(None, exc, t0, clock())
 
     # ------------------------------------------------------------------
     # the connector calls
@@ -603,17 +623,7 @@ class OverlapSession:
                 fn = self._recv_fn
                 assert fn is not None
                 if self._run_here:  # as above
-                    if ops is None:  # no op log: no times
-                        try:
-                            h = DoneHandle(fn(**ahead_kw))
-                        except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
-                            h = DoneHandle(None, exc)
-                    else:
-                        t0 = clock()
-                        try:
-                            h = DoneHandle(fn(**ahead_kw), None, t0, clock())
-                        except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
-                            h = DoneHandle(None, exc, t0, clock())
+                    h = self._a2e_here(fn, ahead_kw)
                 else:
                     h = self.backend.submit_here(k, partial(fn, **ahead_kw), a2e_label)
                 self._a_handle[ahead] = h
