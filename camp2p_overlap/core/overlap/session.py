@@ -570,8 +570,18 @@ class OverlapSession:
             # payload must not: ownership is tracked in self._inflight.
             h.release()
 
-    def send(self, call: Callable[[], Any], output: Any, context: Any, stage: int | None) -> None:
-        """A send of the loop: ``call`` runs it as the loop made it."""
+    def send(
+        self,
+        call: Callable[..., Any],
+        output: Any,
+        context: Any,
+        stage: int | None,
+        args: tuple[Any, ...] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        """A send of the loop: ``call()`` runs it as the loop made it; or,
+        given ``args``, ``call(*args, **kwargs)`` does (a router's call as it
+        came, with no partial made for it on the steady path)."""
         # Popped: the payload (and so its context) stays alive until its send,
         # so the id cannot be reused while it is mapped.
         key = self._contexts.pop(id(context), None)
@@ -590,26 +600,30 @@ class OverlapSession:
             events[f_key] = f_done
             with self._scope(k):  # type: ignore[misc]
                 k.wait_event(f_done)
-                if self._run_here:  # backend.submit_here(k, call, label), inline (direct_submit)
-                    if ops is None:  # no op log: only a failure is kept
-                        try:
+                if self._run_here and ops is None:  # backend.submit_here, inline; no op log: only a failure kept
+                    try:
+                        if args is None:
                             call()
-                            h = _SENT
-                        except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
-                            h = DoneHandle(None, exc)
-                    else:
+                        else:
+                            call(*args, **kwargs)  # type: ignore[arg-type]
+                        h = _SENT
+                    except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
+                        h = DoneHandle(None, exc)
+                else:
+                    run = call if args is None else partial(call, *args, **kwargs)  # type: ignore[arg-type]
+                    if self._run_here:  # backend.submit_here(k, run, label), inline (direct_submit)
                         t0 = clock()
                         try:
-                            h = DoneHandle(call(), None, t0, clock())
+                            h = DoneHandle(run(), None, t0, clock())
                         except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
                             h = DoneHandle(None, exc, t0, clock())
-                else:
-                    h = self.backend.submit_here(k, call, e2a_label)
+                    else:
+                        h = self.backend.submit_here(k, run, e2a_label)
                 if ops is not None:
                     ops.append((E2A, L, s, k.name, h, -1))
                 e_done.record(k)
                 events[e_key] = e_done
-                self._f_refs[s].append((output, context, call))
+                self._f_refs[s].append((output, context, call, args, kwargs))
                 self._inflight.pop(key, None)  # K_s has waited f_done(L, s)
                 if type(h) is DoneHandle:  # h.done() and h.result(), inline
                     if h.exception is not None:
@@ -633,6 +647,8 @@ class OverlapSession:
                 a_done.record(k)
                 events[a_key] = a_done
             return None
+        if args is not None:
+            call = partial(call, *args, **kwargs)  # type: ignore[arg-type]
         if self.fallen_back:
             return self._send_on_c(call, key)
         if key is None or key in self._sent or stage != key[1]:

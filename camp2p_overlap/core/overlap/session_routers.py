@@ -81,9 +81,14 @@ def _session_recv(session: OverlapSession, binding: RouterBinding) -> Wrapped:
     return recv_attn_output
 
 
+#: The session's own send (a subclass's may take only the call as one callable).
+_BASE_SEND = OverlapSession.send
+
+
 def _session_send(session: OverlapSession, binding: RouterBinding) -> Wrapped:
     send = session.send
     parts, stage_of = camp2p.send_parts, camp2p.send_stage
+    whole = type(session).send is not _BASE_SEND  # a subclass's send: handed the call as one callable
 
     def send_ffn_output(*args: Any, **kwargs: Any) -> Any:
         callee = binding.callee
@@ -92,7 +97,9 @@ def _session_send(session: OverlapSession, binding: RouterBinding) -> Wrapped:
         # upstream's call, send_ffn_output(output, context, ubatch_idx=s), read inline
         output, context = (args[0], args[1]) if len(args) >= 2 else parts(args, kwargs)
         stage = int(kwargs["ubatch_idx"]) if "ubatch_idx" in kwargs else stage_of(context, kwargs)
-        return send(partial(callee, *args, **kwargs), output, context, stage)
+        if whole:
+            return send(partial(callee, *args, **kwargs), output, context, stage)
+        return send(callee, output, context, stage, args, kwargs)  # callee(*args, **kwargs): the call as it came
 
     return send_ffn_output
 
