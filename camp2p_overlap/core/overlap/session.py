@@ -255,6 +255,8 @@ class OverlapSession:
         # What close() empties in place (the per-step records below are made
         # afresh by _open()).
         self._a_handle: dict[StageLayer, OpHandle] = {}
+        #: The kwargs of each receive issued off the plan (a planned one's
+        #: are the plan's: ``plan.recv_kw``), until it is taken or the step closes.
         self._a_kwargs: dict[StageLayer, dict[str, Any]] = {}
         #: A2E outputs, until K_s has waited their FFN's f_done.
         self._inflight: dict[StageLayer, Any] = {}
@@ -438,6 +440,7 @@ class OverlapSession:
         keys = self._keys.get(key)
         if kw is None or keys is None:  # off the plan: only a broken schedule asks
             kw, keys = self.plan.build_recv_kwargs(layer, stage), OpKeys.of(layer, stage)
+            self._a_kwargs[key] = kw
         k = self.side_streams[stage]
         if self._trace is None:  # the steady path: _submit and _record inline
             if self._run_here:  # backend.submit(k, ...), inline (direct_scope and direct_submit)
@@ -448,7 +451,6 @@ class OverlapSession:
             self._a_handle[key] = h
             if self._op_log is not None:
                 self._op_log.append((A2E, layer, stage, k.name, h, -1))
-            self._a_kwargs[key] = kw
             pool = self._direct
             ev = pool.get(keys.a_done) if pool is not None else None
             if ev is None:
@@ -458,7 +460,6 @@ class OverlapSession:
             self._events[keys.a_done] = ev
             return
         self._a_handle[key] = self._submit(k, A2E, layer, stage, partial(fn, **kw), keys.a2e_label)
-        self._a_kwargs[key] = kw
         self._record(k, keys.a_done)
 
     def _a2e_here(self, fn: Callable[..., Any], kw: Mapping[str, Any]) -> DoneHandle:
@@ -503,7 +504,6 @@ class OverlapSession:
                 self.compute.wait_event(ev)  # backend.wait, inline (direct_events)
                 # _take_prefetched(*key), inline
                 h = self._a_handle.pop(key)
-                self._a_kwargs.pop(key, None)
                 if type(h) is DoneHandle and h.exception is None:  # result() and release(), inline
                     payload, h.value = h.value, None
                 else:
@@ -643,7 +643,6 @@ class OverlapSession:
                 self._a_handle[ahead] = h
                 if ops is not None:
                     ops.append((A2E, ahead[0], s, k.name, h, -1))
-                self._a_kwargs[ahead] = ahead_kw
                 a_done.record(k)
                 events[a_key] = a_done
             return None
@@ -698,7 +697,8 @@ class OverlapSession:
         self.join()
 
     def _recv_after_fallback(self, kw: dict[str, Any], got: tuple[Any, Any], run: Callable[[], Any]) -> Any:
-        if got in self._a_handle and self._a_kwargs.get(got) == kw:  # type: ignore[comparison-overlap]
+        issued_kw = self._a_kwargs.get(got) or self.plan.recv_kw.get(got)  # type: ignore[arg-type]
+        if got in self._a_handle and issued_kw == kw:
             payload = self._take_prefetched(*got)  # type: ignore[arg-type]
         elif any(s == kw.get("ubatch_idx") for (_, s) in self._a_handle):
             pending = sorted(k for k in self._a_handle if k[1] == kw.get("ubatch_idx"))
