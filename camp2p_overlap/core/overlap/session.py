@@ -723,9 +723,10 @@ class OverlapSession:
 
     # ------------------------------------------------------------------
     # join
-    def join(self) -> None:
+    def join(self, *, release: bool = True) -> None:
         """Make the compute stream wait the last work of every side stream,
-        then release the buffers held for them (:meth:`release_buffers`)."""
+        then release the buffers held for them (:meth:`release_buffers`;
+        ``release`` False: the caller does, as :meth:`close`)."""
         if not self.forked:
             return
         pool, compute = self._direct, self.compute
@@ -741,7 +742,8 @@ class OverlapSession:
                 compute.wait_event(ev)
         # Every side-stream op has completed (CPU) or is ordered before C's
         # next work (device): nothing the step allocated needs holding.
-        self.release_buffers()
+        if release:
+            self.release_buffers()
 
     def release_sent_outputs(self) -> None:
         """Drop the references to the FFN outputs the step's sends (E2A)
@@ -766,7 +768,10 @@ class OverlapSession:
             return
         self.closed = True
         try:
-            self.join()
+            if type(self).join is _BASE_JOIN:
+                self.join(release=False)  # released below, with every other record
+            else:  # a subclass's join
+                self.join()
         finally:
             # What the closed snapshot is built from, when first asked for: the
             # step's own records, handed over (never changed again), not copied.
@@ -890,3 +895,4 @@ class OverlapSession:
 #: only while a session's class still has these).
 _BASE_WAIT_EVENT = OverlapSession.wait_event
 _BASE_ISSUE_A2E = OverlapSession.issue_a2e
+_BASE_JOIN = OverlapSession.join

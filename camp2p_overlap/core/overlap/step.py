@@ -312,9 +312,10 @@ class FfnStep:
     def decide(self) -> tuple[Decision, StreamSet | None]:
         """The decision and, when it engages, the runner's stream set."""
         engine, runtime = self.engine, self.runtime
-        blocked = self.blocking_reason()
-        if blocked is not None:
-            return serial(blocked), None
+        if engine.unready is not None or not engine.config.enabled or runtime.local.session is not None:
+            blocked = self.blocking_reason()  # blocking_reason(), inline for a ready step
+            if blocked is not None:
+                return serial(blocked), None
         try:
             decision = decide(engine, self.runner, self.kwargs, runtime.decisions)
         except Exception as exc:  # noqa: BLE001 - planning must never break the original call
