@@ -262,6 +262,9 @@ class OverlapSession:
         self._inflight: dict[StageLayer, Any] = {}
         #: id(context) -> (layer, stage), for payloads handed to the loop.
         self._contexts: dict[int, StageLayer] = {}
+        self._direct: dict[EventKey, Any] | None = None
+        self._recv_slots: tuple[RecvSlot, ...] | None = None
+        self._send_slots: dict[StageLayer, SendSlot] | None = None
         self._open(recorder, step_id)
 
     def reopen(self, connector: Any) -> None:
@@ -272,46 +275,27 @@ class OverlapSession:
         if not self.closed or self._trace is not None:
             raise SessionError("only a closed session without a trace may be reopened")
         self.connector = connector
-        self._open(None, 0)
+        self._probe()
+        # _open()'s records, less what close() left fresh (its op list and
+        # event dict) and what only a trace reads
+        self.next_recv = 0
+        self.forked = self.fallen_back = self.closed = False
+        self._consumed = set()
+        self._sent = set()
+        self._e_done_c.clear()
+        self._op_log = self._ops if self._log_ops else None
+        self.t_open_ns = time.perf_counter_ns()
+        self._closed_snapshot = self._closed_parts = None
+        if self.backend.reports_step_errors:
+            self.backend.begin_step(list(self.side_streams.values()))
 
     def _open(self, recorder: TraceRecorder | None, step_id: int) -> None:
-        """The per-step part of a session: the compute stream, the backend's
-        probes and the steady path's slots (asked again each step: a backend
-        patched since then is seen), and the step's own records."""
+        """The per-step part of a session: its trace, what :meth:`_probe`
+        reads, and the step's own records."""
         backend = self.backend
-        #: The compute stream (the runner's current stream).
-        self.compute = backend.compute_stream()
         self.step_id = step_id
         self._trace = StepTrace(recorder, step_id, backend) if recorder is not None else None
-        #: The steady path of a receive and a send (the first branch of
-        #: :meth:`recv` and of :meth:`send`): no trace, and the schedule's waits and the
-        #: lookahead through this class's own methods (a subclass or a
-        #: patched class that overrides one takes the general path).
-        cls = type(self)
-        directions = self.directions
-        self._steady = (
-            self._trace is None
-            and directions.a2e_side
-            and directions.e2a_side
-            and cls.wait_event is _BASE_WAIT_EVENT
-            and cls.issue_a2e is _BASE_ISSUE_A2E
-        )
-        #: On the steady path, the backend's event pool when its record and
-        #: wait are the plain event calls (``StreamBackend.direct_events``):
-        #: the steady path then records and waits on the events itself.
-        self._direct = backend.direct_events() if self._steady else None
-        #: And the backend's scope, when it is a plain call (``direct_scope``).
-        self._scope = backend.direct_scope() if self._direct is not None else None
-        #: And whether it runs an op submitted in scope itself (``direct_submit``).
-        self._run_here = self._scope is not None and backend.direct_submit()
-        #: The steady path's per-(layer, stage) slots (:func:`steady_slots`):
-        #: a receive's and a send's keys, events and streams, gathered once
-        #: per plan and stream set; None off the steady path, or while an
-        #: event of the plan is not in the backend's pool yet (the first step
-        #: of a plan records them through the backend, on the general path).
-        slots = steady_slots(self._streamset, self.plan, self._direct) if self._scope is not None else None
-        self._recv_slots, self._send_slots = slots if slots is not None else (None, None)
-
+        self._probe()
         #: The index in ``self.order`` of the next expected receive.
         self.next_recv = 0
         self.forked = False
@@ -339,6 +323,46 @@ class OverlapSession:
         self._closed_parts: tuple[Any, ...] | None = None
         if backend.reports_step_errors:
             backend.begin_step(list(self.side_streams.values()))
+
+    def _probe(self) -> None:
+        """The compute stream, and the backend's probes and the steady
+        path's slots, asked again each step (a backend patched since the
+        last step is seen)."""
+        backend = self.backend
+        #: The compute stream (the runner's current stream).
+        self.compute = backend.compute_stream()
+        #: The steady path of a receive and a send (the first branch of
+        #: :meth:`recv` and of :meth:`send`): no trace, and the schedule's waits and the
+        #: lookahead through this class's own methods (a subclass or a
+        #: patched class that overrides one takes the general path).
+        cls = type(self)
+        directions = self.directions
+        self._steady = (
+            self._trace is None
+            and directions.a2e_side
+            and directions.e2a_side
+            and cls.wait_event is _BASE_WAIT_EVENT
+            and cls.issue_a2e is _BASE_ISSUE_A2E
+        )
+        #: On the steady path, the backend's event pool when its record and
+        #: wait are the plain event calls (``StreamBackend.direct_events``):
+        #: the steady path then records and waits on the events itself.
+        pool = self._direct
+        self._direct = backend.direct_events() if self._steady else None
+        #: And the backend's scope, when it is a plain call (``direct_scope``).
+        self._scope = backend.direct_scope() if self._direct is not None else None
+        #: And whether it runs an op submitted in scope itself (``direct_submit``).
+        self._run_here = self._scope is not None and backend.direct_submit()
+        #: The steady path's per-(layer, stage) slots (:func:`steady_slots`):
+        #: a receive's and a send's keys, events and streams, gathered once
+        #: per plan and stream set; None off the steady path, or while an
+        #: event of the plan is not in the backend's pool yet (the first step
+        #: of a plan records them through the backend, on the general path).
+        if self._scope is None:
+            self._recv_slots = self._send_slots = None
+        elif self._recv_slots is None or self._direct is not pool:  # the last step's slots hold while its pool does
+            slots = steady_slots(self._streamset, self.plan, self._direct)
+            self._recv_slots, self._send_slots = slots if slots is not None else (None, None)
 
     # ------------------------------------------------------------------
     # events and ops
