@@ -375,7 +375,8 @@ def test_the_steady_slots_name_the_pooled_events_once_every_one_is_made() -> Non
         slots = steady_slots(sset, plan, pool)
         assert slots is not None
         recv, send = slots
-        assert [k for k, _, _ in recv] == list(plan.sequence)
+        assert [slot.key for slot in recv] == list(plan.sequence)
+        assert all(slot.a_done is pool[slot.a_done_key] for slot in recv)
         L, s, k, f_key, f_done, e_key, e_done, _, ahead, ahead_kw, a_key, a_done, _ = send[(0, 1)]
         assert (L, s, k) == (0, 1, sset.streams[1])
         assert f_done is pool[f_key] and e_done is pool[e_key] and a_done is pool[a_key]

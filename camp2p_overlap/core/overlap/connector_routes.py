@@ -135,6 +135,12 @@ class ConnectorRoutes:
         #: (attribute, our router, what the instance held of its own before, or _MISSING)
         self._set: list[tuple[str, Any, Any]] = []
 
+    def retarget(self, instance: Any) -> None:
+        """Route ``instance`` from now on (nothing may be routed now)."""
+        if self._set:
+            raise RuntimeError("connector routes are still installed")
+        self._instance = instance
+
     def install(self, routers: Sequence[tuple[str, RouterFactory]], *, checked: bool = False) -> str | None:
         """Route each ``(attribute, factory)``; None when every route is in
         place, else why none is (nothing is left set). ``checked``: the

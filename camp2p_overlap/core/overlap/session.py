@@ -122,6 +122,7 @@ class RecvSlot(NamedTuple):
     key: StageLayer
     kwargs: Mapping[str, Any]
     a_done_key: EventKey
+    a_done: Any
 
 
 class SendSlot(NamedTuple):
@@ -171,7 +172,7 @@ def steady_slots(
             if ev is None:
                 return None
             events[key] = ev
-    recv = tuple(RecvSlot(key, plan.recv_kw[key], keys[key].a_done) for key in plan.sequence)
+    recv = tuple(RecvSlot(key, plan.recv_kw[key], keys[key].a_done, events[keys[key].a_done]) for key in plan.sequence)
     send: dict[StageLayer, SendSlot] = {}
     for key in plan.sequence:
         L, s = key
@@ -510,7 +511,7 @@ class OverlapSession:
         i = self.next_recv
         slots = self._recv_slots
         if slots is not None and not self.fallen_back and i < len(slots):
-            key, planned_kw, a_key = slots[i]
+            key, planned_kw, a_key, a_done = slots[i]
             if kw == planned_kw:  # the planned receive (so its layer and stage too)
                 # The steady path: the first receive forks and issues the
                 # prologue (as below); then C waits a_done (wait_event,
@@ -522,18 +523,19 @@ class OverlapSession:
                     for stage in self.plan.stages:  # the prologue
                         self.issue_a2e(first_layer, stage)
                 self.next_recv = i + 1
-                ev = self._events.get(a_key)
-                if ev is None:
+                # _take_prefetched(*key), inline: issued in this step (and so
+                # its a_done recorded) exactly when its handle is held
+                h = self._a_handle.pop(key, None)
+                if h is None:
                     raise SessionError(f"wait on event {a_key.label()!r} that was not recorded in this step")
-                self.compute.wait_event(ev)  # backend.wait, inline (direct_events)
-                # _take_prefetched(*key), inline
-                h = self._a_handle.pop(key)
+                self.compute.wait_event(a_done)  # backend.wait, inline (direct_events)
                 if type(h) is DoneHandle and h.exception is None:  # result() and release(), inline
                     payload, h.value = h.value, None
                 else:
                     payload = self._take_handle(h, key[1])
                 self._f_refs[key[1]].clear()  # as below
-                self._consumed.add(key)
+                if self._op_log is not None:  # the step's records for stall reports
+                    self._consumed.add(key)
                 self._inflight[key] = payload
                 self._contexts[id(self._context_of(payload))] = key
                 return payload
@@ -621,7 +623,6 @@ class OverlapSession:
             events, ops = self._events, self._op_log
             self._sent.add(key)
             f_done.record(self.compute)
-            events[f_key] = f_done
             with self._scope(k):  # type: ignore[misc]
                 k.wait_event(f_done)
                 if self._run_here and ops is None:  # backend.submit_here, inline; no op log: only a failure kept
@@ -646,7 +647,9 @@ class OverlapSession:
                 if ops is not None:
                     ops.append((E2A, L, s, k.name, h, -1))
                 e_done.record(k)
-                events[e_key] = e_done
+                if ops is not None:  # the step's record of its events (stall reports), in record order
+                    events[f_key] = f_done
+                    events[e_key] = e_done
                 self._f_refs[s].append((output, context, call, args, kwargs))
                 self._inflight.pop(key, None)  # K_s has waited f_done(L, s)
                 if type(h) is DoneHandle:  # h.done() and h.result(), inline
@@ -654,7 +657,7 @@ class OverlapSession:
                         h.result()  # a host-side failure surfaces here, as in the serial path
                 elif h.done():
                     h.result()
-                self._e_done_c[s] = e_key
+                # (no _e_done_c: only a session that runs A2E on C reads it)
                 if ahead is None:
                     return None
                 # issue_a2e(*ahead), inline
@@ -668,7 +671,8 @@ class OverlapSession:
                 if ops is not None:
                     ops.append((A2E, ahead[0], s, k.name, h, -1))
                 a_done.record(k)
-                events[a_key] = a_done
+                if ops is not None:
+                    events[a_key] = a_done
             return None
         if args is not None:
             call = partial(call, *args, **kwargs)  # type: ignore[arg-type]

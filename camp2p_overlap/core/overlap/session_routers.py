@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from threading import get_ident
-from typing import Any, NamedTuple
+from typing import Any
 
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.connector_routes import ROUTER_MARK, RouterFactory
+from camp2p_overlap.core.overlap.connector_routes import ROUTER_MARK, ConnectorRoutes, RouterFactory
 from camp2p_overlap.core.overlap.session import OverlapSession
 
 Wrapped = Callable[..., Any]
@@ -64,6 +64,8 @@ class RouterBinding:
 
 #: Makes a router of a session: ``maker(session, binding) -> router``.
 RouterMaker = Callable[[OverlapSession, "RouterBinding"], Wrapped]
+#: (attribute, router maker) of each route target.
+MakersOf = tuple[tuple[str, RouterMaker], ...]
 
 
 def _session_recv(session: OverlapSession, binding: RouterBinding) -> Wrapped:
@@ -132,21 +134,33 @@ def session_router(maker: RouterMaker, session: OverlapSession) -> RouterBinding
     return binding
 
 
-class KeptSession(NamedTuple):
-    """A session kept on its stream set between steps, with what a step must
-    match to reuse it: the decision it was made for (the same object: the
-    decision memo hands the same one back), and the router makers it was
-    routed with; and its routers, each with its binding."""
+class KeptSession:
+    """A session with its routers, one per route target, each with its
+    binding; kept on its stream set between steps (when the step allows),
+    with what a later step must match to reuse it: the decision it was made
+    for (the same object: the decision memo hands the same one back) and
+    the installer's route targets it was routed with."""
 
-    decision: Any
-    makers: tuple[tuple[str, Any], ...]
-    session: OverlapSession
-    routers: tuple[tuple[str, RouterFactory], ...]
-    bindings: tuple[RouterBinding, ...]
+    __slots__ = ("_connector_routes", "bindings", "decision", "routers", "routes", "session")
 
+    def __init__(self, decision: Any, routes: tuple[Any, ...], makers: MakersOf, session: OverlapSession) -> None:
+        self.decision = decision
+        self.routes = routes
+        self.session = session
+        self.bindings = tuple(session_router(maker, session) for _, maker in makers)
+        self.routers = tuple((attribute, b.bind) for (attribute, _), b in zip(makers, self.bindings, strict=True))
+        self._connector_routes = ConnectorRoutes(None)
 
-def keep_session(decision: Any, makers: tuple[tuple[str, Any], ...], session: OverlapSession) -> KeptSession:
-    """``session`` with one router per ``(attribute, maker)`` of ``makers``."""
-    bindings = tuple(session_router(maker, session) for _, maker in makers)
-    routers = tuple((attribute, b.bind) for (attribute, _), b in zip(makers, bindings, strict=True))
-    return KeptSession(decision, makers, session, routers, bindings)
+    def route(self, connector: Any) -> str | None:
+        """Route ``connector``'s targets to the session, on this thread:
+        None, or why nothing is routed (``ConnectorRoutes.install``, checked:
+        the step's decision checked the connector)."""
+        routes = self._connector_routes
+        routes.retarget(connector)
+        return routes.install(self.routers, checked=True)
+
+    def unroute(self) -> None:
+        """Take the routes away, and the callees from the routers."""
+        self._connector_routes.remove()
+        for binding in self.bindings:
+            binding.unbind()

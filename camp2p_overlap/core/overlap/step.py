@@ -38,14 +38,13 @@ from camp2p_overlap.core.observe.trace import TraceOp, TraceRecorder, current_re
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Passed, pow2_ceil
 from camp2p_overlap.core.overlap.capture_guard import GUARD
-from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes
 from camp2p_overlap.core.overlap.decision import GRAPH_OFF, GRAPH_SERIAL_VARIANT, Decision, decide, serial, streams_for
 from camp2p_overlap.core.overlap.graphs import GraphCapture, graph_variants_refusal
 from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, PlannedShape, RunnerState, SerialPass
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
 from camp2p_overlap.core.overlap.serial_trace import run_traced_serial
 from camp2p_overlap.core.overlap.session import OverlapSession
-from camp2p_overlap.core.overlap.session_routers import ROUTER_MAKERS, ROUTERS, KeptSession, keep_session
+from camp2p_overlap.core.overlap.session_routers import ROUTER_MAKERS, ROUTERS, KeptSession
 from camp2p_overlap.core.overlap.streams import BackendUnavailable
 from camp2p_overlap.core.overlap.streams.base import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
@@ -401,8 +400,7 @@ class FfnStep:
             connector = self.runner.connector
             kept = self.session_of(decision, streamset, connector, step_id, keep=not (capturing or seconds))
             session = kept.session
-            routes = ConnectorRoutes(connector)
-            refused = routes.install(kept.routers, checked=True)  # decide() checked the connector
+            refused = kept.route(connector)
             if refused is not None:  # decide() checked it: only a race with another thread's step lands here
                 session.close(raising=True)  # nothing was issued: closing only releases it
                 self.count_serial(refused)
@@ -434,9 +432,7 @@ class FfnStep:
                 session.close()
                 return result
             finally:
-                routes.remove()  # on every exit path: nothing of ours stays on the instance
-                for binding in kept.bindings:  # and no router holds the connector
-                    binding.unbind()
+                kept.unroute()  # on every exit path: nothing of ours stays on the instance
                 local.session = None
                 if watchdog is not None:
                     watchdog.cancel()
@@ -453,11 +449,11 @@ class FfnStep:
         reopens that session and binds its routers again; any other step
         makes new ones."""
         runtime = self.runtime
-        makers = _makers_of(self.engine.installer.routes())
+        routes = self.engine.installer.routes()
         keep = keep and self.recorder is None and decision.mode == "overlap" and runtime.session_class is OverlapSession
         if keep:
             kept: KeptSession | None = streamset.kept_session
-            if kept is not None and kept.decision is decision and kept.makers is makers and kept.session.closed:
+            if kept is not None and kept.decision is decision and kept.routes is routes and kept.session.closed:
                 kept.session.reopen(connector)
                 return kept
         session = runtime.session_class(
@@ -470,7 +466,7 @@ class FfnStep:
             context_of=camp2p.context_of,
             **_NO_OP_LOG if keep else {},
         )
-        kept = keep_session(decision, makers, session)
+        kept = KeptSession(decision, routes, _makers_of(routes), session)
         streamset.kept_session = kept if keep else None
         return kept
 
