@@ -510,7 +510,7 @@ class OverlapSession:
         (default: ``fn(**kw)``). ``kw`` holds ``layer_idx`` and ``ubatch_idx``."""
         i = self.next_recv
         slots = self._recv_slots
-        if slots is not None and not self.fallen_back and i < len(slots):
+        if slots is not None and i < len(slots):  # (a fallen-back step has no slots)
             key, planned_kw, a_key, a_done = slots[i]
             if kw == planned_kw:  # the planned receive (so its layer and stage too)
                 # The steady path: the first receive forks and issues the
@@ -612,7 +612,7 @@ class OverlapSession:
         # so the id cannot be reused while it is mapped.
         key = self._contexts.pop(id(context), None)
         slot = self._send_slots.get(key) if self._send_slots is not None else None  # slot[1]: slot.stage, by index
-        if slot is not None and stage == slot[1] and not self.fallen_back and key not in self._sent:
+        if slot is not None and stage == slot[1] and key not in self._sent:  # (a fallen-back step has no slots)
             # The steady path (both directions on the side streams, this
             # class's wait and lookahead, the backend's pooled events): the
             # same records, waits and ops in the same order as below, with
@@ -663,7 +663,12 @@ class OverlapSession:
                 # issue_a2e(*ahead), inline
                 fn = self._recv_fn
                 assert fn is not None
-                if self._run_here:  # as above
+                if self._run_here and ops is None:  # _a2e_here(fn, ahead_kw), inline
+                    try:
+                        h = DoneHandle(fn(**ahead_kw))
+                    except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
+                        h = DoneHandle(None, exc)
+                elif self._run_here:
                     h = self._a2e_here(fn, ahead_kw)
                 else:
                     h = self.backend.submit_here(k, partial(fn, **ahead_kw), a2e_label)
@@ -722,6 +727,7 @@ class OverlapSession:
             expected,
         )
         self.fallen_back = True
+        self._recv_slots = self._send_slots = None  # the steady path is over for this step
         self.join()
 
     def _recv_after_fallback(self, kw: dict[str, Any], got: tuple[Any, Any], run: Callable[[], Any]) -> Any:
