@@ -389,6 +389,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="timed pairs of steps of the decided-serial A/B and of its A/A control each; 0 skips both "
         "(default %(default)s)",
     )
+    overhead.add_argument(
+        "--pt-pairs",
+        type=int,
+        default=OverheadParams.pt_pairs,
+        help="timed pairs per shape of the paired pass-through figure (a wrapped step and upstream's own "
+        "function on the same runner, alternating which runs first) and of its A/A control; 0 skips it "
+        "(default %(default)s)",
+    )
     overhead.add_argument("--json", metavar="PATH", help="write the result as JSON")
 
     doctor = sub.add_parser(
@@ -584,6 +592,7 @@ def _overhead(args: argparse.Namespace, argv: Sequence[str]) -> int:
         rounds=args.rounds,
         delay_us=args.delay_us,
         ab_pairs=args.ab_pairs,
+        pt_pairs=args.pt_pairs,
     )
     try:
         params.validate()

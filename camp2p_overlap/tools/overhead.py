@@ -132,6 +132,9 @@ class OverheadParams:
     #: stretches of 0.1-1 s); many pairs make the median's interval narrow.
     ab_pairs: int = 3000
     ab_warmup: int = 5
+    #: The paired pass-through figure, per shape: timed pairs of one wrapped
+    #: and one original step (0 skips it), and as many A/A pairs.
+    pt_pairs: int = 1000
 
     def validate(self) -> None:
         if not self.layers or any(n < 1 for n in self.layers):
@@ -144,6 +147,8 @@ class OverheadParams:
             raise ValueError(f"delay_us must be >= 0, got {self.delay_us}")
         if self.ab_pairs != 0 and (self.ab_pairs < AB_MIN_PAIRS or self.ab_warmup < 0):
             raise ValueError(f"the decided-serial A/B needs ab_pairs 0 (skip) or >= {AB_MIN_PAIRS}, ab_warmup >= 0")
+        if self.pt_pairs != 0 and self.pt_pairs < AB_MIN_PAIRS:
+            raise ValueError(f"the paired pass-through figure needs pt_pairs 0 (skip) or >= {AB_MIN_PAIRS}")
 
 
 def _figure(samples: Sequence[float]) -> dict[str, float]:
@@ -312,10 +317,14 @@ def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, 
         samples["engaged"] += [(t - base) / 1e3 / pairs for t in times["engaged"]]
         samples["pass-through-step"] += [(t - base) / 1e3 for t in times["pass-through"]]
         samples["pass-through"] += [(t - base) / 1e3 / calls for t in times["pass-through"]]
+    paired = passthrough_pairs(
+        params, world, step, upstream, (engines["pass-through"], configs["pass-through"], manifest), calls
+    )
     counters = engines["engaged"].runtime.counters.to_dict()["steps"]
     passed = engines["pass-through"].runtime.counters.to_dict()["steps"]
     expected = params.rounds * (params.warmup + params.steps)
-    if counters["overlap"] != expected or passed["serial"] != expected + 1 or passed["overlap"]:
+    paired_steps = PT_WARMUP + params.pt_pairs if paired.get("median") is not None else 0
+    if counters["overlap"] != expected or passed["serial"] != expected + 1 + paired_steps or passed["overlap"]:
         raise RuntimeError(f"the paths were not taken as planned: engaged {counters}, pass-through {passed}")
     return {
         "layers": layers,
@@ -325,8 +334,61 @@ def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, 
         "engaged_us_per_layer_stage": _figure(samples["engaged"]),
         "passthrough_us_per_step": _figure(samples["pass-through-step"]),
         "passthrough_us_per_call": _figure(samples["pass-through"]),
+        "passthrough_paired_us_per_step": paired,
         "_samples": samples,
     }
+
+
+#: Steps of each kind run before the paired pass-through figure's pairs.
+PT_WARMUP = 20
+
+
+def passthrough_pairs(
+    params: OverheadParams,
+    world: World,
+    step: Callable[[], Any],
+    upstream: dict[str, dict[str, Any]],
+    applied: tuple[PatchLayer, OverlapConfig, Any],
+    calls: int,
+) -> dict[str, Any]:
+    """The passed-through step's extra time, paired (µs per step): with the
+    pass-through engine applied, each pair runs one step through the
+    wrapped ``_ffn_forward`` and one of upstream's own function called on
+    the same runner with the same arguments, back to back, alternating
+    which runs first (:func:`time_pairs`); the figure is the median over the
+    pairs of their difference, with a bootstrap 95 % interval, and an A/A
+    control (upstream's function in both places of each pair). Both steps
+    of a pair run the same loop on the same objects on one stretch of the
+    machine's speed, so the figure is exact where the block design's is
+    noise at large shapes. It covers every frame of ours only while the
+    step's one wrapped call is ``_ffn_forward`` (``calls``, counted on the
+    probe step); else it is not taken, and says why. ``applied``: the
+    pass-through patch layer, its configuration and the manifest."""
+    patch_layer, config, manifest = applied
+    if not params.pt_pairs:
+        return {"median": None, "why": "skipped (pt_pairs 0)"}
+    if calls != 1:
+        return {"median": None, "why": f"{calls} calls of a passed-through step meet a frame of ours, not 1"}
+    original = upstream["runner"]["_ffn_forward"]
+    runner, kwargs = world.runner, {"dp_metadata_list": world.dp_metadata()}
+
+    def original_step() -> None:
+        original(runner, **kwargs)
+
+    patch_layer.engine.apply(config=config, manifest=manifest, strict=True)
+    try:
+        if inspect.getattr_static(runner, "_ffn_forward") is original:
+            raise RuntimeError("the paired pass-through figure's wrapped arm is not wrapped")
+        for _ in range(PT_WARMUP):
+            step()
+            original_step()
+        wrapped_times, original_times = time_pairs(step, original_step, params.pt_pairs)
+        control = time_pairs(original_step, original_step, params.pt_pairs)
+    finally:
+        _unpatch(patch_layer)
+    extra = [(w - o) / 1e3 for w, o in zip(wrapped_times, original_times, strict=True)]
+    aa = [(b - a) / 1e3 for a, b in zip(*control, strict=True)]
+    return {**_extra_figure(extra), "pairs": params.pt_pairs, "control": _extra_figure(aa)}
 
 
 # ---------------------------------------------------------------------------
@@ -517,6 +579,15 @@ def measure_overhead(params: OverheadParams) -> dict[str, Any]:
     }
 
 
+def _paired_cell(shape: dict[str, Any]) -> str:
+    """The paired pass-through figure's cells: median [95 % interval], and its A/A control's median."""
+    paired = shape.get("passthrough_paired_us_per_step") or {}
+    if paired.get("median") is None:
+        return f"{'-':>15} {'-':>6}"
+    lo, hi = paired["ci95"]
+    return f"{paired['median']:>5.2f} [{lo:.2f},{hi:.2f}] {paired['control']['median']:>+6.2f}"
+
+
 def format_overhead(result: dict[str, Any]) -> str:
     """The result as the table ``camp2p-overlap overhead`` prints."""
     e, p = result["engaged_us_per_layer_stage"], result["passthrough_us_per_call"]
@@ -528,14 +599,14 @@ def format_overhead(result: dict[str, Any]) -> str:
         f"{p['median']:.2f} us per wrapped call, p90 {p['p90']:.2f}",
         "",
         f"{'layers':>6} {'stages':>6} {'loop us/(L,s)':>14} {'engaged med':>12} {'p90':>8} "
-        f"{'pass us/step':>12} {'p90':>8} {'calls':>6} {'us/call':>8} {'p90':>8}",
+        f"{'pass us/step':>12} {'p90':>8} {'calls':>6} {'us/call':>8} {'p90':>8} {'paired us/step':>15} {'A/A':>6}",
     ]
     for s in result["shapes"]:
         se, sps, sp = s["engaged_us_per_layer_stage"], s["passthrough_us_per_step"], s["passthrough_us_per_call"]
         lines.append(
             f"{s['layers']:>6} {s['stages']:>6} {s['unpatched_us_per_layer_stage']:>14.2f} "
             f"{se['median']:>12.2f} {se['p90']:>8.2f} {sps['median']:>12.2f} {sps['p90']:>8.2f} "
-            f"{s['wrapped_calls_per_step']:>6} {sp['median']:>8.2f} {sp['p90']:>8.2f}"
+            f"{s['wrapped_calls_per_step']:>6} {sp['median']:>8.2f} {sp['p90']:>8.2f} {_paired_cell(s)}"
         )
     ab = result.get("decided_serial_ab")
     if ab:

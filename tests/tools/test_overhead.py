@@ -39,7 +39,7 @@ FIGURE = {"median", "p90", "samples"}
 
 def _small(**changes: Any) -> OverheadParams:
     values: dict[str, Any] = {"layers": (4,), "stages": (2,), "steps": 20, "warmup": 2, "rounds": 3}
-    values.update(ab_pairs=20, ab_warmup=1)
+    values.update(ab_pairs=20, ab_warmup=1, pt_pairs=20)
     values.update(changes)
     return OverheadParams(**values)
 
@@ -99,6 +99,45 @@ def test_a_delay_in_the_step_wrapper_counts_once_per_pass_through_step(monkeypat
     assert DELAY_US * 0.9 <= step < DELAY_US * 2.5
     # The per-call figure is the per-step one over the step's wrapped calls.
     assert call == pytest.approx(step / shape["wrapped_calls_per_step"], abs=0.01)
+
+
+@pytest.mark.alone
+def test_the_paired_passthrough_figure_finds_a_cost_in_our_frame_and_not_in_its_control(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A busy wait added to every passed-through step, inside our wrapper,
+    shows in the paired figure (wrapped step against upstream's function on
+    the same runner) and not in its A/A control."""
+    from camp2p_overlap.core.overlap import step as step_module
+
+    inner = step_module.decided_serial_bucket
+
+    def slower(*args: Any, **kwargs: Any) -> Any:
+        busy_wait(100e-6)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(step_module, "decided_serial_bucket", slower)
+    result = measure_overhead(_small(ab_pairs=0, pt_pairs=40, rounds=1))
+    (shape,) = result["shapes"]
+    paired = shape["passthrough_paired_us_per_step"]
+    assert paired["pairs"] == 40 and set(paired) >= {"median", "ci95", "min", "max", "control"}
+    assert 80.0 <= paired["median"] <= 400.0, paired
+    assert abs(paired["control"]["median"]) < 40.0, paired["control"]
+
+
+def test_the_paired_passthrough_figure_is_not_taken_when_it_cannot_cover_our_frames() -> None:
+    site = standin_site()
+    try:
+        world = overhead.noop_world(2, 1, 0.0, site.root)
+        params = _small(pt_pairs=20)
+        skipped = overhead.passthrough_pairs(params, world, lambda: None, {}, (None, None, None), 2)  # type: ignore[arg-type]
+        assert skipped["median"] is None and "2 calls" in skipped["why"]
+        off = overhead.passthrough_pairs(_small(pt_pairs=0), world, lambda: None, {}, (None, None, None), 1)  # type: ignore[arg-type]
+        assert off["median"] is None and "skipped" in off["why"]
+    finally:
+        release_site(site)
+    with pytest.raises(ValueError, match="pt_pairs"):
+        _small(pt_pairs=3).validate()
 
 
 def test_the_paths_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
