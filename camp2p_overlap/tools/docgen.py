@@ -293,15 +293,18 @@ def overhead_block(res: Results) -> str:
         pairs = widest["layers"] * widest["stages"]
         engaged = widest["engaged_us_per_layer_stage"]["median"]
         per_step = widest.get("passthrough_us_per_step")
-        if isinstance(per_step, Mapping):
-            passed = per_step["median"]
+        paired = (widest.get("passthrough_paired_us_per_step") or {}).get("median")
+        if paired is not None:
+            passed, how = paired, " (paired)"
+        elif isinstance(per_step, Mapping):
+            passed, how = per_step["median"], ""
         else:
-            passed = widest["wrapped_calls_per_step"] * widest["passthrough_us_per_call"]["median"]
+            passed, how = widest["wrapped_calls_per_step"] * widest["passthrough_us_per_call"]["median"], ""
         lines += [
             "",
             f"At {widest['layers']} layers × {widest['stages']} stages ({pairs} (layer, stage) pairs), by the "
             f"medians above: about {pairs * engaged / 1000:.2f} ms of our host time per engaged step and "
-            f"{passed:.1f} µs per passed-through step.",
+            f"{passed:.1f} µs per passed-through step{how}.",
         ]
     ab = ovh.get("decided_serial_ab")
     interval = ((ab or {}).get("extra_pct") or {}).get("ci95")
