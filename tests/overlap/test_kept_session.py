@@ -54,12 +54,18 @@ def test_steps_of_one_decision_share_a_session_and_give_the_serial_results() -> 
     assert PATCH_LAYER.runtime.counters.to_dict()["steps"]["overlap"] - engaged_before == len(SCHEDS)
 
 
-def test_a_kept_session_and_its_routers_hold_nothing_between_steps() -> None:
+def _after_one_step() -> tuple[World, KeptSession]:
+    """A world of 3 layers x 2 stages after one engaged step, and its kept session."""
     w = world(layers=3, stage_ids=(0, 1))
     apply_cpu()
     run_step(w, SCHEDS[0])
     kept = _kept(w)
     assert kept is not None
+    return w, kept
+
+
+def test_a_kept_session_and_its_routers_hold_nothing_between_steps() -> None:
+    w, kept = _after_one_step()
     session = kept.session
     assert session.closed and session.connector is None
     assert set(session.held().values()) == {0}
@@ -127,11 +133,7 @@ def test_a_kept_session_on_a_direct_backend_lists_no_steady_op_and_still_raises_
 
 
 def test_a_reopened_session_starts_afresh() -> None:
-    w = world(layers=3, stage_ids=(0, 1))
-    apply_cpu()
-    run_step(w, SCHEDS[0])
-    kept = _kept(w)
-    assert kept is not None
+    w, kept = _after_one_step()
     session = kept.session
     session.reopen(w.connector)
     assert not session.closed and session.next_recv == 0 and not session.forked

@@ -125,7 +125,7 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], memo: De
                 return last[1]
         except Exception:  # noqa: BLE001 - an input that does not compare: decided afresh
             pass
-    decision = _decide(engine, runner, kwargs, connector, (layer_fn, layers))
+    decision = _decide(engine, runner, kwargs, connector, layers)
     if decision.engages:
         kept = memo._last
         if len(kept) >= DecisionMemo.KEPT:
@@ -143,10 +143,11 @@ def _decide(
     runner: Any,
     kwargs: Mapping[str, Any],
     connector: Any,
-    layer_list: tuple[Any, Any] | None,
+    layer_list: Any = None,
 ) -> Decision:
-    """:func:`decide` itself; ``layer_list``: the live ``_ffn_layer_indices``
-    and what it returned for ``runner``, when the caller has called it."""
+    """:func:`decide` itself; ``layer_list``: what the live
+    ``_ffn_layer_indices`` returned for ``runner``, when the caller has
+    called it (None: called here)."""
     cfg = engine.config
     problem = connector_problem(engine, connector)
     if problem is not None:
@@ -178,8 +179,8 @@ def _decide(
         layer_fn = live_target(engine.manifest, camp2p.LAYER_INDICES_TARGET)
         if layer_fn is None:
             return serial("_ffn_layer_indices is not available")
-        layer_list = (layer_fn, layer_fn(runner))
-    layers = tuple(map(int, layer_list[1]))
+        layer_list = layer_fn(runner)
+    layers = tuple(map(int, layer_list))
     if not layers:
         return serial("the step has no FFN layers")
     if len(set(layers)) != len(layers):
