@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from support.overlap import Schedule, apply_cpu, assert_same, run_step, serial_results, stream_sets, world
 
+from camp2p_overlap.core.overlap.connector_routes import ROUTER_MARK
 from camp2p_overlap.core.overlap.session import OverlapSession, SessionError
 from camp2p_overlap.core.overlap.session_routers import KeptSession
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
@@ -209,3 +210,27 @@ def test_a_step_that_raised_leaves_a_session_the_next_step_reopens() -> None:
     for g, ref in zip(got, refs, strict=True):
         assert_same(g, ref)
     assert _kept(w) is kept
+
+
+def test_a_refused_route_leaves_no_router_holding_the_connector() -> None:
+    """Another thread's step has routed the connector's send since the
+    decision (a marked callable on the instance): the step runs serially,
+    and the kept routers bound before the refusal drop the connector."""
+    w, kept = _after_one_step()
+    send = type(w.connector).send_ffn_output
+
+    def foreign(*args: Any, **kwargs: Any) -> Any:
+        return send(w.connector, *args, **kwargs)
+
+    setattr(foreign, ROUTER_MARK, True)
+    w.connector.send_ffn_output = foreign
+    try:
+        serial_before = PATCH_LAYER.runtime.counters.to_dict()["steps"]["serial"]
+        run_step(w, SCHEDS[1])
+        assert PATCH_LAYER.runtime.counters.to_dict()["steps"]["serial"] == serial_before + 1
+    finally:
+        del w.connector.send_ffn_output
+    assert _kept(w) is kept
+    for binding in kept.bindings:
+        assert binding.thread == 0
+        assert getattr(binding.callee, "__self__", None) is not w.connector

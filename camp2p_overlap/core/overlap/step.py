@@ -402,6 +402,7 @@ class FfnStep:
             session = kept.session
             refused = kept.route(connector)
             if refused is not None:  # decide() checked it: only a race with another thread's step lands here
+                kept.unroute()  # a router bound before the refusal lets its callee go too
                 session.close(raising=True)  # nothing was issued: closing only releases it
                 self.count_serial(refused)
                 log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", refused)
