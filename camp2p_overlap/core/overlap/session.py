@@ -663,12 +663,7 @@ class OverlapSession:
                 # issue_a2e(*ahead), inline
                 fn = self._recv_fn
                 assert fn is not None
-                if self._run_here and ops is None:  # _a2e_here(fn, ahead_kw), inline
-                    try:
-                        h = DoneHandle(fn(**ahead_kw))
-                    except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
-                        h = DoneHandle(None, exc)
-                elif self._run_here:
+                if self._run_here:  # backend.submit_here, inline (direct_submit)
                     h = self._a2e_here(fn, ahead_kw)
                 else:
                     h = self.backend.submit_here(k, partial(fn, **ahead_kw), a2e_label)
