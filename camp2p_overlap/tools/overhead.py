@@ -359,8 +359,11 @@ def passthrough_pairs(
     pairs of their difference, with a bootstrap 95 % interval, and an A/A
     control (upstream's function in both places of each pair). Both steps
     of a pair run the same loop on the same objects on one stretch of the
-    machine's speed, so the figure is exact where the block design's is
-    noise at large shapes. It covers every frame of ours only while the
+    machine's speed, so the block design's noise between blocks is gone;
+    the interval is one process's, and at large shapes the figure still
+    moves by a few µs from process to process (the arms run different code
+    before the same loop), which the A/A control cannot show
+    (docs/benchmark.md). It covers every frame of ours only while the
     step's one wrapped call is ``_ffn_forward`` (``calls``, counted on the
     probe step); else it is not taken, and says why. ``applied``: the
     pass-through patch layer, its configuration and the manifest."""
