@@ -39,6 +39,7 @@ from camp2p_overlap.core.overlap.streams import make_backend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.emulation import device as emulated_device
+from camp2p_overlap.emulation.noop import noop_backend
 from camp2p_overlap.emulation.world import LinkModel, ProtocolError
 from camp2p_overlap.verify import edges
 
@@ -522,18 +523,23 @@ def test_max_num_tokens_changed_mid_step_is_a_schedule_mismatch(logs: PackageLog
     assert_same(bounded(lambda: run_step(w, nxt)), ref)
 
 
-def test_stage_order_change_mid_step_hands_over_the_prefetched_data(logs: PackageLogs) -> None:
+@pytest.mark.parametrize("op_log", [True, False], ids=["cpu-backend", "direct-backend-no-op-log"])
+def test_stage_order_change_mid_step_hands_over_the_prefetched_data(logs: PackageLogs, op_log: bool) -> None:
     """Session-level: the loop swaps the stage order of layer 1. The session
-    falls back after draining and hands each (layer, stage) its own data."""
+    falls back after draining and hands each (layer, stage) its own data;
+    also on a backend whose ops run in scope on the host, in a session
+    without an op log (a kept one), whose receives are held as their payload."""
     recv, send, log = _fake_connector()
-    sset = StreamSet(make_backend("cpu"), [0, 1])
+    sset = StreamSet(make_backend("cpu") if op_log else noop_backend(), [0, 1])
     try:
         session = OverlapSession(
             connector=object(),
             plan=StepPlan((0, 1, 2), (0, 1), {"max_num_tokens": 4}),
             streamset=sset,
             context_of=camp2p.context_of,
+            op_log=op_log,
         )
+        assert session._run_here is not op_log
         order = [(0, 0), (0, 1), (1, 1), (1, 0), (2, 0), (2, 1)]
         for L, s in order:
             p = session.recv(recv, {"ubatch_idx": s, "layer_idx": L, "max_num_tokens": 4})

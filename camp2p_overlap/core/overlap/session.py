@@ -255,7 +255,9 @@ class OverlapSession:
             self._f_refs[s] = []
         # What close() empties in place (the per-step records below are made
         # afresh by _open()).
-        self._a_handle: dict[StageLayer, OpHandle] = {}
+        #: Each receive issued and not yet taken: its handle, or on the steady
+        #: path without an op log, ``(payload,)`` for one that returned.
+        self._a_handle: dict[StageLayer, OpHandle | tuple[Any]] = {}
         #: The kwargs of each receive issued off the plan (a planned one's
         #: are the plan's: ``plan.recv_kw``), until it is taken or the step closes.
         self._a_kwargs: dict[StageLayer, dict[str, Any]] = {}
@@ -487,13 +489,14 @@ class OverlapSession:
         self._a_handle[key] = self._submit(k, A2E, layer, stage, partial(fn, **kw), keys.a2e_label)
         self._record(k, keys.a_done)
 
-    def _a2e_here(self, fn: Callable[..., Any], kw: Mapping[str, Any]) -> DoneHandle:
+    def _a2e_here(self, fn: Callable[..., Any], kw: Mapping[str, Any]) -> DoneHandle | tuple[Any]:
         """A receive run by the host in its side stream's scope, already
         entered (``backend.submit_here``, inline: ``direct_submit``): its
-        handle, timed while the session lists its ops."""
+        handle, timed while the session lists its ops; without an op log, a
+        receive that returned is held as ``(payload,)``."""
         if self._op_log is None:
             try:
-                return DoneHandle(fn(**kw))
+                return (fn(**kw),)
             except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
                 return DoneHandle(None, exc)
         t0 = clock()
@@ -529,7 +532,9 @@ class OverlapSession:
                 if h is None:
                     raise SessionError(f"wait on event {a_key.label()!r} that was not recorded in this step")
                 self.compute.wait_event(a_done)  # backend.wait, inline (direct_events)
-                if type(h) is DoneHandle and h.exception is None:  # result() and release(), inline
+                if type(h) is tuple:  # a receive that returned, held without a handle (no op log)
+                    payload = h[0]
+                elif type(h) is DoneHandle and h.exception is None:  # result() and release(), inline
                     payload, h.value = h.value, None
                 else:
                     payload = self._take_handle(h, key[1])
@@ -582,8 +587,10 @@ class OverlapSession:
         self._a_kwargs.pop((L, s), None)
         return self._take_handle(h, s)
 
-    def _take_handle(self, h: OpHandle, s: int) -> Any:
+    def _take_handle(self, h: OpHandle | tuple[Any], s: int) -> Any:
         """The result of a receive's handle ``h`` (stage ``s``), released."""
+        if type(h) is tuple:  # a receive that returned, held as (payload,) without a handle
+            return h[0]
         try:
             return h.result()
         except StreamPoisonedError:
@@ -663,7 +670,12 @@ class OverlapSession:
                 # issue_a2e(*ahead), inline
                 fn = self._recv_fn
                 assert fn is not None
-                if self._run_here:  # backend.submit_here, inline (direct_submit)
+                if self._run_here and ops is None:  # _a2e_here(fn, ahead_kw) without an op log, inline
+                    try:
+                        h = (fn(**ahead_kw),)  # type: ignore[arg-type]
+                    except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
+                        h = DoneHandle(None, exc)
+                elif self._run_here:  # backend.submit_here, inline (direct_submit)
                     h = self._a2e_here(fn, ahead_kw)
                 else:
                     h = self.backend.submit_here(k, partial(fn, **ahead_kw), a2e_label)
