@@ -7,10 +7,20 @@ makes its own."""
 
 from __future__ import annotations
 
+from types import MethodType
 from typing import Any
 
 import pytest
-from support.overlap import Schedule, apply_cpu, assert_same, run_step, serial_results, stream_sets, world
+from support.overlap import (
+    Schedule,
+    apply_cpu,
+    assert_same,
+    run_step,
+    serial_results,
+    stream_sets,
+    world,
+    wrap_model,
+)
 
 from camp2p_overlap.core.overlap.connector_routes import ROUTER_MARK
 from camp2p_overlap.core.overlap.session import OverlapSession, SessionError
@@ -234,3 +244,76 @@ def test_a_refused_route_leaves_no_router_holding_the_connector() -> None:
     for binding in kept.bindings:
         assert binding.thread == 0
         assert getattr(binding.callee, "__self__", None) is not w.connector
+
+
+def test_an_instance_holding_another_bound_method_keeps_it_and_the_step_calls_it() -> None:
+    """The instance holds a method of its own bound to itself (not its
+    class's function): the step routes it as the callee and puts the very
+    same object back, instead of taking it for the class's and deleting it."""
+    w = world(layers=3, stage_ids=(0, 1))
+    (reference,) = serial_results(w, SCHEDS[1:2])
+    apply_cpu()
+    run_step(w, SCHEDS[0])
+    kept = _kept(w)
+    calls: list[int] = []
+    send = type(w.connector).send_ffn_output
+
+    def own_send(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return send(self, *args, **kwargs)
+
+    bound = MethodType(own_send, w.connector)
+    w.connector.send_ffn_output = bound
+    engaged_before = PATCH_LAYER.runtime.counters.to_dict()["steps"]["overlap"]
+    assert_same(run_step(w, SCHEDS[1]), reference)
+    assert PATCH_LAYER.runtime.counters.to_dict()["steps"]["overlap"] == engaged_before + 1
+    assert len(calls) == 3 * 2  # every send of the step reached the instance's own method
+    assert vars(w.connector)["send_ffn_output"] is bound
+    assert _kept(w) is kept
+
+
+def test_a_route_replaced_during_a_kept_step_is_left_as_it_was_set() -> None:
+    w, kept = _after_one_step()
+    replacement = type(w.connector).recv_attn_output.__get__(w.connector)
+    computed: list[int] = []
+
+    def replace_recv(layer: int) -> None:  # at the step's last FFN: no receive follows
+        computed.append(layer)
+        if len(computed) == 3 * 2:
+            w.connector.recv_attn_output = replacement
+
+    wrap_model(w, before=replace_recv)
+    run_step(w, SCHEDS[1])
+    assert len(computed) == 3 * 2 and vars(w.connector)["recv_attn_output"] is replacement
+    assert "send_ffn_output" not in vars(w.connector)
+    for binding in kept.bindings:
+        assert binding.thread == 0
+
+
+def test_a_connector_class_that_hides_instance_attributes_runs_serially_and_keeps_nothing() -> None:
+    """Setting the router on the instance is not enough: a class whose
+    ``__getattribute__`` hides instance attributes would never call it. The
+    step checks what the instance resolves each name to, refuses with the
+    reason and takes back what it set."""
+    w, kept = _after_one_step()
+    cls = type(w.connector)
+
+    def hiding(self: Any, name: str) -> Any:
+        if name == "send_ffn_output":
+            return cls.send_ffn_output.__get__(self)
+        return object.__getattribute__(self, name)
+
+    hides = type("HidingConnector", (cls,), {"__getattribute__": hiding})
+    w.connector.__class__ = hides
+    try:
+        counts = PATCH_LAYER.runtime.counters.to_dict()
+        run_step(w, SCHEDS[1])
+        after = PATCH_LAYER.runtime.counters.to_dict()
+        assert after["steps"]["overlap"] == counts["steps"]["overlap"]
+        refused = [r for r in after["serial_reasons"] if "cannot be routed per instance" in r]
+        assert refused, after["serial_reasons"]
+        assert not {"recv_attn_output", "send_ffn_output"} & set(object.__getattribute__(w.connector, "__dict__"))
+    finally:
+        w.connector.__class__ = cls
+    for binding in kept.bindings:
+        assert binding.thread == 0

@@ -99,6 +99,7 @@ def _class_attribute(cls: type, attribute: str) -> Any:
 # dict did (a data descriptor of that name is refused before: route_problem).
 _set_on_instance = object.__setattr__
 _delete_on_instance = object.__delattr__
+_get_on_instance = object.__getattribute__
 
 
 def _own_attribute(instance: Any, cls: type, attribute: str, found: Any) -> Any:
@@ -182,15 +183,31 @@ class ConnectorRoutes:
         instance = self._instance
         while self._set:
             attribute, router, before = self._set.pop()
-            if getattr(instance, attribute, None) is not router:
-                log_once(
-                    logging.WARNING,
-                    f"route-replaced:{attribute}",
-                    "camp2p-overlap: connector attribute %s was replaced during a step; left as it was set",
-                    attribute,
-                )
+            if held_by_instance(instance, attribute) is not router:
+                replaced_during_step(attribute)
                 continue
             if before is _MISSING:
                 _delete_on_instance(instance, attribute)
             else:
                 _set_on_instance(instance, attribute, before)
+
+
+def held_by_instance(instance: Any, attribute: str) -> Any:
+    """What ``instance`` resolves ``attribute`` to, read past a
+    ``__getattribute__`` of its class (a route is set on the instance and
+    taken back from it, whatever the class shows); None when nothing."""
+    try:
+        return _get_on_instance(instance, attribute)
+    except AttributeError:
+        return None
+
+
+def replaced_during_step(attribute: str) -> None:
+    """Log (once) that a route was replaced during its step: it is left as
+    it was set, not removed."""
+    log_once(
+        logging.WARNING,
+        f"route-replaced:{attribute}",
+        "camp2p-overlap: connector attribute %s was replaced during a step; left as it was set",
+        attribute,
+    )

@@ -22,13 +22,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from threading import get_ident
+from types import MethodType
 from typing import Any
 
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.connector_routes import ROUTER_MARK, ConnectorRoutes, RouterFactory
+from camp2p_overlap.core.overlap.connector_routes import (
+    ROUTER_MARK,
+    ConnectorRoutes,
+    RouterFactory,
+    held_by_instance,
+    replaced_during_step,
+)
 from camp2p_overlap.core.overlap.session import OverlapSession
 
 Wrapped = Callable[..., Any]
+
+# An instance's own attributes set and deleted as ``ConnectorRoutes`` does
+# (through ``object``: they stay inline, and a class's ``__setattr__`` is bypassed).
+_set_on_instance = object.__setattr__
+_delete_on_instance = object.__delattr__
 
 
 def _unbound(*args: Any, **kwargs: Any) -> Any:
@@ -141,7 +153,17 @@ class KeptSession:
     for (the same object: the decision memo hands the same one back) and
     the installer's route targets it was routed with."""
 
-    __slots__ = ("_connector_routes", "bindings", "decision", "routers", "routes", "session")
+    __slots__ = (
+        "_connector",
+        "_connector_routes",
+        "_set",
+        "_targets",
+        "bindings",
+        "decision",
+        "routers",
+        "routes",
+        "session",
+    )
 
     def __init__(self, decision: Any, routes: tuple[Any, ...], makers: MakersOf, session: OverlapSession) -> None:
         self.decision = decision
@@ -150,17 +172,64 @@ class KeptSession:
         self.bindings = tuple(session_router(maker, session) for _, maker in makers)
         self.routers = tuple((attribute, b.bind) for (attribute, _), b in zip(makers, self.bindings, strict=True))
         self._connector_routes = ConnectorRoutes(None)
+        #: (attribute, binding) of each target, in manifest order.
+        self._targets = tuple((attribute, b) for (attribute, _), b in zip(makers, self.bindings, strict=True))
+        #: The targets routed by :meth:`route`'s own loop, and their connector
+        #: (None while nothing is routed that way).
+        self._set: list[tuple[str, RouterBinding]] = []
+        self._connector: Any = None
 
     def route(self, connector: Any) -> str | None:
         """Route ``connector``'s targets to the session, on this thread:
-        None, or why nothing is routed (``ConnectorRoutes.install``, checked:
-        the step's decision checked the connector)."""
+        None, or why nothing is routed. When every target resolves to its
+        class's function bound to ``connector`` (the instance holds none of
+        its own, and no other thread's step has routed it), the routers are
+        bound and set here; otherwise ``ConnectorRoutes.install`` (checked:
+        the step's decision checked the connector) routes them, or says why not."""
+        thread = get_ident()
+        cls = type(connector)
+        done = self._set
+        for target in self._targets:
+            attribute, binding = target
+            callee = getattr(connector, attribute)
+            if (
+                type(callee) is not MethodType
+                or callee.__self__ is not connector
+                or getattr(cls, attribute, None) is not callee.__func__
+            ):  # not the class's plain function (a router is not one): the general route
+                break
+            router = binding.router
+            binding.callee = callee  # binding.bind(callee, thread), inline
+            binding.thread = thread
+            _set_on_instance(connector, attribute, router)
+            self._connector = connector
+            done.append(target)
+            if getattr(connector, attribute) is not router:  # e.g. a __getattribute__ of its own
+                break
+        else:
+            return None
+        self._unset()
         routes = self._connector_routes
         routes.retarget(connector)
         return routes.install(self.routers, checked=True)
 
     def unroute(self) -> None:
         """Take the routes away, and the callees from the routers."""
-        self._connector_routes.remove()
+        if self._set:
+            self._unset()
+        else:
+            self._connector_routes.remove()
         for binding in self.bindings:
             binding.unbind()
+
+    def _unset(self) -> None:
+        """Take away what :meth:`route`'s own loop set, newest first (a route
+        someone replaced during the step is left as they set it)."""
+        connector, done = self._connector, self._set
+        while done:
+            attribute, binding = done.pop()
+            if held_by_instance(connector, attribute) is binding.router:
+                _delete_on_instance(connector, attribute)
+            else:
+                replaced_during_step(attribute)
+        self._connector = None
