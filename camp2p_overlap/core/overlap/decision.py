@@ -6,6 +6,7 @@ configuration is on."""
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,7 @@ from camp2p_overlap.core.overlap.plan import BOTH_SIDES, Directions, StepPlan, s
 from camp2p_overlap.core.overlap.streams import BackendUnavailable, resolve_backend_name
 from camp2p_overlap.core.overlap.streams.base import Stream, StreamBackend
 from camp2p_overlap.core.patching.features import GRAPH_VARIANTS
-from camp2p_overlap.core.patching.installer import live_target
+from camp2p_overlap.core.patching.installer import live_target, target_named
 
 if TYPE_CHECKING:
     from camp2p_overlap.core.patching.lifecycle import PatchEngine
@@ -97,7 +98,14 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], memo: De
     except AttributeError:  # the group check says why
         return _decide(engine, runner, kwargs, connector, None)
     manifest = engine.manifest
-    layer_fn = live_target(manifest, camp2p.LAYER_INDICES_TARGET)
+    read = _LAYER_FN_READ
+    if read[0] is not manifest:
+        read = _layer_fn_target(manifest)
+    if read[1] is None:
+        layer_fn = live_target(manifest, camp2p.LAYER_INDICES_TARGET)
+    else:  # live_target() for a module function, with its target looked up once per manifest
+        module = sys.modules.get(read[1])
+        layer_fn = vars(module).get(read[2]) if module is not None else None
     try:
         layers = layer_fn(runner)  # type: ignore[misc]
         if type(layers) is not range:  # a list the caller could change in place: compared by value
@@ -136,6 +144,22 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], memo: De
 
 _NONE: Any = object()
 _comm_names = camp2p.comm_name_fields
+
+#: The manifest read last, with the module and attribute of its
+#: ``_ffn_layer_indices`` target when that is a module function (one tuple,
+#: replaced whole: threads of other engines read it too).
+_LAYER_FN_READ: tuple[Any, str | None, str] = (None, None, "")
+
+
+def _layer_fn_target(manifest: Any) -> tuple[Any, str | None, str]:
+    """(``manifest``, module, attribute) of its layer function target; the
+    module None when the target is not a module function (or ``manifest``
+    has none): :func:`live_target` looks it up then."""
+    global _LAYER_FN_READ
+    t = target_named(manifest, camp2p.LAYER_INDICES_TARGET) if manifest is not None else None
+    read = (manifest, t.module, t.attribute) if t is not None and not t.owner_path else (manifest, None, "")
+    _LAYER_FN_READ = read
+    return read
 
 
 def _decide(

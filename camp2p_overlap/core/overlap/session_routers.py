@@ -68,11 +68,6 @@ class RouterBinding:
         self.thread = thread
         return self.router
 
-    def unbind(self) -> None:
-        """Drop the callee (and so the connector it is bound to)."""
-        self.callee = _unbound
-        self.thread = 0
-
 
 #: Makes a router of a session: ``maker(session, binding) -> router``.
 RouterMaker = Callable[[OverlapSession, "RouterBinding"], Wrapped]
@@ -219,8 +214,9 @@ class KeptSession:
             self._unset()
         else:
             self._connector_routes.remove()
-        for binding in self.bindings:
-            binding.unbind()
+        for binding in self.bindings:  # each drops its callee (and so the connector)
+            binding.callee = _unbound
+            binding.thread = 0
 
     def _unset(self) -> None:
         """Take away what :meth:`route`'s own loop set, newest first (a route

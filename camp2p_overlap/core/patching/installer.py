@@ -104,7 +104,7 @@ def live_owner(module: ModuleType, t: TargetSpec) -> Any:
 def live_target(manifest: StackManifest | None, qualname: str) -> Any:
     """A target's live object by qualname (a class attribute or a module
     function), or None while its module is not imported."""
-    t = _target_named(manifest, qualname) if manifest is not None else None
+    t = target_named(manifest, qualname) if manifest is not None else None
     if t is None:
         return None
     owner: Any = sys.modules.get(t.module)
@@ -120,7 +120,7 @@ def live_target(manifest: StackManifest | None, qualname: str) -> Any:
 _TARGETS_BY_QUALNAME: dict[int, tuple[StackManifest, dict[str, TargetSpec]]] = {}
 
 
-def _target_named(manifest: StackManifest, qualname: str) -> TargetSpec | None:
+def target_named(manifest: StackManifest, qualname: str) -> TargetSpec | None:
     entry = _TARGETS_BY_QUALNAME.get(id(manifest))
     if entry is None or entry[0] is not manifest:
         by_name: dict[str, TargetSpec] = {}
