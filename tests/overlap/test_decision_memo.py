@@ -99,7 +99,7 @@ def test_a_layer_list_changed_in_place_decides_afresh(monkeypatch: pytest.Monkey
     w = world(layers=3, stage_ids=(0, 1))
     apply_cpu()
     layers = [0, 1, 2]
-    monkeypatch.setattr(decision_module, "live_target", lambda manifest, name: lambda runner: layers)
+    monkeypatch.setattr(w.modules[0], "_ffn_layer_indices", lambda runner: layers)
     memo = DecisionMemo()
     assert _decided(w, memo).plan.layers == (0, 1, 2)
     layers.pop()
