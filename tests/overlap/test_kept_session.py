@@ -7,6 +7,8 @@ makes its own."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 from types import MethodType
 from typing import Any
 
@@ -317,3 +319,35 @@ def test_a_connector_class_that_hides_instance_attributes_runs_serially_and_keep
         w.connector.__class__ = cls
     for binding in kept.bindings:
         assert binding.thread == 0
+
+
+@pytest.mark.parametrize("watchdog_s", [None, 30.0], ids=["kept", "with-op-log"])
+def test_a_kept_step_records_no_e2a_done_event_that_no_wait_reads(watchdog_s: float | None) -> None:
+    """With both directions on the side streams nothing waits ``e_done``
+    (the next ``a_done``, or the join, orders what follows an E2A): a kept
+    session's steady path records it not at all; a session that lists its
+    ops (a watchdog's step here) records it for its stall reports. Every
+    other event of the schedule is recorded by both."""
+    site = standin_site()
+    patch_layer = emulated_patch_layer()
+    patch_layer.runtime.runners.make_backend = noop_backend
+    try:
+        w = noop_world(3, 2, 0.0, site.root)
+        dp = w.dp_metadata()
+        config = dataclasses.replace(engaged_config(), watchdog_s=watchdog_s)
+        patch_layer.engine.apply(config=config, manifest=site.manifest, strict=True)
+        for _ in range(3):
+            w.runner._ffn_forward(dp_metadata_list=dp)
+        (sset,) = patch_layer.runtime.runners.stream_sets()
+        assert (sset.kept_session is not None) is (watchdog_s is None)
+        recorded: collections.Counter[str] = collections.Counter()
+        for key, event in sset.backend.direct_events().items():
+            event.record = lambda stream=None, kind=key.kind: recorded.update([kind])
+        w.runner._ffn_forward(dp_metadata_list=dp)
+        pairs = 3 * 2
+        assert recorded["a"] == recorded["f"] == pairs
+        assert recorded["fork"] == 1 and recorded["join"] == 2
+        assert recorded["e"] == (0 if watchdog_s is None else pairs)
+    finally:
+        patch_layer.engine.unpatch(timeout=10)
+        release_site(site)

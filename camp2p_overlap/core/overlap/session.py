@@ -651,10 +651,12 @@ class OverlapSession:
                             h = DoneHandle(None, exc, t0, clock())
                     else:
                         h = self.backend.submit_here(k, run, e2a_label)
-                if ops is not None:
+                if ops is not None:  # the step's records (stall reports): its op, and its events in record order
                     ops.append((E2A, L, s, k.name, h, -1))
-                e_done.record(k)
-                if ops is not None:  # the step's record of its events (stall reports), in record order
+                    # e_done(L, s): with both directions on K_s no wait reads
+                    # it (the next a_done, or the join, orders what follows
+                    # the E2A), so only a session that lists its ops records it
+                    e_done.record(k)
                     events[f_key] = f_done
                     events[e_key] = e_done
                 self._f_refs[s].append((output, context, call, args, kwargs))
