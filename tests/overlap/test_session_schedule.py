@@ -556,3 +556,34 @@ def test_stage_order_change_mid_step_hands_over_the_prefetched_data(logs: Packag
             assert mine == [("a2e", 0), ("e2a", 0), ("a2e", 1), ("e2a", 1), ("a2e", 2), ("e2a", 2)]
     finally:
         sset.close()
+
+
+@pytest.mark.parametrize("op_log", [True, False], ids=["cpu-backend", "direct-backend-no-op-log"])
+def test_a_second_send_of_one_received_payload_falls_back(logs: PackageLogs, op_log: bool) -> None:
+    """The loop sends one received payload twice: the steady path issues the
+    planned E2A once; the second send is not the plan's, so the session
+    falls back (logged) and runs it on the compute stream, and the rest of
+    the step still hands each (layer, stage) its own data."""
+    recv, send, log = _fake_connector()
+    sset = StreamSet(make_backend("cpu") if op_log else noop_backend(), [0])
+    plan = StepPlan((0, 1), (0,), {"max_num_tokens": 4})
+    try:
+        for step in range(2):  # the first records the plan's events: the second has the steady path's slots
+            session = OverlapSession(
+                connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of, op_log=op_log
+            )
+            assert (session._send_slots is not None) is (step == 1)
+            for L in plan.layers:
+                p = session.recv(recv, {"ubatch_idx": 0, "layer_idx": L, "max_num_tokens": 4})
+                assert torch.equal(p.hidden_states, torch.full((4, 8), float(L * 10)))
+                sends = 2 if (step, L) == (1, 0) else 1
+                for _ in range(sends):
+                    session.send(
+                        lambda o=p.hidden_states, c=p.context: send(o, c, ubatch_idx=0), p.hidden_states, p.context, 0
+                    )
+            session.close()
+            assert session.fallen_back is (step == 1)
+        assert logs.texts("send for a received", logging.WARNING)
+        assert [entry for entry in log[4:] if entry[0] == "e2a"] == [("e2a", 0, 0), ("e2a", 0, 0), ("e2a", 1, 0)]
+    finally:
+        sset.close()

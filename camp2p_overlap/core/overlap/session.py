@@ -619,7 +619,9 @@ class OverlapSession:
         # so the id cannot be reused while it is mapped.
         key = self._contexts.pop(id(context), None)
         slot = self._send_slots.get(key) if self._send_slots is not None else None  # slot[1]: slot.stage, by index
-        if slot is not None and stage == slot[1] and key not in self._sent:  # (a fallen-back step has no slots)
+        # (A fallen-back step has no slots; a steady step's receive maps each
+        # planned key once, so a key popped here was not sent before.)
+        if slot is not None and stage == slot[1]:
             # The steady path (both directions on the side streams, this
             # class's wait and lookahead, the backend's pooled events): the
             # same records, waits and ops in the same order as below, with
@@ -628,7 +630,8 @@ class OverlapSession:
             # switch to K_s (``backend.scope``).
             L, s, k, f_key, f_done, e_key, e_done, e2a_label, ahead, ahead_kw, a_key, a_done, a2e_label = slot
             events, ops = self._events, self._op_log
-            self._sent.add(key)
+            if ops is not None:  # the step's records for stall reports
+                self._sent.add(key)
             f_done.record(self.compute)
             with self._scope(k):  # type: ignore[misc]
                 k.wait_event(f_done)
