@@ -664,7 +664,9 @@ class OverlapSession:
                     events[e_key] = e_done
                 self._f_refs[s].append((output, context, call, args, kwargs))
                 self._inflight.pop(key, None)  # K_s has waited f_done(L, s)
-                if type(h) is DoneHandle:  # h.done() and h.result(), inline
+                if h is _SENT:  # (the steady path's E2A ran without failing)
+                    pass
+                elif type(h) is DoneHandle:  # h.done() and h.result(), inline
                     if h.exception is not None:
                         h.result()  # a host-side failure surfaces here, as in the serial path
                 elif h.done():

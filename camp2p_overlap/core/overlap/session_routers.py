@@ -105,7 +105,12 @@ def _session_send(session: OverlapSession, binding: RouterBinding) -> Wrapped:
             return callee(*args, **kwargs)
         # upstream's call, send_ffn_output(output, context, ubatch_idx=s), read inline
         output, context = (args[0], args[1]) if len(args) >= 2 else parts(args, kwargs)
-        stage = int(kwargs["ubatch_idx"]) if "ubatch_idx" in kwargs else stage_of(context, kwargs)
+        if "ubatch_idx" in kwargs:
+            stage = kwargs["ubatch_idx"]
+            if type(stage) is not int:  # int() only where needed (a numpy or tensor scalar, say)
+                stage = int(stage)
+        else:
+            stage = stage_of(context, kwargs)
         if whole:
             return send(partial(callee, *args, **kwargs), output, context, stage)
         return send(callee, output, context, stage, args, kwargs)  # callee(*args, **kwargs): the call as it came

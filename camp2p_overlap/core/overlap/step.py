@@ -419,7 +419,7 @@ class FfnStep:
             # while the capture runs (global capture mode forbids it), and a
             # captured step only records work, it cannot stall.
             watchdog = None if capturing or not seconds else start_watchdog(seconds, session.snapshot, step_id)
-            t0 = time.perf_counter_ns()
+            t0 = time.perf_counter_ns() if recorder is not None else 0
             local = runtime.local  # this thread's session (runtime.set_session, inline)
             local.session = session
             try:
