@@ -10,6 +10,7 @@ import pytest
 from support.overlap import apply_cpu, world
 
 from camp2p_overlap.core.overlap import decision as decision_module
+from camp2p_overlap.core.overlap.connector_routes import ROUTER_MARK
 from camp2p_overlap.core.overlap.decision import DecisionMemo, decide
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.emulation.world import World
@@ -120,13 +121,58 @@ def test_apply_and_unpatch_empty_the_runtime_memo() -> None:
     assert len(runtime.decisions) == 1
 
 
-def test_a_serial_decision_is_not_kept() -> None:
+def _other_connector(w: World) -> None:
+    w.runner.connector = object()
+
+
+def _one_stage(w: World) -> None:
+    w.dp_metadata = lambda: {0: None}  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (_role, "AFD role is 'attention'"),
+        (_other_connector, "connector is object"),
+        (_one_stage, "fewer than the minimum"),
+    ],
+    ids=["role", "connector class", "stages"],
+)
+def test_a_serial_decision_the_inputs_hold_is_kept(fresh_calls: list[int], change: Any, reason: str) -> None:
+    """A step that runs serially for a reason its inputs hold (a pass-through
+    step on every call of such a runner) takes the kept decision instead of
+    deciding again; changing the input back engages."""
     w = world(layers=3, stage_ids=(0, 1))
     apply_cpu()
     memo = DecisionMemo()
-    w.runner.afd_config.role = "attention"
-    assert not _decided(w, memo).engages
+    connector, dp_metadata = w.runner.connector, w.dp_metadata
+    change(w)
+    first = _decided(w, memo)
+    assert not first.engages and reason in first.reason and len(memo) == 1
+    assert _decided(w, memo) is first and _decided(w, memo) is first
+    assert fresh_calls == [1]
+    w.runner.afd_config.role, w.runner.connector, w.dp_metadata = "ffn", connector, dp_metadata
+    assert _decided(w, memo).engages and fresh_calls == [1, 1]
+
+
+def test_a_serial_reason_that_may_pass_is_not_kept(fresh_calls: list[int]) -> None:
+    """Another thread's step has routed the connector: the same inputs may
+    engage on the next step, so that decision is made again each step."""
+    w = world(layers=3, stage_ids=(0, 1))
+    apply_cpu()
+    memo = DecisionMemo()
+    routed = type(w.connector).send_ffn_output.__get__(w.connector)
+
+    def foreign(*args: Any, **kwargs: Any) -> Any:
+        return routed(*args, **kwargs)
+
+    setattr(foreign, ROUTER_MARK, True)
+    w.connector.send_ffn_output = foreign
+    first = _decided(w, memo)
+    assert not first.engages and first.passing and "another thread" in first.reason
     assert len(memo) == 0
+    del w.connector.send_ffn_output
+    assert _decided(w, memo).engages and fresh_calls == [1, 1]
 
 
 def test_a_runner_the_layer_list_fails_on_gets_the_reason_of_its_first_failed_check() -> None:

@@ -42,22 +42,29 @@ class Decision:
     directions: Directions = BOTH_SIDES
     #: The rollout mode the step engages in (VLLM_CAMP2P_MULTISTREAM_MODE).
     mode: str = "overlap"
+    #: A serial decision whose reason may pass while every input the memo
+    #: compares stays equal (another thread's step has routed the connector,
+    #: a device backend not available yet): never memoised.
+    passing: bool = False
 
 
-def serial(reason: str) -> Decision:
-    """The decision to run upstream's serial path, for ``reason``."""
-    return Decision(engages=False, reason=reason)
+def serial(reason: str, *, passing: bool = False) -> Decision:
+    """The decision to run upstream's serial path, for ``reason`` (``passing``:
+    a reason the memo's inputs do not hold, see :attr:`Decision.passing`)."""
+    return Decision(engages=False, reason=reason, passing=passing)
 
 
 class DecisionMemo:
-    """A runner's last engaging decision, with every input it was made
-    from, so that a step whose inputs all compare equal takes it without
-    deciding again (one memo per patch layer's runtime: it is emptied on
+    """A runner's last decision, with every input it was made from, so that
+    a step whose inputs all compare equal takes it without deciding again
+    (an engaging one, or a serial one for a reason those inputs hold: a
+    connector of another class, a role, too few stages, shared HCCL groups;
+    not a :attr:`Decision.passing` one) (one memo per patch layer's runtime: it is emptied on
     unpatch, so a decision never outlives the apply it was made under).
 
     The inputs are what :func:`decide` reads: the configuration, the
     manifest and its route targets, the connector's class and its three
-    HCCL communicator names, the runner's AFD role, device and
+    HCCL communicator names (None without them), the runner's AFD role, device and
     ``max_num_tokens``, the stage ids of ``dp_metadata_list`` (its keys, as
     given), and the live ``_ffn_layer_indices`` with what it returned. A
     call inside a graph capture is never memoised. What may change between
@@ -87,16 +94,21 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], memo: De
     """Whether this call of ``runner._ffn_forward(**kwargs)`` engages, and
     its plan; the step has already checked that the patch layer is on, the call is
     not re-entrant and every target is ready (``FfnStep.blocking_reason``).
-    With ``memo``, an engaging decision is kept per runner with its inputs,
-    and a later call whose inputs compare equal gets it back (:class:`DecisionMemo`)."""
+    With ``memo``, a decision is kept per runner with its inputs (not a
+    :attr:`Decision.passing` one), and a later call whose inputs compare
+    equal gets it back (:class:`DecisionMemo`)."""
     connector = getattr(runner, "connector", None)
     dp_metadata_list = kwargs.get("dp_metadata_list", _NONE)
     if memo is None or kwargs.get("is_graph_capturing") or type(dp_metadata_list) is not dict:
         return _decide(engine, runner, kwargs, connector, None)
-    try:
-        names = _comm_names(connector)
-    except AttributeError:  # the group check says why
-        return _decide(engine, runner, kwargs, connector, None)
+    # None without the three names: not a CAMP2P connector (the decision says
+    # why); the first one read plainly, so that such a connector raises nothing
+    names = None
+    if getattr(connector, _FIRST_COMM_NAME, _NONE) is not _NONE:
+        try:
+            names = _comm_names(connector)
+        except AttributeError:
+            pass
     manifest = engine.manifest
     read = _LAYER_FN_READ
     if read[0] is not manifest:
@@ -134,7 +146,7 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], memo: De
         except Exception:  # noqa: BLE001 - an input that does not compare: decided afresh
             pass
     decision = _decide(engine, runner, kwargs, connector, layers)
-    if decision.engages:
+    if not decision.passing:  # engaging, or serial for a reason the inputs hold
         kept = memo._last
         if len(kept) >= DecisionMemo.KEPT:
             kept.clear()
@@ -144,6 +156,7 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], memo: De
 
 _NONE: Any = object()
 _comm_names = camp2p.comm_name_fields
+_FIRST_COMM_NAME = camp2p.COMM_NAME_FIELDS[0]
 
 #: The manifest read last, with the module and attribute of its
 #: ``_ffn_layer_indices`` target when that is a module function (one tuple,
@@ -173,9 +186,12 @@ def _decide(
     ``_ffn_layer_indices`` returned for ``runner``, when the caller has
     called it (None: called here)."""
     cfg = engine.config
-    problem = connector_problem(engine, connector)
-    if problem is not None:
+    problem, attributes = _class_problem(engine, connector)
+    if problem is not None:  # its class is an input of the memo
         return serial(problem)
+    problem = route_problem(connector, attributes)
+    if problem is not None:  # the instance's state (another thread's step routed it, say) may pass
+        return serial(problem, passing=True)
     role = getattr(getattr(runner, "afd_config", None), "role", None)
     if role != "ffn":
         return serial(f"AFD role is {role!r}, not 'ffn'")
@@ -198,7 +214,7 @@ def _decide(
     try:
         backend = resolve_backend_name(cfg.backend, getattr(runner, "device", None))
     except BackendUnavailable as exc:
-        return serial(str(exc))
+        return serial(str(exc), passing=True)
     if layer_list is None:
         layer_fn = live_target(engine.manifest, camp2p.LAYER_INDICES_TARGET)
         if layer_fn is None:
@@ -255,6 +271,13 @@ def connector_problem(engine: PatchEngine, connector: Any) -> str | None:
     must be an instance of the class that holds the manifest's ``route``
     targets, and each of them must be routable on the instance
     (:func:`~camp2p_overlap.core.overlap.connector_routes.route_problem`)."""
+    problem, attributes = _class_problem(engine, connector)
+    return problem if problem is not None else route_problem(connector, attributes)
+
+
+def _class_problem(engine: PatchEngine, connector: Any) -> tuple[str | None, tuple[str, ...]]:
+    """(why ``connector`` is not an instance of every class that holds the
+    installed ``route`` targets, or None; the routed attributes)."""
     routes = engine.installer.routes()
     read = _attributes_of(routes)
     if read is not None:
@@ -264,8 +287,8 @@ def connector_problem(engine: PatchEngine, connector: Any) -> str | None:
                 break
     if read is None:
         wanted = sorted({spec.owner_path[-1] for spec in _route_specs(engine)}) or ["the routed connector class"]
-        return f"connector is {type(connector).__name__}, not {' or '.join(wanted)}"
-    return route_problem(connector, read[1])
+        return f"connector is {type(connector).__name__}, not {' or '.join(wanted)}", ()
+    return None, read[1]
 
 
 #: The routes read last and what :func:`_attributes_of` made of them (one
