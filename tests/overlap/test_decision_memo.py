@@ -149,8 +149,15 @@ def test_a_serial_decision_the_inputs_hold_is_kept(fresh_calls: list[int], chang
     change(w)
     first = _decided(w, memo)
     assert not first.engages and reason in first.reason and len(memo) == 1
-    assert _decided(w, memo) is first and _decided(w, memo) is first
-    assert fresh_calls == [1]
+    # made before the layer list is read: the kept one is taken without reading it
+    listed: list[int] = []
+    layer_indices = w.modules[0]._ffn_layer_indices
+    w.modules[0]._ffn_layer_indices = lambda runner: listed.append(1) or layer_indices(runner)
+    try:
+        assert _decided(w, memo) is first and _decided(w, memo) is first
+        assert fresh_calls == [1] and listed == []
+    finally:
+        w.modules[0]._ffn_layer_indices = layer_indices
     w.runner.afd_config.role, w.runner.connector, w.dp_metadata = "ffn", connector, dp_metadata
     assert _decided(w, memo).engages and fresh_calls == [1, 1]
 
@@ -186,3 +193,17 @@ def test_a_runner_the_layer_list_fails_on_gets_the_reason_of_its_first_failed_ch
     w.runner.num_layers = "not a number"
     made = _decided(w, memo)
     assert not made.engages and "AFD role is 'attention'" in made.reason
+
+
+def test_a_serial_decision_about_the_layer_list_reads_it_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A serial decision made from the layer list (a repeated layer) is
+    kept with the list: a fixed list engages on the next step."""
+    w = world(layers=3, stage_ids=(0, 1))
+    apply_cpu()
+    layers = [0, 1, 1]
+    monkeypatch.setattr(w.modules[0], "_ffn_layer_indices", lambda runner: layers)
+    memo = DecisionMemo()
+    first = _decided(w, memo)
+    assert not first.engages and "repeats a layer" in first.reason and _decided(w, memo) is first
+    layers[2] = 2
+    assert _decided(w, memo).engages

@@ -46,12 +46,17 @@ class Decision:
     #: compares stays equal (another thread's step has routed the connector,
     #: a device backend not available yet): never memoised.
     passing: bool = False
+    #: Made from the step's layer list (``_ffn_layer_indices``): every
+    #: engaging decision, and a serial one about the list. The memo compares
+    #: the list only for these: any other serial decision is made before it
+    #: is read.
+    reads_layers: bool = False
 
 
-def serial(reason: str, *, passing: bool = False) -> Decision:
-    """The decision to run upstream's serial path, for ``reason`` (``passing``:
-    a reason the memo's inputs do not hold, see :attr:`Decision.passing`)."""
-    return Decision(engages=False, reason=reason, passing=passing)
+def serial(reason: str, *, passing: bool = False, reads_layers: bool = False) -> Decision:
+    """The decision to run upstream's serial path, for ``reason`` (``passing``
+    and ``reads_layers``: see :class:`Decision`)."""
+    return Decision(engages=False, reason=reason, passing=passing, reads_layers=reads_layers)
 
 
 class DecisionMemo:
@@ -81,7 +86,7 @@ class DecisionMemo:
     def __init__(self) -> None:
         #: id(runner) -> (inputs, decision). Keyed by id only: the inputs
         #: decide alone, so a new runner at an old id finds a right answer.
-        self._last: dict[int, tuple[tuple[Any, ...], Decision]] = {}
+        self._last: dict[int, tuple[tuple[Any, ...], Any, Any, Decision]] = {}
 
     def clear(self) -> None:
         self._last = {}
@@ -110,6 +115,25 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], memo: De
         except AttributeError:
             pass
     manifest = engine.manifest
+    inputs = (
+        engine.config,
+        manifest,
+        engine.installer.routes(),
+        type(connector),
+        names,
+        getattr(getattr(runner, "afd_config", None), "role", None),
+        getattr(runner, "device", None),
+        getattr(runner, "max_num_tokens", None),
+        tuple(dp_metadata_list),
+    )
+    rid = id(runner)
+    last = memo._last.get(rid)  # (inputs, layer function, its list, decision)
+    if last is not None and not last[3].reads_layers:  # decided before the layer list is read
+        try:
+            if last[0] == inputs:
+                return last[3]
+        except Exception:  # noqa: BLE001 - an input that does not compare: decided afresh
+            pass
     read = _LAYER_FN_READ
     if read[0] is not manifest:
         read = _layer_fn_target(manifest)
@@ -124,25 +148,10 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], memo: De
             layers = tuple(layers)
     except Exception:  # noqa: BLE001 - None, or a runner it fails on: decided in order, with the reason
         return _decide(engine, runner, kwargs, connector, None)
-    inputs = (
-        engine.config,
-        manifest,
-        engine.installer.routes(),
-        type(connector),
-        names,
-        getattr(getattr(runner, "afd_config", None), "role", None),
-        getattr(runner, "device", None),
-        getattr(runner, "max_num_tokens", None),
-        tuple(dp_metadata_list),
-        layer_fn,
-        layers,
-    )
-    rid = id(runner)
-    last = memo._last.get(rid)
     if last is not None:
         try:
-            if last[0] == inputs:
-                return last[1]
+            if last[1] is layer_fn and last[2] == layers and last[0] == inputs:
+                return last[3]
         except Exception:  # noqa: BLE001 - an input that does not compare: decided afresh
             pass
     decision = _decide(engine, runner, kwargs, connector, layers)
@@ -150,7 +159,7 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], memo: De
         kept = memo._last
         if len(kept) >= DecisionMemo.KEPT:
             kept.clear()
-        kept[rid] = (inputs, decision)
+        kept[rid] = (inputs, layer_fn, layers, decision)
     return decision
 
 
@@ -218,13 +227,13 @@ def _decide(
     if layer_list is None:
         layer_fn = live_target(engine.manifest, camp2p.LAYER_INDICES_TARGET)
         if layer_fn is None:
-            return serial("_ffn_layer_indices is not available")
+            return serial("_ffn_layer_indices is not available", reads_layers=True)
         layer_list = layer_fn(runner)
     layers = tuple(map(int, layer_list))
     if not layers:
-        return serial("the step has no FFN layers")
+        return serial("the step has no FFN layers", reads_layers=True)
     if len(set(layers)) != len(layers):
-        return serial(f"layer list repeats a layer: {list(layers)}")
+        return serial(f"layer list repeats a layer: {list(layers)}", reads_layers=True)
     if kwargs.get("is_graph_capturing"):
         if not cfg.graph_overlap:
             return serial(GRAPH_OFF)
@@ -250,7 +259,9 @@ def _engaging(plan: StepPlan, backend: str, directions: Directions, mode: str) -
         return found
     if len(_ENGAGING) >= _ENGAGING_KEPT:
         _ENGAGING.clear()
-    made = _ENGAGING[key] = Decision(engages=True, plan=plan, backend=backend, directions=directions, mode=mode)
+    made = _ENGAGING[key] = Decision(
+        engages=True, plan=plan, backend=backend, directions=directions, mode=mode, reads_layers=True
+    )
     return made
 
 
