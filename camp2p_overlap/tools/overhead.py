@@ -174,6 +174,54 @@ def passthrough_config() -> OverlapConfig:
     return OverlapConfig(enabled=True, backend="cpu", min_stages=1, adaptive=True, reprobe_every=MAX_REPROBE)
 
 
+#: The static-serial pass-through kinds (their step is decided serial by the
+#: decision, not by adaptive engage) whose paired figure is taken too, each
+#: with the serial reason its steps must be counted under.
+STATIC_SERIAL_KINDS = {
+    "fewer stages": "fewer than the minimum",
+    "other connector": "connector is OtherConnector",
+}
+
+
+class OtherConnector:
+    """A connector of another class than the routed one, without CAMP2P's
+    communicator names (the loop's calls reach the stand-in's own connector
+    through it): a step on it runs serially, "not our connector"."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.control_plane = inner.control_plane
+
+    def recv_attn_output(self, *args: Any, **kwargs: Any) -> Any:
+        return self._inner.recv_attn_output(*args, **kwargs)
+
+    def send_ffn_output(self, *args: Any, **kwargs: Any) -> Any:
+        return self._inner.send_ffn_output(*args, **kwargs)
+
+
+def static_serial_config(kind: str, stages: int) -> OverlapConfig:
+    """The configuration of a static-serial kind's patch layer (adaptive
+    engage on, as a user's default): ``fewer stages`` asks one stage more
+    than the step has."""
+    min_stages = stages + 1 if kind == "fewer stages" else 1
+    return OverlapConfig(enabled=True, backend="cpu", min_stages=min_stages)
+
+
+@contextlib.contextmanager
+def static_serial_world(kind: str, world: World) -> Any:
+    """The world as a static-serial ``kind`` needs it for the block: for
+    ``other connector``, its runner's connector behind :class:`OtherConnector`."""
+    if kind != "other connector":
+        yield
+        return
+    connector = world.runner.connector
+    world.runner.connector = OtherConnector(connector)
+    try:
+        yield
+    finally:
+        world.runner.connector = connector
+
+
 def decide_serial(patch_layer: PatchLayer, world: World) -> None:
     """Teach the patch layer's adaptive engage that serial is faster for this
     shape, so that every step takes the pass-through path (no probe runs:
@@ -320,6 +368,19 @@ def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, 
     paired = passthrough_pairs(
         params, world, step, upstream, (engines["pass-through"], configs["pass-through"], manifest), calls
     )
+    static: dict[str, Any] = {}
+    for kind, reason in STATIC_SERIAL_KINDS.items():
+        static_layer = emulated_patch_layer()
+        static_layer.runtime.runners.make_backend = noop_backend
+        with static_serial_world(kind, world):
+            static[kind] = passthrough_pairs(
+                params, world, step, upstream, (static_layer, static_serial_config(kind, stages), manifest), calls
+            )
+        taken = static_layer.runtime.counters.to_dict()
+        wanted = PT_WARMUP + params.pt_pairs if static[kind].get("median") is not None else 0
+        counted = sum(n for r, n in taken["serial_reasons"].items() if reason in r)
+        if counted != wanted or taken["steps"]["overlap"]:
+            raise RuntimeError(f"the {kind!r} pass-through steps were not taken as planned: {taken}")
     counters = engines["engaged"].runtime.counters.to_dict()["steps"]
     passed = engines["pass-through"].runtime.counters.to_dict()["steps"]
     expected = params.rounds * (params.warmup + params.steps)
@@ -335,6 +396,7 @@ def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, 
         "passthrough_us_per_step": _figure(samples["pass-through-step"]),
         "passthrough_us_per_call": _figure(samples["pass-through"]),
         "passthrough_paired_us_per_step": paired,
+        "static_serial_paired_us_per_step": static,
         "_samples": samples,
     }
 
@@ -591,6 +653,16 @@ def _paired_cell(shape: dict[str, Any]) -> str:
     return f"{paired['median']:>5.2f} [{lo:.2f},{hi:.2f}] {paired['control']['median']:>+6.2f}"
 
 
+def _static_cells(shape: dict[str, Any]) -> str:
+    """The static-serial kinds' paired medians (``-`` where not taken)."""
+    static = shape.get("static_serial_paired_us_per_step") or {}
+    cells = []
+    for kind in STATIC_SERIAL_KINDS:
+        median = (static.get(kind) or {}).get("median")
+        cells.append(f"{median:>{len(kind)}.2f}" if median is not None else f"{'-':>{len(kind)}}")
+    return " ".join(cells)
+
+
 def format_overhead(result: dict[str, Any]) -> str:
     """The result as the table ``camp2p-overlap overhead`` prints."""
     e, p = result["engaged_us_per_layer_stage"], result["passthrough_us_per_call"]
@@ -602,14 +674,16 @@ def format_overhead(result: dict[str, Any]) -> str:
         f"{p['median']:.2f} us per wrapped call, p90 {p['p90']:.2f}",
         "",
         f"{'layers':>6} {'stages':>6} {'loop us/(L,s)':>14} {'engaged med':>12} {'p90':>8} "
-        f"{'pass us/step':>12} {'p90':>8} {'calls':>6} {'us/call':>8} {'p90':>8} {'paired us/step':>15} {'A/A':>6}",
+        f"{'pass us/step':>12} {'p90':>8} {'calls':>6} {'us/call':>8} {'p90':>8} {'paired us/step':>15} {'A/A':>6} "
+        + " ".join(STATIC_SERIAL_KINDS),
     ]
     for s in result["shapes"]:
         se, sps, sp = s["engaged_us_per_layer_stage"], s["passthrough_us_per_step"], s["passthrough_us_per_call"]
         lines.append(
             f"{s['layers']:>6} {s['stages']:>6} {s['unpatched_us_per_layer_stage']:>14.2f} "
             f"{se['median']:>12.2f} {se['p90']:>8.2f} {sps['median']:>12.2f} {sps['p90']:>8.2f} "
-            f"{s['wrapped_calls_per_step']:>6} {sp['median']:>8.2f} {sp['p90']:>8.2f} {_paired_cell(s)}"
+            f"{s['wrapped_calls_per_step']:>6} {sp['median']:>8.2f} {sp['p90']:>8.2f} {_paired_cell(s)} "
+            f"{_static_cells(s)}"
         )
     ab = result.get("decided_serial_ab")
     if ab:

@@ -8,6 +8,7 @@ no timing goal here (the figures belong to the command's own output)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import shlex
@@ -138,6 +139,43 @@ def test_the_paired_passthrough_figure_is_not_taken_when_it_cannot_cover_our_fra
         release_site(site)
     with pytest.raises(ValueError, match="pt_pairs"):
         _small(pt_pairs=3).validate()
+
+
+@pytest.mark.alone
+def test_the_static_serial_kinds_are_paired_on_their_own_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each static-serial kind (too few stages, a connector of another
+    class) gets its paired figure, its steps counted serial under its
+    reason; a busy wait in the decision shows in both kinds' figures."""
+    from camp2p_overlap.core.overlap import decision as decision_module
+
+    result = measure_overhead(_small(ab_pairs=0, pt_pairs=20, rounds=1))
+    (shape,) = result["shapes"]
+    static = shape["static_serial_paired_us_per_step"]
+    assert set(static) == set(overhead.STATIC_SERIAL_KINDS)
+    for figure in static.values():
+        assert figure["pairs"] == 20 and set(figure) >= {"median", "ci95", "min", "max", "control"}
+    inner = decision_module.decide
+
+    def slower(*args: Any, **kwargs: Any) -> Any:
+        busy_wait(100e-6)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(step_module, "decide", slower)
+    (slow,) = measure_overhead(_small(ab_pairs=0, pt_pairs=40, rounds=1))["shapes"]
+    for kind, figure in slow["static_serial_paired_us_per_step"].items():
+        assert 80.0 <= figure["median"] <= 400.0, (kind, figure)
+        assert abs(figure["control"]["median"]) < 40.0, (kind, figure["control"])
+
+
+@pytest.mark.parametrize("kind", list(overhead.STATIC_SERIAL_KINDS))
+def test_a_static_serial_kind_that_engages_is_refused(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kind whose steps engage (or run serially for another reason) would
+    time the wrong path: the harness refuses."""
+    monkeypatch.setattr(overhead, "STATIC_SERIAL_KINDS", {kind: overhead.STATIC_SERIAL_KINDS[kind]})
+    monkeypatch.setattr(overhead, "static_serial_config", lambda kind, stages: overhead.engaged_config())
+    monkeypatch.setattr(overhead, "static_serial_world", lambda kind, world: contextlib.nullcontext())
+    with pytest.raises(RuntimeError, match=f"{kind!r} pass-through steps were not taken as planned"):
+        measure_overhead(_small(ab_pairs=0, rounds=1))
 
 
 def test_the_paths_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -398,6 +436,7 @@ def test_cli_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFi
         assert s["wrapped_calls_per_step"] == 1 + 2 * pairs * _connector_wrapped_at_class_level()
         assert set(s["passthrough_us_per_step"]) == set(s["passthrough_us_per_call"]) == FIGURE
         assert s["passthrough_us_per_step"]["samples"] == 6
+        assert set(s["static_serial_paired_us_per_step"]) == set(overhead.STATIC_SERIAL_KINDS)
     assert data["engaged_us_per_layer_stage"]["samples"] == data["passthrough_us_per_step"]["samples"] == 4 * 6
     ab = data["decided_serial_ab"]
     assert set(ab) == {
