@@ -63,8 +63,9 @@ import torch
 
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.env_vars import MAX_REPROBE, MAX_STAGES
-from camp2p_overlap.core.overlap.step import bucket_of
+from camp2p_overlap.core.overlap.step import bucket_of, make_wrappers
 from camp2p_overlap.core.patch_layer import PatchLayer
+from camp2p_overlap.core.patching.installer import method_wrapper
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.noop import NoopModel, NoopTransport, noop_backend
@@ -173,6 +174,9 @@ def engaged_config() -> OverlapConfig:
 def passthrough_config() -> OverlapConfig:
     return OverlapConfig(enabled=True, backend="cpu", min_stages=1, adaptive=True, reprobe_every=MAX_REPROBE)
 
+
+#: The decided-serial pass-through kind (adaptive engage decided for serial).
+PASSTHROUGH_KIND = "decided serial"
 
 #: The static-serial pass-through kinds (their step is decided serial by the
 #: decision, not by adaptive engage) whose paired figure is taken too, each
@@ -365,26 +369,28 @@ def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, 
         samples["engaged"] += [(t - base) / 1e3 / pairs for t in times["engaged"]]
         samples["pass-through-step"] += [(t - base) / 1e3 for t in times["pass-through"]]
         samples["pass-through"] += [(t - base) / 1e3 / calls for t in times["pass-through"]]
-    paired = passthrough_pairs(
+    paired, frames = passthrough_pairs(
         params, world, step, upstream, (engines["pass-through"], configs["pass-through"], manifest), calls
     )
+    # the steps one passthrough_pairs() call runs wrapped: the paired figure's and the frames' alone
+    taken = paired.get("median") is not None
+    paired_steps = 2 * PT_WARMUP + (1 + FRAMES_PAIRS_PER_PAIR) * params.pt_pairs if taken else 0
     static: dict[str, Any] = {}
+    own = {PASSTHROUGH_KIND: frames}
     for kind, reason in STATIC_SERIAL_KINDS.items():
         static_layer = emulated_patch_layer()
         static_layer.runtime.runners.make_backend = noop_backend
         with static_serial_world(kind, world):
-            static[kind] = passthrough_pairs(
+            static[kind], own[kind] = passthrough_pairs(
                 params, world, step, upstream, (static_layer, static_serial_config(kind, stages), manifest), calls
             )
         taken = static_layer.runtime.counters.to_dict()
-        wanted = PT_WARMUP + params.pt_pairs if static[kind].get("median") is not None else 0
         counted = sum(n for r, n in taken["serial_reasons"].items() if reason in r)
-        if counted != wanted or taken["steps"]["overlap"]:
+        if counted != paired_steps or taken["steps"]["overlap"]:
             raise RuntimeError(f"the {kind!r} pass-through steps were not taken as planned: {taken}")
     counters = engines["engaged"].runtime.counters.to_dict()["steps"]
     passed = engines["pass-through"].runtime.counters.to_dict()["steps"]
     expected = params.rounds * (params.warmup + params.steps)
-    paired_steps = PT_WARMUP + params.pt_pairs if paired.get("median") is not None else 0
     if counters["overlap"] != expected or passed["serial"] != expected + 1 + paired_steps or passed["overlap"]:
         raise RuntimeError(f"the paths were not taken as planned: engaged {counters}, pass-through {passed}")
     return {
@@ -397,12 +403,17 @@ def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, 
         "passthrough_us_per_call": _figure(samples["pass-through"]),
         "passthrough_paired_us_per_step": paired,
         "static_serial_paired_us_per_step": static,
+        "passthrough_frames_us_per_step": own,
         "_samples": samples,
     }
 
 
 #: Steps of each kind run before the paired pass-through figure's pairs.
 PT_WARMUP = 20
+#: Pairs of the frames-alone figure per pair of the paired figure: a pair
+#: of it takes a few µs, so as many as the paired figure's would all fall in
+#: a few ms, where one hiccup of the machine moves the median.
+FRAMES_PAIRS_PER_PAIR = 10
 
 
 def passthrough_pairs(
@@ -431,14 +442,29 @@ def passthrough_pairs(
     pass-through patch layer, its configuration and the manifest."""
     patch_layer, config, manifest = applied
     if not params.pt_pairs:
-        return {"median": None, "why": "skipped (pt_pairs 0)"}
+        skipped = {"median": None, "why": "skipped (pt_pairs 0)"}
+        return skipped, skipped
     if calls != 1:
-        return {"median": None, "why": f"{calls} calls of a passed-through step meet a frame of ours, not 1"}
+        refused = {"median": None, "why": f"{calls} calls of a passed-through step meet a frame of ours, not 1"}
+        return refused, refused
     original = upstream["runner"]["_ffn_forward"]
     runner, kwargs = world.runner, {"dp_metadata_list": world.dp_metadata()}
 
     def original_step() -> None:
         original(runner, **kwargs)
+
+    def nothing(self: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    # our frames around a no-op: the wrapper the engine installs, of the kind
+    # the installer makes for a class's function, bound to the same engine
+    ours = method_wrapper(nothing, make_wrappers(patch_layer.engine, runtime=patch_layer.runtime)["ffn_forward"])
+
+    def frames_step() -> None:
+        ours(runner, **kwargs)
+
+    def nothing_step() -> None:
+        nothing(runner, **kwargs)
 
     patch_layer.engine.apply(config=config, manifest=manifest, strict=True)
     try:
@@ -449,11 +475,16 @@ def passthrough_pairs(
             original_step()
         wrapped_times, original_times = time_pairs(step, original_step, params.pt_pairs)
         control = time_pairs(original_step, original_step, params.pt_pairs)
+        for _ in range(PT_WARMUP):
+            frames_step()
+        frames = time_pairs(frames_step, nothing_step, FRAMES_PAIRS_PER_PAIR * params.pt_pairs)
     finally:
         _unpatch(patch_layer)
     extra = [(w - o) / 1e3 for w, o in zip(wrapped_times, original_times, strict=True)]
     aa = [(b - a) / 1e3 for a, b in zip(*control, strict=True)]
-    return {**_extra_figure(extra), "pairs": params.pt_pairs, "control": _extra_figure(aa)}
+    own = [(w - o) / 1e3 for w, o in zip(*frames, strict=True)]
+    paired = {**_extra_figure(extra), "pairs": params.pt_pairs, "control": _extra_figure(aa)}
+    return paired, {**_extra_figure(own), "pairs": FRAMES_PAIRS_PER_PAIR * params.pt_pairs}
 
 
 # ---------------------------------------------------------------------------
@@ -653,14 +684,35 @@ def _paired_cell(shape: dict[str, Any]) -> str:
     return f"{paired['median']:>5.2f} [{lo:.2f},{hi:.2f}] {paired['control']['median']:>+6.2f}"
 
 
-def _static_cells(shape: dict[str, Any]) -> str:
-    """The static-serial kinds' paired medians (``-`` where not taken)."""
-    static = shape.get("static_serial_paired_us_per_step") or {}
-    cells = []
-    for kind in STATIC_SERIAL_KINDS:
-        median = (static.get(kind) or {}).get("median")
-        cells.append(f"{median:>{len(kind)}.2f}" if median is not None else f"{'-':>{len(kind)}}")
-    return " ".join(cells)
+def _median_cell(figure: Any, width: int) -> str:
+    median = (figure or {}).get("median")
+    return f"{median:>{width}.2f}" if median is not None else f"{'-':>{width}}"
+
+
+def _passthrough_kinds_table(shapes: Sequence[dict[str, Any]]) -> list[str]:
+    """Per shape, each pass-through kind's frames alone (a no-op original)
+    and the static-serial kinds' paired figures: medians, µs per step."""
+    kinds = [PASSTHROUGH_KIND, *STATIC_SERIAL_KINDS]
+    if not any((s.get("passthrough_frames_us_per_step") or {}).get(PASSTHROUGH_KIND) for s in shapes):
+        return []
+    lines = [
+        "",
+        "pass-through steps by kind, us per step: our frames alone (around a no-op original), and paired",
+        f"{'layers':>6} {'stages':>6} "
+        + " ".join(f"{'frames ' + k:>{len(k) + 7}}" for k in kinds)
+        + " "
+        + " ".join(f"{'paired ' + k:>{len(k) + 7}}" for k in STATIC_SERIAL_KINDS),
+    ]
+    for s in shapes:
+        own = s.get("passthrough_frames_us_per_step") or {}
+        static = s.get("static_serial_paired_us_per_step") or {}
+        lines.append(
+            f"{s['layers']:>6} {s['stages']:>6} "
+            + " ".join(_median_cell(own.get(k), len(k) + 7) for k in kinds)
+            + " "
+            + " ".join(_median_cell(static.get(k), len(k) + 7) for k in STATIC_SERIAL_KINDS)
+        )
+    return lines
 
 
 def format_overhead(result: dict[str, Any]) -> str:
@@ -674,17 +726,16 @@ def format_overhead(result: dict[str, Any]) -> str:
         f"{p['median']:.2f} us per wrapped call, p90 {p['p90']:.2f}",
         "",
         f"{'layers':>6} {'stages':>6} {'loop us/(L,s)':>14} {'engaged med':>12} {'p90':>8} "
-        f"{'pass us/step':>12} {'p90':>8} {'calls':>6} {'us/call':>8} {'p90':>8} {'paired us/step':>15} {'A/A':>6} "
-        + " ".join(STATIC_SERIAL_KINDS),
+        f"{'pass us/step':>12} {'p90':>8} {'calls':>6} {'us/call':>8} {'p90':>8} {'paired us/step':>15} {'A/A':>6}",
     ]
     for s in result["shapes"]:
         se, sps, sp = s["engaged_us_per_layer_stage"], s["passthrough_us_per_step"], s["passthrough_us_per_call"]
         lines.append(
             f"{s['layers']:>6} {s['stages']:>6} {s['unpatched_us_per_layer_stage']:>14.2f} "
             f"{se['median']:>12.2f} {se['p90']:>8.2f} {sps['median']:>12.2f} {sps['p90']:>8.2f} "
-            f"{s['wrapped_calls_per_step']:>6} {sp['median']:>8.2f} {sp['p90']:>8.2f} {_paired_cell(s)} "
-            f"{_static_cells(s)}"
+            f"{s['wrapped_calls_per_step']:>6} {sp['median']:>8.2f} {sp['p90']:>8.2f} {_paired_cell(s)}"
         )
+    lines += _passthrough_kinds_table(result["shapes"])
     ab = result.get("decided_serial_ab")
     if ab:
         w, x = ab["world"], ab["extra_pct"]

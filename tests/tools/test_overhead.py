@@ -124,6 +124,8 @@ def test_the_paired_passthrough_figure_finds_a_cost_in_our_frame_and_not_in_its_
     assert paired["pairs"] == 40 and set(paired) >= {"median", "ci95", "min", "max", "control"}
     assert 80.0 <= paired["median"] <= 400.0, paired
     assert abs(paired["control"]["median"]) < 40.0, paired["control"]
+    frames = shape["passthrough_frames_us_per_step"][overhead.PASSTHROUGH_KIND]
+    assert 80.0 <= frames["median"] <= 400.0, frames
 
 
 def test_the_paired_passthrough_figure_is_not_taken_when_it_cannot_cover_our_frames() -> None:
@@ -131,10 +133,12 @@ def test_the_paired_passthrough_figure_is_not_taken_when_it_cannot_cover_our_fra
     try:
         world = overhead.noop_world(2, 1, 0.0, site.root)
         params = _small(pt_pairs=20)
-        skipped = overhead.passthrough_pairs(params, world, lambda: None, {}, (None, None, None), 2)  # type: ignore[arg-type]
-        assert skipped["median"] is None and "2 calls" in skipped["why"]
+        refused = overhead.passthrough_pairs(params, world, lambda: None, {}, (None, None, None), 2)  # type: ignore[arg-type]
+        for skipped in refused:
+            assert skipped["median"] is None and "2 calls" in skipped["why"]
         off = overhead.passthrough_pairs(_small(pt_pairs=0), world, lambda: None, {}, (None, None, None), 1)  # type: ignore[arg-type]
-        assert off["median"] is None and "skipped" in off["why"]
+        for skipped in off:
+            assert skipped["median"] is None and "skipped" in skipped["why"]
     finally:
         release_site(site)
     with pytest.raises(ValueError, match="pt_pairs"):
@@ -165,6 +169,10 @@ def test_the_static_serial_kinds_are_paired_on_their_own_path(monkeypatch: pytes
     for kind, figure in slow["static_serial_paired_us_per_step"].items():
         assert 80.0 <= figure["median"] <= 400.0, (kind, figure)
         assert abs(figure["control"]["median"]) < 40.0, (kind, figure["control"])
+        own = slow["passthrough_frames_us_per_step"][kind]
+        assert 80.0 <= own["median"] <= 400.0, (kind, own)
+    # the decided-serial kind does not decide: its frames alone do not show the wait
+    assert slow["passthrough_frames_us_per_step"][overhead.PASSTHROUGH_KIND]["median"] < 40.0
 
 
 @pytest.mark.parametrize("kind", list(overhead.STATIC_SERIAL_KINDS))
@@ -437,6 +445,9 @@ def test_cli_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFi
         assert set(s["passthrough_us_per_step"]) == set(s["passthrough_us_per_call"]) == FIGURE
         assert s["passthrough_us_per_step"]["samples"] == 6
         assert set(s["static_serial_paired_us_per_step"]) == set(overhead.STATIC_SERIAL_KINDS)
+        frames = s["passthrough_frames_us_per_step"]
+        assert set(frames) == {overhead.PASSTHROUGH_KIND, *overhead.STATIC_SERIAL_KINDS}
+        assert {f["pairs"] for f in frames.values()} == {overhead.FRAMES_PAIRS_PER_PAIR * data["params"]["pt_pairs"]}
     assert data["engaged_us_per_layer_stage"]["samples"] == data["passthrough_us_per_step"]["samples"] == 4 * 6
     ab = data["decided_serial_ab"]
     assert set(ab) == {
@@ -468,7 +479,7 @@ def test_cli_skips_the_ab_when_asked(tmp_path: Path, capsys: pytest.CaptureFixtu
     argv = ["overhead", "--layers", "2", "--stages", "2", "--steps", "5", "--rounds", "1", "--ab-pairs", "0"]
     assert main([*argv, "--json", str(path)]) == 0
     assert json.loads(path.read_text())["decided_serial_ab"] is None
-    assert "decided serial" not in capsys.readouterr().out
+    assert "decided serial vs not applied" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
