@@ -109,11 +109,18 @@ def test_a_route_taken_during_a_step_and_called_after_it_refuses() -> None:
         taken[0](layer_idx=0, ubatch_idx=0)
 
 
-@pytest.mark.parametrize("failing", ["send_ffn_output", "recv_attn_output"])
-def test_a_kept_session_on_a_direct_backend_lists_no_steady_op_and_still_raises_a_failure(failing: str) -> None:
+@pytest.mark.parametrize(
+    ("failing", "layer"),
+    [("send_ffn_output", 1), ("recv_attn_output", 1), ("recv_attn_output", 0)],
+    ids=["send", "lookahead-receive", "prologue-receive"],
+)
+def test_a_kept_session_on_a_direct_backend_lists_no_steady_op_and_still_raises_a_failure(
+    failing: str, layer: int
+) -> None:
     """The overhead tool's device (its ops run in scope on the host, as on a
-    real device's backend): the steady path keeps no op, and a failed send
-    or lookahead receive still raises from the step, as upstream's would."""
+    real device's backend): the steady path keeps no op, and a failed send,
+    lookahead receive or prologue receive still raises from the step, as
+    upstream's would."""
     site = standin_site()
     patch_layer = emulated_patch_layer()
     patch_layer.runtime.runners.make_backend = noop_backend
@@ -129,7 +136,7 @@ def test_a_kept_session_on_a_direct_backend_lists_no_steady_op_and_still_raises_
         original = getattr(type(w.connector), failing)
 
         def fails(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("ubatch_idx") == 1 and kwargs.get("layer_idx", 1) == 1:
+            if kwargs.get("ubatch_idx") == 1 and kwargs.get("layer_idx", layer) == layer:
                 raise RuntimeError(f"{failing} failed")
             return original(self, *args, **kwargs)
 

@@ -183,7 +183,7 @@ class ConnectorRoutes:
         instance = self._instance
         while self._set:
             attribute, router, before = self._set.pop()
-            if held_by_instance(instance, attribute) is not router:
+            if getattr(instance, attribute, None) is not router and held_by_instance(instance, attribute) is not router:
                 replaced_during_step(attribute)
                 continue
             if before is _MISSING:

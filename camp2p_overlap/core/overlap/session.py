@@ -489,6 +489,22 @@ class OverlapSession:
         self._a_handle[key] = self._submit(k, A2E, layer, stage, partial(fn, **kw), keys.a2e_label)
         self._record(k, keys.a_done)
 
+    def _prologue_here(self, fn: Callable[..., Any], slots: tuple[RecvSlot, ...]) -> None:
+        """The prologue on the steady path without an op log, with ops run
+        in scope by the host: :meth:`issue_a2e` of the first layer's
+        receives (the plan's first slots, in stage order), each from its
+        slot, inline."""
+        scope, side, handles = self._scope, self.side_streams, self._a_handle
+        for key, kw, _, a_done in slots[: len(self.plan.stages)]:
+            k = side[key[1]]
+            with scope(k):  # type: ignore[misc]
+                try:
+                    h: DoneHandle | tuple[Any] = (fn(**kw),)
+                except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
+                    h = DoneHandle(None, exc)
+            handles[key] = h
+            a_done.record(k)
+
     def _a2e_here(self, fn: Callable[..., Any], kw: Mapping[str, Any]) -> DoneHandle | tuple[Any]:
         """A receive run by the host in its side stream's scope, already
         entered (``backend.submit_here``, inline: ``direct_submit``): its
@@ -522,9 +538,12 @@ class OverlapSession:
                 if not i:
                     self._recv_fn = fn
                     self._fork()
-                    first_layer = self.plan.layers[0]
-                    for stage in self.plan.stages:  # the prologue
-                        self.issue_a2e(first_layer, stage)
+                    if self._run_here and self._op_log is None:
+                        self._prologue_here(fn, slots)
+                    else:
+                        first_layer = self.plan.layers[0]
+                        for stage in self.plan.stages:  # the prologue
+                            self.issue_a2e(first_layer, stage)
                 self.next_recv = i + 1
                 # _take_prefetched(*key), inline: issued in this step (and so
                 # its a_done recorded) exactly when its handle is held

@@ -229,7 +229,9 @@ class KeptSession:
         connector, done = self._connector, self._set
         while done:
             attribute, binding = done.pop()
-            if held_by_instance(connector, attribute) is binding.router:
+            router = binding.router
+            # what the instance holds, read past a class's __getattribute__ only when that hides it
+            if getattr(connector, attribute, None) is router or held_by_instance(connector, attribute) is router:
                 _delete_on_instance(connector, attribute)
             else:
                 replaced_during_step(attribute)
