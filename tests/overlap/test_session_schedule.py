@@ -587,3 +587,33 @@ def test_a_second_send_of_one_received_payload_falls_back(logs: PackageLogs, op_
         assert [entry for entry in log[4:] if entry[0] == "e2a"] == [("e2a", 0, 0), ("e2a", 0, 0), ("e2a", 1, 0)]
     finally:
         sset.close()
+
+
+@pytest.mark.parametrize("op_log", [True, False], ids=["cpu-backend", "direct-backend-no-op-log"])
+def test_a_step_that_ends_early_logs_what_was_prefetched_and_never_consumed(logs: PackageLogs, op_log: bool) -> None:
+    """The loop stops after the first layer of a two-layer plan: closing the
+    session says how many planned receives ran and names the receive the
+    lookahead prefetched for the layer the loop never asked; a step that
+    fell back, or one already raising, does not say it."""
+    recv, send, _ = _fake_connector()
+    sset = StreamSet(make_backend("cpu") if op_log else noop_backend(), [0])
+    plan = StepPlan((0, 1), (0,), {"max_num_tokens": 4})
+    try:
+        for _ in range(2):  # the second has the steady path's slots
+            session = OverlapSession(
+                connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of, op_log=op_log
+            )
+            p = session.recv(recv, {"ubatch_idx": 0, "layer_idx": 0, "max_num_tokens": 4})
+            session.send(lambda o=p.hidden_states, c=p.context: send(o, c, ubatch_idx=0), p.hidden_states, p.context, 0)
+            session.close()
+            assert set(session.held().values()) == {0}
+        warned = logs.texts("planned receives", logging.WARNING)
+        assert len(warned) == 2 and all("after 1 of 2" in w and "[(1, 0)]" in w for w in warned), warned
+        session = OverlapSession(
+            connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of, op_log=op_log
+        )
+        session.recv(recv, {"ubatch_idx": 0, "layer_idx": 0, "max_num_tokens": 4})
+        session.close(raising=True)
+        assert len(logs.texts("planned receives", logging.WARNING)) == 2
+    finally:
+        sset.close()

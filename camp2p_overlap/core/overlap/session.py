@@ -283,9 +283,12 @@ class OverlapSession:
         # event dict) and what only a trace reads
         self.next_recv = 0
         self.forked = self.fallen_back = self.closed = False
-        self._consumed = set()
-        self._sent = set()
-        self._e_done_c.clear()
+        if self._consumed:  # (the steady path without an op log adds to neither)
+            self._consumed = set()
+        if self._sent:
+            self._sent = set()
+        if self._e_done_c:
+            self._e_done_c.clear()
         self._op_log = self._ops if self._log_ops else None
         self.t_open_ns = time.perf_counter_ns()
         self._closed_snapshot = self._closed_parts = None
@@ -451,7 +454,8 @@ class OverlapSession:
                 self.wait_event(k, _FORK)
         else:  # the steady path's pooled event: _record and wait_event, inline
             ev.record(self.compute)
-            self._events[_FORK] = ev
+            if self._op_log is not None:  # the step's record of its events (stall reports)
+                self._events[_FORK] = ev
             for k in self.side_streams.values():
                 k.wait_event(ev)
         self.forked = True
@@ -805,7 +809,8 @@ class OverlapSession:
                 self.wait_event(compute, join)
             else:  # the steady path's pooled event: _record and wait_event, inline
                 ev.record(k)
-                self._events[join] = ev
+                if self._op_log is not None:  # the step's record of its events (stall reports)
+                    self._events[join] = ev
                 compute.wait_event(ev)
         # Every side-stream op has completed (CPU) or is ordered before C's
         # next work (device): nothing the step allocated needs holding.
@@ -845,9 +850,9 @@ class OverlapSession:
             ops, events = self._ops, self._events
             self._closed_parts = (self.next_recv, self._consumed, self._sent, ops, events)
             self._ops, self._events = [], {}
-            first = self._side_error(list(self.side_streams.values())) if self.backend.reports_step_errors else None
-            errors = [first] if first is not None else []
-            unconsumed = [k for k in self._a_handle if k not in self._consumed] if self._a_handle else []
+            error = self._side_error(list(self.side_streams.values())) if self.backend.reports_step_errors else None
+            short = not raising and not self.fallen_back and self.next_recv < len(self.order)
+            unconsumed = [k for k in self._a_handle if k not in self._consumed] if short and self._a_handle else []
             if self._trace is not None:
                 self._trace.emit((o.kind, o.layer, o.stage, o.stream, o.handle, o.seq) for o in map(_issued, ops))
             self._a_handle.clear()
@@ -858,7 +863,7 @@ class OverlapSession:
                 refs.clear()
             self._recv_fn = None
             self.connector = None
-        if not raising and not self.fallen_back and self.next_recv < len(self.order):
+        if short:
             logger.warning(
                 "camp2p-overlap: step %d ended after %d of %d planned receives; prefetched but never consumed: %s",
                 self.step_id,
@@ -866,16 +871,16 @@ class OverlapSession:
                 len(self.order),
                 unconsumed,
             )
-        if errors:
+        if error is not None:
             if raising:
                 logger.log(
                     logging.ERROR,
                     "camp2p-overlap: step %d: side-stream error while the step was already failing: %r",
                     self.step_id,
-                    errors[0],
+                    error,
                 )
             else:
-                raise errors[0]
+                raise error
 
     def _side_error(self, streams: list[Stream]) -> BaseException | None:
         """The asynchronous error of ``streams`` the host raises: the first
