@@ -300,6 +300,8 @@ class FfnStep:
         if streamset is None:  # decide() gives a reason whenever it gives no streams
             self.count_serial(decision.reason)
             log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", decision.reason)
+            if self.recorder is None:  # run_original(), inline for a step without a trace
+                return self.wrapped(*self.args, **self.kwargs)
             return self.run_original()
         # 4.: capture follows the static setting (a graph replays what it
         # captured), and so do parity/reorder steps and adaptive engage off.
