@@ -300,11 +300,19 @@ def overhead_block(res: Results) -> str:
             passed, how = per_step["median"], ""
         else:
             passed, how = widest["wrapped_calls_per_step"] * widest["passthrough_us_per_call"]["median"], ""
+        frames = (widest.get("passthrough_frames_us_per_step") or {}).get("decided serial") or {}
+        if frames.get("median") is not None:  # our frames alone: the figure that does not move with the loop
+            passed_text = (
+                f"{frames['median']:.1f} µs of our own frames per passed-through step (decided serial, around a "
+                f"no-op original; the whole step{how or ''}: {passed:.1f} µs)"
+            )
+        else:
+            passed_text = f"{passed:.1f} µs per passed-through step{how}"
         lines += [
             "",
             f"At {widest['layers']} layers × {widest['stages']} stages ({pairs} (layer, stage) pairs), by the "
             f"medians above: about {pairs * engaged / 1000:.2f} ms of our host time per engaged step and "
-            f"{passed:.1f} µs per passed-through step{how}.",
+            f"{passed_text}.",
         ]
     ab = ovh.get("decided_serial_ab")
     interval = ((ab or {}).get("extra_pct") or {}).get("ci95")

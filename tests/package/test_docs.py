@@ -109,6 +109,21 @@ def test_the_figures_come_from_the_reports(checkout: Path) -> None:
     assert "7.77x" in _block_body((checkout / "docs/benchmark.md").read_text(encoding="utf-8"), "headline figures")
 
 
+def test_the_widest_shapes_pass_through_sentence_reads_our_frames_alone(checkout: Path) -> None:
+    """The overhead block's sentence on the widest shape gives our frames
+    alone (the figure that does not move with the loop's placement) and the
+    whole step's paired figure, each from the report."""
+    path = checkout / RESULTS_DIR / "overhead.json"
+    report = json.loads(path.read_text(encoding="utf-8"))
+    widest = max(report["shapes"], key=lambda s: (s["layers"] * s["stages"], s["stages"]))
+    widest["passthrough_frames_us_per_step"]["decided serial"]["median"] = 1.23
+    widest["passthrough_paired_us_per_step"]["median"] = 4.56
+    path.write_text(json.dumps(report), encoding="utf-8")
+    run_docs(checkout, check=False, out=io.StringIO())
+    body = _block_body((checkout / "docs/benchmark.md").read_text(encoding="utf-8"), "overhead table")
+    assert "1.2 µs of our own frames per passed-through step" in body and "(paired): 4.6 µs" in body
+
+
 def test_broken_markers_and_missing_inputs_are_errors(checkout: Path) -> None:
     readme = checkout / "README.md"
     text = readme.read_text(encoding="utf-8")
