@@ -8,7 +8,9 @@ makes its own."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from types import MethodType
 from typing import Any
 
@@ -24,9 +26,11 @@ from support.overlap import (
     wrap_model,
 )
 
+from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.overlap.connector_routes import ROUTER_MARK
 from camp2p_overlap.core.overlap.session import OverlapSession, SessionError
 from camp2p_overlap.core.overlap.session_routers import KeptSession
+from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.emulation.noop import noop_backend
 from camp2p_overlap.emulation.standin_patch_layer import emulated_patch_layer, release_site, standin_site
@@ -109,6 +113,28 @@ def test_a_route_taken_during_a_step_and_called_after_it_refuses() -> None:
         taken[0](layer_idx=0, ubatch_idx=0)
 
 
+@contextlib.contextmanager
+def _direct_backend_world(config: OverlapConfig) -> Iterator[tuple[World, Any, StreamSet]]:
+    """A 3 x 2 no-op world under a patch layer of its own on the overhead
+    tool's device (ops run in scope on the host, as on a real device's
+    backend), after three steps: the world, its ``dp_metadata_list`` and
+    the runner's stream set."""
+    site = standin_site()
+    patch_layer = emulated_patch_layer()
+    patch_layer.runtime.runners.make_backend = noop_backend
+    try:
+        w = noop_world(3, 2, 0.0, site.root)
+        dp = w.dp_metadata()
+        patch_layer.engine.apply(config=config, manifest=site.manifest, strict=True)
+        for _ in range(3):
+            w.runner._ffn_forward(dp_metadata_list=dp)
+        (sset,) = patch_layer.runtime.runners.stream_sets()
+        yield w, dp, sset
+    finally:
+        patch_layer.engine.unpatch(timeout=10)
+        release_site(site)
+
+
 @pytest.mark.parametrize(
     ("failing", "layer"),
     [("send_ffn_output", 1), ("recv_attn_output", 1), ("recv_attn_output", 0)],
@@ -121,16 +147,7 @@ def test_a_kept_session_on_a_direct_backend_lists_no_steady_op_and_still_raises_
     real device's backend): the steady path keeps no op, and a failed send,
     lookahead receive or prologue receive still raises from the step, as
     upstream's would."""
-    site = standin_site()
-    patch_layer = emulated_patch_layer()
-    patch_layer.runtime.runners.make_backend = noop_backend
-    try:
-        w = noop_world(3, 2, 0.0, site.root)
-        dp = w.dp_metadata()
-        patch_layer.engine.apply(config=engaged_config(), manifest=site.manifest, strict=True)
-        for _ in range(3):
-            w.runner._ffn_forward(dp_metadata_list=dp)
-        (sset,) = patch_layer.runtime.runners.stream_sets()
+    with _direct_backend_world(engaged_config()) as (w, dp, sset):
         kept = sset.kept_session
         assert kept is not None and kept.session._run_here and kept.session.issued() == []
         original = getattr(type(w.connector), failing)
@@ -147,9 +164,6 @@ def test_a_kept_session_on_a_direct_backend_lists_no_steady_op_and_still_raises_
         assert kept.session.closed and set(kept.session.held().values()) == {0}
         w.runner._ffn_forward(dp_metadata_list=dp)
         assert sset.kept_session is kept
-    finally:
-        patch_layer.engine.unpatch(timeout=10)
-        release_site(site)
 
 
 def test_a_reopened_session_starts_afresh() -> None:
@@ -335,17 +349,8 @@ def test_a_kept_step_records_no_e2a_done_event_that_no_wait_reads(watchdog_s: fl
     session's steady path records it not at all; a session that lists its
     ops (a watchdog's step here) records it for its stall reports. Every
     other event of the schedule is recorded by both."""
-    site = standin_site()
-    patch_layer = emulated_patch_layer()
-    patch_layer.runtime.runners.make_backend = noop_backend
-    try:
-        w = noop_world(3, 2, 0.0, site.root)
-        dp = w.dp_metadata()
-        config = dataclasses.replace(engaged_config(), watchdog_s=watchdog_s)
-        patch_layer.engine.apply(config=config, manifest=site.manifest, strict=True)
-        for _ in range(3):
-            w.runner._ffn_forward(dp_metadata_list=dp)
-        (sset,) = patch_layer.runtime.runners.stream_sets()
+    config = dataclasses.replace(engaged_config(), watchdog_s=watchdog_s)
+    with _direct_backend_world(config) as (w, dp, sset):
         assert (sset.kept_session is not None) is (watchdog_s is None)
         recorded: collections.Counter[str] = collections.Counter()
         for key, event in sset.backend.direct_events().items():
@@ -355,6 +360,3 @@ def test_a_kept_step_records_no_e2a_done_event_that_no_wait_reads(watchdog_s: fl
         assert recorded["a"] == recorded["f"] == pairs
         assert recorded["fork"] == 1 and recorded["join"] == 2
         assert recorded["e"] == (0 if watchdog_s is None else pairs)
-    finally:
-        patch_layer.engine.unpatch(timeout=10)
-        release_site(site)
