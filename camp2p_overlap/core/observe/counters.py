@@ -74,9 +74,9 @@ class StepCounters:
             self._first()
 
     def serial(self, reason: str) -> None:
-        here = self._here  # this thread's own counts: no lock (every step counts here)
-        here.steps["serial"] += 1
-        reasons = here.reasons
+        # this thread's own counts: no lock (every step counts here); its
+        # serial steps are the sum of its reasons (to_dict adds them up)
+        reasons = self._here.reasons
         reasons[reason] = reasons.get(reason, 0) + 1
         if self.on_first_step is not None:
             self._first()
@@ -111,4 +111,5 @@ class StepCounters:
                 steps[path] += n
             for reason, n in thread_reasons.items():
                 reasons[reason] = reasons.get(reason, 0) + n
+                steps["serial"] += n  # a serial step is counted under its reason only
         return {"steps": steps, "serial_reasons": reasons, "graph_replays": replays, "graph_captures": captures}
