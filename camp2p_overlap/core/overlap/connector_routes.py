@@ -97,8 +97,8 @@ def _class_attribute(cls: type, attribute: str) -> Any:
 # the rest of the process. Setting and deleting through ``object`` keeps
 # them inline, and bypasses a ``__setattr__`` of the class as writing the
 # dict did (a data descriptor of that name is refused before: route_problem).
-_set_on_instance = object.__setattr__
-_delete_on_instance = object.__delattr__
+set_on_instance = object.__setattr__
+delete_on_instance = object.__delattr__
 _get_on_instance = object.__getattribute__
 
 
@@ -170,7 +170,7 @@ class ConnectorRoutes:
                 before = _own_attribute(instance, cls, attribute, callee)
             router = make(callee, thread)
             setattr(router, ROUTER_MARK, True)
-            _set_on_instance(instance, attribute, router)
+            set_on_instance(instance, attribute, router)
             self._set.append((attribute, router, before))
             if getattr(instance, attribute) is not router:  # e.g. a __getattribute__ of its own
                 self.remove()
@@ -187,9 +187,9 @@ class ConnectorRoutes:
                 replaced_during_step(attribute)
                 continue
             if before is _MISSING:
-                _delete_on_instance(instance, attribute)
+                delete_on_instance(instance, attribute)
             else:
-                _set_on_instance(instance, attribute, before)
+                set_on_instance(instance, attribute, before)
 
 
 def held_by_instance(instance: Any, attribute: str) -> Any:

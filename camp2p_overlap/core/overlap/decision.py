@@ -61,18 +61,21 @@ def serial(reason: str, *, passing: bool = False, reads_layers: bool = False) ->
 
 class DecisionMemo:
     """A runner's last decision, with every input it was made from, so that
-    a step whose inputs all compare equal takes it without deciding again
-    (an engaging one, or a serial one for a reason those inputs hold: a
+    a step whose inputs all compare equal takes it without deciding again:
+    an engaging one, or a serial one for a reason those inputs hold (a
     connector of another class, a role, too few stages, shared HCCL groups;
-    not a :attr:`Decision.passing` one) (one memo per patch layer's runtime: it is emptied on
-    unpatch, so a decision never outlives the apply it was made under).
+    not a :attr:`Decision.passing` one). One memo per patch layer's runtime:
+    it is emptied on unpatch, so a decision never outlives the apply it was
+    made under.
 
     The inputs are what :func:`decide` reads: the configuration, the
     manifest and its route targets, the connector's class and its three
-    HCCL communicator names (None without them), the runner's AFD role, device and
-    ``max_num_tokens``, the stage ids of ``dp_metadata_list`` (its keys, as
-    given), and the live ``_ffn_layer_indices`` with what it returned. A
-    call inside a graph capture is never memoised. What may change between
+    HCCL communicator names (None without them), the runner's AFD role,
+    device and ``max_num_tokens``, the stage ids of ``dp_metadata_list``
+    (its keys, as given), and, for a decision that
+    :attr:`~Decision.reads_layers`, the live ``_ffn_layer_indices`` with
+    what it returned. A call inside a graph capture is never memoised. What
+    may change between
     two steps with equal inputs is re-checked where it is used: another
     thread's step routing the connector (``ConnectorRoutes.install`` checks
     it again), and a plan the loop does not follow (the session falls back
@@ -84,8 +87,9 @@ class DecisionMemo:
     KEPT = 64
 
     def __init__(self) -> None:
-        #: id(runner) -> (inputs, decision). Keyed by id only: the inputs
-        #: decide alone, so a new runner at an old id finds a right answer.
+        #: id(runner) -> (inputs, layer function, its list, decision). Keyed
+        #: by id only: the inputs decide alone, so a new runner at an old id
+        #: finds a right answer.
         self._last: dict[int, tuple[tuple[Any, ...], Any, Any, Decision]] = {}
 
     def clear(self) -> None:

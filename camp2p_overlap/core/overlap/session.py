@@ -496,17 +496,13 @@ class OverlapSession:
     def _prologue_here(self, fn: Callable[..., Any], slots: tuple[RecvSlot, ...]) -> None:
         """The prologue on the steady path without an op log, with ops run
         in scope by the host: :meth:`issue_a2e` of the first layer's
-        receives (the plan's first slots, in stage order), each from its
-        slot, inline."""
+        receives (the plan's first slots, in stage order), each read from
+        its slot."""
         scope, side, handles = self._scope, self.side_streams, self._a_handle
         for key, kw, _, a_done in slots[: len(self.plan.stages)]:
             k = side[key[1]]
             with scope(k):  # type: ignore[misc]
-                try:
-                    h: DoneHandle | tuple[Any] = (fn(**kw),)
-                except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
-                    h = DoneHandle(None, exc)
-            handles[key] = h
+                handles[key] = self._a2e_here(fn, kw)
             a_done.record(k)
 
     def _a2e_here(self, fn: Callable[..., Any], kw: Mapping[str, Any]) -> DoneHandle | tuple[Any]:
@@ -700,13 +696,8 @@ class OverlapSession:
                 # issue_a2e(*ahead), inline
                 fn = self._recv_fn
                 assert fn is not None
-                if self._run_here and ops is None:  # _a2e_here(fn, ahead_kw) without an op log, inline
-                    try:
-                        h = (fn(**ahead_kw),)  # type: ignore[arg-type]
-                    except BaseException as exc:  # noqa: BLE001 - handed back, as the backend does
-                        h = DoneHandle(None, exc)
-                elif self._run_here:  # backend.submit_here, inline (direct_submit)
-                    h = self._a2e_here(fn, ahead_kw)
+                if self._run_here:  # backend.submit_here, inline (direct_submit)
+                    h = self._a2e_here(fn, ahead_kw)  # type: ignore[arg-type]
                 else:
                     h = self.backend.submit_here(k, partial(fn, **ahead_kw), a2e_label)
                 self._a_handle[ahead] = h

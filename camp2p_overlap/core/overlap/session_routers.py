@@ -30,17 +30,14 @@ from camp2p_overlap.core.overlap.connector_routes import (
     ROUTER_MARK,
     ConnectorRoutes,
     RouterFactory,
+    delete_on_instance,
     held_by_instance,
     replaced_during_step,
+    set_on_instance,
 )
 from camp2p_overlap.core.overlap.session import OverlapSession
 
 Wrapped = Callable[..., Any]
-
-# An instance's own attributes set and deleted as ``ConnectorRoutes`` does
-# (through ``object``: they stay inline, and a class's ``__setattr__`` is bypassed).
-_set_on_instance = object.__setattr__
-_delete_on_instance = object.__delattr__
 
 
 def _unbound(*args: Any, **kwargs: Any) -> Any:
@@ -201,7 +198,7 @@ class KeptSession:
             router = binding.router
             binding.callee = callee  # binding.bind(callee, thread), inline
             binding.thread = thread
-            _set_on_instance(connector, attribute, router)
+            set_on_instance(connector, attribute, router)
             self._connector = connector
             done.append(target)
             if getattr(connector, attribute) is not router:  # e.g. a __getattribute__ of its own
@@ -232,7 +229,7 @@ class KeptSession:
             router = binding.router
             # what the instance holds, read past a class's __getattribute__ only when that hides it
             if getattr(connector, attribute, None) is router or held_by_instance(connector, attribute) is router:
-                _delete_on_instance(connector, attribute)
+                delete_on_instance(connector, attribute)
             else:
                 replaced_during_step(attribute)
         self._connector = None
