@@ -384,10 +384,10 @@ def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, 
             static[kind], own[kind] = passthrough_pairs(
                 params, world, step, upstream, (static_layer, static_serial_config(kind, stages), manifest), calls
             )
-        taken = static_layer.runtime.counters.to_dict()
-        counted = sum(n for r, n in taken["serial_reasons"].items() if reason in r)
-        if counted != paired_steps or taken["steps"]["overlap"]:
-            raise RuntimeError(f"the {kind!r} pass-through steps were not taken as planned: {taken}")
+        counts = static_layer.runtime.counters.to_dict()
+        counted = sum(n for r, n in counts["serial_reasons"].items() if reason in r)
+        if counted != paired_steps or counts["steps"]["overlap"]:
+            raise RuntimeError(f"the {kind!r} pass-through steps were not taken as planned: {counts}")
     counters = engines["engaged"].runtime.counters.to_dict()["steps"]
     passed = engines["pass-through"].runtime.counters.to_dict()["steps"]
     expected = params.rounds * (params.warmup + params.steps)
@@ -423,8 +423,9 @@ def passthrough_pairs(
     upstream: dict[str, dict[str, Any]],
     applied: tuple[PatchLayer, OverlapConfig, Any],
     calls: int,
-) -> dict[str, Any]:
-    """The passed-through step's extra time, paired (µs per step): with the
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The paired figure and the frames-alone figure of a passed-through
+    step. The passed-through step's extra time, paired (µs per step): with the
     pass-through engine applied, each pair runs one step through the
     wrapped ``_ffn_forward`` and one of upstream's own function called on
     the same runner with the same arguments, back to back, alternating
@@ -438,8 +439,11 @@ def passthrough_pairs(
     before the same loop), which the A/A control cannot show
     (docs/benchmark.md). It covers every frame of ours only while the
     step's one wrapped call is ``_ffn_forward`` (``calls``, counted on the
-    probe step); else it is not taken, and says why. ``applied``: the
-    pass-through patch layer, its configuration and the manifest."""
+    probe step); else it is not taken, and says why (both figures). Our
+    frames alone, in the same apply: the wrapper the engine installs around
+    a no-op, paired against the no-op (:data:`FRAMES_PAIRS_PER_PAIR` pairs
+    per pair). ``applied``: the pass-through patch layer, its configuration
+    and the manifest."""
     patch_layer, config, manifest = applied
     if not params.pt_pairs:
         skipped = {"median": None, "why": "skipped (pt_pairs 0)"}
