@@ -235,7 +235,7 @@ def decide_serial(patch_layer: PatchLayer, world: World) -> None:
     for _ in range(4 * runtime.adaptive.settings.min_samples + 4):
         if runtime.adaptive.decision(key) is not None:
             break
-        mode, _ = runtime.adaptive.choose(key)
+        mode, _, _ = runtime.adaptive.choose(key)
         runtime.adaptive.record(key, mode, 1.0 if mode == "overlap" else 0.5)
     if runtime.adaptive.decision(key) != "serial":
         raise RuntimeError("the overhead harness could not set the pass-through decision")

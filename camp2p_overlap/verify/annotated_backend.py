@@ -71,17 +71,6 @@ class AnnotatedBackend:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    # Not the inner backend's direct paths: a session must issue every op,
-    # record and wait through this wrapper, inside its range.
-    def direct_events(self) -> None:
-        return None
-
-    def direct_scope(self) -> None:
-        return None
-
-    def direct_submit(self) -> bool:
-        return False
-
     def submit(self, stream: Any, fn: Callable[[], Any], label: str = "op") -> OpHandle:
         with profiler_range(op_range_name(label)):
             return self.inner.submit(stream, fn, label)

@@ -31,7 +31,9 @@ class CheckResult:
         return "all edges held" if self.ok else "\n".join(self.violations)
 
 
-def check_step(ops: Sequence[TraceOp], expected: ExpectedSchedule, *, source: str = "auto") -> CheckResult:
+def check_step(
+    ops: Sequence[TraceOp], expected: ExpectedSchedule, *, source: str = "auto", timings: bool = True
+) -> CheckResult:
     """Check that every edge of the design held in one step's trace.
 
     Two kinds of evidence: the timings (each op started after what it
@@ -49,7 +51,10 @@ def check_step(ops: Sequence[TraceOp], expected: ExpectedSchedule, *, source: st
     ``"session"`` (what the session asked for, in issue order, a wait bound
     to the latest record of its name), ``"device"`` (a profiler's kernel
     timeline, ``verify/profiler_timeline.py``: device times only, no event
-    graph), or ``"auto"``: the backend's where the trace has them."""
+    graph), or ``"auto"``: the backend's where the trace has them.
+    ``timings`` False: the event graph and the issue order only (a session's
+    own log of a step that ran without a recorder, whose host times say
+    when work was issued, not when it ran on the device)."""
     if source not in ("auto", "backend", "session", "device"):
         raise ValueError(f"source must be auto, backend, session or device, not {source!r}")
     if source == "auto":
@@ -86,9 +91,9 @@ def check_step(ops: Sequence[TraceOp], expected: ExpectedSchedule, *, source: st
             if o.stream != want:
                 bad(f"{o.kind}(L{L},s{s}) ran on {o.stream}, expected {want}")
         # Edge 3: FFN waits for its A2E. Edge 4: E2A waits for its FFN.
-        if a and f and f.start_ns < a.end_ns:
+        if timings and a and f and f.start_ns < a.end_ns:
             bad(f"ffn(L{L},s{s}) started {a.end_ns - f.start_ns} ns before its a2e ended")
-        if f and e and e.start_ns < f.end_ns:
+        if timings and f and e and e.start_ns < f.end_ns:
             bad(f"e2a(L{L},s{s}) started {f.end_ns - e.start_ns} ns before its ffn ended")
 
     # Edge 5/6: per stage, the group's communication ops never overlap and
@@ -99,7 +104,7 @@ def check_step(ops: Sequence[TraceOp], expected: ExpectedSchedule, *, source: st
         for o in seq:
             if o is None:
                 continue
-            if prev is not None and o.start_ns < prev.end_ns:
+            if timings and prev is not None and o.start_ns < prev.end_ns:
                 bad(f"group of stage {s}: {o.kind}(L{o.layer}) started before {prev.kind}(L{prev.layer}) ended")
             prev = o
         # No op of stage s on another stage's stream.
@@ -117,7 +122,7 @@ def check_step(ops: Sequence[TraceOp], expected: ExpectedSchedule, *, source: st
     ]
     on_c = sorted(
         (o for o in ops if o.kind in ("a2e", "ffn", "e2a") and o.stream == COMPUTE_STREAM),
-        key=lambda o: (o.start_ns, o.end_ns),
+        key=(lambda o: (o.start_ns, o.end_ns)) if timings else (lambda o: o.seq),
     )
     got_c = [(o.kind, o.layer, o.stage) for o in on_c]
     if got_c != want_c:
@@ -130,7 +135,7 @@ def check_step(ops: Sequence[TraceOp], expected: ExpectedSchedule, *, source: st
         )
     prev = None
     for o in on_c:
-        if prev is not None and o.start_ns < prev.end_ns:
+        if timings and prev is not None and o.start_ns < prev.end_ns:
             bad(f"{o.kind}(L{o.layer},s{o.stage}) started on C before {prev.kind}(L{prev.layer},s{prev.stage}) ended")
         prev = o
 
@@ -139,7 +144,9 @@ def check_step(ops: Sequence[TraceOp], expected: ExpectedSchedule, *, source: st
 
     # Edges 1 and 7: everything inside the step (fork and join).
     steps = [o for o in ops if o.kind == "step"]
-    if len(steps) != 1:
+    if not timings:
+        pass
+    elif len(steps) != 1:
         bad(f"expected one step span, found {len(steps)}")
     else:
         st = steps[0]

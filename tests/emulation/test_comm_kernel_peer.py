@@ -361,7 +361,7 @@ def test_ffn_outputs_stay_referenced_until_c_waited_their_e2a(
 
         def send_and_forget(self: Any, call: Any, output: Any, context: Any, stage: Any) -> None:
             orig_send(self, call, output, context, stage)
-            self.release_sent_outputs()
+            self.release_buffers()
 
         monkeypatch.setattr(OverlapSession, "send", send_and_forget)
     with _overlap(site):

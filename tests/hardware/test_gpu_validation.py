@@ -445,7 +445,7 @@ def test_cuda_tensor_ownership_without_record_stream(
 
         def send_and_forget(self: Any, call: Any, output: Any, context: Any, stage: Any) -> None:
             orig_send(self, call, output, context, stage)
-            self.release_sent_outputs()
+            self.release_buffers()
 
         monkeypatch.setattr(OverlapSession, "send", send_and_forget)
     with overlap_on(site, adaptive=False):

@@ -17,7 +17,7 @@ from camp2p_overlap.core import patch_layer as process
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.observe import metrics
 from camp2p_overlap.core.observe.decode_graphs import GRAPH_OFF_WORDS, summary_note, upstream_graph_only
-from camp2p_overlap.core.overlap.decision import GRAPH_OFF
+from camp2p_overlap.core.overlap.step import GRAPH_OFF
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
 
 RUNG_NOTE = "decode replays upstream's graph (Roll out rung 6: VLLM_CAMP2P_MULTISTREAM_GRAPH=adaptive)"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -18,7 +17,7 @@ from support.overlap import Schedule, apply_cpu, assert_same, bounded, run_step,
 import camp2p_overlap
 from camp2p_overlap.core.config import ConfigError, load_config
 from camp2p_overlap.core.env_vars import ENV_ADAPTIVE, ENV_REPROBE
-from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey, Passed, pow2_ceil
+from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey, pow2_ceil
 from camp2p_overlap.core.overlap.step_timings import StepTimings
 from camp2p_overlap.core.overlap.streams.torch_streams import TorchStreamBackend
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
@@ -32,7 +31,7 @@ def drive(engine: AdaptiveEngage, key: BucketKey, times: dict[str, float], steps
     returns the (path, probe) sequence."""
     seq = []
     for _ in range(steps):
-        mode, probe = engine.choose(key)
+        mode, probe, _ = engine.choose(key)
         seq.append((mode, probe))
         engine.record(key, mode, times[mode])
     return seq
@@ -68,7 +67,7 @@ def test_first_decision_with_times_read_one_step_late_comes_by_the_eighth_step()
         if a.decision(KEY) is not None:
             decided_at = step
             break
-        mode, _ = a.choose(KEY)
+        mode, _, _ = a.choose(KEY)
         last = (KEY, mode)
     assert a.decision(KEY) == "overlap" and decided_at == 8  # steps 1-7 learn, step 8 runs the decision
 
@@ -213,7 +212,7 @@ def test_a_single_lucky_probe_does_not_switch() -> None:
     drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
     probes = 0
     for _ in range(16):
-        mode, probe = a.choose(KEY)
+        mode, probe, _ = a.choose(KEY)
         probes += probe
         lucky = probe and probes == 2  # the first measured probe is very fast, the next ones are not
         a.record(KEY, mode, 0.005 if lucky else (0.010 if mode == "overlap" else 0.015))
@@ -229,7 +228,7 @@ def test_a_probe_rounds_warm_up_step_is_not_judged() -> None:
     assert a.decision(KEY) == "serial"
     previous = "serial"
     for _ in range(24):
-        mode, _ = a.choose(KEY)
+        mode, _, _ = a.choose(KEY)
         cold = mode == "overlap" and previous == "serial"
         a.record(KEY, mode, 0.030 if cold else (0.010 if mode == "overlap" else 0.015))
         previous = mode
@@ -238,30 +237,22 @@ def test_a_probe_rounds_warm_up_step_is_not_judged() -> None:
     assert snap["overlap_median_ms"] == pytest.approx(10.0)
 
 
-def test_pass_serial_counts_a_decided_serial_step_and_refuses_probes() -> None:
-    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
-    assert not a.pass_serial(KEY)  # unknown bucket
-    drive(a, KEY, {"overlap": 0.020, "serial": 0.015}, 7)
-    assert a.decision(KEY) == "serial"
-    passed = [a.pass_serial(KEY) for _ in range(4)]
-    assert [bool(p) for p in passed] == [True, True, True, False]  # the 4th is due to probe: the caller plans it
-    assert a.choose(KEY) == ("overlap", True)
-    (snap,) = a.snapshot()
-    assert snap["steps"] == 7 + 3 + 1
-    b = AdaptiveEngage()
-    drive(b, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
-    assert b.decision(KEY) == "overlap" and not b.pass_serial(KEY)
-
-
-def test_a_decided_serial_step_is_timed_one_in_serial_time_every() -> None:
+def test_a_decided_serial_step_is_timed_one_in_serial_time_every_and_probes_always() -> None:
     a = AdaptiveEngage(AdaptiveSettings(reprobe_every=1000, serial_time_every=4))
     drive(a, KEY, {"overlap": 0.020, "serial": 0.015}, 7)
     assert a.decision(KEY) == "serial"
-    passed = [a.pass_serial(KEY) for _ in range(12)]
-    assert passed == [Passed.TIMED, Passed.UNTIMED, Passed.UNTIMED, Passed.UNTIMED] * 3
+    chosen = [a.choose(KEY) for _ in range(12)]
+    assert chosen == [("serial", False, t) for t in (True, False, False, False) * 3]
     every = AdaptiveEngage(AdaptiveSettings(reprobe_every=1000, serial_time_every=1))
     drive(every, KEY, {"overlap": 0.020, "serial": 0.015}, 7)
-    assert [every.pass_serial(KEY) for _ in range(5)] == [Passed.TIMED] * 5
+    assert [every.choose(KEY)[2] for _ in range(5)] == [True] * 5
+    probing = AdaptiveEngage(AdaptiveSettings(reprobe_every=4, serial_time_every=1000))
+    drive(probing, KEY, {"overlap": 0.020, "serial": 0.015}, 7)
+    paths = [probing.choose(KEY) for _ in range(4)]
+    assert paths[-1] == ("overlap", True, True)  # the probe round's warm-up: timed
+    b = AdaptiveEngage()
+    drive(b, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
+    assert b.decision(KEY) == "overlap" and b.choose(KEY) == ("overlap", False, True)
 
 
 def test_buckets_are_isolated() -> None:
@@ -356,7 +347,7 @@ def test_graph_capture_uses_the_static_setting() -> None:
     apply_cpu(adaptive=True, graph=True)
     key_calls: list[Any] = []
     real_choose = PATCH_LAYER.runtime.adaptive.choose
-    PATCH_LAYER.runtime.adaptive.choose = lambda key: key_calls.append(key) or ("serial", False)  # type: ignore[method-assign]
+    PATCH_LAYER.runtime.adaptive.choose = lambda key: key_calls.append(key) or ("serial", False, True)  # type: ignore[method-assign]
     try:
         before = camp2p_overlap.stats()
         run_step(w, Schedule(2, (0, 1), (8, 8), step=1), is_graph_capturing=True)
@@ -488,111 +479,11 @@ class _SerialWins(AdaptiveEngage):
         super().record(key, mode, 0.010 if mode == "overlap" else 0.005)
 
 
-def test_a_decided_serial_step_is_not_planned_and_a_probe_is(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Once a bucket decided serial, its steps run the original without a
-    decision (no plan, no refresh); the probe round plans again; every
-    step's outputs equal the unpatched path's."""
-    from camp2p_overlap.core.overlap import step as wrappers
-
-    w = world(layers=2, stage_ids=(0, 1), tokens=8)
-    scheds = [Schedule(2, (0, 1), (8, 8), step=i + 1) for i in range(16)]
-    refs = serial_results(w, scheds)
-    PATCH_LAYER.runtime.adaptive = _SerialWins()
-    apply_cpu(adaptive=True, reprobe_every=8)
-    planned: list[int] = []
-    now = [0]  # the step running
-    real_decide = wrappers.decide
-    monkeypatch.setattr(wrappers, "decide", lambda *a, **k: planned.append(now[0]) or real_decide(*a, **k))
-    for i, (sched, ref) in enumerate(zip(scheds, refs, strict=True)):
-        now[0] = i
-        assert_same(bounded(lambda s=sched: run_step(w, s)), ref)
-    # steps 0-7 learn (planned: on a device backend, the emulated one
-    # included, a step's time is read with query() at a later step, so the
-    # 7th time is known at the 9th step), 8-13 are decided serial (the 8th
-    # counted decided step is the probe round's warm-up, planned, then its
-    # measured probe)
-    assert planned[:8] == list(range(8))
-    unplanned = [s for s in range(16) if s not in planned]
-    assert unplanned == list(range(8, 14))
-    assert planned[8:] == [14, 15]
-    (bucket,) = [b for b in PATCH_LAYER.runtime.adaptive.snapshot() if b["key"]["layers"] == 2]
-    assert bucket["decision"] == "serial" and bucket["steps"] == 16
-
-
-def test_a_kept_decided_serial_bucket_counts_only_its_own_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A runner keeps the bucket its decided-serial steps were counted in:
-    a step of other tokens in the same power-of-two bucket is counted there
-    unplanned; a step of another bucket, or under a new adaptive engage, is
-    planned and counted in its own."""
-    from camp2p_overlap.core.overlap import step as wrappers
-    from camp2p_overlap.emulation import device as dev
-
-    w = world(layers=2, stage_ids=(0, 1), tokens=16)
-    learn = [Schedule(2, (0, 1), (8, 8), step=i + 1) for i in range(9)]
-    PATCH_LAYER.runtime.adaptive = _SerialWins()
-    apply_cpu(adaptive=True, reprobe_every=1000)
-    planned: list[int] = []
-    real_decide = wrappers.decide
-    monkeypatch.setattr(wrappers, "decide", lambda *a, **k: planned.append(1) or real_decide(*a, **k))
-    for sched in learn:
-        bounded(lambda s=sched: run_step(w, s))
-
-    def steps_of(tokens: int) -> int:
-        buckets = [b for b in PATCH_LAYER.runtime.adaptive.snapshot() if b["key"]["tokens"] == tokens]
-        return buckets[0]["steps"] if buckets else 0
-
-    def one(tokens: tuple[int, ...], layers: int = 2) -> bool:
-        """Run one step; whether it was planned."""
-        before = len(planned)
-        bounded(lambda: run_step(w, Schedule(layers, (0, 1)[: len(tokens)], tokens, step=99)))
-        return len(planned) > before
-
-    (learnt,) = PATCH_LAYER.runtime.adaptive.snapshot()
-    assert learnt["decision"] == "serial" and learnt["key"]["tokens"] == 8
-    eight = steps_of(8)
-    assert not one((8, 8)) and steps_of(8) == eight + 1  # decided serial: kept, unplanned
-    assert not one((5, 3)) and steps_of(8) == eight + 2  # 5 tokens round to the same bucket
-    assert one((16, 9)) and steps_of(16) == 1 and steps_of(8) == eight + 2  # another bucket: planned, its own
-    assert one((4, 4)) and steps_of(4) == 1 and steps_of(8) == eight + 2  # below the bucket: its own
-    assert not one((8, 1)) and steps_of(8) == eight + 3
-    assert one((8,)) and steps_of(8) == eight + 3  # one stage: another bucket
-    # A step nested in another wrapped step on this thread, and one while the
-    # current stream captures a graph, take the planned path.
-    gate = PATCH_LAYER.engine.gate
-
-    def nested() -> None:
-        assert gate.enter() == 1  # this thread is inside a step
-        try:
-            run_step(w, Schedule(2, (0, 1), (8, 8), step=99))
-        finally:
-            gate.exit()
-
-    before = len(planned)
-    bounded(nested)
-    assert len(planned) == before + 1
-    state = PATCH_LAYER.runtime.runners.of(w.runner)
-    assert state is not None
-    kwargs = {"dp_metadata_list": Schedule(2, (0, 1), (8, 8), step=99).dp()}
-    engine, runtime = PATCH_LAYER.engine, PATCH_LAYER.runtime
-    assert wrappers.decided_serial_bucket(engine, runtime, w.runner, kwargs, 1) is not None
-    with dev.graph(dev.Graph(), stream=dev.Stream()):
-        assert wrappers.decided_serial_bucket(engine, runtime, w.runner, kwargs, 1) is None
-    eight = steps_of(8)
-    # The runner's next planned step had one layer (a probe's, say): an
-    # 8-token step is then of another bucket, though the kept one matches it.
-    assert not one((8, 8)) and steps_of(8) == eight + 1
-    assert state.planned is not None and state.serial_pass is not None
-    state.planned = replace(state.planned, layers=1)
-    assert one((8, 8), layers=1) and steps_of(8) == eight + 1
-    PATCH_LAYER.runtime.adaptive = _SerialWins()  # a new adaptive engage has no decision
-    assert one((8, 8)) and steps_of(8) == 1
-
-
 def test_a_runners_state_is_forgotten_when_the_runner_is_collected() -> None:
     import gc
 
     from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable
-    from camp2p_overlap.core.overlap.runtime import OverlapRuntime, PlannedShape
+    from camp2p_overlap.core.overlap.runtime import OverlapRuntime
 
     class Runner:
         device = "cpu"
@@ -601,9 +492,9 @@ def test_a_runners_state_is_forgotten_when_the_runner_is_collected() -> None:
     runner, other = Runner(), Runner()
     sset = runtime.runners.streams(runner, "cpu")
     assert sset is not None and runtime.runners.streams(runner, "cpu") is sset  # made once, reused
-    shape = PlannedShape(runtime.runner_name(runner), 4, sset.backend)
-    runtime.runners.get(runner).planned = shape
-    assert runtime.runners.of(runner).planned is shape and runtime.runners.of(other) is None
+    facts = object()
+    runtime.runners.get(runner).facts = facts
+    assert runtime.runners.of(runner).facts is facts and runtime.runners.of(other) is None
     assert runtime.runner_name(runner) == runtime.runner_name(runner) != runtime.runner_name(other)
     assert len(runtime.runners.states()) == 2
     streams = list(sset.streams.values())
@@ -618,9 +509,9 @@ def test_a_runners_state_is_forgotten_when_the_runner_is_collected() -> None:
     # under it applies after a new apply.
     name, kept = runtime.runner_name(other), runtime.runners.streams(other, "cpu")
     assert kept is not None
-    runtime.runners.get(other).planned = PlannedShape(name, 4, kept.backend)
+    runtime.runners.get(other).facts = object()
     runtime.close()
     state = runtime.runners.of(other)
     assert state is not None and state.name == name == runtime.runner_name(other)
-    assert state.streamset is None and state.planned is None
+    assert state.streamset is None and state.facts is None
     assert all(s.closed for s in kept.streams.values())

@@ -19,8 +19,8 @@ from support.patching import GRAPH_VARIANTS_REFUSED, RUNNER, RUNNER_VARIANT_PROB
 
 import camp2p_overlap
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.overlap.decision import GRAPH_OFF, decide, graph_variants_refused
 from camp2p_overlap.core.overlap.graphs import VariantGraph
+from camp2p_overlap.core.overlap.step import GRAPH_OFF, FfnStep
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.core.patching.status_report import TargetState
 from camp2p_overlap.emulation.world import World
@@ -50,8 +50,9 @@ def apply_lenient(graph: str) -> None:
 
 
 def decided(w: World, **kwargs: Any) -> Any:
-    """The decision for a call of ``w``'s runner's ``_ffn_forward``."""
-    return decide(PATCH_LAYER.engine, w.runner, {"dp_metadata_list": w.dp_metadata(), **kwargs})
+    """The decision for a call of ``w``'s runner's ``_ffn_forward``, as its step takes it."""
+    kwargs = {"dp_metadata_list": w.dp_metadata(), **kwargs}
+    return FfnStep(PATCH_LAYER.engine, PATCH_LAYER.runtime, None, w.runner, (), kwargs).decide()[0]  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("graph", ["1", "adaptive"])
@@ -68,7 +69,7 @@ def test_graph_variants_refused_eager_overlap_engaged(variant: str, graph: str, 
     lines = str(report).splitlines()
     assert f"  {CAPTURE}: refused ({reason})" in lines
     assert [t.target for t in report.targets if t.state not in (TargetState.WRAPPED, TargetState.CHECKED)] == [CAPTURE]
-    assert graph_variants_refused(PATCH_LAYER.engine) == reason
+    assert PATCH_LAYER.engine.feature_refusal("graph_variants") == reason
     assert decided(w, is_graph_capturing=True).reason == reason  # a capture runs serially
     eager = decided(w)
     assert eager.engages and eager.plan is not None  # an eager step engages
@@ -99,7 +100,7 @@ def test_graph_0_captures_serially_for_its_own_reason(logs: PackageLogs) -> None
     variant_module(RUNNER, RUNNER_VARIANTS["capture-graphs-moved"])
     w = graph_world()
     apply_cpu(graph="0")  # strict: the graph variants are not asked for
-    assert graph_variants_refused(PATCH_LAYER.engine) is not None
+    assert PATCH_LAYER.engine.feature_refusal("graph_variants") is not None
     assert decided(w, is_graph_capturing=True).reason == GRAPH_OFF
     assert decided(w).engages
     assert node_streams(w.capture()) <= {"C", "capture"}
@@ -110,5 +111,5 @@ def test_with_the_target_present_the_graph_variant_is_captured() -> None:
     """The control: the unchanged runner captures the patch layer's variant."""
     w = graph_world()
     apply_cpu(graph="1")
-    assert graph_variants_refused(PATCH_LAYER.engine) is None
+    assert PATCH_LAYER.engine.feature_refusal("graph_variants") is None
     assert {"K0", "K1"} <= node_streams(w.capture())

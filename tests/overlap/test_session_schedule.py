@@ -33,8 +33,8 @@ from support.overlap import (
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.plan import Directions, StepPlan
-from camp2p_overlap.core.overlap.session import OverlapSession, ScheduleMismatchError, steady_slots
+from camp2p_overlap.core.overlap.plan import A2E_ONLY, COMM_SIDE, E2A_ONLY, StepPlan
+from camp2p_overlap.core.overlap.session import OverlapSession, ScheduleMismatchError
 from camp2p_overlap.core.overlap.streams import make_backend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.core.patch_layer import PatchLayer
@@ -103,6 +103,7 @@ CASES = {
     ),
 }
 DIRECTIONS = {"both": (True, True), "A2E=0": (False, True), "E2A=0": (True, False)}
+LAYOUTS = {(True, True): COMM_SIDE, (False, True): E2A_ONLY, (True, False): A2E_ONLY}
 
 
 @pytest.mark.parametrize("direction", list(DIRECTIONS))
@@ -283,7 +284,7 @@ def test_session_releases_everything_at_close(monkeypatch: pytest.MonkeyPatch, p
     (s,) = sessions.kept
     assert s.closed and s.connector is None
     held = s.held()
-    assert set(held) >= {"recv_fn", "a2e_handles", "contexts", "received_buffers", "sent_outputs", "events", "ops"}
+    assert set(held) >= {"recv_fn", "a2e_handles", "contexts", "received_buffers", "sent_outputs"}
     assert not any(held.values()), held
 
 
@@ -328,15 +329,14 @@ def test_ownership_inside_the_step(direction: str) -> None:
     layers, stages = (0, 1, 2), (0, 1)
     plan = StepPlan(layers, stages, {"max_num_tokens": 4})
     try:
-        for step in range(2):
+        for _ in range(2):
             session = OverlapSession(
                 connector=object(),
                 plan=plan,
                 streamset=sset,
-                directions=Directions(a2e, e2a),
+                layout=LAYOUTS[(a2e, e2a)],
                 context_of=camp2p.context_of,
             )
-            assert (session._send_slots is not None) == (step == 1 and a2e and e2a)
             held_out: dict[int, weakref.ref[Any]] = {}
             for L in layers:
                 for s in stages:
@@ -356,39 +356,6 @@ def test_ownership_inside_the_step(direction: str) -> None:
             session.close()
             gc.collect()
             assert all(r() is None for r in held_out.values())
-    finally:
-        sset.close()
-
-
-def test_the_steady_slots_name_the_pooled_events_once_every_one_is_made() -> None:
-    """A plan's steady-path slots are gathered only once the backend's pool
-    holds every event of the plan (none is made for them: that may be inside
-    a capture), name those very events and the stage's side stream, are kept
-    per plan on the stream set, and give each (layer, stage) its lookahead."""
-    sset = StreamSet(make_backend("cpu"), [0, 1])
-    plan = StepPlan((0, 1), (0, 1), {"max_num_tokens": 4})
-    pool = sset.backend.direct_events()
-    try:
-        assert pool is not None
-        assert steady_slots(sset, plan, pool) is None and not sset.session_slots
-        for key in plan.event_keys()[:-1]:  # all but the last (layer, stage)'s e_done_c
-            sset.backend.reserve([key])
-        slots = steady_slots(sset, plan, pool)
-        assert slots is not None
-        recv, send = slots
-        assert [slot.key for slot in recv] == list(plan.sequence)
-        assert all(slot.a_done is pool[slot.a_done_key] for slot in recv)
-        L, s, k, f_key, f_done, e_key, e_done, _, ahead, ahead_kw, a_key, a_done, _ = send[(0, 1)]
-        assert (L, s, k) == (0, 1, sset.streams[1])
-        assert f_done is pool[f_key] and e_done is pool[e_key] and a_done is pool[a_key]
-        assert ahead == (1, 1) and ahead_kw == plan.recv_kw[(1, 1)] and a_key == plan.keys[(1, 1)].a_done
-        assert send[(1, 0)][8:12] == (None, None, None, None)  # the last layer: no lookahead
-        assert steady_slots(sset, plan, pool) is slots  # kept: not gathered again
-        # an equal plan, not the same one, under a kept entry of its id (as
-        # when a plan dies and a new one gets its id): gathered for it afresh
-        other = StepPlan((0, 1), (0, 1), {"max_num_tokens": 4})
-        sset.session_slots[id(other)] = (plan, slots)
-        assert steady_slots(sset, other, pool) is not slots
     finally:
         sset.close()
 
@@ -523,23 +490,20 @@ def test_max_num_tokens_changed_mid_step_is_a_schedule_mismatch(logs: PackageLog
     assert_same(bounded(lambda: run_step(w, nxt)), ref)
 
 
-@pytest.mark.parametrize("op_log", [True, False], ids=["cpu-backend", "direct-backend-no-op-log"])
-def test_stage_order_change_mid_step_hands_over_the_prefetched_data(logs: PackageLogs, op_log: bool) -> None:
+@pytest.mark.parametrize("host_ops", [False, True], ids=["cpu-backend", "host-ops-backend"])
+def test_stage_order_change_mid_step_hands_over_the_prefetched_data(logs: PackageLogs, host_ops: bool) -> None:
     """Session-level: the loop swaps the stage order of layer 1. The session
     falls back after draining and hands each (layer, stage) its own data;
-    also on a backend whose ops run in scope on the host, in a session
-    without an op log (a kept one), whose receives are held as their payload."""
+    also on a backend whose ops run in scope on the host."""
     recv, send, log = _fake_connector()
-    sset = StreamSet(make_backend("cpu") if op_log else noop_backend(), [0, 1])
+    sset = StreamSet(noop_backend() if host_ops else make_backend("cpu"), [0, 1])
     try:
         session = OverlapSession(
             connector=object(),
             plan=StepPlan((0, 1, 2), (0, 1), {"max_num_tokens": 4}),
             streamset=sset,
             context_of=camp2p.context_of,
-            op_log=op_log,
         )
-        assert session._run_here is not op_log
         order = [(0, 0), (0, 1), (1, 1), (1, 0), (2, 0), (2, 1)]
         for L, s in order:
             p = session.recv(recv, {"ubatch_idx": s, "layer_idx": L, "max_num_tokens": 4})
@@ -558,21 +522,18 @@ def test_stage_order_change_mid_step_hands_over_the_prefetched_data(logs: Packag
         sset.close()
 
 
-@pytest.mark.parametrize("op_log", [True, False], ids=["cpu-backend", "direct-backend-no-op-log"])
-def test_a_second_send_of_one_received_payload_falls_back(logs: PackageLogs, op_log: bool) -> None:
-    """The loop sends one received payload twice: the steady path issues the
+@pytest.mark.parametrize("host_ops", [False, True], ids=["cpu-backend", "host-ops-backend"])
+def test_a_second_send_of_one_received_payload_falls_back(logs: PackageLogs, host_ops: bool) -> None:
+    """The loop sends one received payload twice: the session issues the
     planned E2A once; the second send is not the plan's, so the session
     falls back (logged) and runs it on the compute stream, and the rest of
     the step still hands each (layer, stage) its own data."""
     recv, send, log = _fake_connector()
-    sset = StreamSet(make_backend("cpu") if op_log else noop_backend(), [0])
+    sset = StreamSet(noop_backend() if host_ops else make_backend("cpu"), [0])
     plan = StepPlan((0, 1), (0,), {"max_num_tokens": 4})
     try:
-        for step in range(2):  # the first records the plan's events: the second has the steady path's slots
-            session = OverlapSession(
-                connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of, op_log=op_log
-            )
-            assert (session._send_slots is not None) is (step == 1)
+        for step in range(2):
+            session = OverlapSession(connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of)
             for L in plan.layers:
                 p = session.recv(recv, {"ubatch_idx": 0, "layer_idx": L, "max_num_tokens": 4})
                 assert torch.equal(p.hidden_states, torch.full((4, 8), float(L * 10)))
@@ -589,29 +550,25 @@ def test_a_second_send_of_one_received_payload_falls_back(logs: PackageLogs, op_
         sset.close()
 
 
-@pytest.mark.parametrize("op_log", [True, False], ids=["cpu-backend", "direct-backend-no-op-log"])
-def test_a_step_that_ends_early_logs_what_was_prefetched_and_never_consumed(logs: PackageLogs, op_log: bool) -> None:
+@pytest.mark.parametrize("host_ops", [False, True], ids=["cpu-backend", "host-ops-backend"])
+def test_a_step_that_ends_early_logs_what_was_prefetched_and_never_consumed(logs: PackageLogs, host_ops: bool) -> None:
     """The loop stops after the first layer of a two-layer plan: closing the
     session says how many planned receives ran and names the receive the
     lookahead prefetched for the layer the loop never asked; a step that
     fell back, or one already raising, does not say it."""
     recv, send, _ = _fake_connector()
-    sset = StreamSet(make_backend("cpu") if op_log else noop_backend(), [0])
+    sset = StreamSet(noop_backend() if host_ops else make_backend("cpu"), [0])
     plan = StepPlan((0, 1), (0,), {"max_num_tokens": 4})
     try:
-        for _ in range(2):  # the second has the steady path's slots
-            session = OverlapSession(
-                connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of, op_log=op_log
-            )
+        for _ in range(2):
+            session = OverlapSession(connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of)
             p = session.recv(recv, {"ubatch_idx": 0, "layer_idx": 0, "max_num_tokens": 4})
             session.send(lambda o=p.hidden_states, c=p.context: send(o, c, ubatch_idx=0), p.hidden_states, p.context, 0)
             session.close()
             assert set(session.held().values()) == {0}
         warned = logs.texts("planned receives", logging.WARNING)
         assert len(warned) == 2 and all("after 1 of 2" in w and "[(1, 0)]" in w for w in warned), warned
-        session = OverlapSession(
-            connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of, op_log=op_log
-        )
+        session = OverlapSession(connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of)
         session.recv(recv, {"ubatch_idx": 0, "layer_idx": 0, "max_num_tokens": 4})
         session.close(raising=True)
         assert len(logs.texts("planned receives", logging.WARNING)) == 2

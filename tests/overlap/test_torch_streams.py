@@ -279,25 +279,3 @@ def test_adaptive_device_steps_read_events_and_never_synchronize(fake_device: Ho
     assert fake_device.queries >= 6  # the step times were read with query()
     (bucket,) = [b for b in after["buckets"] if b["key"]["layers"] == 3 and b["key"]["tokens"] == 8]
     assert bucket["decision"] in ("overlap", "serial") and bucket["overlap_samples"] >= 2
-
-
-def test_the_capture_check_answers_as_is_capturing() -> None:
-    """``capture_check()`` (the decided-serial fast path's) answers what
-    ``is_capturing()`` does: the device module's own function, a subclass's
-    override, or false for a module without one."""
-    dev = HostDeviceModule(name="fake_npu")
-    backend = TorchStreamBackend("fake_npu", dev)  # type: ignore[arg-type]
-    check = backend.capture_check()
-    assert not check() and not backend.is_capturing()
-    dev.capturing = True
-    assert check() and backend.is_capturing()
-
-    class Capturing(TorchStreamBackend):
-        def is_capturing(self) -> bool:
-            return True
-
-    dev.capturing = False
-    assert Capturing("fake_npu", dev).capture_check()()  # type: ignore[arg-type]
-    bare = SimpleNamespace(**{k: getattr(dev, k) for k in ("Stream", "Event", "stream", "current_stream")})
-    bare.__name__ = "bare"
-    assert TorchStreamBackend("bare", bare).capture_check()() is False  # type: ignore[arg-type]

@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 
-from camp2p_overlap.core.overlap.decision import GRAPH_OFF
-from camp2p_overlap.core.overlap.step import NO_STREAMS_IN_CAPTURE, NOT_APPLIED, SERIAL_FASTER, SERIAL_PROBE
+from camp2p_overlap.core.overlap.step import GRAPH_OFF, NO_STREAMS_IN_CAPTURE, NOT_APPLIED, SERIAL_FASTER, SERIAL_PROBE
 from camp2p_overlap.tools import docgen
 from camp2p_overlap.tools.cli import main
 from camp2p_overlap.tools.docgen import DOC_BLOCKS, FIGURE_BLOCKS, REPORTS, RESULTS_DIR, run_docs

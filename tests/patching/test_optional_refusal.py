@@ -27,7 +27,6 @@ from support.patching import (
 )
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.overlap.decision import graph_variants_refused
 from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.core.patching.lifecycle import PatchRefused
 from camp2p_overlap.core.patching.status_report import PatchReport, TargetState
@@ -68,7 +67,6 @@ def assert_feature_refused_alone(patch_layer: PatchLayer, variant: str) -> None:
     assert others[FORWARD] is TargetState.WRAPPED
     assert set(others.values()) <= {TargetState.WRAPPED, TargetState.CHECKED}, others
     assert patch_layer.engine.feature_refusal("graph_variants") == reason
-    assert graph_variants_refused(patch_layer.engine) == reason
     assert patch_layer.engine.features_refused() == {"graph_variants": reason}
     assert report.features_refused == {"graph_variants": reason}
     assert report.to_dict()["features_refused"] == {"graph_variants": reason}

@@ -46,7 +46,7 @@ from support.patching import (
     synthetic_manifest,
 )
 
-from camp2p_overlap.core.overlap.connector_routes import is_router
+from camp2p_overlap.core.overlap.routes import is_router
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.core.patching.status_report import TargetState
 from camp2p_overlap.emulation import device as emulated_device

@@ -459,7 +459,7 @@ def _perturb_the_ffn_under_a2e_side_sessions(monkeypatch: pytest.MonkeyPatch) ->
     def perturbed(self: EmulatedModel, *, hidden_states: torch.Tensor, layer_idx: int) -> Any:
         out = original(self, hidden_states=hidden_states, layer_idx=layer_idx)
         sessions = [s for p in patch_layers if (s := p.runtime.active_session()) is not None]
-        if sessions and sessions[0].directions.a2e_side:
+        if sessions and sessions[0].layout.a2e_side:
             routed = out.routed_output
             emulated_device.launch(lambda: routed.add_(1e-3), writes=(routed,))
         return out

@@ -43,16 +43,3 @@ def test_ops_records_and_waits_are_issued_inside_their_ranges(monkeypatch: pytes
     assert parse_event_range(opened[1]) == ("record", "K0", key)
     assert parse_event_range(opened[2]) == ("wait", COMPUTE_STREAM, key)
     assert len(opened) == 3
-
-
-def test_the_wrapper_offers_no_direct_path_of_its_inner_backend() -> None:
-    """The session's steady path issues records, waits and ops itself only
-    where a backend offers it: through the wrapper it never does, or they
-    would run outside its ranges."""
-    from camp2p_overlap.emulation.noop import noop_backend
-    from camp2p_overlap.verify.annotated_backend import AnnotatedBackend
-
-    inner = noop_backend()
-    assert inner.direct_events() is not None and inner.direct_scope() is not None and inner.direct_submit()
-    wrapper = AnnotatedBackend(inner)
-    assert wrapper.direct_events() is None and wrapper.direct_scope() is None and not wrapper.direct_submit()

@@ -35,15 +35,14 @@ path a step takes (``choose``); deterministic for given times. Per bucket:
   change of decision, sets it back to ``reprobe_every``. A probe of a path
   that is clearly slower costs its whole loss, twice per round (warm-up and
   probe), and tells little; a close call is probed at the full rate.
-* a decided-serial step that is not a probe may skip planning
-  (``pass_serial``).
+* a decided-serial step that is not a probe is timed one in
+  ``serial_time_every`` (8): its times only keep the path's median fresh.
 
 Each decision is logged once, when it changes, with its figures.
 """
 
 from __future__ import annotations
 
-import enum
 import statistics
 import threading
 from collections import deque
@@ -65,21 +64,6 @@ def other(path: Path) -> Path:
 def pow2_ceil(n: int) -> int:
     """``n`` rounded up to a power of two (0 for 0: unknown)."""
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
-
-
-class Passed(enum.IntEnum):
-    """What :meth:`AdaptiveEngage.pass_serial` says of a step: not a
-    decided-serial step (false), or one to run serially, timed or not."""
-
-    NO = 0
-    TIMED = 1
-    UNTIMED = 2
-
-
-#: The members as module globals, which :meth:`AdaptiveEngage.pass_serial_bucket`
-#: returns on every decided-serial step (an enum class's attribute costs a
-#: lookup through its metaclass).
-_NO, _TIMED, _UNTIMED = Passed.NO, Passed.TIMED, Passed.UNTIMED
 
 
 class BucketKey(NamedTuple):
@@ -155,9 +139,11 @@ class AdaptiveEngage:
         self._lock = threading.Lock()
         self._buckets: dict[BucketKey, _Bucket] = {}
 
-    def choose(self, key: BucketKey) -> tuple[Path, bool]:
-        """The path this step of bucket ``key`` takes, and whether it is a
-        probe (a step run to measure, not the bucket's decision)."""
+    def choose(self, key: BucketKey) -> tuple[Path, bool, bool]:
+        """The path this step of bucket ``key`` takes, whether it is a probe
+        (a step run to measure, not the bucket's decision), and whether it
+        is timed: every step but a decided-serial one, which is timed one in
+        ``serial_time_every``."""
         cfg = self.settings
         with self._lock:
             b = self._buckets.get(key)
@@ -179,42 +165,9 @@ class AdaptiveEngage:
                 b.since_probe += 1
                 path, probe = b.decision, False
             b.issued[path] += 1
-            return path, probe
-
-    def pass_serial(self, key: BucketKey) -> Passed:
-        """``choose(key)`` when that gives the bucket's decided serial path
-        (not a probe): counts the step as ``choose`` would and returns
-        :attr:`Passed.TIMED` or, for all but one in ``serial_time_every``
-        such steps, :attr:`Passed.UNTIMED` (the caller does not time it).
-        Else changes nothing and returns :attr:`Passed.NO` (false: the
-        caller plans the step and calls ``choose``). Lets a decided-serial
-        step skip planning."""
-        b = self.bucket(key)
-        return Passed.NO if b is None else self.pass_serial_bucket(b)
-
-    def bucket(self, key: BucketKey) -> _Bucket | None:
-        """The bucket of ``key`` if a step of it was chosen (a caller may
-        keep it: a bucket lives as long as this adaptive engage)."""
-        with self._lock:
-            return self._buckets.get(key)
-
-    def pass_serial_bucket(self, b: _Bucket) -> Passed:
-        """:meth:`pass_serial` for a bucket the caller kept from
-        :meth:`bucket` (no key built, no lookup)."""
-        cfg = self.settings
-        lock = self._lock  # by hand (every decided-serial step): half a with block's cost
-        lock.acquire()
-        try:
-            # _probe_due(b, cfg), inline
-            if b.decision != "serial" or b.probes_left > 0 or b.since_probe + 1 >= cfg.reprobe_every * b.backoff:
-                return _NO
-            b.steps += 1
-            since = b.since_probe = b.since_probe + 1
-            b.issued["serial"] += 1
-        finally:
-            lock.release()
-        every = cfg.serial_time_every
-        return _TIMED if since % every == 1 % every else _UNTIMED
+            every = cfg.serial_time_every
+            timed = probe or path == "overlap" or b.since_probe % every == 1 % every
+            return path, probe, timed
 
     def record(self, key: BucketKey, path: Path, seconds: float) -> None:
         """The measured time of one step of ``key`` that ran ``path``."""

@@ -44,12 +44,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from camp2p_overlap.core.log import log_once, logger
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey
 from camp2p_overlap.core.overlap.capture_guard import GUARD
-from camp2p_overlap.core.overlap.decision import decide, graph_variants_refused
+from camp2p_overlap.core.overlap.decision import decide
 from camp2p_overlap.core.overlap.runner_state import RunnerState, VariantCapture
 from camp2p_overlap.core.overlap.step_timings import StepTimings
 from camp2p_overlap.core.overlap.streams.base import StreamBackend
 from camp2p_overlap.core.overlap.watchdog import REPLAY_WATCH, stop_watchdogs
 from camp2p_overlap.core.patching import torch_npu_capture
+from camp2p_overlap.core.patching.features import GRAPH_VARIANTS
 
 if TYPE_CHECKING:
     from camp2p_overlap.core.observe.counters import StepCounters
@@ -71,7 +72,7 @@ def graph_variants_refusal(engine: PatchEngine, backend_name: str | None) -> str
     only, whatever VLLM_CAMP2P_MULTISTREAM_GRAPH asks (None: variants may
     be captured): a patch target only graph variants need is refused, or
     the installed torch_npu lacks the multi-stream capture fix."""
-    reason = graph_variants_refused(engine)
+    reason = engine.feature_refusal(GRAPH_VARIANTS)
     return reason if reason is not None else torch_npu_capture.graph_variants_refusal(backend_name or "")
 
 
@@ -311,7 +312,9 @@ class GraphCapture:
         capture may not create. Never raises (a step that cannot engage
         inside the capture says why itself)."""
         try:
-            decision = decide(self.engine, runner, {"dp_metadata_list": dp, "is_graph_capturing": True})
+            if not self.engine.config.graph_overlap:
+                return None
+            decision = decide(self.engine, runner, {"dp_metadata_list": dp}, self.runtime.runners.get(runner))
             if not decision.engages or decision.plan is None:
                 return None
             refused = graph_variants_refusal(self.engine, decision.backend)

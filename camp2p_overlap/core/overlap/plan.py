@@ -1,7 +1,7 @@
 """The plan of one FFN step: the (layer, stage) order the upstream loop
 runs (``for L in layers: for s in stages``), each layer's next, the receive
-kwargs of each (layer, stage), its event keys and op labels, and which
-directions run on the side streams. Derived once per step shape and cached;
+kwargs of each (layer, stage), its event keys and op labels; and the
+layouts: where each op kind runs. Derived once per step shape and cached;
 the session reads it, never builds it."""
 
 from __future__ import annotations
@@ -109,11 +109,56 @@ def step_plan(layers: tuple[int, ...], stages: tuple[int, ...], max_num_tokens: 
         return StepPlan(layers, stages, {"max_num_tokens": max_num_tokens})
 
 
+#: Where an op kind runs: the caller's stream (``C``; in a capture, the
+#: capture's stream), or the stage's side stream (``K_s``, one per HCCL group).
+CALLER = "caller"
+SIDE = "side"
+
+
 @dataclass(frozen=True)
-class Directions:
-    a2e_side: bool = True
-    e2a_side: bool = True
+class Layout:
+    """Where each op kind of a step runs, and in which order its receives
+    are issued: one row per rollout rung. The session reads nothing else of
+    the rung: every layout runs the same code, and an edge is issued only
+    between two different streams.
+
+    ``prefetch``: the overlap's order (the first layer's receive of every
+    stage at the step's first receive, then each stage's next receive right
+    after its send); without it each receive is issued when the loop asks
+    (upstream's order), on the caller's stream."""
+
+    name: str
+    a2e: str
+    e2a: str
+    ffn: str = CALLER
+    prefetch: bool = True
+
+    def __post_init__(self) -> None:
+        for kind in (self.a2e, self.e2a, self.ffn):
+            if kind not in (CALLER, SIDE):
+                raise ValueError(f"layout {self.name}: {kind!r} is not {CALLER!r} or {SIDE!r}")
+        if self.ffn != CALLER:
+            raise ValueError(f"layout {self.name}: the FFN runs on the caller's stream")
+        if self.a2e == SIDE and not self.prefetch:
+            raise ValueError(f"layout {self.name}: a receive on a side stream is issued ahead (prefetch)")
+
+    @property
+    def a2e_side(self) -> bool:
+        return self.a2e == SIDE
+
+    @property
+    def e2a_side(self) -> bool:
+        return self.e2a == SIDE
+
+    @property
+    def side(self) -> bool:
+        """Whether any op kind runs on a side stream (the step forks and joins)."""
+        return SIDE in (self.a2e, self.e2a, self.ffn)
 
 
-#: Both directions on the side streams: the overlap's default.
-BOTH_SIDES = Directions()
+#: The rollout rungs' layouts (``decision.layout_of``).
+PARITY = Layout("parity", CALLER, CALLER, prefetch=False)
+REORDER = Layout("reorder", CALLER, CALLER)
+E2A_ONLY = Layout("e2a-only", CALLER, SIDE, prefetch=False)
+A2E_ONLY = Layout("a2e-only", SIDE, CALLER)
+COMM_SIDE = Layout("comm-side", SIDE, SIDE)

@@ -1,5 +1,5 @@
 """One state per FFN runner, weakly held: what the patch layer keeps of a runner
-between its steps (its name, side streams, last planned shape, step
+between its steps (its name, side streams, what its steps share, step
 timings not read yet, decode graph keys captured with both variants, and
 the mark of a variant capture in progress). :class:`RunnerStates` owns the
 states of one runtime: a state goes when its runner is collected (its side
@@ -7,7 +7,7 @@ streams closed). On unpatch (:meth:`RunnerStates.close_all`) and in a
 forked child a state keeps only the runner's name, so what adaptive engage
 learned under it still applies: its side streams are closed on unpatch
 and forgotten in a child (the parent's stream threads are not there), and
-its planned shape, timings and captured keys are dropped."""
+what its steps share, its timings and captured keys are dropped."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.overlap.step_timings import StepTimings
@@ -25,7 +25,7 @@ from camp2p_overlap.core.overlap.streams.base import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 
 if TYPE_CHECKING:
-    from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey
+    from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage
 
 #: Builds a backend from its name and the runner's device.
 BackendMaker = Callable[[str, Any], StreamBackend]
@@ -34,39 +34,6 @@ BackendMaker = Callable[[str, Any], StreamBackend]
 class NotWeaklyReferenceable(TypeError):
     """A runner the patch layer cannot hold weakly (its class has ``__slots__``
     without ``__weakref__``): its steps run serially, with this reason."""
-
-
-@dataclass(frozen=True)
-class PlannedShape:
-    """What a runner's last planned adaptive step showed that its next
-    decided-serial steps reuse without planning: the runner's name in bucket
-    keys, its layer count and its stream backend (for the step timing), and
-    the backend's capture check (:meth:`StreamBackend.capture_check`)."""
-
-    runner: str
-    layers: int
-    backend: StreamBackend
-    capturing: Callable[[], Any] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "capturing", self.backend.capture_check())
-
-
-class SerialPass(NamedTuple):
-    """The adaptive bucket a runner's decided-serial steps were last counted
-    in, kept with what they must match for the next step to be counted
-    there too: the adaptive engage and planned shape it came from, the
-    step's stage count, and its token count in ``(above, tokens]`` (the
-    counts :func:`~camp2p_overlap.core.overlap.adaptive.pow2_ceil` rounds
-    to ``tokens``)."""
-
-    adaptive: AdaptiveEngage
-    shape: PlannedShape
-    stages: int
-    above: int
-    tokens: int
-    key: BucketKey
-    bucket: Any
 
 
 @dataclass
@@ -88,10 +55,9 @@ class RunnerState:
     timings: StepTimings
     streamset: StreamSet | None = None
     backend_name: str | None = None
-    #: The last planned adaptive step's shape (decided-serial steps reuse it).
-    planned: PlannedShape | None = None
-    #: The bucket decided-serial steps were last counted in (``step.py``).
-    serial_pass: SerialPass | None = None
+    #: What the runner's steps share until the engine's generation moves
+    #: (``decision.RunnerFacts``).
+    facts: Any = None
     #: Decode graph keys captured with both variants, by key text
     #: (``graphs.CapturedKey``; ``graphs.py`` builds on this module).
     graphs: dict[str, Any] = field(default_factory=dict)
@@ -100,15 +66,14 @@ class RunnerState:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def close_streams(self) -> None:
-        sset, self.streamset, self.backend_name, self.planned = self.streamset, None, None, None
-        self.serial_pass = None
+        sset, self.streamset, self.backend_name, self.facts = self.streamset, None, None, None
         if sset is not None:
             sset.close()
 
     def keep_name_only(self) -> None:
         """Everything but the name dropped (the streams not closed: see
         :meth:`close_streams`)."""
-        self.streamset, self.backend_name, self.planned, self.serial_pass = None, None, None, None
+        self.streamset, self.backend_name, self.facts = None, None, None
         self.timings.clear()
         self.graphs = {}
         self.variant_capture = None
@@ -160,8 +125,7 @@ class RunnerStates:
         (one side stream per stage id). None when they would have to be made
         inside a graph capture (Ascend graphs have a small stream budget).
         Raises ``BackendUnavailable`` and :class:`NotWeaklyReferenceable`."""
-        entry = self._states.get(id(runner))  # self.of(runner), inline: the common case
-        state = entry[1] if entry is not None and entry[0]() is runner else self.get(runner)
+        state = self.get(runner)
         sset = state.streamset
         if sset is not None and state.backend_name == backend_name:
             return sset

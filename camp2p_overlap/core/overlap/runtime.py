@@ -1,5 +1,5 @@
 """What the steps of one patch engine share at run time: one state per
-runner (``runner_state.py``: its name, side streams, planned shape, step
+runner (``runner_state.py``: its name, side streams, what its steps share, step
 timings and captured graph keys), the session active on each thread, the
 session class (tests substitute a recording subclass), the adaptive-engage
 state, and the counters. The engine closes the side streams on unpatch
@@ -15,11 +15,10 @@ from camp2p_overlap.core.env_vars import MAX_STAGES
 from camp2p_overlap.core.observe.counters import StepCounters
 from camp2p_overlap.core.overlap import graphs
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage
-from camp2p_overlap.core.overlap.decision import DecisionMemo
-from camp2p_overlap.core.overlap.runner_state import PlannedShape, RunnerState, RunnerStates
+from camp2p_overlap.core.overlap.runner_state import RunnerState, RunnerStates
 from camp2p_overlap.core.overlap.session import OverlapSession
 
-__all__ = ["OverlapRuntime", "PlannedShape", "RunnerState"]
+__all__ = ["OverlapRuntime", "RunnerState"]
 
 
 class _ThreadState(threading.local):
@@ -37,9 +36,6 @@ class OverlapRuntime:
         self.runners = RunnerStates(range(MAX_STAGES), lambda: self.adaptive)
         #: Per thread: ``session``, the step's session while one runs.
         self.local = _ThreadState()
-        #: Each runner's last engaging decision with its inputs (emptied on
-        #: unpatch: :meth:`close`).
-        self.decisions = DecisionMemo()
         self._lock = threading.Lock()
         #: Second captures that failed (the key kept upstream's graph), by reason.
         self._capture_failures: dict[str, int] = {}
@@ -87,6 +83,5 @@ class OverlapRuntime:
         objects back, then every runner's side streams released (CPU worker
         threads) and all but its name dropped (what adaptive engage learned
         under the name still applies after a new apply)."""
-        self.decisions.clear()
         graphs.restore_all(self.runners.states())
         self.runners.close_all()

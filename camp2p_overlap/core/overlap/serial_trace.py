@@ -3,12 +3,12 @@ while a trace recorder is active (the bench and verify tools', never a
 worker's by default). It lives apart from the step (``step.py`` calls
 :func:`run_traced_serial` and nothing else of it) and in the overlap room,
 not the observe room: it reads CAMP2P's call shapes (``camp2p``) and routes
-a connector instance (``connector_routes``), both overlap's, which the
+a connector instance (``routes``), both overlap's, which the
 observe room may not import (the rooms contract in ``pyproject.toml``).
 
 While it runs, the connector instance's ``route`` targets are routed to the
-step's trace (:data:`TRACE_ROUTERS`, the same keys as the session routers
-of ``session_routers.ROUTERS``): each A2E and E2A becomes a tracked op of the device
+step's trace (:data:`TRACE_ROUTERS`, the same keys as
+``routes.SESSION_ROUTERS``): each A2E and E2A becomes a tracked op of the device
 registered for the ``cpu`` backend (or a host-timed one where none is
 registered), the FFN the span from a receive to its send; and the stream
 log of that device, where it keeps one, is the trace's evidence.
@@ -24,7 +24,7 @@ from typing import Any
 from camp2p_overlap.core.keys import A2E, COMPUTE_STREAM, E2A, OpKey
 from camp2p_overlap.core.observe.trace import StepTrace, TraceOp, TraceRecorder
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes, RouterFactory
+from camp2p_overlap.core.overlap.routes import ConnectorRoutes, MakeRouter
 from camp2p_overlap.core.overlap.streams import registered_capabilities
 from camp2p_overlap.core.overlap.streams.base import DoneHandle
 
@@ -99,7 +99,7 @@ def _trace_op(recorder: TraceRecorder, state: dict[str, Any], kind: str, layer: 
 # ---------------------------------------------------------------------------
 # router factories: each binds the recorder it traces to, and serves only
 # the thread that installed it (get_ident() is compared on every call).
-def _traced_recv(recorder: TraceRecorder) -> RouterFactory:
+def _traced_recv(recorder: TraceRecorder) -> MakeRouter:
     """The original receive, traced as the serial path's A2E."""
 
     def make(callee: Wrapped, thread: int) -> Wrapped:
@@ -120,7 +120,7 @@ def _traced_recv(recorder: TraceRecorder) -> RouterFactory:
     return make
 
 
-def _traced_send(recorder: TraceRecorder) -> RouterFactory:
+def _traced_send(recorder: TraceRecorder) -> MakeRouter:
     """The original send, traced as the serial path's FFN (since its
     receive) and E2A."""
 
@@ -148,7 +148,7 @@ def _traced_send(recorder: TraceRecorder) -> RouterFactory:
 
 #: The trace routers of the ``route`` targets, by the same keys as the
 #: session routers (``session_routers.ROUTERS``).
-TRACE_ROUTERS: dict[str, Callable[[TraceRecorder], RouterFactory]] = {
+TRACE_ROUTERS: dict[str, Callable[[TraceRecorder], MakeRouter]] = {
     "recv_attn_output": _traced_recv,
     "send_ffn_output": _traced_send,
 }

@@ -60,10 +60,11 @@ class _Item:
 
 def _programs(snap: SessionSnapshot) -> dict[str, list[_Item]]:
     """Each stream's items, in the order the session issued them (replayed
-    from the snapshot: fork and prologue at the first receive; per receive
-    C's wait or its A2E, the FFN; per send ``f_done``, the E2A and the
-    lookahead A2E with their events; the join at close). Ops the replay
-    does not place (a step that fell back) follow at their stream's end."""
+    from the snapshot and its layout: fork and prologue at the first
+    receive; per receive C's wait or its A2E, the FFN; per send ``f_done``,
+    the E2A and the lookahead A2E with their events; the join at close; an
+    event only where the session recorded it). Ops the replay does not
+    place (a step that fell back) follow at their stream's end."""
     events = {k for k, _ in snap.events}
     by_key: dict[tuple[str, int | None, int | None], deque[IssuedOp]] = defaultdict(deque)
     for o in snap.ops:
@@ -71,10 +72,13 @@ def _programs(snap: SessionSnapshot) -> dict[str, list[_Item]]:
     placed: set[int] = set()
     prog: dict[str, list[_Item]] = defaultdict(list)
     C = COMPUTE_STREAM
-    plan, dirs = snap.plan, snap.directions
+    plan, prefetch = snap.plan, snap.layout.prefetch
 
-    def k_of(s: int) -> str:
-        return snap.side_streams.get(s, "?")
+    def a_of(s: int) -> str:
+        return snap.a2e_streams.get(s, "?")
+
+    def e_of(s: int) -> str:
+        return snap.e2a_streams.get(s, "?")
 
     def event(kind: str, stream: str, key: EventKey) -> None:
         if key in events:
@@ -90,20 +94,20 @@ def _programs(snap: SessionSnapshot) -> dict[str, list[_Item]]:
     order = plan.order()[: snap.received]
     if order:
         event("record", C, EventKey.fork())
-        for s in plan.stages:
-            event("wait", k_of(s), EventKey.fork())
-        if dirs.a2e_side:
+        for k in snap.side_streams.values():
+            event("wait", k, EventKey.fork())
+        if prefetch:
             for s in plan.stages:
                 op(A2E, plan.layers[0], s)
-                event("record", k_of(s), EventKey(A_DONE, plan.layers[0], s))
+                event("record", a_of(s), EventKey(A_DONE, plan.layers[0], s))
     last_e: dict[int, EventKey] = {}
     for L, s in order:
         if (L, s) not in snap.consumed:
             break  # the step fell back here: the rest ran as leftovers
-        if dirs.a2e_side:
+        if prefetch:
             event("wait", C, EventKey(A_DONE, L, s))
         else:
-            if dirs.e2a_side and s in last_e:
+            if s in last_e:
                 event("wait", C, last_e[s])
             op(A2E, L, s)
         if (L, s) not in snap.sent:
@@ -112,24 +116,18 @@ def _programs(snap: SessionSnapshot) -> dict[str, list[_Item]]:
             break  # (closed: the step ended in this FFN; C only has the join left)
         prog[C].append(_Item("ffn", at=(L, s)))
         event("record", C, EventKey(F_DONE, L, s))
-        if dirs.e2a_side:
-            event("wait", k_of(s), EventKey(F_DONE, L, s))
-            op(E2A, L, s)
-            last_e[s] = EventKey(E_DONE, L, s)
-            event("record", k_of(s), last_e[s])
-        else:
-            op(E2A, L, s)
-            last_e[s] = EventKey(E_DONE_ON_C, L, s)
-            event("record", C, last_e[s])
+        event("wait", e_of(s), EventKey(F_DONE, L, s))
+        op(E2A, L, s)
+        last_e[s] = EventKey(E_DONE if e_of(s) != C else E_DONE_ON_C, L, s)
+        event("record", e_of(s), last_e[s])
         nxt = plan.next_of.get(L)
-        if nxt is not None and dirs.a2e_side:
-            if not dirs.e2a_side:
-                event("wait", k_of(s), EventKey(E_DONE_ON_C, L, s))
+        if nxt is not None and prefetch:
+            event("wait", a_of(s), last_e[s])
             op(A2E, nxt, s)
-            event("record", k_of(s), EventKey(A_DONE, nxt, s))
+            event("record", a_of(s), EventKey(A_DONE, nxt, s))
     if snap.closed:
-        for s in plan.stages:
-            event("record", k_of(s), EventKey.join(s))
+        for s, k in snap.side_streams.items():
+            event("record", k, EventKey.join(s))
             event("wait", C, EventKey.join(s))
     for o in snap.ops:
         if id(o) not in placed:
@@ -236,7 +234,7 @@ def _describe(key: EventKey, snap: SessionSnapshot) -> str:
     L, s = key.layer, key.stage
     k = snap.side_streams.get(s, "?") if s is not None else "?"
     if key.kind == A_DONE:
-        return f"a2e(L{L},s{s}) on {k}"
+        return f"a2e(L{L},s{s}) on {snap.a2e_streams.get(s, k)}"
     if key.kind == F_DONE:
         return f"the FFN of (L{L},s{s}) on {COMPUTE_STREAM}"
     if key.kind == E_DONE:
@@ -260,13 +258,21 @@ def _event_text(st: _States, key: EventKey) -> str:
 
 
 def _head(items: list[_Item], st: _States) -> _Item | None:
-    """The first item of a stream not complete (what the stream is at)."""
-    for item in items:
+    """The first item of a stream not complete (what the stream is at). A
+    stream runs in order: an FFN (which no event follows in every layout)
+    is complete once an op after it on its stream runs or has finished."""
+    reached = max((i for i, item in enumerate(items) if item.op is not None and _started(item.op, st)), default=-1)
+    for i, item in enumerate(items):
         if item.op is not None and isinstance(item.op.handle, RunningOp):
             return None  # the host has not enqueued it yet: the stream ran all before it
-        if not st.item_done(item):
+        if not st.item_done(item) and not (item.kind == "ffn" and i < reached):
             return item
     return None
+
+
+def _started(o: IssuedOp, st: _States) -> bool:
+    finished, state = st.op(o)
+    return finished or state.startswith("RUNNING")
 
 
 def _host_line(snap: SessionSnapshot, st: _States) -> str:
@@ -376,7 +382,7 @@ def _stage_lines(
 ) -> list[str]:
     group = group_of(s)
     mine = [o for o in snap.ops if o.stage == s]
-    stream = snap.side_streams.get(s, "?")
+    stream = snap.side_streams.get(s, COMPUTE_STREAM)
     head = f"; {_stream_text(stream, heads.get(stream), snap, st)}" if stream != COMPUTE_STREAM else ""
     lines = [f"  stage {s} (stream {stream}, group {group}): {len(mine)} op(s) issued{head}"]
     states = [st.op(o) for o in mine]

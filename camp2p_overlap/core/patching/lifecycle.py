@@ -88,6 +88,9 @@ class PatchEngine:
         #: by apply(), unpatch(), refresh(), the post-import hook and the
         #: re-execution watch (a reload), never computed by a step while None.
         self.unready: str | None = NOT_APPLIED
+        #: Moves on every apply, unpatch, install and refresh: what a runner's
+        #: steps keep of the targets and configuration is read again then.
+        self.generation = 0
         after_fork_in_child(self._new_lock)  # a lock held by a thread that is gone would stay held
 
     def _new_lock(self) -> None:
@@ -283,6 +286,7 @@ class PatchEngine:
 
     def _settle_readiness(self) -> str | None:
         """Recompute :attr:`unready` from the targets now (lock held)."""
+        self.generation += 1
         if not self.applied or self.manifest is None:
             self.unready = NOT_APPLIED
         else:
@@ -295,6 +299,7 @@ class PatchEngine:
             # exist yet. Its post-import hook, or refresh(), wraps it.
             self.board.update(statuses(mspec.targets, TargetState.NOT_IMPORTED, "module is still being imported"))
             return
+        self.generation += 1
         self.board.update(self.installer.install(mspec, module, self._wrappers, self._required_features))
         self._note_feature_refusals()
 
@@ -321,6 +326,7 @@ class PatchEngine:
 
     def _remove(self) -> bool:
         ok = self.installer.uninstall_all()
+        self.generation += 1
         self.applied = False
         self.unready = NOT_APPLIED
         REEXEC_WATCH.unwatch(self._on_import)

@@ -125,9 +125,8 @@ class OpHandle(abc.ABC):
 
 
 class DoneHandle(OpHandle):
-    """A handle for work that already ran on the host. Its ``value`` (None
-    once released) and ``exception`` may be read directly: a session's
-    steady path does, instead of calling :meth:`result` and :meth:`release`."""
+    """A handle for work that already ran on the host: its ``value`` (None
+    once released) or ``exception``."""
 
     __slots__ = ("end_ns", "exception", "order", "start_ns", "value")
 
@@ -196,36 +195,9 @@ class StreamBackend(abc.ABC):
         """Make ``stream`` wait for ``event`` (never blocks the host on
         device backends; on the CPU backend ``C`` is the host)."""
 
-    def direct_scope(self) -> Callable[[Stream], AbstractContextManager[Any]] | None:
-        """What :meth:`scope` is exactly a call of (``scope(stream)`` is
-        ``direct_scope()(stream)``), so the session's steady path may call
-        it itself; else None (here: always)."""
-        return None
-
-    def direct_submit(self) -> bool:
-        """Whether :meth:`submit_here` is exactly: run ``fn()`` now, timed,
-        into a :class:`DoneHandle` of its value or exception (start and end
-        on ``time.perf_counter_ns``), so the session's steady path may do it
-        itself; else False (here: always)."""
-        return False
-
-    def direct_events(self) -> dict[EventKey, Any] | None:
-        """The backend's pool of events by key, when its :meth:`record` and
-        :meth:`wait` are exactly ``pool[key].record(stream)`` (making the
-        event when the pool has none: call :meth:`record` then) and
-        ``stream.wait_event(event)``, so the session's steady path may issue
-        them itself (one frame less each); else None (here: always)."""
-        return None
-
     @abc.abstractmethod
     def is_capturing(self) -> bool:
         """Whether the current stream is capturing a graph."""
-
-    def capture_check(self) -> Callable[[], Any]:
-        """A callable whose truth is :meth:`is_capturing`'s, for a caller
-        that asks on every step (the decided-serial fast path): the device
-        module's own function where there is one (one frame less)."""
-        return self.is_capturing
 
     def begin_step(self, streams: list[Stream]) -> None:  # noqa: B027 - optional hook
         """Called when a session opens (CPU: clear sticky errors)."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 from camp2p_overlap.core.keys import side_stream_name
 from camp2p_overlap.core.overlap.streams.base import Stream, StreamBackend
@@ -27,25 +26,6 @@ class StreamSet:
         self._capture_stream: Stream | None = None
         #: One step at a time per runner.
         self.lock = threading.Lock()
-        #: A session's steady-path slots per plan, by the plan's id: the plan
-        #: and its slots (``session.steady_slots``; read and made under ``lock``).
-        self.session_slots: dict[int, tuple[Any, Any]] = {}
-        #: Each stage's side stream, per tuple of stage ids (``side_streams_of``).
-        self._side_of: dict[tuple[int, ...], dict[int, Stream]] = {}
-        #: The last engaged step's session and routers, kept for the next
-        #: step of the same decision (``session_routers.KeptSession``; read
-        #: and set under ``lock``).
-        self.kept_session: Any = None
-
-    def side_streams_of(self, stages: tuple[int, ...]) -> dict[int, Stream]:
-        """Each stage's side stream, one dict per tuple of stage ids, made
-        once (the side streams of a stream set never change): shared by
-        every session of those stages, which only read it. Raises KeyError
-        for a stage without a side stream."""
-        side = self._side_of.get(stages)
-        if side is None:
-            side = self._side_of[stages] = {s: self.streams[s] for s in stages}
-        return side
 
     def capture_stream(self) -> Stream:
         """The stream the patch layer's variant capture runs on, made on first use
@@ -55,5 +35,4 @@ class StreamSet:
         return self._capture_stream
 
     def close(self) -> None:
-        self.kept_session = None
         self.backend.close()

@@ -107,30 +107,6 @@ class TorchStreamBackend(StreamBackend):
     def wait(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
 
-    def direct_submit(self) -> bool:
-        """Without kernel tracking, while ``submit_here`` is this class's own."""
-        return self._tracked is None and type(self).submit_here is _SUBMIT_HERE and "submit_here" not in self.__dict__
-
-    def direct_scope(self) -> Callable[[Any], Any] | None:
-        """The device module's ``stream``, while ``scope`` is this class's own."""
-        if type(self).scope is _SCOPE and "scope" not in self.__dict__:
-            return self.mod.stream
-        return None
-
-    def direct_events(self) -> dict[EventKey, Any] | None:
-        """The event pool, while ``record`` and ``wait`` are this class's
-        own (not a subclass's, a patched class's or an instance's: those
-        are called)."""
-        cls = type(self)
-        if (
-            cls.record is _RECORD
-            and cls.wait is _WAIT
-            and "record" not in self.__dict__
-            and "wait" not in self.__dict__
-        ):
-            return self._events
-        return None
-
     def reserve(self, keys: Any) -> int:
         """Make the pooled events of ``keys`` now (before a graph capture,
         inside which the patch layer creates none); returns how many were new."""
@@ -145,12 +121,6 @@ class TorchStreamBackend(StreamBackend):
     def is_capturing(self) -> bool:
         fn = getattr(self.mod, "is_current_stream_capturing", None)
         return bool(fn()) if fn is not None else False
-
-    def capture_check(self) -> Callable[[], Any]:
-        if type(self).is_capturing is not TorchStreamBackend.is_capturing:
-            return self.is_capturing  # a subclass's own answer
-        fn = getattr(self.mod, "is_current_stream_capturing", None)
-        return fn if fn is not None else _never
 
     def synchronize(self, stream: Any) -> None:
         stream.synchronize()
@@ -230,17 +200,6 @@ class TorchStreamBackend(StreamBackend):
 
     def _new_step_timer_pair(self) -> tuple[Any, Any]:
         return self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True)
-
-
-#: The class's own record, wait and scope (``direct_events``, ``direct_scope``).
-_RECORD = TorchStreamBackend.record
-_WAIT = TorchStreamBackend.wait
-_SCOPE = TorchStreamBackend.scope
-_SUBMIT_HERE = TorchStreamBackend.submit_here
-
-
-def _never() -> bool:
-    return False
 
 
 def _name(obj: Any, name: Any, attr: str = "name") -> None:

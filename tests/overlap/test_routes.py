@@ -1,4 +1,4 @@
-"""Connectors left alone outside a step (``core/overlap/connector_routes.py``):
+"""Connectors left alone outside a step (``core/overlap/routes.py``):
 between steps a connector call runs upstream's method with no frame of
 ours; during an engaged step only that step's thread, on that connector
 instance, is routed to the session; a user's instance attribute keeps being
@@ -18,7 +18,7 @@ import pytest
 from support.overlap import apply_cpu, assert_same, run_step, serial_results, world
 
 from camp2p_overlap.core.observe.trace import TraceRecorder
-from camp2p_overlap.core.overlap.connector_routes import ConnectorRoutes, is_router
+from camp2p_overlap.core.overlap.routes import ConnectorRoutes, is_router
 from camp2p_overlap.core.overlap.serial_trace import TRACE_ROUTERS
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.emulation import device as emulated_device
@@ -199,7 +199,7 @@ def test_a_route_replaced_during_the_step_is_left_as_it_was_set() -> None:
 
 
 def test_a_connector_that_cannot_be_routed_is_a_serial_reason_and_a_plain_one_engages(applied: None) -> None:
-    from camp2p_overlap.core.overlap.decision import connector_problem
+    from camp2p_overlap.core.overlap.routes import route_problem
 
     w = world(layers=2, stage_ids=(0, 1))
     (reference,) = serial_results(w, [None])
@@ -208,11 +208,11 @@ def test_a_connector_that_cannot_be_routed_is_a_serial_reason_and_a_plain_one_en
     sub = type("DescribedConnector", (cls,), {"send_ffn_output": property(lambda self: None)})
     w.connector.__class__ = sub
     try:
-        problem = connector_problem(PATCH_LAYER.engine, w.connector)
+        problem = route_problem(w.connector, ROUTED)
         assert problem is not None and "cannot be routed per instance" in problem
     finally:
         w.connector.__class__ = cls
-    assert connector_problem(PATCH_LAYER.engine, w.connector) is None
+    assert route_problem(w.connector, ROUTED) is None
     before = PATCH_LAYER.runtime.counters.to_dict()["steps"]["overlap"]
     w.steps_run = 0
     assert_same(run_step(w), reference)
@@ -222,9 +222,9 @@ def test_a_connector_that_cannot_be_routed_is_a_serial_reason_and_a_plain_one_en
 def test_a_serial_trace_routes_the_same_keys_as_an_engaged_step() -> None:
     """A manifest's ``route`` target names one router key; the session's and
     the serial trace's routers are kept apart and must serve the same keys."""
-    from camp2p_overlap.core.overlap.session_routers import ROUTERS
+    from camp2p_overlap.core.overlap.routes import SESSION_ROUTERS
 
-    assert set(ROUTERS) == set(TRACE_ROUTERS) == {"recv_attn_output", "send_ffn_output"}
+    assert set(SESSION_ROUTERS) == set(TRACE_ROUTERS) == {"recv_attn_output", "send_ffn_output"}
 
 
 def _holds_a_dict(obj: Any, attribute: str) -> bool:
@@ -251,11 +251,9 @@ def test_routing_leaves_the_instance_attributes_inline(applied: None) -> None:
     assert not [name for name in ROUTED if is_router(getattr(w.connector, name))]
 
 
-def test_a_checked_install_still_refuses_an_instance_another_step_routed() -> None:
-    """An engaged step installs with ``checked=True`` (its decision, which
-    a memo may hand back without looking at the instance, checked the
-    connector): whether another thread's step has routed the instance since
-    is still checked, and nothing is left set."""
+def test_an_install_refuses_an_instance_another_step_routed_and_leaves_nothing_set() -> None:
+    """Another step routed the instance between a step's decision and its
+    install: the install refuses, and nothing of it is left set."""
 
     class Plain:
         def recv(self) -> str:
@@ -268,7 +266,7 @@ def test_a_checked_install_still_refuses_an_instance_another_step_routed() -> No
     first = ConnectorRoutes(plain)
     assert first.install([("send", lambda c, t: lambda: "first")]) is None
     second = ConnectorRoutes(plain)
-    reason = second.install([("recv", lambda c, t: lambda: "second"), ("send", lambda c, t: c)], checked=True)
+    reason = second.install([("recv", lambda c, t: lambda: "second"), ("send", lambda c, t: c)])
     assert reason is not None and "another thread" in reason
     assert "recv" not in vars(plain) and plain.send() == "first"  # the second step's recv route was taken back
     first.remove()

@@ -1,0 +1,220 @@
+"""Connector routes: the connector instance's calls, routed to one step for
+that step's duration and on that step's thread only.
+
+The manifest's ``route`` targets (the CAMP2P connector's receive and send)
+are signature-checked at import, and nothing of ours is installed on their
+class. An engaged step (or a serial step while a trace recorder is active)
+sets one router per route target as an attribute of the connector
+*instance* (:class:`ConnectorRoutes`) and removes it in a ``finally``:
+
+* between steps a connector call is upstream's method, with no frame of
+  ours; other connector instances are never touched;
+* a call from another thread during the step goes straight to the callee;
+* the callee is what the instance resolved to when the step began: its own
+  attribute of that name if it carried one (a user's or a test's
+  monkeypatch, put back as the very same object afterwards), else the
+  class's attribute bound to it, so a foreign wrapper on the class stays in
+  the call chain.
+
+Limit: a bound method captured from the instance before the step began
+(``recv = connector.recv_attn_output``) bypasses the route; the step then
+sees no receive, runs the loop's order on the compute stream and logs it.
+
+:data:`SESSION_ROUTERS` are an engaged step's routers (each hands its call
+to the step's session); ``serial_trace.TRACE_ROUTERS`` route the same keys
+to a serial step's trace.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from typing import Any
+
+from camp2p_overlap.core.log import log_once
+from camp2p_overlap.core.overlap import camp2p
+
+#: Set on every router function, so a step recognises an instance that
+#: another step (on another thread) has routed.
+ROUTER_MARK = "__camp2p_overlap_router__"
+
+Wrapped = Callable[..., Any]
+#: Builds the router of one target: ``make(callee, thread_id) -> router``.
+MakeRouter = Callable[[Wrapped, int], Wrapped]
+
+_MISSING = object()
+
+# The instance's own attributes are read, set and deleted without
+# ``vars(instance)``: on CPython 3.11 and later an instance keeps its
+# attributes inline until something asks for its ``__dict__``, and from then
+# on every attribute read of that instance (upstream's connector methods
+# read many, on every (layer, stage)) takes the slower dictionary path for
+# the rest of the process. Setting and deleting through ``object`` keeps
+# them inline, and bypasses a ``__setattr__`` of the class as writing the
+# dict did (a data descriptor of that name is refused before: route_problem).
+_set_on_instance = object.__setattr__
+_delete_on_instance = object.__delattr__
+_get_on_instance = object.__getattribute__
+
+
+def is_router(obj: Any) -> bool:
+    return getattr(obj, ROUTER_MARK, False) is True
+
+
+def route_problem(instance: Any, attributes: Iterable[str]) -> str | None:
+    """Why ``instance``'s class cannot have ``attributes`` routed per
+    instance, or None: it needs an instance ``__dict__``, and no data
+    descriptor of that name on its class (it would win over the instance
+    attribute). The same for every step of the instance."""
+    cls = type(instance)
+    if not cls.__dictoffset__:  # read off the class: vars(instance) would build the instance's dict
+        return f"connector {cls.__name__} has no instance __dict__ to route its calls through"
+    for attribute in attributes:
+        if hasattr(type(_class_attribute(cls, attribute)), "__set__"):
+            return f"connector {cls.__name__}.{attribute} cannot be routed per instance (a data descriptor)"
+    return None
+
+
+def routed_elsewhere(instance: Any, attributes: Iterable[str]) -> str | None:
+    """Why the step may not route ``instance`` now: another thread's step
+    has (asked on every step: it may pass)."""
+    for attribute in attributes:
+        if is_router(getattr(instance, attribute, None)):
+            return "the connector's calls are routed to a step on another thread"
+    return None
+
+
+def _class_attribute(cls: type, attribute: str) -> Any:
+    """What an instance of ``cls`` finds for ``attribute`` on its class (the
+    first ``__dict__`` along its MRO that holds it), without calling a
+    descriptor; None when no class holds it."""
+    for klass in cls.__mro__:
+        found = vars(klass).get(attribute, _MISSING)
+        if found is not _MISSING:
+            return found
+    return None
+
+
+def _own_attribute(instance: Any, attribute: str, found: Any) -> Any:
+    """What ``instance`` holds of its own under ``attribute`` (``found``,
+    what it resolves the name to now), or :data:`_MISSING` when ``found`` is
+    its class's attribute bound to it (told by value: a bound method equals
+    another binding of the same function to the same instance). An instance
+    holding such a binding of its class's method is taken as holding
+    nothing: the route then deletes it, and the name resolves the same."""
+    cls = type(instance)
+    held = _class_attribute(cls, attribute)
+    if held is None:
+        return found
+    if found is held:
+        return _MISSING
+    get = getattr(type(held), "__get__", None)
+    if get is None:
+        return found
+    try:
+        same = found == get(held, instance, cls)
+    except Exception:  # noqa: BLE001 - an odd __eq__ or __get__: the value is kept as the instance's
+        return found
+    return _MISSING if same is True else found
+
+
+def _held_by_instance(instance: Any, attribute: str) -> Any:
+    """What ``instance`` resolves ``attribute`` to, read past a
+    ``__getattribute__`` of its class; None when nothing."""
+    try:
+        return _get_on_instance(instance, attribute)
+    except AttributeError:
+        return None
+
+
+class ConnectorRoutes:
+    """The routers of one step on one connector instance. :meth:`install`
+    sets them (all or none), :meth:`remove` takes them away exactly."""
+
+    __slots__ = ("_instance", "_set")
+
+    def __init__(self, instance: Any) -> None:
+        self._instance = instance
+        #: (attribute, our router, what the instance held of its own before, or _MISSING)
+        self._set: list[tuple[str, Any, Any]] = []
+
+    def install(self, routers: Sequence[tuple[str, MakeRouter]]) -> str | None:
+        """Route each ``(attribute, make)``; None when every route is in
+        place, else why none is (nothing is left set)."""
+        instance = self._instance
+        attributes = [attribute for attribute, _ in routers]
+        problem = route_problem(instance, attributes) or routed_elsewhere(instance, attributes)
+        if problem is not None:
+            return problem
+        thread = threading.get_ident()
+        for attribute, make in routers:
+            callee = getattr(instance, attribute)
+            router = make(callee, thread)
+            setattr(router, ROUTER_MARK, True)
+            self._set.append((attribute, router, _own_attribute(instance, attribute, callee)))
+            _set_on_instance(instance, attribute, router)
+            if getattr(instance, attribute) is not router:  # e.g. a __getattribute__ of its own
+                self.remove()
+                return f"connector {type(instance).__name__}.{attribute} cannot be routed per instance"
+        return None
+
+    def remove(self) -> None:
+        """Put back what the instance held, newest first. A route that
+        someone replaced during the step is left as they set it (logged once)."""
+        instance = self._instance
+        while self._set:
+            attribute, router, before = self._set.pop()
+            if (
+                getattr(instance, attribute, None) is not router
+                and _held_by_instance(instance, attribute) is not router
+            ):
+                log_once(
+                    logging.WARNING,
+                    f"route-replaced:{attribute}",
+                    "camp2p-overlap: connector attribute %s was replaced during a step; left as it was set",
+                    attribute,
+                )
+                continue
+            if before is _MISSING:
+                _delete_on_instance(instance, attribute)
+            else:
+                _set_on_instance(instance, attribute, before)
+
+
+# ---------------------------------------------------------------------------
+# an engaged step's routers: each hands its call to the step's session, on
+# the step's thread, while the session is open (a router method taken during
+# a step and called after it calls the connector's method, as any call
+# outside a step does)
+
+
+def _recv_router(session: Any, callee: Wrapped, thread: int) -> Wrapped:
+    def recv_attn_output(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != thread or session.closed:
+            return callee(*args, **kwargs)
+        # the session calls callee(**kw): the same call (ubatch_idx by name)
+        kw = kwargs if not args and "ubatch_idx" in kwargs else camp2p.recv_kwargs(args, kwargs)
+        return session.recv(callee, kw)
+
+    return recv_attn_output
+
+
+def _send_router(session: Any, callee: Wrapped, thread: int) -> Wrapped:
+    def send_ffn_output(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != thread or session.closed:
+            return callee(*args, **kwargs)
+        output, context = camp2p.send_parts(args, kwargs)
+        stage = camp2p.send_stage(context, kwargs)
+        return session.send(partial(callee, *args, **kwargs), output, context, stage)
+
+    return send_ffn_output
+
+
+#: The routers a manifest's ``route`` target may name, by key: each makes,
+#: for one session, the ``make(callee, thread)`` that :class:`ConnectorRoutes` installs.
+SESSION_ROUTERS: dict[str, Callable[[Any], MakeRouter]] = {
+    "recv_attn_output": lambda session: partial(_recv_router, session),
+    "send_ffn_output": lambda session: partial(_send_router, session),
+}
