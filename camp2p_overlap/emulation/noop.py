@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from camp2p_overlap.core.overlap.streams.torch_streams import TorchStreamBackend
+from camp2p_overlap.core.overlap.streams.backend import StreamBackend
 
 
 class NoopEvent:
@@ -67,9 +67,9 @@ noop_device_module = SimpleNamespace(
 )
 
 
-def noop_backend(name: str = "cpu", device: Any = None) -> TorchStreamBackend:
+def noop_backend(name: str = "cpu", device: Any = None) -> StreamBackend:
     """The real device backend over :data:`noop_device_module`."""
-    return TorchStreamBackend("noop", noop_device_module, device)  # type: ignore[arg-type]
+    return StreamBackend("noop", noop_device_module, device)  # type: ignore[arg-type]
 
 
 def busy_wait(seconds: float) -> None:

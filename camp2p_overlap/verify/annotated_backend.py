@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from camp2p_overlap.core.keys import EventKey
-from camp2p_overlap.core.overlap.streams.base import OpHandle, StreamBackend
+from camp2p_overlap.core.overlap.streams.backend import StreamBackend
+from camp2p_overlap.core.overlap.streams.base import OpHandle
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 
 #: The prefix of every profiler range the patch layer's tools open.

@@ -13,7 +13,7 @@ the stream markers and the step fences):
   session issued (``a2e``, ``e2a``: the op's ``OpKey.label()``),
   ``camp2p:record <stream> <key>`` and ``camp2p:wait <stream> <key>``
   around each event record and wait (the event's ``EventKey.label()``,
-  ``streams/torch_streams.py``'s ``event_range_name``);
+  ``streams/backend.py``'s ``event_range_name``);
 * ``camp2p:stream <name>`` around a marker launched on each stream
   (``C``, ``K0``, ...): its kernels name the device stream ids;
 * ``camp2p:step-begin`` / ``camp2p:step-end`` around a marker on C right

@@ -22,8 +22,8 @@ import torch
 from camp2p_overlap.core.keys import A_DONE, E_DONE, F_DONE, EventKey
 from camp2p_overlap.core.overlap.streams import (
     BackendUnavailable,
+    StreamBackend,
     StreamPoisonedError,
-    TorchStreamBackend,
     make_backend,
     resolve_backend_name,
 )
@@ -42,9 +42,9 @@ def _device_left_idle() -> Iterator[None]:
 
 
 @pytest.fixture
-def backend() -> Iterator[TorchStreamBackend]:
+def backend() -> Iterator[StreamBackend]:
     b = make_backend("cpu")
-    assert isinstance(b, TorchStreamBackend)
+    assert isinstance(b, StreamBackend)
     yield b
     b.close()
 
@@ -90,7 +90,7 @@ def key(kind: str, layer: int = 0, stage: int = 0) -> EventKey:
 # order, asynchrony, events
 
 
-def test_a_side_stream_runs_its_kernels_in_launch_order(backend: TorchStreamBackend) -> None:
+def test_a_side_stream_runs_its_kernels_in_launch_order(backend: StreamBackend) -> None:
     k = backend.new_stream("K0")
     seen: list[tuple[int, threading.Thread]] = []
 
@@ -107,7 +107,7 @@ def test_a_side_stream_runs_its_kernels_in_launch_order(backend: TorchStreamBack
     assert all(a.end_ns <= b.start_ns and a.order < b.order for a, b in itertools.pairwise(handles))
 
 
-def test_the_compute_stream_is_a_worker_too(backend: TorchStreamBackend) -> None:
+def test_the_compute_stream_is_a_worker_too(backend: StreamBackend) -> None:
     c = backend.compute_stream()
     assert c.name == "C" and c is dev.current_stream()
     assert c.thread is not threading.current_thread()
@@ -128,7 +128,7 @@ def test_the_compute_stream_is_a_worker_too(backend: TorchStreamBackend) -> None
     assert h.done() and ev.query()
 
 
-def test_a_host_error_in_an_op_is_its_result_and_poisons_nothing(backend: TorchStreamBackend) -> None:
+def test_a_host_error_in_an_op_is_its_result_and_poisons_nothing(backend: StreamBackend) -> None:
     c = backend.compute_stream()
     bad = backend.submit(c, lambda: 1 / 0)
     assert bad.done()
@@ -138,7 +138,7 @@ def test_a_host_error_in_an_op_is_its_result_and_poisons_nothing(backend: TorchS
     assert backend.step_errors([c]) == [] and c.poisoned is None
 
 
-def test_an_event_completes_when_its_stream_reaches_it(backend: TorchStreamBackend) -> None:
+def test_an_event_completes_when_its_stream_reaches_it(backend: StreamBackend) -> None:
     k = backend.new_stream("K0")
     gate = gate_on(k)
     h = backend.submit(k, lambda: dev.launch(lambda: None) or "ran")
@@ -155,7 +155,7 @@ def test_an_event_completes_when_its_stream_reaches_it(backend: TorchStreamBacke
     assert k.drain(timeout=BOUND_S)
 
 
-def test_a_wait_holds_its_stream_until_the_record_fires(backend: TorchStreamBackend) -> None:
+def test_a_wait_holds_its_stream_until_the_record_fires(backend: StreamBackend) -> None:
     k0, k1 = backend.new_stream("K0"), backend.new_stream("K1")
     gate = gate_on(k0)
     ran: list[str] = []
@@ -202,7 +202,7 @@ def test_a_wait_binds_to_the_latest_record_when_it_is_enqueued(streams: Callable
     assert waits == {"K1": first.seq, "K3": second.seq}
 
 
-def test_two_side_streams_run_concurrently(backend: TorchStreamBackend) -> None:
+def test_two_side_streams_run_concurrently(backend: StreamBackend) -> None:
     """K0's kernel can only finish when K1's runs: serialized streams would
     never complete it (bounded by the waits' timeouts)."""
     k0, k1 = backend.new_stream("K0"), backend.new_stream("K1")
@@ -223,7 +223,7 @@ def test_two_side_streams_run_concurrently(backend: TorchStreamBackend) -> None:
     assert got == {"k0": True, "k1": True}
 
 
-def test_torch_work_on_a_side_stream_fills_its_output_later(backend: TorchStreamBackend) -> None:
+def test_torch_work_on_a_side_stream_fills_its_output_later(backend: StreamBackend) -> None:
     k = backend.new_stream("K0")
     x = torch.randn(64, 64)
     gate = gate_on(k)
@@ -247,7 +247,7 @@ def test_torch_work_on_a_side_stream_fills_its_output_later(backend: TorchStream
 # asynchronous errors
 
 
-def test_a_failed_kernel_poisons_its_stream_until_the_next_step(backend: TorchStreamBackend) -> None:
+def test_a_failed_kernel_poisons_its_stream_until_the_next_step(backend: StreamBackend) -> None:
     k, other = backend.new_stream("K0"), backend.new_stream("K1")
     boom = KeyError("boom")
     ran: list[str] = []
@@ -324,7 +324,7 @@ def test_device_synchronize_raises_the_first_asynchronous_error_and_clears_it(
 # what streams keep, and their threads
 
 
-def test_release_drops_the_result_not_the_timing(backend: TorchStreamBackend) -> None:
+def test_release_drops_the_result_not_the_timing(backend: StreamBackend) -> None:
     k = backend.new_stream("K0")
     t = torch.ones(8)
     ref = weakref.ref(t)
@@ -570,7 +570,7 @@ def test_backend_choice() -> None:
     assert resolve_backend_name("cpu", cpu) == "cpu"
     b = make_backend("cpu")
     try:
-        assert isinstance(b, TorchStreamBackend) and b.name == "cpu"
+        assert isinstance(b, StreamBackend) and b.name == "cpu"
         assert b.mod is dev
         assert isinstance(b.new_stream("K0"), dev.Stream)
         assert b.is_capturing() is False
@@ -661,9 +661,7 @@ def test_elapsed_time_needs_timing_events_that_completed(streams: Callable[[str]
     assert start.elapsed_time(late) >= ms
 
 
-def test_step_timing_reads_the_events_by_query_only(
-    backend: TorchStreamBackend, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_step_timing_reads_the_events_by_query_only(backend: StreamBackend, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_sync(*_: Any, **__: Any) -> None:
         raise AssertionError("step timing must never synchronize")
 
@@ -704,7 +702,7 @@ def test_step_timing_reads_the_events_by_query_only(
 # the stream log
 
 
-def test_the_stream_log_holds_what_each_stream_performed(backend: TorchStreamBackend) -> None:
+def test_the_stream_log_holds_what_each_stream_performed(backend: StreamBackend) -> None:
     k0, k1 = backend.new_stream("K0"), backend.new_stream("K1")
     c = backend.compute_stream()
     assert backend.start_log()

@@ -450,7 +450,7 @@ def test_the_scrape_and_the_summary_touch_no_device_event(
     fresh_reporting: None, monkeypatch: pytest.MonkeyPatch, logs: PackageLogs, tmp_path: Path
 ) -> None:
     from camp2p_overlap.core.overlap.step_timings import StepTimings
-    from camp2p_overlap.core.overlap.streams import base, torch_streams
+    from camp2p_overlap.core.overlap.streams import backend
     from camp2p_overlap.emulation.device import worker
 
     w = world(layers=2, stage_ids=(0, 1))
@@ -475,11 +475,7 @@ def test_the_scrape_and_the_summary_touch_no_device_event(
         (PATCH_LAYER.runtime, ("stats",)),
         (StepTimings, ("read_ready", "record")),
         (
-            base.StreamBackend,
-            ("step_timer_elapsed_s", "step_timer_start", "step_timer_stop", "synchronize", "record", "wait"),
-        ),
-        (
-            torch_streams.TorchStreamBackend,
+            backend.StreamBackend,
             ("step_timer_elapsed_s", "step_timer_start", "step_timer_stop", "synchronize", "record", "wait"),
         ),
         (worker.Event, ("query", "synchronize", "elapsed_time", "record", "wait")),

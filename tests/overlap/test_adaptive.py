@@ -19,7 +19,7 @@ from camp2p_overlap.core.config import ConfigError, load_config
 from camp2p_overlap.core.env_vars import ENV_ADAPTIVE, ENV_REPROBE
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey, pow2_ceil
 from camp2p_overlap.core.overlap.step_timings import StepTimings
-from camp2p_overlap.core.overlap.streams.torch_streams import TorchStreamBackend
+from camp2p_overlap.core.overlap.streams.backend import StreamBackend
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
 
 KEY = BucketKey("runner#0", 2, 6, 128)
@@ -415,7 +415,7 @@ class _FakeDevice:
 
 def test_device_step_timing_reads_events_later_and_never_synchronizes() -> None:
     dev = _FakeDevice()
-    backend = TorchStreamBackend("fake", dev)  # type: ignore[arg-type]
+    backend = StreamBackend("fake", dev)  # type: ignore[arg-type]
     token = backend.step_timer_start()
     dev.clock[0] = 0.025
     backend.step_timer_stop(token)
@@ -430,7 +430,7 @@ def test_device_step_timing_reads_events_later_and_never_synchronizes() -> None:
 
 def test_runtime_collect_reads_only_completed_timings_in_order() -> None:
     dev = _FakeDevice()
-    backend = TorchStreamBackend("fake", dev)  # type: ignore[arg-type]
+    backend = StreamBackend("fake", dev)  # type: ignore[arg-type]
     a = PATCH_LAYER.runtime.adaptive
     key = BucketKey("collect-test", 2, 2, 8)
     recorded: list[tuple[str, float]] = []

@@ -33,7 +33,7 @@ from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.observe.trace import ExpectedSchedule
 from camp2p_overlap.core.overlap.session import OverlapSession
 from camp2p_overlap.core.overlap.streams import make_backend
-from camp2p_overlap.core.overlap.streams.torch_streams import TorchStreamBackend
+from camp2p_overlap.core.overlap.streams.backend import StreamBackend
 from camp2p_overlap.core.patch_layer import PatchLayer, build_patch_layer
 from camp2p_overlap.emulation import device
 from camp2p_overlap.verify import edges
@@ -65,9 +65,9 @@ def _backend_dropping(on_compute: bool, kind: str) -> Callable[..., None]:
     """A backend ``wait`` that silently drops waits of the compute stream
     (``on_compute``) or of the side streams on events of ``kind`` (the
     session believes it waited)."""
-    original = TorchStreamBackend.wait
+    original = StreamBackend.wait
 
-    def wait(self: TorchStreamBackend, stream: Any, event: Any) -> None:
+    def wait(self: StreamBackend, stream: Any, event: Any) -> None:
         if (stream.name == COMPUTE_STREAM) == on_compute and event.key.kind == kind:
             return
         original(self, stream, event)
@@ -165,7 +165,7 @@ def _run_broken(
     if session is not None:
         monkeypatch.setattr(patch_layer.runtime, "session_class", session)
     if wait is not None:
-        monkeypatch.setattr(TorchStreamBackend, "wait", wait)
+        monkeypatch.setattr(StreamBackend, "wait", wait)
     if hold is not None:
         hold(w)
     device.take_timing()

@@ -1,5 +1,5 @@
 """The ``cuda`` and ``npu`` backends: they construct only where their torch
-device module is usable; the shared TorchStreamBackend is exercised here
+device module is usable; the shared StreamBackend is exercised here
 through a host-synchronous stand-in device module, and on a real device by
 the gpu/npu-marked tests (which skip with a reason elsewhere)."""
 
@@ -33,7 +33,7 @@ from camp2p_overlap.core.keys import A2E, COMPUTE_STREAM, E2A, side_stream_name
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.overlap.streams import (
     BackendUnavailable,
-    TorchStreamBackend,
+    StreamBackend,
     device_module,
     make_backend,
 )
@@ -65,7 +65,7 @@ def test_unknown_device_kind_and_incomplete_modules_are_refused() -> None:
         device_module("xpu")
     incomplete = SimpleNamespace(__name__="fakedev", Stream=object, Event=object, stream=None)
     with pytest.raises(BackendUnavailable, match="fakedev has no current_stream"):
-        TorchStreamBackend("fake", incomplete)  # type: ignore[arg-type]
+        StreamBackend("fake", incomplete)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------

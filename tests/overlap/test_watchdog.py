@@ -290,7 +290,8 @@ def _fake_device():
     events complete when a test says so; a synchronize fails the test."""
     from types import SimpleNamespace
 
-    from camp2p_overlap.core.overlap.streams.base import DoneHandle, StreamBackend
+    from camp2p_overlap.core.overlap.streams.backend import StreamBackend
+    from camp2p_overlap.core.overlap.streams.base import NO_CAPABILITIES, DoneHandle
 
     class Event:
         def __init__(self) -> None:
@@ -309,6 +310,7 @@ def _fake_device():
 
         def __init__(self) -> None:
             self.events: list[Event] = []
+            self.capabilities, self._tracked = NO_CAPABILITIES, None
 
         def compute_stream(self) -> object:
             return SimpleNamespace(name="C")

@@ -19,7 +19,7 @@ import pytest
 
 from camp2p_overlap.core.overlap import decision as step_decision
 from camp2p_overlap.core.overlap import runner_state
-from camp2p_overlap.core.overlap.streams import TorchStreamBackend
+from camp2p_overlap.core.overlap.streams import StreamBackend
 
 
 class HostDeviceModule:
@@ -107,4 +107,4 @@ def use_host_device_module(monkeypatch: pytest.MonkeyPatch, dev: HostDeviceModul
     """Make every layer's stream sets use ``dev`` through the shared device
     backend, whatever backend the configuration names."""
     monkeypatch.setattr(step_decision, "resolve_backend_name", lambda requested, device: dev.__name__)
-    monkeypatch.setattr(runner_state, "make_backend", lambda name, device=None: TorchStreamBackend(dev.__name__, dev))
+    monkeypatch.setattr(runner_state, "make_backend", lambda name, device=None: StreamBackend(dev.__name__, dev))

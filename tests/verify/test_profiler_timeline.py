@@ -22,7 +22,7 @@ from camp2p_overlap.core.keys import A_DONE, F_DONE, EventKey, OpKey
 from camp2p_overlap.core.observe.trace import ExpectedSchedule
 from camp2p_overlap.core.overlap.plan import StepPlan
 from camp2p_overlap.core.overlap.session import OverlapSession
-from camp2p_overlap.core.overlap.streams import TorchStreamBackend
+from camp2p_overlap.core.overlap.streams import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.tools.bench import profile
 from camp2p_overlap.verify import annotated_backend, profiler_timeline
@@ -158,7 +158,7 @@ def simulated(monkeypatch: pytest.MonkeyPatch) -> Any:
 
         monkeypatch.setattr(annotated_backend, "profiler_range", sim.range)
         monkeypatch.setattr(profile, "profiler_range", sim.range)
-        backend = TorchStreamBackend("cuda", sim)  # type: ignore[arg-type]
+        backend = StreamBackend("cuda", sim)  # type: ignore[arg-type]
         sset = StreamSet(backend, STAGES)
 
         def step() -> None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.overlap.step_timings import StepTimings
 from camp2p_overlap.core.overlap.streams import make_backend
-from camp2p_overlap.core.overlap.streams.base import StreamBackend
+from camp2p_overlap.core.overlap.streams.backend import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 
 if TYPE_CHECKING:

@@ -149,8 +149,7 @@ class OverlapSession:
         self._keys = plan.keys
         self._context_of = context_of
         self._trace = StepTrace(recorder, step_id, backend) if recorder is not None else None
-        if backend.reports_step_errors:
-            backend.begin_step(list(side.values()))
+        backend.begin_step(list(side.values()))
         #: The index in ``self.order`` of the next expected receive.
         self.next_recv = 0
         self.forked = self.fallen_back = self.closed = self._closing = False
@@ -427,7 +426,7 @@ class OverlapSession:
         try:
             self.join()
         finally:
-            error = self._side_error(list(self.side_streams.values())) if self.backend.reports_step_errors else None
+            error = self._side_error(list(self.side_streams.values()))
             short = not raising and not self.fallen_back and self.next_recv < len(self.order)
             unconsumed = [k for k in self._a_handle if k not in self._consumed] if short else []
             if self._trace is not None:

@@ -41,7 +41,7 @@ from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, Run
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
 from camp2p_overlap.core.overlap.serial_trace import run_traced_serial
 from camp2p_overlap.core.overlap.streams import BackendUnavailable
-from camp2p_overlap.core.overlap.streams.base import StreamBackend
+from camp2p_overlap.core.overlap.streams.backend import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.core.overlap.watchdog import start_watchdog
 from camp2p_overlap.core.patching.installer import MARK, Wrapper

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from camp2p_overlap.core.overlap.capture_guard import GUARD
-from camp2p_overlap.core.overlap.streams.base import StreamBackend
+from camp2p_overlap.core.overlap.streams.backend import StreamBackend
 
 if TYPE_CHECKING:
     from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Path

@@ -9,6 +9,7 @@ import importlib
 import importlib.util
 from typing import Any
 
+from camp2p_overlap.core.overlap.streams.backend import StreamBackend
 from camp2p_overlap.core.overlap.streams.base import (
     NO_CAPABILITIES,
     BackendUnavailable,
@@ -18,10 +19,8 @@ from camp2p_overlap.core.overlap.streams.base import (
     Event,
     OpHandle,
     Stream,
-    StreamBackend,
     StreamPoisonedError,
 )
-from camp2p_overlap.core.overlap.streams.torch_streams import TorchStreamBackend
 
 __all__ = [
     "BackendUnavailable",
@@ -33,7 +32,6 @@ __all__ = [
     "Stream",
     "StreamBackend",
     "StreamPoisonedError",
-    "TorchStreamBackend",
     "device_module",
     "make_backend",
     "register_device_module",
@@ -135,9 +133,9 @@ def make_backend(name: str, device: Any = None) -> StreamBackend:
                 f"backend {name!r}: no device module is registered for it; the emulated device registers "
                 "itself when camp2p_overlap.emulation.device is imported (the layer never imports it)"
             )
-        return TorchStreamBackend(name, registered, device)
+        return StreamBackend(name, registered, device)
     try:
         mod = device_module(name)
     except BackendUnavailable as exc:
         raise BackendUnavailable(f"backend {name!r} unavailable: {exc}") from exc
-    return TorchStreamBackend(name, mod, device)
+    return StreamBackend(name, mod, device)

@@ -1,4 +1,5 @@
-"""The small stream/event interface the overlap session is written against.
+"""What the stream backend shares with the devices it drives: the device
+module protocol and its optional capabilities, op handles, and the errors.
 
 A *stream* runs work in the order it was submitted. An *event* is recorded
 on a stream and completes when the stream reaches it; another stream can be
@@ -9,15 +10,11 @@ is the caller's current stream.
 from __future__ import annotations
 
 import abc
-import contextlib
-import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol
-
-from camp2p_overlap.core.keys import EventKey
 
 
 class BackendUnavailable(RuntimeError):
@@ -103,7 +100,7 @@ NO_CAPABILITIES = DeviceCapabilities()
 
 
 class OpHandle(abc.ABC):
-    """What :meth:`StreamBackend.submit` returns: the op's Python result once
+    """What ``StreamBackend.submit`` returns: the op's Python result once
     it has run (on device backends at once: the result holds tensors the
     stream fills later), or its exception."""
 
@@ -154,105 +151,3 @@ class DoneHandle(OpHandle):
 
     def release(self) -> None:
         self.value = None
-
-
-class StreamBackend(abc.ABC):
-    """One implementation per device kind (``cpu``, ``cuda``, ``npu``)."""
-
-    name: str
-
-    @abc.abstractmethod
-    def compute_stream(self) -> Stream:
-        """The caller's current stream (C)."""
-
-    @abc.abstractmethod
-    def new_stream(self, name: str) -> Stream:
-        """A new side stream. Called outside graph capture and reused."""
-
-    @abc.abstractmethod
-    def submit(self, stream: Stream, fn: Callable[[], Any], label: str = "op") -> OpHandle:
-        """Run ``fn()`` as work of ``stream``; ``label`` names it in traces
-        and stall reports."""
-
-    def scope(self, stream: Stream) -> AbstractContextManager[Any]:
-        """``stream`` made current for the block, for :meth:`submit_here`:
-        several ops of one stream issued in a row switch to it once. Here:
-        nothing (:meth:`submit_here` is :meth:`submit`)."""
-        return contextlib.nullcontext()
-
-    def submit_here(self, stream: Stream, fn: Callable[[], Any], label: str = "op") -> OpHandle:
-        """:meth:`submit` from inside :meth:`scope` of ``stream`` (the same
-        op, without switching to the stream again)."""
-        return self.submit(stream, fn, label)
-
-    @abc.abstractmethod
-    def record(self, stream: Stream, key: EventKey) -> Event:
-        """Record an event on ``stream``. ``key`` names it, so device
-        backends can reuse one event object per key."""
-
-    @abc.abstractmethod
-    def wait(self, stream: Stream, event: Event) -> None:
-        """Make ``stream`` wait for ``event`` (never blocks the host on
-        device backends; on the CPU backend ``C`` is the host)."""
-
-    @abc.abstractmethod
-    def is_capturing(self) -> bool:
-        """Whether the current stream is capturing a graph."""
-
-    def begin_step(self, streams: list[Stream]) -> None:  # noqa: B027 - optional hook
-        """Called when a session opens (CPU: clear sticky errors)."""
-
-    def step_errors(self, streams: list[Stream]) -> list[BaseException]:
-        """Errors raised by side-stream work during the step, in order."""
-        return []
-
-    #: False only where :meth:`step_errors` is always empty and
-    #: :meth:`begin_step` does nothing (a session then calls neither).
-    reports_step_errors: bool = True
-
-    def synchronize(self, stream: Stream) -> None:  # noqa: B027 - optional hook
-        """Block the host until ``stream`` has finished its work (diagnostics,
-        tests, the benchmark; the session itself never calls it)."""
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release threads or other resources held by streams."""
-
-    # -- what the streams did (traces) ------------------------------------
-    def start_log(self) -> bool:
-        """Start logging the records and waits the streams perform; False
-        when this backend cannot (device backends: the host only enqueues
-        them; their device truth comes from the profiler)."""
-        return False
-
-    def stop_log(self) -> list[Any]:
-        """The records and waits performed since :meth:`start_log`
-        (``StreamLogEntry`` of the CPU backend), in execution order."""
-        return []
-
-    # -- the step timer of adaptive engage: never blocks the host -----------
-    def step_timer_start(self) -> Any:
-        """Start timing a step on the compute stream; returns a token.
-        Here: the host clock (a backend whose compute stream is the host)."""
-        return [time.perf_counter(), None]
-
-    def step_timer_stop(self, token: Any) -> None:
-        """The step's work has been issued (and, here, joined)."""
-        token[1] = time.perf_counter()
-
-    def step_timer_elapsed_s(self, token: Any) -> float | None:
-        """The step's time in seconds once known, else None (ask again later)."""
-        return None if token[1] is None else token[1] - token[0]
-
-    def end_marker(self) -> Any:
-        """An event recorded on the compute stream now, from a pool of its
-        own (a replay's end, followed by the replay watch), or None where
-        the backend has none. Never called inside a capture."""
-        return None
-
-    def release_marker(self, marker: Any) -> None:  # noqa: B027 - optional hook
-        """Give back an :meth:`end_marker` seen complete."""
-
-    def step_timer_discard(self, token: Any) -> None:  # noqa: B027 - optional hook
-        """A step timer that will not be read (its step raised, or it was
-        dropped unread): its resources go back (device backends: the
-        pooled event pair)."""

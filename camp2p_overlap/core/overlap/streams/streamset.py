@@ -10,7 +10,8 @@ import threading
 from collections.abc import Sequence
 
 from camp2p_overlap.core.keys import side_stream_name
-from camp2p_overlap.core.overlap.streams.base import Stream, StreamBackend
+from camp2p_overlap.core.overlap.streams.backend import StreamBackend
+from camp2p_overlap.core.overlap.streams.base import Stream
 
 #: The name of the stream the patch layer captures its decode graph variant on.
 VARIANT_CAPTURE_STREAM = "G"

@@ -1,5 +1,8 @@
-"""Device backends over a torch device module: ``torch.npu`` (torch_npu)
-and ``torch.cuda`` share the stream/event API shape, so one class serves both.
+"""The stream backend: one class over a torch-shaped device module,
+``torch.npu`` (torch_npu), ``torch.cuda``, or the module registered for
+``cpu`` (the emulated device). The session issues its work through it: an
+op in a stream's scope (``with module.stream(s)``), an event recorded on a
+stream (``event.record(stream)``), a wait (``stream.wait_event(event)``).
 
 Events are pooled by :class:`~camp2p_overlap.core.keys.EventKey` and reused
 across steps: a wait captures the most recent record at the time it is
@@ -24,11 +27,13 @@ from camp2p_overlap.core.overlap.streams.base import (
     DeviceCapabilities,
     DoneHandle,
     OpHandle,
-    StreamBackend,
 )
 
 
-class TorchStreamBackend(StreamBackend):
+class StreamBackend:
+    """The streams, events and ops of one device module (``name``: ``npu``,
+    ``cuda`` or ``cpu``)."""
+
     def __init__(self, name: str, device_module: ModuleType, device: Any = None) -> None:
         for attr in ("Stream", "Event", "stream", "current_stream"):
             if not hasattr(device_module, attr):
@@ -48,15 +53,6 @@ class TorchStreamBackend(StreamBackend):
         #: their kernels, asynchronous errors per stream, the stream log.
         self.capabilities = DeviceCapabilities.of(device_module)
         self._tracked = self.capabilities.tracked
-        # begin_step() and step_errors() read only these two (torch.npu and
-        # torch.cuda have neither: their errors surface at a synchronize).
-        cls = type(self)
-        self.reports_step_errors = (
-            self.capabilities.peek_errors is not None
-            or self.capabilities.take_errors is not None
-            or cls.step_errors is not TorchStreamBackend.step_errors
-            or cls.begin_step is not TorchStreamBackend.begin_step
-        )
         self._log_saved: list[Any] = []
 
     def compute_stream(self) -> Any:
