@@ -17,8 +17,8 @@ from support.overlap import Schedule, apply_cpu, assert_same, bounded, run_step,
 import camp2p_overlap
 from camp2p_overlap.core.config import ConfigError, load_config
 from camp2p_overlap.core.env_vars import ENV_ADAPTIVE, ENV_REPROBE
-from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey, pow2_ceil
-from camp2p_overlap.core.overlap.step_timings import StepTimings
+from camp2p_overlap.core.overlap.adaptive.engage import AdaptiveEngage, AdaptiveSettings, BucketKey, pow2_ceil
+from camp2p_overlap.core.overlap.adaptive.timings import StepTimings
 from camp2p_overlap.core.overlap.streams.backend import StreamBackend
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
 

@@ -241,7 +241,7 @@ def test_a_capture_creates_no_stream_and_the_streams_do_not_grow_with_keys(patch
 def test_a_watchdog_following_an_earlier_step_ends_before_a_capture(patch_layer: PatchLayer) -> None:
     """A watchdog still following an eager step's device work (it queries
     events) is ended when a capture begins: no query overlaps the capture."""
-    from camp2p_overlap.core.overlap import watchdog
+    from camp2p_overlap.core.overlap.watch import watchdog
 
     w = graph_world()
     apply_cpu(patch_layer=patch_layer, graph=True, watchdog_s=30.0)

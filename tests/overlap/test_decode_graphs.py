@@ -17,8 +17,8 @@ from support.logs import PackageLogs
 from support.overlap import apply_cpu, assert_same, eager_refs, graph_world, world
 
 from camp2p_overlap.core.config import ConfigError, load_config
+from camp2p_overlap.core.overlap.adaptive.timings import StepTimings
 from camp2p_overlap.core.overlap.graphs import OVERLAP, SERIAL, VariantGraph
-from camp2p_overlap.core.overlap.step_timings import StepTimings
 from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.emulation import device
 from camp2p_overlap.emulation.world import World
@@ -549,7 +549,7 @@ def test_second_capture_memory_and_time_are_reported_and_a_low_free_memory_skips
 
 
 def test_a_replay_that_stalls_is_reported_with_its_key_and_variant(patch_layer: PatchLayer) -> None:
-    from camp2p_overlap.core.overlap.watchdog import REPLAY_WATCH
+    from camp2p_overlap.core.overlap.watch.watchdog import REPLAY_WATCH
 
     w = graph_world()
     apply_cpu(patch_layer=patch_layer, graph="adaptive", adaptive=False, watchdog_s=0.3)

@@ -365,7 +365,7 @@ def test_report_on_a_device_backend_reads_events_not_handles() -> None:
     and where each stream is by the events it waits for, never by a sync.
     A side stream still waiting for the fork (C has not reached the step)
     is at a wait, not at an op: nothing is blamed on a peer then."""
-    from camp2p_overlap.core.overlap.stall_report import stall_report
+    from camp2p_overlap.core.overlap.watch.stall_report import stall_report
 
     dev = _fake_device()
     session = _fake_session(dev)
@@ -406,7 +406,7 @@ def test_after_the_host_closes_the_step_the_watchdog_follows_the_device(logs) ->
     """Cancelled when the host leaves the step, the watchdog keeps reading
     the closed step's events (queries only): it ends without a report once
     they have completed, and reports once at the deadline if they do not."""
-    from camp2p_overlap.core.overlap.watchdog import start_watchdog
+    from camp2p_overlap.core.overlap.watch.watchdog import start_watchdog
 
     dev = _fake_device()
     session = _fake_session(dev)
@@ -440,7 +440,7 @@ def test_stopped_watchdogs_end_without_a_report_or_a_query(logs) -> None:
     """Before a graph capture the watchdogs following earlier steps are
     stopped (no event may be queried while a capture is in progress): they
     have ended when the call returns, query nothing more and report nothing."""
-    from camp2p_overlap.core.overlap.watchdog import start_watchdog, stop_watchdogs
+    from camp2p_overlap.core.overlap.watch.watchdog import start_watchdog, stop_watchdogs
 
     dev = _fake_device()
     session = _fake_session(dev)
@@ -464,7 +464,7 @@ def test_a_stop_racing_a_start_joins_only_started_watchdogs(monkeypatch: pytest.
     """``stop_watchdogs()`` on another thread while ``start_watchdog`` is
     between listing its thread and starting it (before a capture) must not
     ``join()`` an unstarted thread (which raises)."""
-    from camp2p_overlap.core.overlap import watchdog as wd
+    from camp2p_overlap.core.overlap.watch import watchdog as wd
 
     errors: list[BaseException] = []
     stoppers: list[threading.Thread] = []

@@ -42,13 +42,13 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from camp2p_overlap.core.log import log_once, logger
-from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey
+from camp2p_overlap.core.overlap.adaptive.engage import AdaptiveEngage, BucketKey
+from camp2p_overlap.core.overlap.adaptive.timings import StepTimings
 from camp2p_overlap.core.overlap.capture_guard import GUARD
 from camp2p_overlap.core.overlap.decision import decide
 from camp2p_overlap.core.overlap.runner_state import RunnerState, VariantCapture
-from camp2p_overlap.core.overlap.step_timings import StepTimings
 from camp2p_overlap.core.overlap.streams.backend import StreamBackend
-from camp2p_overlap.core.overlap.watchdog import REPLAY_WATCH, stop_watchdogs
+from camp2p_overlap.core.overlap.watch.watchdog import REPLAY_WATCH, stop_watchdogs
 from camp2p_overlap.core.patching import torch_npu_capture
 from camp2p_overlap.core.patching.features import GRAPH_VARIANTS
 

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from camp2p_overlap.core.fork import after_fork_in_child
-from camp2p_overlap.core.overlap.step_timings import StepTimings
+from camp2p_overlap.core.overlap.adaptive.timings import StepTimings
 from camp2p_overlap.core.overlap.streams import make_backend
 from camp2p_overlap.core.overlap.streams.backend import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 
 if TYPE_CHECKING:
-    from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage
+    from camp2p_overlap.core.overlap.adaptive.engage import AdaptiveEngage
 
 #: Builds a backend from its name and the runner's device.
 BackendMaker = Callable[[str, Any], StreamBackend]

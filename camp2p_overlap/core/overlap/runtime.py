@@ -14,7 +14,7 @@ from typing import Any
 from camp2p_overlap.core.env_vars import MAX_STAGES
 from camp2p_overlap.core.observe.counters import StepCounters
 from camp2p_overlap.core.overlap import graphs
-from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage
+from camp2p_overlap.core.overlap.adaptive.engage import AdaptiveEngage
 from camp2p_overlap.core.overlap.runner_state import RunnerState, RunnerStates
 from camp2p_overlap.core.overlap.session import OverlapSession
 

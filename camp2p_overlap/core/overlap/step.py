@@ -32,7 +32,7 @@ from camp2p_overlap.core.keys import COMPUTE_STREAM
 from camp2p_overlap.core.log import log_once
 from camp2p_overlap.core.observe.trace import TraceOp, TraceRecorder, current_recorder
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, pow2_ceil
+from camp2p_overlap.core.overlap.adaptive.engage import AdaptiveEngage, BucketKey, pow2_ceil
 from camp2p_overlap.core.overlap.capture_guard import GUARD
 from camp2p_overlap.core.overlap.decision import Decision, decide, serial
 from camp2p_overlap.core.overlap.graphs import GraphCapture, graph_variants_refusal
@@ -43,7 +43,7 @@ from camp2p_overlap.core.overlap.serial_trace import run_traced_serial
 from camp2p_overlap.core.overlap.streams import BackendUnavailable
 from camp2p_overlap.core.overlap.streams.backend import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
-from camp2p_overlap.core.overlap.watchdog import start_watchdog
+from camp2p_overlap.core.overlap.watch.watchdog import start_watchdog
 from camp2p_overlap.core.patching.installer import MARK, Wrapper
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from camp2p_overlap.core.overlap.capture_guard import GUARD
 from camp2p_overlap.core.overlap.streams.backend import StreamBackend
 
 if TYPE_CHECKING:
-    from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, Path
+    from camp2p_overlap.core.overlap.adaptive.engage import AdaptiveEngage, BucketKey, Path
 
 #: Timings waiting for their device events, at most (older ones are dropped).
 MAX_PENDING_TIMINGS = 64
