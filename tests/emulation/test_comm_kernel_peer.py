@@ -22,7 +22,7 @@ from support.overlap import assert_same
 
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.observe.trace import TraceOp
-from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.overlap.session import StepSession
 from camp2p_overlap.emulation.comm_kernel import KERNEL_SOURCE, DevicePeerTimeout, HostCommKernels
 from camp2p_overlap.emulation.kernel_world import build_device_world
 from camp2p_overlap.emulation.moe import MoEShape
@@ -136,9 +136,9 @@ def test_an_a2e_queued_before_its_e2a_times_out_on_the_device(site: Any, monkeyp
     dev = HostDeviceModule()
     use_host_device_module(monkeypatch, dev)
     dw = _world(site, dev, op_timeout_s=0.05)
-    orig_send = OverlapSession.send
+    orig_send = StepSession.send
 
-    def send_a2e_first(self: OverlapSession, call: Any, output: Any, context: Any, stage: Any) -> None:
+    def send_a2e_first(self: StepSession, call: Any, output: Any, context: Any, stage: Any) -> None:
         key = self.stage_layer_of(context)
         if key is not None and self.plan.next_layer(key[0]) is not None:
             nxt = self.plan.next_layer(key[0])
@@ -151,7 +151,7 @@ def test_an_a2e_queued_before_its_e2a_times_out_on_the_device(site: Any, monkeyp
                 self.issue_a2e = real_issue  # type: ignore[method-assign]
         return orig_send(self, call, output, context, stage)
 
-    monkeypatch.setattr(OverlapSession, "send", send_a2e_first)
+    monkeypatch.setattr(StepSession, "send", send_a2e_first)
     with _overlap(site), pytest.raises(DevicePeerTimeout, match=r"waited more than 0\.05 s on the device"):
         _traced(dw, 1)
 
@@ -357,13 +357,13 @@ def test_ffn_outputs_stay_referenced_until_c_waited_their_e2a(
 
     monkeypatch.setattr(TimedModel, "compute_ffn_output", spy)
     if drop_refs:
-        orig_send = OverlapSession.send
+        orig_send = StepSession.send
 
         def send_and_forget(self: Any, call: Any, output: Any, context: Any, stage: Any) -> None:
             orig_send(self, call, output, context, stage)
             self.release_buffers()
 
-        monkeypatch.setattr(OverlapSession, "send", send_and_forget)
+        monkeypatch.setattr(StepSession, "send", send_and_forget)
     with _overlap(site):
         dw.world.steps_run = 0
         dw.world.run_step()

@@ -322,11 +322,11 @@ def test_cuda_attention_peer_cycle_holds_on_the_device(site: Any) -> None:
 
 
 def test_cuda_a2e_ahead_of_its_e2a_times_out_instead_of_hanging(site: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from camp2p_overlap.core.overlap.session import OverlapSession
+    from camp2p_overlap.core.overlap.session import StepSession
     from camp2p_overlap.emulation.comm_kernel import DevicePeerTimeout
 
     dw = _peer_world(site, op_timeout_s=0.2, attn_s=0.0)
-    orig_send = OverlapSession.send
+    orig_send = StepSession.send
 
     def send_a2e_first(self: Any, call: Any, output: Any, context: Any, stage: Any) -> None:
         key = self.stage_layer_of(context)
@@ -342,7 +342,7 @@ def test_cuda_a2e_ahead_of_its_e2a_times_out_instead_of_hanging(site: Any, monke
             self.issue_a2e = real
 
     with overlap_on(site, adaptive=False):
-        monkeypatch.setattr(OverlapSession, "send", send_a2e_first)
+        monkeypatch.setattr(StepSession, "send", send_a2e_first)
         with pytest.raises(DevicePeerTimeout):
             _traced(dw, 1)
 
@@ -398,7 +398,7 @@ def test_cuda_tensor_ownership_without_record_stream(
     block was indeed handed to the poisoning)."""
     import weakref
 
-    from camp2p_overlap.core.overlap.session import OverlapSession
+    from camp2p_overlap.core.overlap.session import StepSession
     from camp2p_overlap.emulation.kernel_world import DeviceTransport, TimedModel, build_device_world
     from camp2p_overlap.emulation.world import LinkModel
 
@@ -441,13 +441,13 @@ def test_cuda_tensor_ownership_without_record_stream(
 
     monkeypatch.setattr(TimedModel, "compute_ffn_output", ffn_after_poisoning_free_blocks)
     if drop_refs:
-        orig_send = OverlapSession.send
+        orig_send = StepSession.send
 
         def send_and_forget(self: Any, call: Any, output: Any, context: Any, stage: Any) -> None:
             orig_send(self, call, output, context, stage)
             self.release_buffers()
 
-        monkeypatch.setattr(OverlapSession, "send", send_and_forget)
+        monkeypatch.setattr(StepSession, "send", send_and_forget)
     with overlap_on(site, adaptive=False):
         got = step(1)
     assert outputs, "no FFN output was seen: the check did not run"

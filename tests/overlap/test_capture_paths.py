@@ -20,7 +20,7 @@ import pytest
 from support.capture_breakers import ForgetsToJoin, QueriesInCapture, ReadsOnTheHost, SyncsInCapture
 from support.overlap import apply_cpu, assert_same, world
 
-from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.overlap.session import StepSession
 from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.emulation import device
 from camp2p_overlap.emulation.world import World
@@ -125,7 +125,7 @@ def test_a_rule_broken_inside_the_layers_capture_path_is_caught(
             step(w, 1, is_graph_capturing=True)
         assert not device.capture_in_progress()
         assert w.runner._acl_graphs == {}  # nothing stored for the key
-        monkeypatch.setattr(patch_layer.runtime, "session_class", OverlapSession)
+        monkeypatch.setattr(patch_layer.runtime, "session_class", StepSession)
         device.synchronize()
         w.runner.use_aclgraph = False
         assert_same(step(w, 30), ref)  # the device and the patch layer work on

@@ -66,7 +66,7 @@ from support.overlap import (
 from support.strategies import DIRECTIONS, FAULT_SITES, FaultRun, fault_runs, schedules, tokens_for
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.overlap.session import StepSession
 from camp2p_overlap.core.overlap.streams import StreamPoisonedError, make_backend
 from camp2p_overlap.core.patch_layer import PatchLayer, build_patch_layer
 from camp2p_overlap.emulation.device import Stream
@@ -455,7 +455,7 @@ def test_the_harness_catches_a_hang(patch_layer: PatchLayer) -> None:
 # The wrong order deadlocks: the emulation models the protocol.
 
 
-class LookaheadBeforeE2A(OverlapSession):
+class LookaheadBeforeE2A(StepSession):
     """Test-only broken schedule: queues the lookahead A2E of a stage on
     K_s ahead of that stage's E2A."""
 

@@ -31,7 +31,7 @@ from support.overlap import Schedule, apply_cpu, assert_same, run_step, serial_r
 from camp2p_overlap.core.keys import A_DONE, COMPUTE_STREAM, F_DONE, EventKey
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.observe.trace import ExpectedSchedule
-from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.overlap.session import StepSession
 from camp2p_overlap.core.overlap.streams import make_backend
 from camp2p_overlap.core.overlap.streams.backend import StreamBackend
 from camp2p_overlap.core.patch_layer import PatchLayer, build_patch_layer
@@ -47,14 +47,14 @@ EDGE3 = "edge 3 (FFN waits its A2E)"
 EDGE4 = "edge 4 (E2A waits its FFN)"
 
 
-class SessionSkipsComputeWaitForA2E(OverlapSession):
+class SessionSkipsComputeWaitForA2E(StepSession):
     def wait_event(self, stream: Any, key: EventKey) -> None:
         if stream is self.compute and key.kind == A_DONE:
             return
         super().wait_event(stream, key)
 
 
-class SessionSkipsStageWaitForFFN(OverlapSession):
+class SessionSkipsStageWaitForFFN(StepSession):
     def wait_event(self, stream: Any, key: EventKey) -> None:
         if stream is not self.compute and key.kind == F_DONE:
             return

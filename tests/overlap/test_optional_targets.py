@@ -52,7 +52,7 @@ def apply_lenient(graph: str) -> None:
 def decided(w: World, **kwargs: Any) -> Any:
     """The decision for a call of ``w``'s runner's ``_ffn_forward``, as its step takes it."""
     kwargs = {"dp_metadata_list": w.dp_metadata(), **kwargs}
-    return FfnStep(PATCH_LAYER.engine, PATCH_LAYER.runtime, None, w.runner, (), kwargs).decide()[0]  # type: ignore[arg-type]
+    return FfnStep(PATCH_LAYER.engine, PATCH_LAYER.runtime, None, w.runner, (), kwargs).decision_and_streams()[0]  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("graph", ["1", "adaptive"])

@@ -34,7 +34,7 @@ from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.plan import A2E_ONLY, COMM_SIDE, E2A_ONLY, StepPlan
-from camp2p_overlap.core.overlap.session import OverlapSession, ScheduleMismatchError
+from camp2p_overlap.core.overlap.session import ScheduleMismatchError, StepSession
 from camp2p_overlap.core.overlap.streams import make_backend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.core.patch_layer import PatchLayer
@@ -207,7 +207,7 @@ def test_transport_rejects_an_a2e_past_the_last_layer() -> None:
         emulated_device.synchronize()
 
 
-class LookaheadPastTheEnd(OverlapSession):
+class LookaheadPastTheEnd(StepSession):
     """Test-only broken schedule: issues an A2E after the last layer."""
 
     def send(self, call: Any, output: Any, context: Any, stage: int | None) -> Any:
@@ -330,7 +330,7 @@ def test_ownership_inside_the_step(direction: str) -> None:
     plan = StepPlan(layers, stages, {"max_num_tokens": 4})
     try:
         for _ in range(2):
-            session = OverlapSession(
+            session = StepSession(
                 connector=object(),
                 plan=plan,
                 streamset=sset,
@@ -498,7 +498,7 @@ def test_stage_order_change_mid_step_hands_over_the_prefetched_data(logs: Packag
     recv, send, log = _fake_connector()
     sset = StreamSet(noop_backend() if host_ops else make_backend("cpu"), [0, 1])
     try:
-        session = OverlapSession(
+        session = StepSession(
             connector=object(),
             plan=StepPlan((0, 1, 2), (0, 1), {"max_num_tokens": 4}),
             streamset=sset,
@@ -533,7 +533,7 @@ def test_a_second_send_of_one_received_payload_falls_back(logs: PackageLogs, hos
     plan = StepPlan((0, 1), (0,), {"max_num_tokens": 4})
     try:
         for step in range(2):
-            session = OverlapSession(connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of)
+            session = StepSession(connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of)
             for L in plan.layers:
                 p = session.recv(recv, {"ubatch_idx": 0, "layer_idx": L, "max_num_tokens": 4})
                 assert torch.equal(p.hidden_states, torch.full((4, 8), float(L * 10)))
@@ -561,14 +561,14 @@ def test_a_step_that_ends_early_logs_what_was_prefetched_and_never_consumed(logs
     plan = StepPlan((0, 1), (0,), {"max_num_tokens": 4})
     try:
         for _ in range(2):
-            session = OverlapSession(connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of)
+            session = StepSession(connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of)
             p = session.recv(recv, {"ubatch_idx": 0, "layer_idx": 0, "max_num_tokens": 4})
             session.send(lambda o=p.hidden_states, c=p.context: send(o, c, ubatch_idx=0), p.hidden_states, p.context, 0)
             session.close()
             assert set(session.held().values()) == {0}
         warned = logs.texts("planned receives", logging.WARNING)
         assert len(warned) == 2 and all("after 1 of 2" in w and "[(1, 0)]" in w for w in warned), warned
-        session = OverlapSession(connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of)
+        session = StepSession(connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of)
         session.recv(recv, {"ubatch_idx": 0, "layer_idx": 0, "max_num_tokens": 4})
         session.close(raising=True)
         assert len(logs.texts("planned receives", logging.WARNING)) == 2

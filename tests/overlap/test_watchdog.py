@@ -343,10 +343,10 @@ def _fake_session(dev):
     from types import SimpleNamespace
 
     from camp2p_overlap.core.overlap.plan import StepPlan
-    from camp2p_overlap.core.overlap.session import OverlapSession
+    from camp2p_overlap.core.overlap.session import StepSession
     from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 
-    session = OverlapSession(
+    session = StepSession(
         connector=object(),
         plan=StepPlan((0, 1), (0, 2), {"max_num_tokens": 4}),
         streamset=StreamSet(dev, range(3)),

@@ -11,7 +11,7 @@ import torch
 
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.keys import A_DONE
-from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.overlap.session import StepSession
 from camp2p_overlap.emulation.kernel_world import build_device_world
 from camp2p_overlap.emulation.moe import MoEShape
 from camp2p_overlap.emulation.standin_patch_layer import emulation_engine, standin_site
@@ -32,14 +32,14 @@ tokens = {0: 64, 1: 48}
 
 if mode == "race":
     # Drop edge 3 (FFN on C waits for its A2E): C reads what K_s writes.
-    orig_wait = OverlapSession.wait_event
+    orig_wait = StepSession.wait_event
 
     def _wait(self, stream, key):
         if stream is self.compute and key.kind == A_DONE:
             return
         return orig_wait(self, stream, key)
 
-    OverlapSession.wait_event = _wait
+    StepSession.wait_event = _wait
 
 
 def no_join(self):
@@ -115,7 +115,7 @@ with emulation_engine() as engine:
             dw.world.run_step(tokens)
         torch.cuda.synchronize()
         print("CAPTURE_WITH_JOIN_OK")
-        OverlapSession.join = no_join
+        StepSession.join = no_join
         g2 = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(g2):  # B: without it, capture must fail

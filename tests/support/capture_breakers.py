@@ -6,28 +6,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.overlap.session import StepSession
 
 
-class SyncsInCapture(OverlapSession):
+class SyncsInCapture(StepSession):
     def join(self) -> None:
         super().join()
         self.backend.synchronize(self.compute)  # illegal while capturing
 
 
-class QueriesInCapture(OverlapSession):
+class QueriesInCapture(StepSession):
     def join(self) -> None:
         super().join()
         for ev in list(self._events.values()):
             ev.query()  # illegal while capturing
 
 
-class ForgetsToJoin(OverlapSession):
+class ForgetsToJoin(StepSession):
     def join(self) -> None:
         self.release_buffers()  # no join of the side streams
 
 
-class ReadsOnTheHost(OverlapSession):
+class ReadsOnTheHost(StepSession):
     def recv(self, fn: Any, kw: Any, call: Any = None) -> Any:
         payload = super().recv(fn, kw, call)
         payload.hidden_states[0, 0].item()  # reads a captured kernel's output

@@ -15,7 +15,7 @@ import torch
 import wrapt
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.overlap.session import StepSession
 from camp2p_overlap.core.patch_layer import PATCH_LAYER, PatchLayer
 from camp2p_overlap.core.patching.status_report import PatchReport
 from camp2p_overlap.emulation import standins
@@ -228,15 +228,15 @@ class SessionSpy:
     def __init__(
         self,
         monkeypatch: Any,
-        base: type[OverlapSession] = OverlapSession,
+        base: type[StepSession] = StepSession,
         *,
         keep: bool = False,
         patch_layer: PatchLayer = PATCH_LAYER,
     ) -> None:
         import weakref
 
-        self.refs: list[weakref.ref[OverlapSession]] = []
-        self.kept: list[OverlapSession] = []
+        self.refs: list[weakref.ref[StepSession]] = []
+        self.kept: list[StepSession] = []
         spy = self
 
         class Recorded(base):  # type: ignore[misc, valid-type]

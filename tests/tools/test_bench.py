@@ -20,7 +20,7 @@ from support.tiny_bench import TINY, TINY_PARAMS
 
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.overlap.graphs import VariantGraph
-from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.overlap.session import StepSession
 from camp2p_overlap.core.patch_layer import PATCH_LAYER, PatchLayer
 from camp2p_overlap.core.patching.lifecycle import PatchRefused
 from camp2p_overlap.core.patching.manifest import load_manifest
@@ -426,7 +426,7 @@ def test_overlap_outputs_equal_serial_outputs_independently() -> None:
         serial[sid] = world.run_step()
     engaged: list[bool] = []
 
-    class Counted(OverlapSession):
+    class Counted(StepSession):
         def __init__(self, **kw: Any) -> None:
             super().__init__(**kw)
             engaged.append(True)

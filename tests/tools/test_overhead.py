@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from camp2p_overlap.core.overlap import step as step_module
-from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.overlap.session import StepSession
 from camp2p_overlap.core.patching.lifecycle import PatchEngine
 from camp2p_overlap.core.patching.manifest import StackManifest, load_manifest
 from camp2p_overlap.emulation import standins
@@ -69,13 +69,13 @@ def test_a_delay_outside_our_code_is_subtracted() -> None:
 
 @pytest.mark.alone
 def test_a_delay_inside_our_code_is_counted(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = OverlapSession.recv
+    original = StepSession.recv
 
-    def slow_recv(self: OverlapSession, *args: Any, **kwargs: Any) -> Any:
+    def slow_recv(self: StepSession, *args: Any, **kwargs: Any) -> Any:
         busy_wait(DELAY_US / 1e6)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(OverlapSession, "recv", slow_recv)
+    monkeypatch.setattr(StepSession, "recv", slow_recv)
     result = measure_overhead(_small(ab_pairs=0))
     assert result["engaged_us_per_layer_stage"]["median"] >= DELAY_US * 0.9
     # The pass-through path opens no session: the delay is not there.
@@ -110,13 +110,13 @@ def test_the_paired_passthrough_figure_finds_a_cost_in_our_frame_and_not_in_its_
     the same runner) and not in its A/A control."""
     from camp2p_overlap.core.overlap import step as step_module
 
-    inner = step_module.FfnStep.decide
+    inner = step_module.FfnStep.decision_and_streams
 
     def slower(*args: Any, **kwargs: Any) -> Any:
         busy_wait(100e-6)
         return inner(*args, **kwargs)
 
-    monkeypatch.setattr(step_module.FfnStep, "decide", slower)
+    monkeypatch.setattr(step_module.FfnStep, "decision_and_streams", slower)
     result = measure_overhead(_small(ab_pairs=0, pt_pairs=40, rounds=1))
     (shape,) = result["shapes"]
     paired = shape["passthrough_paired_us_per_step"]

@@ -21,7 +21,7 @@ import torch
 from camp2p_overlap.core.keys import A_DONE, F_DONE, EventKey, OpKey
 from camp2p_overlap.core.observe.trace import ExpectedSchedule
 from camp2p_overlap.core.overlap.plan import StepPlan
-from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.overlap.session import StepSession
 from camp2p_overlap.core.overlap.streams import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.tools.bench import profile
@@ -123,7 +123,7 @@ class _Ctx:
     """A received payload (its own context)."""
 
 
-def _loop(session: OverlapSession, sim: SimDevice) -> None:
+def _loop(session: StepSession, sim: SimDevice) -> None:
     """Upstream's loop shape, with device work for each op."""
 
     def recv(*, ubatch_idx: int, layer_idx: int) -> _Ctx:
@@ -147,7 +147,7 @@ def simulated(monkeypatch: pytest.MonkeyPatch) -> Any:
     device; return its parsed timeline."""
 
     def run(
-        session_class: type = OverlapSession, marker_kernels: int = 1, **sim_kw: Any
+        session_class: type = StepSession, marker_kernels: int = 1, **sim_kw: Any
     ) -> tuple[profiler_timeline.DeviceTimeline, SimDevice]:
         sim = SimDevice(**sim_kw)
 
@@ -238,21 +238,21 @@ def test_the_profilers_marker_is_one_op_that_allocates_nothing() -> None:
     assert "aten::ones" in names and "aten::mul_" in names, names
 
 
-class NoComputeWaitForA2E(OverlapSession):
+class NoComputeWaitForA2E(StepSession):
     def wait_event(self, stream: Any, key: EventKey) -> None:
         if stream is self.compute and key.kind == A_DONE:
             return
         super().wait_event(stream, key)
 
 
-class NoStageWaitForFFN(OverlapSession):
+class NoStageWaitForFFN(StepSession):
     def wait_event(self, stream: Any, key: EventKey) -> None:
         if stream is not self.compute and key.kind == F_DONE:
             return
         super().wait_event(stream, key)
 
 
-class NoJoin(OverlapSession):
+class NoJoin(StepSession):
     def join(self) -> None:
         return
 

@@ -16,7 +16,7 @@ from camp2p_overlap.core.observe.counters import StepCounters
 from camp2p_overlap.core.overlap import graphs
 from camp2p_overlap.core.overlap.adaptive.engage import AdaptiveEngage
 from camp2p_overlap.core.overlap.runner_state import RunnerState, RunnerStates
-from camp2p_overlap.core.overlap.session import OverlapSession
+from camp2p_overlap.core.overlap.session import StepSession
 
 __all__ = ["OverlapRuntime", "RunnerState"]
 
@@ -24,12 +24,12 @@ __all__ = ["OverlapRuntime", "RunnerState"]
 class _ThreadState(threading.local):
     """What one thread's step holds: its session (None between steps)."""
 
-    session: OverlapSession | None = None
+    session: StepSession | None = None
 
 
 class OverlapRuntime:
     def __init__(self) -> None:
-        self.session_class: type[OverlapSession] = OverlapSession
+        self.session_class: type[StepSession] = StepSession
         self.adaptive = AdaptiveEngage()
         self.counters = StepCounters()
         #: One state per runner, weakly held.
@@ -70,11 +70,11 @@ class OverlapRuntime:
             "graph_variants_refused": refusals,
         }
 
-    def active_session(self) -> OverlapSession | None:
+    def active_session(self) -> StepSession | None:
         """The session of the step running on this thread, if any."""
         return self.local.session
 
-    def set_session(self, session: OverlapSession | None) -> None:
+    def set_session(self, session: StepSession | None) -> None:
         """Set (or clear, with None) this thread's session."""
         self.local.session = session
 

@@ -111,7 +111,7 @@ def _identity(payload: Any) -> Any:
     return payload
 
 
-class OverlapSession:
+class StepSession:
     """Drive one step on its layout. Not thread-safe: one loop thread calls it."""
 
     def __init__(

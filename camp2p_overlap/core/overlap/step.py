@@ -141,7 +141,7 @@ class FfnStep:
             self.count_serial(NOT_APPLIED)
             return self.run_original()
         try:
-            decision, streamset = self.decide()
+            decision, streamset = self.decision_and_streams()
             if streamset is None:  # decide() gives a reason whenever it gives no streams
                 self.count_serial(decision.reason)
                 log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", decision.reason)
@@ -155,7 +155,7 @@ class FfnStep:
             gate.exit()
 
     # -- 2. the decision -----------------------------------------------------
-    def decide(self) -> tuple[Decision, StreamSet | None]:
+    def decision_and_streams(self) -> tuple[Decision, StreamSet | None]:
         """The decision and, when it engages, the runner's stream set."""
         engine, runtime = self.engine, self.runtime
         blocked = self.blocking_reason()

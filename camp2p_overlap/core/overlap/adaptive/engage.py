@@ -184,7 +184,7 @@ class AdaptiveEngage:
                 if all(len(b.times[m]) >= cfg.min_samples for m in PATHS):
                     o, s = b.median("overlap"), b.median("serial")
                     assert o is not None and s is not None
-                    self._decide(b, "overlap" if o < s * (1 - cfg.engage_margin) else "serial", "first decision")
+                    self._set_decision(b, "overlap" if o < s * (1 - cfg.engage_margin) else "serial", "first decision")
                     if abs(o - s) < cfg.close_call * min(o, s):
                         # a close call on 3 times each: check it again soon
                         b.since_probe = max(cfg.reprobe_every - cfg.close_recheck, 0)
@@ -219,9 +219,9 @@ class AdaptiveEngage:
         b.probe_times.clear()
         b.probes_left = 0
         b.close_recheck = False
-        self._decide(b, path, f"{cfg.confirm} probes beat it by more than {margin:.0%}")
+        self._set_decision(b, path, f"{cfg.confirm} probes beat it by more than {margin:.0%}")
 
-    def _decide(self, b: _Bucket, path: Path, why: str) -> None:
+    def _set_decision(self, b: _Bucket, path: Path, why: str) -> None:
         if path == b.decision:
             return
         previous, b.decision = b.decision, path
