@@ -76,12 +76,6 @@ class _TargetProblem(Exception):
         self.optional_problem = optional_problem
 
 
-def feature_refusal_status(t: TargetSpec, problem: str) -> TargetStatus:
-    """The status of optional target ``t`` refused alone: its feature's reason."""
-    reason = FEATURES[t.optional].reason(t.qualname, problem)  # type: ignore[index]
-    return TargetStatus(t.id, t.action, TargetState.REFUSED, reason, feature=t.optional)
-
-
 RELOADED = "module reloaded since it was wrapped; the next wrapped step or apply() wraps it"
 IMPORTED_UNSEEN = "module imported while apply() ran; the next wrapped step or apply() wraps it"
 
@@ -104,32 +98,11 @@ def live_owner(module: ModuleType, t: TargetSpec) -> Any:
 def live_target(manifest: StackManifest | None, qualname: str) -> Any:
     """A target's live object by qualname (a class attribute or a module
     function), or None while its module is not imported."""
-    t = target_named(manifest, qualname) if manifest is not None else None
-    if t is None:
+    t = None if manifest is None else next((t for t in manifest.targets() if t.qualname == qualname), None)
+    module = None if t is None else sys.modules.get(t.module)
+    if t is None or module is None or (owner := live_owner(module, t)) is None:
         return None
-    owner: Any = sys.modules.get(t.module)
-    for part in t.owner_path:  # live_owner(module, t), inline (a step reads one target)
-        if owner is None:
-            return None
-        owner = vars(owner).get(part)
-    return None if owner is None else vars(owner).get(t.attribute)
-
-
-#: id(manifest) -> (that manifest, its first target of each qualname): what
-#: :func:`live_target` looks a qualname up in (a step reads one each call).
-_TARGETS_BY_QUALNAME: dict[int, tuple[StackManifest, dict[str, TargetSpec]]] = {}
-
-
-def target_named(manifest: StackManifest, qualname: str) -> TargetSpec | None:
-    entry = _TARGETS_BY_QUALNAME.get(id(manifest))
-    if entry is None or entry[0] is not manifest:
-        by_name: dict[str, TargetSpec] = {}
-        for t in manifest.targets():
-            by_name.setdefault(t.qualname, t)
-        if len(_TARGETS_BY_QUALNAME) >= 64:
-            _TARGETS_BY_QUALNAME.clear()
-        entry = _TARGETS_BY_QUALNAME[id(manifest)] = (manifest, by_name)
-    return entry[1].get(qualname)
+    return vars(owner).get(t.attribute)
 
 
 def _resolve(t: TargetSpec, module: ModuleType) -> tuple[Any, Any]:
@@ -177,17 +150,14 @@ class Installer:
         self.optional_refused: dict[str, dict[str, TargetStatus]] = {}
         self.stuck: list[WrapRecord] = []
         self._handles: set[int] = set()
-        #: :meth:`routes`, kept until ``records`` changes (every step reads it).
-        self._routes: tuple[tuple[Any, TargetSpec], ...] | None = None
 
     # -- recognising our wrappers ---------------------------------------
     def handle_of(self, obj: Any) -> Any:
         """Our wrapper behind ``obj`` (itself, or the parent of its bound form), or None."""
         if id(obj) in self._handles:
             return obj
-        func = bound_function(obj)
-        if func is not None and id(func) in self._handles:
-            return func
+        if isinstance(obj, MethodType) and id(obj.__func__) in self._handles:
+            return obj.__func__
         if isinstance(obj, wrapt.BoundFunctionWrapper):
             parent = getattr(obj, "_self_parent", None)
             if parent is not None and id(parent) in self._handles:
@@ -198,32 +168,16 @@ class Installer:
         return self.handle_of(obj) is not None
 
     def claim(self, handle: Any) -> None:
-        """Count ``handle`` (a wrapper object) as one of this installer's:
-        :meth:`handle_of` and :meth:`is_ours` then recognise it and its
-        bound forms."""
+        """Count ``handle`` (a wrapper object) as ours, its bound forms included."""
         self._handles.add(id(handle))
-
-    def owner_of(self, qualname: str) -> Any:
-        """The owner object (class or module) of an installed target."""
-        for recs in list(self.records.values()):
-            for r in recs:
-                if r.spec.qualname == qualname:
-                    return r.owner
-        return None
 
     def routes(self) -> tuple[tuple[Any, TargetSpec], ...]:
         """(class, spec) of every installed ``route`` target, in manifest order."""
-        routes = self._routes
-        if routes is None:
-            routes = self._routes = tuple(
-                (r.owner, r.spec) for recs in list(self.records.values()) for r in recs if r.spec.action == "route"
-            )
-        return routes
+        return tuple(
+            (r.owner, r.spec) for recs in list(self.records.values()) for r in recs if r.spec.action == "route"
+        )
 
     # -- install --------------------------------------------------------
-    def installed(self, module_name: str) -> bool:
-        return bool(self.records.get(module_name))
-
     def is_current(self, mspec: ModuleSpec, module: ModuleType) -> bool:
         """Whether the module's wraps sit on the classes it holds now (False
         after a reload replaced them)."""
@@ -241,7 +195,7 @@ class Installer:
             module = sys.modules.get(mspec.name)
             if module is None or initializing(module):
                 continue
-            if self.installed(mspec.name):
+            if self.records.get(mspec.name):
                 if not self.is_current(mspec, module):
                     out.append((mspec, module, RELOADED))
             elif waiting(mspec):
@@ -274,7 +228,6 @@ class Installer:
             if rec in self.stuck:
                 self.stuck.remove(rec)
         self.records[mspec.name] = done
-        self._routes = None
         if left_out:
             self.optional_refused[mspec.name] = left_out
         return self._settled(mspec)
@@ -313,7 +266,8 @@ class Installer:
                         f"{problem.reason} (in strict mode the configuration asks for {feature.refused}, "
                         f"{feature.setting}, which need it)",
                     ) from None
-                left_out[t.id] = feature_refusal_status(t, problem.optional_problem)
+                reason = FEATURES[t.optional].reason(t.qualname, problem.optional_problem)
+                left_out[t.id] = TargetStatus(t.id, t.action, TargetState.REFUSED, reason, feature=t.optional)
                 continue
             if rec is not None:
                 adopted.append(rec)
@@ -341,7 +295,10 @@ class Installer:
         if ours is not None:
             # Our wrapper is still in the chain: an earlier unpatch could
             # not remove it. Take it back instead of wrapping a second time.
-            rec = self._stuck_record(owner, t.attribute, self.handle_of(ours))
+            handle = self.handle_of(ours)
+            rec = next(
+                (r for r in self.stuck if r.owner is owner and r.attribute == t.attribute and r.handle is handle), None
+            )
             if rec is None:
                 raise _TargetProblem("already carries a camp2p-overlap wrapper")
         if not callable(func):
@@ -393,12 +350,6 @@ class Installer:
             raise ModuleRefused(t.id, f"wrapping failed: {type(exc).__name__}: {exc}") from None
         return done
 
-    def _stuck_record(self, owner: Any, attribute: str, handle: Any) -> WrapRecord | None:
-        for rec in self.stuck:
-            if rec.owner is owner and rec.attribute == attribute and rec.handle is handle:
-                return rec
-        return None
-
     # -- uninstall ------------------------------------------------------
     def uninstall_all(self) -> bool:
         """Remove every wrapper of ours; True when none is left anywhere."""
@@ -407,7 +358,6 @@ class Installer:
             for rec in reversed(self.records[name]):
                 ok = self._unwrap(rec) and ok
         self.records.clear()
-        self._routes = None
         self.optional_refused.clear()
         return ok
 
@@ -422,7 +372,6 @@ class Installer:
         return not self.stuck
 
     def _drop(self, name: str) -> None:
-        self._routes = None
         for rec in reversed(self.records.pop(name, [])):
             self._unwrap(rec)
 
@@ -468,30 +417,13 @@ class Installer:
             return True  # cannot tell: assume it is still there
 
 
-# ---------------------------------------------------------------------------
-# the object set in a class __dict__ in place of a plain method
 # The object the installer sets in a class's ``__dict__`` in place of a
-# plain method: :func:`method_wrapper`, a factory for ``wrapt.wrap_object``.
-#
-# For a plain function it builds a plain function, ``patched(self, /, *args,
-# **kwargs)``, that calls our wrapper as wrapt would, ``wrapper(bound
-# original, self, args, kwargs)``. Every other
-# descriptor (a staticmethod, a classmethod, another library's wrapt wrapper
-# beneath ours), and a module's function, gets a ``wrapt.FunctionWrapper``
-# as before.
-#
-# Why not a ``wrapt.FunctionWrapper`` for plain methods too: every lookup of
-# one through an instance builds a bound proxy, which costs several times
-# what a plain function costs (measured: the history section of
-# docs/benchmark.md as of commit 5f75083); a plain
-# function is bound by the interpreter itself. What wrapt's removal
-# needs stays: ``patched.__wrapped__`` is the original, so
-# ``wrapt.wrapper_chain``/``find_wrapper`` see it as a chain entry,
-# ``wrapt.unwrap_object`` restores the original when ours is outermost and
-# splices ours out from under another library's wrapt wrapper, and
-# ``inspect.signature`` reads the original's signature through it. A call
-# through the class (``Cls.meth(obj, ...)``) or ``super()`` passes ``obj``
-# as ``self``, as for the original.
+# plain method: a plain function calling our wrapper as wrapt would
+# (``wrapper(bound original, self, args, kwargs)``), not a
+# ``wrapt.FunctionWrapper``, whose every lookup through an instance builds a
+# bound proxy at several times the cost (docs/benchmark.md, history, as of
+# 5f75083). ``patched.__wrapped__`` is the original, so wrapt's chain
+# search, ``unwrap_object`` and ``inspect.signature`` see through it.
 
 
 Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
@@ -504,18 +436,8 @@ def method_wrapper(original: Any, wrapper: Wrapper, *, on_class: bool = True) ->
     function has no ``self`` to bind."""
     if not (on_class and isinstance(original, FunctionType)):
         return wrapt.FunctionWrapper(original, wrapper)
-    patched = _plain(original, wrapper)
-    functools.update_wrapper(patched, original)  # name, doc, __wrapped__
-    return patched
 
-
-def _plain(original: FunctionType, wrapper: Wrapper) -> Callable[..., Any]:
     def patched(self: Any, /, *args: Any, **kwargs: Any) -> Any:
         return wrapper(MethodType(original, self), self, args, kwargs)
 
-    return patched
-
-
-def bound_function(obj: Any) -> Any:
-    """The function behind ``obj`` when it is a bound method, else None."""
-    return obj.__func__ if isinstance(obj, MethodType) else None
+    return functools.update_wrapper(patched, original)  # name, doc, __wrapped__
