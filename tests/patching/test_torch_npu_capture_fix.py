@@ -19,7 +19,7 @@ from camp2p_overlap.core.patching.torch_npu_capture import (
     BUILDS,
     FIRST_FIXED,
     NOT_INSTALLED,
-    graph_variants_refusal,
+    capture_fix_refusal,
     installed_capture_fix,
     installed_torch_npu,
     judge_capture_fix,
@@ -138,7 +138,7 @@ def test_a_fake_distribution_of_each_tag_is_refused_or_not_as_listed(
     assert installed_torch_npu() == tnc.InstalledTorchNpu(build.version, build.commit)
     verdict = installed_capture_fix()
     assert verdict is not None and verdict.fixed is build.fixed, verdict
-    refusal = graph_variants_refusal("npu")
+    refusal = capture_fix_refusal("npu")
     if build.fixed:
         assert refusal is None
     else:
@@ -146,7 +146,7 @@ def test_a_fake_distribution_of_each_tag_is_refused_or_not_as_listed(
         assert refusal.startswith("decode graph variants refused: torch_npu ")
         assert build.version in refusal and f"first in {verdict.first_fixed} " in refusal
         assert refusal.endswith("the eager overlap stays on, and decode graphs capture upstream's serial graph only")
-    assert graph_variants_refusal("cuda") is None and graph_variants_refusal("cpu") is None
+    assert capture_fix_refusal("cuda") is None and capture_fix_refusal("cpu") is None
     assert "torch_npu" not in sys.modules and "torch_npu.version" not in sys.modules
 
 
@@ -156,35 +156,35 @@ def test_a_fake_distribution_of_each_listed_version_is_judged_as_listed(
 ) -> None:
     fake_torch_npu(version, git)
     assert installed_torch_npu() == tnc.InstalledTorchNpu(version, git)
-    assert (graph_variants_refusal("npu") is None) is fixed
-    assert graph_variants_refusal("cuda") is None
+    assert (capture_fix_refusal("npu") is None) is fixed
+    assert capture_fix_refusal("cuda") is None
 
 
 def test_git_version_is_read_without_a_record(fake_torch_npu: Callable[..., Path]) -> None:
     fake_torch_npu("2.10.0", FINAL_2_10, record=False)
     assert installed_torch_npu() == tnc.InstalledTorchNpu("2.10.0", FINAL_2_10)
-    assert graph_variants_refusal("npu") is None
+    assert capture_fix_refusal("npu") is None
 
 
 def test_a_version_file_without_git_version_reads_none(fake_torch_npu: Callable[..., Path]) -> None:
     fake_torch_npu("2.10.0", None)
     assert installed_torch_npu() == tnc.InstalledTorchNpu("2.10.0", None)
-    refusal = graph_variants_refusal("npu")
+    refusal = capture_fix_refusal("npu")
     assert refusal is not None and "names no commit" in refusal
 
 
 def test_the_read_is_cached_until_reset(fake_torch_npu: Callable[..., Path]) -> None:
     fake_torch_npu("2.9.0", None)
-    assert graph_variants_refusal("npu") is not None
+    assert capture_fix_refusal("npu") is not None
     fake_torch_npu("2.10.0.post2", None, reset=False)  # found first from now on
-    assert graph_variants_refusal("npu") is not None  # the process's first read holds
+    assert capture_fix_refusal("npu") is not None  # the process's first read holds
     tnc.reset_cache()
-    assert graph_variants_refusal("npu") is None
+    assert capture_fix_refusal("npu") is None
 
 
 def test_without_torch_npu_only_npu_is_refused(no_torch_npu: None) -> None:
     assert installed_torch_npu() is None and installed_capture_fix() is None
-    refusal = graph_variants_refusal("npu")
+    refusal = capture_fix_refusal("npu")
     assert refusal == f"decode graph variants refused: {NOT_INSTALLED.reason}; {tnc.REFUSED_KEEPS}"
     assert "no torch_npu distribution is installed" in refusal
-    assert graph_variants_refusal("cuda") is None and graph_variants_refusal("cpu") is None
+    assert capture_fix_refusal("cuda") is None and capture_fix_refusal("cpu") is None

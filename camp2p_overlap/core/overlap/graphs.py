@@ -73,7 +73,7 @@ def graph_variants_refusal(engine: PatchEngine, backend_name: str | None) -> str
     be captured): a patch target only graph variants need is refused, or
     the installed torch_npu lacks the multi-stream capture fix."""
     reason = engine.feature_refusal(GRAPH_VARIANTS)
-    return reason if reason is not None else torch_npu_capture.graph_variants_refusal(backend_name or "")
+    return reason if reason is not None else torch_npu_capture.capture_fix_refusal(backend_name or "")
 
 
 @dataclass(eq=False)

@@ -64,13 +64,13 @@ from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
+from camp2p_overlap.core.patching.versions import COMMIT_SHOWN
+
 #: Distribution names torch_npu is published under (metadata normalizes
 #: them; both are tried).
 TORCH_NPU_DISTS = ("torch-npu", "torch_npu")
 #: The file of the distribution that holds ``git_version``.
 VERSION_FILE = "torch_npu/version.py"
-#: Hex digits of a commit shown in messages.
-COMMIT_SHOWN = 9
 #: What the fix is called in every reason.
 FIX = "the multi-stream graph capture fix (Ascend/pytorch !32803)"
 #: The start of every graph-variant refusal (the step summary finds them by it).
@@ -306,16 +306,11 @@ NOT_INSTALLED = CaptureFixVerdict(
 REFUSED_KEEPS = "the eager overlap stays on, and decode graphs capture upstream's serial graph only"
 
 
-def refusal_reason(verdict: CaptureFixVerdict) -> str:
-    """The logged reason a build without the fix refuses graph variants."""
-    return f"{GRAPH_VARIANTS_REFUSED}: {verdict.reason}; {REFUSED_KEEPS}"
-
-
-def graph_variants_refusal(backend_name: str) -> str | None:
+def capture_fix_refusal(backend_name: str) -> str | None:
     """Why decode graph variants may not be captured on ``backend_name``
     (a resolved backend: ``npu``, ``cuda``, ``cpu``), or None: only ``npu``
-    is judged, by the installed torch_npu."""
+    is judged, by whether the installed torch_npu has :data:`FIX`."""
     if backend_name != "npu":
         return None
     verdict = installed_capture_fix() or NOT_INSTALLED
-    return None if verdict.fixed else refusal_reason(verdict)
+    return None if verdict.fixed else f"{GRAPH_VARIANTS_REFUSED}: {verdict.reason}; {REFUSED_KEEPS}"
