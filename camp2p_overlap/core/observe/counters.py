@@ -1,7 +1,7 @@
 """Per-process step counters: how many FFN steps ran each path, and why
-the serial ones did, and how many decode-graph replays ran each captured
-variant and how many captures took each. ``camp2p_overlap.stats()`` reports them; their shape is documented
-in the README ("Reading stats()") and kept stable for exporters.
+the serial ones did, and how many decode-graph replays and captures each
+variant had. ``camp2p_overlap.stats()`` reports them; their shape is
+documented in the README ("Reading stats()") and kept stable for exporters.
 
 A forked child starts from zero: what its parent counted is the parent's
 (vLLM's multi-process metrics directory sums the processes, so a child
@@ -20,9 +20,9 @@ from camp2p_overlap.core.fork import after_fork_in_child
 #: any other under ``serial`` with its reason.
 PATHS = ("overlap", "parity", "reorder", "serial")
 ENGAGED = ("overlap", "parity", "reorder")
-#: The variants a decode graph replays: upstream's serial step, or the
-#: patch layer's (the overlap, or the rollout mode's graph).
-GRAPH_VARIANTS = ("serial", "overlap")
+#: The variants a decode graph captures and replays: upstream's serial
+#: step, or the patch layer's (the overlap, or the rollout mode's graph).
+GRAPH_CAPTURE_VARIANTS = ("serial", "overlap")
 
 
 class _ThreadTally(threading.local):
@@ -54,16 +54,13 @@ class StepCounters:
         #: This thread's: steps are counted per thread, each by its own
         #: thread, so counting one takes no lock; to_dict() sums them.
         self._here = _ThreadTally(self._tallies, self._lock)
-        self._graph_replays = dict.fromkeys(GRAPH_VARIANTS, 0)
-        self._graph_captures = dict.fromkeys(GRAPH_VARIANTS, 0)
+        self._graph_replays = dict.fromkeys(GRAPH_CAPTURE_VARIANTS, 0)
+        self._graph_captures = dict.fromkeys(GRAPH_CAPTURE_VARIANTS, 0)
 
     def _first(self) -> None:
         hook, self.on_first_step = self.on_first_step, None
         if hook is not None:
             hook()
-
-    def overlap(self) -> None:
-        self.engaged("overlap")
 
     def engaged(self, mode: str) -> None:
         """An engaged step of rollout ``mode``."""
@@ -83,20 +80,20 @@ class StepCounters:
 
     def graph_replay(self, variant: str) -> None:
         """A replay of a decode graph's ``variant`` (not an eager step: ``steps`` is not counted)."""
-        if variant not in GRAPH_VARIANTS:
-            raise ValueError(f"{variant!r} is not a graph variant ({', '.join(GRAPH_VARIANTS)})")
-        with self._lock:
-            self._graph_replays[variant] += 1
+        self._count_graph(self._graph_replays, variant)
         if self.on_first_step is not None:
             self._first()
 
     def graph_capture(self, variant: str) -> None:
         """A call of ``_ffn_forward`` inside a graph capture, which captured
         ``variant`` (not an eager step: ``steps`` is not counted)."""
-        if variant not in GRAPH_VARIANTS:
-            raise ValueError(f"{variant!r} is not a graph variant ({', '.join(GRAPH_VARIANTS)})")
+        self._count_graph(self._graph_captures, variant)
+
+    def _count_graph(self, counts: dict[str, int], variant: str) -> None:
+        if variant not in GRAPH_CAPTURE_VARIANTS:
+            raise ValueError(f"{variant!r} is not a graph variant ({', '.join(GRAPH_CAPTURE_VARIANTS)})")
         with self._lock:
-            self._graph_captures[variant] += 1
+            counts[variant] += 1
 
     def to_dict(self) -> dict[str, Any]:
         steps = dict.fromkeys(PATHS, 0)

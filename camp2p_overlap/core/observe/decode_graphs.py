@@ -27,15 +27,17 @@ def _count(snap: Mapping[str, Any], key: str, variant: str) -> int:
     return int((snap.get(key) or {}).get(variant, 0))
 
 
+def _graph_off_counted(snap: Mapping[str, Any]) -> bool:
+    return any(GRAPH_OFF_WORDS in r for r in snap.get("serial_reasons") or {})
+
+
 def upstream_graph_only(snap: Mapping[str, Any]) -> bool:
     """Whether every decode graph counted in ``snap`` (a ``stats()``-shaped
     snapshot) is upstream's: captures counted, none of the patch layer's variant
     (captured or replayed)."""
     if _count(snap, "graph_captures", "overlap") or _count(snap, "graph_replays", "overlap"):
         return False
-    if _count(snap, "graph_captures", "serial"):
-        return True
-    return any(GRAPH_OFF_WORDS in r for r in snap.get("serial_reasons") or {})
+    return bool(_count(snap, "graph_captures", "serial")) or _graph_off_counted(snap)
 
 
 def summary_note(snap: Mapping[str, Any], graph: str | None = None) -> str | None:
@@ -46,8 +48,6 @@ def summary_note(snap: Mapping[str, Any], graph: str | None = None) -> str | Non
     that switches it, else they say the variants were not captured."""
     if not upstream_graph_only(snap):
         return None
-    if graph is None and any(GRAPH_OFF_WORDS in r for r in snap.get("serial_reasons") or {}):
-        graph = "0"
-    if graph == "0":
+    if graph == "0" or (graph is None and _graph_off_counted(snap)):
         return f"{UPSTREAM_GRAPH} (Roll out rung {GRAPH_RUNG}: {GRAPH_RUNG_SETTING})"
     return f"{UPSTREAM_GRAPH} (graph variants not captured: the log says why)"

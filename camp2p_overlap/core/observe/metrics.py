@@ -2,31 +2,14 @@
 named as vLLM names its own (``vllm:`` prefix, snake case, counters with
 ``_total``), plus a periodic one-line summary in the log.
 
-How they reach a scrape (docs/design.md, "Metrics"):
-
-* vLLM 0.19.1 serves ``/metrics`` from its API server process, from the
-  default registry, or, when ``PROMETHEUS_MULTIPROC_DIR`` is set (vLLM sets
-  it itself for ``--api-server-count`` > 1; a user may set it), from a
-  ``MultiProcessCollector`` over that directory. Worker processes inherit
-  the variable; prometheus_client then writes every counter a worker
-  creates into that directory, and vLLM's ``/metrics`` sums them over the
-  processes. The reporter thread keeps our counters there up to date.
-* Otherwise a worker's registry never reaches vLLM's ``/metrics`` (the
-  engine core sends vLLM's own stats to the front-end over its output
-  queue, which has no room for ours). Then
-  ``VLLM_CAMP2P_MULTISTREAM_METRICS_PORT`` opts in to a per-process HTTP
-  endpoint serving this process's metrics.
-
-The counters are synced from the runtime's step counters (never from the
-step's hot path): on every scrape of our endpoint and every reporter tick.
-Neither the scrape nor the reporter thread touches a device event (no
-``query()``, no timing read): they read host-side counts only, so they are
-safe while a graph capture is in progress. The endpoint listens on
-``VLLM_CAMP2P_MULTISTREAM_METRICS_ADDR`` (loopback unless set).
-
-A forked child starts from zero: its counters (``counters.py``) and the
-metrics derived from them here are rebuilt empty in the child, so vLLM's
-multi-process ``/metrics`` never sums a parent's counts twice.
+How they reach a scrape: docs/design.md, "Metrics". In short, a worker's
+counters reach vLLM's ``/metrics`` only through ``PROMETHEUS_MULTIPROC_DIR``
+(the reporter thread keeps them there up to date); otherwise
+``VLLM_CAMP2P_MULTISTREAM_METRICS_PORT`` opts in to a per-process endpoint.
+They are synced from the runtime's counters, never on the step's path, and
+read host-side counts only (no device event), so a scrape is safe during a
+graph capture. A forked child rebuilds them empty, so vLLM's multi-process
+``/metrics`` never sums a parent's counts twice.
 """
 
 from __future__ import annotations
@@ -40,7 +23,7 @@ from typing import Any
 from camp2p_overlap.core.env_vars import DEFAULT_METRICS_ADDR
 from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.log import logger
-from camp2p_overlap.core.observe.counters import GRAPH_VARIANTS, PATHS
+from camp2p_overlap.core.observe.counters import GRAPH_CAPTURE_VARIANTS, PATHS
 from camp2p_overlap.core.observe.decode_graphs import summary_note
 
 PREFIX = "vllm:camp2p_overlap_"
@@ -114,7 +97,7 @@ class StepMetrics:
         self.set_mode(mode, rung)
         for path in PATHS:
             self.steps.labels(path=path)  # every path exported, 0 until used
-        for variant in GRAPH_VARIANTS:
+        for variant in GRAPH_CAPTURE_VARIANTS:
             self.graph_replays.labels(variant=variant)
 
     def _forget_in_child(self) -> None:
@@ -138,16 +121,15 @@ class StepMetrics:
         """Add to each counter what the runtime counted since the last sync."""
         snap = self._stats()
         with self._lock:
-            for path, count in snap.get("steps", {}).items():
-                delta = int(count) - self._seen_steps.get(path, 0)
-                if delta > 0:
-                    self.steps.labels(path=path).inc(delta)
-                    self._seen_steps[path] = int(count)
-            for variant, count in snap.get("graph_replays", {}).items():
-                delta = int(count) - self._seen_replays.get(variant, 0)
-                if delta > 0:
-                    self.graph_replays.labels(variant=variant).inc(delta)
-                    self._seen_replays[variant] = int(count)
+            for key, counter, seen in (
+                ("steps", self.steps, self._seen_steps),
+                ("graph_replays", self.graph_replays, self._seen_replays),
+            ):
+                for label, count in snap.get(key, {}).items():
+                    delta = int(count) - seen.get(label, 0)
+                    if delta > 0:
+                        counter.labels(label).inc(delta)
+                        seen[label] = int(count)
             exported = self._exported
             for reason, count in snap.get("serial_reasons", {}).items():
                 delta = int(count) - self._seen_reasons.get(reason, 0)
@@ -188,9 +170,11 @@ def _counts(snap: Mapping[str, Any]) -> dict[str, dict[str, int]]:
     }
 
 
-def _grew(n: int, before: Mapping[str, int] | None, key: str) -> str:
+def _count(counts: Mapping[str, Any], before: Mapping[str, Any] | None, key: str, sep: str) -> str:
+    """``<key><sep><n>``, with ``(+<grown>)`` since ``before`` when it grew."""
+    n = int(counts.get(key, 0))
     grew = n - int((before or {}).get(key, 0))
-    return f" (+{grew})" if before is not None and grew else ""
+    return f"{key}{sep}{n}" + (f" (+{grew})" if before is not None and grew else "")
 
 
 def summary_line(snap: Mapping[str, Any], previous: Mapping[str, Any] | None = None, graph: str | None = None) -> str:
@@ -201,13 +185,11 @@ def summary_line(snap: Mapping[str, Any], previous: Mapping[str, Any] | None = N
     and the most frequent serial reason."""
     steps = snap.get("steps", {})
     before = None if previous is None else previous.get("steps", {})
-    parts = [f"{path}={int(steps.get(path, 0))}" + _grew(int(steps.get(path, 0)), before, path) for path in PATHS]
-    text = "camp2p-overlap steps: " + " ".join(parts)
+    text = "camp2p-overlap steps: " + " ".join(_count(steps, before, path, "=") for path in PATHS)
     replays = snap.get("graph_replays", {})
-    if any(int(replays.get(v, 0)) for v in GRAPH_VARIANTS):
+    if any(int(replays.get(v, 0)) for v in GRAPH_CAPTURE_VARIANTS):
         before = None if previous is None else previous.get("graph_replays", {})
-        counts = [f"{v} {int(replays.get(v, 0))}" + _grew(int(replays.get(v, 0)), before, v) for v in GRAPH_VARIANTS]
-        text += "; graph replays: " + ", ".join(counts)
+        text += "; graph replays: " + ", ".join(_count(replays, before, v, " ") for v in GRAPH_CAPTURE_VARIANTS)
     reasons = snap.get("serial_reasons", {})
     note = summary_note(snap, graph)
     if note is not None:
