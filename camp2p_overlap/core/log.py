@@ -9,17 +9,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 import threading
-from typing import Any
 
 _NAME_WITH_VLLM = "vllm.camp2p_overlap"
 _NAME_WITHOUT_VLLM = "camp2p_overlap"
 
 _once_lock = threading.Lock()
 _once_seen: set[tuple[str, str]] = set()
-#: (key, msg, args) of every call whose text is in ``_once_seen``: a call
-#: asked again (a serial step's reason, every step) is answered from here,
-#: without formatting its text or taking the lock (one set lookup, atomic).
-_once_asked: set[tuple[Any, ...]] = set()
 
 
 def _vllm_installed() -> bool:
@@ -37,16 +32,8 @@ def log_once(level: int, key: str, msg: str, *args: object) -> bool:
 
     Returns whether it logged.
     """
-    asked: tuple[Any, ...] | None = (key, msg, args)
-    try:
-        if asked in _once_asked:
-            return False
-    except TypeError:  # an argument that cannot be hashed: only its text is kept
-        asked = None
     text = msg % args if args else msg
     with _once_lock:
-        if asked is not None:
-            _once_asked.add(asked)
         if (key, text) in _once_seen:
             return False
         _once_seen.add((key, text))
@@ -58,4 +45,3 @@ def reset_log_once() -> None:
     """Forget what was logged once (tests)."""
     with _once_lock:
         _once_seen.clear()
-        _once_asked.clear()

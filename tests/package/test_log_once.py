@@ -1,6 +1,6 @@
 """``log_once``: one record per distinct (key, text), also when the same
-call is asked again on every step (answered without formatting), for
-arguments that cannot be hashed, and again after a reset."""
+call is asked again on every step, for arguments that cannot be hashed,
+and again after a reset."""
 
 from __future__ import annotations
 
