@@ -20,13 +20,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-_KINDS = {
-    "POSITIONAL_ONLY": inspect.Parameter.POSITIONAL_ONLY,
-    "POSITIONAL_OR_KEYWORD": inspect.Parameter.POSITIONAL_OR_KEYWORD,
-    "VAR_POSITIONAL": inspect.Parameter.VAR_POSITIONAL,
-    "KEYWORD_ONLY": inspect.Parameter.KEYWORD_ONLY,
-    "VAR_KEYWORD": inspect.Parameter.VAR_KEYWORD,
-}
+#: The parameter kinds a signature names (``inspect.Parameter.kind.name``).
+_KINDS = ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD", "VAR_POSITIONAL", "KEYWORD_ONLY", "VAR_KEYWORD")
 
 MANIFEST_PACKAGE = "camp2p_overlap.patches"
 DEFAULT_STACK = "vllm-0.19.1"
@@ -111,16 +106,9 @@ class StackManifest:
     #: (``doctor`` compares an installed vllm_ascend with it; not gated).
     vllm_ascend_commit: str | None = None
 
-    @property
-    def afd_plugin_label(self) -> str | None:
-        """The pinned afd-plugin in words: its release, or ``commit 2e4378f2d``."""
-        if self.afd_plugin_commit:
-            return f"commit {self.afd_plugin_commit[:COMMIT_SHOWN]}"
-        return self.afd_plugin
-
     def describe(self) -> str:
-        """``vLLM 0.19.1 with afd-plugin 0.19.1rc1 (stack vllm-0.19.1)``."""
-        label = self.afd_plugin_label
+        """``vLLM 0.19.1 with afd-plugin 0.19.1rc1 (stack vllm-0.19.1)`` (or ``commit 2e4378f2d``)."""
+        label = f"commit {self.afd_plugin_commit[:COMMIT_SHOWN]}" if self.afd_plugin_commit else self.afd_plugin
         afd = f" with afd-plugin {label}" if label else ""
         return f"vLLM {self.vllm}{afd} (stack {self.name})"
 
@@ -292,11 +280,6 @@ def load_manifests() -> tuple[StackManifest, ...]:
     return tuple(load_manifest(name) for name in stacks)
 
 
-def supported_stacks(manifests: tuple[StackManifest, ...]) -> str:
-    """The supported stacks in one phrase, for refusals."""
-    return "; ".join(m.describe() for m in manifests)
-
-
 def signature_of(obj: Callable[..., Any]) -> tuple[ParamSpec, ...]:
     """The parameters of ``obj`` in manifest form."""
     sig = inspect.signature(obj)
@@ -330,14 +313,6 @@ def signature_difference(expected: tuple[ParamSpec, ...], actual: tuple[ParamSpe
     return "; ".join(parts) or "signature differs"
 
 
-# ---------------------------------------------------------------------------
-# stack selection
-# Which shipped stack serves this process: the first manifest whose
-# pinned versions (vLLM, and afd-plugin where its distribution is installed)
-# match what is installed. A mismatch names the installed and the supported
-# versions.
-
-
 def stack_version_check(manifest: StackManifest) -> VersionCheck:
     """The installed versions against one stack's pins."""
     return check_stack(manifest.vllm, manifest.afd_plugin, manifest.afd_plugin_commit)
@@ -357,10 +332,10 @@ def select_stack(
     stacks: Sequence[StackManifest],
     version_check: Callable[[StackManifest], VersionCheck] = stack_version_check,
 ) -> tuple[StackManifest, VersionCheck]:
-    """The first stack whose check passes, with that check. Otherwise a
-    failed check: that of the stack pinning the installed vLLM when there is
-    one (its afd-plugin differs), else of the first stack; with several
-    stacks its reason names them all."""
+    """The stack that serves this process: the first whose check passes, with
+    that check. Otherwise a failed check: that of the stack pinning the
+    installed vLLM when there is one (its afd-plugin differs), else of the
+    first stack; with several stacks its reason names them all."""
     return select_checked(check_stacks(stacks, version_check))
 
 
@@ -372,5 +347,5 @@ def select_checked(checks: Sequence[tuple[StackManifest, VersionCheck]]) -> tupl
     m, vc = next(((m, vc) for m, vc in checks if vc.vllm_ok), checks[0])
     if len(checks) == 1:
         return m, vc
-    why = f"{vc.installed}; camp2p-overlap supports {supported_stacks(tuple(s for s, _ in checks))}"
+    why = f"{vc.installed}; camp2p-overlap supports {'; '.join(s.describe() for s, _ in checks)}"
     return m, VersionCheck(False, vc.found, vc.supported, why, vc.installed, vc.vllm_ok)

@@ -42,12 +42,8 @@ class VersionCheck:
 
 
 def check_vllm(supported: str) -> VersionCheck:
-    """Accept exactly release ``supported`` (e.g. ``0.19.1``), with any local
-    label (vLLM-Ascend installs vLLM as ``0.19.1+empty``). Pre-, post- and dev
-    releases and every other version are refused, as is a missing vLLM or a
-    version string that does not parse."""
-    found = installed_version(VLLM_DIST)
-    return judge_vllm_version(found, supported)
+    """The installed vLLM, judged by :func:`judge_vllm_version`."""
+    return judge_vllm_version(installed_version(VLLM_DIST), supported)
 
 
 def same_release(found: str, supported: str) -> bool:
@@ -145,6 +141,11 @@ def judge_afd_plugin_commit(vllm_check: VersionCheck, found: str | None, commit:
 
 
 def judge_vllm_version(found: str | None, supported: str) -> VersionCheck:
+    """Accept exactly release ``supported`` (e.g. ``0.19.1``), with any local
+    label (vLLM-Ascend installs vLLM as ``0.19.1+empty``). Pre-, post- and dev
+    releases and every other version are refused, as is a missing vLLM or a
+    version string that does not parse."""
+
     def refused(installed: str, supports: str) -> VersionCheck:
         return VersionCheck(False, found, supported, f"{installed}; camp2p-overlap supports {supports}", installed)
 
@@ -154,8 +155,6 @@ def judge_vllm_version(found: str | None, supported: str) -> VersionCheck:
         parsed = Version(found)
     except InvalidVersion:
         return refused(f"vLLM version {found!r} does not parse", f"vLLM {supported}")
-    # Compare releases as versions (0.19.1 == 0.19.1.0), ignoring only the
-    # local label; a pre-, post- or dev release differs from the release.
     if not same_release(str(parsed), supported):
         return refused(f"vLLM {found} is installed", f"vLLM {supported} only")
     return VersionCheck(True, found, supported, f"vLLM {found} matches supported {supported}", vllm_ok=True)
