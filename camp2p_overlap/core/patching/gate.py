@@ -52,16 +52,14 @@ class StepGate:
         """Count a step in if the gate is open and not draining: how many
         steps this thread is inside now, this one included (1: not nested
         in another), or 0 when it is not counted in."""
-        steps = self._steps
-        steps.append(None)
+        self._steps.append(None)
         if not self._open or self._drainers:
-            steps.pop()
+            self._steps.pop()
             if self._drainers:
                 self._wake_drain()
             return 0
-        here = self._here
-        depth = here.n = here.n + 1
-        return depth
+        self._here.n += 1
+        return self._here.n
 
     def exit(self) -> None:
         """Count a step out (paired with an :meth:`enter` that counted it in)."""

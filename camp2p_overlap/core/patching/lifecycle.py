@@ -189,16 +189,13 @@ class PatchEngine:
 
     def refresh(self) -> None:
         """Wrap what no hook saw: a target module reloaded since it was
-        wrapped (its classes are new objects), or imported on another thread
-        while ``apply()`` ran, before its hook existed. ``apply()`` on an
-        applied engine calls this, and every wrapped step calls
-        :meth:`refresh_and_report_unready`; ``status()`` never does."""
+        wrapped, or imported on another thread while ``apply()`` ran, before
+        its hook existed (``status()`` never refreshes)."""
         self.refresh_and_report_unready()
 
     def refresh_and_report_unready(self) -> str | None:
-        """:meth:`refresh`, then why the stack is not ready to engage (the
-        first target neither wrapped nor checked, with why), or None when it
-        is: a step reads both from one pass over the targets."""
+        """:meth:`refresh` (what a wrapped step calls), then why the stack is
+        not ready to engage (the first target neither wrapped nor checked), or None."""
         with self._lock:
             if not self.applied or self.manifest is None:
                 return self._unready(())
@@ -220,12 +217,8 @@ class PatchEngine:
 
     def feature_refusal(self, feature: str) -> str | None:
         """Why optional ``feature`` (a key of ``core.patching.features.FEATURES``)
-        is refused, or None when it is not: a target that only it needs is
-        missing or changed in an installed module (the module's other targets
-        are installed). The reason names the target and what is wrong. Set when
-        the module installs, recomputed when a reloaded module is installed
-        again (a step refreshes before it decides), cleared by ``unpatch()``.
-        Lock-free: a step may call it."""
+        is refused, or None: a target only it needs is missing or changed in an
+        installed module. Set on install, cleared by ``unpatch()``; lock-free."""
         return self._feature_refusals.get(feature)
 
     def features_refused(self) -> dict[str, str]:

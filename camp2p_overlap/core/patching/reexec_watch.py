@@ -112,9 +112,6 @@ class ReexecWatch:
     def _new_lock(self) -> None:
         self._lock = threading.Lock()  # a forked child: a lock held by a thread that is gone would stay held
 
-    def invalidate_caches(self) -> None:
-        return None
-
     def _notify(self, module: ModuleType) -> None:
         with self._lock:
             callbacks = [r() for r in self._callbacks.get(module.__name__, ())]

@@ -54,9 +54,8 @@ class TargetStatus:
         return {"target": self.target, "action": self.action, "state": self.state.value, "reason": self.reason}
 
     def short(self) -> str:
-        """``Owner.attribute=state`` (with the reason when refused), for log lines
-        (an optional target refused alone names its feature: its reason has
-        a warning line of its own)."""
+        """``Owner.attribute=state`` for log lines, with the reason when refused
+        (an optional target refused alone names its feature instead)."""
         name = ".".join(self.target.rsplit(".", 2)[-2:])
         if self.refuses_feature_only:
             return f"{name}={self.state.value} ({self.feature} only)"
@@ -90,11 +89,7 @@ class PatchReport:
     @property
     def features_refused(self) -> dict[str, str]:
         """``feature -> reason`` of every optional feature refused."""
-        out: dict[str, str] = {}
-        for t in self.targets:
-            if t.refuses_feature_only:
-                out.setdefault(t.feature, t.reason)  # type: ignore[arg-type]
-        return out
+        return refused_features(self.targets)
 
     @property
     def engaged(self) -> bool:
@@ -149,6 +144,15 @@ def wrapt_version() -> str:
     return installed_version("wrapt") or getattr(wrapt, "__version__", "?")
 
 
+def refused_features(targets: Iterable[TargetStatus]) -> dict[str, str]:
+    """``feature -> reason`` of every optional target refused alone (a feature's first reason)."""
+    out: dict[str, str] = {}
+    for t in targets:
+        if t.refuses_feature_only:
+            out.setdefault(t.feature, t.reason)  # type: ignore[arg-type]
+    return out
+
+
 def statuses(targets: Iterable[TargetSpec], state: TargetState, reason: str = "") -> dict[str, TargetStatus]:
     """The same state and reason for every target given."""
     return {t.id: TargetStatus(t.id, t.action, state, reason) for t in targets}
@@ -183,12 +187,7 @@ class StatusBoard:
         )
 
     def features_refused(self) -> dict[str, str]:
-        """``feature -> reason`` of every optional target refused alone."""
-        out: dict[str, str] = {}
-        for st in self.targets.values():
-            if st.refuses_feature_only:
-                out.setdefault(st.feature, st.reason)  # type: ignore[arg-type]
-        return out
+        return refused_features(self.targets.values())
 
     def log_when_settled(self, report: PatchReport) -> None:
         """The one line per outcome: once every target is settled (wrapped,
