@@ -1,58 +1,31 @@
 """Which torch_npu builds capture a multi-stream ACL graph correctly, and
 whether the installed one does (read from its distribution: neither
-torch_npu nor torch is imported).
+torch_npu nor torch is imported). Why the overlap variant of a decode
+graph needs the fix, and the verdict's rules in words: docs/design.md
+"Decode graphs".
 
 **The fix.** Ascend/pytorch MR !32803, "fix task queue aclgraph bug"
 (master; the same change is !32564 on branch v2.9.0, !32804 v2.7.1, !32805
 v2.8.0, !32806 v2.10.0, !32807 v2.11.0, !32808-!32811 the ``-26.0.0``
 branches): ``NPUEvent::block()`` (``torch_npu/csrc/core/npu/NPUEvent.cpp``)
 flushes the task queue after launching the event wait while an ACL graph
-capture is under way (the new ``hasCapturesUnderway`` check). Without it a
-capture in which the main stream and a side stream meet through
-``wait_stream`` or event waits replays wrong results; its test,
-``test/npu/test_aclgraph_multi_stream.py``, forks work onto a side stream,
-joins it and compares the replay with eager. The overlap variant of a
-decode graph forks the stage streams from the capture stream and joins
-them with exactly those event waits. Eager steps are unaffected: the fix
-concerns capture only.
+capture is under way (the new ``hasCapturesUnderway`` check).
 
 **The table** (:data:`BUILDS`): every release tag of lines 2.7 to 2.13
-from ``v7.3.0`` on, each with the version its ``version.txt`` reads (the
-distribution version ``setup.py`` builds), the commit the tag names and
-whether that commit's ``NPUEvent.cpp`` has ``hasCapturesUnderway``, all
-read from the Ascend/pytorch repository. The tag ``v26.2.0-beta.1-pytorch2.13.0``
-is left out: its ``version.txt`` lists several versions (the build takes
-its version from the environment), and its line has the fix anyway.
-vLLM-Ascend ``v0.19.1rc1`` pins ``torch-npu==2.9.0`` (its
-``requirements.txt`` and ``pyproject.toml``), which lacks the fix; the
-second stack's vLLM-Ascend (commit ``80d8c194f``) runs 2.10.0.post2,
-which has it.
+from ``v7.3.0`` on, each with the version its ``version.txt`` reads, the
+commit the tag names and whether that commit's ``NPUEvent.cpp`` has
+``hasCapturesUnderway``, all read from the Ascend/pytorch repository. The
+tag ``v26.2.0-beta.1-pytorch2.13.0`` is left out: its ``version.txt`` lists
+several versions, and its line has the fix anyway. The commits known are
+the tags' only (a wheel built from a tag reports it as ``git_version``).
 
-**How a build is judged** (:func:`judge_capture_fix`):
-
-* its commit is a tag's of the table (``git_version``, else the
-  ``+git<sha>`` label a source build's version carries): that tag decides;
-* lines before 2.7: no build has the fix; lines after 2.13: every build
-  has it (it is in every line from 2.11 on);
-* a version below the first fixed one of its line lacks it;
-* a version both a fixed and an unfixed release read (2.10.0: tags
-  ``v26.0.0-beta.1-pytorch2.10.0`` and ``v26.0.0-pytorch2.10.0``) is
-  decided by its commit only;
-* so is a source build (its version has a local label) at a version its
-  release branch read before the fix landed (:data:`PRE_FIX_VERSIONS`:
-  each branch's ``version.txt`` already read its line's first fixed
-  version on the fix commit's parent);
-* a version above its line's first fixed one has the fix (every branch
-  bumped past that version after the fix).
-
-The commits known are the tags' commits only: a wheel built from a tag
-reports that commit as ``git_version`` (``setup.py`` writes ``git rev-parse
-HEAD`` into ``torch_npu/version.py``). Commits of branch builds are not
-known: a build that must be decided by its commit and names none of the
-table's is refused, with a reason that says how to check its source. A
-release's version string alone does tell a 2.7.1 or 2.8.0 build with the
-fix from one without (2.7.1.post4 and 2.8.0.post4 are the first with it;
-the v7.3.x tags read 2.7.1.post3 and 2.8.0.post3 at most).
+**How a build is judged** (:func:`judge_capture_fix`): a tag's commit
+(``git_version``, else a source build's ``+git<sha>`` label) decides;
+lines before 2.7 lack the fix, lines after 2.13 have it; below its line's
+first fixed version a build lacks it, above it has it; a version both a
+fixed and an unfixed release read (2.10.0), or a source build at a version
+its release branch read before the fix landed (:data:`PRE_FIX_VERSIONS`),
+is decided by its commit only, and refused when that names no tag.
 """
 
 from __future__ import annotations
