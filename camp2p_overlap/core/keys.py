@@ -9,7 +9,7 @@ that text."""
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 #: The name of the compute stream (the runner's current stream) in the
 #: schedule, its traces and stall reports.
@@ -36,34 +36,38 @@ def side_stream_name(stage: int) -> str:
     return f"K{stage}"
 
 
-def _label(kind: str, layer: int | None, stage: int | None) -> str:
-    parts = [kind]
-    if layer is not None:
-        parts.append(f"L{layer}")
-    if stage is not None:
-        parts.append(f"s{stage}")
-    return " ".join(parts)
+class _Key(NamedTuple):
+    """A key of a step: its kind and the (layer, stage) it belongs to."""
+
+    kind: str
+    layer: int | None = None
+    stage: int | None = None
+
+    def label(self) -> str:
+        """A text form, read back by ``parse``: ``f L3 s1``, ``join s0``, ``fork``, ``a2e L3 s1``."""
+        layer = "" if self.layer is None else f" L{self.layer}"
+        return self.kind + layer + ("" if self.stage is None else f" s{self.stage}")
+
+    @classmethod
+    def parse(cls, text: str) -> Any:
+        """The key whose :meth:`label` is ``text``, or None."""
+        m = cls._LABEL.match(text)  # each subclass has its own
+        if m is None:
+            return None
+        layer, stage = m.group(2), m.group(3)
+        return cls(m.group(1), None if layer is None else int(layer), None if stage is None else int(stage))
 
 
 def _label_pattern(kinds: tuple[str, ...]) -> re.Pattern[str]:
     return re.compile(r"^(" + "|".join(kinds) + r")(?: L(-?\d+))?(?: s(-?\d+))?$")
 
 
-def _parsed(pattern: re.Pattern[str], text: str) -> tuple[str, int | None, int | None] | None:
-    m = pattern.match(text)
-    if m is None:
-        return None
-    layer, stage = m.group(2), m.group(3)
-    return m.group(1), None if layer is None else int(layer), None if stage is None else int(stage)
-
-
-class EventKey(NamedTuple):
+class EventKey(_Key):
     """One event of a step: its kind (one of :data:`EVENT_KINDS`) and the
     (layer, stage) it belongs to; ``fork`` has neither, ``join`` a stage only."""
 
-    kind: str
-    layer: int | None = None
-    stage: int | None = None
+    __slots__ = ()
+    _LABEL = _label_pattern(EVENT_KINDS)
 
     @classmethod
     def fork(cls) -> EventKey:
@@ -73,35 +77,10 @@ class EventKey(NamedTuple):
     def join(cls, stage: int) -> EventKey:
         return cls(JOIN, None, stage)
 
-    def label(self) -> str:
-        """A text form, read back by :meth:`parse`: ``f L3 s1``, ``join s0``, ``fork``."""
-        return _label(self.kind, self.layer, self.stage)
 
-    @classmethod
-    def parse(cls, text: str) -> EventKey | None:
-        """The key whose :meth:`label` is ``text``, or None."""
-        got = _parsed(_EVENT_LABEL, text)
-        return None if got is None else cls(*got)
-
-
-class OpKey(NamedTuple):
+class OpKey(_Key):
     """One connector op of a step: its kind (one of :data:`CONNECTOR_OP_KINDS`) and
     its (layer, stage), None where the loop's call named none."""
 
-    kind: str
-    layer: int | None = None
-    stage: int | None = None
-
-    def label(self) -> str:
-        """A text form, read back by :meth:`parse`: ``a2e L3 s1``."""
-        return _label(self.kind, self.layer, self.stage)
-
-    @classmethod
-    def parse(cls, text: str) -> OpKey | None:
-        """The key whose :meth:`label` is ``text``, or None."""
-        got = _parsed(_OP_LABEL, text)
-        return None if got is None else cls(*got)
-
-
-_EVENT_LABEL = _label_pattern(EVENT_KINDS)
-_OP_LABEL = _label_pattern(CONNECTOR_OP_KINDS)
+    __slots__ = ()
+    _LABEL = _label_pattern(CONNECTOR_OP_KINDS)
