@@ -14,7 +14,7 @@ from typing import Any
 from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.log import logger
 from camp2p_overlap.core.observe import metrics
-from camp2p_overlap.core.overlap.decision import rung
+from camp2p_overlap.core.overlap.plan import rung
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
 from camp2p_overlap.core.overlap.step import make_wrappers
 from camp2p_overlap.core.patching.lifecycle import PatchEngine

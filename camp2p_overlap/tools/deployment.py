@@ -31,7 +31,7 @@ from typing import Any
 from camp2p_overlap.core import config as cfgmod
 from camp2p_overlap.core import env_vars
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.decision import rung
+from camp2p_overlap.core.overlap.plan import rung
 
 CAMP2P = "CAMP2pAFDConnector"
 #: afd-plugin's default connector when the section names none.

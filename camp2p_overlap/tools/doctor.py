@@ -41,7 +41,7 @@ from camp2p_overlap.core import config as cfgmod
 from camp2p_overlap.core import env_vars
 from camp2p_overlap.core.env_vars import TABLE as ENV_TABLE
 from camp2p_overlap.core.observe.decode_graphs import UPSTREAM_GRAPH, rung_hint
-from camp2p_overlap.core.overlap.decision import LADDER, rung
+from camp2p_overlap.core.overlap.plan import LADDER, rung
 from camp2p_overlap.core.patching.manifest import (
     ManifestError,
     StackManifest,

@@ -63,6 +63,7 @@ import torch
 
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.env_vars import MAX_REPROBE, MAX_STAGES
+from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.step import bucket_of, make_wrappers
 from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.core.patching.installer import method_wrapper
@@ -231,7 +232,8 @@ def decide_serial(patch_layer: PatchLayer, world: World) -> None:
     shape, so that every step takes the pass-through path (no probe runs:
     the re-probe interval is the largest allowed)."""
     runtime = patch_layer.runtime
-    key = bucket_of(runtime.runner_name(world.runner), len(world.layer_list()), world.dp_metadata())
+    dp = world.dp_metadata()
+    key = bucket_of(runtime.runner_name(world.runner), camp2p.stage_count(dp), len(world.layer_list()), dp)
     for _ in range(4 * runtime.adaptive.settings.min_samples + 4):
         if runtime.adaptive.decision(key) is not None:
             break

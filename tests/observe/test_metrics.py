@@ -449,7 +449,7 @@ def test_a_forked_worker_does_not_count_its_parents_steps_into_the_multiprocess_
 def test_the_scrape_and_the_summary_touch_no_device_event(
     fresh_reporting: None, monkeypatch: pytest.MonkeyPatch, logs: PackageLogs, tmp_path: Path
 ) -> None:
-    from camp2p_overlap.core.overlap.adaptive.timings import StepTimings
+    from camp2p_overlap.core.overlap.adaptive import StepTimings
     from camp2p_overlap.core.overlap.streams import backend
     from camp2p_overlap.emulation.device import worker
 

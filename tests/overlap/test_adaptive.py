@@ -17,8 +17,7 @@ from support.overlap import Schedule, apply_cpu, assert_same, bounded, run_step,
 import camp2p_overlap
 from camp2p_overlap.core.config import ConfigError, load_config
 from camp2p_overlap.core.env_vars import ENV_ADAPTIVE, ENV_REPROBE
-from camp2p_overlap.core.overlap.adaptive.engage import AdaptiveEngage, AdaptiveSettings, BucketKey, pow2_ceil
-from camp2p_overlap.core.overlap.adaptive.timings import StepTimings
+from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey, StepTimings, pow2_ceil
 from camp2p_overlap.core.overlap.streams.backend import StreamBackend
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
 
@@ -436,7 +435,7 @@ def test_runtime_collect_reads_only_completed_timings_in_order() -> None:
     recorded: list[tuple[str, float]] = []
     real = a.record
     a.record = lambda k, m, s: recorded.append((m, round(s, 3))) if k == key else real(k, m, s)  # type: ignore[method-assign]
-    timings = StepTimings(lambda: PATCH_LAYER.runtime.adaptive)  # one runner's
+    timings = StepTimings(PATCH_LAYER.runtime)  # one runner's
     try:
         tokens = []
         for i, mode in enumerate(("overlap", "serial")):

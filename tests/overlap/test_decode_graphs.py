@@ -17,7 +17,7 @@ from support.logs import PackageLogs
 from support.overlap import apply_cpu, assert_same, eager_refs, graph_world, world
 
 from camp2p_overlap.core.config import ConfigError, load_config
-from camp2p_overlap.core.overlap.adaptive.timings import StepTimings
+from camp2p_overlap.core.overlap.adaptive import StepTimings
 from camp2p_overlap.core.overlap.graphs import OVERLAP, SERIAL, VariantGraph
 from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.emulation import device
@@ -101,7 +101,7 @@ class InjectedTimes:
 
         def record(timings: StepTimings, key: Any, path: str, backend: Any, token: Any, into: Any = None) -> None:
             backend.step_timer_discard(token)
-            (into or timings._adaptive()).record(key, path, self.seconds(into, path))
+            (into or timings._owner.adaptive).record(key, path, self.seconds(into, path))
 
         monkeypatch.setattr(StepTimings, "record", record)
 

@@ -30,7 +30,7 @@ from camp2p_overlap.core import config, env_vars
 from camp2p_overlap.core.config import ConfigError, OverlapConfig, load_config
 from camp2p_overlap.core.env_vars import ENV_MODE
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.decision import rung
+from camp2p_overlap.core.overlap.plan import rung
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.emulation.coupled import couple_stages
 from camp2p_overlap.emulation.faults import run_step_bounded

@@ -8,11 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from support.overlap import apply_cpu, world
+from support.overlap import apply_cpu, assert_same, run_step, serial_results, world
 
-from camp2p_overlap.core.overlap import decision as decision_module
-from camp2p_overlap.core.overlap.decision import decide
+from camp2p_overlap.core.overlap import step as decision_module
 from camp2p_overlap.core.overlap.routes import ROUTER_MARK
+from camp2p_overlap.core.overlap.step import decide
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.emulation.world import World
 
@@ -109,7 +109,11 @@ def test_a_layer_list_changed_in_place_is_read_again(monkeypatch: pytest.MonkeyP
 
 
 def test_a_route_of_another_threads_step_is_asked_every_step(facts_read: list[int]) -> None:
+    """Another thread's step holds the connector's routes: the step runs
+    serially for that reason; on the next step, routes free, it engages
+    (the facts are not read again: the reason may pass)."""
     w = world(layers=3, stage_ids=(0, 1))
+    (ref,) = serial_results(w, [None])
     apply_cpu()
     routed = type(w.connector).send_ffn_output.__get__(w.connector)
 
@@ -118,7 +122,14 @@ def test_a_route_of_another_threads_step_is_asked_every_step(facts_read: list[in
 
     setattr(foreign, ROUTER_MARK, True)
     w.connector.send_ffn_output = foreign
-    first = _decided(w)
-    assert not first.engages and "another thread" in first.reason
+    steps = PATCH_LAYER.runtime.counters.to_dict()["steps"]
+    w.steps_run = 0
+    assert_same(run_step(w), ref)
+    after = PATCH_LAYER.runtime.counters.to_dict()
+    assert after["steps"]["overlap"] == steps["overlap"]
+    assert any("another thread" in reason for reason in after["serial_reasons"]), after["serial_reasons"]
     del w.connector.send_ffn_output
-    assert _decided(w).engages and facts_read == [1]
+    w.steps_run = 0
+    assert_same(run_step(w), ref)
+    assert PATCH_LAYER.runtime.counters.to_dict()["steps"]["overlap"] == steps["overlap"] + 1
+    assert facts_read == [1]

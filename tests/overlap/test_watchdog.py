@@ -12,6 +12,7 @@ closed step's device work until it has finished, or reports at the deadline.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -331,6 +332,9 @@ def _fake_device():
 
         def is_capturing(self) -> bool:
             return False
+
+        def scope(self, stream):
+            return contextlib.nullcontext()
 
         def synchronize(self, stream) -> None:
             raise AssertionError("the watchdog must not synchronize")

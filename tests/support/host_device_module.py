@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from camp2p_overlap.core.overlap import decision as step_decision
 from camp2p_overlap.core.overlap import runner_state
+from camp2p_overlap.core.overlap import step as step_decision
 from camp2p_overlap.core.overlap.streams import StreamBackend
 
 

@@ -149,7 +149,7 @@ def test_the_static_serial_kinds_are_paired_on_their_own_path(monkeypatch: pytes
     """Each static-serial kind (too few stages, a connector of another
     class) gets its paired figure, its steps counted serial under its
     reason; a busy wait in the decision shows in both kinds' figures."""
-    from camp2p_overlap.core.overlap import decision as decision_module
+    from camp2p_overlap.core.overlap import step as decision_module
 
     result = measure_overhead(_small(ab_pairs=0, pt_pairs=20, rounds=1))
     (shape,) = result["shapes"]

@@ -11,7 +11,7 @@ from typing import Any
 GRAPH_RUNG = 6
 GRAPH_RUNG_SETTING = "VLLM_CAMP2P_MULTISTREAM_GRAPH=adaptive"
 #: Words of the serial reason a capture is counted under at ``GRAPH=0``
-#: where captures count as serial steps (``core/overlap/decision.py``'s
+#: where captures count as serial steps (``core/overlap/step.py``'s
 #: ``GRAPH_OFF``, which this room may not import; a test holds the two
 #: together).
 GRAPH_OFF_WORDS = "VLLM_CAMP2P_MULTISTREAM_GRAPH is off"

@@ -129,26 +129,26 @@ class TraceRecorder:
 
 
 _active_lock = threading.Lock()
-_active: TraceRecorder | None = None
+active: TraceRecorder | None = None
 
 
 def current_recorder() -> TraceRecorder | None:
-    return _active
+    return active
 
 
 @contextlib.contextmanager
 def recording(recorder: TraceRecorder | None = None) -> Iterator[TraceRecorder]:
     """Record every step run inside the block (all threads): a step reads
     the active recorder (a module global) once, when it starts."""
-    global _active
+    global active
     rec = recorder or TraceRecorder()
     with _active_lock:
-        previous, _active = _active, rec
+        previous, active = active, rec
     try:
         yield rec
     finally:
         with _active_lock:
-            _active = previous
+            active = previous
 
 
 class StepTrace:

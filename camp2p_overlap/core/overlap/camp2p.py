@@ -180,20 +180,17 @@ def recv_kwargs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, A
     return out
 
 
-def send_parts(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
-    """``send_ffn_output(self, ffn_output, context, **kwargs)`` -> (output, context)."""
+def send_call(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, Any, int | None]:
+    """``send_ffn_output(self, ffn_output, context, **kwargs)`` -> (output,
+    context, the stage it is for: its ``ubatch_idx``, else its context's
+    ``stage_idx``)."""
     n = len(args)
-    if n >= 2:
-        return args[0], args[1]
-    return (args[0] if n else kwargs.get("ffn_output")), kwargs.get("context")
-
-
-def send_stage(ctx: Any, kwargs: Mapping[str, Any]) -> int | None:
-    """The stage a send is for: its ``ubatch_idx``, else its context's ``stage_idx``."""
+    output = args[0] if n else kwargs.get("ffn_output")
+    context = args[1] if n >= 2 else kwargs.get("context")
     if "ubatch_idx" in kwargs:
-        return int(kwargs["ubatch_idx"])
-    stage = getattr(getattr(ctx, "metadata", None), "stage_idx", None)
-    return None if stage is None else int(stage)
+        return output, context, int(kwargs["ubatch_idx"])
+    stage = getattr(getattr(context, "metadata", None), "stage_idx", None)
+    return output, context, None if stage is None else int(stage)
 
 
 def context_layer(ctx: Any) -> int | None:

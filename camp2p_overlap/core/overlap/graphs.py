@@ -5,7 +5,7 @@ Upstream's ``_capture_graphs`` captures one graph per key and stores it in
 later step of that key. The wrapped ``_capture_graphs`` (:class:`GraphCapture`):
 
 1. runs every capture inside the capture guard, so no thread of the patch layer
-   reads an event while it is in progress (``capture_guard.py``);
+   reads an event while it is in progress (``streams.backend.GUARD``);
 2. refuses graph variants where the stack cannot replay them (a missing
    optional patch target, a torch_npu without the multi-stream capture
    fix): upstream's serial graph only, logged once and counted;
@@ -42,12 +42,10 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from camp2p_overlap.core.log import log_once, logger
-from camp2p_overlap.core.overlap.adaptive.engage import AdaptiveEngage, BucketKey
-from camp2p_overlap.core.overlap.adaptive.timings import StepTimings
-from camp2p_overlap.core.overlap.capture_guard import GUARD
-from camp2p_overlap.core.overlap.decision import decide
+from camp2p_overlap.core.overlap import camp2p
+from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, StepTimings
 from camp2p_overlap.core.overlap.runner_state import RunnerState, VariantCapture
-from camp2p_overlap.core.overlap.streams.backend import StreamBackend
+from camp2p_overlap.core.overlap.streams.backend import GUARD, StreamBackend
 from camp2p_overlap.core.overlap.watch.watchdog import REPLAY_WATCH, stop_watchdogs
 from camp2p_overlap.core.patching import torch_npu_capture
 from camp2p_overlap.core.patching.features import GRAPH_VARIANTS
@@ -254,10 +252,18 @@ class GraphRuntime(Protocol):
 class GraphCapture:
     """The wrapped ``_capture_graphs`` of one engine and its runtime."""
 
-    def __init__(self, engine: PatchEngine, runtime: GraphRuntime, bucket_of: Callable[..., BucketKey]) -> None:
+    def __init__(
+        self,
+        engine: PatchEngine,
+        runtime: GraphRuntime,
+        bucket_of: Callable[..., BucketKey],
+        decide: Callable[..., Any],
+    ) -> None:
         self.engine = engine
         self.runtime = runtime
+        #: The step's bucket and decision (``step.bucket_of``, ``step.decide``).
         self.bucket_of = bucket_of
+        self.decide = decide
 
     def __call__(self, wrapped: Callable[..., Any], runner: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         if not self.engine.config.enabled or not self.engine.gate.enter():
@@ -314,7 +320,7 @@ class GraphCapture:
         try:
             if not self.engine.config.graph_overlap:
                 return None
-            decision = decide(self.engine, runner, {"dp_metadata_list": dp}, self.runtime.runners.get(runner))
+            decision = self.decide(self.engine, runner, {"dp_metadata_list": dp}, self.runtime.runners.get(runner))
             if not decision.engages or decision.plan is None:
                 return None
             refused = graph_variants_refusal(self.engine, decision.backend)
@@ -385,7 +391,7 @@ class GraphCapture:
             entry=entry,
             upstream=entry["graph"],
             ours=graph,
-            bucket=self.bucket_of(f"{state.name} graph {key!r}", mark.layers, dp),
+            bucket=self.bucket_of(f"{state.name} graph {key!r}", camp2p.stage_count(dp), mark.layers, dp),
             backend=sset.backend,
             gate=self.engine.gate,
             timings=state.timings,

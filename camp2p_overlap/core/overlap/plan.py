@@ -1,8 +1,9 @@
 """The plan of one FFN step: the (layer, stage) order the upstream loop
 runs (``for L in layers: for s in stages``), each layer's next, the receive
 kwargs of each (layer, stage), its event keys and op labels; and the
-layouts: where each op kind runs. Derived once per step shape and cached;
-the session reads it, never builds it."""
+layouts: where each op kind runs; and the rollout rungs (each mode is a
+layout) and the ladder. Derived once per step shape and cached; the
+session reads it, never builds it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.keys import A2E, A_DONE, E2A, E_DONE, E_DONE_ON_C, F_DONE, EventKey, OpKey
 
 StageLayer = tuple[int, int]
@@ -132,8 +134,11 @@ class Layout:
     e2a: str
     ffn: str = CALLER
     prefetch: bool = True
+    #: Whether any op kind runs on a side stream (the step forks and joins).
+    side: bool = field(init=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "side", SIDE in (self.a2e, self.e2a, self.ffn))
         for kind in (self.a2e, self.e2a, self.ffn):
             if kind not in (CALLER, SIDE):
                 raise ValueError(f"layout {self.name}: {kind!r} is not {CALLER!r} or {SIDE!r}")
@@ -150,11 +155,6 @@ class Layout:
     def e2a_side(self) -> bool:
         return self.e2a == SIDE
 
-    @property
-    def side(self) -> bool:
-        """Whether any op kind runs on a side stream (the step forks and joins)."""
-        return SIDE in (self.a2e, self.e2a, self.ffn)
-
 
 #: The rollout rungs' layouts (``decision.layout_of``).
 PARITY = Layout("parity", CALLER, CALLER, prefetch=False)
@@ -162,3 +162,53 @@ REORDER = Layout("reorder", CALLER, CALLER)
 E2A_ONLY = Layout("e2a-only", CALLER, SIDE, prefetch=False)
 A2E_ONLY = Layout("a2e-only", SIDE, CALLER)
 COMM_SIDE = Layout("comm-side", SIDE, SIDE)
+
+
+# ---------------------------------------------------------------------------
+# rollout modes and the ladder
+# The rollout modes (``VLLM_CAMP2P_MULTISTREAM_MODE``): what each one
+# changes in an engaged step, and the rung of the rollout ladder a
+# configuration is on (docs/design.md, "Rollout modes and the ladder").
+#
+# * ``overlap``: A2E/E2A on a side stream per stage (HCCL group), as the
+#   direction switches say (``comm-side``, ``e2a-only``, ``a2e-only``);
+# * ``reorder``: the overlap's issue order (prologue A2E of every stage, then
+#   E2A(L, s) followed at once by A2E(L+1, s)), every op on the compute stream;
+# * ``parity``: the session engaged, every op on the compute stream in the
+#   order the FFN loop calls it (upstream's order).
+#
+# The session needs no mode of its own: each mode is a layout (``plan.py``).
+
+
+#: The rungs in the order a new deployment climbs them.
+LADDER = ("parity", "reorder", "e2a-only", "overlap")
+
+
+def layout_of(cfg: OverlapConfig) -> Layout | None:
+    """The layout of an engaged step under ``cfg.mode``; the direction
+    switches apply to ``overlap`` only (None: both are off)."""
+    if cfg.mode == "parity":
+        return PARITY
+    if cfg.mode == "reorder":
+        return REORDER
+    return _SWITCHED[(cfg.a2e_on_side_stream, cfg.e2a_on_side_stream)]
+
+
+_SWITCHED = {(True, True): COMM_SIDE, (False, True): E2A_ONLY, (True, False): A2E_ONLY, (False, False): None}
+
+
+def rung(cfg: OverlapConfig) -> str:
+    """The ladder rung ``cfg`` sets: ``off``, one of :data:`LADDER`, or
+    ``a2e-only`` (off the ladder: E2A=0), or ``none`` (overlap with both
+    directions off: every step runs serially)."""
+    if not cfg.enabled:
+        return "off"
+    if cfg.mode != "overlap":
+        return cfg.mode
+    if cfg.a2e_on_side_stream and cfg.e2a_on_side_stream:
+        return "overlap"
+    if cfg.e2a_on_side_stream:
+        return "e2a-only"
+    if cfg.a2e_on_side_stream:
+        return "a2e-only"
+    return "none"

@@ -31,6 +31,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
+from types import MethodType
 from typing import Any
 
 from camp2p_overlap.core.log import log_once
@@ -77,13 +78,8 @@ def route_problem(instance: Any, attributes: Iterable[str]) -> str | None:
     return None
 
 
-def routed_elsewhere(instance: Any, attributes: Iterable[str]) -> str | None:
-    """Why the step may not route ``instance`` now: another thread's step
-    has (asked on every step: it may pass)."""
-    for attribute in attributes:
-        if is_router(getattr(instance, attribute, None)):
-            return "the connector's calls are routed to a step on another thread"
-    return None
+#: Why a step may not route a connector now (asked on every step: it may pass).
+ROUTED_ELSEWHERE = "the connector's calls are routed to a step on another thread"
 
 
 def _class_attribute(cls: type, attribute: str) -> Any:
@@ -140,24 +136,39 @@ class ConnectorRoutes:
         #: (attribute, our router, what the instance held of its own before, or _MISSING)
         self._set: list[tuple[str, Any, Any]] = []
 
-    def install(self, routers: Sequence[tuple[str, MakeRouter]]) -> str | None:
+    def install(self, routers: Sequence[tuple[str, MakeRouter]], *, checked: bool = False) -> str | None:
         """Route each ``(attribute, make)``; None when every route is in
-        place, else why none is (nothing is left set)."""
+        place, else why none is (nothing is left set). ``checked``: the
+        caller found :func:`route_problem` None for this instance's class
+        (an engaged step's runner facts); whether another thread's step
+        has routed it is asked here either way."""
         instance = self._instance
-        attributes = [attribute for attribute, _ in routers]
-        problem = route_problem(instance, attributes) or routed_elsewhere(instance, attributes)
-        if problem is not None:
-            return problem
+        if not checked:
+            problem = route_problem(instance, [attribute for attribute, _ in routers])
+            if problem is not None:
+                return problem
         thread = threading.get_ident()
+        cls = type(instance)
         for attribute, make in routers:
             callee = getattr(instance, attribute)
+            if is_router(callee):
+                self.remove()
+                return ROUTED_ELSEWHERE
+            if (
+                type(callee) is MethodType
+                and callee.__self__ is instance
+                and getattr(cls, attribute, None) is callee.__func__
+            ):
+                before = _MISSING  # the class's function bound to the instance: it holds nothing of its own
+            else:
+                before = _own_attribute(instance, attribute, callee)
             router = make(callee, thread)
             setattr(router, ROUTER_MARK, True)
-            self._set.append((attribute, router, _own_attribute(instance, attribute, callee)))
+            self._set.append((attribute, router, before))
             _set_on_instance(instance, attribute, router)
             if getattr(instance, attribute) is not router:  # e.g. a __getattribute__ of its own
                 self.remove()
-                return f"connector {type(instance).__name__}.{attribute} cannot be routed per instance"
+                return f"connector {cls.__name__}.{attribute} cannot be routed per instance"
         return None
 
     def remove(self) -> None:
@@ -190,7 +201,10 @@ class ConnectorRoutes:
 # outside a step does)
 
 
-def _recv_router(session: Any, callee: Wrapped, thread: int) -> Wrapped:
+def session_router(session: Any, key: str, callee: Wrapped, thread: int) -> Wrapped:
+    """The router of ``key`` for ``session``: it hands the call to the
+    session on the step's thread while the session is open."""
+
     def recv_attn_output(*args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != thread or session.closed:
             return callee(*args, **kwargs)
@@ -198,23 +212,15 @@ def _recv_router(session: Any, callee: Wrapped, thread: int) -> Wrapped:
         kw = kwargs if not args and "ubatch_idx" in kwargs else camp2p.recv_kwargs(args, kwargs)
         return session.recv(callee, kw)
 
-    return recv_attn_output
-
-
-def _send_router(session: Any, callee: Wrapped, thread: int) -> Wrapped:
     def send_ffn_output(*args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != thread or session.closed:
             return callee(*args, **kwargs)
-        output, context = camp2p.send_parts(args, kwargs)
-        stage = camp2p.send_stage(context, kwargs)
+        output, context, stage = camp2p.send_call(args, kwargs)
         return session.send(partial(callee, *args, **kwargs), output, context, stage)
 
-    return send_ffn_output
+    return recv_attn_output if key == "recv_attn_output" else send_ffn_output
 
 
-#: The routers a manifest's ``route`` target may name, by key: each makes,
-#: for one session, the ``make(callee, thread)`` that :class:`ConnectorRoutes` installs.
-SESSION_ROUTERS: dict[str, Callable[[Any], MakeRouter]] = {
-    "recv_attn_output": lambda session: partial(_recv_router, session),
-    "send_ffn_output": lambda session: partial(_send_router, session),
-}
+#: The router keys a manifest's ``route`` target may name; an engaged step
+#: installs ``partial(session_router, session, key)`` for each.
+SESSION_ROUTERS = ("recv_attn_output", "send_ffn_output")

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from camp2p_overlap.core.fork import after_fork_in_child
-from camp2p_overlap.core.overlap.adaptive.timings import StepTimings
+from camp2p_overlap.core.overlap.adaptive import StepTimings
 from camp2p_overlap.core.overlap.streams import make_backend
 from camp2p_overlap.core.overlap.streams.backend import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 
 if TYPE_CHECKING:
-    from camp2p_overlap.core.overlap.adaptive.engage import AdaptiveEngage
+    pass
 
 #: Builds a backend from its name and the runner's device.
 BackendMaker = Callable[[str, Any], StreamBackend]
@@ -66,7 +66,7 @@ class RunnerState:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def close_streams(self) -> None:
-        sset, self.streamset, self.backend_name, self.facts = self.streamset, None, None, None
+        sset, self.streamset, self.backend_name = self.streamset, None, None
         if sset is not None:
             sset.close()
 
@@ -82,9 +82,10 @@ class RunnerState:
 class RunnerStates:
     """The states of one runtime's runners, by runner identity."""
 
-    def __init__(self, stage_ids: Sequence[int], adaptive: Callable[[], AdaptiveEngage]) -> None:
+    def __init__(self, stage_ids: Sequence[int], owner: Any) -> None:
         self._stage_ids = tuple(stage_ids)
-        self._adaptive = adaptive
+        #: What holds the adaptive engage the runners' timings feed (``owner.adaptive``).
+        self._owner = owner
         #: Builds a backend (None: ``streams.make_backend``); the overhead tool swaps it.
         self.make_backend: BackendMaker | None = None
         self._names = itertools.count()
@@ -101,10 +102,10 @@ class RunnerStates:
     def get(self, runner: Any) -> RunnerState:
         """The runner's state, made on first use. Raises
         :class:`NotWeaklyReferenceable`."""
-        state = self.of(runner)
-        if state is not None:
-            return state
         rid = id(runner)
+        entry = self._states.get(rid)
+        if entry is not None and entry[0]() is runner:
+            return entry[1]
         with self._lock:
             entry = self._states.get(rid)
             if entry is not None and entry[0]() is runner:
@@ -116,7 +117,7 @@ class RunnerStates:
                     f"the runner ({type(runner).__name__}) cannot be weakly referenced, so the layer keeps no "
                     "state for it"
                 ) from exc
-            state = RunnerState(f"{type(runner).__name__}#{next(self._names)}", StepTimings(self._adaptive))
+            state = RunnerState(f"{type(runner).__name__}#{next(self._names)}", StepTimings(self._owner))
             self._states[rid] = (ref, state)
             return state
 

@@ -14,7 +14,7 @@ from typing import Any
 from camp2p_overlap.core.env_vars import MAX_STAGES
 from camp2p_overlap.core.observe.counters import StepCounters
 from camp2p_overlap.core.overlap import graphs
-from camp2p_overlap.core.overlap.adaptive.engage import AdaptiveEngage
+from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage
 from camp2p_overlap.core.overlap.runner_state import RunnerState, RunnerStates
 from camp2p_overlap.core.overlap.session import StepSession
 
@@ -33,7 +33,7 @@ class OverlapRuntime:
         self.adaptive = AdaptiveEngage()
         self.counters = StepCounters()
         #: One state per runner, weakly held.
-        self.runners = RunnerStates(range(MAX_STAGES), lambda: self.adaptive)
+        self.runners = RunnerStates(range(MAX_STAGES), self)
         #: Per thread: ``session``, the step's session while one runs.
         self.local = _ThreadState()
         self._lock = threading.Lock()

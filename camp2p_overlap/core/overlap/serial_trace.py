@@ -128,11 +128,10 @@ def _traced_send(recorder: TraceRecorder) -> MakeRouter:
         def send_ffn_output(*args: Any, **kwargs: Any) -> Any:
             if get_ident() != thread:
                 return callee(*args, **kwargs)
-            _, ctx = camp2p.send_parts(args, kwargs)
+            _, ctx, stage = camp2p.send_call(args, kwargs)
             state = recorder.serial_state()
             t0 = time.perf_counter_ns()
             started = state["ffn_start"].pop(id(ctx), None)  # type: ignore[attr-defined]
-            stage = camp2p.send_stage(ctx, kwargs)
             layer = started[0] if started else camp2p.context_layer(ctx)
             trace = state.get("trace")
             if started and trace is not None:

@@ -37,8 +37,10 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+from camp2p_overlap.core.env_vars import MAX_STAGES
 from camp2p_overlap.core.keys import A2E, E2A, EventKey, OpKey
 from camp2p_overlap.core.log import logger
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, StepTrace, TraceRecorder
@@ -46,6 +48,9 @@ from camp2p_overlap.core.overlap.plan import COMM_SIDE, SIDE, Layout, OpKeys, St
 from camp2p_overlap.core.overlap.streams.base import DoneHandle, OpHandle, Stream, StreamPoisonedError
 
 clock = time.perf_counter_ns
+#: The fork's event key, and each stage's join key.
+FORK_KEY = EventKey.fork()
+JOIN_KEYS = {s: EventKey.join(s) for s in range(MAX_STAGES)}
 
 
 class ScheduleMismatchError(RuntimeError):
@@ -95,10 +100,8 @@ class SessionSnapshot:
 
 
 class RunningOp(OpHandle):
-    """The handle of an op being submitted (while the host runs it)."""
-
-    def __init__(self) -> None:
-        self.start_ns = clock()
+    """The handle of an op being submitted (while the host runs it), from
+    ``start_ns``."""
 
     def result(self) -> Any:
         raise SessionError("the op is still being submitted")
@@ -130,16 +133,23 @@ class StepSession:
         self.backend = backend = streamset.backend
         #: The compute stream (the caller's current stream).
         self.compute = compute = backend.compute_stream()
-        if layout.side:
-            missing = [s for s in plan.stages if s not in streamset.streams]
-            if missing:
-                raise SessionError(f"no side stream for stage(s) {missing}")
-        side = {s: streamset.streams[s] for s in plan.stages} if layout.side else {}
-        #: Each stage's A2E and E2A stream, as the layout names them.
-        self.a2e_on = {s: side[s] if layout.a2e == SIDE else compute for s in plan.stages}
-        self.e2a_on = {s: side[s] if layout.e2a == SIDE else compute for s in plan.stages}
-        #: The side streams the step forks and joins (K_s), by stage.
-        self.side_streams: dict[int, Stream] = side
+        #: The side streams the step forks and joins (K_s), by stage, and
+        #: each stage's A2E and E2A stream, as the layout names them.
+        self.side_streams: dict[int, Stream] = {}
+        self.a2e_on: dict[int, Stream] = {}
+        self.e2a_on: dict[int, Stream] = {}
+        #: FFN outputs per stage, until C waits an event recorded after their E2A.
+        self._f_refs: dict[int, list[Any]] = {}
+        for s in plan.stages:
+            k = compute
+            if layout.side:
+                k = streamset.streams.get(s)
+                if k is None:
+                    raise SessionError(f"no side stream for stage {s}")
+                self.side_streams[s] = k
+            self.a2e_on[s] = k if layout.a2e == SIDE else compute
+            self.e2a_on[s] = k if layout.e2a == SIDE else compute
+            self._f_refs[s] = []
         #: The object whose calls this session serves (None once closed).
         self.connector = connector
         self.plan = plan
@@ -149,7 +159,7 @@ class StepSession:
         self._keys = plan.keys
         self._context_of = context_of
         self._trace = StepTrace(recorder, step_id, backend) if recorder is not None else None
-        backend.begin_step(list(side.values()))
+        backend.begin_step(list(self.side_streams.values()))
         #: The index in ``self.order`` of the next expected receive.
         self.next_recv = 0
         self.forked = self.fallen_back = self.closed = self._closing = False
@@ -162,8 +172,6 @@ class StepSession:
         self._a_kwargs: dict[StageLayer, dict[str, Any]] = {}
         #: A2E outputs, until their E2A stream has waited their FFN's f_done.
         self._inflight: dict[StageLayer, Any] = {}
-        #: FFN outputs per stage, until C waits an event recorded after their E2A.
-        self._f_refs: dict[int, list[Any]] = {s: [] for s in plan.stages}
         #: id(context) -> (layer, stage), for payloads handed to the loop.
         self._contexts: dict[int, StageLayer] = {}
         #: Each stage's last E2A event, while a receive on another stream must wait it.
@@ -209,25 +217,27 @@ class StepSession:
             self.wait_event(before, key)
 
     def _submit(
-        self, stream: Stream, kind: str, layer: int | None, stage: int | None, fn: Callable[[], Any]
+        self, stream: Stream, kind: str, layer: int | None, stage: int | None, fn: Callable[[], Any], label: str
     ) -> OpHandle:
         """Issue one connector op on ``stream``, listed in issue order before
         it runs (a stall report shows an op the host blocks in)."""
-        op = IssuedOp(kind, layer, stage, stream.name, RunningOp(), next(self._seq))
+        running = RunningOp()
+        running.start_ns = clock()
+        op = IssuedOp(kind, layer, stage, stream.name, running, next(self._seq))
         self._ops.append(op)
-        label = OpKey(kind, layer, stage).label()
         try:
             if self._in_scope is stream:
                 op.handle = self.backend.submit_here(stream, fn, label)
             else:
-                op.handle = self.backend.submit(stream, fn, label)
+                with self.backend.scope(stream):
+                    op.handle = self.backend.submit_here(stream, fn, label)
         except BaseException as exc:
             op.handle = DoneHandle(exc=exc, start_ns=op.handle.start_ns, end_ns=clock())
             raise
         return op.handle
 
-    def _run_on_c(self, kind: str, layer: int | None, stage: int | None, fn: Callable[[], Any]) -> Any:
-        h = self._submit(self.compute, kind, layer, stage, fn)
+    def _run_on_c(self, kind: str, layer: int | None, stage: int | None, fn: Callable[[], Any], label: str) -> Any:
+        h = self._submit(self.compute, kind, layer, stage, fn, label)
         try:
             return h.result()
         finally:
@@ -238,10 +248,9 @@ class StepSession:
     def _fork(self) -> None:
         self.forked = True
         if self.side_streams:
-            fork = EventKey.fork()
-            self._record(self.compute, fork)
+            self._record(self.compute, FORK_KEY)
             for k in self.side_streams.values():
-                self.wait_event(k, fork)
+                self.wait_event(k, FORK_KEY)
 
     def issue_a2e(self, layer: int, stage: int) -> None:
         """Queue the receive (A2E) of ``(layer, stage)`` on the stage's A2E
@@ -250,13 +259,14 @@ class StepSession:
         fn = self._recv_fn
         assert fn is not None
         key = (layer, stage)
-        kw = self.plan.recv_kw.get(key)
-        if kw is None:  # off the plan: only a broken schedule asks
-            kw = self._a_kwargs[key] = self.plan.build_recv_kwargs(layer, stage)
+        kw, keys = self.plan.recv_kw.get(key), self._keys.get(key)
+        if kw is None or keys is None:  # off the plan: only a broken schedule asks
+            kw, keys = self.plan.build_recv_kwargs(layer, stage), OpKeys.of(layer, stage)
+            self._a_kwargs[key] = kw
         k = self.a2e_on[stage]
-        self._a_handle[key] = self._submit(k, A2E, layer, stage, lambda: fn(**kw))
+        self._a_handle[key] = self._submit(k, A2E, layer, stage, partial(fn, **kw), keys.a2e_label)
         if k is not self.compute:
-            self._record(k, self._keys.get(key, OpKeys.of(layer, stage)).a_done)
+            self._record(k, keys.a_done)
 
     # ------------------------------------------------------------------
     # the connector calls
@@ -291,7 +301,7 @@ class StepSession:
                 failed = self._side_error([self.e2a_on[s]])  # that E2A failed: raise it, as the serial path would
                 if failed is not None:
                     raise failed
-            payload = self._run_on_c(A2E, L, s, run)
+            payload = self._run_on_c(A2E, L, s, run, self._keys[expected].a2e_label)
         # C has now waited an event recorded after every earlier E2A of this
         # stage: their FFN outputs may be freed.
         self._f_refs[s].clear()
@@ -332,7 +342,7 @@ class StepSession:
         self._in_scope = k
         try:
             with self.backend.scope(k):
-                h = self._submit(k, E2A, L, s, call)
+                h = self._submit(k, E2A, L, s, call, keys.e2a_label)
                 if k is not C:
                     # K_s has waited f_done(L, s): the A2E output may go; the FFN
                     # output stays until C waits an event recorded after this E2A.
@@ -384,7 +394,7 @@ class StepSession:
                 "to hand over data that may belong to another layer"
             )
         else:
-            payload = self._run_on_c(A2E, got[0], got[1], run)
+            payload = self._run_on_c(A2E, got[0], got[1], run, OpKey(A2E, got[0], got[1]).label())
         self._contexts[id(self._context_of(payload))] = got  # type: ignore[assignment]
         self._ffn_start[got] = (clock(), next(self._seq))  # type: ignore[index]
         return payload
@@ -395,7 +405,7 @@ class StepSession:
             self._inflight.pop(key, None)
             self._ffn_ended(key)
         L, s = key if key is not None else (None, None)
-        return self._run_on_c(E2A, L, s, call)
+        return self._run_on_c(E2A, L, s, call, OpKey(E2A, L, s).label())
 
     # ------------------------------------------------------------------
     # join and close
@@ -404,7 +414,7 @@ class StepSession:
         then release the buffers held for them."""
         if self.forked:
             for s, k in self.side_streams.items():
-                self._edge(k, EventKey.join(s), self.compute)
+                self._edge(k, JOIN_KEYS[s], self.compute)
         self._last_e2a.clear()
         self.release_buffers()
 

@@ -8,7 +8,14 @@ instrumentations build ``_traced_execute_factory(tracer)``). Each call of
 
 1. the gate: a step of an engine being removed runs the original;
 2. the decision (engage or not, the plan and its layout), with the
-   runner's side streams; a reloaded target module is wrapped again first;
+   runner's side streams; a reloaded target module is wrapped again first.
+   What does not change between a runner's steps (the connector's class
+   and routability, the runner's AFD role, the backend and layout) is read
+   once into :class:`RunnerFacts`, kept on the runner's state and read
+   again when the engine's ``generation`` moves (apply, unpatch, a module
+   installed, a refresh) or the runner holds another connector; what
+   changes per step (the stage ids, the layer list, ``max_num_tokens``) is
+   read per step, and the decision is kept per step shape;
 3. the choice: the static setting (capture, adaptive off, parity/reorder),
    or adaptive engage's path for the step's bucket (a serial one runs the
    original, timed one step in ``serial_time_every``);
@@ -24,27 +31,29 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from camp2p_overlap.core.env_vars import MAX_STAGES
 from camp2p_overlap.core.keys import COMPUTE_STREAM
 from camp2p_overlap.core.log import log_once
-from camp2p_overlap.core.observe.trace import TraceOp, TraceRecorder, current_recorder
+from camp2p_overlap.core.observe import trace
+from camp2p_overlap.core.observe.trace import TraceOp, TraceRecorder
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.adaptive.engage import AdaptiveEngage, BucketKey, pow2_ceil
-from camp2p_overlap.core.overlap.capture_guard import GUARD
-from camp2p_overlap.core.overlap.decision import Decision, decide, serial
+from camp2p_overlap.core.overlap.adaptive import BucketKey, pow2_ceil
 from camp2p_overlap.core.overlap.graphs import GraphCapture, graph_variants_refusal
-from camp2p_overlap.core.overlap.routes import SESSION_ROUTERS, ConnectorRoutes
+from camp2p_overlap.core.overlap.plan import COMM_SIDE, Layout, StepPlan, layout_of, step_plan
+from camp2p_overlap.core.overlap.routes import SESSION_ROUTERS, ConnectorRoutes, route_problem, session_router
 from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, RunnerState
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
 from camp2p_overlap.core.overlap.serial_trace import run_traced_serial
-from camp2p_overlap.core.overlap.streams import BackendUnavailable
-from camp2p_overlap.core.overlap.streams.backend import StreamBackend
+from camp2p_overlap.core.overlap.streams import BackendUnavailable, resolve_backend_name
+from camp2p_overlap.core.overlap.streams.backend import GUARD, StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.core.overlap.watch.watchdog import start_watchdog
-from camp2p_overlap.core.patching.installer import MARK, Wrapper
+from camp2p_overlap.core.patching.installer import MARK, Wrapper, live_attribute, target_named
 
 if TYPE_CHECKING:
     from camp2p_overlap.core.patching.lifecycle import PatchEngine
@@ -63,12 +72,143 @@ NO_STREAMS_IN_CAPTURE = (
 )
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What one call of ``_ffn_forward`` does: engage with ``plan`` on
+    ``backend`` in ``layout`` (``engages``), or run upstream's serial path
+    for ``reason`` (:func:`serial`)."""
+
+    engages: bool
+    #: Why the call runs serially ("" when it engages).
+    reason: str = ""
+    plan: StepPlan | None = None
+    backend: str | None = None
+    layout: Layout = COMM_SIDE
+    #: The rollout mode the step engages in (VLLM_CAMP2P_MULTISTREAM_MODE).
+    mode: str = "overlap"
+
+
+def serial(reason: str) -> Decision:
+    """The decision to run upstream's serial path, for ``reason``."""
+    return Decision(engages=False, reason=reason)
+
+
+@dataclass
+class RunnerFacts:
+    """What a runner's steps share until the engine's generation moves or
+    the runner holds another connector: why none may engage (``problem``),
+    else the backend and layout."""
+
+    generation: int
+    connector: Any
+    problem: str | None = None
+    backend: str | None = None
+    layout: Layout | None = None
+    #: (attribute, router key) of each routed connector method.
+    routes: tuple[tuple[str, str], ...] = ()
+    #: The manifest's ``_ffn_layer_indices`` target (read live every step).
+    layer_target: Any = None
+    #: Per stage ids: the HCCL group check's answer (the connector's group
+    #: names are a fact of the connector).
+    groups: dict[tuple[int, ...], str | None] = field(default_factory=dict)
+    #: Per step shape (layers, stages, ``max_num_tokens``): its engaging
+    #: decision, with the shape's plan.
+    engaging: dict[Any, Decision] = field(default_factory=dict)
+
+
+def runner_facts(engine: PatchEngine, runner: Any, connector: Any) -> RunnerFacts:
+    """Read what :class:`RunnerFacts` holds, in the order a reason is given."""
+    cfg = engine.config
+    facts = RunnerFacts(engine.generation, connector)
+    routes = engine.installer.routes()
+    owners = {spec.owner_path[-1]: owner for owner, spec in routes}
+    if not routes or not all(isinstance(connector, owner) for owner in owners.values()):
+        wanted = " or ".join(sorted(owners)) or "the routed connector class"
+        facts.problem = f"connector is {type(connector).__name__}, not {wanted}"
+        return facts
+    facts.routes = tuple((spec.attribute, spec.router) for _, spec in routes)
+    facts.problem = route_problem(connector, [attribute for attribute, _ in facts.routes])
+    if facts.problem is not None:
+        return facts
+    role = getattr(getattr(runner, "afd_config", None), "role", None)
+    if role != "ffn":
+        facts.problem = f"AFD role is {role!r}, not 'ffn'"
+        return facts
+    facts.layout = layout_of(cfg)
+    facts.layer_target = target_named(engine.manifest, camp2p.LAYER_INDICES_TARGET) if engine.manifest else None
+    try:
+        facts.backend = resolve_backend_name(cfg.backend, getattr(runner, "device", None))
+    except BackendUnavailable:
+        pass  # asked again each step (decide): a device backend may become available
+    return facts
+
+
+def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], state: Any) -> Decision:
+    """Whether this call of ``runner._ffn_forward(**kwargs)`` engages, and
+    its plan; the step has already checked that the patch layer is on, the
+    call is not re-entrant and every target is ready. ``state``: the
+    runner's state, which keeps its :class:`RunnerFacts`."""
+    cfg = engine.config
+    connector = getattr(runner, "connector", None)
+    facts = state.facts
+    if facts is None or facts.generation != engine.generation or facts.connector is not connector:
+        facts = state.facts = runner_facts(engine, runner, connector)
+    if facts.problem is not None:
+        return serial(facts.problem)
+    if "dp_metadata_list" not in kwargs:
+        return serial("_ffn_forward called without dp_metadata_list")
+    try:
+        stages, num_stages = camp2p.stage_ids(kwargs["dp_metadata_list"])
+    except (TypeError, ValueError) as exc:
+        return serial(f"stage ids of dp_metadata_list are not integers ({exc})")
+    if num_stages < cfg.min_stages:
+        return serial(f"{num_stages} stage(s), fewer than the minimum {cfg.min_stages}")
+    stages = tuple(stages)
+    if num_stages > MAX_STAGES or stages[0] < 0 or stages[-1] >= MAX_STAGES:  # sorted
+        groups = ", ".join(camp2p.GROUPS)
+        return serial(f"stage ids {list(stages)} do not fit CAMP2P's {MAX_STAGES} stage groups ({groups})")
+    group = facts.groups.get(stages, "")
+    if group == "":
+        group = facts.groups[stages] = camp2p.group_problem(connector, stages)
+    if group is not None:
+        return serial(group)
+    if facts.layout is None:
+        return serial("both directions are switched off (A2E=0 and E2A=0)")
+    if facts.backend is None:  # a device backend not available yet may be later
+        try:
+            facts.backend = resolve_backend_name(cfg.backend, getattr(runner, "device", None))
+        except BackendUnavailable as exc:
+            return serial(str(exc))
+    layer_fn = live_attribute(facts.layer_target) if facts.layer_target is not None else None
+    if layer_fn is None:
+        return serial("_ffn_layer_indices is not available")
+    layers = tuple(map(int, layer_fn(runner)))
+    if not layers:
+        return serial("the step has no FFN layers")
+    if len(set(layers)) != len(layers):
+        return serial(f"layer list repeats a layer: {list(layers)}")
+    max_num_tokens = getattr(runner, "max_num_tokens", None)
+    shape = (layers, stages, max_num_tokens)
+    try:
+        made = facts.engaging.get(shape)
+    except TypeError:  # an unhashable max_num_tokens: not kept
+        shape, made = None, None
+    if made is None:
+        plan = step_plan(layers, stages, max_num_tokens)
+        made = Decision(engages=True, plan=plan, backend=facts.backend, layout=facts.layout, mode=cfg.mode)
+        if shape is not None:
+            if len(facts.engaging) >= 64:
+                facts.engaging.clear()
+            facts.engaging[shape] = made
+    return made
+
+
 def make_wrappers(engine: PatchEngine, *, runtime: OverlapRuntime) -> dict[str, Any]:
     """What ``engine`` installs, by manifest key: the ``ffn_forward`` and
     ``capture_graphs`` wrappers, and the routers that ``route`` targets
     name (``routes.SESSION_ROUTERS``; nothing of them is installed on a class)."""
 
-    capture = GraphCapture(engine, runtime, bucket_of)
+    capture = GraphCapture(engine, runtime, bucket_of, decide)
 
     def capture_graphs(wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
         return capture(wrapped, instance, args, kwargs)
@@ -80,15 +220,14 @@ def make_wrappers(engine: PatchEngine, *, runtime: OverlapRuntime) -> dict[str, 
     setattr(capture_graphs, MARK, True)
     wrapper: Wrapper = ffn_forward
     graphs: Wrapper = capture_graphs
-    return {"ffn_forward": wrapper, "capture_graphs": graphs, **SESSION_ROUTERS}
+    return {"ffn_forward": wrapper, "capture_graphs": graphs, **dict.fromkeys(SESSION_ROUTERS, session_router)}
 
 
-def bucket_of(runner: str, layers: int, dp_metadata_list: Any) -> BucketKey:
+def bucket_of(runner: str, stages: int, layers: int, dp_metadata_list: Any) -> BucketKey:
     """The adaptive bucket of a step of runner ``runner`` (its name) with
-    ``layers`` FFN layers: its stage count and its largest stage's tokens
-    rounded up to a power of two."""
-    tokens = pow2_ceil(camp2p.max_stage_tokens(dp_metadata_list))
-    return BucketKey(runner, camp2p.stage_count(dp_metadata_list), layers, tokens)
+    ``stages`` stages and ``layers`` FFN layers: and its largest stage's
+    tokens rounded up to a power of two."""
+    return BucketKey(runner, stages, layers, pow2_ceil(camp2p.max_stage_tokens(dp_metadata_list)))
 
 
 class FfnStep:
@@ -135,7 +274,7 @@ class FfnStep:
 
     # -- 1. the gate ---------------------------------------------------------
     def run(self) -> Any:
-        self.recorder = current_recorder()
+        self.recorder = trace.active
         gate = self.engine.gate
         if not gate.enter():
             self.count_serial(NOT_APPLIED)
@@ -158,9 +297,14 @@ class FfnStep:
     def decision_and_streams(self) -> tuple[Decision, StreamSet | None]:
         """The decision and, when it engages, the runner's stream set."""
         engine, runtime = self.engine, self.runtime
-        blocked = self.blocking_reason()
-        if blocked is not None:
-            return serial(blocked), None
+        if not engine.config.enabled:
+            return serial("switched off"), None
+        if runtime.local.session is not None:
+            return serial("re-entrant FFN forward inside an active step"), None
+        if engine.unready is not None:  # the one read of the lifecycle a ready step makes
+            unready = engine.refresh_and_report_unready()  # wraps a reloaded target module again
+            if unready is not None:
+                return serial(f"not every target of the stack is patched ({unready})"), None
         try:
             state = self.state = runtime.runners.get(self.runner)
             decision = decide(engine, self.runner, self.kwargs, state)
@@ -198,44 +342,24 @@ class FfnStep:
             return GRAPH_SERIAL_VARIANT  # upstream's own graph: the serial variant
         return None
 
-    def blocking_reason(self) -> str | None:
-        """Why no step may engage now, whatever the call: the patch layer is
-        switched off, the call is re-entrant inside an active step, or a
-        target is not ready (after the refresh that wraps a reloaded target
-        module again)."""
-        engine = self.engine
-        if not engine.config.enabled:
-            return "switched off"
-        if self.runtime.local.session is not None:
-            return "re-entrant FFN forward inside an active step"
-        if engine.unready is None:  # the one read of the lifecycle a ready step makes
-            return None
-        unready = engine.refresh_and_report_unready()
-        return None if unready is None else f"not every target of the stack is patched ({unready})"
-
     # -- 3. the choice -------------------------------------------------------
     def run_adaptive(self, decision: Decision, streamset: StreamSet) -> Any:
         """An engageable eager step: the bucket's path (overlap, or the
         original as decided or as a probe), timed without blocking the host."""
         plan, backend, state = decision.plan, streamset.backend, self.state
         assert plan is not None and state is not None
-        key = bucket_of(state.name, len(plan.layers), self.kwargs.get("dp_metadata_list"))
+        key = bucket_of(state.name, len(plan.stages), len(plan.layers), self.kwargs.get("dp_metadata_list"))
         state.timings.read_ready()
-        path, probe, timed = self.adaptive().choose(key)
+        adaptive, every = self.runtime.adaptive, self.engine.config.reprobe_every
+        if adaptive.settings.reprobe_every != every:  # the engine's re-probe interval
+            adaptive.settings = replace(adaptive.settings, reprobe_every=every)
+        path, probe, timed = adaptive.choose(key)
         if path != "overlap":
             self.runtime.counters.serial(SERIAL_PROBE if probe else SERIAL_FASTER)
             if not timed:
                 return self.run_original()
             return state.timings.timed(key, "serial", backend, self.run_original)
-        return state.timings.timed(key, path, backend, lambda: self.run_engaged(decision, streamset))
-
-    def adaptive(self) -> AdaptiveEngage:
-        """The runtime's adaptive engage, with the engine's re-probe interval."""
-        adaptive = self.runtime.adaptive
-        every = self.engine.config.reprobe_every
-        if adaptive.settings.reprobe_every != every:
-            adaptive.settings = replace(adaptive.settings, reprobe_every=every)
-        return adaptive
+        return state.timings.timed(key, path, backend, partial(self.run_engaged, decision, streamset))
 
     # -- 4. the engaged step -------------------------------------------------
     def run_engaged(self, decision: Decision, streamset: StreamSet) -> Any:
@@ -257,8 +381,10 @@ class FfnStep:
                 context_of=camp2p.context_of,
             )
             routes = ConnectorRoutes(connector)
-            targets = self.engine.installer.routes()
-            refused = routes.install([(spec.attribute, SESSION_ROUTERS[spec.router](session)) for _, spec in targets])  # type: ignore[index]
+            routers = []
+            for attribute, key in self.state.facts.routes:  # type: ignore[union-attr]
+                routers.append((attribute, partial(session_router, session, key)))
+            refused = routes.install(routers, checked=True)
             if refused is not None:  # another thread's step routed it since the decision, say
                 session.close(raising=True)  # nothing was issued: closing only releases it
                 self.count_serial(refused)

@@ -98,11 +98,22 @@ def live_owner(module: ModuleType, t: TargetSpec) -> Any:
 def live_target(manifest: StackManifest | None, qualname: str) -> Any:
     """A target's live object by qualname (a class attribute or a module
     function), or None while its module is not imported."""
-    t = None if manifest is None else next((t for t in manifest.targets() if t.qualname == qualname), None)
-    module = None if t is None else sys.modules.get(t.module)
-    if t is None or module is None or (owner := live_owner(module, t)) is None:
-        return None
-    return vars(owner).get(t.attribute)
+    t = None if manifest is None else target_named(manifest, qualname)
+    return None if t is None else live_attribute(t)
+
+
+def target_named(manifest: StackManifest, qualname: str) -> TargetSpec | None:
+    """``manifest``'s target of that qualname, or None."""
+    return next((t for t in manifest.targets() if t.qualname == qualname), None)
+
+
+def live_attribute(t: TargetSpec) -> Any:
+    """Target ``t``'s live object, or None while its module is not imported
+    (or its owner is gone)."""
+    owner: Any = sys.modules.get(t.module)
+    if owner is not None and t.owner_path:
+        owner = live_owner(owner, t)
+    return None if owner is None else vars(owner).get(t.attribute)
 
 
 def _resolve(t: TargetSpec, module: ModuleType) -> tuple[Any, Any]:

@@ -33,9 +33,9 @@ from camp2p_overlap.core.keys import (
     EventKey,
 )
 from camp2p_overlap.core.overlap.camp2p import group_of
-from camp2p_overlap.core.overlap.capture_guard import GUARD
 from camp2p_overlap.core.overlap.plan import StageLayer
 from camp2p_overlap.core.overlap.session import IssuedOp, RunningOp, SessionSnapshot
+from camp2p_overlap.core.overlap.streams.backend import GUARD
 from camp2p_overlap.core.overlap.streams.base import StreamPoisonedError
 
 #: Events listed in full up to this many; past it only the pending ones.

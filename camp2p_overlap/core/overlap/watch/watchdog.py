@@ -32,9 +32,8 @@ from dataclasses import dataclass
 
 from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.log import logger
-from camp2p_overlap.core.overlap.capture_guard import GUARD
 from camp2p_overlap.core.overlap.session import SessionSnapshot
-from camp2p_overlap.core.overlap.streams.backend import StreamBackend
+from camp2p_overlap.core.overlap.streams.backend import GUARD, StreamBackend
 from camp2p_overlap.core.overlap.watch.stall_report import stall_report
 
 #: The first and the longest pause between two looks at a closed step's
