@@ -51,6 +51,7 @@ FALSE_WORDS = ("0", "false", "no", "off")
 Kind = Literal["switch", "integer", "choice", "seconds", "address"]
 #: One label of a host name (RFC 1123): letters, digits, inner hyphens.
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+_ADDRESS_RULE = "is not an IPv4 or IPv6 address or a host name (e.g. 127.0.0.1, 0.0.0.0, ::1, localhost)"
 
 
 def is_address(text: str) -> bool:
@@ -140,7 +141,7 @@ class EnvVar:
             return word
         if self.kind == "address":
             if not is_address(text):
-                raise BadValue(f"{self.name}={raw!r} {self._address_rule()}")
+                raise BadValue(f"{self.name}={raw!r} {_ADDRESS_RULE}")
             return text
         try:
             seconds = float(text)
@@ -163,11 +164,7 @@ class EnvVar:
         if self.kind == "seconds" and not self._seconds_ok(value):
             raise BadValue(f"{self.name}={value!r} {self._seconds_rule()}")
         if self.kind == "address" and not (isinstance(value, str) and is_address(value)):
-            raise BadValue(f"{self.name}={value!r} {self._address_rule()}")
-
-    @staticmethod
-    def _address_rule() -> str:
-        return "is not an IPv4 or IPv6 address or a host name (e.g. 127.0.0.1, 0.0.0.0, ::1, localhost)"
+            raise BadValue(f"{self.name}={value!r} {_ADDRESS_RULE}")
 
     def _seconds_ok(self, seconds: float) -> bool:
         return math.isfinite(seconds) and (seconds >= 0 if self.low == 0 else seconds > 0)

@@ -7,6 +7,7 @@ so this never raises.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -18,19 +19,14 @@ ENTRY_POINT_NAME = "camp2p_overlap"
 
 
 def register_env_vars() -> list[str]:
-    """Make our ``VLLM_CAMP2P_*`` names (every row of
-    :data:`camp2p_overlap.core.env_vars.TABLE`) known to vLLM's environment
-    registry in this process, so vLLM's unknown-variable check neither warns
-    nor, with ``--fail-on-environ-validation``, fails. Returns the names added.
-
-    Only touches ``vllm.envs`` when vLLM is already imported (it always is
-    when vLLM loads plugins)."""
+    """Make our ``VLLM_CAMP2P_*`` names known to vLLM's environment registry
+    (``vllm.envs``, when already imported, as it is when vLLM loads plugins),
+    so vLLM's unknown-variable check neither warns nor, with
+    ``--fail-on-environ-validation``, fails. Returns the names added."""
     envs = sys.modules.get("vllm.envs")
     registry: Any = getattr(envs, "environment_variables", None) if envs else None
     if not isinstance(registry, dict):
         return []
-    import os
-
     added = []
     for name in (v.name for v in TABLE):
         if name not in registry:

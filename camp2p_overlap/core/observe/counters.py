@@ -58,31 +58,28 @@ class StepCounters:
         self._graph_captures = dict.fromkeys(GRAPH_CAPTURE_VARIANTS, 0)
 
     def _first(self) -> None:
-        hook, self.on_first_step = self.on_first_step, None
-        if hook is not None:
-            hook()
+        if self.on_first_step is not None:  # steps after the first only read it, never write it
+            hook, self.on_first_step = self.on_first_step, None
+            if hook is not None:
+                hook()
 
     def engaged(self, mode: str) -> None:
         """An engaged step of rollout ``mode``."""
         if mode not in ENGAGED:
             raise ValueError(f"{mode!r} is not an engaged path ({', '.join(ENGAGED)})")
         self._here.steps[mode] += 1  # this thread's own count: no lock
-        if self.on_first_step is not None:
-            self._first()
+        self._first()
 
     def serial(self, reason: str) -> None:
-        # this thread's own counts: no lock (every step counts here); its
-        # serial steps are the sum of its reasons (to_dict adds them up)
+        # this thread's own counts, no lock; to_dict adds its reasons up into steps["serial"]
         reasons = self._here.reasons
         reasons[reason] = reasons.get(reason, 0) + 1
-        if self.on_first_step is not None:
-            self._first()
+        self._first()
 
     def graph_replay(self, variant: str) -> None:
         """A replay of a decode graph's ``variant`` (not an eager step: ``steps`` is not counted)."""
         self._count_graph(self._graph_replays, variant)
-        if self.on_first_step is not None:
-            self._first()
+        self._first()
 
     def graph_capture(self, variant: str) -> None:
         """A call of ``_ffn_forward`` inside a graph capture, which captured

@@ -101,10 +101,8 @@ class StepMetrics:
             self.graph_replays.labels(variant=variant)
 
     def _forget_in_child(self) -> None:
-        """In a forked child: the parent's counts are the parent's (the
-        child's counters start from zero too); same mode, nothing counted."""
-        mode = self._mode or ("overlap", "overlap")
-        self._build(*mode)
+        """In a forked child: the same mode, nothing counted (the parent's counts are the parent's)."""
+        self._build(*self._mode)  # type: ignore[misc]  # set by the _build that made self
 
     def set_mode(self, mode: str, rung: str) -> None:
         """The mode gauge: 1 for ``(mode, rung)``; the one before is set to 0

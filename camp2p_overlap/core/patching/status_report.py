@@ -42,8 +42,7 @@ class TargetStatus:
 
     @property
     def ready(self) -> bool:
-        """Whether the target does not keep the patch layer from engaging: wrapped,
-        checked, or an optional target refused alone (only its feature is)."""
+        """Wrapped, checked, or an optional target refused alone (only its feature is refused)."""
         return self.state in READY or self.refuses_feature_only
 
     @property
@@ -82,8 +81,7 @@ class PatchReport:
 
     @property
     def required_refused(self) -> tuple[TargetStatus, ...]:
-        """The refusals that keep the patch layer from engaging (not an optional
-        target refused alone: that refuses its feature only)."""
+        """The refusals that keep the patch layer from engaging (all but the optional ones)."""
         return tuple(t for t in self.refused if not t.refuses_feature_only)
 
     @property
@@ -93,14 +91,12 @@ class PatchReport:
 
     @property
     def engaged(self) -> bool:
-        """Applied, and every target is wrapped or checked (or, optional,
-        refused alone: only its feature is refused)."""
+        """Applied, and every target :attr:`~TargetStatus.ready`."""
         return self.applied and all(t.ready for t in self.targets)
 
     @staticmethod
     def unready_of(targets: Iterable[TargetStatus]) -> str | None:
-        """Why not every target is wrapped or checked (the first one that is
-        not, an optional target refused alone aside), or None when all are."""
+        """Why not every target is ready (the first that is not), or None when all are."""
         seen = False
         for t in targets:
             seen = True
@@ -179,8 +175,7 @@ class StatusBoard:
         return any((st := self.targets.get(t.id)) is not None and st.state is state for t in targets)
 
     def any_required_refused(self, targets: Iterable[TargetSpec]) -> bool:
-        """Whether one of ``targets`` is refused, not as an optional target
-        refused alone."""
+        """Whether one of ``targets`` is refused, not as an optional target refused alone."""
         return any(
             (st := self.targets.get(t.id)) is not None and st.state is TargetState.REFUSED and st.feature is None
             for t in targets
@@ -190,9 +185,8 @@ class StatusBoard:
         return refused_features(self.targets.values())
 
     def log_when_settled(self, report: PatchReport) -> None:
-        """The one line per outcome: once every target is settled (wrapped,
-        checked or refused), or at once on a refusal (not an optional
-        target refused alone: its feature's warning is logged at once)."""
+        """The one line per outcome: once no target waits for its import, or at
+        once on a refusal (an optional target's has a warning of its own)."""
         refused = any(t.state is TargetState.REFUSED and not t.refuses_feature_only for t in self.targets.values())
         waiting = any(t.state is TargetState.NOT_IMPORTED for t in self.targets.values())
         if self._logged or (not refused and waiting):
