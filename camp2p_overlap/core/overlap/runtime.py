@@ -74,10 +74,6 @@ class OverlapRuntime:
         """The session of the step running on this thread, if any."""
         return self.local.session
 
-    def set_session(self, session: StepSession | None) -> None:
-        """Set (or clear, with None) this thread's session."""
-        self.local.session = session
-
     def close(self) -> None:
         """On unpatch (no step or replay in flight): upstream's graph
         objects back, then every runner's side streams released (CPU worker
