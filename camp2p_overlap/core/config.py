@@ -35,9 +35,7 @@ __all__ = [
 ]
 
 Backend = Literal["auto", "npu", "cuda", "cpu"]
-#: The rollout modes: ``overlap`` (side streams), ``reorder`` (the overlap's
-#: issue order on the compute stream only), ``parity`` (the session engaged,
-#: every op on the compute stream in upstream's order). See docs/design.md.
+#: The rollout modes (what each does: the table's VLLM_CAMP2P_MULTISTREAM_MODE choices).
 Mode = Literal["overlap", "reorder", "parity"]
 GraphMode = Literal["0", "1", "adaptive"]
 #: The rollout modes, in the order errors list them (the table's choices).
@@ -62,8 +60,7 @@ class OverlapConfig:
     a2e_on_side_stream: bool = DEFAULTS["a2e_on_side_stream"]
     e2a_on_side_stream: bool = DEFAULTS["e2a_on_side_stream"]
     min_stages: int = DEFAULTS["min_stages"]
-    #: What a decode graph captures: "0" (serial), "1" (overlap), "adaptive"
-    #: (both, chosen per key at replay). ``True``/``False`` read as "1"/"0".
+    #: What a decode graph captures (``True``/``False`` read as "1"/"0").
     graph: GraphMode = DEFAULTS["graph"]
     backend: Backend = DEFAULTS["backend"]
     strict: bool = DEFAULTS["strict"]
@@ -71,11 +68,8 @@ class OverlapConfig:
     adaptive: bool = DEFAULTS["adaptive"]
     reprobe_every: int = DEFAULTS["reprobe_every"]
     mode: Mode = DEFAULTS["mode"]
-    #: Port of the opt-in per-process metrics endpoint (None: off; 0: any free port).
     metrics_port: int | None = DEFAULTS["metrics_port"]
-    #: Address that endpoint listens on (loopback unless set; ``0.0.0.0`` for every interface).
     metrics_addr: str = DEFAULTS["metrics_addr"]
-    #: Seconds between one-line summaries in the log (0: none).
     summary_s: float = DEFAULTS["summary_s"]
     #: Variables that were set, as read (for logs and ``doctor``).
     raw: Mapping[str, str] = field(default_factory=dict, compare=False)
@@ -105,10 +99,8 @@ def _check_ranges(cfg: OverlapConfig) -> None:
 
 
 def load_config(env: Mapping[str, str] | None = None) -> OverlapConfig:
-    """Parse the environment (``os.environ`` by default) into a config.
-
-    Raises :class:`ConfigError` for any malformed value.
-    """
+    """Parse the environment (``os.environ`` by default) into a config;
+    :class:`ConfigError` for any malformed value."""
     env = os.environ if env is None else env
     try:
         values = {var.field: var.read(env) for var in TABLE}
@@ -120,10 +112,8 @@ def load_config(env: Mapping[str, str] | None = None) -> OverlapConfig:
 
 
 def strict_requested(env: Mapping[str, str] | None = None) -> bool:
-    """Whether strict mode is asked for, tolerating a malformed switch elsewhere.
-
-    Used to decide whether a :class:`ConfigError` itself should raise.
-    """
+    """Whether strict mode is asked for, tolerating a malformed switch elsewhere
+    (whether a :class:`ConfigError` itself should raise)."""
     env = os.environ if env is None else env
     try:
         return bool(BY_NAME[ENV_STRICT].read(env))
