@@ -160,14 +160,6 @@ class _SyncFirst:
         return []
 
 
-def _counts(snap: Mapping[str, Any]) -> dict[str, dict[str, int]]:
-    """What a summary reports: steps per path and graph replays per variant."""
-    return {
-        "steps": {k: int(v) for k, v in snap.get("steps", {}).items()},
-        "graph_replays": {k: int(v) for k, v in snap.get("graph_replays", {}).items()},
-    }
-
-
 def _count(counts: Mapping[str, Any], before: Mapping[str, Any] | None, key: str, sep: str) -> str:
     """``<key><sep><n>``, with ``(+<grown>)`` since ``before`` when it grew."""
     n = int(counts.get(key, 0))
@@ -264,7 +256,7 @@ class Reporter:
         """Log the one-line summary if the counts (steps or graph replays)
         changed since the last one."""
         snap = self._stats()
-        counts = _counts(snap)
+        counts = {key: {k: int(v) for k, v in snap.get(key, {}).items()} for key in ("steps", "graph_replays")}
         if counts == self._last:
             return False
         logger.log(logging.INFO, "%s", summary_line(snap, self._last, self.graph))
