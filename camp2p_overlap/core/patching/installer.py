@@ -64,11 +64,9 @@ class ModuleRefused(Exception):
 
 
 class _TargetProblem(Exception):
-    """Why one target cannot be installed. ``optional_problem`` (for a
-    target missing or changed, not for a conflict or a bug of ours) is
-    what an optional target's feature refusal says: ``is missing (...)``,
-    ``has a changed signature (...)``; None: the module is refused whatever
-    the target."""
+    """Why one target cannot be installed. ``optional_problem``, for a target
+    missing or changed, is what an optional target's feature refusal says
+    (``is missing (...)``); None: the module is refused whatever the target."""
 
     def __init__(self, reason: str, optional_problem: str | None = None) -> None:
         super().__init__(reason)
@@ -95,24 +93,16 @@ def live_owner(module: ModuleType, t: TargetSpec) -> Any:
     return owner
 
 
-def live_target(manifest: StackManifest | None, qualname: str) -> Any:
-    """A target's live object by qualname (a class attribute or a module
-    function), or None while its module is not imported."""
-    t = None if manifest is None else target_named(manifest, qualname)
-    return None if t is None else live_attribute(t)
-
-
 def target_named(manifest: StackManifest, qualname: str) -> TargetSpec | None:
     """``manifest``'s target of that qualname, or None."""
     return next((t for t in manifest.targets() if t.qualname == qualname), None)
 
 
 def live_attribute(t: TargetSpec) -> Any:
-    """Target ``t``'s live object, or None while its module is not imported
-    (or its owner is gone)."""
-    owner: Any = sys.modules.get(t.module)
-    if owner is not None and t.owner_path:
-        owner = live_owner(owner, t)
+    """Target ``t``'s live object (a class attribute or a module function),
+    or None while its module is not imported (or its owner is gone)."""
+    module = sys.modules.get(t.module)
+    owner = None if module is None else live_owner(module, t)
     return None if owner is None else vars(owner).get(t.attribute)
 
 
