@@ -341,22 +341,15 @@ class StepTimings:
     def record(
         self, key: BucketKey, path: Path, backend: StreamBackend, token: Any, into: AdaptiveEngage | None = None
     ) -> None:
-        """A timing, to be read when its events have completed: at once when
-        it is known now and none older waits, else queued (and the older ones
-        read that are ready). ``into``: the adaptive engage it feeds (a
-        decode graph key's own; None: the runtime's)."""
+        """A timing, queued and read once its events have completed (at once
+        when they have and none older waits). ``into``: the adaptive engage
+        it feeds (a decode graph key's own; None: the runtime's)."""
         with self._lock:
-            older = bool(self._pending)
-            seconds = None if older else GUARD.read(partial(backend.step_timer_elapsed_s, token))
-            if seconds is None:
-                self._pending.append((key, path, backend, token, into))
-                while len(self._pending) > MAX_PENDING_TIMINGS:
-                    dropped = self._pending.popleft()
-                    dropped[2].step_timer_discard(dropped[3])
-        if seconds is not None:
-            (into or self._owner.adaptive).record(key, path, seconds)
-        elif older:  # with none older, this one is first and not ready: nothing to read
-            self.read_ready()
+            self._pending.append((key, path, backend, token, into))
+            while len(self._pending) > MAX_PENDING_TIMINGS:
+                dropped = self._pending.popleft()
+                dropped[2].step_timer_discard(dropped[3])
+        self.read_ready()
 
     def timed(
         self,
