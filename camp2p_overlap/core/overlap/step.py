@@ -23,8 +23,9 @@ instrumentations build ``_traced_execute_factory(tracer)``). Each call of
    duration (``routes``), the watchdog, and the join on every exit;
 5. the step's time, for adaptive engage.
 
-The only module global a step reads is the active trace recorder (one read
-per step, ``core.observe.trace.current_recorder``).
+The module globals a step reads are the active trace recorder
+(``core.observe.trace.active``, once per step) and the capture guard
+(``streams.backend.GUARD``, while it has no backend to ask).
 """
 
 from __future__ import annotations
