@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from support.overlap import (
     Call,
     Schedule,
+    SessionSpy,
     apply_cpu,
     assert_same,
     delay_hook,
@@ -132,3 +133,43 @@ def test_random_schedules_equal_serial_and_every_edge_holds(worlds: list, patch_
         if mode == "parity":
             result = edges.check_step(ops, trace.ExpectedSchedule.serial(layers, stages))
             assert result.ok, f"parity schedule {sched}:\n{result}"
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(job=jobs())
+@example(job=(0, Schedule(4, (0, 1, 2), (5, 9, 3), 1), (True, True, 2), "overlap"))
+@example(job=(1, Schedule(8, (0, 2), (16, 1), 1), (False, True, 1), "overlap"))
+@example(job=(1, Schedule(7, (1, 2), (4, 12), 1), (True, False, 2), "overlap"))
+@example(job=(0, Schedule(4, (0, 1, 2), (7, 2, 9), 1), (True, True, 2), "parity"))
+def test_random_schedules_on_the_production_path_equal_serial_and_every_edge_holds(
+    worlds: list, patch_layer: PatchLayer, monkeypatch: pytest.MonkeyPatch, job: tuple
+) -> None:
+    """The same schedules as production runs them (no recorder, no
+    watchdog): bitwise equal to serial, and the edge checker passes on the
+    step's own log (the host's issue order and its event graph)."""
+    wi, sched, (a2e, e2a, min_stages), mode = job
+    sched = Schedule(sched.layers, sched.stages, sched.tokens, next(_STEPS))
+    w = worlds[wi]
+    patch_layer.engine.unpatch(timeout=10)
+    (ref,) = serial_results(w, [sched], patch_layer)
+    apply_cpu(patch_layer=patch_layer, a2e_on_side_stream=a2e, e2a_on_side_stream=e2a, min_stages=min_stages, mode=mode)
+    sessions = SessionSpy(monkeypatch, patch_layer=patch_layer, keep=True)
+    try:
+        got = run_step(w, sched)
+    finally:
+        patch_layer.engine.unpatch(timeout=10)
+    assert_same(got, ref)
+    layers, stages = tuple(ffn_layers(wi, sched.layers)), tuple(sorted(sched.stages))
+    if len(stages) < min_stages:
+        assert not sessions.kept  # the serial path: no session
+        return
+    (session,) = sessions.kept
+    if mode != "overlap":
+        assert session.issued() == issue_order(layers, stages, mode)
+        return
+    rec = trace.TraceRecorder()
+    session.emit_trace(rec)
+    result = edges.check_step(
+        rec.ops(), trace.ExpectedSchedule(layers, stages, a2e, e2a), source="session", timings=False
+    )
+    assert result.ok, f"schedule {sched} config {(a2e, e2a, min_stages)}:\n{result}"
