@@ -30,7 +30,7 @@ from camp2p_overlap.core.env_vars import (
     EnvVar,
     plain,
 )
-from camp2p_overlap.core.overlap.adaptive.engage import AdaptiveEngage, AdaptiveSettings, BucketKey
+from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey
 from camp2p_overlap.tools import cli
 from camp2p_overlap.tools.docgen import help_listing, markdown_table
 
