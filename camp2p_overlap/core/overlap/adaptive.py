@@ -1,21 +1,19 @@
 """Adaptive engage: per runner and shape bucket, measure overlapped steps
 and serial probe steps, and engage the overlap only where it pays.
 
-Pure logic, fed step times by the wrappers (``record``) and asked which
-path a step takes (``choose``); deterministic for given times. Per bucket:
+Pure logic, fed step times (``record``) and asked which path a step takes
+(``choose``); deterministic for given times. Per bucket:
 
-* learning: overlap steps first, then serial steps (a serial step runs the
-  original path, bitwise equal), each path's steps back to back as they run
-  once decided: an overlap step right after a serial one finds its side
-  streams cold and would be judged on costs it does not have in a run. The
-  first overlap time is dropped (first-use costs: side streams, events,
-  allocator). Once each path has ``min_samples`` kept times the bucket
-  decides for the faster median (overlap must beat serial by
-  ``engage_margin``; 0 by default: both are measured under the patch layer, so a
-  serial step's time already holds what the patch layer costs it). With the
+* learning: overlap steps first, then serial steps (upstream's path, bitwise
+  equal), each path's steps back to back as in a run: an overlap step right
+  after a serial one finds its side streams cold. The first overlap time is
+  dropped (first-use costs: side streams, events, allocator). Once each path
+  has ``min_samples`` kept times the bucket decides for the faster median
+  (overlap must beat serial by ``engage_margin``, 0 by default: a serial
+  step's time already holds what the patch layer costs it). With the
   defaults the first decision comes at the bucket's 7th step on the CPU
-  backend (times read after the join) and at its 8th on a device (times read
-  a step later).
+  backend (times read after the join) and at its 8th on a device (a step
+  later).
 * decided: every ``reprobe_every`` steps a probe round runs the other path:
   one warm-up step (its time dropped, for the same reason) and then a
   measured probe. A probe that beats the decided path's recent median by
@@ -38,12 +36,8 @@ path a step takes (``choose``); deterministic for given times. Per bucket:
 * a decided-serial step that is not a probe is timed one in
   ``serial_time_every`` (8): its times only keep the path's median fresh.
 
-Each decision is logged once, when it changes, with its figures.
-
-The step times come from :class:`StepTimings`: one runner's step and replay timings not read yet: each is read once its
-end event has completed (``query()``, never a synchronize), oldest first,
-into adaptive engage, and never while a graph capture is in progress
-(:data:`~camp2p_overlap.core.overlap.streams.backend.GUARD`).
+Each decision is logged once, when it changes, with its figures. The times
+come from :class:`StepTimings`.
 """
 
 from __future__ import annotations
@@ -75,11 +69,9 @@ def pow2_ceil(n: int) -> int:
 
 
 class BucketKey(NamedTuple):
-    """A runner and a step shape: steps of one bucket take comparable time.
-
-    ``tokens`` is the largest token count of the step's stages rounded up
-    to a power of two (0 when the metadata carries none). A tuple, so that
-    the per-step dict lookups hash and compare it in C."""
+    """A runner and a step shape, whose steps take comparable time. ``tokens``:
+    the largest stage token count rounded up to a power of two (0: unknown).
+    A tuple, so that the per-step dict lookups hash and compare it in C."""
 
     runner: str
     stages: int
@@ -103,10 +95,8 @@ class AdaptiveSettings:
     close_call: float = 0.10
     close_recheck: int = 16
     close_switch_margin: float = 0.01
-    #: A decided-serial step (not a probe) is timed one in this many: its
-    #: times only keep the current path's median fresh for the next probe
-    #: round to be judged against (``window`` samples span this many times
-    #: as many steps), and the timing costs the step host time.
+    #: A decided-serial step (not a probe) is timed one in this many: its times
+    #: only keep the median fresh for the next probe round, and timing costs host time.
     serial_time_every: int = 8
 
 
@@ -127,8 +117,7 @@ class _Bucket:
     #: The bucket's probe interval, in units of ``reprobe_every`` (back-off).
     backoff: int = 1
     changes: int = 0
-    #: The first decision was a close call: its recheck round switches on
-    #: ``close_switch_margin``.
+    #: The first decision was a close call: its recheck switches on ``close_switch_margin``.
     close_recheck: bool = False
 
     def __post_init__(self) -> None:
@@ -148,10 +137,9 @@ class AdaptiveEngage:
         self._buckets: dict[BucketKey, _Bucket] = {}
 
     def choose(self, key: BucketKey) -> tuple[Path, bool, bool]:
-        """The path this step of bucket ``key`` takes, whether it is a probe
-        (a step run to measure, not the bucket's decision), and whether it
-        is timed: every step but a decided-serial one, which is timed one in
-        ``serial_time_every``."""
+        """The path this step of ``key`` takes, whether it is a probe (run to
+        measure, not the decision), and whether it is timed (a decided-serial
+        step only one in ``serial_time_every``)."""
         cfg = self.settings
         with self._lock:
             b = self._buckets.get(key)
@@ -164,7 +152,7 @@ class AdaptiveEngage:
             elif b.probes_left > 0:
                 b.probes_left -= 1
                 path, probe = other(b.decision), True
-            elif _probe_due(b, cfg):
+            elif b.since_probe + 1 >= cfg.reprobe_every * b.backoff:  # a probe round starts
                 b.since_probe = 0
                 b.warmups += 1  # this step warms the other path up; a measured probe follows
                 b.probes_left = 1
@@ -263,12 +251,7 @@ class AdaptiveEngage:
                 o, s = b.median("overlap"), b.median("serial")
                 out.append(
                     {
-                        "key": {
-                            "runner": b.key.runner,
-                            "stages": b.key.stages,
-                            "layers": b.key.layers,
-                            "tokens": b.key.tokens,
-                        },
+                        "key": b.key._asdict(),
                         "label": b.key.label(),
                         "decision": b.decision or "learning",
                         "overlap_median_ms": None if o is None else round(o * 1e3, 4),
@@ -281,11 +264,6 @@ class AdaptiveEngage:
                     }
                 )
             return out
-
-
-def _probe_due(b: _Bucket, cfg: AdaptiveSettings) -> bool:
-    """Whether the bucket's next decided step starts a probe round."""
-    return b.since_probe + 1 >= cfg.reprobe_every * b.backoff
 
 
 def _learning_path(b: _Bucket, cfg: AdaptiveSettings) -> Path:
@@ -306,21 +284,15 @@ def _ms(seconds: float | None) -> str:
 #: Timings waiting for their device events, at most (older ones are dropped).
 MAX_PENDING_TIMINGS = 64
 
-#: A timing not read yet: its bucket, path, backend, token and the adaptive
-#: engage it feeds (None: the runtime's).
+#: A timing not read yet: bucket, path, backend, token, the adaptive engage it feeds.
 Pending = tuple[BucketKey, Path, StreamBackend, Any, "AdaptiveEngage | None"]
 
 
-def step_timer_start(backend: StreamBackend) -> Any:
-    """A step's or a replay's timing token, or None (not timed) while a graph
-    capture is in progress on any thread: the timing could not be read
-    before the capture ends, it would time the step beside a capture, and a
-    timing pair the pool lacks would be an event made during a capture."""
-    return None if GUARD.capturing() else backend.step_timer_start()
-
-
 class StepTimings:
-    """The timings of one runner, queued in issue order."""
+    """One runner's step and replay timings not read yet, in issue order: each
+    is read once its end event has completed (``query()``, never a
+    synchronize), oldest first, and never while a graph capture is in
+    progress (``GUARD``)."""
 
     def __init__(self, owner: Any) -> None:
         #: What holds the adaptive engage the timings feed (``owner.adaptive``,
@@ -328,9 +300,6 @@ class StepTimings:
         self._owner = owner
         self._pending: deque[Pending] = deque()
         self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._pending)
 
     def clear(self) -> None:
         """Drop every timing not read (on unpatch, and in a forked child: a
@@ -341,8 +310,7 @@ class StepTimings:
     def record(
         self, key: BucketKey, path: Path, backend: StreamBackend, token: Any, into: AdaptiveEngage | None = None
     ) -> None:
-        """A timing, queued and read once its events have completed (at once
-        when they have and none older waits). ``into``: the adaptive engage
+        """Queue a timing and read what is ready. ``into``: the adaptive engage
         it feeds (a decode graph key's own; None: the runtime's)."""
         with self._lock:
             self._pending.append((key, path, backend, token, into))
@@ -359,10 +327,11 @@ class StepTimings:
         run: Callable[[], Any],
         into: AdaptiveEngage | None = None,
     ) -> Any:
-        """``run()`` timed on the compute stream and recorded for ``key``
-        (not timed while a capture is in progress; a run that raised is not
-        recorded, and its event pair goes back)."""
-        token = step_timer_start(backend)
+        """``run()`` timed on the compute stream and recorded for ``key``; a run
+        that raised is not recorded. Not timed while a capture is in progress on
+        any thread: the timing could not be read before the capture ends, and a
+        pair the pool lacks would be an event made during a capture."""
+        token = None if GUARD.capturing() else backend.step_timer_start()
         try:
             result = run()
         except BaseException:
@@ -375,9 +344,8 @@ class StepTimings:
         return result
 
     def read_ready(self) -> None:
-        """Read every timing that is ready (never waits) into its adaptive
-        engage, oldest first; stop at the first not ready, and at once while
-        a capture is in progress."""
+        """Read every ready timing into its adaptive engage, oldest first (never
+        waits); stop at the first not ready, and at once during a capture."""
         while self._pending:
             with self._lock:
                 if not self._pending:

@@ -30,18 +30,16 @@ def group_of(stage: int) -> str:
 
 def comm_names_for(num_ubatches: int) -> tuple[str, str, str]:
     """The three communicator-name fields as the connector fills them for
-    ``num_ubatches`` (group names stand in for the HCCL names, which only
-    exist at run time): the first group always; the second field repeats
-    the first when there is one micro-batch; the third is empty below three."""
+    ``num_ubatches``, group names standing in for the run-time HCCL names:
+    the second repeats the first for one micro-batch; the third is empty below three."""
     n = max(1, int(num_ubatches))
     return GROUPS[0], GROUPS[1] if n > 1 else GROUPS[0], GROUPS[2] if n > 2 else ""
 
 
 def resolve_group(stage: int, names: tuple[str, str, str]) -> str:
-    """The communicator the connector's A2E/E2A of ``stage`` use, by its
-    rule: stage 1 takes the second name, else the first; stage 2 needs the
-    third; any other non-negative stage takes the first. Raises
-    :class:`GroupError` where the connector would fail."""
+    """The communicator the connector's A2E/E2A of ``stage`` use (stage 1: the
+    second name, else the first; stage 2: the third; others: the first).
+    Raises :class:`GroupError` where the connector would fail."""
     first, second, third = names
     if stage < 0:
         raise GroupError(f"stage {stage} is negative")
@@ -72,9 +70,6 @@ def connector_comm_names(connector: Any) -> tuple[str, str, str]:
 
 
 _comm_names = operator.attrgetter(*COMM_NAME_FIELDS)
-#: The connector's three communicator-name fields as they are (a tuple;
-#: AttributeError when one is missing): what a memoised decision compares.
-comm_name_fields = _comm_names
 
 
 def stage_groups(names: tuple[str, str, str], stages: Any) -> dict[int, str]:
@@ -91,9 +86,8 @@ def shared_groups(groups: Mapping[int, str]) -> dict[str, list[int]]:
 
 
 def group_problem(connector: Any, stages: Any) -> str | None:
-    """Why the step must not engage, or None. One side stream per HCCL
-    group: two stages on one group would put two streams on one group's
-    window, whose A2E and E2A share a handshake counter."""
+    """Why the step must not engage, or None: two stages on one HCCL group would
+    put two streams on its window, whose A2E and E2A share a handshake counter."""
     try:
         names = connector_comm_names(connector)
     except GroupError as exc:
@@ -128,11 +122,10 @@ def stage_ids(dp_metadata_list: Any) -> tuple[list[int], int]:
 
 
 def max_stage_tokens(dp_metadata_list: Any) -> int:
-    """The largest token count of the step's stages, from what the DP
-    metadata carries: ``num_tokens`` (the emulation), or the sum of vLLM's
-    ``num_tokens_across_dp_cpu`` (every attention rank's tokens for the
-    stage; CAMP2P splits them over the FFN ranks, so it is proportional to
-    what this rank receives). 0 when none of that is there."""
+    """The largest token count of the step's stages: ``num_tokens`` (the
+    emulation), or the sum of vLLM's ``num_tokens_across_dp_cpu`` (every
+    attention rank's tokens, proportional to what this FFN rank receives); 0
+    when the metadata carries neither."""
     best = 0
     for meta in (dp_metadata_list or {}).values():
         count = getattr(meta, "num_tokens", None)
@@ -150,10 +143,9 @@ def max_stage_tokens(dp_metadata_list: Any) -> int:
 
 
 def _tokens_across_dp(meta: Any) -> Any:
-    """The sum of vLLM's ``num_tokens_across_dp_cpu`` (a small CPU tensor),
-    0 when it is not there. Summed on the host from ``tolist()``: a torch
-    reduction and its ``int()`` cost about ten times as much, and a
-    decided-serial step reads this on every step."""
+    """The sum of ``num_tokens_across_dp_cpu`` (a small CPU tensor; 0: none),
+    from ``tolist()``: a torch sum and its ``int()`` cost ten times as much,
+    on every step."""
     across = getattr(meta, "num_tokens_across_dp_cpu", None)
     if across is None:
         return 0

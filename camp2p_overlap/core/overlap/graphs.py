@@ -1,35 +1,30 @@
 """Decode graphs with both variants (``VLLM_CAMP2P_MULTISTREAM_GRAPH=adaptive``).
 
-Upstream's ``_capture_graphs`` captures one graph per key and stores it in
-``runner._acl_graphs[key]["graph"]``; ``execute_model`` replays it for every
+Upstream's ``_capture_graphs`` captures one graph per key into
+``runner._acl_graphs[key]["graph"]``, which ``execute_model`` replays for every
 later step of that key. The wrapped ``_capture_graphs`` (:class:`GraphCapture`):
 
-1. runs every capture inside the capture guard, so no thread of the patch layer
-   reads an event while it is in progress (``streams.backend.GUARD``);
-2. refuses graph variants where the stack cannot replay them (a missing
-   optional patch target, a torch_npu without the multi-stream capture
-   fix): upstream's serial graph only, logged once and counted;
-3. before upstream captures, makes the runner's side streams, the stream
-   the patch layer's variant is captured on, and the plan's pooled events, so a
-   capture creates none (a capture with no eager warm-up works);
+1. runs every capture inside the capture guard (``streams.backend.GUARD``), so
+   no thread of the patch layer reads an event while it is in progress;
+2. captures upstream's serial graph only where the stack cannot replay the
+   variants (a missing optional patch target, a torch_npu without the
+   multi-stream capture fix), logged once and counted;
+3. makes the runner's side streams, the variant's capture stream and the
+   plan's pooled events before upstream captures, so a capture creates none
+   (a capture with no eager warm-up works);
 4. lets upstream capture its own graph (the patch layer takes the serial path
-   inside it, so it is exactly upstream's), measuring its memory and time;
-5. under ``adaptive``, captures the patch layer's variant of the same step (the
-   overlap, or the rollout mode's) in the runner's pool on the patch layer's own
-   capture stream, unless free memory is below the margin, and puts a
-   :class:`VariantGraph` in the entry.
+   inside it), measuring its memory and time;
+5. under ``adaptive``, captures the patch layer's variant of the same step in
+   the runner's pool on its own capture stream, unless free memory is below
+   the margin, and puts a :class:`VariantGraph` in the entry.
 
 A :class:`VariantGraph` replays the variant the key's own adaptive state
-chose (learning, hysteresis, re-probes, back-off, as eager steps; the
-choice, its samples and medians belong to the key, not to a shared bucket),
-timed with pooled events read at a later replay with ``query()``, never a
-synchronize. A replay is a step of the gate: ``unpatch()`` waits for the
-replays in flight, then puts upstream's graph objects back (identity) and
-releases the patch layer's; a ``VariantGraph`` still held afterwards replays
-upstream's graph.
-
-Both variants keep CAMP2P's per-group op order (docs/design.md, "Decode
-graphs"), so the attention side cannot tell which one replays.
+chose, timed with pooled events read at a later replay (``query()``, never a
+synchronize). A replay is a step of the gate: ``unpatch()`` waits for the
+replays in flight, then puts upstream's graph objects back (identity); a
+``VariantGraph`` still held afterwards replays upstream's graph. Both
+variants keep CAMP2P's per-group op order (docs/design.md, "Decode graphs"),
+so the attention side cannot tell which one replays.
 """
 
 from __future__ import annotations
@@ -58,26 +53,22 @@ if TYPE_CHECKING:
 
 #: The two variants, by what ``stats()`` calls them.
 SERIAL, OVERLAP = "serial", "overlap"
-#: Free device memory the patch layer's variant capture leaves, at least, beyond
-#: the key's own graph size (upstream's capture of the same step): below
-#: ``graph_size + SECOND_CAPTURE_HEADROOM_BYTES`` free, the key keeps
-#: upstream's graph only (docs/design.md, "Decode graphs").
+#: Below ``graph_size + SECOND_CAPTURE_HEADROOM_BYTES`` free device memory, a
+#: key keeps upstream's graph only (docs/design.md, "Decode graphs").
 SECOND_CAPTURE_HEADROOM_BYTES = 256 << 20
 
 
 def graph_variants_refusal(engine: PatchEngine, backend_name: str | None) -> str | None:
-    """Why decode graphs of ``backend_name`` capture upstream's serial graph
-    only, whatever VLLM_CAMP2P_MULTISTREAM_GRAPH asks (None: variants may
-    be captured): a patch target only graph variants need is refused, or
-    the installed torch_npu lacks the multi-stream capture fix."""
+    """Why decode graphs of ``backend_name`` capture upstream's serial graph only
+    (a patch target of graph variants refused, or a torch_npu without the
+    multi-stream capture fix), or None."""
     reason = engine.feature_refusal(GRAPH_VARIANTS)
     return reason if reason is not None else torch_npu_capture.capture_fix_refusal(backend_name or "")
 
 
 @dataclass(eq=False)
 class CapturedKey:
-    """One key's two graphs, where they live, how they were captured, and
-    the key's own choice between them."""
+    """One key's two graphs, how they were captured, and its own choice between them."""
 
     key_text: str
     entry: dict[str, Any]
@@ -106,9 +97,9 @@ class CapturedKey:
 
 
 class VariantGraph:
-    """What ``_acl_graphs[key]["graph"]`` holds while the patch layer is applied:
-    ``replay()`` replays the variant chosen for the key; ``reset()`` and the
-    debug calls reach both graphs; anything else is upstream's graph's."""
+    """``_acl_graphs[key]["graph"]`` while the patch layer is applied: ``replay()``
+    replays the chosen variant; ``reset()`` and debug calls reach both graphs;
+    anything else is upstream's graph's."""
 
     def __init__(self, captured: CapturedKey, capture: GraphCapture) -> None:
         self.captured = captured
@@ -125,8 +116,7 @@ class VariantGraph:
             c.gate.exit()
 
     def reset(self) -> None:
-        """Upstream's graph and the patch layer's are both reset; later replays are
-        upstream's (as its graph, reset, replays)."""
+        """Both graphs reset; later replays are upstream's."""
         c = self.captured
         c.released = True
         _reset(c.ours)
@@ -162,11 +152,9 @@ def _reset(graph: Any) -> None:
             logger.warning("camp2p-overlap: releasing a captured graph failed: %r", exc)
 
 
-def restore_all(states: list[RunnerState]) -> int:
-    """Put upstream's graph object back in every entry still holding the
-    patch layer's (identity), release the patch layer's; returns how many were restored.
-    Called once no replay is in flight (after the gate drained)."""
-    restored = 0
+def restore_all(states: list[RunnerState]) -> None:
+    """Upstream's graph object back in every entry still holding ours, ours
+    released; called once no replay is in flight (the gate drained)."""
     for state in states:
         keys, state.graphs = state.graphs, {}
         for c in keys.values():
@@ -174,14 +162,11 @@ def restore_all(states: list[RunnerState]) -> int:
             graph = c.entry.get("graph")
             if isinstance(graph, VariantGraph) and graph.captured is c:
                 c.entry["graph"] = c.upstream
-                restored += 1
             _reset(c.ours)
-    return restored
 
 
 def snapshot(states: list[RunnerState]) -> list[dict[str, Any]]:
-    """The ``stats()["graphs"]`` entries: one per captured key, each with its
-    own decision, medians and samples."""
+    """The ``stats()["graphs"]`` entries, one per captured key."""
     out = []
     for state in states:
         for c in list(state.graphs.values()):
@@ -237,8 +222,7 @@ def _measure(mod: Any, fn: Callable[[], Any]) -> tuple[Any, _Measured]:
 
 
 class GraphRuntime(Protocol):
-    """What a capture and its replays use of the runtime (``runtime.py``,
-    which builds on this module)."""
+    """What a capture and its replays use of the runtime (``runtime.py``)."""
 
     adaptive: AdaptiveEngage
     counters: StepCounters
@@ -269,9 +253,8 @@ class GraphCapture:
         if not self.engine.config.enabled or not self.engine.gate.enter():
             return wrapped(*args, **kwargs)
         try:
-            # The capture guard already keeps every read of the patch layer out of
-            # the capture; the step watchdogs still following earlier steps
-            # end (the capture's synchronize runs those steps to their end).
+            # The watchdogs still following earlier steps end (the capture's
+            # synchronize runs those steps to their end).
             if not stop_watchdogs():
                 log_once(
                     logging.WARNING,
@@ -311,15 +294,11 @@ class GraphCapture:
         return result
 
     def prepare(self, runner: Any, dp: Any) -> tuple[RunnerState, StreamBackend] | None:
-        """Before the capture begins: whether graph variants may be captured
-        for this runner (None: upstream's graph only, its reason logged and
-        counted), and then the runner's side streams, the stream the
-        patch layer's variant is captured on and the plan's pooled events, which a
-        capture may not create. Never raises (a step that cannot engage
-        inside the capture says why itself)."""
+        """Before the capture: None where graph variants may not be captured
+        (a refusal is logged and counted); else the runner's state and backend,
+        with the side streams, the variant's capture stream and the plan's
+        pooled events made, which a capture may not create. Never raises."""
         try:
-            if not self.engine.config.graph_overlap:
-                return None
             decision = self.decide(self.engine, runner, {"dp_metadata_list": dp}, self.runtime.runners.get(runner))
             if not decision.engages or decision.plan is None:
                 return None

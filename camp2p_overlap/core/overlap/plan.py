@@ -1,9 +1,5 @@
-"""The plan of one FFN step: the (layer, stage) order the upstream loop
-runs (``for L in layers: for s in stages``), each layer's next, the receive
-kwargs of each (layer, stage), its event keys and op labels; and the
-layouts: where each op kind runs; and the rollout rungs (each mode is a
-layout) and the ladder. Derived once per step shape and cached; the
-session reads it, never builds it."""
+"""The plan of one FFN step (:class:`StepPlan`); the layouts, where each op
+kind runs; and the rollout rungs (each mode is a layout) and the ladder."""
 
 from __future__ import annotations
 
@@ -22,11 +18,9 @@ StageLayer = tuple[int, int]
 @dataclass(frozen=True)
 class StepPlan:
     """The step as the loop will run it: ``for L in layers: for s in stages``.
-
-    What a session reads per (layer, stage) (the order, each layer's next,
-    the receive kwargs, event keys and op labels) is derived once per plan,
-    and plans are cached per step shape (:func:`step_plan`), so an engaged
-    step builds none of it."""
+    What a session reads per (layer, stage) (the order, each layer's next, the
+    receive kwargs, event keys and op labels) is derived once per plan, and
+    plans are cached per step shape (:func:`step_plan`)."""
 
     layers: tuple[int, ...]
     stages: tuple[int, ...]
@@ -34,14 +28,8 @@ class StepPlan:
     #: (upstream: ``max_num_tokens``).
     recv_extra: Mapping[str, Any] = field(default_factory=dict)
 
-    def order(self) -> list[StageLayer]:
-        return list(self.sequence)
-
     def next_layer(self, layer: int) -> int | None:
         return self.next_of[layer]
-
-    def recv_kwargs(self, layer: int, stage: int) -> dict[str, Any]:
-        return dict(self.recv_kw[(layer, stage)])
 
     @cached_property
     def sequence(self) -> tuple[StageLayer, ...]:
@@ -66,9 +54,8 @@ class StepPlan:
         return {(L, s): OpKeys.of(L, s) for L, s in self.sequence}
 
     def event_keys(self) -> list[EventKey]:
-        """Every event key a session of this plan may record (fork, joins,
-        and each (layer, stage)'s), so a backend can make them before a
-        graph capture."""
+        """Every event key a session of this plan may record, so a backend can
+        make them before a graph capture."""
         out = [EventKey.fork(), *(EventKey.join(s) for s in self.stages)]
         for k in self.keys.values():
             out += [k.a_done, k.f_done, k.e_done, k.e_done_c]
@@ -119,15 +106,12 @@ SIDE = "side"
 
 @dataclass(frozen=True)
 class Layout:
-    """Where each op kind of a step runs, and in which order its receives
-    are issued: one row per rollout rung. The session reads nothing else of
-    the rung: every layout runs the same code, and an edge is issued only
-    between two different streams.
-
-    ``prefetch``: the overlap's order (the first layer's receive of every
-    stage at the step's first receive, then each stage's next receive right
-    after its send); without it each receive is issued when the loop asks
-    (upstream's order), on the caller's stream."""
+    """Where each op kind of a step runs, and in which order its receives are
+    issued: one per rollout rung, all run by the same code (an edge is issued
+    only between two different streams). ``prefetch``: the overlap's order (the
+    first layer's receive of every stage at the step's first receive, then each
+    stage's next receive right after its send); without it each receive is
+    issued when the loop asks (upstream's order), on the caller's stream."""
 
     name: str
     a2e: str
@@ -164,21 +148,10 @@ A2E_ONLY = Layout("a2e-only", SIDE, CALLER)
 COMM_SIDE = Layout("comm-side", SIDE, SIDE)
 
 
-# ---------------------------------------------------------------------------
-# rollout modes and the ladder
-# The rollout modes (``VLLM_CAMP2P_MULTISTREAM_MODE``): what each one
-# changes in an engaged step, and the rung of the rollout ladder a
-# configuration is on (docs/design.md, "Rollout modes and the ladder").
-#
-# * ``overlap``: A2E/E2A on a side stream per stage (HCCL group), as the
-#   direction switches say (``comm-side``, ``e2a-only``, ``a2e-only``);
-# * ``reorder``: the overlap's issue order (prologue A2E of every stage, then
-#   E2A(L, s) followed at once by A2E(L+1, s)), every op on the compute stream;
-# * ``parity``: the session engaged, every op on the compute stream in the
-#   order the FFN loop calls it (upstream's order).
-#
-# The session needs no mode of its own: each mode is a layout (``plan.py``).
-
+# The rollout modes (``VLLM_CAMP2P_MULTISTREAM_MODE``) are layouts: ``overlap``
+# puts A2E/E2A on a side stream per stage as the direction switches say,
+# ``reorder`` keeps the overlap's issue order on the compute stream, ``parity``
+# upstream's (docs/design.md, "Rollout modes and the ladder").
 
 #: The rungs in the order a new deployment climbs them.
 LADDER = ("parity", "reorder", "e2a-only", "overlap")
@@ -205,10 +178,5 @@ def rung(cfg: OverlapConfig) -> str:
         return "off"
     if cfg.mode != "overlap":
         return cfg.mode
-    if cfg.a2e_on_side_stream and cfg.e2a_on_side_stream:
-        return "overlap"
-    if cfg.e2a_on_side_stream:
-        return "e2a-only"
-    if cfg.a2e_on_side_stream:
-        return "a2e-only"
-    return "none"
+    layout = _SWITCHED[(cfg.a2e_on_side_stream, cfg.e2a_on_side_stream)]
+    return "none" if layout is None else "overlap" if layout is COMM_SIDE else layout.name

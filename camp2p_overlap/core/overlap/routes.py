@@ -2,27 +2,22 @@
 that step's duration and on that step's thread only.
 
 The manifest's ``route`` targets (the CAMP2P connector's receive and send)
-are signature-checked at import, and nothing of ours is installed on their
+are signature-checked at import; nothing of ours is installed on their
 class. An engaged step (or a serial step while a trace recorder is active)
-sets one router per route target as an attribute of the connector
-*instance* (:class:`ConnectorRoutes`) and removes it in a ``finally``:
+sets one router per route target on the connector *instance*
+(:class:`ConnectorRoutes`) and removes it in a ``finally``:
 
 * between steps a connector call is upstream's method, with no frame of
   ours; other connector instances are never touched;
 * a call from another thread during the step goes straight to the callee;
 * the callee is what the instance resolved to when the step began: its own
-  attribute of that name if it carried one (a user's or a test's
-  monkeypatch, put back as the very same object afterwards), else the
-  class's attribute bound to it, so a foreign wrapper on the class stays in
-  the call chain.
+  attribute if it carried one (a monkeypatch, put back as the very same
+  object afterwards), else the class's attribute bound to it, so a foreign
+  wrapper on the class stays in the call chain.
 
-Limit: a bound method captured from the instance before the step began
-(``recv = connector.recv_attn_output``) bypasses the route; the step then
-sees no receive, runs the loop's order on the compute stream and logs it.
-
-:data:`SESSION_ROUTERS` are an engaged step's routers (each hands its call
-to the step's session); ``serial_trace.TRACE_ROUTERS`` route the same keys
-to a serial step's trace.
+Limit: a bound method taken from the instance before the step began
+bypasses the route; the step then sees no receive, runs the loop's order on
+the compute stream and logs it.
 """
 
 from __future__ import annotations
@@ -47,14 +42,11 @@ MakeRouter = Callable[[Wrapped, int], Wrapped]
 
 _MISSING = object()
 
-# The instance's own attributes are read, set and deleted without
-# ``vars(instance)``: on CPython 3.11 and later an instance keeps its
-# attributes inline until something asks for its ``__dict__``, and from then
-# on every attribute read of that instance (upstream's connector methods
-# read many, on every (layer, stage)) takes the slower dictionary path for
-# the rest of the process. Setting and deleting through ``object`` keeps
-# them inline, and bypasses a ``__setattr__`` of the class as writing the
-# dict did (a data descriptor of that name is refused before: route_problem).
+# Never ``vars(instance)``: on CPython 3.11+ asking for an instance's
+# ``__dict__`` moves its attributes off the fast inline path for good (and
+# upstream's connector methods read many per (layer, stage)). Going through
+# ``object`` also bypasses a ``__setattr__`` of the class (a data descriptor
+# of that name is refused before: route_problem).
 _set_on_instance = object.__setattr__
 _delete_on_instance = object.__delattr__
 _get_on_instance = object.__getattribute__
@@ -65,10 +57,9 @@ def is_router(obj: Any) -> bool:
 
 
 def route_problem(instance: Any, attributes: Iterable[str]) -> str | None:
-    """Why ``instance``'s class cannot have ``attributes`` routed per
-    instance, or None: it needs an instance ``__dict__``, and no data
-    descriptor of that name on its class (it would win over the instance
-    attribute). The same for every step of the instance."""
+    """Why ``instance``'s class cannot have ``attributes`` routed per instance
+    (no instance ``__dict__``, or a data descriptor of that name on the class,
+    which wins over the instance attribute), or None; the same every step."""
     cls = type(instance)
     if not cls.__dictoffset__:  # read off the class: vars(instance) would build the instance's dict
         return f"connector {cls.__name__} has no instance __dict__ to route its calls through"
@@ -83,9 +74,8 @@ ROUTED_ELSEWHERE = "the connector's calls are routed to a step on another thread
 
 
 def _class_attribute(cls: type, attribute: str) -> Any:
-    """What an instance of ``cls`` finds for ``attribute`` on its class (the
-    first ``__dict__`` along its MRO that holds it), without calling a
-    descriptor; None when no class holds it."""
+    """``attribute`` in the first ``__dict__`` along ``cls``'s MRO that holds
+    it, without calling a descriptor; None when none does."""
     for klass in cls.__mro__:
         found = vars(klass).get(attribute, _MISSING)
         if found is not _MISSING:
@@ -94,12 +84,10 @@ def _class_attribute(cls: type, attribute: str) -> Any:
 
 
 def _own_attribute(instance: Any, attribute: str, found: Any) -> Any:
-    """What ``instance`` holds of its own under ``attribute`` (``found``,
-    what it resolves the name to now), or :data:`_MISSING` when ``found`` is
-    its class's attribute bound to it (told by value: a bound method equals
-    another binding of the same function to the same instance). An instance
-    holding such a binding of its class's method is taken as holding
-    nothing: the route then deletes it, and the name resolves the same."""
+    """What ``instance`` holds of its own under ``attribute`` (``found``, what
+    the name resolves to now), or :data:`_MISSING` when ``found`` equals its
+    class's attribute bound to it: the route then deletes it, and the name
+    resolves the same."""
     cls = type(instance)
     held = _class_attribute(cls, attribute)
     if held is None:
@@ -117,8 +105,7 @@ def _own_attribute(instance: Any, attribute: str, found: Any) -> Any:
 
 
 def _held_by_instance(instance: Any, attribute: str) -> Any:
-    """What ``instance`` resolves ``attribute`` to, read past a
-    ``__getattribute__`` of its class; None when nothing."""
+    """``attribute`` of ``instance`` past a class ``__getattribute__``, or None."""
     try:
         return _get_on_instance(instance, attribute)
     except AttributeError:
@@ -137,11 +124,9 @@ class ConnectorRoutes:
         self._set: list[tuple[str, Any, Any]] = []
 
     def install(self, routers: Sequence[tuple[str, MakeRouter]], *, checked: bool = False) -> str | None:
-        """Route each ``(attribute, make)``; None when every route is in
-        place, else why none is (nothing is left set). ``checked``: the
-        caller found :func:`route_problem` None for this instance's class
-        (an engaged step's runner facts); whether another thread's step
-        has routed it is asked here either way."""
+        """Route each ``(attribute, make)``; None when every route is in place,
+        else why none is (nothing left set). ``checked``: the caller found
+        :func:`route_problem` None for this class (an engaged step's runner facts)."""
         instance = self._instance
         if not checked:
             problem = route_problem(instance, [attribute for attribute, _ in routers])
@@ -194,16 +179,9 @@ class ConnectorRoutes:
                 _set_on_instance(instance, attribute, before)
 
 
-# ---------------------------------------------------------------------------
-# an engaged step's routers: each hands its call to the step's session, on
-# the step's thread, while the session is open (a router method taken during
-# a step and called after it calls the connector's method, as any call
-# outside a step does)
-
-
 def session_router(session: Any, key: str, callee: Wrapped, thread: int) -> Wrapped:
-    """The router of ``key`` for ``session``: it hands the call to the
-    session on the step's thread while the session is open."""
+    """The router of ``key`` for ``session``: it hands the call to the session
+    on the step's thread while the session is open (else calls ``callee``)."""
 
     def recv_attn_output(*args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != thread or session.closed:
@@ -221,6 +199,7 @@ def session_router(session: Any, key: str, callee: Wrapped, thread: int) -> Wrap
     return recv_attn_output if key == "recv_attn_output" else send_ffn_output
 
 
-#: The router keys a manifest's ``route`` target may name; an engaged step
-#: installs ``partial(session_router, session, key)`` for each.
+#: The router keys a ``route`` target may name; an engaged step installs
+#: ``partial(session_router, session, key)`` for each (``serial_trace.TRACE_ROUTERS``:
+#: a serial step's trace).
 SESSION_ROUTERS = ("recv_attn_output", "send_ffn_output")

@@ -1,13 +1,9 @@
 """One state per FFN runner, weakly held: what the patch layer keeps of a runner
-between its steps (its name, side streams, what its steps share, step
-timings not read yet, decode graph keys captured with both variants, and
-the mark of a variant capture in progress). :class:`RunnerStates` owns the
-states of one runtime: a state goes when its runner is collected (its side
-streams closed). On unpatch (:meth:`RunnerStates.close_all`) and in a
-forked child a state keeps only the runner's name, so what adaptive engage
-learned under it still applies: its side streams are closed on unpatch
-and forgotten in a child (the parent's stream threads are not there), and
-what its steps share, its timings and captured keys are dropped."""
+between its steps (:class:`RunnerState`). A state goes when its runner is
+collected (its side streams closed). On unpatch and in a forked child a
+state keeps only the runner's name, so what adaptive engage learned under it
+still applies: its side streams are closed on unpatch and forgotten in a
+child (the parent's stream threads are not there)."""
 
 from __future__ import annotations
 
@@ -16,16 +12,13 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.overlap.adaptive import StepTimings
 from camp2p_overlap.core.overlap.streams import make_backend
 from camp2p_overlap.core.overlap.streams.backend import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
-
-if TYPE_CHECKING:
-    pass
 
 #: Builds a backend from its name and the runner's device.
 BackendMaker = Callable[[str, Any], StreamBackend]
@@ -38,9 +31,8 @@ class NotWeaklyReferenceable(TypeError):
 
 @dataclass
 class VariantCapture:
-    """Set on a runner's state while the patch layer captures its variant of a
-    decode graph: the captured step says whether it engaged, and with how
-    many layers."""
+    """Set while the patch layer captures its variant of a decode graph: the
+    captured step says whether it engaged, and with how many layers."""
 
     engaged: bool = False
     layers: int = 0
@@ -58,8 +50,7 @@ class RunnerState:
     #: What the runner's steps share until the engine's generation moves
     #: (``decision.RunnerFacts``).
     facts: Any = None
-    #: Decode graph keys captured with both variants, by key text
-    #: (``graphs.CapturedKey``; ``graphs.py`` builds on this module).
+    #: Decode graph keys captured with both variants (``graphs.CapturedKey``), by key text.
     graphs: dict[str, Any] = field(default_factory=dict)
     #: While the patch layer captures its variant of a decode graph of this runner.
     variant_capture: VariantCapture | None = None
@@ -71,8 +62,7 @@ class RunnerState:
             sset.close()
 
     def keep_name_only(self) -> None:
-        """Everything but the name dropped (the streams not closed: see
-        :meth:`close_streams`)."""
+        """Everything but the name dropped (the streams not closed)."""
         self.streamset, self.backend_name, self.facts = None, None, None
         self.timings.clear()
         self.graphs = {}
@@ -122,10 +112,9 @@ class RunnerStates:
             return state
 
     def streams(self, runner: Any, backend_name: str) -> StreamSet | None:
-        """The runner's side streams on ``backend_name``, made on first use
-        (one side stream per stage id). None when they would have to be made
-        inside a graph capture (Ascend graphs have a small stream budget).
-        Raises ``BackendUnavailable`` and :class:`NotWeaklyReferenceable`."""
+        """The runner's side streams on ``backend_name``, made on first use; None
+        when they would be made inside a graph capture (Ascend graphs have a small
+        stream budget). Raises ``BackendUnavailable``, :class:`NotWeaklyReferenceable`."""
         state = self.get(runner)
         sset = state.streamset
         if sset is not None and state.backend_name == backend_name:
@@ -150,8 +139,7 @@ class RunnerStates:
         return [s.streamset for s in self.states() if s.streamset is not None]
 
     def close_all(self) -> None:
-        """On unpatch (the captured graphs restored first): every state's
-        side streams closed, and all but its name dropped."""
+        """On unpatch (graphs restored first): every state's streams closed, all but its name dropped."""
         for s in self.states():
             with s.lock:
                 s.close_streams()
@@ -167,10 +155,9 @@ class RunnerStates:
         entry[1].close_streams()
 
     def _forget_in_child(self) -> None:
-        """After fork the parent's stream threads do not exist in the child:
-        every state keeps its name only, without closing or joining threads
-        that are not there (and with a new lock: a parent thread may have
-        held the old one)."""
+        """In a forked child: every state keeps its name only, without closing
+        the parent's stream threads (not there), with new locks (a parent
+        thread may have held the old ones)."""
         self._lock = threading.Lock()
         for _, s in self._states.values():
             s.lock = threading.Lock()

@@ -1,10 +1,7 @@
-"""What the steps of one patch engine share at run time: one state per
-runner (``runner_state.py``: its name, side streams, what its steps share, step
-timings and captured graph keys), the session active on each thread, the
-session class (tests substitute a recording subclass), the adaptive-engage
-state, and the counters. The engine closes the side streams on unpatch
-through its on-unpatch hook; what was learned and counted survives an
-unpatch."""
+"""What the steps of one patch engine share at run time: one state per runner
+(``runner_state.py``), the session active on each thread, the session class
+(tests substitute a recording subclass), the adaptive-engage state, and the
+counters. What was learned and counted survives an unpatch."""
 
 from __future__ import annotations
 
@@ -15,10 +12,8 @@ from camp2p_overlap.core.env_vars import MAX_STAGES
 from camp2p_overlap.core.observe.counters import StepCounters
 from camp2p_overlap.core.overlap import graphs
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage
-from camp2p_overlap.core.overlap.runner_state import RunnerState, RunnerStates
+from camp2p_overlap.core.overlap.runner_state import RunnerStates
 from camp2p_overlap.core.overlap.session import StepSession
-
-__all__ = ["OverlapRuntime", "RunnerState"]
 
 
 class _ThreadState(threading.local):
@@ -75,9 +70,7 @@ class OverlapRuntime:
         return self.local.session
 
     def close(self) -> None:
-        """On unpatch (no step or replay in flight): upstream's graph
-        objects back, then every runner's side streams released (CPU worker
-        threads) and all but its name dropped (what adaptive engage learned
-        under the name still applies after a new apply)."""
+        """On unpatch (no step or replay in flight): upstream's graph objects
+        back, then every runner's side streams closed and all but its name dropped."""
         graphs.restore_all(self.runners.states())
         self.runners.close_all()

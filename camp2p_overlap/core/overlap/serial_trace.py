@@ -1,17 +1,14 @@
 """The serial path, traced: what a step that runs upstream's original does
 while a trace recorder is active (the bench and verify tools', never a
-worker's by default). It lives apart from the step (``step.py`` calls
-:func:`run_traced_serial` and nothing else of it) and in the overlap room,
-not the observe room: it reads CAMP2P's call shapes (``camp2p``) and routes
-a connector instance (``routes``), both overlap's, which the
+worker's by default). It sits in the overlap room, not the observe room: it
+reads CAMP2P's call shapes and routes a connector instance, which the
 observe room may not import (the rooms contract in ``pyproject.toml``).
 
-While it runs, the connector instance's ``route`` targets are routed to the
-step's trace (:data:`TRACE_ROUTERS`, the same keys as
-``routes.SESSION_ROUTERS``): each A2E and E2A becomes a tracked op of the device
-registered for the ``cpu`` backend (or a host-timed one where none is
-registered), the FFN the span from a receive to its send; and the stream
-log of that device, where it keeps one, is the trace's evidence.
+While it runs, the connector's ``route`` targets are routed to the step's
+trace (:data:`TRACE_ROUTERS`): each A2E and E2A becomes a tracked op of the
+device registered for the ``cpu`` backend (host-timed where none is), the
+FFN the span from a receive to its send; that device's stream log, where it
+keeps one, is the trace's evidence.
 """
 
 from __future__ import annotations
@@ -24,11 +21,9 @@ from typing import Any
 from camp2p_overlap.core.keys import A2E, COMPUTE_STREAM, E2A, OpKey
 from camp2p_overlap.core.observe.trace import StepTrace, TraceOp, TraceRecorder
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.routes import ConnectorRoutes, MakeRouter
+from camp2p_overlap.core.overlap.routes import ConnectorRoutes, MakeRouter, Wrapped
 from camp2p_overlap.core.overlap.streams import registered_capabilities
 from camp2p_overlap.core.overlap.streams.base import DoneHandle
-
-Wrapped = Callable[..., Any]
 
 
 def run_traced_serial(recorder: TraceRecorder, engine: Any, runner: Any, original: Callable[[], Any]) -> Any:
@@ -37,9 +32,9 @@ def run_traced_serial(recorder: TraceRecorder, engine: Any, runner: Any, origina
     state = recorder.serial_state()
     step_id = recorder.next_step()
     previous = state["step"], state.get("trace")
-    # What the registered cpu device's streams perform for this thread's
-    # work (none on a real device): the trace is built from it when read.
-    caps = registered_capabilities("cpu")  # none on a real device: its truth is the profiler's
+    # The registered cpu device's stream log, the trace's evidence (none on a
+    # real device: its truth is the profiler's).
+    caps = registered_capabilities("cpu")
     log = caps.new_log() if caps.new_log is not None else None
     saved_log = caps.set_log(log) if caps.set_log is not None else None
     state["step"], state["trace"] = step_id, StepTrace(recorder, step_id, log=log)
@@ -58,8 +53,7 @@ def run_traced_serial(recorder: TraceRecorder, engine: Any, runner: Any, origina
 
 
 def traced_routes(recorder: TraceRecorder, engine: Any, runner: Any) -> ConnectorRoutes | None:
-    """The runner's connector routed to the serial path's trace for this
-    step, when it is an instance of a routed class (else None: untraced)."""
+    """The runner's connector routed to this step's trace (None: not a routed class)."""
     connector = getattr(runner, "connector", None)
     targets = [spec for owner, spec in engine.installer.routes() if isinstance(connector, owner)]
     if not targets:
@@ -71,8 +65,7 @@ def traced_routes(recorder: TraceRecorder, engine: Any, runner: Any) -> Connecto
 
 
 def _tracked(fn: Callable[[], Any], label: str) -> Any:
-    """``fn()`` as a tracked op of the registered device, or run on the host
-    and timed there where none offers tracking."""
+    """``fn()`` as a tracked op of the registered device, else host-timed."""
     tracked = registered_capabilities("cpu").tracked
     if tracked is not None:
         return tracked(fn, label)
@@ -85,8 +78,8 @@ def _tracked(fn: Callable[[], Any], label: str) -> Any:
 
 
 def _trace_op(recorder: TraceRecorder, state: dict[str, Any], kind: str, layer: Any, stage: Any, h: Any) -> None:
-    """Put a serial op in its step's trace; routed outside a traced step
-    (a router used on its own), in a trace of its own, emitted at once."""
+    """A serial op into its step's trace; outside a traced step (a router used
+    on its own), into a trace of its own, emitted at once."""
     trace = state.get("trace")
     if trace is not None:
         trace.op(kind, layer, stage, COMPUTE_STREAM, h)
@@ -96,9 +89,7 @@ def _trace_op(recorder: TraceRecorder, state: dict[str, Any], kind: str, layer: 
     alone.emit()
 
 
-# ---------------------------------------------------------------------------
-# router factories: each binds the recorder it traces to, and serves only
-# the thread that installed it (get_ident() is compared on every call).
+# Each router factory binds its recorder; a router serves only the thread that installed it.
 def _traced_recv(recorder: TraceRecorder) -> MakeRouter:
     """The original receive, traced as the serial path's A2E."""
 
@@ -145,8 +136,7 @@ def _traced_send(recorder: TraceRecorder) -> MakeRouter:
     return make
 
 
-#: The trace routers of the ``route`` targets, by the same keys as the
-#: session routers (``session_routers.ROUTERS``).
+#: The trace routers, by the same keys as ``routes.SESSION_ROUTERS``.
 TRACE_ROUTERS: dict[str, Callable[[TraceRecorder], MakeRouter]] = {
     "recv_attn_output": _traced_recv,
     "send_ffn_output": _traced_send,

@@ -15,21 +15,12 @@ from camp2p_overlap.core.overlap.streams.base import (
     BackendUnavailable,
     DeviceCapabilities,
     DeviceModule,
-    DoneHandle,
-    Event,
-    OpHandle,
-    Stream,
     StreamPoisonedError,
 )
 
 __all__ = [
     "BackendUnavailable",
     "DeviceCapabilities",
-    "DeviceModule",
-    "DoneHandle",
-    "Event",
-    "OpHandle",
-    "Stream",
     "StreamBackend",
     "StreamPoisonedError",
     "device_module",
@@ -44,7 +35,7 @@ __all__ = [
 #: Device modules registered for a backend name that torch does not provide
 #: (``cpu``: the emulated device), by that name.
 _REGISTERED: dict[str, DeviceModule] = {}
-#: What each registered module offers beyond the protocol, read once when it is registered.
+#: What each registered module offers beyond the protocol, read once.
 _CAPABILITIES: dict[str, DeviceCapabilities] = {}
 #: The only backend names a module can be registered for.
 REGISTRABLE = ("cpu",)
@@ -84,10 +75,9 @@ def registered_capabilities(backend: str = "cpu") -> DeviceCapabilities:
 
 
 def device_module(kind: str) -> Any:
-    """``torch.cuda`` or ``torch.npu`` when a device of that kind is usable,
-    else raise :class:`BackendUnavailable` saying why: the one check the
-    patch layer, the emulated device worlds and the command line share. Importing
-    torch_npu is attempted only for ``npu``."""
+    """``torch.cuda`` or ``torch.npu`` when a device of that kind is usable, else
+    raise :class:`BackendUnavailable` saying why (the one check the patch layer,
+    the emulated worlds and the command line share)."""
     import torch
 
     if kind == "cuda":

@@ -1,29 +1,17 @@
-"""The stream backend: one class over a torch-shaped device module,
-``torch.npu`` (torch_npu), ``torch.cuda``, or the module registered for
-``cpu`` (the emulated device). The session issues its work through it: an
-op in a stream's scope (``with module.stream(s)``), an event recorded on a
-stream (``event.record(stream)``), a wait (``stream.wait_event(event)``).
+"""The stream backend: one class over a torch-shaped device module
+(``torch.npu``, ``torch.cuda``, or the module registered for ``cpu``), through
+which the session issues its ops (in a stream's scope), event records and
+waits. Events are pooled by :class:`~camp2p_overlap.core.keys.EventKey` and
+reused across steps: a wait captures the most recent record at the time it
+is enqueued, and a graph capture creates no event. Profiler annotation is a
+wrapper outside core (``verify/annotated_backend.py``).
 
-Events are pooled by :class:`~camp2p_overlap.core.keys.EventKey` and reused
-across steps: a wait captures the most recent record at the time it is
-enqueued, and the pool keeps graph capture from creating events step after
-step.
-
-Profiler annotation of ops, records and waits is a wrapper around this
-backend, outside core (``verify/annotated_backend.py``): the backend itself
-carries no per-op tracing.
-
-It also holds :data:`GUARD`: graph captures in progress, process-wide, and
-the one lock under which the patch layer's threads read events. CUDA's
-default (*global*) capture mode, and ACL's, refuse an event query from any
-thread while a capture is in progress: the query fails and the capture is
-invalidated. The patch layer queries events from more than one thread (the
-adaptive step timings, the step watchdogs, the replay watch); each of those
-reads goes through :meth:`CaptureGuard.read`, and each capture the patch
-layer wraps runs inside :meth:`CaptureGuard.capture`: a capture begins only
-once no read is in progress, and no read starts until it has ended. A read
-that would overlap a capture returns None (not known yet: ask again later),
-never waits for the capture.
+:data:`GUARD` counts the graph captures in progress, process-wide, and is the
+one lock under which the patch layer's threads (step timings, step
+watchdogs, the replay watch) read events: CUDA's default (*global*) capture
+mode, and ACL's, fail an event query from any thread during a capture and
+invalidate the capture. A capture begins only once no read is in progress;
+a read that would overlap a capture returns None at once (ask again later).
 """
 
 from __future__ import annotations
@@ -63,9 +51,7 @@ class StreamBackend:
         self._markers: list[Any] = []
         #: Streams this backend made (closed with it where they can be).
         self._made: list[Any] = []
-        #: What the module offers beyond the stream API (the emulated
-        #: device only; none on torch.npu/cuda): op handles that follow
-        #: their kernels, asynchronous errors per stream, the stream log.
+        #: What the module offers beyond the stream API (the emulated device only).
         self.capabilities = DeviceCapabilities.of(device_module)
         self._tracked = self.capabilities.tracked
         self._log_saved: list[Any] = []
@@ -110,24 +96,23 @@ class StreamBackend:
     def record(self, stream: Any, key: EventKey) -> Any:
         event = self._events.get(key)
         if event is None:
-            event = self._events[key] = self.mod.Event()
-            _name(event, key, "key")
+            event = self._new_event(key)
         event.record(stream)
         return event
 
     def wait(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
 
-    def reserve(self, keys: Any) -> int:
-        """Make the pooled events of ``keys`` now (before a graph capture,
-        inside which the patch layer creates none); returns how many were new."""
-        made = 0
+    def reserve(self, keys: Any) -> None:
+        """Make the pooled events of ``keys`` now (before a graph capture, inside which none is made)."""
         for key in keys:
             if key not in self._events:
-                event = self._events[key] = self.mod.Event()
-                _name(event, key, "key")
-                made += 1
-        return made
+                self._new_event(key)
+
+    def _new_event(self, key: EventKey) -> Any:
+        event = self._events[key] = self.mod.Event()
+        _name(event, key, "key")
+        return event
 
     def is_capturing(self) -> bool:
         fn = getattr(self.mod, "is_current_stream_capturing", None)
@@ -167,8 +152,7 @@ class StreamBackend:
         return set_log(self._log_saved.pop())
 
     def close(self) -> None:
-        """Stop the worker threads of the streams this backend made (the
-        emulated device's; device streams have nothing to close)."""
+        """Stop the worker threads of the streams this backend made (the emulated device's)."""
         made, self._made = self._made, []
         for stream in made:
             close = getattr(stream, "close", None)
@@ -204,9 +188,8 @@ class StreamBackend:
         self._markers.append(marker)
 
     def step_timer_discard(self, token: Any) -> None:
-        """Put a step timer's event pair back in the pool unread (re-recording
-        an event that has not completed is allowed: it then stands for its
-        new record)."""
+        """A step timer's event pair back in the pool unread (an event not yet
+        completed may be re-recorded: it then stands for its new record)."""
         self._step_events.append(token)
 
     def _new_step_timer_pair(self) -> tuple[Any, Any]:
@@ -231,8 +214,7 @@ class CaptureGuard:
         after_fork_in_child(self._reset)
 
     def _reset(self) -> None:
-        """None in progress (at creation, and in a forked child, whose
-        capturing thread, if any, did not survive the fork)."""
+        """None in progress (at creation, and in a forked child: no capturing thread)."""
         self._lock = threading.Lock()
         self._captures = 0
 

@@ -33,17 +33,9 @@ class Stream(Protocol):
     name: str
 
 
-class Event(Protocol):
-    def query(self) -> bool: ...
-
-    def synchronize(self) -> None: ...
-
-
 class DeviceModule(Protocol):
-    """What the device backend needs of a device module: ``torch.npu``,
-    ``torch.cuda``, or the module registered for the ``cpu`` backend
-    (:func:`~camp2p_overlap.core.overlap.streams.register_device_module`;
-    the emulated device registers itself). Streams have ``wait_event`` and
+    """What the backend needs of a device module: ``torch.npu``, ``torch.cuda``,
+    or the module registered for ``cpu``. Streams have ``wait_event`` and
     ``synchronize``; events ``record``, ``query``, ``synchronize`` and
     ``elapsed_time``, as torch's do."""
 
@@ -60,14 +52,12 @@ class DeviceModule(Protocol):
 
 @dataclass(frozen=True)
 class DeviceCapabilities:
-    """What a device module may offer beyond :class:`DeviceModule` (only
-    the emulated device does: ``torch.npu`` and ``torch.cuda`` offer none,
-    and every field is then None). The backend, the edge checker and the
-    serial path's trace read them here, never from the module itself.
+    """What a device module may offer beyond :class:`DeviceModule` (only the
+    emulated device does; on torch.npu/cuda every field is None), read here,
+    never from the module itself.
 
     - ``tracked(fn, label) -> OpHandle``: run ``fn`` as work of the current
-      stream, with a handle that follows the kernels it queues (kernel
-      tracking).
+      stream, with a handle that follows the kernels it queues.
     - ``peek_errors(streams) -> list``, ``take_errors(streams) -> list``:
       the asynchronous errors kernels of ``streams`` hit, read or taken.
     - ``new_log() -> log``, ``set_log(log) -> previous``: the stream log, a
@@ -100,9 +90,8 @@ NO_CAPABILITIES = DeviceCapabilities()
 
 
 class OpHandle(abc.ABC):
-    """What ``StreamBackend.submit`` returns: the op's Python result once
-    it has run (on device backends at once: the result holds tensors the
-    stream fills later), or its exception."""
+    """What ``StreamBackend.submit`` returns: the op's Python result once it has
+    run (on device backends at once: tensors the stream fills later), or its exception."""
 
     start_ns: int | None = None
     end_ns: int | None = None

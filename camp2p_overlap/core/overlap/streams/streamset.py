@@ -1,8 +1,5 @@
-"""A runner's side streams: a :class:`StreamSet` (one side stream per stage
-id on one backend) is created once, outside any graph capture, and reused
-for every step of its runner; the runner's state owns it
-(``core/overlap/runner_state.py``) and closes it on unpatch or when the
-runner dies."""
+"""A runner's side streams (:class:`StreamSet`), made once outside any graph
+capture and reused for every step; the runner's state owns and closes it."""
 
 from __future__ import annotations
 
@@ -29,8 +26,8 @@ class StreamSet:
         self.lock = threading.Lock()
 
     def capture_stream(self) -> Stream:
-        """The stream the patch layer's variant capture runs on, made on first use
-        (call it outside any capture: no stream may be made inside one)."""
+        """The stream the variant capture runs on, made on first use (outside any
+        capture: no stream may be made inside one)."""
         if self._capture_stream is None:
             self._capture_stream = self.backend.new_stream(VARIANT_CAPTURE_STREAM)
         return self._capture_stream

@@ -1,16 +1,10 @@
-"""The stall report: what an engaged step that has not finished looks
-like, from a snapshot of its session (never a sync: event queries, through
-the capture guard, and handle states only). It says where the host is and
-where each stream of the device is, replaying the order the session issued
-the step's records, waits and ops in: the op a stream runs (the likely
-missing peer op when it is a connector op), the event it waits for
-(recorded after which op), or the FFN C computes. The step watchdog
-(``watchdog.py``) logs it once at its deadline.
-
-It sits in the overlap room, not the observe room: it reads the session's
-snapshot types, the capture guard and the streams' error type, all
-overlap's, and the observe room may not import them (the rooms contract
-in ``pyproject.toml``).
+"""The stall report: where the host and each stream of the device are in an
+engaged step that has not finished, from a snapshot of its session (never a
+sync: event queries, through the capture guard, and handle states only),
+replaying the order the session issued the step's records, waits and ops in.
+The step watchdog (``watchdog.py``) logs it once at its deadline. It sits in
+the overlap room: it reads the session's snapshot types, which the observe
+room may not import (the rooms contract in ``pyproject.toml``).
 """
 
 from __future__ import annotations
@@ -42,10 +36,6 @@ from camp2p_overlap.core.overlap.streams.base import StreamPoisonedError
 _FULL_EVENT_LIST = 32
 
 
-# ---------------------------------------------------------------------------
-# what the streams were given: the step's records, waits and ops per stream
-
-
 @dataclass(frozen=True, slots=True)
 class _Item:
     """One thing a stream was given, in its FIFO order: ``record`` or
@@ -59,12 +49,10 @@ class _Item:
 
 
 def _programs(snap: SessionSnapshot) -> dict[str, list[_Item]]:
-    """Each stream's items, in the order the session issued them (replayed
-    from the snapshot and its layout: fork and prologue at the first
-    receive; per receive C's wait or its A2E, the FFN; per send ``f_done``,
-    the E2A and the lookahead A2E with their events; the join at close; an
-    event only where the session recorded it). Ops the replay does not
-    place (a step that fell back) follow at their stream's end."""
+    """Each stream's items, in the order the session issued them (replayed from
+    the snapshot and its layout; an event only where the session recorded it).
+    Ops the replay does not place (a step that fell back) follow at their
+    stream's end."""
     events = {k for k, _ in snap.events}
     by_key: dict[tuple[str, int | None, int | None], deque[IssuedOp]] = defaultdict(deque)
     for o in snap.ops:
@@ -74,11 +62,8 @@ def _programs(snap: SessionSnapshot) -> dict[str, list[_Item]]:
     C = COMPUTE_STREAM
     plan, prefetch = snap.plan, snap.layout.prefetch
 
-    def a_of(s: int) -> str:
-        return snap.a2e_streams.get(s, "?")
-
-    def e_of(s: int) -> str:
-        return snap.e2a_streams.get(s, "?")
+    a_on = {s: snap.a2e_streams.get(s, "?") for s in plan.stages}
+    e_on = {s: snap.e2a_streams.get(s, "?") for s in plan.stages}
 
     def event(kind: str, stream: str, key: EventKey) -> None:
         if key in events:
@@ -91,7 +76,7 @@ def _programs(snap: SessionSnapshot) -> dict[str, list[_Item]]:
             placed.add(id(o))
             prog[o.stream].append(_Item("op", op=o))
 
-    order = plan.order()[: snap.received]
+    order = plan.sequence[: snap.received]
     if order:
         event("record", C, EventKey.fork())
         for k in snap.side_streams.values():
@@ -99,7 +84,7 @@ def _programs(snap: SessionSnapshot) -> dict[str, list[_Item]]:
         if prefetch:
             for s in plan.stages:
                 op(A2E, plan.layers[0], s)
-                event("record", a_of(s), EventKey(A_DONE, plan.layers[0], s))
+                event("record", a_on[s], EventKey(A_DONE, plan.layers[0], s))
     last_e: dict[int, EventKey] = {}
     for L, s in order:
         if (L, s) not in snap.consumed:
@@ -116,15 +101,15 @@ def _programs(snap: SessionSnapshot) -> dict[str, list[_Item]]:
             break  # (closed: the step ended in this FFN; C only has the join left)
         prog[C].append(_Item("ffn", at=(L, s)))
         event("record", C, EventKey(F_DONE, L, s))
-        event("wait", e_of(s), EventKey(F_DONE, L, s))
+        event("wait", e_on[s], EventKey(F_DONE, L, s))
         op(E2A, L, s)
-        last_e[s] = EventKey(E_DONE if e_of(s) != C else E_DONE_ON_C, L, s)
-        event("record", e_of(s), last_e[s])
+        last_e[s] = EventKey(E_DONE if e_on[s] != C else E_DONE_ON_C, L, s)
+        event("record", e_on[s], last_e[s])
         nxt = plan.next_of.get(L)
         if nxt is not None and prefetch:
-            event("wait", a_of(s), last_e[s])
+            event("wait", a_on[s], last_e[s])
             op(A2E, nxt, s)
-            event("record", a_of(s), EventKey(A_DONE, nxt, s))
+            event("record", a_on[s], EventKey(A_DONE, nxt, s))
     if snap.closed:
         for s, k in snap.side_streams.items():
             event("record", k, EventKey.join(s))
@@ -148,13 +133,9 @@ def _event_after(o: IssuedOp, events: Container[EventKey]) -> EventKey | None:
     return None
 
 
-# ---------------------------------------------------------------------------
-# reading states: each event queried once per look, never a synchronize
-
-
 class _States:
-    """Event and op states of one snapshot, each read once: an event is
-    queried at most once per report (a device query is not free)."""
+    """Event and op states of one snapshot, each read at most once per report
+    (a device query is not free)."""
 
     def __init__(self, snap: SessionSnapshot, now: int) -> None:
         self.events = dict(snap.events)
@@ -225,10 +206,6 @@ def _short(exc: BaseException, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-# ---------------------------------------------------------------------------
-# the report
-
-
 def _describe(key: EventKey, snap: SessionSnapshot) -> str:
     """What completes event ``key``: the op or FFN it is recorded after."""
     L, s = key.layer, key.stage
@@ -279,7 +256,7 @@ def _host_line(snap: SessionSnapshot, st: _States) -> str:
     if snap.closed:
         return "  host: has issued the whole step and closed it; the streams below are where the device is"
     issuing = [o for o in snap.ops if isinstance(o.handle, RunningOp)]
-    order = snap.plan.order()
+    order = snap.plan.sequence
     if issuing:
         o = issuing[-1]
         return f"  host: issuing {_op_name(o)} on {o.stream} ({st.op(o)[1]})"
@@ -332,21 +309,12 @@ def _stream_text(stream: str, head: _Item | None, snap: SessionSnapshot, st: _St
 
 
 def stall_report(snap: SessionSnapshot) -> str:
-    """Which ops were issued, where each stream of the device is, and which
-    recorded events have completed.
-
-    Layout: the header; where the host is (still issuing, or done: the
-    device is behind it); what the compute stream C is at on the device (an
-    op it runs, the event it waits for, an FFN); per stage (stream, HCCL
-    group) what its stream is at and every op issued in order with its state
-    (done / RUNNING for N s / queued / enqueued, not complete on the device
-    / FAILED / skipped); the likely missing peer op of each stage: its first
-    unfinished op when its stream is at that op (an op queued behind a wait
-    waits for the device, not for a peer); then the events (all of them when
-    few, else only the pending ones) and the unfinished ops."""
+    """Where the host and the compute stream are; per stage, where its stream is
+    and every op issued with its state; the likely missing peer ops; then the
+    events (only the pending ones when many) and the unfinished ops."""
     now = time.perf_counter_ns()
     st = _States(snap, now)
-    order = snap.plan.order()
+    order = snap.plan.sequence
     programs = _programs(snap)
     heads = {stream: _head(items, st) for stream, items in programs.items()}
     lines = [

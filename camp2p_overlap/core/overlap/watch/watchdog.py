@@ -1,24 +1,18 @@
 """The step watchdog: when an engaged step has not finished
 ``VLLM_CAMP2P_MULTISTREAM_WATCHDOG_S`` after it opened, log a stall report
-built from a snapshot of the session (``stall_report.py``), naming the peer
-op that most likely never came; and the replay watch, which reports a decode
-graph replay that has not ended.
+(``stall_report.py``) naming the peer op that most likely never came; and
+the replay watch, which reports a decode graph replay that has not ended.
 
-On a device the host only enqueues: it issues the whole step, closes the
-session and runs ahead while the streams still run the step. A step has
-finished when its device work has, so the watchdog outlives the host's part:
-once the session is closed it follows the closed step's op handles and
-events (queries, a few ms apart, backing off) until all have completed, and
+On a device the host only enqueues and runs ahead, so the watchdog outlives
+the host's part: once the session is closed it follows the step's op
+handles and events (queries, backing off) until all have completed, and
 ends then without a report, or reports once at the deadline.
 
-Limits, both of reading a device without a sync: events are pooled per key
-across steps, so once a later step has re-recorded one its query speaks for
-that step (a stall of the later step may then be reported for the earlier
-one too); and no event may be queried while a graph capture is in progress,
-so a captured step has no watchdog (``FfnStep.run_engaged``), and
-:func:`stop_watchdogs` ends the ones still following earlier steps (call it
-before a capture begins: the capture's own synchronize runs those steps to
-their end anyway).
+Limits of reading a device without a sync: events are pooled per key across
+steps, so once a later step has re-recorded one its query speaks for that
+step (its stall may be reported for the earlier one too); and no event may
+be queried during a graph capture, so a captured step has no watchdog and
+:func:`stop_watchdogs` ends the others before a capture.
 """
 
 from __future__ import annotations
@@ -47,10 +41,8 @@ _watching_lock = threading.Lock()
 
 
 class StepWatchdog(threading.Thread):
-    """The watchdog of one step (a daemon thread). :meth:`cancel` says the
-    host's part of the step is over; the watchdog then follows the step on
-    the device, and ends as soon as the step has finished there, or after
-    its one report."""
+    """The watchdog of one step (a daemon thread): after :meth:`cancel` (the
+    host's part is over) it follows the step on the device."""
 
     def __init__(self, seconds: float, snapshot: Callable[[], SessionSnapshot], step_id: int) -> None:
         super().__init__(name="camp2p-overlap-watchdog", daemon=True)
@@ -64,8 +56,7 @@ class StepWatchdog(threading.Thread):
         self.reported = False
 
     def cancel(self) -> None:
-        """The host has left the step (closed its session): from now on the
-        watchdog only waits for the step's device work."""
+        """The host has left the step: only its device work is waited for."""
         self._host_done.set()
 
     def stop(self) -> None:
@@ -122,9 +113,7 @@ class StepWatchdog(threading.Thread):
 
 
 class _Pending:
-    """What of a closed step has not completed on the device: its events
-    and op handles, each dropped once seen complete (an event is queried
-    until it completes, then never again)."""
+    """A closed step's events and op handles not seen complete on the device."""
 
     def __init__(self, snap: SessionSnapshot) -> None:
         self.events = [ev for _, ev in snap.events]
@@ -149,9 +138,7 @@ def _no_snapshot() -> SessionSnapshot:
 
 
 def start_watchdog(seconds: float | None, snapshot: Callable[[], SessionSnapshot], step_id: int) -> StepWatchdog | None:
-    """The watchdog of a step that just opened (:class:`StepWatchdog`), or
-    None when no watchdog is configured. Cancel it when the host leaves the
-    step; it follows the step's device work from there."""
+    """The watchdog of a step that just opened, or None when none is configured."""
     if not seconds or GUARD.capturing():  # a capture on another thread: no new thread that reads events
         return None
     watchdog = StepWatchdog(seconds, snapshot, step_id)
@@ -162,10 +149,9 @@ def start_watchdog(seconds: float | None, snapshot: Callable[[], SessionSnapshot
 
 
 def stop_watchdogs(timeout: float = 1.0) -> bool:
-    """End every running watchdog without a report, and wait up to
-    ``timeout`` for each to have ended (a look in progress finishes first):
-    call it before a graph capture begins, as no event may be queried while
-    one is in progress. Returns whether all have ended."""
+    """End every running watchdog without a report (before a graph capture:
+    no event may be queried during one), waiting up to ``timeout`` for each;
+    returns whether all have ended."""
     with _watching_lock:
         running = list(_watching)
     for w in running:
@@ -174,10 +160,6 @@ def stop_watchdogs(timeout: float = 1.0) -> bool:
         if w is not threading.current_thread():
             w.join(timeout)
     return not any(w.is_alive() for w in running)
-
-
-# ---------------------------------------------------------------------------
-# decode graph replays: the replay watch
 
 
 @dataclass(slots=True)
@@ -195,22 +177,17 @@ _MAX_WATCHED_REPLAYS = 1024
 
 
 class ReplayWatch:
-    """Decode graph replays not seen complete yet, followed by one daemon
-    thread while there are any (with ``VLLM_CAMP2P_MULTISTREAM_WATCHDOG_S``
-    set). Each replay's end is a marker event recorded after it on the
-    compute stream; the thread reads the oldest with ``query()`` only,
-    through the capture guard (never while a capture is in progress), and
-    logs a stall report once for a replay whose end has not completed after
-    its deadline. Replays of one compute stream complete in order, so only
-    the oldest is read."""
+    """Decode graph replays not seen complete yet, followed by one daemon thread
+    while there are any. Each replay's end is a marker event recorded after
+    it; the thread queries only the oldest (replays complete in order),
+    through the capture guard, and reports once a replay past its deadline."""
 
     def __init__(self) -> None:
         self._reset()
         after_fork_in_child(self._reset)
 
     def _reset(self) -> None:
-        """Nothing followed (at creation, and in a forked child, which has
-        no watch thread)."""
+        """Nothing followed (at creation, and in a forked child: no watch thread)."""
         self._lock = threading.Lock()
         self._replays: deque[_Replay] = deque()
         self._thread: threading.Thread | None = None
@@ -221,8 +198,7 @@ class ReplayWatch:
         return len(self._replays)
 
     def watch(self, seconds: float, backend: StreamBackend, label: str) -> None:
-        """Follow the replay just issued on the current stream (``label``
-        names its key and variant in the report)."""
+        """Follow the replay just issued on the current stream."""
         with self._lock:
             if len(self._replays) >= _MAX_WATCHED_REPLAYS:
                 return
