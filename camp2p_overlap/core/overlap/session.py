@@ -3,31 +3,26 @@ connector calls the upstream loop makes, each op on the stream its layout
 names (``plan.Layout``).
 
 The session knows nothing of afd-plugin: the routers hand it each receive
-as a function and its keyword arguments, and each send as a call, its
-output, its context and its stage. It is told the step's plan (layers,
-stages, the receive kwargs of each (layer, stage)), its layout and a stream
-set, and is then fed the loop's calls in order:
+as a function and its kwargs, and each send as a call with its output,
+context and stage. It is fed the loop's calls in order: the first ``recv``
+forks (every side stream waits C) and, in the overlap's order
+(``prefetch``), issues the prologue (A2E of the first layer of every
+stage); ``recv(L, s)`` makes C wait ``a_done(L, s)`` and hands over the
+prefetched payload (without prefetch the A2E runs now, on C); ``send(L,
+s)`` makes the E2A stream wait ``f_done`` and issues E2A(L, s), then the
+stage's lookahead A2E; ``close`` joins every side stream, always.
 
-* first ``recv``: fork (every side stream waits C), then, in the overlap's
-  order (``prefetch``), the prologue: A2E of the first layer for every
-  stage on its A2E stream, each followed by ``a_done``;
-* ``recv(L, s)``: C waits ``a_done(L, s)`` and the prefetched payload is
-  returned; without prefetch the A2E runs now, on C;
-* ``send(L, s)``: ``f_done`` recorded on C; the E2A stream waits it and
-  runs E2A(L, s), then the lookahead A2E of the stage's next layer;
-* ``close``: C waits the last event of every side stream (join), always.
+There is one path: production, a trace, the watchdog and a capture run the
+same code, and the session always keeps the step's log (ops, records and
+waits in issue order), which stall reports and traces read. Every wait goes
+through :meth:`wait_event`, every receive issued ahead through
+:meth:`issue_a2e`, the join through :meth:`join`: a test's broken schedule
+overrides one of them.
 
-There is one path. Production, a trace, the watchdog and a capture run the
-same code; the session always keeps a cheap log of what it issued (ops,
-records and waits as tuples, in issue order), which the watchdog's stall
-report and a trace read. Every wait goes through :meth:`wait_event`, every
-receive it issues through :meth:`issue_a2e`, the join through :meth:`join`:
-a test's broken schedule overrides one of them.
-
-Tensor ownership (no ``record_stream``): A2E outputs stay referenced until
-their E2A stream has waited ``f_done`` of their FFN; FFN outputs stay
-referenced until C has waited an event recorded on the E2A stream after
-their E2A. After ``close`` the session holds nothing.
+Tensor ownership (no ``record_stream``): an A2E output stays referenced
+until its E2A stream has waited its FFN's ``f_done``; an FFN output until C
+has waited an event recorded after its E2A. After ``close`` the session
+holds nothing.
 """
 
 from __future__ import annotations
@@ -88,14 +83,12 @@ class SessionSnapshot:
     sent: frozenset[StageLayer]
     ops: tuple[IssuedOp, ...]
     events: tuple[tuple[EventKey, Any], ...]
-    #: Each stage's A2E and E2A stream, by name.
+    #: Each stage's A2E and E2A stream, and the side streams the step forked, by name.
     a2e_streams: Mapping[int, str]
     e2a_streams: Mapping[int, str]
-    #: The side streams the step forked (and joins), by stage.
     side_streams: Mapping[int, str]
     opened_ns: int
-    #: The host has closed the step: every op, record and wait of it is
-    #: issued (on a device the streams may still be running them).
+    #: The host has issued the whole step (the device may still be running it).
     closed: bool = False
 
 

@@ -1,31 +1,25 @@
 """One FFN step: what a call of the wrapped ``_ffn_forward`` does, as one
-object whose methods read top to bottom in the order a step runs.
-
-:func:`make_wrappers` builds, when an engine applies, the wrappers the
-manifest names, bound to that engine and its runtime (as OpenTelemetry's
-instrumentations build ``_traced_execute_factory(tracer)``). Each call of
-``_ffn_forward`` is one :class:`FfnStep`, and every step takes one path:
+object (:class:`FfnStep`) whose methods read in the order a step runs. Every
+step takes one path:
 
 1. the gate: a step of an engine being removed runs the original;
-2. the decision (engage or not, the plan and its layout), with the
-   runner's side streams; a reloaded target module is wrapped again first.
-   What does not change between a runner's steps (the connector's class
-   and routability, the runner's AFD role, the backend and layout) is read
-   once into :class:`RunnerFacts`, kept on the runner's state and read
-   again when the engine's ``generation`` moves (apply, unpatch, a module
-   installed, a refresh) or the runner holds another connector; what
-   changes per step (the stage ids, the layer list, ``max_num_tokens``) is
-   read per step, and the decision is kept per step shape;
+2. the decision (:func:`decide`: engage or not, the plan and its layout)
+   and the runner's side streams. What does not change between a runner's
+   steps is read once into :class:`RunnerFacts` and read again when the
+   engine's ``generation`` moves (apply, unpatch, a module installed, a
+   refresh) or the runner holds another connector; the stage ids, the
+   layer list and ``max_num_tokens`` are read per step;
 3. the choice: the static setting (capture, adaptive off, parity/reorder),
-   or adaptive engage's path for the step's bucket (a serial one runs the
-   original, timed one step in ``serial_time_every``);
-4. the engaged step: a session, the connector routed to it for the step's
-   duration (``routes``), the watchdog, and the join on every exit;
+   or adaptive engage's path for the step's bucket;
+4. the engaged step: a session, the connector routed to it (``routes``),
+   the watchdog, and the join on every exit;
 5. the step's time, for adaptive engage.
 
-The module globals a step reads are the active trace recorder
-(``core.observe.trace.active``, once per step) and the capture guard
-(``streams.backend.GUARD``, while it has no backend to ask).
+:func:`make_wrappers` builds, when an engine applies, the wrappers the
+manifest names, bound to that engine and its runtime. The module globals a
+step reads are the active trace recorder (``core.observe.trace.active``)
+and the capture guard (``streams.backend.GUARD``, while it has no backend
+to ask).
 """
 
 from __future__ import annotations
