@@ -14,25 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from camp2p_overlap.core.env_vars import (
-    BY_NAME,
-    DEFAULTS,
-    ENV_MODE,
-    ENV_STRICT,
-    TABLE,
-    BadValue,
-)
+from camp2p_overlap.core.env_vars import BY_NAME, DEFAULTS, ENV_MODE, ENV_STRICT, TABLE, BadValue
 
-__all__ = [
-    "ENV_VARS",
-    "MODES",
-    "Backend",
-    "ConfigError",
-    "Mode",
-    "OverlapConfig",
-    "load_config",
-    "strict_requested",
-]
+__all__ = ["ENV_VARS", "MODES", "Backend", "ConfigError", "Mode", "OverlapConfig", "load_config", "strict_requested"]
 
 Backend = Literal["auto", "npu", "cuda", "cpu"]
 #: The rollout modes (what each does: the table's VLLM_CAMP2P_MULTISTREAM_MODE choices).

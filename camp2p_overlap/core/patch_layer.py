@@ -41,9 +41,7 @@ def build_patch_layer(*, on_unpatch: Callable[[], None] | None = None, **engine_
             on_unpatch()
 
     engine = PatchEngine(
-        wrapper_factory=functools.partial(make_wrappers, runtime=runtime),
-        on_unpatch=closed,
-        **engine_options,
+        wrapper_factory=functools.partial(make_wrappers, runtime=runtime), on_unpatch=closed, **engine_options
     )
     return PatchLayer(engine, runtime)
 

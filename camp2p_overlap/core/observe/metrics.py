@@ -1,14 +1,8 @@
-"""The step counters of ``camp2p_overlap.stats()`` as Prometheus metrics,
-named as vLLM names its own (``vllm:`` prefix, snake case, counters with
-``_total``), plus a periodic one-line summary in the log.
+"""The step counters of ``camp2p_overlap.stats()`` as Prometheus metrics, named as vLLM names its own, plus a
+periodic one-line summary in the log. How they reach a scrape: docs/design.md, "Metrics".
 
-How they reach a scrape: docs/design.md, "Metrics". In short, a worker's
-counters reach vLLM's ``/metrics`` only through ``PROMETHEUS_MULTIPROC_DIR``
-(the reporter thread keeps them there up to date); otherwise
-``VLLM_CAMP2P_MULTISTREAM_METRICS_PORT`` opts in to a per-process endpoint.
-They are synced from the runtime's counters, never on the step's path, and
-read host-side counts only (no device event), so a scrape is safe during a
-graph capture. A forked child rebuilds them empty, so vLLM's multi-process
+They are synced from the runtime's counters, never on the step's path, and read host-side counts only (no device
+event), so a scrape is safe during a graph capture. A forked child rebuilds them empty, so vLLM's multi-process
 ``/metrics`` never sums a parent's counts twice.
 """
 

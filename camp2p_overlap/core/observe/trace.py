@@ -27,14 +27,10 @@ from typing import Any
 
 from camp2p_overlap.core.keys import COMPUTE_STREAM, EventKey, side_stream_name
 
-#: What a trace entry (:attr:`TraceOp.kind`) can be: a connector op (one of
-#: ``keys.CONNECTOR_OP_KINDS``), an FFN, a record, a wait, or a step's span.
-TRACE_KINDS = ("a2e", "ffn", "e2a", "wait", "record", "step")
-
 
 @dataclass
 class TraceOp:
-    kind: str
+    kind: str  # a connector op (keys.CONNECTOR_OP_KINDS), "ffn", "record", "wait", or a step's span ("step")
     layer: int | None
     stage: int | None
     stream: str
@@ -130,10 +126,6 @@ class TraceRecorder:
 
 _active_lock = threading.Lock()
 active: TraceRecorder | None = None
-
-
-def current_recorder() -> TraceRecorder | None:
-    return active
 
 
 @contextlib.contextmanager

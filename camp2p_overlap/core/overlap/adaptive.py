@@ -1,43 +1,25 @@
-"""Adaptive engage: per runner and shape bucket, measure overlapped steps
-and serial probe steps, and engage the overlap only where it pays.
+"""Adaptive engage: per runner and shape bucket, measure overlapped and serial steps, and engage the overlap only
+where it pays (docs/design.md, "Adaptive engage"). Pure logic, fed step times (``record``) and asked which path a
+step takes (``choose``); deterministic for given times. Per bucket:
 
-Pure logic, fed step times (``record``) and asked which path a step takes
-(``choose``); deterministic for given times. Per bucket:
+* learning: overlap steps, then serial steps (upstream's path, bitwise equal), each path back to back (an overlap
+  step right after a serial one finds its side streams cold); the first overlap time is dropped (first-use costs).
+  Once each path has ``min_samples`` kept times the bucket decides for the faster median (overlap must beat serial
+  by ``engage_margin``, 0 by default: a serial step's time already holds what the patch layer costs it): at the
+  bucket's 7th step on the CPU backend, its 8th on a device (times read a step later).
+* decided: every ``reprobe_every`` steps a probe round runs the other path: one warm-up step (its time dropped),
+  then probes; the decision switches once ``confirm`` probes' median still beats the decided path's recent median
+  by ``switch_margin`` (hysteresis), and the round ends as soon as it does not.
+* a close first decision (medians within ``close_call``) gets its first probe round ``close_recheck`` steps after
+  it, switching on ``close_switch_margin`` instead: 3 times each cannot tell two paths a few per cent apart, and the
+  hysteresis would otherwise keep a first decision a few per cent slower (later rounds keep the full margin, so it
+  cannot flap).
+* back-off: a round that loses by more than ``backoff_above`` doubles the bucket's interval, up to ``max_backoff``
+  times ``reprobe_every``; a closer loss, or a change of decision, sets it back (a clearly slower path's probes cost
+  their whole loss and tell little).
+* a decided-serial step that is not a probe is timed one in ``serial_time_every``.
 
-* learning: overlap steps first, then serial steps (upstream's path, bitwise
-  equal), each path's steps back to back as in a run: an overlap step right
-  after a serial one finds its side streams cold. The first overlap time is
-  dropped (first-use costs: side streams, events, allocator). Once each path
-  has ``min_samples`` kept times the bucket decides for the faster median
-  (overlap must beat serial by ``engage_margin``, 0 by default: a serial
-  step's time already holds what the patch layer costs it). With the
-  defaults the first decision comes at the bucket's 7th step on the CPU
-  backend (times read after the join) and at its 8th on a device (a step
-  later).
-* decided: every ``reprobe_every`` steps a probe round runs the other path:
-  one warm-up step (its time dropped, for the same reason) and then a
-  measured probe. A probe that beats the decided path's recent median by
-  ``switch_margin`` is confirmed by up to ``confirm`` probes in a row; the
-  decision switches only when their median still beats it (hysteresis).
-  Otherwise the probe round ends and the decision stays.
-* a close first decision (the medians within ``close_call``, 10 %, of each
-  other on 3 times each) gets its first probe round ``close_recheck`` (16)
-  steps after it instead of a whole interval, and that round switches on
-  probes that beat it by ``close_switch_margin`` (1 %) instead of
-  ``switch_margin``: 3 times each cannot tell two paths a few per cent apart,
-  and the hysteresis would otherwise keep a first decision that is a few per
-  cent slower (later rounds keep the full margin, so it cannot flap).
-* back-off: a probe round that loses by more than ``backoff_above`` (10 %)
-  doubles the bucket's interval to the next one, up to ``max_backoff``
-  times ``reprobe_every`` (8: 512 steps); one that loses by less, or a
-  change of decision, sets it back to ``reprobe_every``. A probe of a path
-  that is clearly slower costs its whole loss, twice per round (warm-up and
-  probe), and tells little; a close call is probed at the full rate.
-* a decided-serial step that is not a probe is timed one in
-  ``serial_time_every`` (8): its times only keep the path's median fresh.
-
-Each decision is logged once, when it changes, with its figures. The times
-come from :class:`StepTimings`.
+Each decision is logged once, when it changes, with its figures. The times come from :class:`StepTimings`.
 """
 
 from __future__ import annotations
@@ -69,9 +51,8 @@ def pow2_ceil(n: int) -> int:
 
 
 class BucketKey(NamedTuple):
-    """A runner and a step shape, whose steps take comparable time. ``tokens``:
-    the largest stage token count rounded up to a power of two (0: unknown).
-    A tuple, so that the per-step dict lookups hash and compare it in C."""
+    """A runner and a step shape, whose steps take comparable time. ``tokens``: the largest stage token count rounded
+    up to a power of two (0: unknown). A tuple, so that the per-step dict lookups hash and compare it in C."""
 
     runner: str
     stages: int
@@ -95,8 +76,7 @@ class AdaptiveSettings:
     close_call: float = 0.10
     close_recheck: int = 16
     close_switch_margin: float = 0.01
-    #: A decided-serial step (not a probe) is timed one in this many: its times
-    #: only keep the median fresh for the next probe round, and timing costs host time.
+    #: A decided-serial step (not a probe) is timed one in this many (timing costs host time).
     serial_time_every: int = 8
 
 
@@ -137,9 +117,8 @@ class AdaptiveEngage:
         self._buckets: dict[BucketKey, _Bucket] = {}
 
     def choose(self, key: BucketKey) -> tuple[Path, bool, bool]:
-        """The path this step of ``key`` takes, whether it is a probe (run to
-        measure, not the decision), and whether it is timed (a decided-serial
-        step only one in ``serial_time_every``)."""
+        """The path this step of ``key`` takes, whether it is a probe (run to measure, not the decision), and whether
+        it is timed (a decided-serial step only one in ``serial_time_every``)."""
         cfg = self.settings
         with self._lock:
             b = self._buckets.get(key)
@@ -267,9 +246,8 @@ class AdaptiveEngage:
 
 
 def _learning_path(b: _Bucket, cfg: AdaptiveSettings) -> Path:
-    """The path of a learning step: overlap until it has issued its dropped
-    first step and ``min_samples`` more, then serial for ``min_samples``;
-    then (times still to come, as on a device) whichever has fewer kept."""
+    """The path of a learning step: overlap until it has issued its dropped first step and ``min_samples`` more,
+    then serial for ``min_samples``; then (times still to come, as on a device) whichever has fewer kept."""
     if b.issued["overlap"] < cfg.min_samples + 1:
         return "overlap"
     if b.issued["serial"] < cfg.min_samples:
@@ -289,29 +267,25 @@ Pending = tuple[BucketKey, Path, StreamBackend, Any, "AdaptiveEngage | None"]
 
 
 class StepTimings:
-    """One runner's step and replay timings not read yet, in issue order: each
-    is read once its end event has completed (``query()``, never a
-    synchronize), oldest first, and never while a graph capture is in
-    progress (``GUARD``)."""
+    """One runner's step and replay timings not read yet, in issue order: each is read once its end event has
+    completed (``query()``, never a synchronize), oldest first, and never while a graph capture is in progress."""
 
     def __init__(self, owner: Any) -> None:
-        #: What holds the adaptive engage the timings feed (``owner.adaptive``,
-        #: read at each timing: tests replace it).
+        #: Holds the adaptive engage the timings feed (``owner.adaptive``, read at each timing: tests replace it).
         self._owner = owner
         self._pending: deque[Pending] = deque()
         self._lock = threading.Lock()
 
     def clear(self) -> None:
-        """Drop every timing not read (on unpatch, and in a forked child: a
-        new lock too, as a parent thread may have held the old one)."""
+        """Drop every timing not read (on unpatch, and in a forked child: a new lock too, as a parent thread may have
+        held the old one)."""
         self._lock = threading.Lock()
         self._pending = deque()
 
     def record(
         self, key: BucketKey, path: Path, backend: StreamBackend, token: Any, into: AdaptiveEngage | None = None
     ) -> None:
-        """Queue a timing and read what is ready. ``into``: the adaptive engage
-        it feeds (a decode graph key's own; None: the runtime's)."""
+        """Queue a timing and read what is ready. ``into``: the adaptive engage it feeds (None: the runtime's)."""
         with self._lock:
             self._pending.append((key, path, backend, token, into))
             while len(self._pending) > MAX_PENDING_TIMINGS:
@@ -327,10 +301,9 @@ class StepTimings:
         run: Callable[[], Any],
         into: AdaptiveEngage | None = None,
     ) -> Any:
-        """``run()`` timed on the compute stream and recorded for ``key``; a run
-        that raised is not recorded. Not timed while a capture is in progress on
-        any thread: the timing could not be read before the capture ends, and a
-        pair the pool lacks would be an event made during a capture."""
+        """``run()`` timed on the compute stream and recorded for ``key``; a run that raised is not recorded. Not
+        timed while a capture is in progress on any thread: the timing could not be read before the capture ends,
+        and a pair the pool lacks would be an event made during a capture."""
         token = None if GUARD.capturing() else backend.step_timer_start()
         try:
             result = run()
@@ -344,8 +317,8 @@ class StepTimings:
         return result
 
     def read_ready(self) -> None:
-        """Read every ready timing into its adaptive engage, oldest first (never
-        waits); stop at the first not ready, and at once during a capture."""
+        """Read every ready timing into its adaptive engage, oldest first (never waits); stop at the first not
+        ready, and at once during a capture."""
         while self._pending:
             with self._lock:
                 if not self._pending:

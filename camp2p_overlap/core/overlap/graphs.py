@@ -1,30 +1,19 @@
-"""Decode graphs with both variants (``VLLM_CAMP2P_MULTISTREAM_GRAPH=adaptive``).
+"""Decode graphs with both variants (``VLLM_CAMP2P_MULTISTREAM_GRAPH=adaptive``; docs/design.md, "Decode graphs").
 
-Upstream's ``_capture_graphs`` captures one graph per key into
-``runner._acl_graphs[key]["graph"]``, which ``execute_model`` replays for every
-later step of that key. The wrapped ``_capture_graphs`` (:class:`GraphCapture`):
+Upstream's ``_capture_graphs`` captures one graph per key into ``runner._acl_graphs[key]["graph"]``, which
+``execute_model`` replays for every later step of that key. The wrapped ``_capture_graphs`` (:class:`GraphCapture`)
+runs every capture inside the capture guard (``streams.backend.GUARD``: no thread of the patch layer reads an event
+meanwhile); captures upstream's serial graph only where the stack cannot replay the variants (logged once and
+counted); makes the runner's side streams, the variant's capture stream and the plan's pooled events before
+upstream captures, so a capture creates none; lets upstream capture its own graph (the serial path), measuring its
+memory and time; and, under ``adaptive`` and above the free-memory margin, captures the patch layer's variant of
+the same step in the runner's pool on its own capture stream and puts a :class:`VariantGraph` in the entry.
 
-1. runs every capture inside the capture guard (``streams.backend.GUARD``), so
-   no thread of the patch layer reads an event while it is in progress;
-2. captures upstream's serial graph only where the stack cannot replay the
-   variants (a missing optional patch target, a torch_npu without the
-   multi-stream capture fix), logged once and counted;
-3. makes the runner's side streams, the variant's capture stream and the
-   plan's pooled events before upstream captures, so a capture creates none
-   (a capture with no eager warm-up works);
-4. lets upstream capture its own graph (the patch layer takes the serial path
-   inside it), measuring its memory and time;
-5. under ``adaptive``, captures the patch layer's variant of the same step in
-   the runner's pool on its own capture stream, unless free memory is below
-   the margin, and puts a :class:`VariantGraph` in the entry.
-
-A :class:`VariantGraph` replays the variant the key's own adaptive state
-chose, timed with pooled events read at a later replay (``query()``, never a
-synchronize). A replay is a step of the gate: ``unpatch()`` waits for the
-replays in flight, then puts upstream's graph objects back (identity); a
-``VariantGraph`` still held afterwards replays upstream's graph. Both
-variants keep CAMP2P's per-group op order (docs/design.md, "Decode graphs"),
-so the attention side cannot tell which one replays.
+A :class:`VariantGraph` replays the variant the key's own adaptive state chose, timed with pooled events read at
+a later replay (``query()``, never a synchronize). A replay is a step of the gate: ``unpatch()`` waits for the
+replays in flight, then puts upstream's graph objects back (identity); a ``VariantGraph`` still held afterwards
+replays upstream's graph. Both variants keep CAMP2P's per-group op order, so the attention side cannot tell which
+one replays.
 """
 
 from __future__ import annotations
@@ -53,15 +42,13 @@ if TYPE_CHECKING:
 
 #: The two variants, by what ``stats()`` calls them.
 SERIAL, OVERLAP = "serial", "overlap"
-#: Below ``graph_size + SECOND_CAPTURE_HEADROOM_BYTES`` free device memory, a
-#: key keeps upstream's graph only (docs/design.md, "Decode graphs").
+#: Below ``graph_size +`` this much free device memory, a key keeps upstream's graph only.
 SECOND_CAPTURE_HEADROOM_BYTES = 256 << 20
 
 
 def graph_variants_refusal(engine: PatchEngine, backend_name: str | None) -> str | None:
-    """Why decode graphs of ``backend_name`` capture upstream's serial graph only
-    (a patch target of graph variants refused, or a torch_npu without the
-    multi-stream capture fix), or None."""
+    """Why decode graphs of ``backend_name`` capture upstream's serial graph only (a patch target of graph variants
+    refused, or a torch_npu without the multi-stream capture fix), or None."""
     reason = engine.feature_refusal(GRAPH_VARIANTS)
     return reason if reason is not None else torch_npu_capture.capture_fix_refusal(backend_name or "")
 
@@ -97,9 +84,8 @@ class CapturedKey:
 
 
 class VariantGraph:
-    """``_acl_graphs[key]["graph"]`` while the patch layer is applied: ``replay()``
-    replays the chosen variant; ``reset()`` and debug calls reach both graphs;
-    anything else is upstream's graph's."""
+    """``_acl_graphs[key]["graph"]`` while the patch layer is applied: ``replay()`` replays the chosen variant;
+    ``reset()`` and debug calls reach both graphs; anything else is upstream's graph's."""
 
     def __init__(self, captured: CapturedKey, capture: GraphCapture) -> None:
         self.captured = captured
@@ -153,8 +139,8 @@ def _reset(graph: Any) -> None:
 
 
 def restore_all(states: list[RunnerState]) -> None:
-    """Upstream's graph object back in every entry still holding ours, ours
-    released; called once no replay is in flight (the gate drained)."""
+    """Upstream's graph object back in every entry still holding ours, ours released; called once no replay is in
+    flight (the gate drained)."""
     for state in states:
         keys, state.graphs = state.graphs, {}
         for c in keys.values():
@@ -253,8 +239,7 @@ class GraphCapture:
         if not self.engine.config.enabled or not self.engine.gate.enter():
             return wrapped(*args, **kwargs)
         try:
-            # The watchdogs still following earlier steps end (the capture's
-            # synchronize runs those steps to their end).
+            # The watchdogs still following earlier steps end (the capture's synchronize runs those to their end).
             if not stop_watchdogs():
                 log_once(
                     logging.WARNING,
@@ -294,10 +279,9 @@ class GraphCapture:
         return result
 
     def prepare(self, runner: Any, dp: Any) -> tuple[RunnerState, StreamBackend] | None:
-        """Before the capture: None where graph variants may not be captured
-        (a refusal is logged and counted); else the runner's state and backend,
-        with the side streams, the variant's capture stream and the plan's
-        pooled events made, which a capture may not create. Never raises."""
+        """Before the capture: None where graph variants may not be captured (a refusal is logged and counted); else
+        the runner's state and backend, with the side streams, the variant's capture stream and the plan's pooled
+        events made, which a capture may not create. Never raises."""
         try:
             decision = self.decide(self.engine, runner, {"dp_metadata_list": dp}, self.runtime.runners.get(runner))
             if not decision.engages or decision.plan is None:

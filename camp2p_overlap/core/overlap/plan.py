@@ -17,10 +17,9 @@ StageLayer = tuple[int, int]
 
 @dataclass(frozen=True)
 class StepPlan:
-    """The step as the loop will run it: ``for L in layers: for s in stages``.
-    What a session reads per (layer, stage) (the order, each layer's next, the
-    receive kwargs, event keys and op labels) is derived once per plan, and
-    plans are cached per step shape (:func:`step_plan`)."""
+    """The step as the loop will run it: ``for L in layers: for s in stages``. What a session reads per (layer,
+    stage) (the order, each layer's next, the receive kwargs, event keys and op labels) is derived once per plan,
+    and plans are cached per step shape (:func:`step_plan`)."""
 
     layers: tuple[int, ...]
     stages: tuple[int, ...]
@@ -147,13 +146,7 @@ E2A_ONLY = Layout("e2a-only", CALLER, SIDE, prefetch=False)
 A2E_ONLY = Layout("a2e-only", SIDE, CALLER)
 COMM_SIDE = Layout("comm-side", SIDE, SIDE)
 
-
-# The rollout modes (``VLLM_CAMP2P_MULTISTREAM_MODE``) are layouts: ``overlap``
-# puts A2E/E2A on a side stream per stage as the direction switches say,
-# ``reorder`` keeps the overlap's issue order on the compute stream, ``parity``
-# upstream's (docs/design.md, "Rollout modes and the ladder").
-
-#: The rungs in the order a new deployment climbs them.
+#: The rungs (docs/design.md, "Rollout modes and the ladder") in the order a new deployment climbs them.
 LADDER = ("parity", "reorder", "e2a-only", "overlap")
 
 

@@ -1,23 +1,13 @@
-"""Connector routes: the connector instance's calls, routed to one step for
-that step's duration and on that step's thread only.
+"""Connector routes (docs/design.md, "Connectors left alone outside a step"): the connector instance's calls,
+routed to one step for that step's duration and on that step's thread only. The manifest's ``route`` targets are
+signature-checked at import; nothing of ours is installed on their class. An engaged step (or a serial step while a
+trace recorder is active) sets one router per route target on the connector *instance* (:class:`ConnectorRoutes`)
+and removes it in a ``finally``. The callee is what the instance resolved to when the step began: its own attribute
+if it carried one (a monkeypatch, put back as the very same object), else the class's attribute bound to it, so a
+foreign wrapper on the class stays in the call chain.
 
-The manifest's ``route`` targets (the CAMP2P connector's receive and send)
-are signature-checked at import; nothing of ours is installed on their
-class. An engaged step (or a serial step while a trace recorder is active)
-sets one router per route target on the connector *instance*
-(:class:`ConnectorRoutes`) and removes it in a ``finally``:
-
-* between steps a connector call is upstream's method, with no frame of
-  ours; other connector instances are never touched;
-* a call from another thread during the step goes straight to the callee;
-* the callee is what the instance resolved to when the step began: its own
-  attribute if it carried one (a monkeypatch, put back as the very same
-  object afterwards), else the class's attribute bound to it, so a foreign
-  wrapper on the class stays in the call chain.
-
-Limit: a bound method taken from the instance before the step began
-bypasses the route; the step then sees no receive, runs the loop's order on
-the compute stream and logs it.
+Limit: a bound method taken from the instance before the step began bypasses the route; the step then sees no
+receive, runs the loop's order on the compute stream and logs it.
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
-"""One FFN step's schedule: the edges of ``docs/design.md`` driven from the
-connector calls the upstream loop makes, each op on the stream its layout
-names (``plan.Layout``).
+"""One FFN step's schedule: the edges of docs/design.md ("Edges of one step") driven from the connector calls the
+upstream loop makes, each op on the stream its layout names (``plan.Layout``). The session knows nothing of
+afd-plugin: the routers hand it each receive as a function and its kwargs, and each send as a call with its output,
+context and stage.
 
-The session knows nothing of afd-plugin: the routers hand it each receive
-as a function and its kwargs, and each send as a call with its output,
-context and stage. It is fed the loop's calls in order: the first ``recv``
-forks (every side stream waits C) and, in the overlap's order
-(``prefetch``), issues the prologue (A2E of the first layer of every
-stage); ``recv(L, s)`` makes C wait ``a_done(L, s)`` and hands over the
-prefetched payload (without prefetch the A2E runs now, on C); ``send(L,
-s)`` makes the E2A stream wait ``f_done`` and issues E2A(L, s), then the
-stage's lookahead A2E; ``close`` joins every side stream, always.
+One path: production, a trace, the watchdog and a capture run the same code, and the session always keeps the
+step's log (ops, records and waits in issue order), which stall reports and traces read. Every wait goes through
+:meth:`wait_event`, every receive issued ahead through :meth:`issue_a2e`, the join through :meth:`join`: a test's
+broken schedule overrides one of them.
 
-There is one path: production, a trace, the watchdog and a capture run the
-same code, and the session always keeps the step's log (ops, records and
-waits in issue order), which stall reports and traces read. Every wait goes
-through :meth:`wait_event`, every receive issued ahead through
-:meth:`issue_a2e`, the join through :meth:`join`: a test's broken schedule
-overrides one of them.
-
-Tensor ownership (no ``record_stream``): an A2E output stays referenced
-until its E2A stream has waited its FFN's ``f_done``; an FFN output until C
-has waited an event recorded after its E2A. After ``close`` the session
-holds nothing.
+Tensor ownership (no ``record_stream``): an A2E output stays referenced until its E2A stream has waited its FFN's
+``f_done``; an FFN output until C has waited an event recorded after its E2A. After ``close`` the session holds
+nothing.
 """
 
 from __future__ import annotations
@@ -43,15 +31,13 @@ from camp2p_overlap.core.overlap.plan import COMM_SIDE, SIDE, Layout, OpKeys, St
 from camp2p_overlap.core.overlap.streams.base import DoneHandle, OpHandle, Stream, StreamPoisonedError
 
 clock = time.perf_counter_ns
-#: The fork's event key, and each stage's join key.
 FORK_KEY = EventKey.fork()
 JOIN_KEYS = {s: EventKey.join(s) for s in range(MAX_STAGES)}
 
 
 class ScheduleMismatchError(RuntimeError):
-    """The loop asked for data the session cannot hand over without risking
-    wrong data (a receive for a group whose next message was already taken
-    for a different (layer, stage))."""
+    """The loop asked for data the session cannot hand over without risking wrong data (a receive for a group
+    whose next message was already taken for a different (layer, stage))."""
 
 
 class SessionError(RuntimeError):
@@ -72,8 +58,8 @@ class IssuedOp:
 
 @dataclass(frozen=True)
 class SessionSnapshot:
-    """A copy of a session's progress, readable from another thread (the
-    watchdog): never a sync, only event queries and handle states."""
+    """A copy of a session's progress, readable from another thread (the watchdog): never a sync, only event
+    queries and handle states."""
 
     step_id: int
     plan: StepPlan
@@ -93,8 +79,7 @@ class SessionSnapshot:
 
 
 class RunningOp(OpHandle):
-    """The handle of an op being submitted (while the host runs it), from
-    ``start_ns``."""
+    """The handle of an op being submitted (while the host runs it), from ``start_ns``."""
 
     def result(self) -> Any:
         raise SessionError("the op is still being submitted")
@@ -126,8 +111,7 @@ class StepSession:
         self.backend = backend = streamset.backend
         #: The compute stream (the caller's current stream).
         self.compute = compute = backend.compute_stream()
-        #: The side streams the step forks and joins (K_s), by stage, and
-        #: each stage's A2E and E2A stream, as the layout names them.
+        #: By stage: the side streams the step forks and joins (K_s), and each stage's A2E and E2A stream.
         self.side_streams: dict[int, Stream] = {}
         self.a2e_on: dict[int, Stream] = {}
         self.e2a_on: dict[int, Stream] = {}
@@ -193,8 +177,7 @@ class StepSession:
         self._marks.append(("record", key, stream.name, now, now, next(self._seq)))
 
     def wait_event(self, stream: Stream, key: EventKey) -> None:
-        """Make ``stream`` wait the event of ``key`` recorded in this step:
-        every wait of the schedule goes through here."""
+        """Make ``stream`` wait the event of ``key`` recorded in this step (every wait of the schedule)."""
         ev = self._events.get(key)
         if ev is None:
             raise SessionError(f"wait on event {key.label()!r} that was not recorded in this step")
@@ -203,8 +186,7 @@ class StepSession:
         self._marks.append(("wait", key, stream.name, t0, clock(), seq))
 
     def _edge(self, after: Stream, key: EventKey, before: Stream) -> None:
-        """``before`` waits what ``after`` has queued so far (nothing when
-        they are one stream: its order holds)."""
+        """``before`` waits what ``after`` has queued so far (nothing when they are one stream: its order holds)."""
         if after is not before:
             self._record(after, key)
             self.wait_event(before, key)
@@ -212,8 +194,8 @@ class StepSession:
     def _submit(
         self, stream: Stream, kind: str, layer: int | None, stage: int | None, fn: Callable[[], Any], label: str
     ) -> OpHandle:
-        """Issue one connector op on ``stream``, listed in issue order before
-        it runs (a stall report shows an op the host blocks in)."""
+        """Issue one connector op on ``stream``, listed in issue order before it runs (a stall report shows an op
+        the host blocks in)."""
         running = RunningOp()
         running.start_ns = clock()
         op = IssuedOp(kind, layer, stage, stream.name, running, next(self._seq))
@@ -246,9 +228,8 @@ class StepSession:
                 self.wait_event(k, FORK_KEY)
 
     def issue_a2e(self, layer: int, stage: int) -> None:
-        """Queue the receive (A2E) of ``(layer, stage)`` on the stage's A2E
-        stream and record its ``a_done``: every receive the session issues
-        ahead goes through here."""
+        """Queue the receive (A2E) of ``(layer, stage)`` on the stage's A2E stream and record its ``a_done``: every
+        receive the session issues ahead goes through here."""
         fn = self._recv_fn
         assert fn is not None
         key = (layer, stage)
@@ -264,9 +245,8 @@ class StepSession:
     # ------------------------------------------------------------------
     # the connector calls
     def recv(self, fn: Callable[..., Any], kw: Mapping[str, Any], call: Callable[[], Any] | None = None) -> Any:
-        """A receive of the loop: ``fn(**kw)`` is the connector's receive
-        (used for prefetches); ``call`` runs the loop's call as it was made
-        (default: ``fn(**kw)``). ``kw`` holds ``layer_idx`` and ``ubatch_idx``."""
+        """A receive of the loop: ``fn(**kw)`` is the connector's receive (used for prefetches); ``call`` runs the
+        loop's call as it was made (default: ``fn(**kw)``). ``kw`` holds ``layer_idx`` and ``ubatch_idx``."""
         run = call if call is not None else (lambda: fn(**kw))
         got = (kw.get("layer_idx"), kw.get("ubatch_idx"))
         if self.fallen_back:
@@ -295,8 +275,7 @@ class StepSession:
                 if failed is not None:
                     raise failed
             payload = self._run_on_c(A2E, L, s, run, self._keys[expected].a2e_label)
-        # C has now waited an event recorded after every earlier E2A of this
-        # stage: their FFN outputs may be freed.
+        # C has waited an event recorded after every earlier E2A of this stage: their FFN outputs may go.
         self._f_refs[s].clear()
         self._consumed.add(expected)
         self._inflight[expected] = payload
@@ -318,8 +297,8 @@ class StepSession:
             h.release()  # the handle stays listed; the payload is tracked in _inflight
 
     def send(self, call: Callable[[], Any], output: Any, context: Any, stage: int | None) -> Any:
-        """A send of the loop: ``call()`` is the loop's call as it was made,
-        ``output`` and ``context`` what it sends, ``stage`` its ``ubatch_idx``."""
+        """A send of the loop: ``call()`` is the loop's call as it was made, ``output`` and ``context`` what it
+        sends, ``stage`` its ``ubatch_idx``."""
         key = self._contexts.get(id(context))
         if self.fallen_back:
             return self._send_on_c(call, key)
@@ -403,8 +382,7 @@ class StepSession:
     # ------------------------------------------------------------------
     # join and close
     def join(self) -> None:
-        """Make the compute stream wait the last work of every side stream,
-        then release the buffers held for them."""
+        """Make the compute stream wait the last work of every side stream, then release its buffers."""
         if self.forked:
             for s, k in self.side_streams.items():
                 self._edge(k, JOIN_KEYS[s], self.compute)
@@ -412,17 +390,15 @@ class StepSession:
         self.release_buffers()
 
     def release_buffers(self) -> None:
-        """Drop every buffer reference held for the side streams: the FFN
-        outputs sent and the received A2E outputs not yet waited."""
+        """Drop every buffer held for the side streams: FFN outputs sent, received A2E outputs not yet waited."""
         for refs in self._f_refs.values():
             refs.clear()
         self._inflight.clear()
 
     def close(self, *, raising: bool = False) -> None:
-        """Join every side stream and release every reference. Raises the
-        first error a side-stream op hit during the step unless the caller
-        is already raising (then it is logged), or the compute stream's work
-        failed first (the device synchronize reports that one)."""
+        """Join every side stream and release every reference. Raises the first error a side-stream op hit during
+        the step unless the caller is already raising (then it is logged), or the compute stream's work failed
+        first (the device synchronize reports that one)."""
         if self.closed or self._closing:
             return
         self._closing = True
@@ -458,9 +434,8 @@ class StepSession:
             )
 
     def emit_trace(self, recorder: TraceRecorder) -> None:
-        """Hand the step's log to ``recorder`` as a trace of the host's issue
-        order (``source="session"``): a step that ran without a recorder is
-        checked after it closed, as production ran it."""
+        """Hand the step's log to ``recorder`` as a trace of the host's issue order (``source="session"``): a step
+        that ran without a recorder is checked after it closed, as production ran it."""
         self._replay(StepTrace(recorder, self.step_id))
 
     def _replay(self, trace: StepTrace) -> None:
@@ -471,10 +446,9 @@ class StepSession:
         trace.emit((o.kind, o.layer, o.stage, o.stream, o.handle, o.seq) for o in self._ops)
 
     def _side_error(self, streams: list[Stream]) -> BaseException | None:
-        """The asynchronous error of ``streams`` the host raises: the first
-        (in the order kernels ran) of theirs and the compute stream's, unless
-        that one is the compute stream's: the device synchronize reports it
-        (a side stream's error may be its consequence)."""
+        """The asynchronous error of ``streams`` the host raises: the first (in the order kernels ran) of theirs and
+        the compute stream's, unless that one is the compute stream's: the device synchronize reports it (a side
+        stream's error may be its consequence)."""
         errors = self.backend.step_errors([self.compute, *streams])
         if not errors or any(errors[0] is e for e in self.backend.step_errors([self.compute])):
             return None
@@ -486,8 +460,7 @@ class StepSession:
         return ExpectedSchedule(self.plan.layers, self.plan.stages, self.layout.a2e_side, self.layout.e2a_side)
 
     def stage_layer_of(self, context: Any) -> StageLayer | None:
-        """The ``(layer, stage)`` whose received payload carried ``context``
-        (what the loop hands back to the send), or None."""
+        """The ``(layer, stage)`` whose payload carried ``context`` (what the loop hands back to the send), or None."""
         return self._contexts.get(id(context))
 
     def a2e_issued(self, layer: int, stage: int) -> bool:
@@ -510,8 +483,8 @@ class StepSession:
         return [(o.kind, o.layer, o.stage) for o in self._ops]
 
     def log(self) -> list[tuple[Any, ...]]:
-        """The step's records, waits and ops in issue order: ``(kind, label,
-        stream)``, ``kind`` one of ``record``, ``wait``, ``a2e``, ``e2a``."""
+        """The step's records, waits and ops in issue order: ``(kind, label, stream)``, ``kind`` one of ``record``,
+        ``wait``, ``a2e``, ``e2a``."""
         marks = [(seq, kind, key.label(), stream) for kind, key, stream, _, _, seq in self._marks]
         ops = [(o.seq, o.kind, OpKey(o.kind, o.layer, o.stage).label(), o.stream) for o in self._ops]
         return [entry[1:] for entry in sorted(marks + ops)]

@@ -1,25 +1,16 @@
-"""One FFN step: what a call of the wrapped ``_ffn_forward`` does, as one
-object (:class:`FfnStep`) whose methods read in the order a step runs. Every
-step takes one path:
+"""One FFN step: what a call of the wrapped ``_ffn_forward`` does, as one object (:class:`FfnStep`) whose methods
+read in the order a step runs (docs/design.md, "One step, one object"). Every step takes one path:
 
 1. the gate: a step of an engine being removed runs the original;
-2. the decision (:func:`decide`: engage or not, the plan and its layout)
-   and the runner's side streams. What does not change between a runner's
-   steps is read once into :class:`RunnerFacts` and read again when the
-   engine's ``generation`` moves (apply, unpatch, a module installed, a
-   refresh) or the runner holds another connector; the stage ids, the
-   layer list and ``max_num_tokens`` are read per step;
-3. the choice: the static setting (capture, adaptive off, parity/reorder),
-   or adaptive engage's path for the step's bucket;
-4. the engaged step: a session, the connector routed to it (``routes``),
-   the watchdog, and the join on every exit;
+2. the decision (:func:`decide`) and the runner's side streams; what does not change between a runner's steps is
+   kept in :class:`RunnerFacts` until the engine's ``generation`` moves or the runner holds another connector;
+3. the choice: the static setting (capture, adaptive off, parity/reorder), or adaptive engage's path;
+4. the engaged step: a session, the connector routed to it (``routes``), the watchdog, the join on every exit;
 5. the step's time, for adaptive engage.
 
-:func:`make_wrappers` builds, when an engine applies, the wrappers the
-manifest names, bound to that engine and its runtime. The module globals a
-step reads are the active trace recorder (``core.observe.trace.active``)
-and the capture guard (``streams.backend.GUARD``, while it has no backend
-to ask).
+:func:`make_wrappers` builds the wrappers the manifest names, bound to an engine and its runtime. The module
+globals a step reads are the active trace recorder (``core.observe.trace.active``) and the capture guard
+(``streams.backend.GUARD``, while it has no backend to ask).
 """
 
 from __future__ import annotations
@@ -69,9 +60,8 @@ NO_STREAMS_IN_CAPTURE = (
 
 @dataclass(frozen=True)
 class Decision:
-    """What one call of ``_ffn_forward`` does: engage with ``plan`` on
-    ``backend`` in ``layout`` (``engages``), or run upstream's serial path
-    for ``reason`` (:func:`serial`)."""
+    """What one call of ``_ffn_forward`` does: engage with ``plan`` on ``backend`` in ``layout`` (``engages``), or
+    run upstream's serial path for ``reason`` (:func:`serial`)."""
 
     engages: bool
     #: Why the call runs serially ("" when it engages).
@@ -90,9 +80,8 @@ def serial(reason: str) -> Decision:
 
 @dataclass
 class RunnerFacts:
-    """What a runner's steps share until the engine's generation moves or
-    the runner holds another connector: why none may engage (``problem``),
-    else the backend and layout."""
+    """What a runner's steps share until the engine's generation moves or the runner holds another connector: why
+    none may engage (``problem``), else the backend and layout."""
 
     generation: int
     connector: Any
@@ -103,11 +92,9 @@ class RunnerFacts:
     routes: tuple[tuple[str, str], ...] = ()
     #: The manifest's ``_ffn_layer_indices`` target (read live every step).
     layer_target: Any = None
-    #: Per stage ids: the HCCL group check's answer (the connector's group
-    #: names are a fact of the connector).
+    #: Per stage ids: the HCCL group check's answer (group names are a fact of the connector).
     groups: dict[tuple[int, ...], str | None] = field(default_factory=dict)
-    #: Per step shape (layers, stages, ``max_num_tokens``): its engaging
-    #: decision, with the shape's plan.
+    #: Per step shape (layers, stages, ``max_num_tokens``): its engaging decision, with the shape's plan.
     engaging: dict[Any, Decision] = field(default_factory=dict)
 
 
@@ -139,10 +126,9 @@ def runner_facts(engine: PatchEngine, runner: Any, connector: Any) -> RunnerFact
 
 
 def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], state: Any) -> Decision:
-    """Whether this call of ``runner._ffn_forward(**kwargs)`` engages, and
-    its plan; the step has already checked that the patch layer is on, the
-    call is not re-entrant and every target is ready. ``state``: the
-    runner's state, which keeps its :class:`RunnerFacts`."""
+    """Whether this call of ``runner._ffn_forward(**kwargs)`` engages, and its plan; the step has already checked
+    that the patch layer is on, the call is not re-entrant and every target is ready. ``state``: the runner's
+    state, which keeps its :class:`RunnerFacts`."""
     cfg = engine.config
     connector = getattr(runner, "connector", None)
     facts = state.facts
@@ -199,9 +185,8 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], state: A
 
 
 def make_wrappers(engine: PatchEngine, *, runtime: OverlapRuntime) -> dict[str, Any]:
-    """What ``engine`` installs, by manifest key: the ``ffn_forward`` and
-    ``capture_graphs`` wrappers, and the routers that ``route`` targets
-    name (``routes.SESSION_ROUTERS``; nothing of them is installed on a class)."""
+    """What ``engine`` installs, by manifest key: the ``ffn_forward`` and ``capture_graphs`` wrappers, and the
+    routers that ``route`` targets name (``routes.SESSION_ROUTERS``; nothing of them is installed on a class)."""
 
     capture = GraphCapture(engine, runtime, bucket_of, decide)
 
@@ -219,15 +204,13 @@ def make_wrappers(engine: PatchEngine, *, runtime: OverlapRuntime) -> dict[str, 
 
 
 def bucket_of(runner: str, stages: int, layers: int, dp_metadata_list: Any) -> BucketKey:
-    """The adaptive bucket of a step of runner ``runner`` (its name) with
-    ``stages`` stages and ``layers`` FFN layers: and its largest stage's
-    tokens rounded up to a power of two."""
+    """The adaptive bucket of a step of runner ``runner`` (its name) with ``stages`` stages and ``layers`` FFN
+    layers: and its largest stage's tokens rounded up to a power of two."""
     return BucketKey(runner, stages, layers, pow2_ceil(camp2p.max_stage_tokens(dp_metadata_list)))
 
 
 class FfnStep:
-    """One call of the wrapped ``_ffn_forward``, with the engine and runtime
-    its wrapper is bound to."""
+    """One call of the wrapped ``_ffn_forward``, with the engine and runtime its wrapper is bound to."""
 
     __slots__ = ("_capture", "args", "engine", "kwargs", "recorder", "runner", "runtime", "state", "wrapped")
 
@@ -246,10 +229,9 @@ class FfnStep:
         self._capture: bool | None = None
 
     def is_capture(self, backend: StreamBackend | None = None) -> bool:
-        """Whether this call runs inside a graph capture, computed once: the
-        caller says so, or the current stream of ``backend`` (the step's) is
-        capturing. Without a backend (a step that got none), the runner's is
-        asked only while the patch layer captures (its wrapped ``_capture_graphs``)."""
+        """Whether this call runs inside a graph capture, computed once: the caller says so, or the current stream
+        of ``backend`` (the step's) is capturing. Without a backend (a step that got none), the runner's is asked
+        only while the patch layer captures (its wrapped ``_capture_graphs``)."""
         if self._capture is None:
             capture = bool(self.kwargs.get("is_graph_capturing"))
             if not capture:
@@ -280,8 +262,7 @@ class FfnStep:
                 self.count_serial(decision.reason)
                 log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", decision.reason)
                 return self.run_original()
-            # 3.: capture follows the static setting (a graph replays what it
-            # captured), and so do parity/reorder steps and adaptive engage off.
+            # 3.: the static setting for a capture (a graph replays what it captured), parity/reorder, adaptive off.
             if not self.engine.config.adaptive or decision.mode != "overlap" or self.is_capture(streamset.backend):
                 return self.run_engaged(decision, streamset)
             return self.run_adaptive(decision, streamset)
@@ -339,8 +320,8 @@ class FfnStep:
 
     # -- 3. the choice -------------------------------------------------------
     def run_adaptive(self, decision: Decision, streamset: StreamSet) -> Any:
-        """An engageable eager step: the bucket's path (overlap, or the
-        original as decided or as a probe), timed without blocking the host."""
+        """An engageable eager step: the bucket's path (overlap, or the original as decided or as a probe), timed
+        without blocking the host."""
         plan, backend, state = decision.plan, streamset.backend, self.state
         assert plan is not None and state is not None
         key = bucket_of(state.name, len(plan.stages), len(plan.layers), self.kwargs.get("dp_metadata_list"))
@@ -358,8 +339,7 @@ class FfnStep:
 
     # -- 4. the engaged step -------------------------------------------------
     def run_engaged(self, decision: Decision, streamset: StreamSet) -> Any:
-        """The step under a session, counted under its rollout mode once the
-        connector is routed to it."""
+        """The step under a session, counted under its rollout mode once the connector is routed to it."""
         runtime, recorder = self.runtime, self.recorder
         step_id = recorder.next_step() if recorder is not None else 0
         capturing = self.is_capture(streamset.backend)
@@ -392,9 +372,8 @@ class FfnStep:
                     mark.engaged, mark.layers = True, len(decision.plan.layers)  # type: ignore[union-attr]
             else:
                 runtime.counters.engaged(decision.mode)
-            # No watchdog inside a capture: its timer thread would query events
-            # while the capture runs (global capture mode forbids it), and a
-            # captured step only records work, it cannot stall.
+            # No watchdog inside a capture: its timer thread would query events while the capture runs (global
+            # capture mode forbids it), and a captured step only records work, it cannot stall.
             watchdog = None if capturing or not seconds else start_watchdog(seconds, session.snapshot, step_id)
             t0 = time.perf_counter_ns()
             local = runtime.local

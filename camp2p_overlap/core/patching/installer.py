@@ -1,10 +1,7 @@
-"""The installer: resolves each target of a module, checks its signature
-against the manifest, wraps the module's targets all-or-nothing (an
-optional target missing or changed is left out alone, refusing only its
-feature), and removes exactly what it installed. It keeps the registry of
-every wrap and unwraps only from it; a wrapper of ours that a foreign,
-non-wrapt wrapper covers cannot be removed and is kept as *stuck* until it
-can."""
+"""The installer: resolves each target of a module, checks its signature against the manifest, wraps the module's
+targets all-or-nothing (an optional target missing or changed is left out alone, refusing only its feature), and
+removes exactly what it installed, unwrapping only from its registry of every wrap; a wrapper of ours that a
+foreign, non-wrapt wrapper covers cannot be removed and is kept as *stuck* until it can."""
 
 from __future__ import annotations
 
@@ -64,9 +61,8 @@ class ModuleRefused(Exception):
 
 
 class _TargetProblem(Exception):
-    """Why one target cannot be installed. ``optional_problem``, for a target
-    missing or changed, is what an optional target's feature refusal says
-    (``is missing (...)``); None: the module is refused whatever the target."""
+    """Why one target cannot be installed. ``optional_problem``, for a target missing or changed, is what an optional
+    target's feature refusal says (``is missing (...)``); None: the module is refused whatever the target."""
 
     def __init__(self, reason: str, optional_problem: str | None = None) -> None:
         super().__init__(reason)
@@ -133,8 +129,7 @@ def _is_marked(obj: Any) -> bool:
 
 
 def _marked_wrapper(original: Any, wrapper: Wrapper, on_class: bool) -> Any:
-    """``method_wrapper``, marked as ours when it is a plain function (a
-    wrapt wrapper is recognised by its wrapper function's mark)."""
+    """``method_wrapper``, marked as ours when a plain function (a wrapt wrapper is known by its wrapper's mark)."""
     handle = method_wrapper(original, wrapper, on_class=on_class)
     if isinstance(handle, FunctionType):
         vars(handle)[MARK] = True
@@ -146,8 +141,7 @@ class Installer:
 
     def __init__(self) -> None:
         self.records: dict[str, list[WrapRecord]] = {}
-        #: Per installed module: the status of each optional target refused
-        #: alone (missing or changed; nothing installed for it).
+        #: Per installed module: the status of each optional target refused alone (nothing installed for it).
         self.optional_refused: dict[str, dict[str, TargetStatus]] = {}
         self.stuck: list[WrapRecord] = []
         self._handles: set[int] = set()
@@ -180,17 +174,15 @@ class Installer:
 
     # -- install --------------------------------------------------------
     def is_current(self, mspec: ModuleSpec, module: ModuleType) -> bool:
-        """Whether the module's wraps sit on the classes it holds now (False
-        after a reload replaced them)."""
+        """Whether the module's wraps sit on the classes it holds now (False after a reload replaced them)."""
         recs = self.records.get(mspec.name)
         return bool(recs) and recs[0].owner is live_owner(module, recs[0].spec)
 
     def needing_install(
         self, manifest: StackManifest | None, waiting: Callable[[ModuleSpec], bool]
     ) -> list[tuple[ModuleSpec, ModuleType, str]]:
-        """Imported target modules no hook wrapped, with why: reloaded since
-        they were wrapped (their classes are new objects), or imported while
-        they were ``waiting`` for their hook (on another thread, mid-apply)."""
+        """Imported target modules no hook wrapped, with why: reloaded since they were wrapped (their classes are new
+        objects), or imported while they were ``waiting`` for their hook (on another thread, mid-apply)."""
         out = []
         for mspec in manifest.modules if manifest is not None else ():
             module = sys.modules.get(mspec.name)
@@ -210,11 +202,9 @@ class Installer:
         wrappers: Mapping[str, Wrapper],
         required_features: frozenset[str] = frozenset(),
     ) -> dict[str, TargetStatus]:
-        """Wrap every 'wrap' target of ``module`` and check every 'read' and
-        'route' target, or nothing at all; an optional target missing or
-        changed is left out alone (refused with its feature), unless its
-        feature is in ``required_features`` (then it refuses the module like
-        any other target). Returns each target's status."""
+        """Wrap every 'wrap' target of ``module`` and check every 'read' and 'route' target, or nothing at all; an
+        optional target missing or changed is left out alone (refused with its feature), unless its feature is in
+        ``required_features`` (then it refuses the module like any other target). Returns each target's status."""
         if self.records.get(mspec.name):
             if self.is_current(mspec, module):
                 return self._settled(mspec)  # already wrapped (apply twice, or a fork child)
@@ -242,15 +232,10 @@ class Installer:
         }
 
     def _check(
-        self,
-        mspec: ModuleSpec,
-        module: ModuleType,
-        wrappers: Mapping[str, Wrapper],
-        required_features: frozenset[str],
+        self, mspec: ModuleSpec, module: ModuleType, wrappers: Mapping[str, Wrapper], required_features: frozenset[str]
     ) -> tuple[list[tuple[TargetSpec, Any, Any]], list[WrapRecord], dict[str, TargetStatus]]:
-        """Every target that installs (with its owner and raw entry), the
-        stuck records of ours taken back, and the optional targets left out;
-        raises :class:`ModuleRefused` for the first target that refuses the module."""
+        """Every target that installs (with its owner and raw entry), the stuck records of ours taken back, and the
+        optional targets left out; raises :class:`ModuleRefused` for the first target that refuses the module."""
         resolved: list[tuple[TargetSpec, Any, Any]] = []
         adopted: list[WrapRecord] = []
         left_out: dict[str, TargetStatus] = {}
@@ -278,8 +263,7 @@ class Installer:
     def _check_target(
         self, t: TargetSpec, module: ModuleType, wrappers: Mapping[str, Wrapper]
     ) -> tuple[Any, Any, WrapRecord | None]:
-        """(owner, raw entry, the stuck record of ours to take back or None);
-        raises :class:`_TargetProblem` saying why the target cannot install."""
+        """(owner, raw entry, our stuck record to take back or None); raises :class:`_TargetProblem` saying why not."""
         try:
             owner, raw = _resolve(t, module)
         except (LookupError, TypeError) as exc:
@@ -294,8 +278,7 @@ class Installer:
             raise _TargetProblem("already carries a camp2p-overlap wrapper of another patch engine")
         rec = None
         if ours is not None:
-            # Our wrapper is still in the chain: an earlier unpatch could
-            # not remove it. Take it back instead of wrapping a second time.
+            # Our wrapper is still in the chain (an earlier unpatch could not remove it): take it back, not wrap again.
             handle = self.handle_of(ours)
             rec = next(
                 (r for r in self.stuck if r.owner is owner and r.attribute == t.attribute and r.handle is handle), None
@@ -363,8 +346,8 @@ class Installer:
         return ok
 
     def retry_stuck(self) -> bool:
-        """Try again to remove wrappers an earlier unpatch could not (a
-        foreign, non-wrapt wrapper sat on top); True when none is left."""
+        """Try again to remove wrappers an earlier unpatch could not (a foreign, non-wrapt wrapper sat on top); True
+        when none is left."""
         if not self.stuck:
             return True
         stuck, self.stuck = self.stuck, []
@@ -385,8 +368,7 @@ class Installer:
         except wrapt.WrapperNotFoundError:
             current = vars(rec.owner).get(rec.attribute)
             if current is not None and self._holds(current, rec.handle):
-                # A foreign wrapper captured a bound form of ours (e.g.
-                # ``orig = Cls.meth`` and a closure calling it).
+                # A foreign wrapper captured a bound form of ours (``orig = Cls.meth`` and a closure calling it).
                 return self._stuck(rec, "a foreign wrapper above it calls it through a bound method it captured")
             logger.warning(
                 "camp2p-overlap: %s.%s no longer carries our wrapper (replaced by a third party); left as it is",
@@ -418,23 +400,16 @@ class Installer:
             return True  # cannot tell: assume it is still there
 
 
-# The object the installer sets in a class's ``__dict__`` in place of a
-# plain method: a plain function calling our wrapper as wrapt would
-# (``wrapper(bound original, self, args, kwargs)``), not a
-# ``wrapt.FunctionWrapper``, whose every lookup through an instance builds a
-# bound proxy at several times the cost (docs/benchmark.md, history, as of
-# 5f75083). ``patched.__wrapped__`` is the original, so wrapt's chain
-# search, ``unwrap_object`` and ``inspect.signature`` see through it.
-
-
 Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 
 
 def method_wrapper(original: Any, wrapper: Wrapper, *, on_class: bool = True) -> Any:
-    """What wraps ``original`` (the raw ``__dict__`` entry of a class, or
-    with ``on_class`` false a module's function): a plain function for a
-    plain function in a class, else a ``wrapt.FunctionWrapper``. A module's
-    function has no ``self`` to bind."""
+    """What wraps ``original`` (the raw ``__dict__`` entry of a class, or with ``on_class`` false a module's function,
+    which has no ``self`` to bind): a ``wrapt.FunctionWrapper``, except for a plain function in a class, which gets
+    a plain function calling ``wrapper(bound original, self, args, kwargs)`` as wrapt would: a ``FunctionWrapper``
+    builds a bound proxy at every lookup through an instance, at several times the cost (docs/benchmark.md, history,
+    as of 5f75083). Its ``__wrapped__`` is the original, so wrapt's chain search, ``unwrap_object`` and
+    ``inspect.signature`` see through it."""
     if not (on_class and isinstance(original, FunctionType)):
         return wrapt.FunctionWrapper(original, wrapper)
 

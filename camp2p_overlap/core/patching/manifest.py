@@ -319,8 +319,7 @@ def stack_version_check(manifest: StackManifest) -> VersionCheck:
 
 
 def check_stacks(
-    stacks: Sequence[StackManifest],
-    version_check: Callable[[StackManifest], VersionCheck] = stack_version_check,
+    stacks: Sequence[StackManifest], version_check: Callable[[StackManifest], VersionCheck] = stack_version_check
 ) -> list[tuple[StackManifest, VersionCheck]]:
     """Every stack with its check, in the order given (``doctor`` shows them all)."""
     if not stacks:
@@ -329,8 +328,7 @@ def check_stacks(
 
 
 def select_stack(
-    stacks: Sequence[StackManifest],
-    version_check: Callable[[StackManifest], VersionCheck] = stack_version_check,
+    stacks: Sequence[StackManifest], version_check: Callable[[StackManifest], VersionCheck] = stack_version_check
 ) -> tuple[StackManifest, VersionCheck]:
     """The stack that serves this process: the first whose check passes, with
     that check. Otherwise a failed check: that of the stack pinning the

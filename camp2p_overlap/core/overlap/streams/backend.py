@@ -25,12 +25,7 @@ from typing import Any, TypeVar
 
 from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.keys import COMPUTE_STREAM, EventKey
-from camp2p_overlap.core.overlap.streams.base import (
-    BackendUnavailable,
-    DeviceCapabilities,
-    DoneHandle,
-    OpHandle,
-)
+from camp2p_overlap.core.overlap.streams.base import BackendUnavailable, DeviceCapabilities, DoneHandle, OpHandle
 
 
 class StreamBackend:
@@ -58,10 +53,7 @@ class StreamBackend:
 
     def compute_stream(self) -> Any:
         stream = self.mod.current_stream()
-        try:  # _name(stream, COMPUTE_STREAM), inline
-            stream.name = COMPUTE_STREAM
-        except (AttributeError, TypeError):
-            pass
+        _name(stream, COMPUTE_STREAM)
         return stream
 
     def new_stream(self, name: str) -> Any:

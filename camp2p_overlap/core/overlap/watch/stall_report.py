@@ -1,10 +1,8 @@
-"""The stall report: where the host and each stream of the device are in an
-engaged step that has not finished, from a snapshot of its session (never a
-sync: event queries, through the capture guard, and handle states only),
-replaying the order the session issued the step's records, waits and ops in.
-The step watchdog (``watchdog.py``) logs it once at its deadline. It sits in
-the overlap room: it reads the session's snapshot types, which the observe
-room may not import (the rooms contract in ``pyproject.toml``).
+"""The stall report: where the host and each stream of the device are in an engaged step that has not finished,
+from a snapshot of its session (never a sync: event queries, through the capture guard, and handle states only),
+replaying the order the session issued the step's records, waits and ops in. The step watchdog (``watchdog.py``)
+logs it once at its deadline. It sits in the overlap room: it reads the session's snapshot types, which the
+observe room may not import (the rooms contract in ``pyproject.toml``).
 """
 
 from __future__ import annotations
@@ -14,18 +12,7 @@ from collections import defaultdict, deque
 from collections.abc import Container
 from dataclasses import dataclass
 
-from camp2p_overlap.core.keys import (
-    A2E,
-    A_DONE,
-    COMPUTE_STREAM,
-    E2A,
-    E_DONE,
-    E_DONE_ON_C,
-    F_DONE,
-    FORK,
-    JOIN,
-    EventKey,
-)
+from camp2p_overlap.core.keys import A2E, A_DONE, COMPUTE_STREAM, E2A, E_DONE, E_DONE_ON_C, F_DONE, FORK, JOIN, EventKey
 from camp2p_overlap.core.overlap.camp2p import group_of
 from camp2p_overlap.core.overlap.plan import StageLayer
 from camp2p_overlap.core.overlap.session import IssuedOp, RunningOp, SessionSnapshot
@@ -38,9 +25,8 @@ _FULL_EVENT_LIST = 32
 
 @dataclass(frozen=True, slots=True)
 class _Item:
-    """One thing a stream was given, in its FIFO order: ``record`` or
-    ``wait`` of an event, an ``op`` (a connector op), or the ``ffn`` of a
-    (layer, stage) (the model's kernels on the compute stream)."""
+    """One thing a stream was given, in its FIFO order: ``record`` or ``wait`` of an event, an ``op`` (a connector
+    op), or the ``ffn`` of a (layer, stage) (the model's kernels on the compute stream)."""
 
     kind: str
     key: EventKey | None = None
@@ -49,10 +35,9 @@ class _Item:
 
 
 def _programs(snap: SessionSnapshot) -> dict[str, list[_Item]]:
-    """Each stream's items, in the order the session issued them (replayed from
-    the snapshot and its layout; an event only where the session recorded it).
-    Ops the replay does not place (a step that fell back) follow at their
-    stream's end."""
+    """Each stream's items, in the order the session issued them (replayed from the snapshot and its layout; an
+    event only where the session recorded it). Ops the replay does not place (a step that fell back) follow at
+    their stream's end."""
     events = {k for k, _ in snap.events}
     by_key: dict[tuple[str, int | None, int | None], deque[IssuedOp]] = defaultdict(deque)
     for o in snap.ops:
@@ -61,7 +46,6 @@ def _programs(snap: SessionSnapshot) -> dict[str, list[_Item]]:
     prog: dict[str, list[_Item]] = defaultdict(list)
     C = COMPUTE_STREAM
     plan, prefetch = snap.plan, snap.layout.prefetch
-
     a_on = {s: snap.a2e_streams.get(s, "?") for s in plan.stages}
     e_on = {s: snap.e2a_streams.get(s, "?") for s in plan.stages}
 
@@ -121,8 +105,7 @@ def _programs(snap: SessionSnapshot) -> dict[str, list[_Item]]:
 
 
 def _event_after(o: IssuedOp, events: Container[EventKey]) -> EventKey | None:
-    """The event the session recorded right after op ``o`` on its stream
-    (None: none, as after an A2E the compute stream runs for itself)."""
+    """The event the session recorded right after op ``o`` on its stream (None: none, as after an A2E on C)."""
     if o.layer is None or o.stage is None:
         return None
     kinds = (A_DONE,) if o.kind == A2E else (E_DONE, E_DONE_ON_C) if o.kind == E2A else ()
@@ -134,8 +117,7 @@ def _event_after(o: IssuedOp, events: Container[EventKey]) -> EventKey | None:
 
 
 class _States:
-    """Event and op states of one snapshot, each read at most once per report
-    (a device query is not free)."""
+    """Event and op states of one snapshot, each read at most once per report (a device query is not free)."""
 
     def __init__(self, snap: SessionSnapshot, now: int) -> None:
         self.events = dict(snap.events)
@@ -144,8 +126,7 @@ class _States:
         self._op_states: dict[int, tuple[bool, str]] = {}
 
     def event(self, key: EventKey) -> bool | str | None:
-        """True: completed; False: pending; None: not recorded this step;
-        a string: unknown (why)."""
+        """True: completed; False: pending; None: not recorded this step; a string: unknown (why)."""
         if key not in self._event_states:
             self._event_states[key] = self._query(key)
         return self._event_states[key]
@@ -235,9 +216,8 @@ def _event_text(st: _States, key: EventKey) -> str:
 
 
 def _head(items: list[_Item], st: _States) -> _Item | None:
-    """The first item of a stream not complete (what the stream is at). A
-    stream runs in order: an FFN (which no event follows in every layout)
-    is complete once an op after it on its stream runs or has finished."""
+    """The first item of a stream not complete (what the stream is at). A stream runs in order: an FFN (which no
+    event follows in every layout) is complete once an op after it on its stream runs or has finished."""
     reached = max((i for i, item in enumerate(items) if item.op is not None and _started(item.op, st)), default=-1)
     for i, item in enumerate(items):
         if item.op is not None and isinstance(item.op.handle, RunningOp):
@@ -309,9 +289,8 @@ def _stream_text(stream: str, head: _Item | None, snap: SessionSnapshot, st: _St
 
 
 def stall_report(snap: SessionSnapshot) -> str:
-    """Where the host and the compute stream are; per stage, where its stream is
-    and every op issued with its state; the likely missing peer ops; then the
-    events (only the pending ones when many) and the unfinished ops."""
+    """Where the host and the compute stream are; per stage, where its stream is and every op issued with its
+    state; the likely missing peer ops; then the events (only the pending ones when many) and the unfinished ops."""
     now = time.perf_counter_ns()
     st = _States(snap, now)
     order = snap.plan.sequence
@@ -355,8 +334,7 @@ def _stage_lines(
     lines = [f"  stage {s} (stream {stream}, group {group}): {len(mine)} op(s) issued{head}"]
     states = [st.op(o) for o in mine]
     open_idx = [i for i, (finished, _) in enumerate(states) if not finished]
-    # Keep long steps readable: the done ops before the last two preceding
-    # the first unfinished one are counted, not listed.
+    # Keep long steps readable: done ops before the two preceding the first unfinished one are counted, not listed.
     cut = max((open_idx[0] if open_idx else len(mine)) - 2, 0)
     if cut:
         lines.append(f"    ... {cut} earlier op(s) done")
@@ -365,9 +343,8 @@ def _stage_lines(
     if open_idx:
         o, text = mine[open_idx[0]], states[open_idx[0]][1]
         at = heads.get(o.stream)
-        # Blamed only when its stream is at it and it is running there: an op
-        # queued behind a wait, or behind its stream's earlier work, waits
-        # for the device, not for the attention peer.
+        # Blamed only when its stream is at it and it is running there: an op queued behind a wait, or behind its
+        # stream's earlier work, waits for the device, not for the attention peer.
         if at is not None and at.op is o and not text.startswith(("queued", "being issued")):
             role = "answered (no data)" if o.kind == A2E else "acknowledged"
             culprits.append(
