@@ -158,7 +158,9 @@ class StepSession:
         self._consumed: set[StageLayer] = set()
         self._sent: set[StageLayer] = set()
         #: Every op issued, in issue order.
-        self._ops: list[IssuedOp] = []
+        self._ops: list[tuple[str, int | None, int | None, str, OpHandle, int]] = []
+        #: The op the host is issuing now: (kind, layer, stage, stream, start, seq), else None.
+        self._issuing: tuple[Any, ...] | None = None
         #: Every record and wait: (kind, key, stream name, t0, t1, seq).
         self._marks: list[tuple[str, EventKey, str, int, int, int]] = []
         #: Each FFN's host window: (layer, stage, t0, t1, seq).
@@ -181,9 +183,9 @@ class StepSession:
         ev = self._events.get(key)
         if ev is None:
             raise SessionError(f"wait on event {key.label()!r} that was not recorded in this step")
-        seq, t0 = next(self._seq), clock()
+        now = clock()
+        self._marks.append(("wait", key, stream.name, now, now, next(self._seq)))
         self.backend.wait(stream, ev)
-        self._marks.append(("wait", key, stream.name, t0, clock(), seq))
 
     def _edge(self, after: Stream, key: EventKey, before: Stream) -> None:
         """``before`` waits what ``after`` has queued so far (nothing when they are one stream: its order holds)."""
@@ -194,22 +196,22 @@ class StepSession:
     def _submit(
         self, stream: Stream, kind: str, layer: int | None, stage: int | None, fn: Callable[[], Any], label: str
     ) -> OpHandle:
-        """Issue one connector op on ``stream``, listed in issue order before it runs (a stall report shows an op
-        the host blocks in)."""
-        running = RunningOp()
-        running.start_ns = clock()
-        op = IssuedOp(kind, layer, stage, stream.name, running, next(self._seq))
-        self._ops.append(op)
+        """Issue one connector op on ``stream``, listed in issue order; while the host runs it, it is the
+        session's ``_issuing`` op (a stall report shows an op the host blocks in)."""
+        op = self._issuing = (kind, layer, stage, stream.name, clock(), next(self._seq))
         try:
             if self._in_scope is stream:
-                op.handle = self.backend.submit_here(stream, fn, label)
+                h = self.backend.submit_here(stream, fn, label)
             else:
                 with self.backend.scope(stream):
-                    op.handle = self.backend.submit_here(stream, fn, label)
+                    h = self.backend.submit_here(stream, fn, label)
         except BaseException as exc:
-            op.handle = DoneHandle(exc=exc, start_ns=op.handle.start_ns, end_ns=clock())
+            self._ops.append((kind, layer, stage, op[3], DoneHandle(exc=exc, start_ns=op[4], end_ns=clock()), op[5]))
             raise
-        return op.handle
+        finally:
+            self._issuing = None
+        self._ops.append((kind, layer, stage, op[3], h, op[5]))
+        return h
 
     def _run_on_c(self, kind: str, layer: int | None, stage: int | None, fn: Callable[[], Any], label: str) -> Any:
         h = self._submit(self.compute, kind, layer, stage, fn, label)
@@ -443,7 +445,7 @@ class StepSession:
             trace.event(kind, key, stream, t0, t1, seq)
         for layer, stage, t0, t1, seq in self._ffns:
             trace.ffn(layer, stage, t0, t1, seq)
-        trace.emit((o.kind, o.layer, o.stage, o.stream, o.handle, o.seq) for o in self._ops)
+        trace.emit(self._ops)
 
     def _side_error(self, streams: list[Stream]) -> BaseException | None:
         """The asynchronous error of ``streams`` the host raises: the first (in the order kernels ran) of theirs and
@@ -480,13 +482,15 @@ class StepSession:
 
     def issued(self) -> list[tuple[str, int | None, int | None]]:
         """``(kind, layer, stage)`` of every op issued, in issue order."""
-        return [(o.kind, o.layer, o.stage) for o in self._ops]
+        return [(kind, layer, stage) for kind, layer, stage, *_ in self._ops]
 
     def log(self) -> list[tuple[Any, ...]]:
         """The step's records, waits and ops in issue order: ``(kind, label, stream)``, ``kind`` one of ``record``,
         ``wait``, ``a2e``, ``e2a``."""
         marks = [(seq, kind, key.label(), stream) for kind, key, stream, _, _, seq in self._marks]
-        ops = [(o.seq, o.kind, OpKey(o.kind, o.layer, o.stage).label(), o.stream) for o in self._ops]
+        ops = [
+            (seq, kind, OpKey(kind, layer, stage).label(), stream) for kind, layer, stage, stream, _, seq in self._ops
+        ]
         return [entry[1:] for entry in sorted(marks + ops)]
 
     def snapshot(self) -> SessionSnapshot:
@@ -498,6 +502,16 @@ class StepSession:
             self._closed_snapshot = self._snapshot(closed=True)
         return self._closed_snapshot
 
+    def _issued_ops(self) -> tuple[IssuedOp, ...]:
+        """The ops issued so far, and last the one the host is issuing (a :class:`RunningOp` handle)."""
+        ops = [IssuedOp(*o) for o in list(self._ops)]
+        issuing = self._issuing
+        if issuing is not None:
+            running = RunningOp()
+            running.start_ns = issuing[4]
+            ops.append(IssuedOp(*issuing[:4], running, issuing[5]))
+        return tuple(ops)
+
     def _snapshot(self, *, closed: bool) -> SessionSnapshot:
         return SessionSnapshot(
             step_id=self.step_id,
@@ -506,7 +520,7 @@ class StepSession:
             received=self.next_recv,
             consumed=frozenset(self._consumed),
             sent=frozenset(self._sent),
-            ops=tuple(self._ops),
+            ops=self._issued_ops(),
             events=tuple(self._events.items()),
             a2e_streams={s: k.name for s, k in self.a2e_on.items()},
             e2a_streams={s: k.name for s, k in self.e2a_on.items()},

@@ -163,24 +163,26 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], state: A
     layer_fn = live_attribute(facts.layer_target) if facts.layer_target is not None else None
     if layer_fn is None:
         return serial("_ffn_layer_indices is not available")
-    layers = tuple(map(int, layer_fn(runner)))
+    listed = tuple(layer_fn(runner))
+    max_num_tokens = getattr(runner, "max_num_tokens", None)
+    shape = (listed, stages, max_num_tokens)
+    try:
+        made = facts.engaging.get(shape)
+    except TypeError:  # an unhashable entry: not kept
+        shape, made = None, None
+    if made is not None:  # a shape this runner engaged before: its list was checked then
+        return made
+    layers = tuple(map(int, listed))
     if not layers:
         return serial("the step has no FFN layers")
     if len(set(layers)) != len(layers):
         return serial(f"layer list repeats a layer: {list(layers)}")
-    max_num_tokens = getattr(runner, "max_num_tokens", None)
-    shape = (layers, stages, max_num_tokens)
-    try:
-        made = facts.engaging.get(shape)
-    except TypeError:  # an unhashable max_num_tokens: not kept
-        shape, made = None, None
-    if made is None:
-        plan = step_plan(layers, stages, max_num_tokens)
-        made = Decision(engages=True, plan=plan, backend=facts.backend, layout=facts.layout, mode=cfg.mode)
-        if shape is not None:
-            if len(facts.engaging) >= 64:
-                facts.engaging.clear()
-            facts.engaging[shape] = made
+    plan = step_plan(layers, stages, max_num_tokens)
+    made = Decision(engages=True, plan=plan, backend=facts.backend, layout=facts.layout, mode=cfg.mode)
+    if shape is not None:
+        if len(facts.engaging) >= 64:
+            facts.engaging.clear()
+        facts.engaging[shape] = made
     return made
 
 
