@@ -13,7 +13,7 @@ receive, runs the loop's order on the compute stream and logs it.
 from __future__ import annotations
 
 import logging
-import threading
+from threading import get_ident
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from types import MethodType
@@ -122,7 +122,7 @@ class ConnectorRoutes:
             problem = route_problem(instance, [attribute for attribute, _ in routers])
             if problem is not None:
                 return problem
-        thread = threading.get_ident()
+        thread = get_ident()
         cls = type(instance)
         for attribute, make in routers:
             callee = getattr(instance, attribute)
@@ -174,14 +174,14 @@ def session_router(session: Any, key: str, callee: Wrapped, thread: int) -> Wrap
     on the step's thread while the session is open (else calls ``callee``)."""
 
     def recv_attn_output(*args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() != thread or session.closed:
+        if get_ident() != thread or session.closed:
             return callee(*args, **kwargs)
         # the session calls callee(**kw): the same call (ubatch_idx by name)
         kw = kwargs if not args and "ubatch_idx" in kwargs else camp2p.recv_kwargs(args, kwargs)
         return session.recv(callee, kw)
 
     def send_ffn_output(*args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() != thread or session.closed:
+        if get_ident() != thread or session.closed:
             return callee(*args, **kwargs)
         output, context, stage = camp2p.send_call(args, kwargs)
         return session.send(partial(callee, *args, **kwargs), output, context, stage)

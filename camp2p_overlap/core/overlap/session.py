@@ -249,14 +249,13 @@ class StepSession:
     def recv(self, fn: Callable[..., Any], kw: Mapping[str, Any], call: Callable[[], Any] | None = None) -> Any:
         """A receive of the loop: ``fn(**kw)`` is the connector's receive (used for prefetches); ``call`` runs the
         loop's call as it was made (default: ``fn(**kw)``). ``kw`` holds ``layer_idx`` and ``ubatch_idx``."""
-        run = call if call is not None else (lambda: fn(**kw))
         got = (kw.get("layer_idx"), kw.get("ubatch_idx"))
         if self.fallen_back:
-            return self._recv_after_fallback(dict(kw), got, run)
+            return self._recv_after_fallback(dict(kw), got, call or partial(fn, **kw))
         expected = self.order[self.next_recv] if self.next_recv < len(self.order) else None
         if expected is None or got != expected or kw != self.plan.recv_kw[expected]:
             self._fall_back(expected, got, kw)
-            return self._recv_after_fallback(dict(kw), got, run)
+            return self._recv_after_fallback(dict(kw), got, call or partial(fn, **kw))
         L, s = expected
         prefetch = self.layout.prefetch
         if self.next_recv == 0:
@@ -276,7 +275,7 @@ class StepSession:
                 failed = self._side_error([self.e2a_on[s]])  # that E2A failed: raise it, as the serial path would
                 if failed is not None:
                     raise failed
-            payload = self._run_on_c(A2E, L, s, run, self._keys[expected].a2e_label)
+            payload = self._run_on_c(A2E, L, s, call or partial(fn, **kw), self._keys[expected].a2e_label)
         # C has waited an event recorded after every earlier E2A of this stage: their FFN outputs may go.
         self._f_refs[s].clear()
         self._consumed.add(expected)
@@ -328,7 +327,8 @@ class StepSession:
                 ahead = self.a2e_on[s]
                 if nxt is not None and self.layout.prefetch:
                     self._edge(k, keys.e_done if k is not C else keys.e_done_c, ahead)
-                    self._inflight.pop(key, None)  # the A2E stream has waited this E2A, so its FFN
+                    if k is C:
+                        self._inflight.pop(key, None)  # the A2E stream has waited this E2A, so its FFN
                     self.issue_a2e(nxt, s)
                 elif ahead is not k and nxt is not None:  # a receive on C waits this E2A
                     self._record(k, keys.e_done)
@@ -338,8 +338,9 @@ class StepSession:
         return None
 
     def _ffn_ended(self, key: StageLayer) -> None:
-        t0, seq = self._ffn_start.pop(key, (clock(), -1))
-        self._ffns.append((key[0], key[1], t0, clock(), seq))
+        now = clock()
+        t0, seq = self._ffn_start.pop(key, None) or (now, -1)
+        self._ffns.append((key[0], key[1], t0, now, seq))
 
     # ------------------------------------------------------------------
     # when the loop does something unplanned
