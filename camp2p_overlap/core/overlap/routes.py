@@ -13,9 +13,9 @@ receive, runs the loop's order on the compute stream and logs it.
 from __future__ import annotations
 
 import logging
-from threading import get_ident
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
+from threading import get_ident
 from types import MethodType
 from typing import Any
 
