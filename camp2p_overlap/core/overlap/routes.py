@@ -82,8 +82,8 @@ def _own_attribute(instance: Any, attribute: str, found: Any) -> Any:
     held = _class_attribute(cls, attribute)
     if held is None:
         return found
-    if found is held:
-        return _MISSING
+    if found is held or (type(found) is MethodType and found.__self__ is instance and found.__func__ is held):
+        return _MISSING  # the class's attribute itself, or its function bound to the instance (the common case)
     get = getattr(type(held), "__get__", None)
     if get is None:
         return found
@@ -129,14 +129,7 @@ class ConnectorRoutes:
             if is_router(callee):
                 self.remove()
                 return ROUTED_ELSEWHERE
-            if (
-                type(callee) is MethodType
-                and callee.__self__ is instance
-                and getattr(cls, attribute, None) is callee.__func__
-            ):
-                before = _MISSING  # the class's function bound to the instance: it holds nothing of its own
-            else:
-                before = _own_attribute(instance, attribute, callee)
+            before = _own_attribute(instance, attribute, callee)
             router = make(callee, thread)
             setattr(router, ROUTER_MARK, True)
             self._set.append((attribute, router, before))
