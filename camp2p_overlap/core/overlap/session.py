@@ -161,8 +161,8 @@ class StepSession:
         self._ops: list[tuple[str, int | None, int | None, str, OpHandle, int]] = []
         #: The op the host is issuing now: (kind, layer, stage, stream, start, seq), else None.
         self._issuing: tuple[Any, ...] | None = None
-        #: Every record and wait: (kind, key, stream name, t0, t1, seq).
-        self._marks: list[tuple[str, EventKey, str, int, int, int]] = []
+        #: Every record and wait as the host issued it: (kind, key, stream name, time, seq).
+        self._marks: list[tuple[str, EventKey, str, int, int]] = []
         #: Each FFN's host window: (layer, stage, t0, t1, seq).
         self._ffns: list[tuple[int, int, int, int, int]] = []
         self._ffn_start: dict[StageLayer, tuple[int, int]] = {}
@@ -175,16 +175,14 @@ class StepSession:
     # events and ops
     def _record(self, stream: Stream, key: EventKey) -> None:
         self._events[key] = self.backend.record(stream, key)
-        now = clock()
-        self._marks.append(("record", key, stream.name, now, now, next(self._seq)))
+        self._marks.append(("record", key, stream.name, clock(), next(self._seq)))
 
     def wait_event(self, stream: Stream, key: EventKey) -> None:
         """Make ``stream`` wait the event of ``key`` recorded in this step (every wait of the schedule)."""
         ev = self._events.get(key)
         if ev is None:
             raise SessionError(f"wait on event {key.label()!r} that was not recorded in this step")
-        now = clock()
-        self._marks.append(("wait", key, stream.name, now, now, next(self._seq)))
+        self._marks.append(("wait", key, stream.name, clock(), next(self._seq)))
         self.backend.wait(stream, ev)
 
     def _edge(self, after: Stream, key: EventKey, before: Stream) -> None:
@@ -413,7 +411,7 @@ class StepSession:
             unconsumed = [k for k in self._a_handle if k not in self._consumed] if short else []
             if self._trace is not None:
                 self._replay(self._trace)
-            for held in (self._a_handle, self._a_kwargs, self._contexts, self._inflight):
+            for held in (self._a_handle, self._a_kwargs, self._contexts):
                 held.clear()
             self.release_buffers()
             self._recv_fn = self.connector = None
@@ -442,8 +440,8 @@ class StepSession:
         self._replay(StepTrace(recorder, self.step_id))
 
     def _replay(self, trace: StepTrace) -> None:
-        for kind, key, stream, t0, t1, seq in self._marks:
-            trace.event(kind, key, stream, t0, t1, seq)
+        for kind, key, stream, t, seq in self._marks:
+            trace.event(kind, key, stream, t, t, seq)
         for layer, stage, t0, t1, seq in self._ffns:
             trace.ffn(layer, stage, t0, t1, seq)
         trace.emit(self._ops)
@@ -488,7 +486,7 @@ class StepSession:
     def log(self) -> list[tuple[Any, ...]]:
         """The step's records, waits and ops in issue order: ``(kind, label, stream)``, ``kind`` one of ``record``,
         ``wait``, ``a2e``, ``e2a``."""
-        marks = [(seq, kind, key.label(), stream) for kind, key, stream, _, _, seq in self._marks]
+        marks = [(seq, kind, key.label(), stream) for kind, key, stream, _, seq in self._marks]
         ops = [
             (seq, kind, OpKey(kind, layer, stage).label(), stream) for kind, layer, stage, stream, _, seq in self._ops
         ]

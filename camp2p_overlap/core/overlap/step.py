@@ -148,9 +148,9 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], state: A
     if num_stages > MAX_STAGES or stages[0] < 0 or stages[-1] >= MAX_STAGES:  # sorted
         groups = ", ".join(camp2p.GROUPS)
         return serial(f"stage ids {list(stages)} do not fit CAMP2P's {MAX_STAGES} stage groups ({groups})")
-    group = facts.groups.get(stages, "")
-    if group == "":
-        group = facts.groups[stages] = camp2p.group_problem(connector, stages)
+    if stages not in facts.groups:
+        facts.groups[stages] = camp2p.group_problem(connector, stages)
+    group = facts.groups[stages]
     if group is not None:
         return serial(group)
     if facts.layout is None:
