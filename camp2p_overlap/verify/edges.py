@@ -144,11 +144,9 @@ def check_step(
 
     # Edges 1 and 7: everything inside the step (fork and join).
     steps = [o for o in ops if o.kind == "step"]
-    if not timings:
-        pass
-    elif len(steps) != 1:
+    if timings and len(steps) != 1:
         bad(f"expected one step span, found {len(steps)}")
-    else:
+    elif timings:
         st = steps[0]
         for o in ops:
             if o.kind in ("a2e", "ffn", "e2a") and (o.start_ns < st.start_ns or o.end_ns > st.end_ns):
