@@ -4,7 +4,9 @@ synchronizes, from any other thread); a violation clears the capture and
 leaves a graph that cannot be replayed; a fork/join capture replays with
 its edges, re-reading static inputs; a replay records only the events made
 with ``external=True`` (any other event recorded in the capture keeps its
-pre-capture record, as on CUDA and ACL)."""
+pre-capture record, as on CUDA and ACL); as ``torch.npu`` a CAM comm kernel
+captured on a stream other than the capture's origin stream fails (as
+``torch.cuda``'s stand-in it is allowed)."""
 
 from __future__ import annotations
 
@@ -684,3 +686,95 @@ def test_creating_an_event_during_a_capture_fails(st: Streams) -> None:
     assert made, "another thread's Event() during the capture was not caught"
     assert not capture_in_progress()
     dev.Event()  # after the capture: allowed
+
+
+# ---------------------------------------------------------------------------
+# CAM comm on the origin stream (as torch.npu only)
+
+
+def launch_comm(out: torch.Tensor, how: str, stage: int = 0) -> None:
+    """Launch a CAM comm kernel filling ``out`` on the current stream:
+    ``kind``: launched with the comm kind (``a2e``); ``tracked``: a plain
+    kernel inside a tracked op the patch layer labels as an E2A."""
+    if how == "kind":
+        dev.launch(lambda: out.fill_(5.0), writes=[out], kind="a2e")
+    else:
+        h = dev.tracked(lambda: kernel_into(out, 5.0), f"e2a L0 s{stage}")
+        h.result()  # the host's error, if the launch raised
+
+
+def capture_comm_on(st: Streams, comm_on: str, how: str, out: torch.Tensor, side_out: torch.Tensor) -> dev.Graph:
+    """Capture: fork S1, compute on S1, a comm kernel on ``comm_on``
+    (``origin``: the capture stream; ``side``: S1), join S1 back."""
+    g = dev.Graph()
+    fork = dev.Event()
+    with capture(g, st):
+        fork.record()
+        with dev.stream(st.s1):
+            fork.wait()
+            kernel_into(side_out, 2.0)  # compute on a forked side stream
+            if comm_on == "side":
+                launch_comm(out, how)
+        if comm_on == "origin":
+            launch_comm(out, how)
+        dev.current_stream().wait_stream(st.s1)
+    return g
+
+
+@pytest.mark.parametrize("how", ["kind", "tracked"])
+def test_as_torch_npu_a_comm_kernel_captured_on_a_forked_side_stream_fails(
+    how: str, st: Streams, emulated_torch_npu: None
+) -> None:
+    """Upstream's NPU graph code (afd-plugin's p2p_hccl connector) keeps
+    HCCL/CAM comm on the capture's stream: a comm kernel on a stream forked
+    from it is refused at the launch, and the capture is invalid."""
+    assert dev.is_torch_npu()
+    out, side_out = torch.zeros(4), torch.zeros(4)
+    g = dev.Graph()
+    fork = dev.Event()
+    reached: list[str] = []
+    with pytest.raises(CaptureViolation, match="CAM comm kernel") as at_end:
+        with capture(g, st):
+            fork.record()
+            with dev.stream(st.s1):
+                fork.wait()
+                kernel_into(side_out)
+                with pytest.raises(CaptureViolation, match="CAM comm kernel") as at_launch:
+                    launch_comm(out, how)
+                reached.append("after the launch")
+            dev.current_stream().wait_stream(st.s1)  # joined: only the comm rule is broken
+    assert reached == ["after the launch"]
+    message = str(at_launch.value)
+    assert str(at_end.value) == message  # capture end reports the violation made at the launch
+    kind = "a2e" if how == "kind" else "e2a"
+    assert f"a CAM comm kernel ({kind}) was captured on stream S1, not the capture's origin stream cap" in message
+    assert "upstream's NPU graph code" in message and "keeps HCCL/CAM comm on the capture's stream" in message
+    assert_capture_cleared(st, g)
+
+
+@pytest.mark.parametrize("how", ["kind", "tracked"])
+def test_as_torch_npu_comm_on_the_origin_stream_and_compute_on_a_side_stream_are_allowed(
+    how: str, st: Streams, emulated_torch_npu: None
+) -> None:
+    assert dev.is_torch_npu()
+    out, side_out = torch.zeros(4), torch.zeros(4)
+    g = capture_comm_on(st, "origin", how, out, side_out)
+    assert [(name, kind) for name, kind, _ in g.nodes() if kind == "kernel"] == [("S1", "kernel"), ("cap", "kernel")]
+    with dev.stream(st.capture):
+        g.replay()
+    dev.synchronize()
+    assert torch.equal(out, torch.full((4,), 5.0)) and torch.equal(side_out, torch.full((4,), 2.0))
+
+
+@pytest.mark.parametrize("how", ["kind", "tracked"])
+def test_not_as_torch_npu_a_comm_kernel_on_a_side_stream_is_allowed(how: str, st: Streams) -> None:
+    """As ``torch.cuda``'s stand-in (the device not installed as
+    ``torch.npu``) the rule is off: comm may be captured on a side stream."""
+    assert not dev.is_torch_npu()
+    out, side_out = torch.zeros(4), torch.zeros(4)
+    g = capture_comm_on(st, "side", how, out, side_out)
+    assert [name for name, kind, _ in g.nodes() if kind == "kernel"] == ["S1", "S1"]
+    with dev.stream(st.capture):
+        g.replay()
+    dev.synchronize()
+    assert torch.equal(out, torch.full((4,), 5.0)) and torch.equal(side_out, torch.full((4,), 2.0))

@@ -42,15 +42,25 @@ The rules, and the real-device rule each one mirrors (docs/design.md,
   device these synchronize, or read a buffer nothing has filled);
 * at the end of capture, every stream forked from the capturing stream
   must have been joined back into it (``cudaErrorStreamCaptureUnjoined``;
-  Ascend's error 107025).
+  Ascend's error 107025);
+* *CAM comm on the origin stream* (:meth:`Capture.check_comm_on_origin`),
+  only while the device stands in for ``torch.npu``: a CAM comm kernel
+  (launched with kind ``a2e``/``e2a``, or inside a tracked op so labelled,
+  :func:`worker.comm_kind`) captured on a stream other than the one the
+  capture began on raises (upstream's NPU graph code, afd-plugin's
+  p2p_hccl connector, keeps graph-visible HCCL/CAM comm on the capture's
+  stream; compute may fork to a side stream joined back). As
+  ``torch.cuda``'s stand-in the rule is off.
 
 A violation also invalidates the capture: ending it raises, and the graph
 cannot be replayed. What the emulation cannot see: communication kernels
-(HCCL, CAM) inside an ACL graph, a device's stream budget, memory pools.
+(HCCL, CAM) inside an ACL graph beyond the stream they are captured on, a
+device's stream budget, memory pools.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -88,6 +98,11 @@ class CapturedRecord:
         self.node = node
 
 
+def _is_torch_npu() -> bool:
+    """Whether the emulated device stands in for ``torch.npu`` (``as_torch_npu``)."""
+    return getattr(torch, "npu", None) is sys.modules.get(__package__ or "")
+
+
 def _storage(t: Any) -> int | None:
     if not isinstance(t, torch.Tensor):
         return None
@@ -111,6 +126,8 @@ class Capture:
         #: Events recorded inside the capture -> their record before it.
         self.saved: dict[Event, Any] = {}
         self.error: str | None = None
+        #: Whether :meth:`check_comm_on_origin` holds: while the device stands in for ``torch.npu``.
+        self.comm_on_origin = _is_torch_npu()
 
     # -- rules -----------------------------------------------------------
     def violated(self, message: str) -> None:
@@ -124,6 +141,17 @@ class Capture:
     def recorded(self, rec: Any) -> bool:
         return isinstance(rec, CapturedRecord) and rec.capture is self
 
+    def check_comm_on_origin(self, stream: Stream, comm: str | None) -> None:
+        """The rule *CAM comm on the origin stream* (as ``torch.npu`` only): a
+        CAM comm kernel (``comm``: ``a2e``/``e2a``) is captured on the stream
+        the capture began on, never on a stream forked from it."""
+        if comm is not None and self.comm_on_origin and stream is not self.origin:
+            self.violated(
+                f"a CAM comm kernel ({comm}) was captured on stream {stream.name}, not the capture's origin stream "
+                f"{self.origin.name}: upstream's NPU graph code (afd-plugin's p2p_hccl connector) keeps HCCL/CAM comm "
+                "on the capture's stream (compute may fork to a side stream and join back)"
+            )
+
     # -- nodes -----------------------------------------------------------
     def _add(self, stream: Stream, kind: str, payload: Any, extra: int | None = None) -> int:
         prev = self.last.get(stream)
@@ -136,8 +164,15 @@ class Capture:
         return node.id
 
     def add_kernel(
-        self, stream: Stream, fn: Callable[[], None], writes: Iterable[Any], model: Model | None = None
+        self,
+        stream: Stream,
+        fn: Callable[[], None],
+        writes: Iterable[Any],
+        model: Model | None = None,
+        comm: str | None = None,
     ) -> None:
+        """A kernel node; ``comm``: the kernel is a CAM comm kernel of that kind (``worker.comm_kind``)."""
+        self.check_comm_on_origin(stream, comm)
         self.nodes[self._add(stream, "kernel", fn)].model = model
         for t in writes:
             ptr = _storage(t)

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from camp2p_overlap.core.fork import after_fork_in_child
+from camp2p_overlap.core.keys import CONNECTOR_OP_KINDS
 from camp2p_overlap.core.overlap.streams.base import OpHandle, StreamPoisonedError
 from camp2p_overlap.emulation.device import timing
 from camp2p_overlap.emulation.device.timing import KernelClock, Model
@@ -624,10 +625,13 @@ class Stream:
         self._w.thread.name = name
 
     # -- what a stream is asked to do ----------------------------------
-    def launch(self, fn: Callable[[], None], writes: Iterable[Any] = (), model: Model | None = None) -> None:
+    def launch(
+        self, fn: Callable[[], None], writes: Iterable[Any] = (), model: Model | None = None, kind: str | None = None
+    ) -> None:
+        """Queue ``fn``; ``kind`` (default: its model's) names what it is (``ffn``, ``a2e``, ...)."""
         cap = hooks.capture
         if cap is not None and cap.owns(self):
-            cap.add_kernel(self, fn, writes, model)
+            cap.add_kernel(self, fn, writes, model, comm_kind(kind or (model.kind if model else "kernel")))
             return
         op = getattr(_tls, "op", None)
         log = getattr(_tls, "log", None)
@@ -814,8 +818,24 @@ def launch(
     caller before the launch), which a capture keeps the host from reading.
     ``model_s``: its modelled duration (``timing.py``): the worker holds the
     stream until the modelled end after running it (a capture keeps it with
-    the kernel, for every replay); ``kind`` names it in the counts."""
-    current_stream().launch(kernel, writes, timing.model_of(model_s, kind))
+    the kernel, for every replay); ``kind`` names it in the counts, and
+    ``a2e``/``e2a`` marks a CAM comm kernel (:func:`comm_kind`: a capture
+    rule, ``capture.py``)."""
+    current_stream().launch(kernel, writes, timing.model_of(model_s, kind), kind)
+
+
+def comm_kind(kind: str) -> str | None:
+    """Whether a kernel being launched on this thread is a CAM comm kernel,
+    and which (``a2e``: a receive from attention, ``e2a``: a send to it):
+    its ``kind`` when one was given (not ``kernel``), else the kind of the
+    tracked op it is launched inside (:func:`tracked`; the patch layer
+    labels its connector ops ``a2e L3 s1``, ``e2a L3 s1``). None: not a
+    comm kernel."""
+    if kind != "kernel":
+        return kind if kind in CONNECTOR_OP_KINDS else None
+    op = getattr(_tls, "op", None)
+    first = op.label.split(" ", 1)[0] if op is not None else None
+    return first if first in CONNECTOR_OP_KINDS else None
 
 
 def executing_stream() -> str | None:
