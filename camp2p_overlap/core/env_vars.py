@@ -24,12 +24,14 @@ ENV_A2E = "VLLM_CAMP2P_MULTISTREAM_A2E"
 ENV_E2A = "VLLM_CAMP2P_MULTISTREAM_E2A"
 ENV_MIN_STAGES = "VLLM_CAMP2P_MULTISTREAM_MIN_STAGES"
 ENV_GRAPH = "VLLM_CAMP2P_MULTISTREAM_GRAPH"
+ENV_GRAPH_COMM_SIDE = "VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE"
 ENV_BACKEND = "VLLM_CAMP2P_MULTISTREAM_BACKEND"
 ENV_STRICT = "VLLM_CAMP2P_MULTISTREAM_STRICT"
 ENV_WATCHDOG = "VLLM_CAMP2P_MULTISTREAM_WATCHDOG_S"
 ENV_ADAPTIVE = "VLLM_CAMP2P_MULTISTREAM_ADAPTIVE"
 ENV_REPROBE = "VLLM_CAMP2P_MULTISTREAM_REPROBE_EVERY"
 ENV_MODE = "VLLM_CAMP2P_MULTISTREAM_MODE"
+ENV_LAYOUT = "VLLM_CAMP2P_MULTISTREAM_LAYOUT"
 ENV_METRICS_PORT = "VLLM_CAMP2P_MULTISTREAM_METRICS_PORT"
 ENV_METRICS_ADDR = "VLLM_CAMP2P_MULTISTREAM_METRICS_ADDR"
 ENV_SUMMARY = "VLLM_CAMP2P_MULTISTREAM_SUMMARY_S"
@@ -47,8 +49,9 @@ DEFAULT_METRICS_ADDR = "127.0.0.1"
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
-#: How a variable's text becomes a value.
-Kind = Literal["switch", "integer", "choice", "seconds", "address"]
+#: How a variable's text becomes a value (``choice-list``: one choice or a
+#: comma list of distinct choices, kept in order, as a tuple).
+Kind = Literal["switch", "integer", "choice", "choice-list", "seconds", "address"]
 #: One label of a host name (RFC 1123): letters, digits, inner hyphens.
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 _ADDRESS_RULE = "is not an IPv4 or IPv6 address or a host name (e.g. 127.0.0.1, 0.0.0.0, ::1, localhost)"
@@ -86,7 +89,7 @@ class EnvVar:
     default: Any
     #: What it does, for users (Markdown; the range and choices are added from the fields below).
     help: str
-    #: ``choice``: the accepted values, in order, each with what it means ("" when the value says it).
+    #: ``choice``, ``choice-list``: the accepted values, in order, each with what it means ("" when the value says it).
     choices: tuple[tuple[str, str], ...] = ()
     #: ``integer``: inclusive bounds; ``seconds``: whether 0 is accepted (``low=0``) or not (None).
     low: int | None = None
@@ -101,11 +104,21 @@ class EnvVar:
     unset: str = ""
     #: ``choice``: other spellings accepted for a value (word, value).
     aliases: tuple[tuple[str, str], ...] = ()
+    #: ``choice-list``: what a comma list of several values means.
+    listed: str = ""
 
     @property
     def values(self) -> tuple[str, ...]:
-        """The accepted values of a ``choice``, in order."""
+        """The accepted values of a ``choice`` or ``choice-list``, in order."""
         return tuple(v for v, _ in self.choices)
+
+    @property
+    def example_list(self) -> str:
+        """``choice-list``: a comma list of every value, in order (as an example)."""
+        return ",".join(self.values)
+
+    def _list_rule(self) -> str:
+        return f"(accepted: one of {', '.join(self.values)}, or a comma list of them, each at most once)"
 
     # -- parsing -----------------------------------------------------------
     def read(self, env: Mapping[str, str]) -> Any:
@@ -139,6 +152,8 @@ class EnvVar:
             if word not in self.values:
                 raise BadValue(f"{self.name}={raw!r} is not one of {', '.join(self.values)}")
             return word
+        if self.kind == "choice-list":
+            return self._parse_list(raw)
         if self.kind == "address":
             if not is_address(text):
                 raise BadValue(f"{self.name}={raw!r} {_ADDRESS_RULE}")
@@ -151,6 +166,20 @@ class EnvVar:
             raise BadValue(f"{self.name}={raw!r} {self._seconds_rule()}")
         return seconds
 
+    def _parse_list(self, raw: str) -> tuple[str, ...]:
+        """``raw`` as a tuple of distinct values, in the order given."""
+        items: list[str] = []
+        for item in raw.split(","):
+            word = item.strip().lower()
+            if not word:
+                raise BadValue(f"{self.name}={raw!r} has an empty item {self._list_rule()}")
+            if word not in self.values:
+                raise BadValue(f"{self.name}={raw!r}: unknown value {item.strip()!r} {self._list_rule()}")
+            if word in items:
+                raise BadValue(f"{self.name}={raw!r} lists {word!r} twice {self._list_rule()}")
+            items.append(word)
+        return tuple(items)
+
     def check(self, value: Any) -> None:
         """Raise :class:`BadValue` when ``value`` is outside the range or
         choices (run on every configuration, also one built by overrides)."""
@@ -161,10 +190,23 @@ class EnvVar:
             raise BadValue(f"{self.name}={value} is out of range {self.low}..{self.high}{note}")
         if self.kind == "choice" and value not in self.values:
             raise BadValue(f"{self.name}={value!r} is not one of {', '.join(self.values)}")
+        if self.kind == "choice-list":
+            self._check_list(value)
         if self.kind == "seconds" and not self._seconds_ok(value):
             raise BadValue(f"{self.name}={value!r} {self._seconds_rule()}")
         if self.kind == "address" and not (isinstance(value, str) and is_address(value)):
             raise BadValue(f"{self.name}={value!r} {_ADDRESS_RULE}")
+
+    def _check_list(self, value: Any) -> None:
+        if not isinstance(value, tuple):
+            raise BadValue(f"{self.name}={value!r} is not a tuple of values {self._list_rule()}")
+        if not value:
+            raise BadValue(f"{self.name}={value!r} is empty {self._list_rule()}")
+        for i, item in enumerate(value):
+            if item not in self.values:
+                raise BadValue(f"{self.name}={value!r}: unknown value {item!r} {self._list_rule()}")
+            if item in value[:i]:
+                raise BadValue(f"{self.name}={value!r} lists {item!r} twice {self._list_rule()}")
 
     def _seconds_ok(self, seconds: float) -> bool:
         return math.isfinite(seconds) and (seconds >= 0 if self.low == 0 else seconds > 0)
@@ -180,6 +222,8 @@ class EnvVar:
         d = self.default
         if d is None:
             text = "unset"
+        elif self.kind == "choice-list":
+            text = f"`{','.join(d)}`"
         elif isinstance(d, bool):
             text = "on" if d else "off"
         elif isinstance(d, float):
@@ -194,6 +238,9 @@ class EnvVar:
             text = "on/off"
         elif self.kind == "choice":
             text = ", ".join(f"`{v}`" + (f" ({m})" if m else "") for v, m in self.choices)
+        elif self.kind == "choice-list":
+            text = ", ".join(f"`{v}`" + (f" ({m})" if m else "") for v, m in self.choices)
+            text += f"; or a comma list of them, each once (`{self.example_list}`)"
         elif self.kind == "integer":
             text = f"{self.noun.split(' ', 1)[1]}, {self.low}–{self.high}"
         elif self.kind == "address":
@@ -207,6 +254,8 @@ class EnvVar:
         unset and 0 mean."""
         if self.kind == "choice":
             text = f"{self.help}: {self.accepted()}"
+        elif self.kind == "choice-list":
+            text = f"{self.help}: {self.accepted()}" + (f": {self.listed}" if self.listed else "")
         else:
             notes = [] if self.kind == "switch" else [self.accepted()]
             notes += [f"unset: {self.unset}"] if self.unset else []
@@ -239,14 +288,16 @@ TABLE: tuple[EnvVar, ...] = (
         "a2e_on_side_stream",
         "switch",
         True,
-        "run A2E (the receive from attention) on the per-stage side streams (off: A2E stays on the compute stream)",
+        "`comm-side` layout only: A2E (the receive from attention) on the per-stage side streams (off: on the"
+        " compute stream)",
     ),
     EnvVar(
         ENV_E2A,
         "e2a_on_side_stream",
         "switch",
         True,
-        "run E2A (the send to attention) on the per-stage side streams (off: E2A stays on the compute stream)",
+        "`comm-side` layout only: E2A (the send to attention) on the per-stage side streams (off: on the compute"
+        " stream)",
     ),
     EnvVar(
         ENV_MIN_STAGES,
@@ -270,6 +321,15 @@ TABLE: tuple[EnvVar, ...] = (
             ("adaptive", "both; each replay runs its key's choice"),
         ),
         aliases=(("off", "0"), ("false", "0"), ("no", "0"), ("on", "1"), ("true", "1"), ("yes", "1")),
+    ),
+    EnvVar(
+        ENV_GRAPH_COMM_SIDE,
+        "graph_comm_side",
+        "switch",
+        False,
+        "opt-in: a decode graph's overlap variant may capture the `comm-side` layout (HCCL ops on side streams"
+        " inside a graph; upstream's NPU graph code keeps them on the capture's stream, see docs/design.md"
+        ' "Decode graphs")',
     ),
     EnvVar(
         ENV_BACKEND,
@@ -327,10 +387,29 @@ TABLE: tuple[EnvVar, ...] = (
         "overlap",
         "rollout mode, a rung of the ladder `parity` → `reorder` → `overlap`",
         choices=(
-            ("overlap", "the side streams"),
+            ("overlap", f"the layout(s) of `{ENV_LAYOUT}`"),
             ("reorder", "the overlap's issue order, every op on the compute stream"),
             ("parity", "the layer engaged, every CAMP2P op on the compute stream in upstream's order"),
         ),
+    ),
+    EnvVar(
+        ENV_LAYOUT,
+        "layouts",
+        "choice-list",
+        ("compute-side",),
+        "stream layout of the `overlap` mode",
+        choices=(
+            (
+                "compute-side",
+                "A2E/E2A on the caller's stream in the overlap's order, the FFN compute on one side stream per"
+                " runner: the layout NPU measurements favour; the default",
+            ),
+            (
+                "comm-side",
+                "each stage's A2E/E2A on a side stream per HCCL group, the FFN on the caller's stream: opt-in",
+            ),
+        ),
+        listed="adaptive engage measures each per shape bucket and runs the fastest; decode graphs capture the first",
     ),
     EnvVar(
         ENV_METRICS_PORT,

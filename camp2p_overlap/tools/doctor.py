@@ -194,16 +194,17 @@ def _backend(configured: str, device: str | None) -> dict[str, Any]:
     return {"configured": configured, "resolved": name, "reason": reason}
 
 
-def _config(env: Any = None) -> tuple[dict[str, Any], cfgmod.OverlapConfig | None]:
-    """(config section, the configuration; None when it is refused)."""
+def _config(env: Any = None) -> tuple[dict[str, Any], cfgmod.OverlapConfig | None, list[str]]:
+    """(config section, the configuration (None when it is refused), the
+    problems: one ``configuration: ...`` line per malformed variable)."""
     import os
 
     env = os.environ if env is None else env
     try:
         cfg = cfgmod.load_config(env)
-        error = None
+        error, problems = None, []
     except cfgmod.ConfigError as exc:
-        cfg, error = None, str(exc)
+        cfg, error, problems = None, str(exc), [f"configuration: {p}" for p in exc.problems]
     switches = []
     for name, fld in SWITCH_FIELDS.items():
         value = getattr(cfg, fld) if cfg is not None else None
@@ -224,7 +225,7 @@ def _config(env: Any = None) -> tuple[dict[str, Any], cfgmod.OverlapConfig | Non
         "rung": rung(cfg) if cfg else None,
         "switches": switches,
     }
-    return section, cfg
+    return section, cfg, problems
 
 
 @dataclass(frozen=True)
@@ -326,12 +327,12 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
         manifest, vc = select_checked(checks)
         match = _stack_match(manifest, vc, checks)
     except ManifestError as exc:
-        config_section, cfg = _config()
+        config_section, cfg, config_problems = _config()
         graphs = _decode_graphs(cfg)
         return {
             "schema": SCHEMA,
             "ok": False,
-            "problems": [f"manifest: {exc}"] + ([graphs.line] if graphs.status == "refused" else []),
+            "problems": [f"manifest: {exc}", *config_problems] + ([graphs.line] if graphs.status == "refused" else []),
             "notes": [],
             "stack": stack,
             "stack_match": None,
@@ -367,10 +368,9 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
             notes.append(feature_refusals[-1])
         else:
             problems.append(text)
-    config_section, cfg = _config()
-    if not config_section["ok"]:
-        problems.append(f"configuration: {config_section['error']}")
-    elif not config_section["enabled"]:
+    config_section, cfg, config_problems = _config()
+    problems += config_problems  # one per malformed variable
+    if config_section["ok"] and not config_section["enabled"]:
         notes.append(f"{env_vars.ENV_SWITCH} is off: the patch layer would not apply (switch it on to use it)")
     device, device_detail = _device()
     backend = _backend(cfg.backend if cfg is not None else "auto", device)
@@ -435,7 +435,10 @@ def doctor_text(d: dict[str, Any]) -> str:
     if b is not None:
         lines.append(f"stream backend: configured {b['configured']} -> {b['resolved'] or 'none'} ({b['reason']})")
     c = d["config"]
-    lines += ["", "switches" + ("" if c["ok"] else f" (CONFIGURATION ERROR: {c['error']})") + ":"]
+    lines += [
+        "",
+        "switches" + ("" if c["ok"] else " (CONFIGURATION ERROR: each malformed one is a problem below)") + ":",
+    ]
     for s in c["switches"]:
         raw = "unset" if s["raw"] is None else repr(s["raw"])
         value = "-" if s["value"] is None and not c["ok"] else repr(s["value"])

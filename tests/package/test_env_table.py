@@ -24,6 +24,7 @@ from camp2p_overlap.core.env_vars import (
     BY_NAME,
     DEFAULTS,
     ENV_BACKEND,
+    ENV_LAYOUT,
     ENV_MODE,
     ENV_REPROBE,
     TABLE,
@@ -91,6 +92,19 @@ def test_config_names_and_help_come_from_the_table() -> None:
     assert names == set(BY_NAME)
     assert typing.get_args(config.Backend) == BY_NAME[ENV_BACKEND].values
     assert typing.get_args(config.Mode) == BY_NAME[ENV_MODE].values == config.MODES
+    assert typing.get_args(config.LayoutName) == BY_NAME[ENV_LAYOUT].values == config.LAYOUTS
+
+
+def test_a_choice_list_is_described_with_its_choices_and_what_a_list_means() -> None:
+    v = BY_NAME[ENV_LAYOUT]
+    assert v.kind == "choice-list" and v.default == ("compute-side",) and v.values == ("compute-side", "comm-side")
+    assert v.default_text() == "`compute-side`" and v.default_text(markdown=False) == "compute-side"
+    assert v.accepted().endswith("; or a comma list of them, each once (`compute-side,comm-side`)")
+    assert all(f"`{value}` ({meaning})" in v.accepted() for value, meaning in v.choices)
+    assert v.meaning() == f"{v.help}: {v.accepted()}: {v.listed}"
+    assert [f.name for f in dataclasses.fields(OverlapConfig)].index("layouts") == [t.name for t in TABLE].index(
+        ENV_LAYOUT
+    )
 
 
 def _other_value(v: EnvVar) -> tuple[str, Any]:
@@ -103,6 +117,9 @@ def _other_value(v: EnvVar) -> tuple[str, Any]:
     if v.kind == "choice":
         value = next(c for c in v.values if c != v.default)
         return value.upper(), value
+    if v.kind == "choice-list":
+        values = tuple(reversed(v.values))
+        return " , ".join(c.title() for c in values), values
     if v.kind == "address":
         return " ::1 ", "::1"
     return "2.5", 2.5
@@ -125,6 +142,8 @@ def _bad_values(v: EnvVar) -> list[str]:
         return ["x", "1.5", str(v.low - 1), str(v.high + 1)]  # type: ignore[operator]
     if v.kind == "choice":
         return ["nope", v.values[0] + "x"]
+    if v.kind == "choice-list":
+        return ["nope", v.values[0] + "x", f"{v.values[0]},", ",", f"{v.values[0]},{v.values[0].upper()}"]
     if v.kind == "address":
         return ["http://host", "host:80", "[::1]", "1.2.3.999", "-host", "a b", "x" * 64]
     return ["abc", "-1", "inf", "nan"] + ([] if v.low == 0 else ["0"])
@@ -142,7 +161,13 @@ def test_a_bad_value_is_a_config_error_naming_the_variable_and_the_value(var: En
 
 @pytest.mark.parametrize("var", [v for v in TABLE if v.kind != "switch"], ids=lambda v: v.name)
 def test_an_override_outside_the_range_is_a_config_error(var: EnvVar) -> None:
-    bad: Any = {"integer": (var.high or 0) + 1, "choice": "nope", "seconds": -1.0, "address": "a b"}[var.kind]
+    bad: Any = {
+        "integer": (var.high or 0) + 1,
+        "choice": "nope",
+        "choice-list": ("nope",),
+        "seconds": -1.0,
+        "address": "a b",
+    }[var.kind]
     with pytest.raises(ConfigError, match=re.escape(var.name)):
         OverlapConfig().with_overrides(**{var.field: bad})
 
