@@ -14,14 +14,17 @@ from typing import Any, NamedTuple
 #: The name of the compute stream (the runner's current stream) in the
 #: schedule, its traces and stall reports.
 COMPUTE_STREAM = "C"
+#: The name of a runner's FFN side stream (``F``), where the ``compute-side``
+#: layout runs the FFN compute.
+FFN_STREAM = "F"
 
 #: What each event kind orders (``docs/design.md``, "Edges of one step").
-A_DONE = "a"  # A2E(L, s) done on K_s: C may compute (L, s)
-F_DONE = "f"  # FFN(L, s) done on C: K_s may send E2A(L, s)
+A_DONE = "a"  # A2E(L, s) done on its stream: the FFN's stream may compute (L, s)
+F_DONE = "f"  # FFN(L, s) done on its stream: the E2A's stream may send E2A(L, s)
 E_DONE = "e"  # E2A(L, s) done on K_s
 E_DONE_ON_C = "ec"  # E2A(L, s) done on C (E2A kept on the compute stream)
 FORK = "fork"  # recorded on C before the step's first side-stream work
-JOIN = "join"  # the last work of K_s, waited by C when the step closes
+JOIN = "join"  # the last work of a side stream (K_s; F: no stage), waited by C when the step closes
 
 EVENT_KINDS = (A_DONE, F_DONE, E_DONE, E_DONE_ON_C, FORK, JOIN)
 
@@ -74,7 +77,8 @@ class EventKey(_Key):
         return cls(FORK)
 
     @classmethod
-    def join(cls, stage: int) -> EventKey:
+    def join(cls, stage: int | None) -> EventKey:
+        """The join of stage ``stage``'s side stream K_s, or (None) of the FFN stream F."""
         return cls(JOIN, None, stage)
 
 

@@ -8,7 +8,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from camp2p_overlap.core.keys import COMPUTE_STREAM, side_stream_name
+from camp2p_overlap.core.keys import COMPUTE_STREAM, FFN_STREAM, side_stream_name
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, TraceOp
 
 # ---------------------------------------------------------------------------
@@ -87,7 +87,7 @@ def check_step(
         for o in (a, f, e):
             if o is None:
                 continue
-            want = COMPUTE_STREAM if o.kind == "ffn" else expected.stream_for(o.kind, s)
+            want = expected.stream_for(o.kind, s)
             if o.stream != want:
                 bad(f"{o.kind}(L{L},s{s}) ran on {o.stream}, expected {want}")
         # Edge 3: FFN waits for its A2E. Edge 4: E2A waits for its FFN.
@@ -112,32 +112,32 @@ def check_step(
             if o.stage == s and o.stream.startswith("K") and o.stream != side_stream_name(s):
                 bad(f"{o.kind}(L{o.layer},s{s}) ran on another stage's stream {o.stream}")
 
-    # The compute stream runs its ops (every FFN, and A2E/E2A where that
-    # direction stays on C) one at a time, in the loop's order.
-    want_c = [
-        (k, L, s)
-        for L, s in plan
-        for k in ("a2e", "ffn", "e2a")
-        if k == "ffn" or expected.stream_for(k, s) == COMPUTE_STREAM
-    ]
-    on_c = sorted(
-        (o for o in ops if o.kind in ("a2e", "ffn", "e2a") and o.stream == COMPUTE_STREAM),
-        key=(lambda o: (o.start_ns, o.end_ns)) if timings else (lambda o: o.seq),
-    )
-    got_c = [(o.kind, o.layer, o.stage) for o in on_c]
-    if got_c != want_c:
-        first = next(
-            (i for i, (g, w) in enumerate(zip(got_c, want_c, strict=False)) if g != w), min(len(got_c), len(want_c))
+    # The compute stream and the FFN stream run their ops one at a time, in
+    # the step's issue order (the loop's, or the overlap's with prefetch).
+    order = expected.issue_order()
+    for name in (COMPUTE_STREAM, FFN_STREAM):
+        want = [(k, L, s) for k, L, s in order if expected.stream_for(k, s) == name]
+        on = sorted(
+            (o for o in ops if o.kind in ("a2e", "ffn", "e2a") and o.stream == name),
+            key=(lambda o: (o.start_ns, o.end_ns)) if timings else (lambda o: o.seq),
         )
-        bad(
-            f"compute stream order differs from the loop order at position {first}: "
-            f"ran {got_c[first : first + 3]}, expected {want_c[first : first + 3]}"
-        )
-    prev = None
-    for o in on_c:
-        if timings and prev is not None and o.start_ns < prev.end_ns:
-            bad(f"{o.kind}(L{o.layer},s{o.stage}) started on C before {prev.kind}(L{prev.layer},s{prev.stage}) ended")
-        prev = o
+        got = [(o.kind, o.layer, o.stage) for o in on]
+        if got != want:
+            first = next(
+                (i for i, (g, w) in enumerate(zip(got, want, strict=False)) if g != w), min(len(got), len(want))
+            )
+            bad(
+                f"stream {name} order differs from the step's issue order at position {first}: "
+                f"ran {got[first : first + 3]}, expected {want[first : first + 3]}"
+            )
+        prev = None
+        for o in on:
+            if timings and prev is not None and o.start_ns < prev.end_ns:
+                bad(
+                    f"{o.kind}(L{o.layer},s{o.stage}) started on {name} before "
+                    f"{prev.kind}(L{prev.layer},s{prev.stage}) ended"
+                )
+            prev = o
 
     if source != "device":
         _check_event_graph(ops, expected, plan, one, bad, source)

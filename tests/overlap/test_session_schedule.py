@@ -33,7 +33,7 @@ from support.overlap import (
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.plan import A2E_ONLY, COMM_SIDE, E2A_ONLY, StepPlan
+from camp2p_overlap.core.overlap.plan import A2E_ONLY, COMM_SIDE, COMPUTE_SIDE, E2A_ONLY, StepPlan
 from camp2p_overlap.core.overlap.session import ScheduleMismatchError, StepSession
 from camp2p_overlap.core.overlap.streams import make_backend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
@@ -102,20 +102,27 @@ CASES = {
         (2, 4, 6),
     ),
 }
-DIRECTIONS = {"both": (True, True), "A2E=0": (False, True), "E2A=0": (True, False)}
-LAYOUTS = {(True, True): COMM_SIDE, (False, True): E2A_ONLY, (True, False): A2E_ONLY}
+#: The layouts of the overlap mode: (A2E, E2A on K_s), FFN on F, and the layout.
+DIRECTIONS = {
+    "compute-side": (False, False, True, COMPUTE_SIDE),
+    "both": (True, True, False, COMM_SIDE),
+    "A2E=0": (False, True, False, E2A_ONLY),
+    "E2A=0": (True, False, False, A2E_ONLY),
+}
 
 
 @pytest.mark.parametrize("direction", list(DIRECTIONS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_stream_selection(monkeypatch: pytest.MonkeyPatch, case: str, direction: str, patch_layer: PatchLayer) -> None:
     spec, stages, min_stages, layers = CASES[case]
-    a2e, e2a = DIRECTIONS[direction]
+    a2e, e2a, ffn, layout = DIRECTIONS[direction]
     w = world(**spec)
     assert tuple(w.layer_list()) == layers
     sched = Schedule(spec["layers"], stages, tuple(5 + 3 * s for s in stages), step=4)
     (ref,) = serial_results(w, [sched], patch_layer=patch_layer)
-    apply_cpu(patch_layer=patch_layer, a2e_on_side_stream=a2e, e2a_on_side_stream=e2a, min_stages=min_stages)
+    switches = {"a2e_on_side_stream": a2e, "e2a_on_side_stream": e2a} if not ffn else {}
+    listed = ("compute-side",) if ffn else ("comm-side",)
+    apply_cpu(patch_layer=patch_layer, layouts=listed, min_stages=min_stages, **switches)
     sessions = SessionSpy(monkeypatch, patch_layer=patch_layer, keep=True)
     with trace.recording() as rec:
         got = bounded(lambda: run_step(w, sched))
@@ -124,7 +131,8 @@ def test_stream_selection(monkeypatch: pytest.MonkeyPatch, case: str, direction:
     session = sessions.kept[0]
     assert session.plan.layers == layers and session.plan.stages == stages
     expected = session.expected_schedule()
-    assert (expected.a2e_side, expected.e2a_side) == (a2e, e2a)
+    assert session.layout is layout
+    assert (expected.a2e_side, expected.e2a_side, expected.ffn_side) == (a2e, e2a, ffn)
     ops = rec.ops(rec.steps()[0])
     res = edges.check_step(ops, expected)
     assert res.ok, str(res)
@@ -134,13 +142,13 @@ def test_stream_selection(monkeypatch: pytest.MonkeyPatch, case: str, direction:
         elif o.kind == "e2a":
             assert o.stream == (f"K{o.stage}" if e2a else "C"), o
         elif o.kind == "ffn":
-            assert o.stream == "C"
+            assert o.stream == ("F" if ffn else "C")
     # The lookahead follows the step's layer list, stage by stage.
     for s in stages:
         assert [L for (k, L, st) in session.issued_ops if k == "a2e" and st == s] == list(layers)
         assert [L for (k, L, st) in session.issued_ops if k == "e2a" and st == s] == list(layers)
     side = {o.stream for o in ops if o.kind in ("wait", "record")} - {"C"}
-    assert side == {f"K{s}" for s in stages}  # no stream of an absent stage is touched
+    assert side == ({"F"} if ffn else {f"K{s}" for s in stages})  # no stream of an absent stage is touched
 
 
 # ---------------------------------------------------------------------------

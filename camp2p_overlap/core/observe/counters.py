@@ -29,11 +29,15 @@ class _ThreadTally(threading.local):
     """One thread's step counts (written by that thread only, so without a
     lock), listed in ``tallies`` when the thread first counts a step."""
 
-    def __init__(self, tallies: list[tuple[dict[str, int], dict[str, int]]], lock: threading.Lock) -> None:
+    def __init__(
+        self, tallies: list[tuple[dict[str, int], dict[str, int], dict[str, int]]], lock: threading.Lock
+    ) -> None:
         self.steps = dict.fromkeys(PATHS, 0)
         self.reasons: dict[str, int] = {}
+        #: Engaged steps by the layout they ran.
+        self.layouts: dict[str, int] = {}
         with lock:
-            tallies.append((self.steps, self.reasons))
+            tallies.append((self.steps, self.reasons, self.layouts))
 
 
 class StepCounters:
@@ -50,7 +54,7 @@ class StepCounters:
         too, as a thread of the parent may have held the old one)."""
         self._lock = threading.Lock()
         #: Every thread's (steps, serial reasons), kept after the thread ends.
-        self._tallies: list[tuple[dict[str, int], dict[str, int]]] = []
+        self._tallies: list[tuple[dict[str, int], dict[str, int], dict[str, int]]] = []
         #: This thread's: steps are counted per thread, each by its own
         #: thread, so counting one takes no lock; to_dict() sums them.
         self._here = _ThreadTally(self._tallies, self._lock)
@@ -63,11 +67,13 @@ class StepCounters:
             if hook is not None:
                 hook()
 
-    def engaged(self, mode: str) -> None:
-        """An engaged step of rollout ``mode``."""
+    def engaged(self, mode: str, layout: str) -> None:
+        """An engaged step of rollout ``mode``, run in ``layout``."""
         if mode not in ENGAGED:
             raise ValueError(f"{mode!r} is not an engaged path ({', '.join(ENGAGED)})")
-        self._here.steps[mode] += 1  # this thread's own count: no lock
+        here = self._here  # this thread's own counts: no lock
+        here.steps[mode] += 1
+        here.layouts[layout] = here.layouts.get(layout, 0) + 1
         self._first()
 
     def serial(self, reason: str) -> None:
@@ -95,15 +101,24 @@ class StepCounters:
     def to_dict(self) -> dict[str, Any]:
         steps = dict.fromkeys(PATHS, 0)
         reasons: dict[str, int] = {}
+        layouts: dict[str, int] = {}
         with self._lock:
             # dict() copies a thread's counts in one step under the GIL, while
             # that thread may go on counting.
-            tallies = [(dict(s), dict(r)) for s, r in self._tallies]
+            tallies = [(dict(s), dict(r), dict(la)) for s, r, la in self._tallies]
             replays, captures = dict(self._graph_replays), dict(self._graph_captures)
-        for thread_steps, thread_reasons in tallies:
+        for thread_steps, thread_reasons, thread_layouts in tallies:
             for path, n in thread_steps.items():
                 steps[path] += n
+            for layout, n in thread_layouts.items():
+                layouts[layout] = layouts.get(layout, 0) + n
             for reason, n in thread_reasons.items():
                 reasons[reason] = reasons.get(reason, 0) + n
                 steps["serial"] += n  # a serial step is counted under its reason only
-        return {"steps": steps, "serial_reasons": reasons, "graph_replays": replays, "graph_captures": captures}
+        return {
+            "steps": steps,
+            "serial_reasons": reasons,
+            "layout_steps": layouts,
+            "graph_replays": replays,
+            "graph_captures": captures,
+        }

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from camp2p_overlap.core.keys import COMPUTE_STREAM, EventKey, side_stream_name
+from camp2p_overlap.core.keys import COMPUTE_STREAM, FFN_STREAM, EventKey, side_stream_name
 
 
 @dataclass
@@ -170,9 +170,9 @@ class StepTrace:
         """A record or a wait of the event ``key`` (its label is the op's ``detail``)."""
         self._ops.append(TraceOp(kind, key.layer, key.stage, stream, t0, t1, self.step_id, key.label(), seq))
 
-    def ffn(self, layer: int, stage: int, t0: int, t1: int, seq: int) -> None:
-        """The host window in which the loop issued the FFN of ``(layer, stage)``."""
-        self._ops.append(TraceOp("ffn", layer, stage, COMPUTE_STREAM, t0, t1, self.step_id, "", seq))
+    def ffn(self, layer: int, stage: int, t0: int, t1: int, seq: int, stream: str = COMPUTE_STREAM) -> None:
+        """The host window in which the loop issued the FFN of ``(layer, stage)``, on ``stream``."""
+        self._ops.append(TraceOp("ffn", layer, stage, stream, t0, t1, self.step_id, "", seq))
 
     def emit(self, ops: Iterable[tuple[str, int | None, int | None, str, Any, int]] = ()) -> None:
         """Hand the step's trace to the recorder, with every op that ran:
@@ -217,15 +217,19 @@ class StepTrace:
 
     @staticmethod
     def _place_ffn(host: list[TraceOp], entries: list[Any]) -> None:
-        """Each FFN as the compute stream ran it: the kernels the loop
-        launched on C inside the FFN's host window (not an op's)."""
-        kernels = sorted(
-            (e.launched_ns, e) for e in entries if e.kind == "kernel" and e.stream == COMPUTE_STREAM and not e.label
-        )
-        starts = [k for k, _ in kernels]
+        """Each FFN as its stream ran it: the kernels the loop launched on
+        the FFN's stream inside the FFN's host window (not an op's)."""
+        by_stream: dict[str, list[tuple[int, Any]]] = {}
+        for e in entries:
+            if e.kind == "kernel" and not e.label:
+                by_stream.setdefault(e.stream, []).append((e.launched_ns, e))
+        for kernels in by_stream.values():
+            kernels.sort(key=lambda pair: pair[0])
         for o in host:
             if o.kind != "ffn":
                 continue
+            kernels = by_stream.get(o.stream, [])
+            starts = [k for k, _ in kernels]
             lo, hi = bisect.bisect_left(starts, o.start_ns), bisect.bisect_right(starts, o.end_ns)
             mine = [e for _, e in kernels[lo:hi]]
             if mine:
@@ -253,19 +257,43 @@ def _spaced(order: int) -> int:
 
 @dataclass(frozen=True)
 class ExpectedSchedule:
-    """What a step was planned to do."""
+    """What a step was planned to do: where each op kind runs (A2E and E2A on
+    K_s or C, the FFN on F or C) and, with ``prefetch``, the overlap's issue
+    order (unset: the overlap's where a receive or the FFN runs on a side
+    stream, else the loop's)."""
 
     layers: tuple[int, ...]
     stages: tuple[int, ...]
     a2e_side: bool
     e2a_side: bool
+    ffn_side: bool = False
+    prefetch: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.prefetch is None:
+            object.__setattr__(self, "prefetch", self.a2e_side or self.ffn_side)
 
     def stream_for(self, kind: str, stage: int) -> str:
-        if kind == "a2e" and self.a2e_side:
-            return side_stream_name(stage)
-        if kind == "e2a" and self.e2a_side:
+        if kind == "ffn":
+            return FFN_STREAM if self.ffn_side else COMPUTE_STREAM
+        if (kind == "a2e" and self.a2e_side) or (kind == "e2a" and self.e2a_side):
             return side_stream_name(stage)
         return COMPUTE_STREAM
+
+    def issue_order(self) -> list[tuple[str, int, int]]:
+        """Every op ``(kind, layer, stage)`` in the order the host issues it: the loop's (A2E, FFN, E2A per
+        (layer, stage)), or with ``prefetch`` the overlap's (the first layer's A2E of every stage, then per
+        (layer, stage) the FFN, the E2A and the stage's next A2E)."""
+        plan = [(L, s) for L in self.layers for s in self.stages]
+        if not self.prefetch:
+            return [(k, L, s) for L, s in plan for k in ("a2e", "ffn", "e2a")]
+        nxt = dict(zip(self.layers, (*self.layers[1:], None), strict=True))
+        out = [("a2e", self.layers[0], s) for s in self.stages] if self.layers else []
+        for L, s in plan:
+            out += [("ffn", L, s), ("e2a", L, s)]
+            if nxt[L] is not None:
+                out.append(("a2e", nxt[L], s))
+        return out
 
     @classmethod
     def serial(cls, layers: Sequence[int], stages: Sequence[int]) -> ExpectedSchedule:

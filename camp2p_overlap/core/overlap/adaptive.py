@@ -1,15 +1,18 @@
-"""Adaptive engage: per runner and shape bucket, measure overlapped and serial steps, and engage the overlap only
-where it pays (docs/design.md, "Adaptive engage"). Pure logic, fed step times (``record``) and asked which path a
-step takes (``choose``); deterministic for given times. Per bucket:
+"""Adaptive engage: per runner and shape bucket, measure each overlap path (a layout listed in
+``VLLM_CAMP2P_MULTISTREAM_LAYOUT``; for a decode graph key, its overlap variant) and the serial path, and run the
+fastest (docs/design.md, "Adaptive engage"). Pure logic, fed step times (``record``) and asked which path a step takes
+(``choose``); deterministic for given times. Per bucket:
 
-* learning: overlap steps, then serial steps (upstream's path, bitwise equal), each path back to back (an overlap
-  step right after a serial one finds its side streams cold); the first overlap time is dropped (first-use costs).
-  Once each path has ``min_samples`` kept times the bucket decides for the faster median (overlap must beat serial
-  by ``engage_margin``, 0 by default: a serial step's time already holds what the patch layer costs it): at the
-  bucket's 7th step on the CPU backend, its 8th on a device (times read a step later).
-* decided: every ``reprobe_every`` steps a probe round runs the other path: one warm-up step (its time dropped),
-  then probes; the decision switches once ``confirm`` probes' median still beats the decided path's recent median
-  by ``switch_margin`` (hysteresis), and the round ends as soon as it does not.
+* learning: each overlap path's steps in the order listed, then serial steps (upstream's path, bitwise equal), each
+  path back to back (an overlap step right after a serial one finds its side streams cold); each overlap path's
+  first time is dropped (first-use costs). Once each path has ``min_samples`` kept times the bucket decides for the
+  fastest median (an overlap path must beat serial by ``engage_margin``, 0 by default: a serial step's time already
+  holds what the patch layer costs it): with one overlap path, at the bucket's 7th step on the CPU backend, its 8th
+  on a device (times read a step later).
+* decided: every ``reprobe_every`` steps a probe round runs another path (the paths not decided, in turn): one
+  warm-up step (its time dropped), then probes; the decision switches once ``confirm`` probes' median still beats
+  the decided path's recent median by ``switch_margin`` (hysteresis), and the round ends as soon as it does not.
+  A path not listed is never probed.
 * a close first decision (medians within ``close_call``) gets its first probe round ``close_recheck`` steps after
   it, switching on ``close_switch_margin`` instead: 3 times each cannot tell two paths a few per cent apart, and the
   hysteresis would otherwise keep a first decision a few per cent slower (later rounds keep the full margin, so it
@@ -30,19 +33,17 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 from camp2p_overlap.core.log import logger
 from camp2p_overlap.core.overlap.streams.backend import GUARD, StreamBackend
 
-#: The two paths a step of a bucket can take (not the rollout modes of
-#: ``config.Mode``): the overlapped step, or upstream's serial one.
-Path = Literal["overlap", "serial"]
-PATHS: tuple[Path, Path] = ("overlap", "serial")
-
-
-def other(path: Path) -> Path:
-    return "serial" if path == "overlap" else "overlap"
+#: A path a step of a bucket can take (not the rollout modes of ``config.Mode``): upstream's serial step, or an
+#: overlap path (a layout's name for an eager step; ``overlap`` for a decode graph key's variant).
+Path = str
+SERIAL: Path = "serial"
+#: The one overlap path where a bucket has no other (a decode graph key's overlap variant).
+OVERLAP: Path = "overlap"
 
 
 def pow2_ceil(n: int) -> int:
@@ -84,12 +85,17 @@ class AdaptiveSettings:
 class _Bucket:
     key: BucketKey
     window: int
+    #: The overlap paths in the order listed, then ``serial``.
+    paths: tuple[Path, ...]
     decision: Path | None = None
     steps: int = 0
     since_probe: int = 0
-    issued: dict[str, int] = field(default_factory=lambda: {m: 0 for m in PATHS})
-    recorded: dict[str, int] = field(default_factory=lambda: {m: 0 for m in PATHS})
+    issued: dict[str, int] = field(default_factory=dict)
+    recorded: dict[str, int] = field(default_factory=dict)
     times: dict[str, deque[float]] = field(default_factory=dict)
+    #: The path the probe round in progress runs, and how many rounds have started (which path is next).
+    probing: Path | None = None
+    rounds: int = 0
     probe_times: list[float] = field(default_factory=list)
     probes_left: int = 0
     #: Probe warm-up steps issued whose times are still to be dropped.
@@ -101,10 +107,18 @@ class _Bucket:
     close_recheck: bool = False
 
     def __post_init__(self) -> None:
-        self.times = {m: deque(maxlen=self.window) for m in PATHS}
+        self.times = {m: deque(maxlen=self.window) for m in self.paths}
+        self.issued = dict.fromkeys(self.paths, 0)
+        self.recorded = dict.fromkeys(self.paths, 0)
 
     def median(self, path: str) -> float | None:
         return statistics.median(self.times[path]) if self.times[path] else None
+
+    def next_probe(self) -> Path:
+        """The path the next probe round runs: the paths not decided, in turn."""
+        others = [m for m in self.paths if m != self.decision]
+        self.rounds += 1
+        return others[(self.rounds - 1) % len(others)]
 
 
 class AdaptiveEngage:
@@ -116,32 +130,34 @@ class AdaptiveEngage:
         self._lock = threading.Lock()
         self._buckets: dict[BucketKey, _Bucket] = {}
 
-    def choose(self, key: BucketKey) -> tuple[Path, bool, bool]:
-        """The path this step of ``key`` takes, whether it is a probe (run to measure, not the decision), and whether
-        it is timed (a decided-serial step only one in ``serial_time_every``)."""
+    def choose(self, key: BucketKey, overlaps: tuple[Path, ...] = (OVERLAP,)) -> tuple[Path, bool, bool]:
+        """The path this step of ``key`` takes, among ``overlaps`` (the overlap paths, in the order listed) and
+        serial; whether it is a probe (run to measure, not the decision); and whether it is timed (a decided-serial
+        step only one in ``serial_time_every``). A bucket whose paths change starts learning again."""
         cfg = self.settings
         with self._lock:
             b = self._buckets.get(key)
-            if b is None:
-                b = self._buckets[key] = _Bucket(key, cfg.window)
+            if b is None or b.paths[:-1] != overlaps:
+                b = self._buckets[key] = _Bucket(key, cfg.window, (*overlaps, SERIAL))
             b.steps += 1
             if b.decision is None:
                 path: Path = _learning_path(b, cfg)
                 probe = True
             elif b.probes_left > 0:
                 b.probes_left -= 1
-                path, probe = other(b.decision), True
+                path, probe = b.probing or b.next_probe(), True
             elif b.since_probe + 1 >= cfg.reprobe_every * b.backoff:  # a probe round starts
                 b.since_probe = 0
-                b.warmups += 1  # this step warms the other path up; a measured probe follows
+                b.warmups += 1  # this step warms the probed path up; a measured probe follows
                 b.probes_left = 1
-                path, probe = other(b.decision), True
+                path = b.probing = b.next_probe()
+                probe = True
             else:
                 b.since_probe += 1
                 path, probe = b.decision, False
             b.issued[path] += 1
             every = cfg.serial_time_every
-            timed = probe or path == "overlap" or b.since_probe % every == 1 % every
+            timed = probe or path != SERIAL or b.since_probe % every == 1 % every
             return path, probe, timed
 
     def record(self, key: BucketKey, path: Path, seconds: float) -> None:
@@ -149,21 +165,15 @@ class AdaptiveEngage:
         cfg = self.settings
         with self._lock:
             b = self._buckets.get(key)
-            if b is None:
-                return
+            if b is None or path not in b.recorded:
+                return  # a bucket started again since (its paths changed)
             b.recorded[path] += 1
-            if path == "overlap" and b.recorded[path] == 1:
-                return  # the first overlap step pays first-use costs
+            if path != SERIAL and b.recorded[path] == 1:
+                return  # an overlap path's first step pays first-use costs
             if b.decision is None:
                 b.times[path].append(seconds)
-                if all(len(b.times[m]) >= cfg.min_samples for m in PATHS):
-                    o, s = b.median("overlap"), b.median("serial")
-                    assert o is not None and s is not None
-                    self._set_decision(b, "overlap" if o < s * (1 - cfg.engage_margin) else "serial", "first decision")
-                    if abs(o - s) < cfg.close_call * min(o, s):
-                        # a close call on 3 times each: check it again soon
-                        b.since_probe = max(cfg.reprobe_every - cfg.close_recheck, 0)
-                        b.close_recheck = True
+                if all(len(b.times[m]) >= cfg.min_samples for m in b.paths):
+                    self._first_decision(b, cfg)
                 return
             if path == b.decision:
                 b.times[path].append(seconds)
@@ -172,6 +182,23 @@ class AdaptiveEngage:
                 b.warmups -= 1  # a probe round's warm-up step
                 return
             self._judge_probe(b, path, seconds, cfg)
+
+    def _first_decision(self, b: _Bucket, cfg: AdaptiveSettings) -> None:
+        """The fastest median, an overlap path only when it beats serial by ``engage_margin``; a close call (the
+        runner-up within ``close_call``) is checked again soon."""
+        medians = {m: b.median(m) for m in b.paths}
+        s = medians[SERIAL]
+        assert s is not None
+        ranked = sorted(b.paths, key=lambda m: medians[m])  # type: ignore[arg-type, return-value]
+        best = next((m for m in ranked if m != SERIAL), SERIAL)
+        if medians[best] >= s * (1 - cfg.engage_margin):  # type: ignore[operator]
+            best = SERIAL
+        self._set_decision(b, best, "first decision")
+        first, second = (medians[m] for m in ranked[:2])
+        if second - first < cfg.close_call * first:  # type: ignore[operator]
+            # a close call on 3 times each: check it again soon
+            b.since_probe = max(cfg.reprobe_every - cfg.close_recheck, 0)
+            b.close_recheck = True
 
     def _judge_probe(self, b: _Bucket, path: Path, seconds: float, cfg: AdaptiveSettings) -> None:
         b.probe_times.append(seconds)
@@ -203,18 +230,14 @@ class AdaptiveEngage:
         b.changes += 1
         b.since_probe = 0
         b.backoff = 1
-        o, s = b.median("overlap"), b.median("serial")
+        b.rounds = 0
         logger.info(
-            "camp2p-overlap: adaptive: %s -> %s (%s; was %s): overlap median %s over %d steps, "
-            "serial median %s over %d steps",
+            "camp2p-overlap: adaptive: %s -> %s (%s; was %s): %s",
             b.key.label(),
             path,
             why,
             previous or "learning",
-            _ms(o),
-            len(b.times["overlap"]),
-            _ms(s),
-            len(b.times["serial"]),
+            ", ".join(f"{m} median {_ms(b.median(m))} over {len(b.times[m])} steps" for m in b.paths),
         )
 
     def decision(self, key: BucketKey) -> Path | None:
@@ -227,7 +250,11 @@ class AdaptiveEngage:
         with self._lock:
             out = []
             for b in self._buckets.values():
-                o, s = b.median("overlap"), b.median("serial")
+                medians = {m: b.median(m) for m in b.paths}
+                # "overlap": the fastest overlap path so far (the first listed while none has a time)
+                overlaps = [m for m in b.paths if m != SERIAL]
+                fastest = min(overlaps, key=lambda m: (medians[m] is None, medians[m] or 0.0))
+                o, s = medians[fastest], medians[SERIAL]
                 out.append(
                     {
                         "key": b.key._asdict(),
@@ -235,8 +262,10 @@ class AdaptiveEngage:
                         "decision": b.decision or "learning",
                         "overlap_median_ms": None if o is None else round(o * 1e3, 4),
                         "serial_median_ms": None if s is None else round(s * 1e3, 4),
-                        "overlap_samples": len(b.times["overlap"]),
-                        "serial_samples": len(b.times["serial"]),
+                        "overlap_samples": len(b.times[fastest]),
+                        "serial_samples": len(b.times[SERIAL]),
+                        "medians_ms": {m: None if v is None else round(v * 1e3, 4) for m, v in medians.items()},
+                        "samples": {m: len(b.times[m]) for m in b.paths},
                         "steps": b.steps,
                         "changes": b.changes,
                         "reprobe_every": None if b.decision is None else b.backoff * self.settings.reprobe_every,
@@ -246,13 +275,13 @@ class AdaptiveEngage:
 
 
 def _learning_path(b: _Bucket, cfg: AdaptiveSettings) -> Path:
-    """The path of a learning step: overlap until it has issued its dropped first step and ``min_samples`` more,
-    then serial for ``min_samples``; then (times still to come, as on a device) whichever has fewer kept."""
-    if b.issued["overlap"] < cfg.min_samples + 1:
-        return "overlap"
-    if b.issued["serial"] < cfg.min_samples:
-        return "serial"
-    return "overlap" if len(b.times["overlap"]) < len(b.times["serial"]) else "serial"
+    """The path of a learning step: each overlap path in turn until it has issued its dropped first step and
+    ``min_samples`` more, then serial for ``min_samples``; then (times still to come, as on a device) the path with
+    the fewest kept."""
+    for m in b.paths:
+        if b.issued[m] < cfg.min_samples + (m != SERIAL):
+            return m
+    return min(reversed(b.paths), key=lambda m: len(b.times[m]))  # a tie: serial, then the later listed
 
 
 def _ms(seconds: float | None) -> str:

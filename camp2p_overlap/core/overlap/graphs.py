@@ -72,6 +72,8 @@ class CapturedKey:
     adaptive: bool
     #: The key's own adaptive state (one bucket: this key's).
     choice: AdaptiveEngage
+    #: The layout the patch layer's variant captured.
+    layout: str = ""
     #: Device memory and host time of upstream's capture and of the patch layer's.
     upstream_bytes: int | None = None
     upstream_ms: float | None = None
@@ -360,6 +362,7 @@ class GraphCapture:
             timings=state.timings,
             adaptive=bool(cfg.adaptive and cfg.mode == "overlap"),
             choice=AdaptiveEngage(runtime.adaptive.settings),
+            layout=mark.layout,
             upstream_bytes=upstream.bytes,
             upstream_ms=round(upstream.ms, 3),
             extra_bytes=ours.bytes,

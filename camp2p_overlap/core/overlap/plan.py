@@ -98,7 +98,8 @@ def step_plan(layers: tuple[int, ...], stages: tuple[int, ...], max_num_tokens: 
 
 
 #: Where an op kind runs: the caller's stream (``C``; in a capture, the
-#: capture's stream), or the stage's side stream (``K_s``, one per HCCL group).
+#: capture's stream), or a side stream: the stage's (``K_s``, one per HCCL
+#: group) for A2E and E2A, the runner's FFN stream (``F``) for the FFN.
 CALLER = "caller"
 SIDE = "side"
 
@@ -125,8 +126,11 @@ class Layout:
         for kind in (self.a2e, self.e2a, self.ffn):
             if kind not in (CALLER, SIDE):
                 raise ValueError(f"layout {self.name}: {kind!r} is not {CALLER!r} or {SIDE!r}")
-        if self.ffn != CALLER:
-            raise ValueError(f"layout {self.name}: the FFN runs on the caller's stream")
+        if self.ffn == SIDE and (self.a2e, self.e2a, self.prefetch) != (CALLER, CALLER, True):
+            raise ValueError(
+                f"layout {self.name}: with the FFN on its side stream, A2E and E2A stay on the caller's stream, "
+                "in the overlap's order (prefetch)"
+            )
         if self.a2e == SIDE and not self.prefetch:
             raise ValueError(f"layout {self.name}: a receive on a side stream is issued ahead (prefetch)")
 
@@ -138,38 +142,46 @@ class Layout:
     def e2a_side(self) -> bool:
         return self.e2a == SIDE
 
+    @property
+    def ffn_side(self) -> bool:
+        return self.ffn == SIDE
 
-#: The rollout rungs' layouts (``decision.layout_of``).
+
+#: The rollout rungs' layouts (``layout_of``).
 PARITY = Layout("parity", CALLER, CALLER, prefetch=False)
 REORDER = Layout("reorder", CALLER, CALLER)
+COMPUTE_SIDE = Layout("compute-side", CALLER, CALLER, SIDE)
 E2A_ONLY = Layout("e2a-only", CALLER, SIDE, prefetch=False)
 A2E_ONLY = Layout("a2e-only", SIDE, CALLER)
 COMM_SIDE = Layout("comm-side", SIDE, SIDE)
 
-#: The rungs (docs/design.md, "Rollout modes and the ladder") in the order a new deployment climbs them.
-LADDER = ("parity", "reorder", "e2a-only", "overlap")
+#: The rungs (docs/design.md, "Rollout modes and the ladder") in the order a new deployment climbs them; decode
+#: graphs come after them (docs/validation.md).
+LADDER = ("parity", "reorder", "compute-side", "comm-side")
 
 
-def layout_of(cfg: OverlapConfig) -> Layout | None:
-    """The layout of an engaged step under ``cfg.mode``; the direction
-    switches apply to ``overlap`` only (None: both are off)."""
+def layouts_of(cfg: OverlapConfig) -> tuple[Layout, ...]:
+    """The layouts an engaged step may run under ``cfg``, in the order listed: one for ``parity`` and ``reorder``;
+    under ``overlap`` those of ``VLLM_CAMP2P_MULTISTREAM_LAYOUT``, where the direction switches refine
+    ``comm-side`` (none left when both are off)."""
     if cfg.mode == "parity":
-        return PARITY
+        return (PARITY,)
     if cfg.mode == "reorder":
-        return REORDER
-    return _SWITCHED[(cfg.a2e_on_side_stream, cfg.e2a_on_side_stream)]
+        return (REORDER,)
+    comm_side = _SWITCHED[(cfg.a2e_on_side_stream, cfg.e2a_on_side_stream)]
+    listed = (COMPUTE_SIDE if name == COMPUTE_SIDE.name else comm_side for name in cfg.layouts)
+    return tuple(layout for layout in listed if layout is not None)
 
 
 _SWITCHED = {(True, True): COMM_SIDE, (False, True): E2A_ONLY, (True, False): A2E_ONLY, (False, False): None}
 
 
 def rung(cfg: OverlapConfig) -> str:
-    """The ladder rung ``cfg`` sets: ``off``, one of :data:`LADDER`, or
-    ``a2e-only`` (off the ladder: E2A=0), or ``none`` (overlap with both
-    directions off: every step runs serially)."""
+    """The ladder rung ``cfg`` sets: ``off``, ``parity``, ``reorder``, or under ``overlap`` the layouts listed
+    (``compute-side``, ``comm-side``, comma-joined when several; ``e2a-only``/``a2e-only`` for ``comm-side`` with a
+    direction switched off, off the ladder; ``none``: nothing left to engage, every step runs serially)."""
     if not cfg.enabled:
         return "off"
     if cfg.mode != "overlap":
         return cfg.mode
-    layout = _SWITCHED[(cfg.a2e_on_side_stream, cfg.e2a_on_side_stream)]
-    return "none" if layout is None else "overlap" if layout is COMM_SIDE else layout.name
+    return ",".join(layout.name for layout in layouts_of(cfg)) or "none"

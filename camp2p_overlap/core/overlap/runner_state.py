@@ -32,10 +32,11 @@ class NotWeaklyReferenceable(TypeError):
 @dataclass
 class VariantCapture:
     """Set while the patch layer captures its variant of a decode graph: the
-    captured step says whether it engaged, and with how many layers."""
+    captured step says whether it engaged, with how many layers, in which layout."""
 
     engaged: bool = False
     layers: int = 0
+    layout: str = ""
 
 
 @dataclass(eq=False)

@@ -8,9 +8,9 @@ step's log (ops, records and waits in issue order), which stall reports and trac
 :meth:`wait_event`, every receive issued ahead through :meth:`issue_a2e`, the join through :meth:`join`: a test's
 broken schedule overrides one of them.
 
-Tensor ownership (no ``record_stream``): an A2E output stays referenced until its E2A stream has waited its FFN's
-``f_done``; an FFN output until C has waited an event recorded after its E2A. After ``close`` the session holds
-nothing.
+Tensor ownership (no ``record_stream``): an A2E output read on another stream than its own stays referenced until
+its stream has waited an event recorded after its FFN; an FFN output read by an E2A on another stream, until the
+FFN's stream has waited an event recorded after that E2A. After ``close`` the session holds nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from camp2p_overlap.core.overlap.streams.base import DoneHandle, OpHandle, Strea
 
 clock = time.perf_counter_ns
 FORK_KEY = EventKey.fork()
-JOIN_KEYS = {s: EventKey.join(s) for s in range(MAX_STAGES)}
+#: By stage: the join of K_s; None: of the FFN stream F.
+JOIN_KEYS = {s: EventKey.join(s) for s in (*range(MAX_STAGES), None)}
 
 
 class ScheduleMismatchError(RuntimeError):
@@ -69,11 +70,15 @@ class SessionSnapshot:
     sent: frozenset[StageLayer]
     ops: tuple[IssuedOp, ...]
     events: tuple[tuple[EventKey, Any], ...]
-    #: Each stage's A2E and E2A stream, and the side streams the step forked, by name.
+    #: Each stage's A2E, FFN and E2A stream, and the side streams the step forks (by stage; None: F), by name.
     a2e_streams: Mapping[int, str]
+    ffn_streams: Mapping[int, str]
     e2a_streams: Mapping[int, str]
-    side_streams: Mapping[int, str]
+    side_streams: Mapping[int | None, str]
     opened_ns: int
+    #: The step's records and waits, ``(kind, key, stream, seq)``, and FFNs, ``(layer, stage, seq)``, in issue order.
+    marks: tuple[tuple[str, EventKey, str, int], ...] = ()
+    ffns: tuple[tuple[int, int, int], ...] = ()
     #: The host has issued the whole step (the device may still be running it).
     closed: bool = False
 
@@ -111,21 +116,27 @@ class StepSession:
         self.backend = backend = streamset.backend
         #: The compute stream (the caller's current stream).
         self.compute = compute = backend.compute_stream()
-        #: By stage: the side streams the step forks and joins (K_s), and each stage's A2E and E2A stream.
-        self.side_streams: dict[int, Stream] = {}
+        #: The side streams the step forks and joins: by stage, K_s; under None, the FFN stream F.
+        self.side_streams: dict[int | None, Stream] = {}
+        #: By stage: the stream of its A2E, its FFN and its E2A.
         self.a2e_on: dict[int, Stream] = {}
+        self.ffn_on: dict[int, Stream] = {}
         self.e2a_on: dict[int, Stream] = {}
-        #: FFN outputs per stage, until C waits an event recorded after their E2A.
+        #: FFN outputs per stage, until the FFN's stream waits an event recorded after their E2A.
         self._f_refs: dict[int, list[Any]] = {}
+        f = compute
+        if layout.ffn == SIDE:
+            f = self.side_streams[None] = streamset.ffn
         for s in plan.stages:
             k = compute
-            if layout.side:
+            if layout.a2e == SIDE or layout.e2a == SIDE:
                 k = streamset.streams.get(s)
                 if k is None:
                     raise SessionError(f"no side stream for stage {s}")
                 self.side_streams[s] = k
             self.a2e_on[s] = k if layout.a2e == SIDE else compute
             self.e2a_on[s] = k if layout.e2a == SIDE else compute
+            self.ffn_on[s] = f
             self._f_refs[s] = []
         #: The object whose calls this session serves (None once closed).
         self.connector = connector
@@ -143,6 +154,8 @@ class StepSession:
         self._recv_fn: Callable[..., Any] | None = None
         #: The stream whose scope the session is in (an E2A and its lookahead switch once).
         self._in_scope: Stream | None = None
+        #: The side stream the session made current for the loop's work (None: the caller's is current).
+        self._current: Stream | None = None
         #: Each receive issued and not yet taken: its handle.
         self._a_handle: dict[StageLayer, OpHandle] = {}
         #: The kwargs of each receive issued off the plan, until taken.
@@ -239,7 +252,7 @@ class StepSession:
             self._a_kwargs[key] = kw
         k = self.a2e_on[stage]
         self._a_handle[key] = self._submit(k, A2E, layer, stage, partial(fn, **kw), keys.a2e_label)
-        if k is not self.compute:
+        if k is not self.ffn_on[stage]:
             self._record(k, keys.a_done)
 
     # ------------------------------------------------------------------
@@ -263,9 +276,10 @@ class StepSession:
                 for stage in self.plan.stages:  # the prologue
                     self.issue_a2e(self.plan.layers[0], stage)
         self.next_recv += 1
+        f = self.ffn_on[s]
         if prefetch:
-            if self.a2e_on[s] is not self.compute:
-                self.wait_event(self.compute, self._keys[expected].a_done)
+            if self.a2e_on[s] is not f:
+                self.wait_event(f, self._keys[expected].a_done)
             payload = self._take_prefetched(L, s)
         else:
             if s in self._last_e2a:  # group order: the stage's last E2A (on its side stream) first
@@ -274,11 +288,18 @@ class StepSession:
                 if failed is not None:
                     raise failed
             payload = self._run_on_c(A2E, L, s, call or partial(fn, **kw), self._keys[expected].a2e_label)
-        # C has waited an event recorded after every earlier E2A of this stage: their FFN outputs may go.
+        # The FFN's stream has waited an event recorded after every earlier E2A of this stage: their FFN outputs
+        # may go.
         self._f_refs[s].clear()
         self._consumed.add(expected)
         self._inflight[expected] = payload
         self._contexts[id(self._context_of(payload))] = expected
+        if f is not self._current and f is not self.compute:
+            # The loop's own work runs on the FFN's side stream from here to the step's close: its FFNs, and what
+            # it issues between a send and the next receive (on afd-plugin main, the next (layer, stage)'s forward
+            # context, whose mc2_mask fill the next FFN reads). Each connector call runs in its stream's scope.
+            self.backend.set_stream(f)
+            self._current = f
         self._ffn_start[expected] = (clock(), next(self._seq))
         return payload
 
@@ -308,25 +329,23 @@ class StepSession:
         keys = self._keys[key]
         self._sent.add(key)
         self._ffn_ended(key)
-        C, k = self.compute, self.e2a_on[s]
-        self._edge(C, keys.f_done, k)
+        C, f, k, ahead = self.compute, self.ffn_on[s], self.e2a_on[s], self.a2e_on[s]
+        self._edge(f, keys.f_done, k)
         self._in_scope = k
         try:
             with self.backend.scope(k):
                 h = self._submit(k, E2A, L, s, call, keys.e2a_label)
-                if k is not C:
-                    # K_s has waited f_done(L, s): the A2E output may go; the FFN
-                    # output stays until C waits an event recorded after this E2A.
+                if ahead is k or ahead is f:
+                    # The A2E output's stream has waited f_done(L, s) (or is the FFN's): it may go.
                     self._inflight.pop(key, None)
+                if k is not f:  # the FFN output stays until the FFN's stream waits an event recorded after this E2A
                     self._f_refs[s].append((output, context, call))
                 if h.done():
                     h.result()  # a host-side failure surfaces here, as in the serial path
                 nxt = self.plan.next_of[L]
-                ahead = self.a2e_on[s]
                 if nxt is not None and self.layout.prefetch:
                     self._edge(k, keys.e_done if k is not C else keys.e_done_c, ahead)
-                    if k is C:
-                        self._inflight.pop(key, None)  # the A2E stream has waited this E2A, so its FFN
+                    self._inflight.pop(key, None)  # the A2E stream has waited this E2A, so its FFN
                     self.issue_a2e(nxt, s)
                 elif ahead is not k and nxt is not None:  # a receive on C waits this E2A
                     self._record(k, keys.e_done)
@@ -382,8 +401,15 @@ class StepSession:
 
     # ------------------------------------------------------------------
     # join and close
+    def _restore_caller(self) -> None:
+        self._current = None
+        self.backend.set_stream(self.compute)
+
     def join(self) -> None:
-        """Make the compute stream wait the last work of every side stream, then release its buffers."""
+        """Make the caller's stream current again and wait the last work of every side stream, then release the
+        buffers."""
+        if self._current is not None:
+            self._restore_caller()
         if self.forked:
             for s, k in self.side_streams.items():
                 self._edge(k, JOIN_KEYS[s], self.compute)
@@ -443,7 +469,7 @@ class StepSession:
         for kind, key, stream, t, seq in self._marks:
             trace.event(kind, key, stream, t, t, seq)
         for layer, stage, t0, t1, seq in self._ffns:
-            trace.ffn(layer, stage, t0, t1, seq)
+            trace.ffn(layer, stage, t0, t1, seq, self.ffn_on[stage].name)
         trace.emit(self._ops)
 
     def _side_error(self, streams: list[Stream]) -> BaseException | None:
@@ -458,7 +484,10 @@ class StepSession:
     # ------------------------------------------------------------------
     # what the step's log says
     def expected_schedule(self) -> ExpectedSchedule:
-        return ExpectedSchedule(self.plan.layers, self.plan.stages, self.layout.a2e_side, self.layout.e2a_side)
+        layout = self.layout
+        return ExpectedSchedule(
+            self.plan.layers, self.plan.stages, layout.a2e_side, layout.e2a_side, layout.ffn_side, layout.prefetch
+        )
 
     def stage_layer_of(self, context: Any) -> StageLayer | None:
         """The ``(layer, stage)`` whose payload carried ``context`` (what the loop hands back to the send), or None."""
@@ -501,6 +530,11 @@ class StepSession:
             self._closed_snapshot = self._snapshot(closed=True)
         return self._closed_snapshot
 
+    def _ffn_log(self) -> tuple[tuple[int, int, int], ...]:
+        """Each FFN the loop has begun, ``(layer, stage, seq)``: those sent, then any the host is in."""
+        done = [(L, s, seq) for L, s, _, _, seq in list(self._ffns)]
+        return tuple(done + [(L, s, seq) for (L, s), (_, seq) in list(self._ffn_start.items())])
+
     def _issued_ops(self) -> tuple[IssuedOp, ...]:
         """The ops issued so far, and last the one the host is issuing (a :class:`RunningOp` handle)."""
         ops = [IssuedOp(*o) for o in list(self._ops)]
@@ -522,8 +556,11 @@ class StepSession:
             ops=self._issued_ops(),
             events=tuple(self._events.items()),
             a2e_streams={s: k.name for s, k in self.a2e_on.items()},
+            ffn_streams={s: k.name for s, k in self.ffn_on.items()},
             e2a_streams={s: k.name for s, k in self.e2a_on.items()},
             side_streams={s: k.name for s, k in self.side_streams.items()},
+            marks=tuple((kind, key, stream, seq) for kind, key, stream, _, seq in list(self._marks)),
+            ffns=self._ffn_log(),
             opened_ns=self.t_open_ns,
             closed=closed,
         )

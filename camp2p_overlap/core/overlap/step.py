@@ -28,9 +28,9 @@ from camp2p_overlap.core.log import log_once
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.observe.trace import TraceOp, TraceRecorder
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.adaptive import BucketKey, pow2_ceil
+from camp2p_overlap.core.overlap.adaptive import SERIAL, BucketKey, pow2_ceil
 from camp2p_overlap.core.overlap.graphs import GraphCapture, graph_variants_refusal
-from camp2p_overlap.core.overlap.plan import COMM_SIDE, Layout, StepPlan, layout_of, step_plan
+from camp2p_overlap.core.overlap.plan import COMPUTE_SIDE, Layout, StepPlan, layouts_of, step_plan
 from camp2p_overlap.core.overlap.routes import SESSION_ROUTERS, ConnectorRoutes, route_problem, session_router
 from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, RunnerState
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
@@ -53,6 +53,11 @@ SERIAL_PROBE = "adaptive: serial probe step"
 SERIAL_FASTER = "adaptive: serial is faster for this shape"
 GRAPH_OFF = "inside graph capture and VLLM_CAMP2P_MULTISTREAM_GRAPH is off"
 GRAPH_SERIAL_VARIANT = "inside graph capture: the serial variant (VLLM_CAMP2P_MULTISTREAM_GRAPH=adaptive)"
+GRAPH_COMM_SIDE_OPT_IN = (
+    "inside graph capture: the first listed layout puts A2E/E2A on side streams, which a decode graph captures"
+    " only with VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE=1 (upstream's NPU graph code keeps HCCL on the capture's"
+    " stream)"
+)
 NO_STREAMS_IN_CAPTURE = (
     "graph capture before any eager overlap step on this runner; side streams are created only outside capture"
 )
@@ -60,17 +65,23 @@ NO_STREAMS_IN_CAPTURE = (
 
 @dataclass(frozen=True)
 class Decision:
-    """What one call of ``_ffn_forward`` does: engage with ``plan`` on ``backend`` in ``layout`` (``engages``), or
-    run upstream's serial path for ``reason`` (:func:`serial`)."""
+    """What one call of ``_ffn_forward`` does: engage with ``plan`` on ``backend`` in one of ``layouts``
+    (``engages``), or run upstream's serial path for ``reason`` (:func:`serial`)."""
 
     engages: bool
     #: Why the call runs serially ("" when it engages).
     reason: str = ""
     plan: StepPlan | None = None
     backend: str | None = None
-    layout: Layout = COMM_SIDE
+    #: The layouts the step may run, in the order listed (adaptive engage measures each; a capture takes the first).
+    layouts: tuple[Layout, ...] = (COMPUTE_SIDE,)
     #: The rollout mode the step engages in (VLLM_CAMP2P_MULTISTREAM_MODE).
     mode: str = "overlap"
+
+    @property
+    def layout(self) -> Layout:
+        """The first listed layout: what a step runs without adaptive engage, and what a capture takes."""
+        return self.layouts[0]
 
 
 def serial(reason: str) -> Decision:
@@ -81,13 +92,13 @@ def serial(reason: str) -> Decision:
 @dataclass
 class RunnerFacts:
     """What a runner's steps share until the engine's generation moves or the runner holds another connector: why
-    none may engage (``problem``), else the backend and layout."""
+    none may engage (``problem``), else the backend and layouts."""
 
     generation: int
     connector: Any
     problem: str | None = None
     backend: str | None = None
-    layout: Layout | None = None
+    layouts: tuple[Layout, ...] = ()
     #: (attribute, router key) of each routed connector method.
     routes: tuple[tuple[str, str], ...] = ()
     #: The manifest's ``_ffn_layer_indices`` target (read live every step).
@@ -116,7 +127,7 @@ def runner_facts(engine: PatchEngine, runner: Any, connector: Any) -> RunnerFact
     if role != "ffn":
         facts.problem = f"AFD role is {role!r}, not 'ffn'"
         return facts
-    facts.layout = layout_of(cfg)
+    facts.layouts = layouts_of(cfg)
     facts.layer_target = target_named(engine.manifest, camp2p.LAYER_INDICES_TARGET) if engine.manifest else None
     try:
         facts.backend = resolve_backend_name(cfg.backend, getattr(runner, "device", None))
@@ -153,8 +164,8 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], state: A
     group = facts.groups[stages]
     if group is not None:
         return serial(group)
-    if facts.layout is None:
-        return serial("both directions are switched off (A2E=0 and E2A=0)")
+    if not facts.layouts:
+        return serial("the comm-side layout with both directions switched off (A2E=0 and E2A=0)")
     if facts.backend is None:  # a device backend not available yet may be later
         try:
             facts.backend = resolve_backend_name(cfg.backend, getattr(runner, "device", None))
@@ -178,7 +189,7 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], state: A
     if len(set(layers)) != len(layers):
         return serial(f"layer list repeats a layer: {list(layers)}")
     plan = step_plan(layers, stages, max_num_tokens)
-    made = Decision(engages=True, plan=plan, backend=facts.backend, layout=facts.layout, mode=cfg.mode)
+    made = Decision(engages=True, plan=plan, backend=facts.backend, layouts=facts.layouts, mode=cfg.mode)
     if shape is not None:
         if len(facts.engaging) >= 64:
             facts.engaging.clear()
@@ -266,7 +277,7 @@ class FfnStep:
                 return self.run_original()
             # 3.: the static setting for a capture (a graph replays what it captured), parity/reorder, adaptive off.
             if not self.engine.config.adaptive or decision.mode != "overlap" or self.is_capture(streamset.backend):
-                return self.run_engaged(decision, streamset)
+                return self.run_engaged(decision, streamset, decision.layout)
             return self.run_adaptive(decision, streamset)
         finally:
             gate.exit()
@@ -318,12 +329,15 @@ class FfnStep:
             return refused  # upstream's graph only
         if cfg.graph == "adaptive" and (self.state is None or self.state.variant_capture is None):
             return GRAPH_SERIAL_VARIANT  # upstream's own graph: the serial variant
+        layout = decision.layout
+        if (layout.a2e_side or layout.e2a_side) and not cfg.graph_comm_side:
+            return GRAPH_COMM_SIDE_OPT_IN
         return None
 
     # -- 3. the choice -------------------------------------------------------
     def run_adaptive(self, decision: Decision, streamset: StreamSet) -> Any:
-        """An engageable eager step: the bucket's path (overlap, or the original as decided or as a probe), timed
-        without blocking the host."""
+        """An engageable eager step: the bucket's path (a listed layout, or the original as decided or as a probe),
+        timed without blocking the host."""
         plan, backend, state = decision.plan, streamset.backend, self.state
         assert plan is not None and state is not None
         key = bucket_of(state.name, len(plan.stages), len(plan.layers), self.kwargs.get("dp_metadata_list"))
@@ -331,17 +345,20 @@ class FfnStep:
         adaptive, every = self.runtime.adaptive, self.engine.config.reprobe_every
         if adaptive.settings.reprobe_every != every:  # the engine's re-probe interval
             adaptive.settings = replace(adaptive.settings, reprobe_every=every)
-        path, probe, timed = adaptive.choose(key)
-        if path != "overlap":
+        layouts = decision.layouts
+        path, probe, timed = adaptive.choose(key, tuple(layout.name for layout in layouts))
+        if path == SERIAL:
             self.runtime.counters.serial(SERIAL_PROBE if probe else SERIAL_FASTER)
             if not timed:
                 return self.run_original()
-            return state.timings.timed(key, "serial", backend, self.run_original)
-        return state.timings.timed(key, path, backend, partial(self.run_engaged, decision, streamset))
+            return state.timings.timed(key, SERIAL, backend, self.run_original)
+        layout = next(layout for layout in layouts if layout.name == path)
+        return state.timings.timed(key, path, backend, partial(self.run_engaged, decision, streamset, layout))
 
     # -- 4. the engaged step -------------------------------------------------
-    def run_engaged(self, decision: Decision, streamset: StreamSet) -> Any:
-        """The step under a session, counted under its rollout mode once the connector is routed to it."""
+    def run_engaged(self, decision: Decision, streamset: StreamSet, layout: Layout) -> Any:
+        """The step under a session in ``layout``, counted under its rollout mode and layout once the connector is
+        routed to it."""
         runtime, recorder = self.runtime, self.recorder
         step_id = recorder.next_step() if recorder is not None else 0
         capturing = self.is_capture(streamset.backend)
@@ -352,7 +369,7 @@ class FfnStep:
                 connector=connector,
                 plan=decision.plan,  # type: ignore[arg-type]
                 streamset=streamset,
-                layout=decision.layout,
+                layout=layout,
                 recorder=recorder,
                 step_id=step_id,
                 context_of=camp2p.context_of,
@@ -372,8 +389,9 @@ class FfnStep:
                 mark = self.state.variant_capture if self.state is not None else None
                 if mark is not None:  # the patch layer's variant of a decode graph is being captured
                     mark.engaged, mark.layers = True, len(decision.plan.layers)  # type: ignore[union-attr]
+                    mark.layout = layout.name
             else:
-                runtime.counters.engaged(decision.mode)
+                runtime.counters.engaged(decision.mode, layout.name)
             # No watchdog inside a capture: its timer thread would query events while the capture runs (global
             # capture mode forbids it), and a captured step only records work, it cannot stall.
             watchdog = None if capturing or not seconds else start_watchdog(seconds, session.snapshot, step_id)

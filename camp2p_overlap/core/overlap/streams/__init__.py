@@ -47,7 +47,9 @@ def register_device_module(backend: str, module: DeviceModule) -> None:
     if backend not in REGISTRABLE:
         raise ValueError(f"only {', '.join(REGISTRABLE)} takes a registered device module, not {backend!r}")
     missing = [
-        attr for attr in ("Stream", "Event", "stream", "current_stream", "synchronize") if not hasattr(module, attr)
+        attr
+        for attr in ("Stream", "Event", "stream", "current_stream", "set_stream", "synchronize")
+        if not hasattr(module, attr)
     ]
     if missing:
         raise TypeError(

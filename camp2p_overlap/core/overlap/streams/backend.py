@@ -33,7 +33,7 @@ class StreamBackend:
     ``cuda`` or ``cpu``)."""
 
     def __init__(self, name: str, device_module: ModuleType, device: Any = None) -> None:
-        for attr in ("Stream", "Event", "stream", "current_stream"):
+        for attr in ("Stream", "Event", "stream", "current_stream", "set_stream"):
             if not hasattr(device_module, attr):
                 raise BackendUnavailable(f"{device_module.__name__} has no {attr}")
         self.name = name
@@ -71,6 +71,10 @@ class StreamBackend:
 
     def scope(self, stream: Any) -> Any:
         return self.mod.stream(stream)
+
+    def set_stream(self, stream: Any) -> None:
+        """Make ``stream`` the current stream of this thread (the FFN's side stream from a receive to its send)."""
+        self.mod.set_stream(stream)
 
     def submit_here(self, stream: Any, fn: Callable[[], Any], label: str = "op") -> OpHandle:
         """:meth:`submit` inside ``self.mod.stream(stream)`` already entered

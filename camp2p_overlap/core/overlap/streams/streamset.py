@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from camp2p_overlap.core.keys import side_stream_name
+from camp2p_overlap.core.keys import FFN_STREAM, side_stream_name
 from camp2p_overlap.core.overlap.streams.backend import StreamBackend
 from camp2p_overlap.core.overlap.streams.base import Stream
 
@@ -15,12 +15,14 @@ VARIANT_CAPTURE_STREAM = "G"
 
 
 class StreamSet:
-    """A backend and one side stream per stage id (and, once a decode graph
-    variant is to be captured, the stream that capture runs on)."""
+    """A backend, one side stream per stage id (``K_s``: A2E and E2A in ``comm-side``), the FFN stream (``F``: the
+    FFN compute in ``compute-side``) and, once a decode graph variant is to be captured, the stream that capture
+    runs on."""
 
     def __init__(self, backend: StreamBackend, stage_ids: Sequence[int]) -> None:
         self.backend = backend
         self.streams: dict[int, Stream] = {s: backend.new_stream(side_stream_name(s)) for s in stage_ids}
+        self.ffn: Stream = backend.new_stream(FFN_STREAM)
         self._capture_stream: Stream | None = None
         #: One step at a time per runner.
         self.lock = threading.Lock()

@@ -8,7 +8,7 @@ observe room may not import (the rooms contract in ``pyproject.toml``).
 from __future__ import annotations
 
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Container
 from dataclasses import dataclass
 
@@ -35,72 +35,18 @@ class _Item:
 
 
 def _programs(snap: SessionSnapshot) -> dict[str, list[_Item]]:
-    """Each stream's items, in the order the session issued them (replayed from the snapshot and its layout; an
-    event only where the session recorded it). Ops the replay does not place (a step that fell back) follow at
-    their stream's end."""
-    events = {k for k, _ in snap.events}
-    by_key: dict[tuple[str, int | None, int | None], deque[IssuedOp]] = defaultdict(deque)
-    for o in snap.ops:
-        by_key[(o.kind, o.layer, o.stage)].append(o)
-    placed: set[int] = set()
+    """Each stream's items, in the order the session issued them: its log of records, waits and ops, and each FFN
+    the loop began, on the FFN's stream (the layout's, whatever it is)."""
+    items: list[tuple[int, str, _Item]] = [(seq, stream, _Item(kind, key=key)) for kind, key, stream, seq in snap.marks]
+    items += [(o.seq, o.stream, _Item("op", op=o)) for o in snap.ops]
+    items += [
+        (seq, snap.ffn_streams.get(s, COMPUTE_STREAM), _Item("ffn", at=(L, s)))
+        for L, s, seq in snap.ffns
+        if (L, s) in snap.sent or not snap.closed  # closed in an FFN: its stream only has the join left
+    ]
     prog: dict[str, list[_Item]] = defaultdict(list)
-    C = COMPUTE_STREAM
-    plan, prefetch = snap.plan, snap.layout.prefetch
-    a_on = {s: snap.a2e_streams.get(s, "?") for s in plan.stages}
-    e_on = {s: snap.e2a_streams.get(s, "?") for s in plan.stages}
-
-    def event(kind: str, stream: str, key: EventKey) -> None:
-        if key in events:
-            prog[stream].append(_Item(kind, key=key))
-
-    def op(kind: str, layer: int, stage: int) -> None:
-        queue = by_key.get((kind, layer, stage))
-        if queue:
-            o = queue.popleft()
-            placed.add(id(o))
-            prog[o.stream].append(_Item("op", op=o))
-
-    order = plan.sequence[: snap.received]
-    if order:
-        event("record", C, EventKey.fork())
-        for k in snap.side_streams.values():
-            event("wait", k, EventKey.fork())
-        if prefetch:
-            for s in plan.stages:
-                op(A2E, plan.layers[0], s)
-                event("record", a_on[s], EventKey(A_DONE, plan.layers[0], s))
-    last_e: dict[int, EventKey] = {}
-    for L, s in order:
-        if (L, s) not in snap.consumed:
-            break  # the step fell back here: the rest ran as leftovers
-        if prefetch:
-            event("wait", C, EventKey(A_DONE, L, s))
-        else:
-            if s in last_e:
-                event("wait", C, last_e[s])
-            op(A2E, L, s)
-        if (L, s) not in snap.sent:
-            if not snap.closed:  # the host is in this FFN: nothing after it is issued
-                prog[C].append(_Item("ffn", at=(L, s)))
-            break  # (closed: the step ended in this FFN; C only has the join left)
-        prog[C].append(_Item("ffn", at=(L, s)))
-        event("record", C, EventKey(F_DONE, L, s))
-        event("wait", e_on[s], EventKey(F_DONE, L, s))
-        op(E2A, L, s)
-        last_e[s] = EventKey(E_DONE if e_on[s] != C else E_DONE_ON_C, L, s)
-        event("record", e_on[s], last_e[s])
-        nxt = plan.next_of.get(L)
-        if nxt is not None and prefetch:
-            event("wait", a_on[s], last_e[s])
-            op(A2E, nxt, s)
-            event("record", a_on[s], EventKey(A_DONE, nxt, s))
-    if snap.closed:
-        for s, k in snap.side_streams.items():
-            event("record", k, EventKey.join(s))
-            event("wait", C, EventKey.join(s))
-    for o in snap.ops:
-        if id(o) not in placed:
-            prog[o.stream].append(_Item("op", op=o))
+    for _, stream, item in sorted(items, key=lambda entry: entry[0]):
+        prog[stream].append(item)
     return prog
 
 
@@ -190,17 +136,17 @@ def _short(exc: BaseException, limit: int = 120) -> str:
 def _describe(key: EventKey, snap: SessionSnapshot) -> str:
     """What completes event ``key``: the op or FFN it is recorded after."""
     L, s = key.layer, key.stage
-    k = snap.side_streams.get(s, "?") if s is not None else "?"
+    k = snap.side_streams.get(s, "?")
     if key.kind == A_DONE:
         return f"a2e(L{L},s{s}) on {snap.a2e_streams.get(s, k)}"
     if key.kind == F_DONE:
-        return f"the FFN of (L{L},s{s}) on {COMPUTE_STREAM}"
+        return f"the FFN of (L{L},s{s}) on {snap.ffn_streams.get(s, COMPUTE_STREAM)}"
     if key.kind == E_DONE:
         return f"e2a(L{L},s{s}) on {k}"
     if key.kind == E_DONE_ON_C:
         return f"e2a(L{L},s{s}) on {COMPUTE_STREAM}"
     if key.kind == JOIN:
-        return f"the last op of stage {s} on {k}"
+        return f"the last work of the FFN stream {k}" if s is None else f"the last op of stage {s} on {k}"
     if key.kind == FORK:
         return f"the start of the step on {COMPUTE_STREAM}"
     return key.label()
@@ -284,6 +230,11 @@ def _stream_text(stream: str, head: _Item | None, snap: SessionSnapshot, st: _St
     if head.kind == "op":
         assert head.op is not None
         return f"{stream} is at {_op_name(head.op)} ({st.op(head.op)[1]})"
+    if head.kind == "ffn":
+        assert head.at is not None
+        L, s = head.at
+        sent = "" if head.at in snap.sent else ", whose send the host has not issued yet"
+        return f"{stream} is at the FFN of (L{L},s{s}){sent}"
     assert head.key is not None
     return f"{stream} has not reached its record of event {head.key.label()} yet"
 
@@ -303,6 +254,9 @@ def stall_report(snap: SessionSnapshot) -> str:
         _host_line(snap, st),
         _compute_line(snap, st, heads.get(COMPUTE_STREAM)),
     ]
+    ffn_stream = snap.side_streams.get(None)
+    if ffn_stream is not None:
+        lines.append(f"  FFN stream: {_stream_text(ffn_stream, heads.get(ffn_stream), snap, st)}")
     culprits: list[str] = []
     for s in snap.plan.stages:
         lines += _stage_lines(snap, st, s, heads, culprits)
