@@ -60,6 +60,8 @@ class StepCounters:
         self._here = _ThreadTally(self._tallies, self._lock)
         self._graph_replays = dict.fromkeys(GRAPH_CAPTURE_VARIANTS, 0)
         self._graph_captures = dict.fromkeys(GRAPH_CAPTURE_VARIANTS, 0)
+        #: Replays of the patch layer's variant, by the layout it captured.
+        self._graph_replay_layouts: dict[str, int] = {}
 
     def _first(self) -> None:
         if self.on_first_step is not None:  # steps after the first only read it, never write it
@@ -82,9 +84,13 @@ class StepCounters:
         reasons[reason] = reasons.get(reason, 0) + 1
         self._first()
 
-    def graph_replay(self, variant: str) -> None:
-        """A replay of a decode graph's ``variant`` (not an eager step: ``steps`` is not counted)."""
+    def graph_replay(self, variant: str, layout: str = "") -> None:
+        """A replay of a decode graph's ``variant`` (not an eager step: ``steps`` is not counted); the patch
+        layer's variant names the ``layout`` it captured."""
         self._count_graph(self._graph_replays, variant)
+        if layout:
+            with self._lock:
+                self._graph_replay_layouts[layout] = self._graph_replay_layouts.get(layout, 0) + 1
         self._first()
 
     def graph_capture(self, variant: str) -> None:
@@ -107,6 +113,7 @@ class StepCounters:
             # that thread may go on counting.
             tallies = [(dict(s), dict(r), dict(la)) for s, r, la in self._tallies]
             replays, captures = dict(self._graph_replays), dict(self._graph_captures)
+            replay_layouts = dict(self._graph_replay_layouts)
         for thread_steps, thread_reasons, thread_layouts in tallies:
             for path, n in thread_steps.items():
                 steps[path] += n
@@ -120,5 +127,6 @@ class StepCounters:
             "serial_reasons": reasons,
             "layout_steps": layouts,
             "graph_replays": replays,
+            "graph_replay_layouts": replay_layouts,
             "graph_captures": captures,
         }

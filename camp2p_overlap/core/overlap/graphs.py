@@ -415,7 +415,7 @@ class GraphCapture:
     def replayed(self, c: CapturedKey, variant: str) -> None:
         with c.lock:
             c.replays[variant] += 1
-        self.runtime.counters.graph_replay(variant)
+        self.runtime.counters.graph_replay(variant, c.layout if variant == OVERLAP else "")
         seconds = self.engine.config.watchdog_s
         if seconds and not GUARD.capturing():
             REPLAY_WATCH.watch(seconds, c.backend, f"decode graph {c.key_text} ({variant} variant)")
