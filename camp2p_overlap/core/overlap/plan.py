@@ -55,7 +55,7 @@ class StepPlan:
     def event_keys(self) -> list[EventKey]:
         """Every event key a session of this plan may record, so a backend can
         make them before a graph capture."""
-        out = [EventKey.fork(), *(EventKey.join(s) for s in self.stages)]
+        out = [EventKey.fork(), EventKey.join(None), *(EventKey.join(s) for s in self.stages)]
         for k in self.keys.values():
             out += [k.a_done, k.f_done, k.e_done, k.e_done_c]
         return out
