@@ -64,6 +64,8 @@ import torch
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.env_vars import MAX_REPROBE, MAX_STAGES
 from camp2p_overlap.core.overlap import camp2p
+from camp2p_overlap.core.overlap.adaptive import SERIAL
+from camp2p_overlap.core.overlap.plan import layouts_of
 from camp2p_overlap.core.overlap.step import bucket_of, make_wrappers
 from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.core.patching.installer import method_wrapper
@@ -234,11 +236,12 @@ def decide_serial(patch_layer: PatchLayer, world: World) -> None:
     runtime = patch_layer.runtime
     dp = world.dp_metadata()
     key = bucket_of(runtime.runner_name(world.runner), camp2p.stage_count(dp), len(world.layer_list()), dp)
+    overlaps = tuple(layout.name for layout in layouts_of(patch_layer.engine.config))
     for _ in range(4 * runtime.adaptive.settings.min_samples + 4):
         if runtime.adaptive.decision(key) is not None:
             break
-        mode, _, _ = runtime.adaptive.choose(key)
-        runtime.adaptive.record(key, mode, 1.0 if mode == "overlap" else 0.5)
+        path, _, _ = runtime.adaptive.choose(key, overlaps)
+        runtime.adaptive.record(key, path, 0.5 if path == SERIAL else 1.0)
     if runtime.adaptive.decision(key) != "serial":
         raise RuntimeError("the overhead harness could not set the pass-through decision")
 
