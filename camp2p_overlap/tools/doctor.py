@@ -17,11 +17,18 @@ Reports, without raising:
   against the device this box has (an NPU through torch_npu, else a CUDA
   GPU, else none);
 * every ``VLLM_CAMP2P_*`` switch, as set and as parsed (a malformed value is
-  reported, not raised), and the rollout mode and ladder rung they set;
+  reported, every malformed one at once, not raised), and the rollout mode
+  and ladder rung they set, with the ladder (:func:`ladder_line`);
+* the layouts an engaged step runs (:func:`layout_rows`: those listed in
+  ``VLLM_CAMP2P_MULTISTREAM_LAYOUT`` under ``overlap``), where each puts
+  A2E, E2A and the FFN, and whether a decode graph captures it; and the
+  ``comm-side`` graph opt-in (``VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE``),
+  whether it is set, with a one-line pointer to why it is an opt-in;
 * one line on decode graphs (:func:`decode_graph_line`): ``off``
   (``GRAPH=0``: decode replays upstream's graph), ``refused`` (graph
   variants asked for, and the installed torch_npu lacks the multi-stream
-  capture fix, or another refusal), or ``ok``;
+  capture fix, the first listed layout is ``comm-side`` without its graph
+  opt-in, or another refusal), or ``ok``;
 * with ``--config``: the deployment's connector settings as the CAMP2P
   connector will see them (``tools/deployment.py``).
 
@@ -41,7 +48,7 @@ from camp2p_overlap.core import config as cfgmod
 from camp2p_overlap.core import env_vars
 from camp2p_overlap.core.env_vars import TABLE as ENV_TABLE
 from camp2p_overlap.core.observe.decode_graphs import UPSTREAM_GRAPH, rung_hint
-from camp2p_overlap.core.overlap.plan import LADDER, rung
+from camp2p_overlap.core.overlap.plan import CALLER, LADDER, Layout, layouts_of, rung
 from camp2p_overlap.core.patching.manifest import (
     ManifestError,
     StackManifest,
@@ -86,6 +93,21 @@ DISTRIBUTIONS = {
 
 #: Environment variable -> OverlapConfig field (from the table of variables).
 SWITCH_FIELDS = {v.name: v.field for v in ENV_TABLE}
+
+#: The rung after the ladder's layouts (``plan.LADDER``): decode graphs (``VLLM_CAMP2P_MULTISTREAM_GRAPH``).
+GRAPH_RUNG = "decode graphs"
+#: The rungs a new deployment climbs, as doctor prints them.
+FULL_LADDER = (*LADDER, GRAPH_RUNG)
+#: The opt-in rungs: what a rung name is followed by in the ladder.
+OPT_IN_RUNGS = {"comm-side": "opt-in"}
+#: Why a ``comm-side`` decode graph is an opt-in, in one line (the long form: docs/design.md).
+COMM_SIDE_GRAPH_WHY = (
+    "upstream keeps graph HCCL on the capture's stream (afd-plugin's NPU p2p_hccl graph code; its DeepSeek-V4 "
+    "report §2.8.2: comm on the parent stream fastest; vllm-ascend #15500, #3582): "
+    'docs/design.md ("Streams", "Decode graphs")'
+)
+#: A decode graph's capture of a listed layout (``layout_rows``' ``decode_graph``).
+CAPTURED, NEEDS_OPT_IN, OPTED_IN, EAGER_ONLY = "captured", "needs-opt-in", "opted-in", "eager-only"
 
 _STANDIN_DIR = Path(__file__).resolve().parent.parent / "emulation" / "standins"
 
@@ -223,9 +245,110 @@ def _config(env: Any = None) -> tuple[dict[str, Any], cfgmod.OverlapConfig | Non
         "enabled": cfg.enabled if cfg else None,
         "mode": cfg.mode if cfg else None,
         "rung": rung(cfg) if cfg else None,
+        "ladder": list(FULL_LADDER),
+        "layouts_listed": list(cfg.layouts) if cfg else None,
+        "layouts": layout_rows(cfg) if cfg else None,
+        "graph_comm_side": graph_comm_side(cfg, env.get(env_vars.ENV_GRAPH_COMM_SIDE)) if cfg else None,
         "switches": switches,
     }
     return section, cfg, problems
+
+
+def _comm_on_side(layout: Layout) -> bool:
+    return layout.a2e_side or layout.e2a_side
+
+
+def describe_layout(layout: Layout) -> str:
+    """Where ``layout`` runs each op kind, and in which order it issues the receives, in words."""
+
+    def where(kind: str) -> str:
+        return "the caller's stream C" if kind == CALLER else "each stage's side stream K_s"
+
+    if layout.a2e == layout.e2a:
+        comm = f"A2E/E2A on {where(layout.a2e)}"
+    else:
+        comm = f"A2E on {where(layout.a2e)}, E2A on {where(layout.e2a)}"
+    order = "the overlap's order" if layout.prefetch else "the loop's order"
+    return f"{comm} in {order}, the FFN on " + ("its side stream F" if layout.ffn_side else "C")
+
+
+def layout_rows(cfg: cfgmod.OverlapConfig) -> list[dict[str, Any]]:
+    """The layouts an engaged step runs under ``cfg`` (``plan.layouts_of``), in order: under ``overlap`` those listed
+    in VLLM_CAMP2P_MULTISTREAM_LAYOUT (``listed_as``: the listed name; ``comm-side`` runs as ``e2a-only`` or
+    ``a2e-only`` with a direction switched off), else the mode's own. ``decode_graph``: what a decode graph's overlap
+    variant makes of it with VLLM_CAMP2P_MULTISTREAM_GRAPH on: ``captured``; ``needs-opt-in`` (A2E/E2A on side
+    streams: upstream's serial graph is captured instead unless VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE=1);
+    ``opted-in``; ``eager-only`` (not the first listed: graphs capture the first)."""
+    rows = []
+    for i, layout in enumerate(layouts_of(cfg)):
+        listed_as = None
+        if cfg.mode == "overlap":
+            listed_as = layout.name if layout.name in cfgmod.LAYOUTS else "comm-side"
+        if i > 0:
+            graph, detail = EAGER_ONLY, "a decode graph captures the first listed layout"
+        elif _comm_on_side(layout) and not cfg.graph_comm_side:
+            graph = NEEDS_OPT_IN
+            detail = (
+                f"A2E/E2A on side streams: captured only with {env_vars.ENV_GRAPH_COMM_SIDE}=1, else upstream's "
+                "serial graph; eager steps still run it"
+            )
+        elif _comm_on_side(layout):
+            graph, detail = OPTED_IN, f"A2E/E2A on side streams, captured: {env_vars.ENV_GRAPH_COMM_SIDE}=1"
+        else:
+            graph, detail = CAPTURED, "every CAM op on the capture's stream"
+        rows.append(
+            {
+                "name": layout.name,
+                "listed_as": listed_as,
+                "a2e": layout.a2e,
+                "e2a": layout.e2a,
+                "ffn": layout.ffn,
+                "order": "overlap" if layout.prefetch else "loop",
+                "where": describe_layout(layout),
+                "decode_graph": graph,
+                "detail": detail,
+            }
+        )
+    return rows
+
+
+def graph_comm_side(cfg: cfgmod.OverlapConfig, raw: str | None) -> dict[str, Any]:
+    """The ``comm-side`` decode-graph opt-in: its variable, whether it is set (``set``; ``raw`` as given), whether
+    this configuration needs it (the first layout an engaged step runs puts A2E/E2A on side streams) and why it is
+    an opt-in (a pointer)."""
+    first = next(iter(layouts_of(cfg)), None)
+    return {
+        "name": env_vars.ENV_GRAPH_COMM_SIDE,
+        "set": cfg.graph_comm_side,
+        "raw": raw,
+        "needed": first is not None and _comm_on_side(first),
+        "why": COMM_SIDE_GRAPH_WHY,
+    }
+
+
+def _rung_text(name: str, on: bool) -> str:
+    text = f"[{name}]" if on else name
+    return text + (f" ({OPT_IN_RUNGS[name]})" if name in OPT_IN_RUNGS else "")
+
+
+def ladder_line(rung_now: str | None, graph: str | None) -> str:
+    """The ladder, each rung the configuration is on in brackets (the layouts of ``rung_now``, and decode graphs when
+    ``graph`` is not ``0``); a rung off the ladder (``e2a-only``, ``a2e-only``) is named after it, and ``off`` (the
+    master switch) too."""
+    if rung_now == "off":
+        return (
+            "ladder: "
+            + " -> ".join(_rung_text(name, False) for name in FULL_LADDER)
+            + f" ({env_vars.ENV_SWITCH} is off)"
+        )
+    on = set((rung_now or "").split(","))
+    if graph not in (None, "0"):
+        on.add(GRAPH_RUNG)
+    line = "ladder: " + " -> ".join(_rung_text(name, name in on) for name in FULL_LADDER)
+    off = sorted(on - set(FULL_LADDER) - {"", "none"})  # none: the layouts line says why
+    if off:
+        line += f"; {', '.join(off)}: off the ladder"
+    return line
 
 
 @dataclass(frozen=True)
@@ -259,19 +382,29 @@ def decode_graph_line(
 ) -> DecodeGraphs:
     """``off`` at ``GRAPH=0`` (or with no configuration), ``refused`` when
     graph variants are asked for and ``torch_npu`` (None: not judged) lacks
-    the capture fix or ``extra_refusal`` (another source's reason, e.g. a
-    missing capture target) says no, else ``ok``."""
+    the capture fix, the first layout an engaged step runs puts A2E/E2A on
+    side streams without VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE=1, or
+    ``extra_refusal`` (another source's reason, e.g. a missing capture
+    target) says no, else ``ok``."""
     if cfg is None:
         return DecodeGraphs("off", f"the configuration is refused, so {UPSTREAM_GRAPH}")
     if cfg.graph == "0":
         return DecodeGraphs("off", f"{env_vars.ENV_GRAPH} is 0: {UPSTREAM_GRAPH} for every key; {rung_hint()}")
     asked = f"{env_vars.ENV_GRAPH}={cfg.graph}"
     refusals = [r for r in (extra_refusal,) if r is not None]
+    first = next(iter(layouts_of(cfg)), None)
+    if first is not None and _comm_on_side(first) and not cfg.graph_comm_side:
+        refusals.append(
+            f"the first layout, {first.name}, puts A2E/E2A on side streams, which a decode graph captures only with "
+            f"{env_vars.ENV_GRAPH_COMM_SIDE}=1 (every key keeps upstream's serial graph; the eager overlap applies)"
+        )
     if torch_npu is not None and not torch_npu.fixed:
         refusals.append(f"{torch_npu.reason}; {REFUSED_KEEPS}")
     if refusals:
         return DecodeGraphs("refused", f"{asked}, but " + "; and ".join(refusals))
     what = "the layer's step for every key" if cfg.graph == "1" else "both variants per key"
+    if first is not None and cfg.mode == "overlap":
+        what += f" (layout {first.name})"
     npu = torch_npu.reason if torch_npu is not None else "no torch_npu is installed, so no NPU capture is judged"
     return DecodeGraphs("ok", f"{asked}: decode graphs capture {what}; {npu}")
 
@@ -406,6 +539,36 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
     }
 
 
+def layout_text(c: dict[str, Any]) -> list[str]:
+    """The rollout lines of a readable config section: mode and rung, the ladder, the layouts an engaged step runs
+    and the ``comm-side`` decode-graph opt-in."""
+    graph = next((s["value"] for s in c["switches"] if s["name"] == env_vars.ENV_GRAPH), None)
+    lines = [
+        f"  rollout: mode {c['mode']}, rung {c['rung']}",
+        f"  {ladder_line(c['rung'], graph)}; what to check at each rung: "
+        'docs/validation.md ("Checklist for an Ascend box")',
+    ]
+    listed = ",".join(c["layouts_listed"])
+    rows = c["layouts"]
+    if c["mode"] != "overlap":
+        lines.append(
+            f"  layouts: {', '.join(r['name'] for r in rows)} (mode {c['mode']}; "
+            f"{env_vars.ENV_LAYOUT}={listed} applies to mode overlap)"
+        )
+    elif not rows:
+        lines.append(f"  layouts: none ({env_vars.ENV_LAYOUT}={listed} leaves none to run: every step runs serially)")
+    else:
+        several = "; adaptive engage measures each per shape and runs the fastest" if len(rows) > 1 else ""
+        lines.append(f"  layouts ({env_vars.ENV_LAYOUT}={listed}{several}):")
+        for r in rows:
+            name = r["name"] if r["listed_as"] in (None, r["name"]) else f"{r['listed_as']} as {r['name']}"
+            lines.append(f"    {name}: {r['where']}; decode graphs: {r['decode_graph']} ({r['detail']})")
+    g = c["graph_comm_side"]
+    state = f"set ({g['name']}={g['raw']})" if g["set"] else "not set"
+    lines.append(f"  comm-side decode graphs: only with {g['name']}=1, {state}; why: {g['why']}")
+    return lines
+
+
 def doctor_text(d: dict[str, Any]) -> str:
     lines = [f"camp2p-overlap doctor (stack {d['stack']})", "", "versions (installed distributions):"]
     for name, version in d["versions"].items():
@@ -444,7 +607,7 @@ def doctor_text(d: dict[str, Any]) -> str:
         value = "-" if s["value"] is None and not c["ok"] else repr(s["value"])
         lines.append(f"  {s['name']:<36} {raw:<10} -> {s['field']} = {value}")
     if c["ok"]:
-        lines.append(f"  rollout: mode {c['mode']}, rung {c['rung']} (ladder: {' -> '.join(LADDER)})")
+        lines += layout_text(c)
     g = d.get("decode_graphs")
     if g is not None:
         lines += ["", DecodeGraphs(**g).line]

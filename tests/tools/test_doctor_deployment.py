@@ -55,7 +55,8 @@ def test_one_micro_batch_aliases_stage_one_onto_the_first_group(tmp_path: Path) 
 
 def test_dbo_gives_two_groups_and_stage_two_none() -> None:
     src = json.dumps({"enable_dbo": True, "additional_config": {"afd": {"connector": "CAMP2pAFDConnector"}}})
-    d = read_deployment(src, OverlapConfig(enabled=True, e2a_on_side_stream=True, a2e_on_side_stream=False))
+    overlap = OverlapConfig(enabled=True, layouts=("comm-side",), e2a_on_side_stream=True, a2e_on_side_stream=False)
+    d = read_deployment(src, overlap)
     assert d["source"] == "inline JSON"
     assert (d["num_ubatches"], d["num_ubatches_from"]) == (2, "enable_dbo")
     assert _groups(d) == {0: "afd", 1: "afd1", 2: None}
