@@ -14,7 +14,7 @@ from typing import Any
 from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.log import logger
 from camp2p_overlap.core.observe import metrics
-from camp2p_overlap.core.overlap.plan import rung
+from camp2p_overlap.core.overlap.plan import layouts_of, rung
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
 from camp2p_overlap.core.overlap.step import make_wrappers
 from camp2p_overlap.core.patching.lifecycle import PatchEngine
@@ -59,7 +59,8 @@ PATCH_LAYER = build_patch_layer(on_unpatch=reset_reporting)
 
 def _start_reporting() -> None:
     """On this process's first FFN step: the step metrics (and the opt-in
-    endpoint) and the periodic summary, with the applied configuration."""
+    endpoint) and the periodic summary, with the applied configuration: its
+    mode, rung and the layouts an engaged step runs (``mode_info``)."""
     try:
         cfg = PATCH_LAYER.engine.config
         metrics.start_reporting(
@@ -70,6 +71,7 @@ def _start_reporting() -> None:
             mode=cfg.mode,
             rung=rung(cfg),
             graph=cfg.graph,
+            layouts=[layout.name for layout in layouts_of(cfg)],
         )
     except Exception:  # noqa: BLE001 - reporting never breaks a step
         logger.exception("camp2p-overlap: step reporting not started")

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from camp2p_overlap.core.env_vars import DEFAULT_METRICS_ADDR
+from camp2p_overlap.core.env_vars import DEFAULT_METRICS_ADDR, DEFAULTS
 from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.log import logger
 from camp2p_overlap.core.observe.counters import GRAPH_CAPTURE_VARIANTS, PATHS
@@ -24,7 +24,21 @@ PREFIX = "vllm:camp2p_overlap_"
 STEPS = PREFIX + "steps"
 SERIAL_STEPS = PREFIX + "serial_steps"
 GRAPH_REPLAYS = PREFIX + "graph_replays"
+#: Engaged steps by the layout they ran (``stats()["layout_steps"]``).
+LAYOUT_STEPS = PREFIX + "layout_steps"
+#: Replays of the patch layer's graph variant by the layout it captured (``stats()["graph_replay_layouts"]``).
+LAYOUT_GRAPH_REPLAYS = PREFIX + "layout_graph_replays"
 MODE_INFO = PREFIX + "mode_info"
+#: The layouts an engaged step runs by default (VLLM_CAMP2P_MULTISTREAM_LAYOUT's default under ``overlap``).
+DEFAULT_LAYOUTS: tuple[str, ...] = tuple(DEFAULTS["layouts"])
+DEFAULT_RUNG = ",".join(DEFAULT_LAYOUTS)
+#: ``stats()`` key -> the counter (attribute of :class:`StepMetrics`) synced from it, counted by label.
+SYNCED = {
+    "steps": "steps",
+    "graph_replays": "graph_replays",
+    "layout_steps": "layout_steps",
+    "graph_replay_layouts": "layout_graph_replays",
+}
 #: Distinct serial reasons exported as their own label value; later ones
 #: are counted under ``other`` (bounded label cardinality).
 MAX_REASONS = 32
@@ -45,19 +59,26 @@ class StepMetrics:
     registry of their own (served by the per-process endpoint; written to
     the multi-process directory as well when one is set)."""
 
-    def __init__(self, stats: StatsFn, *, mode: str = "overlap", rung: str = "overlap") -> None:
+    def __init__(
+        self,
+        stats: StatsFn,
+        *,
+        mode: str = "overlap",
+        rung: str = DEFAULT_RUNG,
+        layouts: Sequence[str] = DEFAULT_LAYOUTS,
+    ) -> None:
         self._stats = stats
-        self._build(mode, rung)
+        self._build(mode, rung, tuple(layouts))
         after_fork_in_child(self._forget_in_child)
 
-    def _build(self, mode: str, rung: str) -> None:
+    def _build(self, mode: str, rung: str, layouts: tuple[str, ...]) -> None:
         """Fresh counters at zero in a registry of their own."""
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
         self._lock = threading.Lock()
-        self._seen_steps: dict[str, int] = {}
+        #: Per synced stats() key: the count each label had at the last sync.
+        self._seen: dict[str, dict[str, int]] = {key: {} for key in SYNCED}
         self._seen_reasons: dict[str, int] = {}
-        self._seen_replays: dict[str, int] = {}
         #: The reasons that have a label of their own (at most MAX_REASONS, for good).
         self._exported: set[str] = set()
         self.registry = CollectorRegistry(auto_describe=True)
@@ -80,15 +101,29 @@ class StepMetrics:
             labelnames=["variant"],
             registry=self.registry,
         )
+        self.layout_steps = Counter(
+            LAYOUT_STEPS,
+            "Engaged FFN steps by the stream layout they ran: compute-side, comm-side (e2a-only, a2e-only with a"
+            " direction switched off), parity or reorder.",
+            labelnames=["layout"],
+            registry=self.registry,
+        )
+        self.layout_graph_replays = Counter(
+            LAYOUT_GRAPH_REPLAYS,
+            "Decode graph replays of the layer's variant by the stream layout it captured.",
+            labelnames=["layout"],
+            registry=self.registry,
+        )
         self.mode_info = Gauge(
             MODE_INFO,
-            "1 for the rollout mode and ladder rung this process runs with.",
-            labelnames=["mode", "rung"],
+            "1 for the rollout mode, ladder rung and stream layouts (comma-joined) this process runs with.",
+            labelnames=["mode", "rung", "layouts"],
             registry=self.registry,
             multiprocess_mode="livemax",
         )
-        self._mode: tuple[str, str] | None = None
-        self.set_mode(mode, rung)
+        self._mode: tuple[str, str, str] | None = None
+        self._layouts: tuple[str, ...] = ()
+        self.set_mode(mode, rung, layouts)
         for path in PATHS:
             self.steps.labels(path=path)  # every path exported, 0 until used
         for variant in GRAPH_CAPTURE_VARIANTS:
@@ -96,27 +131,33 @@ class StepMetrics:
 
     def _forget_in_child(self) -> None:
         """In a forked child: the same mode, nothing counted (the parent's counts are the parent's)."""
-        self._build(*self._mode)  # type: ignore[misc]  # set by the _build that made self
+        mode, rung, _ = self._mode  # type: ignore[misc]  # set by the _build that made self
+        self._build(mode, rung, self._layouts)
 
-    def set_mode(self, mode: str, rung: str) -> None:
-        """The mode gauge: 1 for ``(mode, rung)``; the one before is set to 0
-        (what a multi-process directory keeps) and removed."""
-        if self._mode == (mode, rung):
+    def set_mode(self, mode: str, rung: str, layouts: Sequence[str] = DEFAULT_LAYOUTS) -> None:
+        """The mode gauge: 1 for ``(mode, rung, layouts)`` (``layouts``: the layouts an engaged step runs, their
+        label comma-joined, ``none`` when there are none); the one before is set to 0 (what a multi-process directory
+        keeps) and removed. Each layout is exported by the per-layout counters, 0 until counted."""
+        layouts = tuple(layouts)
+        for layout in layouts:
+            self.layout_steps.labels(layout=layout)
+            self.layout_graph_replays.labels(layout=layout)
+        self._layouts = layouts
+        labels = (mode, rung, ",".join(layouts) or "none")
+        if self._mode == labels:
             return
         if self._mode is not None:
-            self.mode_info.labels(mode=self._mode[0], rung=self._mode[1]).set(0)
+            self.mode_info.labels(*self._mode).set(0)
             self.mode_info.remove(*self._mode)
-        self.mode_info.labels(mode=mode, rung=rung).set(1)
-        self._mode = (mode, rung)
+        self.mode_info.labels(*labels).set(1)
+        self._mode = labels
 
     def sync(self) -> None:
         """Add to each counter what the runtime counted since the last sync."""
         snap = self._stats()
         with self._lock:
-            for key, counter, seen in (
-                ("steps", self.steps, self._seen_steps),
-                ("graph_replays", self.graph_replays, self._seen_replays),
-            ):
+            for key, attr in SYNCED.items():
+                counter, seen = getattr(self, attr), self._seen[key]
                 for label, count in snap.get(key, {}).items():
                     delta = int(count) - seen.get(label, 0)
                     if delta > 0:
@@ -161,19 +202,34 @@ def _count(counts: Mapping[str, Any], before: Mapping[str, Any] | None, key: str
     return f"{key}{sep}{n}" + (f" (+{grew})" if before is not None and grew else "")
 
 
+def _before(previous: Mapping[str, Any] | None, key: str) -> Mapping[str, Any] | None:
+    return None if previous is None else previous.get(key, {})
+
+
 def summary_line(snap: Mapping[str, Any], previous: Mapping[str, Any] | None = None, graph: str | None = None) -> str:
-    """One line: steps per path, graph replays per variant once there are
-    any (each with the change since ``previous``, an earlier snapshot),
-    whether decode replays upstream's graph once captures say so (``graph``:
-    the VLLM_CAMP2P_MULTISTREAM_GRAPH setting; ``decode_graphs.summary_note``),
-    and the most frequent serial reason."""
+    """One line: steps per path, then the overlap's steps per layout once
+    there are any (``layout_steps``; a layout named as its path, ``parity``
+    or ``reorder``, would repeat it and is left out), graph replays per
+    variant once there are any, with the layer's variant's per captured
+    layout (``graph_replay_layouts``) (each count with the change since
+    ``previous``, an earlier snapshot), whether decode replays upstream's
+    graph once captures say so (``graph``: the VLLM_CAMP2P_MULTISTREAM_GRAPH
+    setting; ``decode_graphs.summary_note``), and the most frequent serial
+    reason."""
     steps = snap.get("steps", {})
-    before = None if previous is None else previous.get("steps", {})
-    text = "camp2p-overlap steps: " + " ".join(_count(steps, before, path, "=") for path in PATHS)
+    text = "camp2p-overlap steps: " + " ".join(_count(steps, _before(previous, "steps"), p, "=") for p in PATHS)
+    layouts = {k: v for k, v in snap.get("layout_steps", {}).items() if k not in PATHS}
+    if layouts:
+        before = _before(previous, "layout_steps")
+        text += "; by layout: " + " ".join(_count(layouts, before, name, "=") for name in sorted(layouts))
     replays = snap.get("graph_replays", {})
     if any(int(replays.get(v, 0)) for v in GRAPH_CAPTURE_VARIANTS):
-        before = None if previous is None else previous.get("graph_replays", {})
+        before = _before(previous, "graph_replays")
         text += "; graph replays: " + ", ".join(_count(replays, before, v, " ") for v in GRAPH_CAPTURE_VARIANTS)
+        captured = snap.get("graph_replay_layouts", {})
+        if captured:
+            before = _before(previous, "graph_replay_layouts")
+            text += " (by layout: " + ", ".join(_count(captured, before, name, " ") for name in sorted(captured)) + ")"
     reasons = snap.get("serial_reasons", {})
     note = summary_note(snap, graph)
     if note is not None:
@@ -196,15 +252,16 @@ class Reporter:
         port: int | None,
         summary_s: float,
         mode: str = "overlap",
-        rung: str = "overlap",
+        rung: str = DEFAULT_RUNG,
         addr: str = DEFAULT_METRICS_ADDR,  # loopback unless VLLM_CAMP2P_MULTISTREAM_METRICS_ADDR says otherwise
         metrics: StepMetrics | None = None,
         graph: str | None = None,
+        layouts: Sequence[str] = DEFAULT_LAYOUTS,
     ) -> None:
         self._stats = stats
         self.graph = graph
-        self.metrics = metrics if metrics is not None else StepMetrics(stats, mode=mode, rung=rung)
-        self.metrics.set_mode(mode, rung)
+        self.metrics = metrics if metrics is not None else StepMetrics(stats, mode=mode, rung=rung, layouts=layouts)
+        self.metrics.set_mode(mode, rung, layouts)
         self.summary_s = summary_s
         self.server: Any = None
         self.port: int | None = None
@@ -247,10 +304,10 @@ class Reporter:
                 logger.exception("camp2p-overlap: step reporting failed")
 
     def log_summary(self) -> bool:
-        """Log the one-line summary if the counts (steps or graph replays)
-        changed since the last one."""
+        """Log the one-line summary if the counts (steps or graph replays, by
+        path, variant or layout) changed since the last one."""
         snap = self._stats()
-        counts = {key: {k: int(v) for k, v in snap.get(key, {}).items()} for key in ("steps", "graph_replays")}
+        counts = {key: {k: int(v) for k, v in snap.get(key, {}).items()} for key in SYNCED}
         if counts == self._last:
             return False
         logger.log(logging.INFO, "%s", summary_line(snap, self._last, self.graph))
@@ -283,21 +340,31 @@ def start_reporting(
     rung: str,
     addr: str = DEFAULT_METRICS_ADDR,
     graph: str | None = None,
+    layouts: Sequence[str] = DEFAULT_LAYOUTS,
 ) -> Reporter | None:
     """The process's reporter, started once (later calls return it until
     :func:`stop_reporting`); its endpoint (``port`` not None) listens on
     ``addr``; its summary knows the VLLM_CAMP2P_MULTISTREAM_GRAPH setting
-    ``graph``. Never raises: a reporter that cannot start is logged and
-    skipped."""
+    ``graph``; ``layouts``: the layouts an engaged step runs (the mode
+    gauge's ``layouts`` label). Never raises: a reporter that cannot start
+    is logged and skipped."""
     global _reporter, _metrics
     with _lock:
         if _reporter is not None:
             return _reporter
         try:
             if _metrics is None:
-                _metrics = StepMetrics(stats, mode=mode, rung=rung)
+                _metrics = StepMetrics(stats, mode=mode, rung=rung, layouts=layouts)
             _reporter = Reporter(
-                stats, port=port, summary_s=summary_s, mode=mode, rung=rung, addr=addr, metrics=_metrics, graph=graph
+                stats,
+                port=port,
+                summary_s=summary_s,
+                mode=mode,
+                rung=rung,
+                addr=addr,
+                metrics=_metrics,
+                graph=graph,
+                layouts=layouts,
             )
         except Exception:  # noqa: BLE001 - never break a step
             logger.exception("camp2p-overlap: step metrics not started")
