@@ -4,12 +4,16 @@ commit, machine, date, from the JSON), a hand edit inside one fails
 ``--check``, the README
 keeps the two set-up-and-go commands and its troubleshooting names the
 patch layer's serial reasons, section references name real headings, and
-docs/design.md's folder tree lists the package's modules."""
+docs/design.md's folder tree lists the package's modules. The README's
+Roll out climbs the plan's ladder, its troubleshooting names the layouts'
+serial reasons, and its stall report excerpt is what a ``compute-side``
+stall logs."""
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -18,7 +22,15 @@ from typing import Any
 
 import pytest
 
-from camp2p_overlap.core.overlap.step import GRAPH_OFF, NO_STREAMS_IN_CAPTURE, NOT_APPLIED, SERIAL_FASTER, SERIAL_PROBE
+from camp2p_overlap.core.overlap.plan import LADDER
+from camp2p_overlap.core.overlap.step import (
+    GRAPH_COMM_SIDE_OPT_IN,
+    GRAPH_OFF,
+    NO_STREAMS_IN_CAPTURE,
+    NOT_APPLIED,
+    SERIAL_FASTER,
+    SERIAL_PROBE,
+)
 from camp2p_overlap.tools import docgen
 from camp2p_overlap.tools.cli import main
 from camp2p_overlap.tools.docgen import DOC_BLOCKS, FIGURE_BLOCKS, REPORTS, RESULTS_DIR, run_docs
@@ -245,7 +257,7 @@ def test_the_readme_keeps_the_two_commands_ci_runs() -> None:
 
 def test_the_readme_is_a_users_page_in_the_order_a_user_works() -> None:
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert len(readme.encode("utf-8")) <= 13_200
+    assert len(readme.encode("utf-8")) <= 14_600
     headings = [line[3:] for line in readme.splitlines() if line.startswith("## ")]
     order = ["Install and switch on", "Verify", "Roll out", "Tune", "Troubleshoot", "Limits"]
     assert [h for h in headings if h in order] == order
@@ -258,6 +270,75 @@ def test_the_troubleshooting_names_the_layers_fixed_serial_reasons() -> None:
     troubleshoot = readme[readme.index("## Troubleshoot") : readme.index("## Limits")]
     for reason in (NOT_APPLIED, SERIAL_PROBE, SERIAL_FASTER, GRAPH_OFF, NO_STREAMS_IN_CAPTURE):
         assert reason.split(";")[0] in troubleshoot, reason
+    assert GRAPH_COMM_SIDE_OPT_IN.split(",")[0] in troubleshoot
+
+
+def _roll_out() -> list[str]:
+    """The README's Roll out rungs, in order (each numbered item's text)."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Roll out") : readme.index("## Tune")]
+    return [m.group(1) for m in re.finditer(r"^\d+\. (.*?)(?=^\d+\. |\n\n(?!   ))", section, re.M | re.S)]
+
+
+def test_the_roll_out_climbs_the_plans_ladder_then_decode_graphs() -> None:
+    """Each rung of ``plan.LADDER`` is a rung of its own, in the ladder's
+    order, before decode graphs; ``reorder`` says what a stall there means,
+    ``comm-side`` is the opt-in list, and the graph rung names the
+    ``comm-side`` graph opt-in."""
+    items = _roll_out()
+    first = []
+    for rung in LADDER:
+        first.append(next(i for i, text in enumerate(items) if f"`{rung}`" in text or f"={rung}`" in text))
+    assert first == sorted(first) and len(set(first)) == len(LADDER), (first, items)
+    graphs = next(i for i, text in enumerate(items) if text.startswith("Decode graphs"))
+    assert graphs > first[-1]
+    assert "stay\n   on `parity`" in items[first[1]] or "stay on `parity`" in items[first[1]]
+    assert "VLLM_CAMP2P_MULTISTREAM_LAYOUT=compute-side,comm-side" in items[first[3]]
+    assert "VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE=1" in items[graphs]
+
+
+def test_the_readmes_stall_report_is_what_a_compute_side_stall_logs(make_world: Any) -> None:
+    """The README's excerpt, line by line, in a real report of a stopped
+    attention peer in ``compute-side`` (times and ``(...)`` left open)."""
+    from camp2p_overlap.core.config import OverlapConfig
+    from camp2p_overlap.core.log import logger
+    from camp2p_overlap.core.patch_layer import build_patch_layer
+    from camp2p_overlap.emulation.faults import Fault, FaultPlan, run_step_bounded
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    troubleshoot = readme[readme.index("## Troubleshoot") : readme.index("## Limits")]
+    block = troubleshoot[troubleshoot.index("```text\n") + 8 :]
+    excerpt = [line for line in block[: block.index("```")].splitlines() if line.strip()]
+    assert len(excerpt) >= 3 and any("FFN stream: F" in line for line in excerpt)
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    keep, level = Keep(), logger.level
+    logger.addHandler(keep)
+    logger.setLevel(logging.DEBUG)
+    layer = build_patch_layer()
+    try:
+        w = make_world(layers=3, stage_ids=(0, 1), tokens=8, op_timeout_s=1.2)
+        layer.engine.apply(
+            config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, watchdog_s=0.25), strict=True
+        )
+        with FaultPlan(w, [Fault("stop", "a2e", 1, 1)]) as plan:
+            plan.arm()
+            out = run_step_bounded(w, 5, 30.0)
+        assert not out.hung and out.error is not None
+    finally:
+        layer.engine.unpatch(timeout=10)
+        logger.removeHandler(keep)
+        logger.setLevel(level)
+    (report,) = [m for m in messages if "has not finished after" in m]
+    for line in excerpt:
+        pattern = re.escape(line).replace(re.escape("(...)"), r"\(.*?\)")
+        pattern = re.sub(r"\d+\\\.\d+", r"[\\d.]+", pattern)
+        assert re.search("^" + pattern, report, re.M), (line, report)
 
 
 _CITATION = re.compile(
