@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from support.logs import PackageLogs
-from support.overlap import Schedule, apply_cpu, assert_same, bounded, run_step, serial_results, world
+from support.overlap import Schedule, SessionSpy, apply_cpu, assert_same, bounded, run_step, serial_results, world
 
 import camp2p_overlap
 from camp2p_overlap.core.config import ConfigError, load_config
@@ -263,6 +263,156 @@ def test_buckets_are_isolated() -> None:
     assert by_label[KEY.label()]["steps"] == 7 and by_label[OTHER.label()]["steps"] == 7
 
 
+# ---------------------------------------------------------------------------
+# a list of overlap paths (the layouts listed in VLLM_CAMP2P_MULTISTREAM_LAYOUT)
+CS, COMM = "compute-side", "comm-side"
+BOTH = (CS, COMM)
+
+
+def drive_list(
+    engine: AdaptiveEngage, key: BucketKey, overlaps: tuple[str, ...], times: dict[str, float], steps: int
+) -> list[tuple[str, bool]]:
+    """:func:`drive` with ``overlaps`` as the bucket's overlap paths."""
+    seq = []
+    for _ in range(steps):
+        path, probe, _ = engine.choose(key, overlaps)
+        seq.append((path, probe))
+        engine.record(key, path, times[path])
+    return seq
+
+
+def rounds_of(seq: list[tuple[str, bool]]) -> list[str]:
+    """The path of each probe round of a decided bucket's steps (a round: its warm-up step and its measured probes,
+    back to back, one path)."""
+    out: list[str] = []
+    previous_probe = False
+    for path, probe in seq:
+        if probe and not previous_probe:
+            out.append(path)
+        elif probe:
+            assert path == out[-1], seq  # one path per round
+        previous_probe = probe
+    return out
+
+
+@pytest.mark.parametrize(
+    ("overlaps", "times", "decided"),
+    [
+        (BOTH, {CS: 0.012, COMM: 0.009, "serial": 0.015}, COMM),
+        (BOTH, {CS: 0.009, COMM: 0.012, "serial": 0.015}, CS),
+        (BOTH, {CS: 0.016, COMM: 0.017, "serial": 0.015}, "serial"),
+        ((COMM, CS), {CS: 0.009, COMM: 0.012, "serial": 0.015}, CS),
+    ],
+    ids=["comm-side-fastest", "compute-side-fastest", "serial-fastest", "listed-the-other-way"],
+)
+def test_with_a_list_learning_visits_each_listed_path_then_serial_and_decides_for_the_fastest_median(
+    overlaps: tuple[str, ...], times: dict[str, float], decided: str
+) -> None:
+    a = AdaptiveEngage()
+    first_use = dict.fromkeys(overlaps, True)
+
+    def learn(steps: int) -> list[tuple[str, bool]]:
+        seq = []
+        for _ in range(steps):
+            path, probe, timed = a.choose(KEY, overlaps)
+            assert timed
+            seq.append((path, probe))
+            # each overlap path's first step is slow (first-use costs): dropped, it cannot sway the medians
+            slow = first_use.pop(path, False)
+            a.record(KEY, path, 1.0 if slow else times[path])
+        return seq
+
+    seq = learn(10)
+    assert a.decision(KEY) is None  # the last serial time is still to come
+    seq += learn(1)
+    # each listed path in the order listed (its dropped first step and 3 kept), then serial: each back to back
+    assert [p for p, _ in seq] == [overlaps[0]] * 4 + [overlaps[1]] * 4 + ["serial"] * 3
+    assert all(probe for _, probe in seq)
+    assert a.decision(KEY) == decided
+    (snap,) = a.snapshot()
+    assert snap["samples"] == {overlaps[0]: 3, overlaps[1]: 3, "serial": 3}
+    assert snap["medians_ms"] == {m: pytest.approx(t * 1e3) for m, t in times.items()}
+    fastest = min(overlaps, key=lambda m: times[m])  # "overlap": the fastest overlap path
+    assert snap["overlap_median_ms"] == pytest.approx(times[fastest] * 1e3) and snap["overlap_samples"] == 3
+    assert snap["decision"] == decided
+    # decided: the decision's steps, not probes
+    assert a.choose(KEY, overlaps)[:2] == (decided, False)
+
+
+def test_an_overlap_path_must_beat_serial_by_the_engage_margin_even_when_it_is_the_fastest_listed() -> None:
+    a = AdaptiveEngage(AdaptiveSettings(engage_margin=0.05))
+    drive_list(a, KEY, BOTH, {CS: 0.0097, COMM: 0.0099, "serial": 0.0100}, 11)  # 3 % better: not worth it
+    assert a.decision(KEY) == "serial"
+    b = AdaptiveEngage(AdaptiveSettings(engage_margin=0.05))
+    drive_list(b, KEY, BOTH, {CS: 0.0099, COMM: 0.0094, "serial": 0.0100}, 11)  # 6 % better
+    assert b.decision(KEY) == COMM
+
+
+def test_probe_rounds_rotate_among_the_paths_not_decided() -> None:
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
+    times = {CS: 0.010, COMM: 0.015, "serial": 0.020}  # a clear decision: compute-side
+    drive_list(a, KEY, BOTH, times, 11)
+    assert a.decision(KEY) == CS
+    seq = drive_list(a, KEY, BOTH, times, 300)
+    assert a.decision(KEY) == CS
+    rounds = rounds_of(seq)
+    assert len(rounds) >= 6
+    assert rounds == [COMM, "serial"] * (len(rounds) // 2) + [COMM] * (len(rounds) % 2)
+    assert all(path == CS for path, probe in seq if not probe)  # the decided path between rounds
+    # decided serial: the rounds rotate among the two layouts
+    b = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
+    slow = {CS: 0.020, COMM: 0.025, "serial": 0.010}
+    drive_list(b, KEY, BOTH, slow, 11)
+    assert b.decision(KEY) == "serial"
+    rounds = rounds_of(drive_list(b, KEY, BOTH, slow, 300))
+    assert len(rounds) >= 6 and rounds[:6] == [CS, COMM] * 3
+
+
+def test_a_path_not_listed_is_never_chosen_or_probed_and_a_changed_list_starts_the_bucket_again() -> None:
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
+    times = {CS: 0.020, COMM: 0.001, "serial": 0.010}  # comm-side would win, were it listed
+    seq = drive_list(a, KEY, (CS,), times, 200)
+    assert {p for p, _ in seq} == {CS, "serial"} and a.decision(KEY) == "serial"
+    a.record(KEY, COMM, 0.0001)  # a time of a path not listed is not taken
+    (snap,) = a.snapshot()
+    assert set(snap["samples"]) == {CS, "serial"} and snap["steps"] == 200
+    # the list grows: the bucket starts again, learning each listed path
+    seq = drive_list(a, KEY, BOTH, times, 11)
+    assert [p for p, _ in seq] == [CS] * 4 + [COMM] * 4 + ["serial"] * 3
+    (snap,) = a.snapshot()
+    assert snap["steps"] == 11 and snap["changes"] == 1 and snap["decision"] == COMM
+    # the list shrinks: the decided path is not listed any more, the bucket starts again without it
+    seq = drive_list(a, KEY, (CS,), times, 200)
+    assert COMM not in {p for p, _ in seq}
+    assert seq[:7] == [(CS, True)] * 4 + [("serial", True)] * 3
+    assert a.decision(KEY) == "serial"
+    (snap,) = a.snapshot()
+    assert set(snap["samples"]) == {CS, "serial"} and snap["steps"] == 200
+
+
+def test_a_layout_path_switches_in_on_confirmed_faster_probes(logs: PackageLogs) -> None:
+    a = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
+    drive_list(a, KEY, BOTH, {CS: 0.020, COMM: 0.025, "serial": 0.015}, 11)
+    assert a.decision(KEY) == "serial"
+    # the load changes: compute-side now takes 10 ms; its probes confirm it, then it is decided
+    truth = {CS: 0.010, COMM: 0.025, "serial": 0.015}
+    seq = drive_list(a, KEY, BOTH, truth, 60)
+    assert a.decision(KEY) == CS
+    switched = next(i for i, (p, probe) in enumerate(seq) if p == CS and not probe)
+    measured = [i for i, (p, probe) in enumerate(seq[:switched]) if p == CS and probe]
+    assert len(measured) >= 1 + 3  # a warm-up step, then 3 confirming probes
+    # then comm-side turns faster still: a probe round of comm-side switches to it
+    faster = {CS: 0.010, COMM: 0.005, "serial": 0.015}
+    seq = drive_list(a, KEY, BOTH, faster, 60)
+    assert a.decision(KEY) == COMM
+    (snap,) = a.snapshot()
+    assert snap["changes"] == 3 and snap["medians_ms"][COMM] == pytest.approx(5.0)
+    changes = logs.texts("adaptive:")
+    assert len(changes) == 3 and "-> serial" in changes[0]
+    assert f"-> {CS}" in changes[1] and f"-> {COMM}" in changes[2]
+    assert all(f"{m} median" in changes[2] for m in (CS, COMM, "serial"))
+
+
 def test_pow2_bucket_rounding() -> None:
     assert [pow2_ceil(n) for n in (0, 1, 2, 3, 5, 8, 9, 128, 129)] == [0, 1, 2, 4, 8, 8, 16, 128, 256]
 
@@ -324,10 +474,42 @@ def test_outputs_stay_bitwise_equal_across_switches_and_stats_count_them(logs: P
     assert reasons.get("adaptive: serial probe step", 0) >= 2
     assert any("fewer than the minimum 2" in r for r in reasons)
     (bucket,) = [b for b in after["buckets"] if b["key"]["stages"] == 2 and b["key"]["layers"] == 3]
-    assert bucket["key"]["tokens"] == 8 and bucket["decision"] in ("overlap", "serial")
+    assert bucket["key"]["tokens"] == 8 and bucket["decision"] in ("compute-side", "serial")  # the default layout
     assert bucket["overlap_samples"] >= 2 and bucket["serial_samples"] >= 2
     assert bucket["overlap_median_ms"] > 0 and bucket["serial_median_ms"] > 0
     assert logs.texts("adaptive: ")  # the decision was logged
+
+
+def test_with_both_layouts_listed_adaptive_runs_and_counts_each_and_every_output_is_bitwise_serial(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """VLLM_CAMP2P_MULTISTREAM_LAYOUT=compute-side,comm-side with adaptive engage, re-probing every 2 steps: the
+    bucket learns each layout, then serial, and goes on probing; stats()["layout_steps"] counts each layout as the
+    sessions ran it, and every step's outputs equal the serial path's."""
+    w = world(layers=3, stage_ids=(0, 1), tokens=8)
+    scheds = [Schedule(3, (0, 1), (8, 8), step=i + 1) for i in range(30)]
+    refs = serial_results(w, scheds)
+    before = camp2p_overlap.stats()
+    apply_cpu(adaptive=True, reprobe_every=2, layouts=BOTH)
+    sessions = SessionSpy(monkeypatch, keep=True)
+    ran: list[str] = []
+    for sched, ref in zip(scheds, refs, strict=True):
+        counted = dict(camp2p_overlap.stats()["layout_steps"])
+        assert_same(bounded(lambda s=sched: run_step(w, s)), ref, f"step {sched.step}")
+        now = camp2p_overlap.stats()["layout_steps"]
+        grew = [m for m in now if now[m] != counted.get(m, 0)]
+        assert len(grew) <= 1 and all(now[m] == counted.get(m, 0) + 1 for m in grew), (counted, now)
+        ran.append(grew[0] if grew else "serial")
+    assert ran[:11] == [CS] * 4 + [COMM] * 4 + ["serial"] * 3  # learning: each listed layout, then serial
+    assert ran[11:].count(CS) + ran[11:].count(COMM) >= 1 and len(set(ran[11:])) >= 2  # decided, and probing
+    assert [s.layout.name for s in sessions.kept] == [m for m in ran if m != "serial"]  # what each session ran
+    after = camp2p_overlap.stats()
+    layouts = {m: n - before["layout_steps"].get(m, 0) for m, n in after["layout_steps"].items()}
+    assert layouts == {CS: ran.count(CS), COMM: ran.count(COMM)}
+    assert after["steps"]["overlap"] - before["steps"]["overlap"] == ran.count(CS) + ran.count(COMM)
+    (bucket,) = [b for b in after["buckets"] if b["key"]["stages"] == 2 and b["key"]["layers"] == 3]
+    assert set(bucket["samples"]) == {CS, COMM, "serial"} and min(bucket["samples"].values()) >= 3
+    assert bucket["decision"] in (CS, COMM, "serial")
 
 
 def test_adaptive_off_engages_every_allowed_step() -> None:
@@ -346,7 +528,7 @@ def test_graph_capture_uses_the_static_setting() -> None:
     apply_cpu(adaptive=True, graph=True)
     key_calls: list[Any] = []
     real_choose = PATCH_LAYER.runtime.adaptive.choose
-    PATCH_LAYER.runtime.adaptive.choose = lambda key: key_calls.append(key) or ("serial", False, True)  # type: ignore[method-assign]
+    PATCH_LAYER.runtime.adaptive.choose = lambda key, overlaps=(): key_calls.append(key) or ("serial", False, True)  # type: ignore[method-assign]
     try:
         before = camp2p_overlap.stats()
         run_step(w, Schedule(2, (0, 1), (8, 8), step=1), is_graph_capturing=True)
@@ -407,6 +589,9 @@ class _FakeDevice:
 
     def current_stream(self) -> Any:
         return self.Stream()
+
+    def set_stream(self, s: Any) -> None:
+        return None
 
     def synchronize(self) -> None:
         raise AssertionError("a step must never synchronize")

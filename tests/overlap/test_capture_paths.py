@@ -3,9 +3,14 @@
 (warm-up, ``capture_model``/``_capture_graphs``, replay from
 ``execute_model``), on both stacks.
 
-Every mode the patch layer captures (overlap, e2a-only, a2e-only, parity,
-reorder) passes the device's capture rules and its replays are bitwise
-equal to eager serial steps with the same inputs; a rule broken inside the
+Every mode the patch layer captures (the compute-side overlap, parity,
+reorder; comm-side, e2a-only and a2e-only with
+VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE=1 on a device whose graphs allow
+comm kernels on a forked stream) passes the device's capture rules and its
+replays are bitwise equal to eager serial steps with the same inputs; in
+compute-side every A2E and E2A is captured on the capture's stream and only
+the FFN forks; as ``torch.npu`` the device refuses a comm-side capture; the
+edge checker passes on a captured step's log; a rule broken inside the
 patch layer's capture path (injected here) is caught and leaves nothing
 capturing; a fault inside the capture surfaces with its type and the next
 steps are correct; ``unpatch()`` during a capture waits for it and the
@@ -18,23 +23,32 @@ from typing import Any
 
 import pytest
 from support.capture_breakers import ForgetsToJoin, QueriesInCapture, ReadsOnTheHost, SyncsInCapture
-from support.overlap import apply_cpu, assert_same, world
+from support.npu_rule import CapturedKernels, device_not_as_torch_npu
+from support.overlap import SessionSpy, apply_cpu, assert_same, world
 
+from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.overlap.session import StepSession
 from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.emulation import device
 from camp2p_overlap.emulation.world import World
+from camp2p_overlap.verify import edges
 
 pytestmark = pytest.mark.usefixtures("standin_stack", "emulated_torch_npu")
 
+COMM_SIDE = {"layouts": ("comm-side",), "graph_comm_side": True}
 #: name -> the config overrides of a mode the patch layer captures.
 MODES: dict[str, dict[str, Any]] = {
-    "overlap": {},
-    "e2a-only": {"a2e_on_side_stream": False},
-    "a2e-only": {"e2a_on_side_stream": False},
+    "compute-side": {},  # the default layout
+    "comm-side": COMM_SIDE,
+    "e2a-only": {**COMM_SIDE, "a2e_on_side_stream": False},
+    "a2e-only": {**COMM_SIDE, "e2a_on_side_stream": False},
     "parity": {"mode": "parity"},
     "reorder": {"mode": "reorder"},
 }
+#: The modes that capture A2E or E2A on the stages' side streams: only where the device is not torch.npu.
+COMM_SIDE_MODES = ("comm-side", "e2a-only", "a2e-only")
+#: Per comm-side mode, the CAMP2P ops captured on the stages' side streams.
+ON_SIDE_STREAMS = {"comm-side": {"a2e", "e2a"}, "e2a-only": {"e2a"}, "a2e-only": {"a2e"}}
 
 
 def graph_world(**kw: Any) -> World:
@@ -71,19 +85,87 @@ def eager_serial(w: World, steps: range) -> dict[int, dict]:
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_each_mode_captures_legally_and_replays_bitwise(patch_layer: PatchLayer, mode: str) -> None:
+def test_each_mode_captures_legally_and_replays_bitwise(
+    patch_layer: PatchLayer, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    if mode in COMM_SIDE_MODES:
+        device_not_as_torch_npu(monkeypatch)  # as torch.npu the device refuses them (below)
     w = graph_world()
     refs = eager_serial(w, range(10, 14))
     apply_cpu(patch_layer=patch_layer, graph=True, **MODES[mode])
+    kernels = CapturedKernels(monkeypatch)
     try:
         graph = capture(w, 1)
         streams = {name for name, _, _ in graph.nodes()}
-        side = mode in ("overlap", "e2a-only", "a2e-only")
         # What was captured: the side streams only where the mode puts ops there.
-        assert (streams >= {"K0", "K1"}) if side else (streams <= {"C", "capture"}), streams
+        if mode == "compute-side":  # the FFN on F; A2E and E2A on the capture's stream
+            assert "F" in streams and not streams & {"K0", "K1"}, streams
+        elif mode in COMM_SIDE_MODES:
+            assert streams >= {"K0", "K1"} and "F" not in streams, streams
+        else:
+            assert streams <= {"C", "capture"}, streams
+        comm = kernels.comm()
+        assert len(comm) == 2 * 3 * 2  # an A2E and an E2A per (layer, stage), each a CAM comm kernel
+        off_origin = {kind for stream, origin, kind in comm if stream != origin}
+        assert off_origin == ON_SIDE_STREAMS.get(mode, set()), comm
+        assert all(stream in ("K0", "K1") for stream, origin, _ in comm if stream != origin)
         for n in range(10, 14):
             assert_same(step(w, n), refs[n], f"{mode} replay of step {n}")
         assert graph.replays == 4
+    finally:
+        assert patch_layer.engine.unpatch(timeout=10)
+
+
+@pytest.mark.parametrize("mode", COMM_SIDE_MODES)
+def test_as_torch_npu_the_device_refuses_a_comm_side_capture_and_the_layer_works_on(
+    patch_layer: PatchLayer, mode: str
+) -> None:
+    """VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE=1 on the device standing in for torch.npu: the first CAM comm kernel
+    captured on a stage's side stream fails the capture (upstream's NPU graph code keeps HCCL on the capture's
+    stream); nothing is stored for the key, nothing is left capturing, and the eager comm-side steps are correct."""
+    w = graph_world()
+    refs = eager_serial(w, range(70, 72))
+    apply_cpu(patch_layer=patch_layer, graph=True, **MODES[mode])
+    try:
+        step(w, 1, is_warmup=True)
+        with pytest.raises(device.CaptureViolation, match=r"a CAM comm kernel \((a2e|e2a)\) was captured on stream K"):
+            step(w, 1, is_graph_capturing=True)
+        assert not device.capture_in_progress()
+        assert w.runner._acl_graphs == {}
+        device.synchronize()
+        w.runner.use_aclgraph = False
+        before = patch_layer.runtime.stats()["layout_steps"].get(mode, 0)
+        for n in range(70, 72):
+            assert_same(step(w, n), refs[n])
+        assert patch_layer.runtime.stats()["layout_steps"][mode] == before + 2  # comm-side (or its e2a/a2e-only)
+    finally:
+        assert patch_layer.engine.unpatch(timeout=10)
+
+
+@pytest.mark.parametrize("mode", ["compute-side", "comm-side"])
+def test_the_edge_checker_passes_on_a_captured_steps_log(
+    patch_layer: PatchLayer, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """The session of a captured step logs what it issued into the graph; the edge checker passes on it, and the
+    graph replays bitwise."""
+    if mode in COMM_SIDE_MODES:
+        device_not_as_torch_npu(monkeypatch)
+    w = graph_world()
+    refs = eager_serial(w, range(80, 82))
+    apply_cpu(patch_layer=patch_layer, graph=True, **MODES[mode])
+    try:
+        step(w, 1, is_warmup=True)
+        sessions = SessionSpy(monkeypatch, keep=True, patch_layer=patch_layer)
+        step(w, 1, is_graph_capturing=True)
+        (session,) = sessions.kept
+        assert session.layout.name == mode
+        assert {stream for *_, stream in session.log()} == ({"C", "F"} if mode == "compute-side" else {"C", "K0", "K1"})
+        rec = trace.TraceRecorder()
+        session.emit_trace(rec)
+        result = edges.check_step(rec.ops(), session.expected_schedule(), source="session", timings=False)
+        assert result.ok, str(result)
+        for n in range(80, 82):
+            assert_same(step(w, n), refs[n])
     finally:
         assert patch_layer.engine.unpatch(timeout=10)
 
@@ -213,7 +295,7 @@ def test_unpatch_during_a_capture_waits_for_it_and_the_graph_replays(patch_layer
     # The graph holds the overlap it captured; it replays without the patch layer
     # (its side streams closed with the patch layer: a device graph needs them not).
     (entry,) = w.runner._acl_graphs.values()
-    assert {"K0", "K1"} <= {name for name, _, _ in entry["graph"].nodes()}
+    assert "F" in {name for name, _, _ in entry["graph"].nodes()}  # the FFN stream of the compute-side layout
     for n in range(60, 62):
         assert_same(step(w, n), refs[n])
 

@@ -1,7 +1,11 @@
 """Decode graphs with both variants (``VLLM_CAMP2P_MULTISTREAM_GRAPH=adaptive``)
 on the emulated device, through the stand-in runners' upstream graph path,
 on both stacks: capture of both variants, per-key choice at replay, the
-attention side's view, failures of the second capture, unpatch, stats."""
+attention side's view, failures of the second capture, unpatch, stats.
+Which layout a variant captures: the first listed; compute-side passes the
+device's ``torch.npu`` rule (CAM comm on the capture's stream); comm-side
+only with VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE=1, and then only on a
+device whose graphs allow comm kernels on a forked stream."""
 
 from __future__ import annotations
 
@@ -14,25 +18,29 @@ from typing import Any
 import pytest
 from support.capture_breakers import ForgetsToJoin, SyncsInCapture
 from support.logs import PackageLogs
-from support.overlap import apply_cpu, assert_same, eager_refs, graph_world, world
+from support.npu_rule import CapturedKernels, device_not_as_torch_npu
+from support.overlap import apply_cpu, assert_same, bounded, eager_refs, graph_world, world
 
 from camp2p_overlap.core.config import ConfigError, load_config
+from camp2p_overlap.core.overlap import graphs
 from camp2p_overlap.core.overlap.adaptive import StepTimings
 from camp2p_overlap.core.overlap.graphs import OVERLAP, SERIAL, VariantGraph
+from camp2p_overlap.core.overlap.step import GRAPH_COMM_SIDE_OPT_IN, FfnStep
 from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.emulation import device
 from camp2p_overlap.emulation.world import World
 
 pytestmark = pytest.mark.usefixtures("standin_stack", "emulated_torch_npu")
 
-#: The rollout modes a graph can capture, as config overrides.
+#: The rollout modes a graph can capture on the device as torch.npu, as config overrides ("overlap": the default
+#: layout, compute-side; comm-side and its e2a-only/a2e-only: test_comm_side_* below).
 MODES: dict[str, dict[str, Any]] = {
     "overlap": {"adaptive": True},
     "overlap-fixed": {"adaptive": False},
-    "e2a-only": {"a2e_on_side_stream": False},
     "parity": {"mode": "parity"},
     "reorder": {"mode": "reorder"},
 }
+COMM_SIDE: dict[str, Any] = {"layouts": ("comm-side",)}
 
 
 def replay(w: World, n: int) -> dict:
@@ -61,10 +69,10 @@ def test_both_variants_capture_and_every_replay_is_bitwise_serial(patch_layer: P
         chooser = entry["graph"]
         assert isinstance(chooser, VariantGraph)
         upstream = chooser.captured.upstream
-        # Upstream's own capture holds the serial step; ours the mode's variant.
+        # Upstream's own capture holds the serial step; ours the mode's variant (the overlap: the FFN on F).
         assert {name for name, _, _ in upstream.nodes()} <= {"C", "capture"}
-        side = mode in ("overlap", "overlap-fixed", "e2a-only")
-        assert ({"K0", "K1"} <= {name for name, _, _ in chooser.captured.ours.nodes()}) == side
+        ours = {name for name, _, _ in chooser.captured.ours.nodes()}
+        assert ("F" in ours) == mode.startswith("overlap") and not ours & {"K0", "K1"}, ours
         for n in range(1, 21):
             assert_same(replay(w, n), refs[n], f"{mode}: replay {n}")
         replays = chooser.captured.replays
@@ -86,9 +94,183 @@ def test_graph_mode_1_and_0_capture_one_graph_as_before(patch_layer: PatchLayer)
             w.capture()
             graph = entry_of(w)["graph"]
             assert not isinstance(graph, VariantGraph)
-            assert ({"K0", "K1"} <= {name for name, _, _ in graph.nodes()}) == side
+            assert ("F" in {name for name, _, _ in graph.nodes()}) == side
         finally:
             assert patch_layer.engine.unpatch(timeout=10)
+
+
+def ours_of(graph: Any) -> Any:
+    """The patch layer's captured graph of a key: at GRAPH=1 the entry's graph, at adaptive its overlap variant."""
+    return graph.captured.ours if isinstance(graph, VariantGraph) else graph
+
+
+def replay_all(w: World, refs: dict[int, dict], context: str) -> None:
+    for n in sorted(refs):
+        assert_same(bounded(lambda n=n: replay(w, n)), refs[n], f"{context}: replay {n}")
+
+
+@pytest.mark.parametrize("graph", ["1", "adaptive"])
+def test_compute_side_keeps_every_cam_op_on_the_captures_stream_and_replays_bitwise(
+    patch_layer: PatchLayer, monkeypatch: pytest.MonkeyPatch, graph: str
+) -> None:
+    """The default layout captured with the device as torch.npu (its rule: a CAM comm kernel only on the capture's
+    origin stream): every A2E and E2A is captured on the capture's stream, only the FFN forks to F (joined back);
+    every replay is bitwise equal to upstream's eager step."""
+    w = graph_world()
+    refs = eager_refs(w, range(1, 21))
+    apply_cpu(patch_layer=patch_layer, graph=graph, adaptive=graph == "adaptive")
+    kernels = CapturedKernels(monkeypatch)
+    try:
+        w.capture()
+        entry = entry_of(w)
+        assert isinstance(entry["graph"], VariantGraph) == (graph == "adaptive")
+        assert patch_layer.runtime.stats()["graph_capture_failures"] == {}
+        ours = ours_of(entry["graph"])
+        assert {name for name, _, _ in ours.nodes()} == {"C", "F"}
+        comm = kernels.comm()
+        # ours: an A2E and an E2A per (layer, stage) (the patch layer's labelled ops), all on the origin
+        assert len(comm) == 2 * 3 * 2
+        assert all(stream == origin for stream, origin, _ in comm), comm
+        on_f = [kind for stream, _, kind in kernels.kernels if stream == "F"]
+        assert on_f and set(on_f) == {None}  # the FFN's kernels, no comm kernel
+        replay_all(w, refs, f"GRAPH={graph}")
+        if graph == "adaptive":  # learning replays both variants
+            replays = entry["graph"].captured.replays
+            assert replays[SERIAL] >= 3 and replays[OVERLAP] >= 3
+            assert patch_layer.runtime.stats()["graph_replay_layouts"] == {"compute-side": replays[OVERLAP]}
+        else:
+            assert ours.replays == 20
+    finally:
+        assert patch_layer.engine.unpatch(timeout=10)
+
+
+def decided(patch_layer: PatchLayer, w: World, **kwargs: Any) -> Any:
+    """The decision for a call of ``w``'s runner's ``_ffn_forward``, as its step takes it."""
+    kwargs = {"dp_metadata_list": w.dp_metadata(), **kwargs}
+    step = FfnStep(patch_layer.engine, patch_layer.runtime, None, w.runner, (), kwargs)  # type: ignore[arg-type]
+    return step.decision_and_streams()[0]
+
+
+@pytest.mark.parametrize("as_npu", [True, False], ids=["as-torch-npu", "not-as-torch-npu"])
+@pytest.mark.parametrize("graph", ["1", "adaptive"])
+def test_comm_side_without_the_opt_in_captures_upstreams_graph_and_the_eager_steps_stay_comm_side(
+    patch_layer: PatchLayer, logs: PackageLogs, monkeypatch: pytest.MonkeyPatch, graph: str, as_npu: bool
+) -> None:
+    """VLLM_CAMP2P_MULTISTREAM_LAYOUT=comm-side without VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE: a capture of its
+    overlap variant is refused (step.GRAPH_COMM_SIDE_OPT_IN), whatever the device: at GRAPH=1 the capture takes the
+    serial path for that reason (counted as a serial capture, logged), at adaptive the second variant is not
+    captured for it (counted as a failure of the second capture, logged once), so upstream's serial graph is
+    captured once; the key replays it, and eager steps still engage comm-side."""
+    w = graph_world()
+    if not as_npu:
+        device_not_as_torch_npu(monkeypatch)
+    refs = eager_refs(w, range(1, 9))
+    other = {0: 4, 1: 4}  # a key not captured: its steps run eagerly
+    other_refs = {}
+    w.runner.use_aclgraph = False
+    for n in range(9, 12):
+        w.steps_run = n - 1
+        other_refs[n] = w.run_step(other)
+    w.runner.use_aclgraph = True
+    apply_cpu(patch_layer=patch_layer, graph=graph, adaptive=graph == "adaptive", **COMM_SIDE)
+    try:
+        assert patch_layer.engine.config.graph_comm_side is False
+        assert decided(patch_layer, w).layout.name == "comm-side"
+        if graph == "1":
+            assert decided(patch_layer, w, is_graph_capturing=True).reason == GRAPH_COMM_SIDE_OPT_IN
+        captured = bounded(w.capture)
+        st = patch_layer.runtime.stats()
+        assert not isinstance(captured, VariantGraph)
+        assert {name for name, _, _ in captured.nodes()} <= {"C", "capture"}  # upstream's serial graph
+        assert st["graph_captures"] == {SERIAL: 1, OVERLAP: 0}  # upstream's serial step, captured once
+        assert st["graphs"] == [] and st["layout_steps"] == {"comm-side": 1}  # the warm-up: eager, comm-side
+        if graph == "1":
+            refusal = f"camp2p-overlap: running the serial FFN path: {GRAPH_COMM_SIDE_OPT_IN}"
+            assert logs.texts(refusal, logging.INFO) == [refusal]
+            assert st["graph_capture_failures"] == {}
+        else:
+            assert st["graph_capture_failures"] == {GRAPH_COMM_SIDE_OPT_IN: 1}
+            (warning,) = logs.texts("second variant of a decode graph was not captured", logging.WARNING)
+            assert f"({GRAPH_COMM_SIDE_OPT_IN})" in warning
+        replay_all(w, refs, "comm-side without the opt-in")
+        for n in range(9, 12):  # eager steps: the comm-side overlap, bitwise serial
+            w.steps_run = n - 1
+            assert_same(bounded(lambda: w.run_step(other)), other_refs[n], f"eager step {n}")
+        st = patch_layer.runtime.stats()
+        assert st["layout_steps"]["comm-side"] >= 1 + 3 and "compute-side" not in st["layout_steps"]
+        assert st["graph_replays"][OVERLAP] == 0
+    finally:
+        assert patch_layer.engine.unpatch(timeout=10)
+
+
+def test_graphs_refuses_the_second_capture_with_the_words_of_the_steps_refusal() -> None:
+    assert graphs.GRAPH_COMM_SIDE_OPT_IN == GRAPH_COMM_SIDE_OPT_IN  # graphs may not import step: kept equal here
+
+
+@pytest.mark.parametrize("mode", ["comm-side", "e2a-only", "a2e-only"])
+@pytest.mark.parametrize("graph", ["1", "adaptive"])
+def test_comm_side_with_the_opt_in_captures_and_replays_bitwise_where_the_device_allows_it(
+    patch_layer: PatchLayer, monkeypatch: pytest.MonkeyPatch, graph: str, mode: str
+) -> None:
+    """VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE=1 on a device not standing in for torch.npu: the comm-side variant
+    (its CAM ops on the stages' side streams) is captured and every replay is bitwise equal to upstream's step."""
+    switches = {"e2a-only": {"a2e_on_side_stream": False}, "a2e-only": {"e2a_on_side_stream": False}}
+    w = graph_world()
+    device_not_as_torch_npu(monkeypatch)
+    refs = eager_refs(w, range(1, 21))
+    apply_cpu(
+        patch_layer=patch_layer,
+        graph=graph,
+        adaptive=graph == "adaptive",
+        graph_comm_side=True,
+        **COMM_SIDE,
+        **switches.get(mode, {}),
+    )
+    kernels = CapturedKernels(monkeypatch)
+    try:
+        captured = bounded(w.capture)
+        assert isinstance(captured, VariantGraph) == (graph == "adaptive")
+        assert patch_layer.runtime.stats()["graph_capture_failures"] == {}
+        ours = ours_of(captured)
+        streams = {name for name, _, _ in ours.nodes()}
+        assert streams >= {"K0", "K1"} and "F" not in streams, streams
+        off_origin = {kind for stream, origin, kind in kernels.comm() if stream != origin}
+        assert off_origin == {"comm-side": {"a2e", "e2a"}, "e2a-only": {"e2a"}, "a2e-only": {"a2e"}}[mode]
+        replay_all(w, refs, f"{mode} at GRAPH={graph}")
+        if graph == "adaptive":
+            replays = captured.captured.replays
+            assert replays[SERIAL] >= 3 and replays[OVERLAP] >= 3
+            assert patch_layer.runtime.stats()["graph_replay_layouts"] == {mode: replays[OVERLAP]}
+        else:
+            assert ours.replays == 20
+    finally:
+        assert patch_layer.engine.unpatch(timeout=10)
+
+
+def test_comm_side_with_the_opt_in_as_torch_npu_fails_its_capture_and_the_key_keeps_upstreams_graph(
+    patch_layer: PatchLayer, logs: PackageLogs
+) -> None:
+    """VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE=1 with the device as torch.npu: the device refuses the comm-side
+    variant's CAM comm kernel on a side stream; the second capture fails (counted, logged once), the key keeps
+    upstream's graph and every replay is bitwise upstream's; no hang."""
+    w = graph_world()
+    refs = eager_refs(w, range(1, 9))
+    apply_cpu(patch_layer=patch_layer, graph="adaptive", adaptive=True, graph_comm_side=True, **COMM_SIDE)
+    try:
+        captured = bounded(w.capture)
+        assert not isinstance(captured, VariantGraph) and not device.capture_in_progress()
+        assert {name for name, _, _ in captured.nodes()} <= {"C", "capture"}
+        st = patch_layer.runtime.stats()
+        (failure,) = st["graph_capture_failures"].items()
+        assert failure[0].startswith("CaptureViolation: a CAM comm kernel (a2e) was captured on stream K0") and (
+            failure[1] == 1
+        ), failure
+        assert len(logs.texts("second variant of a decode graph was not captured", logging.WARNING)) == 1
+        assert st["graphs"] == []
+        replay_all(w, refs, "upstream's graph")
+        assert patch_layer.runtime.stats()["graph_replays"] == {SERIAL: 0, OVERLAP: 0}  # upstream's own replays
+    finally:
+        assert patch_layer.engine.unpatch(timeout=10)
 
 
 class InjectedTimes:
@@ -206,12 +388,18 @@ def test_two_keys_of_one_eager_bucket_each_decide_on_their_own_times(
         assert patch_layer.engine.unpatch(timeout=10)
 
 
-def test_each_groups_op_order_is_the_same_for_both_variants(patch_layer: PatchLayer) -> None:
+@pytest.mark.parametrize("layout", ["compute-side", "comm-side"])
+def test_each_groups_op_order_is_the_same_for_both_variants(
+    patch_layer: PatchLayer, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
     """What the attention side sees: per group (stage), the sequence of
     CAMP2P ops of a replay, A2E(L, s), E2A(L, s), A2E(L+1, s), ..., is the
-    same whichever variant replays."""
+    same whichever variant replays, in either layout."""
+    comm_side = layout == "comm-side"
     w = graph_world()
-    apply_cpu(patch_layer=patch_layer, graph="adaptive", adaptive=False)
+    if comm_side:
+        device_not_as_torch_npu(monkeypatch)
+    apply_cpu(patch_layer=patch_layer, graph="adaptive", adaptive=False, layouts=(layout,), graph_comm_side=comm_side)
     order: dict[int, list[tuple[str, int]]] = {}
     lock = threading.Lock()
 
@@ -222,6 +410,7 @@ def test_each_groups_op_order_is_the_same_for_both_variants(patch_layer: PatchLa
     try:
         w.capture()
         captured = entry_of(w)["graph"].captured
+        assert captured.layout == layout
         w.transport.fault_hook = hook
         seqs = {}
         for variant, graph in ((SERIAL, captured.upstream), (OVERLAP, captured.ours)):

@@ -112,4 +112,4 @@ def test_with_the_target_present_the_graph_variant_is_captured() -> None:
     w = graph_world()
     apply_cpu(graph="1")
     assert PATCH_LAYER.engine.feature_refusal("graph_variants") is None
-    assert {"K0", "K1"} <= node_streams(w.capture())
+    assert "F" in node_streams(w.capture())  # the overlap of the default layout: the FFN forks to F

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from camp2p_overlap.core.overlap.session import StepSession
+from camp2p_overlap.core.overlap.session import JOIN_KEYS, StepSession
 
 
 class SyncsInCapture(StepSession):
@@ -23,8 +23,17 @@ class QueriesInCapture(StepSession):
 
 
 class ForgetsToJoin(StepSession):
+    """Records each side stream's join event but never makes the caller's stream wait it (the caller's stream is
+    current again, as after a join): in every layout a side stream ends with work the capture's stream does not
+    depend on."""
+
     def join(self) -> None:
-        self.release_buffers()  # no join of the side streams
+        if self._current is not None:
+            self._restore_caller()
+        if self.forked:
+            for s, k in self.side_streams.items():
+                self._record(k, JOIN_KEYS[s])  # no wait of the caller's stream
+        self.release_buffers()
 
 
 class ReadsOnTheHost(StepSession):

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from camp2p_overlap.core.log import log_once, logger
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, StepTimings
+from camp2p_overlap.core.overlap.plan import layouts_of
 from camp2p_overlap.core.overlap.runner_state import RunnerState, VariantCapture
 from camp2p_overlap.core.overlap.streams.backend import GUARD, StreamBackend
 from camp2p_overlap.core.overlap.watch.watchdog import REPLAY_WATCH, stop_watchdogs
@@ -44,6 +45,14 @@ if TYPE_CHECKING:
 SERIAL, OVERLAP = "serial", "overlap"
 #: Below ``graph_size +`` this much free device memory, a key keeps upstream's graph only.
 SECOND_CAPTURE_HEADROOM_BYTES = 256 << 20
+#: Why the patch layer's variant of a decode graph is not captured where the first listed layout puts A2E/E2A on
+#: side streams and VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE is off: the words of ``step.GRAPH_COMM_SIDE_OPT_IN``, the
+#: reason a capture at GRAPH=1 takes the serial path (graphs may not import step: it imports graphs).
+GRAPH_COMM_SIDE_OPT_IN = (
+    "inside graph capture: the first listed layout puts A2E/E2A on side streams, which a decode graph captures"
+    " only with VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE=1 (upstream's NPU graph code keeps HCCL on the capture's"
+    " stream)"
+)
 
 
 def graph_variants_refusal(engine: PatchEngine, backend_name: str | None) -> str | None:
@@ -318,6 +327,9 @@ class GraphCapture:
     ) -> None:
         """The patch layer's variant of the step upstream just captured for ``key``."""
         runtime, cfg = self.runtime, self.engine.config
+        layouts = layouts_of(cfg)
+        if layouts and (layouts[0].a2e_side or layouts[0].e2a_side) and not cfg.graph_comm_side:
+            return self.failed(GRAPH_COMM_SIDE_OPT_IN)  # its capture would take the serial path: not captured twice
         sset = state.streamset
         if sset is None:
             return self.failed("the runner has no side streams")
