@@ -22,10 +22,9 @@ from support.npu_rule import CapturedKernels, device_not_as_torch_npu
 from support.overlap import apply_cpu, assert_same, bounded, eager_refs, graph_world, world
 
 from camp2p_overlap.core.config import ConfigError, load_config
-from camp2p_overlap.core.overlap import graphs
 from camp2p_overlap.core.overlap.adaptive import StepTimings
-from camp2p_overlap.core.overlap.graphs import OVERLAP, SERIAL, VariantGraph
-from camp2p_overlap.core.overlap.step import GRAPH_COMM_SIDE_OPT_IN, FfnStep
+from camp2p_overlap.core.overlap.graphs import GRAPH_COMM_SIDE_OPT_IN, OVERLAP, SERIAL, VariantGraph
+from camp2p_overlap.core.overlap.step import FfnStep
 from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.emulation import device
 from camp2p_overlap.emulation.world import World
@@ -157,7 +156,7 @@ def test_comm_side_without_the_opt_in_captures_upstreams_graph_and_the_eager_ste
     patch_layer: PatchLayer, logs: PackageLogs, monkeypatch: pytest.MonkeyPatch, graph: str, as_npu: bool
 ) -> None:
     """VLLM_CAMP2P_MULTISTREAM_LAYOUT=comm-side without VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE: a capture of its
-    overlap variant is refused (step.GRAPH_COMM_SIDE_OPT_IN), whatever the device: at GRAPH=1 the capture takes the
+    overlap variant is refused (graphs.GRAPH_COMM_SIDE_OPT_IN), whatever the device: at GRAPH=1 the capture takes the
     serial path for that reason (counted as a serial capture, logged), at adaptive the second variant is not
     captured for it (counted as a failure of the second capture, logged once), so upstream's serial graph is
     captured once; the key replays it, and eager steps still engage comm-side."""
@@ -201,10 +200,6 @@ def test_comm_side_without_the_opt_in_captures_upstreams_graph_and_the_eager_ste
         assert st["graph_replays"][OVERLAP] == 0
     finally:
         assert patch_layer.engine.unpatch(timeout=10)
-
-
-def test_graphs_refuses_the_second_capture_with_the_words_of_the_steps_refusal() -> None:
-    assert graphs.GRAPH_COMM_SIDE_OPT_IN == GRAPH_COMM_SIDE_OPT_IN  # graphs may not import step: kept equal here
 
 
 @pytest.mark.parametrize("mode", ["comm-side", "e2a-only", "a2e-only"])

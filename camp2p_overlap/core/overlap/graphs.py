@@ -45,9 +45,9 @@ if TYPE_CHECKING:
 SERIAL, OVERLAP = "serial", "overlap"
 #: Below ``graph_size +`` this much free device memory, a key keeps upstream's graph only.
 SECOND_CAPTURE_HEADROOM_BYTES = 256 << 20
-#: Why the patch layer's variant of a decode graph is not captured where the first listed layout puts A2E/E2A on
-#: side streams and VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE is off: the words of ``step.GRAPH_COMM_SIDE_OPT_IN``, the
-#: reason a capture at GRAPH=1 takes the serial path (graphs may not import step: it imports graphs).
+#: Why a capture records upstream's serial graph (GRAPH=1), or the patch layer's variant is not captured
+#: (adaptive), where the first listed layout puts A2E/E2A on side streams and
+#: VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE is off.
 GRAPH_COMM_SIDE_OPT_IN = (
     "inside graph capture: the first listed layout puts A2E/E2A on side streams, which a decode graph captures"
     " only with VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE=1 (upstream's NPU graph code keeps HCCL on the capture's"

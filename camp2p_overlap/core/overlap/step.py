@@ -29,7 +29,7 @@ from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.observe.trace import TraceOp, TraceRecorder
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.adaptive import SERIAL, BucketKey, pow2_ceil
-from camp2p_overlap.core.overlap.graphs import GraphCapture, graph_variants_refusal
+from camp2p_overlap.core.overlap.graphs import GRAPH_COMM_SIDE_OPT_IN, GraphCapture, graph_variants_refusal
 from camp2p_overlap.core.overlap.plan import COMPUTE_SIDE, Layout, StepPlan, layouts_of, step_plan
 from camp2p_overlap.core.overlap.routes import SESSION_ROUTERS, ConnectorRoutes, route_problem, session_router
 from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, RunnerState
@@ -53,11 +53,6 @@ SERIAL_PROBE = "adaptive: serial probe step"
 SERIAL_FASTER = "adaptive: serial is faster for this shape"
 GRAPH_OFF = "inside graph capture and VLLM_CAMP2P_MULTISTREAM_GRAPH is off"
 GRAPH_SERIAL_VARIANT = "inside graph capture: the serial variant (VLLM_CAMP2P_MULTISTREAM_GRAPH=adaptive)"
-GRAPH_COMM_SIDE_OPT_IN = (
-    "inside graph capture: the first listed layout puts A2E/E2A on side streams, which a decode graph captures"
-    " only with VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE=1 (upstream's NPU graph code keeps HCCL on the capture's"
-    " stream)"
-)
 NO_STREAMS_IN_CAPTURE = (
     "graph capture before any eager overlap step on this runner; side streams are created only outside capture"
 )
