@@ -9,7 +9,7 @@ code, which the overhead harness must subtract (its test checks that)."""
 
 from __future__ import annotations
 
-import contextlib
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -47,21 +47,47 @@ class NoopStream:
         return None
 
 
-_CURRENT = NoopStream()
+_DEFAULT = NoopStream()
+#: This thread's current stream, as ``torch.cuda``'s: set by ``set_stream``, and by ``stream(s)`` for its scope.
+_tls = threading.local()
 
 
-def _stream(stream: NoopStream) -> contextlib.nullcontext[None]:
-    return contextlib.nullcontext()
+def _current_stream() -> NoopStream:
+    return getattr(_tls, "stream", None) or _DEFAULT
+
+
+def _set_stream(stream: NoopStream | None) -> None:
+    _tls.stream = stream
+
+
+class _stream:  # lower case: the device modules' name
+    """``with stream(s):`` makes ``s`` this thread's current stream, then the one before again."""
+
+    __slots__ = ("previous", "s")
+
+    def __init__(self, s: NoopStream | None) -> None:
+        self.s = s
+        self.previous: NoopStream | None = None
+
+    def __enter__(self) -> NoopStream | None:
+        self.previous = getattr(_tls, "stream", None)
+        if self.s is not None:
+            _tls.stream = self.s
+        return self.s
+
+    def __exit__(self, *exc: object) -> None:
+        _tls.stream = self.previous
 
 
 #: A device module with the stream/event API shape of ``torch.cuda`` and
-#: ``torch.npu``, whose every call does nothing.
+#: ``torch.npu``, whose every call does nothing (but keep the current stream).
 noop_device_module = SimpleNamespace(
     __name__="noop_device",
     Stream=NoopStream,
     Event=NoopEvent,
     stream=_stream,
-    current_stream=lambda: _CURRENT,
+    current_stream=_current_stream,
+    set_stream=_set_stream,
     is_current_stream_capturing=lambda: False,
     synchronize=lambda: None,
 )

@@ -85,6 +85,10 @@ class HostDeviceModule:
     def current_device(self) -> int:
         return 0
 
+    def set_stream(self, s: Any) -> None:
+        """Make ``s`` the current stream (inside a ``stream`` scope: until the scope ends, as torch's)."""
+        self.current[-1] = s
+
     @contextlib.contextmanager
     def stream(self, s: Any) -> Iterator[None]:
         self.current.append(s)

@@ -166,6 +166,8 @@ def assert_streams_idle(timeout: float = 5.0, patch_layer: PatchLayer = PATCH_LA
         for s, stream in sset.streams.items():
             assert stream.drain(timeout), f"side stream of stage {s} still busy after the step"
             assert stream.alive
+        assert sset.ffn.drain(timeout), "the FFN stream still busy after the step"
+        assert sset.ffn.alive
 
 
 def delay_hook(rng: random.Random, max_ms: float) -> Callable[[str, int, int], None]:
