@@ -1,14 +1,18 @@
-"""Overlap (and the parity and reorder modes) == serial, bitwise, over
-property-based schedules (hypothesis: layers, stage sets, tokens,
-directions, min_stages, modes, on two worlds), and every edge of the design
-holds in each recorded trace: once per supported stack (``standin_stack``:
-that stack's runner stand-in and manifest). A failing schedule shrinks to a
-minimal one."""
+"""Every layout == serial, bitwise, over property-based schedules
+(hypothesis: layers, stage sets of 1 to 3 stages, tokens, min_stages, on
+two worlds), for each layout: compute-side (the default), comm-side, and
+comm-side with either direction switched off, reorder and parity, and the
+pair compute-side,comm-side under adaptive engage; every edge of the design
+holds in each recorded trace, and on the production path (no recorder, no
+watchdog) in the step's own log: once per supported stack
+(``standin_stack``: that stack's runner stand-in and manifest). A failing
+schedule shrinks to a minimal one."""
 
 from __future__ import annotations
 
 import itertools
 import random
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -27,9 +31,18 @@ from support.overlap import (
     world,
     wrap_model,
 )
-from support.strategies import DIRECTIONS, MODES, schedules
+from support.strategies import schedules
 
 from camp2p_overlap.core.observe import trace
+from camp2p_overlap.core.overlap.plan import (
+    A2E_ONLY,
+    COMM_SIDE,
+    COMPUTE_SIDE,
+    E2A_ONLY,
+    PARITY,
+    REORDER,
+    Layout,
+)
 from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.verify import edges
 
@@ -48,13 +61,29 @@ def ffn_layers(wi: int, num_layers: int) -> list[int]:
     return list(range(num_layers)) if wi == 0 else [i for i in range(num_layers) if i >= 1 and i % 2 == 0]
 
 
+#: Every layout: its configuration, and the layouts an engaged step may run (adaptive engage: either listed one,
+#: or the serial path).
+LAYOUTS: dict[str, tuple[dict[str, Any], tuple[Layout, ...]]] = {
+    "compute-side": ({"layouts": ("compute-side",)}, (COMPUTE_SIDE,)),
+    "comm-side": ({"layouts": ("comm-side",)}, (COMM_SIDE,)),
+    "comm-side A2E=0": ({"layouts": ("comm-side",), "a2e_on_side_stream": False}, (E2A_ONLY,)),
+    "comm-side E2A=0": ({"layouts": ("comm-side",), "e2a_on_side_stream": False}, (A2E_ONLY,)),
+    "reorder": ({"mode": "reorder"}, (REORDER,)),
+    "parity": ({"mode": "parity"}, (PARITY,)),
+    "compute-side,comm-side adaptive": (
+        {"layouts": ("compute-side", "comm-side"), "adaptive": True},
+        (COMPUTE_SIDE, COMM_SIDE),
+    ),
+}
+each_layout = pytest.mark.parametrize("layout", list(LAYOUTS))
+
+
 @st.composite
-def jobs(draw: st.DrawFn) -> tuple[int, Schedule, tuple[bool, bool, int], str]:
-    """(world, schedule, (A2E side, E2A side, min_stages), mode)."""
+def jobs(draw: st.DrawFn) -> tuple[int, Schedule, int]:
+    """(world, schedule, min_stages)."""
     wi = draw(st.integers(0, 1))
     sched = draw(schedules(layers=LAYER_RANGE[wi]))
-    a2e, e2a = draw(st.sampled_from(DIRECTIONS))
-    return wi, sched, (a2e, e2a, draw(st.integers(1, 2))), draw(st.sampled_from(MODES))
+    return wi, sched, draw(st.integers(1, 2))
 
 
 @pytest.fixture
@@ -79,22 +108,24 @@ def worlds(standin_stack: str) -> list:
     return ws
 
 
-def issue_order(layers: tuple[int, ...], stages: tuple[int, ...], mode: str) -> list[Call]:
-    """The A2E/E2A issue order of a parity (the loop's) or reorder (the overlap's) step."""
-    return upstream_order(layers, stages) if mode == "parity" else overlap_issue_order(layers, stages)
+def issue_order(layers: tuple[int, ...], stages: tuple[int, ...], layout: Layout) -> list[Call]:
+    """The A2E/E2A issue order of an engaged step: the loop's (parity, e2a-only) or the overlap's."""
+    return overlap_issue_order(layers, stages) if layout.prefetch else upstream_order(layers, stages)
 
 
-@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=settings().max_examples * 3)
-@given(job=jobs())
-@example(job=(0, Schedule(4, (0, 1, 2), (5, 9, 3), 1), (True, True, 2), "overlap"))
-@example(job=(1, Schedule(8, (0, 2), (16, 1), 1), (False, True, 1), "overlap"))
-@example(job=(1, Schedule(7, (1, 2), (4, 12), 1), (True, False, 2), "overlap"))
-@example(job=(0, Schedule(3, (0,), (8,), 1), (True, True, 1), "overlap"))
-@example(job=(0, Schedule(3, (0,), (8,), 1), (True, True, 2), "overlap"))
-@example(job=(1, Schedule(8, (0, 1, 2), (3, 3, 3), 1), (True, True, 2), "reorder"))
-@example(job=(0, Schedule(4, (0, 1, 2), (7, 2, 9), 1), (True, True, 2), "parity"))
-def test_random_schedules_equal_serial_and_every_edge_holds(worlds: list, patch_layer: PatchLayer, job: tuple) -> None:
-    wi, sched, (a2e, e2a, min_stages), mode = job
+def expected_of(layout: Layout, layers: tuple[int, ...], stages: tuple[int, ...]) -> trace.ExpectedSchedule:
+    """What an engaged step of ``layout`` plans, written out from the layout."""
+    return trace.ExpectedSchedule(
+        layers, stages, layout.a2e_side, layout.e2a_side, layout.ffn_side, prefetch=layout.prefetch
+    )
+
+
+def _step(
+    worlds: list, patch_layer: PatchLayer, monkeypatch: pytest.MonkeyPatch, job: tuple, layout: str, *, traced: bool
+) -> tuple[Schedule, tuple[int, ...], tuple[int, ...], Any, Any]:
+    """One step of ``job`` in ``layout``, bitwise equal to upstream's serial loop: its schedule, FFN layers and
+    stages, its session (None: the serial path) and its recorder (None unless ``traced``)."""
+    wi, sched, min_stages = job
     sched = Schedule(sched.layers, sched.stages, sched.tokens, next(_STEPS))
     w = worlds[wi]
     patch_layer.engine.unpatch(timeout=10)
@@ -104,72 +135,102 @@ def test_random_schedules_equal_serial_and_every_edge_holds(worlds: list, patch_
     # Every (FFN layer, stage) pair delivered an output: nothing compares {} with {}.
     assert sorted(ref) == sorted(itertools.product(layers, sched.stages)), sched
 
-    apply_cpu(patch_layer=patch_layer, a2e_on_side_stream=a2e, e2a_on_side_stream=e2a, min_stages=min_stages, mode=mode)
+    config, allowed = LAYOUTS[layout]
+    apply_cpu(patch_layer=patch_layer, min_stages=min_stages, **config)
+    sessions = SessionSpy(monkeypatch, patch_layer=patch_layer, keep=True)
+    rec = None
     try:
-        with trace.recording() as rec:
+        if traced:
+            with trace.recording() as rec:
+                got = run_step(w, sched)
+        else:
             got = run_step(w, sched)
     finally:
         patch_layer.engine.unpatch(timeout=10)
-    assert_same(got, ref)
+    assert_same(got, ref, f"{layout}, schedule {sched}, min_stages {min_stages}")
     assert tuple(w.layer_list()) == layers
-    on = len(sched.stages) >= min_stages
     stages = tuple(sorted(sched.stages))
+    if len(stages) < min_stages:
+        assert not sessions.kept  # the serial path: no session
+        return sched, layers, stages, None, rec
+    session = None
+    if sessions.kept:
+        (session,) = sessions.kept
+        assert any(session.layout is want for want in allowed), (layout, session.layout)
+        assert session.expected_schedule() == expected_of(session.layout, layers, stages)
+        assert session.issued() == issue_order(layers, stages, session.layout)
+    else:  # only adaptive engage runs an engaged shape serially (a serial probe, or serial decided)
+        assert config.get("adaptive"), f"{layout}: schedule {sched} ran serially"
+    return sched, layers, stages, session, rec
+
+
+@each_layout
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=settings().max_examples * 2 // 5)
+@given(job=jobs())
+@example(job=(0, Schedule(4, (0, 1, 2), (5, 9, 3), 1), 2))
+@example(job=(1, Schedule(8, (0, 2), (16, 1), 1), 1))
+@example(job=(1, Schedule(7, (1, 2), (4, 12), 1), 2))
+@example(job=(0, Schedule(3, (0,), (8,), 1), 1))
+@example(job=(0, Schedule(3, (0,), (8,), 1), 2))
+@example(job=(1, Schedule(8, (0, 1, 2), (3, 3, 3), 1), 2))
+def test_random_schedules_equal_serial_and_every_edge_holds(
+    worlds: list, patch_layer: PatchLayer, monkeypatch: pytest.MonkeyPatch, layout: str, job: tuple
+) -> None:
+    sched, layers, stages, session, rec = _step(worlds, patch_layer, monkeypatch, job, layout, traced=True)
     (step,) = rec.steps()
     ops = rec.ops(step)
-    comm = [o for o in ops if o.kind in ("a2e", "e2a")]
-    side = {o.stream for o in comm} - {"C"}
-    if mode == "overlap" or not on:
-        expected = (
-            trace.ExpectedSchedule(layers, stages, a2e, e2a) if on else trace.ExpectedSchedule.serial(layers, stages)
-        )
-        result = edges.check_step(ops, expected)
-        assert result.ok, f"schedule {sched} config {(a2e, e2a, min_stages)}:\n{result}"
-        assert bool(side) == on  # engaged, from the trace, not from the gate rule
-    else:
-        # parity / reorder: every op on the compute stream, in the mode's issue order.
-        assert not side, f"{mode}: ops on side streams {side}"
-        issued = [(o.kind, o.layer, o.stage) for o in sorted(comm, key=lambda o: o.seq)]
-        assert issued == issue_order(layers, stages, mode)
-        if mode == "parity":
-            result = edges.check_step(ops, trace.ExpectedSchedule.serial(layers, stages))
-            assert result.ok, f"parity schedule {sched}:\n{result}"
+    expected = trace.ExpectedSchedule.serial(layers, stages) if session is None else session.expected_schedule()
+    result = edges.check_step(ops, expected)
+    assert result.ok, f"{layout}: schedule {sched} min_stages {job[2]}:\n{result}"
+    side = {o.stream for o in ops if o.kind in ("a2e", "ffn", "e2a")} - {"C"}
+    # engaged on side streams, from the trace, not from the gate rule
+    assert bool(side) == (session is not None and session.layout.side), (layout, side)
+    # the A2E/E2A issue order, from the trace
+    comm = sorted((o for o in ops if o.kind in ("a2e", "e2a")), key=lambda o: o.seq)
+    want = upstream_order(layers, stages) if session is None else issue_order(layers, stages, session.layout)
+    assert [(o.kind, o.layer, o.stage) for o in comm] == want
 
 
-@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@each_layout
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=settings().max_examples // 4)
 @given(job=jobs())
-@example(job=(0, Schedule(4, (0, 1, 2), (5, 9, 3), 1), (True, True, 2), "overlap"))
-@example(job=(1, Schedule(8, (0, 2), (16, 1), 1), (False, True, 1), "overlap"))
-@example(job=(1, Schedule(7, (1, 2), (4, 12), 1), (True, False, 2), "overlap"))
-@example(job=(0, Schedule(4, (0, 1, 2), (7, 2, 9), 1), (True, True, 2), "parity"))
+@example(job=(0, Schedule(4, (0, 1, 2), (5, 9, 3), 1), 2))
+@example(job=(1, Schedule(8, (0, 2), (16, 1), 1), 1))
+@example(job=(1, Schedule(7, (1, 2), (4, 12), 1), 2))
+@example(job=(0, Schedule(3, (0,), (8,), 1), 1))
 def test_random_schedules_on_the_production_path_equal_serial_and_every_edge_holds(
-    worlds: list, patch_layer: PatchLayer, monkeypatch: pytest.MonkeyPatch, job: tuple
+    worlds: list, patch_layer: PatchLayer, monkeypatch: pytest.MonkeyPatch, layout: str, job: tuple
 ) -> None:
     """The same schedules as production runs them (no recorder, no
     watchdog): bitwise equal to serial, and the edge checker passes on the
     step's own log (the host's issue order and its event graph)."""
-    wi, sched, (a2e, e2a, min_stages), mode = job
-    sched = Schedule(sched.layers, sched.stages, sched.tokens, next(_STEPS))
-    w = worlds[wi]
-    patch_layer.engine.unpatch(timeout=10)
-    (ref,) = serial_results(w, [sched], patch_layer)
-    apply_cpu(patch_layer=patch_layer, a2e_on_side_stream=a2e, e2a_on_side_stream=e2a, min_stages=min_stages, mode=mode)
-    sessions = SessionSpy(monkeypatch, patch_layer=patch_layer, keep=True)
-    try:
-        got = run_step(w, sched)
-    finally:
-        patch_layer.engine.unpatch(timeout=10)
-    assert_same(got, ref)
-    layers, stages = tuple(ffn_layers(wi, sched.layers)), tuple(sorted(sched.stages))
-    if len(stages) < min_stages:
-        assert not sessions.kept  # the serial path: no session
-        return
-    (session,) = sessions.kept
-    if mode != "overlap":
-        assert session.issued() == issue_order(layers, stages, mode)
+    sched, layers, stages, session, _ = _step(worlds, patch_layer, monkeypatch, job, layout, traced=False)
+    if session is None:
         return
     rec = trace.TraceRecorder()
     session.emit_trace(rec)
-    result = edges.check_step(
-        rec.ops(), trace.ExpectedSchedule(layers, stages, a2e, e2a), source="session", timings=False
-    )
-    assert result.ok, f"schedule {sched} config {(a2e, e2a, min_stages)}:\n{result}"
+    result = edges.check_step(rec.ops(), expected_of(session.layout, layers, stages), source="session", timings=False)
+    assert result.ok, f"{layout}: schedule {sched} min_stages {job[2]}:\n{result}"
+
+
+def test_adaptive_engage_runs_each_listed_layout_equal_to_serial(
+    worlds: list, patch_layer: PatchLayer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Adaptive engage over compute-side,comm-side learns one shape: its steps run each listed layout and the
+    serial path, each bitwise equal to serial, every edge holding in each traced engaged step."""
+    ran: list[str] = []
+    for _ in range(12):
+        _, layers, stages, session, rec = _step(
+            worlds,
+            patch_layer,
+            monkeypatch,
+            (0, Schedule(3, (0, 1), (8, 8), 1), 2),
+            "compute-side,comm-side adaptive",
+            traced=True,
+        )
+        ran.append("serial" if session is None else session.layout.name)
+        if session is not None:
+            (step,) = rec.steps()
+            result = edges.check_step(rec.ops(step), expected_of(session.layout, layers, stages))
+            assert result.ok, f"{session.layout.name}:\n{result}"
+    assert {"compute-side", "comm-side", "serial"} <= set(ran), ran

@@ -23,17 +23,22 @@ _SCHED = Schedule(3, (0, 1), (8, 8), step=5)
 def _child(q: mp.Queue) -> None:  # runs in the forked child
     try:
         sets_inherited = len(PATCH_LAYER.runtime.runners.stream_sets())
+        before = dict(PATCH_LAYER.runtime.stats()["layout_steps"])
         out = run_step(_W, _SCHED)
-        q.put((sets_inherited, len(PATCH_LAYER.runtime.runners.stream_sets()), {k: v.tolist() for k, v in out.items()}))
+        after = PATCH_LAYER.runtime.stats()["layout_steps"]
+        engaged = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+        sets = len(PATCH_LAYER.runtime.runners.stream_sets())
+        q.put((sets_inherited, sets, engaged, {k: v.tolist() for k, v in out.items()}))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         q.put(repr(exc))
 
 
-def test_forked_child_gets_fresh_streams_and_correct_outputs() -> None:
+@pytest.mark.parametrize("layout", ["compute-side", "comm-side"])
+def test_forked_child_gets_fresh_streams_and_correct_outputs(layout: str) -> None:
     global _W
     _W = world(layers=3, stage_ids=(0, 1), tokens=8)
     (ref,) = serial_results(_W, [_SCHED])
-    apply_cpu()
+    apply_cpu(layouts=(layout,))
     assert_same(run_step(_W, _SCHED), ref)
     assert len(PATCH_LAYER.runtime.runners.stream_sets()) == 1
 
@@ -48,9 +53,10 @@ def test_forked_child_gets_fresh_streams_and_correct_outputs() -> None:
         if proc.is_alive():
             proc.kill()
     assert not isinstance(got, str), got
-    inherited, after, out = got
+    inherited, after, engaged, out = got
     assert inherited == 0  # the parent's sets (dead threads in the child) are forgotten
     assert after == 1
+    assert engaged == {layout: 1}  # the child's step engaged, in the layout
     assert out.keys() == ref.keys()
     assert_same({k: torch.tensor(v) for k, v in out.items()}, ref)
     assert proc.exitcode == 0

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 
 from camp2p_overlap.core.keys import (
+    A_DONE,
     COMPUTE_STREAM,
     CONNECTOR_OP_KINDS,
     EVENT_KINDS,
+    FFN_STREAM,
     FORK,
     JOIN,
     EventKey,
@@ -32,6 +34,9 @@ def test_fork_and_join_carry_what_they_name() -> None:
     assert EventKey.join(1) == EventKey(JOIN, None, 1) and EventKey.join(1).label() == "join s1"
     assert EventKey.parse("fork") == EventKey.fork()
     assert EventKey.parse("join s1") == EventKey.join(1)
+    # the FFN stream F's join: no stage
+    assert EventKey.join(None) == EventKey(JOIN, None, None) and EventKey.join(None).label() == "join"
+    assert EventKey.parse("join") == EventKey.join(None) != EventKey.join(0)
 
 
 @pytest.mark.parametrize("kind", CONNECTOR_OP_KINDS)
@@ -65,8 +70,9 @@ def test_text_that_is_no_op_label_is_refused(text: str) -> None:
 
 def test_stream_names() -> None:
     assert COMPUTE_STREAM == "C"
+    assert FFN_STREAM == "F"
     assert [side_stream_name(s) for s in (0, 1, 2)] == ["K0", "K1", "K2"]
-    assert COMPUTE_STREAM not in {side_stream_name(s) for s in range(8)}
+    assert not {COMPUTE_STREAM, FFN_STREAM} & {side_stream_name(s) for s in range(8)}
 
 
 def test_profiler_range_names_read_back_as_their_keys() -> None:
@@ -76,6 +82,13 @@ def test_profiler_range_names_read_back_as_their_keys() -> None:
     assert parse_event_range(name) == ("record", "C", key)
     assert parse_event_range(name.removeprefix("camp2p:")) == ("record", "C", key)  # as a timeline holds it
     assert parse_event_range(event_range_name("wait", "K1", EventKey.join(1))) == ("wait", "K1", EventKey.join(1))
+    assert event_range_name("record", FFN_STREAM, EventKey.join(None)) == "camp2p:record F join"
+    assert parse_event_range("camp2p:wait C join") == ("wait", "C", EventKey.join(None))
+    assert parse_event_range(event_range_name("wait", FFN_STREAM, EventKey(A_DONE, 0, 1))) == (
+        "wait",
+        "F",
+        EventKey(A_DONE, 0, 1),
+    )
     assert event_range_name("wait", "K0", None) == "camp2p:wait K0 ?"  # an event recorded elsewhere
     assert parse_event_range("camp2p:wait K0 ?") is None
     assert parse_event_range("camp2p:record C ('f', 4, 1)") is None

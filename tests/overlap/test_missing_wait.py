@@ -1,7 +1,9 @@
 """Fault injection: a schedule missing one event wait, run end to end on the
 emulated device, is caught by the outputs (a consumer reads a buffer its
 producer's kernel has not filled) and by the edge checker reading what the
-device's streams performed, not what the session says it asked for.
+device's streams performed, not what the session says it asked for; in
+every layout with side streams: comm-side (A2E and E2A on K_s, the FFN on
+the caller's stream C) and compute-side (A2E and E2A on C, the FFN on F).
 
 The emulated device lets the host run ahead of every stream, the compute
 stream included, so a missing wait of either kind changes outputs: the
@@ -9,7 +11,10 @@ FFN reading an A2E buffer not yet filled (edge 3), and an E2A sending an
 FFN output not yet computed (edge 4). Holds make the stale read certain,
 not likely. The waits are removed in two places: in the session (a
 subclass that skips the wait) and in the backend (its ``wait`` drops it
-while the session still records that it asked for it).
+while the session still records that it asked for it). The fork and the
+join (edges 1 and 7) order no output of a step the test reads (the next
+step starts after the world synchronizes the device): the edge checker
+alone catches their loss.
 
 Every case runs under both timing models of the emulated device
 (``WorldSpec.timing``): wall-clock kernels, and modelled ones (the FFN
@@ -28,7 +33,7 @@ import pytest
 import torch
 from support.overlap import Schedule, apply_cpu, assert_same, run_step, serial_results, world, wrap_model
 
-from camp2p_overlap.core.keys import A_DONE, COMPUTE_STREAM, F_DONE, EventKey
+from camp2p_overlap.core.keys import A_DONE, F_DONE, FFN_STREAM, FORK, JOIN, EventKey
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.observe.trace import ExpectedSchedule
 from camp2p_overlap.core.overlap.session import StepSession
@@ -42,33 +47,80 @@ LAYERS = (0, 1, 2)
 STAGES = (0, 1)
 SCHED = Schedule(3, STAGES, (8, 8), step=1)
 TIMINGS = pytest.mark.parametrize("timing", ["wall", "model"])
-EXPECTED = ExpectedSchedule(LAYERS, STAGES, True, True)
+#: The layouts with side streams on the ladder: what a step of each expects.
+EXPECTED = {
+    "comm-side": ExpectedSchedule(LAYERS, STAGES, True, True),
+    "compute-side": ExpectedSchedule(LAYERS, STAGES, False, False, True),
+}
+LAYOUTS = pytest.mark.parametrize("layout", list(EXPECTED))
+EDGE1 = "edge 1 (fork)"
 EDGE3 = "edge 3 (FFN waits its A2E)"
 EDGE4 = "edge 4 (E2A waits its FFN)"
+EDGE7 = "edge 7 (join)"
 
 
-class SessionSkipsComputeWaitForA2E(StepSession):
+def _streams(layout: str, stage: int) -> tuple[str, str, str]:
+    """The streams of A2E, FFN and E2A of ``stage`` in ``layout``."""
+    e = EXPECTED[layout]
+    return e.stream_for("a2e", stage), e.stream_for("ffn", stage), e.stream_for("e2a", stage)
+
+
+class SessionSkipsFfnWaitForA2E(StepSession):
+    """The FFN's stream skips its wait of a_done(L, s) (comm-side: C; compute-side: F)."""
+
     def wait_event(self, stream: Any, key: EventKey) -> None:
-        if stream is self.compute and key.kind == A_DONE:
+        if key.kind == A_DONE and stream is self.ffn_on[key.stage]:
             return
         super().wait_event(stream, key)
 
 
-class SessionSkipsStageWaitForFFN(StepSession):
+class SessionSkipsE2AWaitForFFN(StepSession):
+    """The E2A's stream skips its wait of f_done(L, s) (comm-side: K_s; compute-side: C)."""
+
     def wait_event(self, stream: Any, key: EventKey) -> None:
-        if stream is not self.compute and key.kind == F_DONE:
+        if key.kind == F_DONE and stream is self.e2a_on[key.stage]:
             return
         super().wait_event(stream, key)
 
 
-def _backend_dropping(on_compute: bool, kind: str) -> Callable[..., None]:
-    """A backend ``wait`` that silently drops waits of the compute stream
-    (``on_compute``) or of the side streams on events of ``kind`` (the
-    session believes it waited)."""
+class SessionSkipsForkWaitOfF(StepSession):
+    """F skips its wait of the fork."""
+
+    def wait_event(self, stream: Any, key: EventKey) -> None:
+        if key.kind == FORK and stream is self.side_streams.get(None):
+            return
+        super().wait_event(stream, key)
+
+
+class SessionSkipsJoinOfF(StepSession):
+    """C skips its wait of F's join (the join is still recorded on F)."""
+
+    def wait_event(self, stream: Any, key: EventKey) -> None:
+        if key == EventKey.join(None):
+            return
+        super().wait_event(stream, key)
+
+
+class SessionJoinsNoSideStream(StepSession):
+    """The join restores the caller's stream but issues no join edge."""
+
+    def join(self) -> None:
+        forked, self.forked = self.forked, False
+        try:
+            super().join()
+        finally:
+            self.forked = forked
+
+
+def _backend_dropping(kind: str) -> Callable[..., None]:
+    """A backend ``wait`` that silently drops every wait on an event of
+    ``kind`` (the session believes it waited): in each layout one stream
+    waits each kind (a_done: the FFN's; f_done: the E2A's; fork: each side
+    stream; join: C)."""
     original = StreamBackend.wait
 
     def wait(self: StreamBackend, stream: Any, event: Any) -> None:
-        if (stream.name == COMPUTE_STREAM) == on_compute and event.key.kind == kind:
+        if event.key.kind == kind:
             return
         original(self, stream, event)
 
@@ -99,7 +151,7 @@ def _hold_a2e_fill_until_its_ffn_ran(w: Any) -> None:
 
     def after(_: Any) -> None:
         flag = ran(current.pop())
-        device.launch(flag.set)  # on C, right after the FFN's kernel
+        device.launch(flag.set)  # on the FFN's stream, right after the FFN's kernel
 
     def hook(kind: str, layer: int, stage: int) -> None:
         if kind == "a2e":
@@ -127,7 +179,7 @@ def _hold_ffn_until_its_e2a_ran(w: Any) -> None:
 
     def before(layer: int, stage: int) -> None:
         flag = sent((layer, stage))
-        device.launch(lambda: flag.wait(10.0))  # on C, right before the FFN's kernel
+        device.launch(lambda: flag.wait(10.0))  # on the FFN's stream, right before the FFN's kernel
 
     wrap_model(w, before_with_stage=before)
 
@@ -152,16 +204,17 @@ def _assert_timing_ran(timing: str) -> None:
 def _run_broken(
     monkeypatch: pytest.MonkeyPatch,
     timing: str,
+    layout: str,
     *,
     session: type | None = None,
     wait: Any = None,
     hold: Callable[[Any], None] | None = None,
 ):
-    """One step of a patch layer of its own with the schedule broken as asked."""
+    """One step in ``layout`` of a patch layer of its own with the schedule broken as asked."""
     w = _world(timing)
     patch_layer = build_patch_layer()
     (ref,) = serial_results(w, [SCHED], patch_layer)
-    apply_cpu(patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer, layouts=(layout,))
     if session is not None:
         monkeypatch.setattr(patch_layer.runtime, "session_class", session)
     if wait is not None:
@@ -183,13 +236,19 @@ def _differs(got: dict, ref: dict) -> list[tuple[int, int]]:
     return [k for k in ref if not torch.equal(got[k], ref[k])]
 
 
+def _checked(ops: Any, layout: str, source: str = "auto") -> str:
+    """The edge checker's verdict on the step's trace, as text."""
+    return str(edges.check_step(ops, EXPECTED[layout], source=source))
+
+
+@LAYOUTS
 @TIMINGS
-def test_control_every_wait_in_place_passes(patch_layer: PatchLayer, timing: str) -> None:
+def test_control_every_wait_in_place_passes(patch_layer: PatchLayer, timing: str, layout: str) -> None:
     """Control: the same world and step with every wait in place gives the
     serial outputs and a clean check."""
     w = _world(timing)
     (ref,) = serial_results(w, [SCHED], patch_layer=patch_layer)
-    apply_cpu(patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer, layouts=(layout,))
     device.take_timing()
     try:
         with trace.recording() as rec:
@@ -198,66 +257,147 @@ def test_control_every_wait_in_place_passes(patch_layer: PatchLayer, timing: str
         patch_layer.engine.unpatch(timeout=10)
     _assert_timing_ran(timing)
     assert_same(got, ref)
-    res = edges.check_step(rec.ops(rec.steps()[0]), EXPECTED)
-    assert res.ok, str(res)
+    ops = rec.ops(rec.steps()[0])
+    for source in ("backend", "session"):
+        res = edges.check_step(ops, EXPECTED[layout], source=source)
+        assert res.ok, f"{source}: {res}"
+    assert {o.stream for o in ops if o.kind == "ffn"} == {_streams(layout, 0)[1]}
 
 
+# ---------------------------------------------------------------------------
+# Edge 3: the FFN's stream waits a_done(L, s)
+
+
+@LAYOUTS
 @TIMINGS
-def test_session_without_compute_wait_for_a2e(
-    monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer, timing: str
+def test_session_without_ffn_wait_for_a2e(
+    monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer, timing: str, layout: str
 ) -> None:
     got, ref, ops = _run_broken(
-        monkeypatch, timing, session=SessionSkipsComputeWaitForA2E, hold=_hold_a2e_fill_until_its_ffn_ran
+        monkeypatch, timing, layout, session=SessionSkipsFfnWaitForA2E, hold=_hold_a2e_fill_until_its_ffn_ran
     )
     assert _differs(got, ref) == sorted(ref)  # every FFN read an unfilled buffer
-    text = str(edges.check_step(ops, EXPECTED))
-    for L in LAYERS:
-        for s in STAGES:
-            assert f"{EDGE3}: nothing orders a2e(L{L},s{s}) on K{s} before ffn(L{L},s{s}) on C" in text
-            assert f"ffn(L{L},s{s}) started" in text  # and the kernel times say so
+    assert not any(o.kind == "wait" and o.detail.startswith(f"{A_DONE} ") for o in ops)
+    for source in ("backend", "session"):
+        text = _checked(ops, layout, source)
+        for L in LAYERS:
+            for s in STAGES:
+                a, f, _ = _streams(layout, s)
+                assert f"{EDGE3}: nothing orders a2e(L{L},s{s}) on {a} before ffn(L{L},s{s}) on {f}" in text, source
+                assert f"ffn(L{L},s{s}) started" in text  # and the kernel times say so
 
 
+@LAYOUTS
 @TIMINGS
-def test_backend_dropping_compute_wait_for_a2e(monkeypatch: pytest.MonkeyPatch, timing: str) -> None:
+def test_backend_dropping_ffn_wait_for_a2e(monkeypatch: pytest.MonkeyPatch, timing: str, layout: str) -> None:
     got, ref, ops = _run_broken(
-        monkeypatch, timing, wait=_backend_dropping(True, A_DONE), hold=_hold_a2e_fill_until_its_ffn_ran
+        monkeypatch, timing, layout, wait=_backend_dropping(A_DONE), hold=_hold_a2e_fill_until_its_ffn_ran
     )
     assert _differs(got, ref) == sorted(ref)
-    performed = str(edges.check_step(ops, EXPECTED))
-    asked = str(edges.check_step(ops, EXPECTED, source="session"))
-    assert f"{EDGE3}: nothing orders a2e(L1,s0) on K0 before ffn(L1,s0) on C" in performed
+    performed = _checked(ops, layout)
+    asked = _checked(ops, layout, "session")
+    for L in LAYERS:
+        for s in STAGES:
+            a, f, _ = _streams(layout, s)
+            assert f"{EDGE3}: nothing orders a2e(L{L},s{s}) on {a} before ffn(L{L},s{s}) on {f}" in performed
     # The session's own record says it waited: its graph has every edge 3.
     assert any(o.kind == "wait" and o.source == "session" and o.detail == EventKey(A_DONE, 1, 0).label() for o in ops)
     assert EDGE3 not in asked
 
 
+# ---------------------------------------------------------------------------
+# Edge 4: the E2A's stream waits f_done(L, s)
+
+
+@LAYOUTS
 @TIMINGS
-def test_session_without_stage_wait_for_ffn(monkeypatch: pytest.MonkeyPatch, timing: str) -> None:
+def test_session_without_e2a_wait_for_ffn(monkeypatch: pytest.MonkeyPatch, timing: str, layout: str) -> None:
     got, ref, ops = _run_broken(
-        monkeypatch, timing, session=SessionSkipsStageWaitForFFN, hold=_hold_ffn_until_its_e2a_ran
+        monkeypatch, timing, layout, session=SessionSkipsE2AWaitForFFN, hold=_hold_ffn_until_its_e2a_ran
     )
-    # The host ran ahead of the compute stream: every E2A sent its FFN's
+    # The host ran ahead of the FFN's stream: every E2A sent its FFN's
     # output before the FFN had filled it.
     assert _differs(got, ref) == sorted(ref)
-    text = str(edges.check_step(ops, EXPECTED))
-    for L in LAYERS:
-        for s in STAGES:
-            assert f"{EDGE4}: nothing orders ffn(L{L},s{s}) on C before e2a(L{L},s{s}) on K{s}" in text
+    assert not any(o.kind == "wait" and o.detail.startswith(f"{F_DONE} ") for o in ops)
+    for source in ("backend", "session"):
+        text = _checked(ops, layout, source)
+        for L in LAYERS:
+            for s in STAGES:
+                _, f, e = _streams(layout, s)
+                assert f"{EDGE4}: nothing orders ffn(L{L},s{s}) on {f} before e2a(L{L},s{s}) on {e}" in text, source
 
 
+@LAYOUTS
 @TIMINGS
-def test_backend_dropping_stage_wait_for_ffn(monkeypatch: pytest.MonkeyPatch, timing: str) -> None:
+def test_backend_dropping_e2a_wait_for_ffn(monkeypatch: pytest.MonkeyPatch, timing: str, layout: str) -> None:
     got, ref, ops = _run_broken(
-        monkeypatch, timing, wait=_backend_dropping(False, F_DONE), hold=_hold_ffn_until_its_e2a_ran
+        monkeypatch, timing, layout, wait=_backend_dropping(F_DONE), hold=_hold_ffn_until_its_e2a_ran
     )
     assert _differs(got, ref) == sorted(ref)
-    performed = str(edges.check_step(ops, EXPECTED))
-    asked = edges.check_step(ops, EXPECTED, source="session")
-    assert f"{EDGE4}: nothing orders ffn(L0,s0) on C before e2a(L0,s0) on K0" in performed
+    performed = _checked(ops, layout)
+    asked = _checked(ops, layout, "session")
+    for L in LAYERS:
+        for s in STAGES:
+            _, f, e = _streams(layout, s)
+            assert f"{EDGE4}: nothing orders ffn(L{L},s{s}) on {f} before e2a(L{L},s{s}) on {e}" in performed
     # The session's own record of its waits has every edge 4; only what the
     # streams performed (the graph, and the kernels' times) shows the gap.
-    assert EDGE4 not in str(asked)
-    assert "e2a(L0,s0) started" in str(asked) and "before its ffn ended" in str(asked)
+    assert EDGE4 not in asked
+    assert "e2a(L0,s0) started" in asked and "before its ffn ended" in asked
+
+
+# ---------------------------------------------------------------------------
+# Edges 1 and 7 of F (compute-side): the fork and the join
+
+
+def _compute_side_step(monkeypatch: pytest.MonkeyPatch, **broken: Any) -> tuple[Any, Any]:
+    """One wall-clock compute-side step, broken as asked: its outputs are the serial ones (neither edge orders a
+    buffer the step's outputs read); its trace, and the records and waits the session issued on F, in order."""
+    got, ref, ops = _run_broken(monkeypatch, "wall", "compute-side", **broken)
+    assert_same(got, ref)
+    marks = sorted(
+        (o for o in ops if o.stream == FFN_STREAM and o.kind in ("wait", "record") and o.source == "session"),
+        key=lambda o: o.seq,
+    )
+    return ops, marks
+
+
+@pytest.mark.parametrize("where", ["session", "backend"])
+def test_a_missing_join_of_f_is_caught_by_the_checker(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    broken = {"session": SessionSkipsJoinOfF} if where == "session" else {"wait": _backend_dropping(JOIN)}
+    ops, _ = _compute_side_step(monkeypatch, **broken)
+    performed = _checked(ops, "compute-side")
+    assert f"{EDGE7}: the work of F is not waited by C after the step's last op on C" in performed
+    asked = _checked(ops, "compute-side", "session")
+    if where == "session":
+        assert EDGE7 in asked
+    else:  # the session's record says C waited it
+        assert EDGE7 not in asked
+
+
+def test_a_join_with_no_edge_is_caught_by_the_checker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The join issues no record and no wait: F's last work is its last f_done, which C waits before its last E2A,
+    not after it."""
+    ops, f_marks = _compute_side_step(monkeypatch, session=SessionJoinsNoSideStream)
+    assert not any(o.detail == EventKey.join(None).label() for o in ops if o.kind in ("record", "wait"))
+    assert f_marks and f_marks[0].detail == EventKey.fork().label()  # the fork is there
+    for source in ("backend", "session"):
+        assert f"{EDGE7}: the work of F is not waited by C" in _checked(ops, "compute-side", source), source
+
+
+@pytest.mark.parametrize("where", ["session", "backend"])
+def test_a_missing_fork_wait_of_f_is_caught_by_the_checker(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    broken = {"session": SessionSkipsForkWaitOfF} if where == "session" else {"wait": _backend_dropping(FORK)}
+    ops, f_marks = _compute_side_step(monkeypatch, **broken)
+    # F's first wait is a_done(first layer, first stage), an event of C: only the fork names what it orders.
+    assert f_marks[0].detail == (EventKey.fork() if where == "backend" else EventKey(A_DONE, 0, 0)).label()
+    performed = _checked(ops, "compute-side")
+    assert f"{EDGE1}: F starts with" in performed, performed
+    asked = _checked(ops, "compute-side", "session")
+    if where == "session":
+        assert f"{EDGE1}: F starts with" in asked
+    else:  # the session's record says F waited it
+        assert EDGE1 not in asked
 
 
 def test_a_host_that_reads_without_waiting_reads_stale_data() -> None:

@@ -43,15 +43,40 @@ from camp2p_overlap.emulation.noop import noop_backend
 from camp2p_overlap.emulation.world import LinkModel, ProtocolError
 from camp2p_overlap.verify import edges
 
+#: The layouts of the overlap mode: (A2E, E2A on K_s), FFN on F, and the layout.
+DIRECTIONS = {
+    "compute-side": (False, False, True, COMPUTE_SIDE),
+    "both": (True, True, False, COMM_SIDE),
+    "A2E=0": (False, True, False, E2A_ONLY),
+    "E2A=0": (True, False, False, A2E_ONLY),
+}
+#: The layouts on the ladder (the default first): what a test that holds for every layout runs on.
+LAYOUTS = {"compute-side": COMPUTE_SIDE, "comm-side": COMM_SIDE}
+each_layout = pytest.mark.parametrize("layout", list(LAYOUTS))
+
+
+def layout_config(direction: str) -> dict[str, Any]:
+    """The configuration that selects ``direction`` (a key of :data:`DIRECTIONS` or :data:`LAYOUTS`)."""
+    if direction in LAYOUTS:
+        return {"layouts": (direction,)}
+    a2e, e2a, ffn, _ = DIRECTIONS[direction]
+    if ffn:
+        return {"layouts": ("compute-side",)}
+    return {"layouts": ("comm-side",), "a2e_on_side_stream": a2e, "e2a_on_side_stream": e2a}
+
+
 # ---------------------------------------------------------------------------
 # The overlap itself
 
 
-def test_two_stages_eight_layers_overlap_in_the_trace(patch_layer: PatchLayer) -> None:
+@each_layout
+def test_two_stages_eight_layers_overlap_in_the_trace(patch_layer: PatchLayer, layout: str) -> None:
     """Comm ops of 14 ms (link latency), FFN of 30 ms (real MoE compute padded
     with a sleep): per stage, E2A + attention + A2E = 28 ms <= FFN, so in the
-    steady state A2E(L,1) runs under FFN(L,0) and E2A(L,0) under FFN(L,1),
-    with at least 14 ms of margin on each side of each pair. Every step must
+    steady state A2E(L,1) runs under FFN(L,0) and E2A(L,0) under FFN(L,1):
+    in comm-side with at least 14 ms of margin on each side of each pair (the
+    comm ops on K_s, the FFN on C); in compute-side the comm ops on C, one
+    after the other in the overlap's order, and the FFN on F. Every step must
     be correct and pass the edge checker; the overlap must show in one of
     three steps (a busy 2-core box may deschedule a thread for a few ms; a
     schedule that serializes communication and compute never shows it)."""
@@ -60,19 +85,26 @@ def test_two_stages_eight_layers_overlap_in_the_trace(patch_layer: PatchLayer) -
     link, w.transport.link = w.transport.link, LinkModel(latency_s=0.0)  # outputs do not depend on timing
     refs = serial_results(w, scheds, patch_layer=patch_layer)
     w.transport.link = link
-    wrap_model(w, after=lambda _out: emulated_device.launch(lambda: time.sleep(0.030)))  # FFN time, on C
-    apply_cpu(patch_layer=patch_layer)
+    wrap_model(w, after=lambda _out: emulated_device.launch(lambda: time.sleep(0.030)))  # FFN time, its stream
+    apply_cpu(patch_layer=patch_layer, **layout_config(layout))
+    side = layout == "comm-side"
+    expected = trace.ExpectedSchedule(tuple(range(8)), (0, 1), side, side, not side)
     missed: list[str] = []
     for sched, ref in zip(scheds, refs, strict=True):
         with trace.recording() as rec:
             got = bounded(lambda sched=sched: run_step(w, sched))
         assert_same(got, ref)
         ops = rec.ops(rec.steps()[0])
-        res = edges.check_step(ops, trace.ExpectedSchedule(tuple(range(8)), (0, 1), True, True))
+        res = edges.check_step(ops, expected)
         assert res.ok, str(res)
         op = by_key(ops)
         for L in range(8):
-            assert op["a2e", L, 1].stream == "K1" and op["e2a", L, 0].stream == "K0"
+            if side:
+                assert op["a2e", L, 1].stream == "K1" and op["e2a", L, 0].stream == "K0"
+                assert op["ffn", L, 0].stream == op["ffn", L, 1].stream == "C"
+            else:
+                assert op["a2e", L, 1].stream == op["e2a", L, 0].stream == "C"
+                assert op["ffn", L, 0].stream == op["ffn", L, 1].stream == "F"
         missed = [
             f"A2E({L},1)/FFN({L},0)" for L in range(1, 8) if not edges.overlaps(op["a2e", L, 1], op["ffn", L, 0])
         ] + [f"E2A({L},0)/FFN({L},1)" for L in range(1, 8) if not edges.overlaps(op["e2a", L, 0], op["ffn", L, 1])]
@@ -101,13 +133,6 @@ CASES = {
         2,
         (2, 4, 6),
     ),
-}
-#: The layouts of the overlap mode: (A2E, E2A on K_s), FFN on F, and the layout.
-DIRECTIONS = {
-    "compute-side": (False, False, True, COMPUTE_SIDE),
-    "both": (True, True, False, COMM_SIDE),
-    "A2E=0": (False, True, False, E2A_ONLY),
-    "E2A=0": (True, False, False, A2E_ONLY),
 }
 
 
@@ -198,6 +223,77 @@ def test_switched_off_at_apply_leaves_the_original_in_place(patch_layer: PatchLa
 
 
 # ---------------------------------------------------------------------------
+# The caller's stream: current again once the step returns, however it ends
+
+
+class _FfnFailed(RuntimeError):
+    pass
+
+
+#: How the step ends: planned, raising inside an FFN, falling back (the loop runs past the plan), or falling back
+#: and then raising (the loop skips a planned layer: schedule mismatch).
+ENDINGS = ["returns", "raises-in-ffn", "falls-back", "falls-back-and-raises"]
+
+
+@pytest.mark.parametrize("ending", ENDINGS)
+@each_layout
+def test_the_callers_stream_is_current_again_after_the_step(
+    monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer, layout: str, ending: str
+) -> None:
+    """The caller runs the step on a stream of its own (not the default
+    stream). While the loop computes an engaged FFN, the current stream is
+    the layout's FFN stream (compute-side: the runner's F; comm-side: the
+    caller's); after a fallback the rest of the step computes on the
+    caller's stream; and once the step returns or raises, the caller's
+    stream is current again."""
+    w = world(layers=4, stage_ids=(0, 1))
+    sched = Schedule(4, (0, 1), (8, 8), step=1)
+    (ref,) = serial_results(w, [sched], patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer, **layout_config(layout))
+    if ending == "falls-back":
+        _layer_lists(monkeypatch, w, loop=[0, 1, 2, 3], plan=[0, 1, 2])
+    elif ending == "falls-back-and-raises":
+        _layer_lists(monkeypatch, w, loop=[0, 2, 3], plan=[0, 1, 2, 3])
+    during: list[tuple[int, int, Any]] = []
+
+    def before(layer: int, stage: int) -> None:
+        during.append((layer, stage, emulated_device.current_stream()))
+        if ending == "raises-in-ffn" and (layer, stage) == (2, 1):
+            raise _FfnFailed("FFN(2, 1) failed")
+
+    wrap_model(w, before_with_stage=before)
+    caller = emulated_device.Stream()
+    try:
+
+        def step() -> tuple[Any, BaseException | None, Any]:
+            with emulated_device.stream(caller):
+                assert emulated_device.current_stream() is caller
+                try:
+                    got, raised = run_step(w, sched), None
+                except (_FfnFailed, ScheduleMismatchError) as exc:
+                    got, raised = None, exc
+                return got, raised, emulated_device.current_stream()
+
+        got, raised, after = bounded(step)
+        assert after is caller, f"after the step ({ending}) the current stream is {getattr(after, 'name', after)}"
+        if ending in ("raises-in-ffn", "falls-back-and-raises"):
+            assert isinstance(raised, _FfnFailed if ending == "raises-in-ffn" else ScheduleMismatchError), raised
+        else:
+            assert raised is None
+            assert_same(got, ref)
+        (sset,) = stream_sets(patch_layer=patch_layer)
+        engaged = {"falls-back": {0, 1, 2}, "falls-back-and-raises": {0}}.get(ending, {0, 1, 2, 3})
+        assert during, "no FFN ran"
+        for L, st, current in during:
+            want = sset.ffn if layout == "compute-side" and L in engaged else caller
+            assert current is want, f"FFN({L}, {st}) ran with {current.name} current, not {want.name}"
+        if ending == "falls-back":
+            assert {L for L, _, _ in during} == {0, 1, 2, 3}
+    finally:
+        caller.close()
+
+
+# ---------------------------------------------------------------------------
 # Never an A2E past the step's last layer
 
 
@@ -226,9 +322,12 @@ class LookaheadPastTheEnd(StepSession):
         return out
 
 
-def test_no_a2e_is_issued_past_the_last_layer(monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer) -> None:
+@each_layout
+def test_no_a2e_is_issued_past_the_last_layer(
+    monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer, layout: str
+) -> None:
     w = world(layers=4, stage_ids=(0, 2))
-    apply_cpu(patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer, **layout_config(layout))
     sessions = SessionSpy(monkeypatch, patch_layer=patch_layer, keep=True)
     with trace.recording() as rec:
         bounded(lambda: run_step(w, Schedule(4, (0, 2), (8, 8), step=1)))
@@ -263,7 +362,6 @@ def _tracked_model(w: Any, refs: list[weakref.ref[Any]]) -> None:
 def test_nothing_the_step_allocated_stays_referenced(
     monkeypatch: pytest.MonkeyPatch, direction: str, patch_layer: PatchLayer
 ) -> None:
-    a2e, e2a = DIRECTIONS[direction]
     w = world(layers=3, stage_ids=(0, 1, 2))
     refs: list[weakref.ref[Any]] = []
     _tracked_model(w, refs)
@@ -273,7 +371,7 @@ def test_nothing_the_step_allocated_stays_referenced(
     assert refs and all(r() is None for r in refs)
     refs.clear()
 
-    apply_cpu(patch_layer=patch_layer, a2e_on_side_stream=a2e, e2a_on_side_stream=e2a)
+    apply_cpu(patch_layer=patch_layer, **layout_config(direction))
     sessions = SessionSpy(monkeypatch, patch_layer=patch_layer)
     bounded(lambda: run_step(w, Schedule(3, (0, 1, 2), (8, 8, 8), step=2)))
     gc.collect()
@@ -284,9 +382,12 @@ def test_nothing_the_step_allocated_stays_referenced(
     assert sessions.count == 1 and sessions.refs[0]() is None, "the session outlived its step"
 
 
-def test_session_releases_everything_at_close(monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer) -> None:
+@each_layout
+def test_session_releases_everything_at_close(
+    monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer, layout: str
+) -> None:
     w = world(layers=3, stage_ids=(0, 1))
-    apply_cpu(patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer, **layout_config(layout))
     sessions = SessionSpy(monkeypatch, patch_layer=patch_layer, keep=True)
     run_step(w, Schedule(3, (0, 1), (8, 8), step=1))
     (s,) = sessions.kept
@@ -325,13 +426,17 @@ def _fake_connector() -> tuple[Any, Any, list[tuple[str, int, int]]]:
 
 @pytest.mark.parametrize("direction", list(DIRECTIONS))
 def test_ownership_inside_the_step(direction: str) -> None:
-    """A2E outputs are released once K_s has waited their FFN's f_done
-    (at the send); FFN outputs are held until C has waited an event that K_s
-    recorded after their E2A (the next receive of the stage), no longer. Two
-    steps on one stream set: the first records the plan's events through the
-    backend, the second (with both directions on the side streams) takes the
-    steady path's slots."""
-    a2e, e2a = DIRECTIONS[direction]
+    """A2E outputs are released at their send once the A2E's stream has
+    waited their FFN's f_done or is the FFN's (comm-side: K_s waits it;
+    compute-side: C, which sends, waits F's), else once it has waited their
+    E2A (the next layer's receive; a2e-only keeps the last layer's until the
+    close). FFN outputs whose E2A runs on another stream than their FFN
+    (comm-side: K_s and C; compute-side: C and F) are held until the FFN's
+    stream has waited an event recorded after their E2A (the next receive
+    of the stage), no longer. Two steps on one stream set: the first records
+    the plan's events through the backend, the second takes the steady
+    path's slots."""
+    _, e2a, ffn, layout = DIRECTIONS[direction]
     recv, send, _ = _fake_connector()
     sset = StreamSet(make_backend("cpu"), [0, 1])
     layers, stages = (0, 1, 2), (0, 1)
@@ -342,7 +447,7 @@ def test_ownership_inside_the_step(direction: str) -> None:
                 connector=object(),
                 plan=plan,
                 streamset=sset,
-                layout=LAYOUTS[(a2e, e2a)],
+                layout=layout,
                 context_of=camp2p.context_of,
             )
             held_out: dict[int, weakref.ref[Any]] = {}
@@ -356,11 +461,13 @@ def test_ownership_inside_the_step(direction: str) -> None:
                     session.send(lambda o=out, c=p.context, s=s: send(o, c, ubatch_idx=s), out, p.context, s)
                     wo = weakref.ref(out)
                     del p, out
-                    if L != layers[-1] or e2a:
+                    if L != layers[-1] or e2a or ffn:
                         assert hidden() is None, f"A2E output of ({L}, {s}) held after its send"
-                    if e2a:
+                    if e2a or ffn:
                         assert wo() is not None, f"FFN output of ({L}, {s}) freed while its E2A may read it"
                         held_out[s] = wo
+                    else:
+                        assert wo() is None, f"FFN output of ({L}, {s}) held after its send on its own stream"
             session.close()
             gc.collect()
             assert all(r() is None for r in held_out.values())
@@ -372,14 +479,15 @@ def test_ownership_inside_the_step(direction: str) -> None:
 # Many steps: streams, threads and events reused
 
 
-def test_fifty_steps_reuse_streams_and_threads(patch_layer: PatchLayer) -> None:
+@each_layout
+def test_fifty_steps_reuse_streams_and_threads(patch_layer: PatchLayer, layout: str) -> None:
     w = world(layers=3, stage_ids=(0, 1, 2))
     scheds = [
         Schedule(3, (0, 1, 2) if i % 3 else (0, 2), (1 + i % 16, 16 - i % 16, 8)[: 3 if i % 3 else 2], i + 1)
         for i in range(50)
     ]
     refs = serial_results(w, scheds, patch_layer=patch_layer)
-    apply_cpu(patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer, **layout_config(layout))
     assert_same(run_step(w, scheds[0]), refs[0])
     (sset,) = stream_sets(patch_layer=patch_layer)
     count = threading.active_count()
@@ -388,13 +496,14 @@ def test_fifty_steps_reuse_streams_and_threads(patch_layer: PatchLayer) -> None:
         return {t for t in threading.enumerate() if t.name.startswith("camp2p-overlap-stream-")}
 
     threads = ours()
-    assert len(threads) == 3  # one worker per stage group, made once
+    # one worker per stage group and one for the FFN stream, made once
+    assert sorted(t.name.removeprefix("camp2p-overlap-stream-") for t in threads) == ["F", "K0", "K1", "K2"]
     for sched, ref in zip(scheds[1:], refs[1:], strict=True):
         assert_same(run_step(w, sched), ref)
         assert ours() == threads
         assert threading.active_count() <= count
     assert stream_sets(patch_layer=patch_layer) == [sset]
-    assert all(s.alive for s in sset.streams.values())
+    assert all(s.alive for s in [*sset.streams.values(), sset.ffn])
     assert_streams_idle(patch_layer=patch_layer)
 
 
@@ -416,15 +525,17 @@ def _layer_lists(monkeypatch: pytest.MonkeyPatch, w: Any, loop: list[int], plan:
     monkeypatch.setattr(mod, "_ffn_layer_indices", _ffn_layer_indices)
 
 
+@each_layout
 def test_loop_runs_past_the_plan_falls_back_with_correct_outputs(
     monkeypatch: pytest.MonkeyPatch,
     logs: PackageLogs,
     patch_layer: PatchLayer,
+    layout: str,
 ) -> None:
     w = world(layers=4, stage_ids=(0, 1))
     sched = Schedule(4, (0, 1), (8, 8), step=1)
     (ref,) = serial_results(w, [sched], patch_layer=patch_layer)
-    apply_cpu(patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer, **layout_config(layout))
     _layer_lists(monkeypatch, w, loop=[0, 1, 2, 3], plan=[0, 1, 2])
     got = bounded(lambda: run_step(w, sched))
     assert_same(got, ref)
@@ -433,15 +544,17 @@ def test_loop_runs_past_the_plan_falls_back_with_correct_outputs(
     assert_streams_idle(patch_layer=patch_layer)
 
 
+@each_layout
 def test_loop_skips_a_planned_layer_raises_schedule_mismatch(
     monkeypatch: pytest.MonkeyPatch,
     logs: PackageLogs,
     patch_layer: PatchLayer,
+    layout: str,
 ) -> None:
     w = world(layers=4, stage_ids=(0, 1))
     nxt = Schedule(4, (0, 1), (8, 8), step=2)
     (ref,) = serial_results(w, [nxt], patch_layer=patch_layer)
-    apply_cpu(patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer, **layout_config(layout))
     _layer_lists(monkeypatch, w, loop=[0, 2, 3], plan=[0, 1, 2, 3])
     with pytest.raises(ScheduleMismatchError) as info:
         bounded(lambda: run_step(w, Schedule(4, (0, 1), (8, 8), step=1)))
@@ -453,15 +566,17 @@ def test_loop_skips_a_planned_layer_raises_schedule_mismatch(
     assert_same(bounded(lambda: run_step(w, nxt)), ref)
 
 
+@each_layout
 def test_max_num_tokens_changed_before_the_first_receive_falls_back(
     monkeypatch: pytest.MonkeyPatch,
     logs: PackageLogs,
     patch_layer: PatchLayer,
+    layout: str,
 ) -> None:
     w = world(layers=3, stage_ids=(0, 1))
     sched = Schedule(3, (0, 1), (8, 8), step=1)
     (ref,) = serial_results(w, [sched], patch_layer=patch_layer)
-    apply_cpu(patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer, **layout_config(layout))
     plane = w.connector.control_plane
     original = type(plane).update_state_from_dp_metadata.__get__(plane)
 
@@ -476,11 +591,14 @@ def test_max_num_tokens_changed_before_the_first_receive_falls_back(
     assert "'max_num_tokens': 12" in msg and "planned (0, 0)" in msg
 
 
-def test_max_num_tokens_changed_mid_step_is_a_schedule_mismatch(logs: PackageLogs, patch_layer: PatchLayer) -> None:
+@each_layout
+def test_max_num_tokens_changed_mid_step_is_a_schedule_mismatch(
+    logs: PackageLogs, patch_layer: PatchLayer, layout: str
+) -> None:
     w = world(layers=3, stage_ids=(0, 1))
     nxt = Schedule(3, (0, 1), (8, 8), step=2)
     (ref,) = serial_results(w, [nxt], patch_layer=patch_layer)
-    apply_cpu(patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer, **layout_config(layout))
     n = {"calls": 0}
 
     def after(_out: Any) -> None:
@@ -499,7 +617,10 @@ def test_max_num_tokens_changed_mid_step_is_a_schedule_mismatch(logs: PackageLog
 
 
 @pytest.mark.parametrize("host_ops", [False, True], ids=["cpu-backend", "host-ops-backend"])
-def test_stage_order_change_mid_step_hands_over_the_prefetched_data(logs: PackageLogs, host_ops: bool) -> None:
+@each_layout
+def test_stage_order_change_mid_step_hands_over_the_prefetched_data(
+    logs: PackageLogs, host_ops: bool, layout: str
+) -> None:
     """Session-level: the loop swaps the stage order of layer 1. The session
     falls back after draining and hands each (layer, stage) its own data;
     also on a backend whose ops run in scope on the host."""
@@ -511,6 +632,7 @@ def test_stage_order_change_mid_step_hands_over_the_prefetched_data(logs: Packag
             plan=StepPlan((0, 1, 2), (0, 1), {"max_num_tokens": 4}),
             streamset=sset,
             context_of=camp2p.context_of,
+            layout=LAYOUTS[layout],
         )
         order = [(0, 0), (0, 1), (1, 1), (1, 0), (2, 0), (2, 1)]
         for L, s in order:
@@ -531,7 +653,8 @@ def test_stage_order_change_mid_step_hands_over_the_prefetched_data(logs: Packag
 
 
 @pytest.mark.parametrize("host_ops", [False, True], ids=["cpu-backend", "host-ops-backend"])
-def test_a_second_send_of_one_received_payload_falls_back(logs: PackageLogs, host_ops: bool) -> None:
+@each_layout
+def test_a_second_send_of_one_received_payload_falls_back(logs: PackageLogs, host_ops: bool, layout: str) -> None:
     """The loop sends one received payload twice: the session issues the
     planned E2A once; the second send is not the plan's, so the session
     falls back (logged) and runs it on the compute stream, and the rest of
@@ -541,7 +664,9 @@ def test_a_second_send_of_one_received_payload_falls_back(logs: PackageLogs, hos
     plan = StepPlan((0, 1), (0,), {"max_num_tokens": 4})
     try:
         for step in range(2):
-            session = StepSession(connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of)
+            session = StepSession(
+                connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of, layout=LAYOUTS[layout]
+            )
             for L in plan.layers:
                 p = session.recv(recv, {"ubatch_idx": 0, "layer_idx": L, "max_num_tokens": 4})
                 assert torch.equal(p.hidden_states, torch.full((4, 8), float(L * 10)))
@@ -559,7 +684,10 @@ def test_a_second_send_of_one_received_payload_falls_back(logs: PackageLogs, hos
 
 
 @pytest.mark.parametrize("host_ops", [False, True], ids=["cpu-backend", "host-ops-backend"])
-def test_a_step_that_ends_early_logs_what_was_prefetched_and_never_consumed(logs: PackageLogs, host_ops: bool) -> None:
+@each_layout
+def test_a_step_that_ends_early_logs_what_was_prefetched_and_never_consumed(
+    logs: PackageLogs, host_ops: bool, layout: str
+) -> None:
     """The loop stops after the first layer of a two-layer plan: closing the
     session says how many planned receives ran and names the receive the
     lookahead prefetched for the layer the loop never asked; a step that
@@ -569,14 +697,18 @@ def test_a_step_that_ends_early_logs_what_was_prefetched_and_never_consumed(logs
     plan = StepPlan((0, 1), (0,), {"max_num_tokens": 4})
     try:
         for _ in range(2):
-            session = StepSession(connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of)
+            session = StepSession(
+                connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of, layout=LAYOUTS[layout]
+            )
             p = session.recv(recv, {"ubatch_idx": 0, "layer_idx": 0, "max_num_tokens": 4})
             session.send(lambda o=p.hidden_states, c=p.context: send(o, c, ubatch_idx=0), p.hidden_states, p.context, 0)
             session.close()
             assert set(session.held().values()) == {0}
         warned = logs.texts("planned receives", logging.WARNING)
         assert len(warned) == 2 and all("after 1 of 2" in w and "[(1, 0)]" in w for w in warned), warned
-        session = StepSession(connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of)
+        session = StepSession(
+            connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of, layout=LAYOUTS[layout]
+        )
         session.recv(recv, {"ubatch_idx": 0, "layer_idx": 0, "max_num_tokens": 4})
         session.close(raising=True)
         assert len(logs.texts("planned receives", logging.WARNING)) == 2

@@ -29,7 +29,7 @@ from support.overlap import (
 )
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.keys import A2E, COMPUTE_STREAM, E2A, side_stream_name
+from camp2p_overlap.core.keys import A2E, COMPUTE_STREAM, E2A, FFN_STREAM, side_stream_name
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.overlap.streams import (
     BackendUnavailable,
@@ -66,6 +66,12 @@ def test_unknown_device_kind_and_incomplete_modules_are_refused() -> None:
     incomplete = SimpleNamespace(__name__="fakedev", Stream=object, Event=object, stream=None)
     with pytest.raises(BackendUnavailable, match="fakedev has no current_stream"):
         StreamBackend("fake", incomplete)  # type: ignore[arg-type]
+    # The FFN's side stream is made current with set_stream (compute-side): a module without it is refused too.
+    no_set_stream = SimpleNamespace(
+        __name__="fakedev", Stream=object, Event=object, stream=None, current_stream=lambda: None
+    )
+    with pytest.raises(BackendUnavailable, match="fakedev has no set_stream"):
+        StreamBackend("fake", no_set_stream)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------
@@ -97,39 +103,45 @@ def streams_ops_ran_on(w: Any) -> dict[tuple[str, int, int], str]:
     return ran_on
 
 
+@pytest.mark.parametrize("layout", ["compute-side", "comm-side"])
 def test_device_backend_schedule_equals_serial_and_reuses_events(
-    monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer
+    monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer, layout: str
 ) -> None:
     """The device backend over the emulated device: every op's kernels run
-    on the stream the schedule puts them on, every edge holds in what the
-    streams performed, and streams and events are made once and reused."""
+    on the stream the schedule puts them on (compute-side: A2E and E2A on C,
+    the FFN on F; comm-side: A2E and E2A on K_s, the FFN on C), every edge
+    holds in what the streams performed, and streams and events are made
+    once and reused."""
     w = world(layers=4, stage_ids=(0, 1, 2))
     scheds = [Schedule(4, (0, 1, 2), (3 + i, 9, 16 - i), step=i + 1) for i in range(6)]
     refs = serial_results(w, scheds, patch_layer=patch_layer)
-    apply_cpu(patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer, layouts=(layout,))
     sessions = SessionSpy(monkeypatch, patch_layer=patch_layer)
     ran_on = streams_ops_ran_on(w)
     made_after_first = None
+    side = layout == "comm-side"
+    expected = trace.ExpectedSchedule((0, 1, 2, 3), (0, 1, 2), side, side, not side)
     for i, (sched, ref) in enumerate(zip(scheds, refs, strict=True)):
         ran_on.clear()
         with trace.recording() as rec:
             assert_same(bounded(lambda sched=sched: run_step(w, sched)), ref)
+        comm, ffn = (side_stream_name, COMPUTE_STREAM) if side else (lambda _s: COMPUTE_STREAM, FFN_STREAM)
         want = {
-            (kind, L, s): side_stream_name(s) if kind in (A2E, E2A) else COMPUTE_STREAM
+            (kind, L, s): comm(s) if kind in (A2E, E2A) else ffn
             for L in range(4)
             for s in (0, 1, 2)
             for kind in (A2E, "ffn", E2A)
         }
         assert ran_on == want, {k: (v, want.get(k)) for k, v in ran_on.items() if v != want.get(k)}
-        res = edges.check_step(rec.ops(rec.steps()[0]), trace.ExpectedSchedule((0, 1, 2, 3), (0, 1, 2), True, True))
+        res = edges.check_step(rec.ops(rec.steps()[0]), expected)
         assert res.ok, str(res)
         (sset,) = stream_sets(patch_layer)
-        made = (len(sset.backend._events), tuple(id(k) for k in sset.streams.values()))
+        made = (len(sset.backend._events), tuple(id(k) for k in (*sset.streams.values(), sset.ffn)))
         if i == 0:
             made_after_first = made
-    # Streams (3, made once) and events (pooled by key) are reused across steps.
+    # Streams (K0, K1, K2 and F, made once) and events (pooled by key) are reused across steps.
     assert made == made_after_first
-    assert len(made[1]) == 3
+    assert len(made[1]) == 4
     assert sessions.count == len(scheds)
 
 
@@ -210,10 +222,11 @@ def _on_device(w: Any, device: torch.device) -> None:
     t.a2e, t.e2a = a2e_dev, e2a_dev  # type: ignore[method-assign]
 
 
+@pytest.mark.parametrize("layout", ["compute-side", "comm-side"])
 @pytest.mark.parametrize(
     "kind", [pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("npu", marks=pytest.mark.npu)]
 )
-def test_emulated_world_on_a_real_device(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+def test_emulated_world_on_a_real_device(monkeypatch: pytest.MonkeyPatch, kind: str, layout: str) -> None:
     why = _device_ready(kind)
     if why:
         pytest.skip(why)
@@ -245,12 +258,19 @@ def test_emulated_world_on_a_real_device(monkeypatch: pytest.MonkeyPatch, kind: 
             report = patch_layer.engine.apply(
                 strict=True,
                 manifest=site.manifest,
-                config=OverlapConfig(enabled=True, backend=kind, adaptive=False),
+                config=OverlapConfig(enabled=True, backend=kind, adaptive=False, layouts=(layout,)),
             )
             assert report.engaged, str(report)
+            mod = device_module(kind)
             for sched, ref in zip(scheds, refs, strict=True):
-                got = bounded(lambda sched=sched: run_step(w, sched), timeout=60)
-                device_module(kind).synchronize()
+
+                def step(sched: Schedule = sched) -> tuple[Any, Any, Any]:
+                    caller = mod.current_stream()
+                    return caller, run_step(w, sched), mod.current_stream()
+
+                before, got, after = bounded(step, timeout=60)
+                assert after == before, f"{layout}: the caller's stream is not current after the step"
+                mod.synchronize()
                 assert_same(got, ref)
             assert len(sessions) == len(scheds)
         finally:
@@ -269,13 +289,17 @@ def test_adaptive_device_steps_read_events_and_never_synchronize(fake_device: Ho
     scheds = [Schedule(3, (0, 1), (8, 8), step=i + 1) for i in range(10)]
     refs = serial_results(w, scheds)
     apply_cpu(adaptive=True)  # the process-wide patch layer: stats() reads it
-    before = camp2p_overlap.stats()["steps"]
+    before_stats = camp2p_overlap.stats()
+    before, before_layouts = before_stats["steps"], before_stats["layout_steps"]
     for sched, ref in zip(scheds, refs, strict=True):
         assert_same(bounded(lambda sched=sched: run_step(w, sched)), ref)
     after = camp2p_overlap.stats()
     ran = {k: after["steps"][k] - before[k] for k in ("overlap", "serial")}
     assert ran["overlap"] >= 3 and ran["serial"] >= 3 and sum(ran.values()) == len(scheds)
+    # the overlap steps ran the default layout
+    assert after["layout_steps"].get("compute-side", 0) - before_layouts.get("compute-side", 0) == ran["overlap"]
     assert fake_device.syncs == 0, "a step synchronized"
     assert fake_device.queries >= 6  # the step times were read with query()
     (bucket,) = [b for b in after["buckets"] if b["key"]["layers"] == 3 and b["key"]["tokens"] == 8]
-    assert bucket["decision"] in ("overlap", "serial") and bucket["overlap_samples"] >= 2
+    assert bucket["decision"] in ("compute-side", "serial") and bucket["overlap_samples"] >= 2
+    assert bucket["samples"]["compute-side"] == bucket["overlap_samples"]
