@@ -189,11 +189,13 @@ def test_vllm_loader_runs_our_entry_point(
 
 
 @pytest.mark.vllm_runtime
-def test_real_vllm_picks_its_stack_and_an_engaged_two_stage_step_equals_serial(real_vllm: str) -> None:
+@pytest.mark.parametrize("layout", ["compute-side", "comm-side"])
+def test_real_vllm_picks_its_stack_and_an_engaged_two_stage_step_equals_serial(real_vllm: str, layout: str) -> None:
     """With the real wheel installed, the entry point applies the stack of
     that vLLM; with that stack's stand-ins (afd-plugin main's runner for
     0.26.0), an engaged 2-stage step is bitwise equal to the serial one and
-    runs A2E and E2A on the stage streams."""
+    runs its layout: the FFN on F and A2E/E2A on C (compute-side, the
+    default), or A2E and E2A on the stage streams (comm-side)."""
     stack = STACK_OF[real_vllm]
     out = run_vllm(
         "vllm_engaged_step.py",
@@ -203,6 +205,7 @@ def test_real_vllm_picks_its_stack_and_an_engaged_two_stage_step_equals_serial(r
             "VLLM_CAMP2P_MULTISTREAM_ADAPTIVE": "0",
             "VLLM_PLUGINS": "camp2p_overlap",
             "STANDIN_STACK": stack,
+            "VLLM_CAMP2P_MULTISTREAM_LAYOUT": layout,
         },
         version=real_vllm,
     )
@@ -210,6 +213,9 @@ def test_real_vllm_picks_its_stack_and_an_engaged_two_stage_step_equals_serial(r
     assert out["runner_file"] == ("ffn_model_runner_main.py" if stack == "vllm-0.26.0" else "ffn_model_runner.py")
     assert out["keys_equal"] and out["bitwise"]
     assert out["check"] == "ok"
-    side = {(kind, stream) for kind, stream in out["side"]}
-    assert {kind for kind, _ in side} == {"a2e", "e2a"}
-    assert all(stream != "C" for _, stream in side), side  # none on the compute stream
+    streams = {(kind, stream) for kind, stream in out["side"]}
+    assert {kind for kind, _ in streams} == {"a2e", "e2a", "ffn"}
+    if layout == "compute-side":
+        assert streams == {("a2e", "C"), ("e2a", "C"), ("ffn", "F")}, streams
+    else:
+        assert ("ffn", "C") in streams and all(s != "C" for k, s in streams if k != "ffn"), streams

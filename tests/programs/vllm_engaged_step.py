@@ -28,7 +28,8 @@ with trace.recording() as rec:
 (step,) = rec.steps()
 ops = rec.ops(step)
 layers = tuple(w.layer_list())
-check = edges.check_step(ops, trace.ExpectedSchedule(layers, (0, 1), True, True))
+comm_side = os.environ.get("VLLM_CAMP2P_MULTISTREAM_LAYOUT") == "comm-side"
+check = edges.check_step(ops, trace.ExpectedSchedule(layers, (0, 1), comm_side, comm_side, not comm_side))
 child_vllm.emit(
     {
         "stack": st.stack,
@@ -36,7 +37,7 @@ child_vllm.emit(
         "runner_file": os.path.basename(w.modules[0].__file__),
         "keys_equal": sorted(got) == sorted(serial) and len(serial) == 6,
         "bitwise": all(torch.equal(got[k], serial[k]) for k in serial),
-        "side": sorted({(o.kind, o.stream) for o in ops if o.kind in ("a2e", "e2a")}),
+        "side": sorted({(o.kind, o.stream) for o in ops if o.kind in ("a2e", "e2a", "ffn")}),
         "check": str(check) if not check.ok else "ok",
     }
 )
