@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             world.run_step()
             warm += 1
             bucket = bucket_of(camp2p_overlap.stats(), ffn_layers, args.stages)
-            if not adaptive or (bucket is not None and bucket.get("decision") == "overlap"):
+            if not adaptive or (bucket is not None and bucket.get("decision") not in (None, "learning", "serial")):
                 decided_at = warm
                 break
         if decided_at is None:
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     bucket = bucket_of(after_stats, ffn_layers, args.stages)
     engaged = delta.get("overlap") == 1 and all(v == 0 for k, v in delta.items() if k != "overlap")
-    if not engaged or (adaptive and (bucket is None or bucket.get("decision") != "overlap")):
+    if not engaged or (adaptive and (bucket is None or bucket.get("decision") in ("learning", "serial"))):
         raise SystemExit(f"the measured step did not run engaged: step counts changed by {delta}, bucket {bucket}")
 
     functions = recorder.functions()

@@ -72,6 +72,11 @@ class Decision:
     layouts: tuple[Layout, ...] = (COMPUTE_SIDE,)
     #: The rollout mode the step engages in (VLLM_CAMP2P_MULTISTREAM_MODE).
     mode: str = "overlap"
+    #: The layouts' names, in the same order (adaptive engage's overlap paths).
+    names: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", tuple(layout.name for layout in self.layouts))
 
     @property
     def layout(self) -> Layout:
@@ -340,14 +345,13 @@ class FfnStep:
         adaptive, every = self.runtime.adaptive, self.engine.config.reprobe_every
         if adaptive.settings.reprobe_every != every:  # the engine's re-probe interval
             adaptive.settings = replace(adaptive.settings, reprobe_every=every)
-        layouts = decision.layouts
-        path, probe, timed = adaptive.choose(key, tuple(layout.name for layout in layouts))
+        path, probe, timed = adaptive.choose(key, decision.names)
         if path == SERIAL:
             self.runtime.counters.serial(SERIAL_PROBE if probe else SERIAL_FASTER)
             if not timed:
                 return self.run_original()
             return state.timings.timed(key, SERIAL, backend, self.run_original)
-        layout = next(layout for layout in layouts if layout.name == path)
+        layout = decision.layouts[decision.names.index(path)]
         return state.timings.timed(key, path, backend, partial(self.run_engaged, decision, streamset, layout))
 
     # -- 4. the engaged step -------------------------------------------------
