@@ -4,11 +4,14 @@ layer L+1 only once it has received the E2A of layer L from *every* stage
 next, unlike vLLM's DBO micro-batching, where each stage's next layer
 depends on that stage's E2A alone).
 
-With such a peer, the ``reorder`` rollout mode deadlocks: on one stream,
-A2E(L+1, s) is issued right after E2A(L, s) and blocks everything behind it,
-including E2A(L, s') of the other stages it waits for. The ``overlap`` mode
-completes (the lookahead A2E waits on its own side stream). In the
-emulation the wait is bounded by the transport's op timeout.
+With such a peer, every layout that issues A2E and E2A on one stream in the
+overlap's order deadlocks: the ``reorder`` rollout mode, and the
+``compute-side`` layout of the ``overlap`` mode (the default: A2E/E2A on the
+caller's stream C, the FFN on F). There A2E(L+1, s) is issued right after
+E2A(L, s) and blocks everything behind it, including E2A(L, s') of the
+other stages it waits for. The ``comm-side`` layout completes (the
+lookahead A2E waits on its own stage's side stream K_s). In the emulation
+the wait is bounded by the transport's op timeout.
 
 Attach with :func:`couple_stages`; it takes the transport's fault hook slot.
 """

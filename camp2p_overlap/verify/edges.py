@@ -8,12 +8,15 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from camp2p_overlap.core.keys import COMPUTE_STREAM, FFN_STREAM, side_stream_name
+from camp2p_overlap.core.keys import COMPUTE_STREAM, FFN_STREAM, EventKey, side_stream_name
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, TraceOp
 
 # ---------------------------------------------------------------------------
 # The edge checker
 # ---------------------------------------------------------------------------
+
+#: The label of the fork event (recorded on C, waited first by every side stream).
+FORK_LABEL = EventKey.fork().label()
 
 
 @dataclass
@@ -37,13 +40,13 @@ def check_step(
     """Check that every edge of the design held in one step's trace.
 
     Two kinds of evidence: the timings (each op started after what it
-    depends on ended; no two ops of one stage group at once; C ran one op at
-    a time in the loop's order; everything inside the step span), and the
-    event graph: each dependency (edges 3, 4, 5/6) must be a path of stream
-    order and record->wait edges, each side stream must start with a wait on
-    C (fork) and end before a wait of C after its last op (join), no wait
-    may bind to an event not recorded in the step, and no side stream may
-    wait on another stage's stream.
+    depends on ended; no two ops of one stage group at once; C and F each
+    ran one op at a time in the step's issue order; everything inside the
+    step span), and the event graph: each dependency (edges 3, 4, 5/6) must
+    be a path of stream order and record->wait edges, each side stream (K_s,
+    F) must start with a wait on C's ``fork`` and end before a wait of C
+    after its last op (join), no wait may bind to an event not recorded in
+    the step, and no side stream may wait on another stage's stream.
 
     ``source`` says whose records and waits build the graph: ``"backend"``
     (what the streams performed, in execution order, each wait bound to the
@@ -250,10 +253,12 @@ def _check_event_graph(
     for name, seq in per_stream.items():
         if name == COMPUTE_STREAM:
             continue
-        # Edge 1: a side stream starts by waiting on the compute stream.
+        # Edge 1: a side stream starts by waiting the fork recorded on the compute stream (another event of C
+        # orders it after what that event follows only: compute-side's F would wait a_done(L0, s) first).
         head = nodes[seq[0]]
-        if head.kind != "wait" or seq[0] not in bound or recorded_on[bound[seq[0]]] != COMPUTE_STREAM:
-            bad(f"edge 1 (fork): {name} starts with {head.kind} {head.detail}, not a wait on an event of C")
+        forked = seq[0] in bound and recorded_on[bound[seq[0]]] == COMPUTE_STREAM
+        if head.kind != "wait" or head.detail != FORK_LABEL or not forked:
+            bad(f"edge 1 (fork): {name} starts with {head.kind} {head.detail}, not a wait on the fork event of C")
         # Edge 7: everything queued on the side stream is ordered before a
         # wait on C that follows every op of C.
         last_c = c_ops[-1] if c_ops else None
@@ -282,7 +287,7 @@ def find(ops: Iterable[TraceOp], kind: str, layer: int, stage: int) -> TraceOp:
 
 def to_chrome_trace(ops: Sequence[TraceOp], process: str = "camp2p-overlap", pid: int = 1) -> list[dict]:
     """Chrome trace-event records (Perfetto / chrome://tracing), one track
-    (thread) per stream, named ``C``, ``K0``, ``K1`` ..."""
+    (thread) per stream, named ``C``, ``F``, ``K0``, ``K1`` ..."""
     if not ops:
         return []
     # Where the backend says what its streams performed, show that (not also

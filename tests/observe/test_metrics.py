@@ -2,8 +2,9 @@
 HTTP GET over loopback, parsed with prometheus_client's own text parser)
 on the address configured (loopback by default), the counters reaching
 vLLM's multi-process ``/metrics`` registry through PROMETHEUS_MULTIPROC_DIR,
-vLLM-style names, bounded reason labels, decode-graph replays counted per
-variant, the one-line summary, a forked child starting from zero, and the
+vLLM-style names, bounded reason labels, engaged steps counted per layout
+(``stats()["layout_steps"]``), decode-graph replays counted per variant,
+the one-line summary, a forked child starting from zero, and the
 scrape and summary never touching a device event."""
 
 from __future__ import annotations
@@ -77,8 +78,11 @@ def test_endpoint_is_scraped_over_loopback(fresh_reporting: None) -> None:
     serial = samples(fams["vllm:camp2p_overlap_serial_steps"], "reason")
     assert serial == {k: float(v) for k, v in stats["serial_reasons"].items()}
     assert "1 stage(s), fewer than the minimum 2" in serial
-    info = {(s.labels["mode"], s.labels["rung"]): s.value for s in fams["vllm:camp2p_overlap_mode_info"].samples}
-    assert info == {("overlap", "overlap"): 1.0}
+    info = {
+        (s.labels["mode"], s.labels["rung"], s.labels["layouts"]): s.value
+        for s in fams["vllm:camp2p_overlap_mode_info"].samples
+    }
+    assert info == {("overlap", "compute-side", "compute-side"): 1.0}  # the default layout
     # A scrape serves the counts of that moment.
     before = stats["steps"]["overlap"]
     bounded(lambda: run_step(w))
@@ -93,6 +97,37 @@ def test_endpoint_is_scraped_over_loopback(fresh_reporting: None) -> None:
     assert replays == {k: float(v) for k, v in camp2p_overlap.stats()["graph_replays"].items()}
     assert replays == {"serial": replays_before["serial"] + 1.0, "overlap": replays_before["overlap"] + 2.0}
     assert camp2p_overlap.stats()["steps"] == steps_before
+
+
+def test_stats_count_engaged_steps_per_layout(fresh_reporting: None) -> None:
+    """``stats()["layout_steps"]``: each engaged step under the layout it ran (compute-side by default, comm-side
+    and its switched variants where listed, parity and reorder as their own), a serial step under none."""
+    w = world(layers=2, stage_ids=(0, 1))
+    runs = [
+        ({}, "overlap", "compute-side", 2),
+        ({"layouts": ("comm-side",)}, "overlap", "comm-side", 1),
+        ({"layouts": ("comm-side",), "a2e_on_side_stream": False}, "overlap", "e2a-only", 1),
+        ({"layouts": ("comm-side",), "e2a_on_side_stream": False}, "overlap", "a2e-only", 2),
+        ({"mode": "reorder"}, "reorder", "reorder", 1),
+        ({"mode": "parity"}, "parity", "parity", 1),
+    ]
+    for overrides, mode, layout, n in runs:
+        cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False, summary_s=0, **overrides)
+        assert PATCH_LAYER.engine.unpatch(timeout=10)  # an applied engine keeps its config
+        PATCH_LAYER.engine.apply(strict=True, config=cfg)
+        before = camp2p_overlap.stats()
+        for _ in range(n):
+            bounded(lambda: run_step(w))
+        bounded(lambda: run_step(w, Schedule(2, (0,), (4,), 2)))  # one stage: serial, under no layout
+        after = camp2p_overlap.stats()
+        grown = {
+            name: count - before["layout_steps"].get(name, 0)
+            for name, count in after["layout_steps"].items()
+            if count != before["layout_steps"].get(name, 0)
+        }
+        assert grown == {layout: n}, (overrides, before["layout_steps"], after["layout_steps"])
+        assert after["steps"][mode] - before["steps"][mode] == n
+        assert after["steps"]["serial"] - before["steps"]["serial"] == 1
 
 
 def test_no_endpoint_unless_asked(fresh_reporting: None) -> None:
@@ -115,7 +150,14 @@ def test_names_follow_vllms_conventions() -> None:
         for f in text_string_to_metric_families(generate_latest(m.registry).decode())
         if not f.name.endswith("_created")
     ]
-    assert {f.name for f in fams} == {metrics.STEPS, metrics.SERIAL_STEPS, metrics.GRAPH_REPLAYS, metrics.MODE_INFO}
+    assert {f.name for f in fams} == {
+        metrics.STEPS,
+        metrics.SERIAL_STEPS,
+        metrics.GRAPH_REPLAYS,
+        metrics.LAYOUT_STEPS,
+        metrics.LAYOUT_GRAPH_REPLAYS,
+        metrics.MODE_INFO,
+    }
     for f in fams:
         assert f.name.startswith("vllm:") and f.name == f.name.lower() and " " not in f.name
         assert f.documentation
@@ -302,7 +344,15 @@ def test_graph_replays_are_counted_per_variant_apart_from_the_steps() -> None:
     c.graph_replay("overlap")
     c.serial("why")
     snap = c.to_dict()
-    assert list(snap) == ["steps", "serial_reasons", "graph_replays", "graph_captures"]
+    assert list(snap) == [
+        "steps",
+        "serial_reasons",
+        "layout_steps",
+        "graph_replays",
+        "graph_replay_layouts",
+        "graph_captures",
+    ]
+    assert snap["layout_steps"] == {} and snap["graph_replay_layouts"] == {}  # no engaged step, no layer's variant
     assert snap["graph_replays"] == {"serial": 1, "overlap": 2}
     assert snap["steps"] == {"overlap": 0, "parity": 0, "reorder": 0, "serial": 1}
     for bad in ("parity", "reorder", "Overlap", ""):
@@ -327,7 +377,7 @@ def test_graph_replays_are_counted_exactly_from_many_threads() -> None:
         barrier.wait()
         for _ in range(n):
             c.graph_replay(variant)
-            c.engaged("overlap")
+            c.engaged("overlap", "compute-side")
 
     workers = [threading.Thread(target=replay, args=("serial" if i % 2 else "overlap",)) for i in range(threads)]
     for t in workers:
@@ -337,6 +387,7 @@ def test_graph_replays_are_counted_exactly_from_many_threads() -> None:
     snap = c.to_dict()
     assert snap["graph_replays"] == {"serial": n * threads // 2, "overlap": n * threads // 2}
     assert snap["steps"]["overlap"] == n * threads
+    assert snap["layout_steps"] == {"compute-side": n * threads}
 
 
 def test_the_graph_replays_metric_follows_the_counters() -> None:
@@ -358,7 +409,13 @@ def _in_forked_child(c: StepCounters, m: metrics.StepMetrics) -> int:
     """The checks a forked child runs: 0 when all hold, else which failed."""
     zero = {"steps": dict.fromkeys(("overlap", "parity", "reorder", "serial"), 0), "serial_reasons": {}}
     none = {"serial": 0, "overlap": 0}
-    if c.to_dict() != {**zero, "graph_replays": none, "graph_captures": none}:
+    if c.to_dict() != {
+        **zero,
+        "layout_steps": {},
+        "graph_replays": none,
+        "graph_replay_layouts": {},
+        "graph_captures": none,
+    }:
         return 10
     fams = families(m)
     exported = [
@@ -367,7 +424,7 @@ def _in_forked_child(c: StepCounters, m: metrics.StepMetrics) -> int:
     ]
     if set(exported) != {0.0} or samples(fams[metrics.SERIAL_STEPS], "reason"):
         return 11
-    c.engaged("overlap")
+    c.engaged("overlap", "compute-side")
     c.graph_replay("serial")
     fams = families(m)
     info = {(s.labels["mode"], s.labels["rung"]): s.value for s in fams[metrics.MODE_INFO].samples}
@@ -375,6 +432,8 @@ def _in_forked_child(c: StepCounters, m: metrics.StepMetrics) -> int:
         return 12
     if samples(fams[metrics.GRAPH_REPLAYS], "variant") != {"serial": 1.0, "overlap": 0.0}:
         return 13
+    if samples(fams[metrics.LAYOUT_STEPS], "layout") != {"compute-side": 1.0}:
+        return 15
     return 0 if info == {("reorder", "reorder"): 1.0} else 14
 
 
@@ -383,7 +442,7 @@ def test_a_forked_child_starts_its_counters_and_metrics_from_zero() -> None:
     c = StepCounters()
     m = metrics.StepMetrics(c.to_dict, mode="reorder", rung="reorder")
     for _ in range(3):
-        c.engaged("overlap")
+        c.engaged("overlap", "compute-side")
         c.graph_replay("overlap")
     c.serial("why")
     m.sync()
@@ -403,6 +462,7 @@ def test_a_forked_child_starts_its_counters_and_metrics_from_zero() -> None:
         12: "the child's own step was not exported alone",
         13: "the child's own replay was not exported alone",
         14: "the child lost the mode gauge",
+        15: "the child's own step was not exported alone under its layout",
     }.get(code, f"the child failed (exit {code})")
     # The parent's counts and metrics are untouched by the fork.
     assert c.to_dict() == parent
@@ -552,7 +612,7 @@ def test_steps_counted_on_many_threads_without_a_lock_are_all_counted() -> None:
     def count() -> None:
         for i in range(per_thread):
             c.serial("a" if i % 2 else "b")
-            c.engaged("overlap")
+            c.engaged("overlap", "comm-side" if i % 2 else "compute-side")
 
     workers = [threading.Thread(target=count) for _ in range(threads)]
     for w in workers:
@@ -563,4 +623,5 @@ def test_steps_counted_on_many_threads_without_a_lock_are_all_counted() -> None:
     d = c.to_dict()
     assert d["steps"]["serial"] == threads * per_thread + 1
     assert d["steps"]["overlap"] == threads * per_thread
+    assert d["layout_steps"] == {"compute-side": threads * per_thread // 2, "comm-side": threads * per_thread // 2}
     assert d["serial_reasons"] == {"b": threads * per_thread // 2, "a": threads * per_thread // 2 + 1}

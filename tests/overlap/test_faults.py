@@ -17,7 +17,8 @@ the device finish what the step had issued before the next step).
 Property-based fault injection (hypothesis, ``tests/support/strategies.py``): runs
 each with one fault (an exception, a delay, or an attention peer that stops
 answering) at a drawn (layer, stage) and op kind (A2E, FFN, E2A), drawn
-stage sets, directions and rollout modes; a failure shrinks to a minimal
+stage sets, layouts (compute-side, the default; comm-side with its drawn
+directions), directions and rollout modes; a failure shrinks to a minimal
 run. Every run must:
 
 * end within a bound (a hang fails the run instead of blocking the suite);
@@ -35,6 +36,12 @@ the same exception type (or give the same outputs) - the overlap changes
 where the error happens, never what the caller sees.
 
 Every test runs once per supported stack (``standin_stack``).
+
+Layouts: ``compute-side`` (the default) runs every A2E and E2A on C in the
+overlap's order and the FFNs on F, so a kernel fault poisons C and every
+later op of the step; ``comm-side`` runs each stage's A2E/E2A on its side
+stream K_s (the direction switches refine it), so a fault poisons that
+stage's stream only.
 """
 
 from __future__ import annotations
@@ -93,6 +100,18 @@ POINT: dict[str, Any] = {
 }
 
 
+#: The layouts of the overlap mode (the direction switches refine comm-side only).
+LAYOUTS = ("compute-side", "comm-side")
+
+
+def _layout_config(layout: str, directions: tuple[bool, bool]) -> dict[str, Any]:
+    """The config of ``layout``: comm-side with the direction switches, compute-side (which ignores them)."""
+    if layout == "compute-side":
+        return {"layouts": (layout,)}
+    a2e, e2a = directions
+    return {"layouts": (layout,), "a2e_on_side_stream": a2e, "e2a_on_side_stream": e2a}
+
+
 @st.composite
 def fault_points(draw: st.DrawFn) -> dict[str, Any]:
     """An error at a drawn op of a drawn step, then a clean step of the same shape."""
@@ -103,6 +122,7 @@ def fault_points(draw: st.DrawFn) -> dict[str, Any]:
         "where": draw(st.sampled_from(FAULT_SITES)),
         "layer": draw(st.integers(0, sched.layers - 1)),
         "stage": draw(st.sampled_from(sched.stages)),
+        "layout": draw(st.sampled_from(LAYOUTS)),
         "dirs": draw(st.sampled_from(DIRECTIONS)),
     }
 
@@ -122,9 +142,12 @@ def error_world(standin_stack: str) -> World:
 
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=settings().max_examples // 2)
 @given(p=fault_points())
-@example(p={**POINT, "where": "a2e", "dirs": (True, True)})
-@example(p={**POINT, "where": "ffn", "dirs": (False, True)})
-@example(p={**POINT, "where": "e2a", "dirs": (True, False)})
+@example(p={**POINT, "where": "a2e", "layout": "comm-side", "dirs": (True, True)})
+@example(p={**POINT, "where": "ffn", "layout": "comm-side", "dirs": (False, True)})
+@example(p={**POINT, "where": "e2a", "layout": "comm-side", "dirs": (True, False)})
+@example(p={**POINT, "where": "a2e", "layout": "compute-side", "dirs": (True, True)})
+@example(p={**POINT, "where": "ffn", "layout": "compute-side", "dirs": (True, True)})
+@example(p={**POINT, "where": "e2a", "layout": "compute-side", "dirs": (True, True)})
 def test_injected_errors_surface_unchanged_and_the_next_step_is_correct(
     error_world: World, patch_layer: PatchLayer, p: dict[str, Any]
 ) -> None:
@@ -150,8 +173,7 @@ def test_injected_errors_surface_unchanged_and_the_next_step_is_correct(
     original = wrap_model(w, before_with_stage=before_ffn)
     w.transport.fault_hook = hook
     try:
-        a2e, e2a = p["dirs"]
-        apply_cpu(patch_layer=patch_layer, a2e_on_side_stream=a2e, e2a_on_side_stream=e2a)
+        apply_cpu(patch_layer=patch_layer, **_layout_config(p["layout"], p["dirs"]))
         target.clear()
         target.update(where=p["where"], layer=p["layer"], stage=p["stage"])
         raised.clear()
@@ -167,7 +189,7 @@ def test_injected_errors_surface_unchanged_and_the_next_step_is_correct(
         if p["where"] == "ffn":
             # A host error: the loop stops in that FFN.
             assert ffn_calls == order[: at + 1]
-        elif p["where"] == "a2e" or p["dirs"] != (False, True):
+        elif p["where"] == "a2e" or p["layout"] == "compute-side" or p["dirs"] != (False, True):
             # A kernel error does not stop the host (it no longer surfaces at
             # the receive, as when the host ran C): the host issues the whole
             # step, every FFN once in loop order, and the error surfaces at
@@ -189,17 +211,22 @@ def test_injected_errors_surface_unchanged_and_the_next_step_is_correct(
         assert w.runner.model.compute_ffn_output == original
 
 
-def test_error_in_first_prefetch_of_another_stage_surfaces_at_the_end_of_the_step(patch_layer: PatchLayer) -> None:
-    """The prologue A2E of stage 1 fails in its kernel, on K1. It used to
-    surface at the loop's receive of (L0, s1), before FFN(L0, s1); on the
-    device it is an asynchronous error of K1: the host issues the whole step
-    (every FFN), the error surfaces when the step ends, and K1's later ops
-    are skipped (stage 1 delivers nothing)."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_error_in_first_prefetch_of_another_stage_surfaces_at_the_end_of_the_step(
+    patch_layer: PatchLayer, layout: str
+) -> None:
+    """The prologue A2E of stage 1 fails in its kernel (on K1 in comm-side, on
+    C in compute-side). It used to surface at the loop's receive of (L0, s1),
+    before FFN(L0, s1); on the device it is an asynchronous error of its
+    stream: the host issues the whole step (every FFN), the error surfaces
+    when the step ends, and the stream's later ops are skipped. comm-side:
+    K1's, so stage 1 delivers nothing while stage 0 does; compute-side: C's,
+    which holds every E2A of the step, so nothing is delivered."""
     w = world(layers=3, stage_ids=(0, 1))
     sched = Schedule(3, (0, 1), (8, 8), step=1)
     nxt = Schedule(3, (0, 1), (8, 8), step=2)
     (ref,) = serial_results(w, [nxt], patch_layer=patch_layer)
-    apply_cpu(patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer, layouts=(layout,))
     ffn_layers: list[int] = []
     wrap_model(w, before=ffn_layers.append)
 
@@ -211,10 +238,14 @@ def test_error_in_first_prefetch_of_another_stage_surfaces_at_the_end_of_the_ste
     with pytest.raises(InjectedFault, match=r"^prologue a2e of stage 1$"):
         bounded(lambda: run_step(w, sched))
     assert ffn_layers == [0, 0, 1, 1, 2, 2]  # the host was not stopped
-    # K1 is poisoned from its first op on: stage 1 delivers nothing, while
-    # stage 0's first E2A (which depends on nothing of K1) still runs.
-    assert (0, 0) in w.transport.results
-    assert not [key for key in w.transport.results if key[1] == 1]
+    assert not [key for key in w.transport.results if key[1] == 1]  # stage 1 delivers nothing
+    if layout == "comm-side":
+        # K1 is poisoned from its first op on, while stage 0's first E2A
+        # (which depends on nothing of K1) still runs on K0.
+        assert (0, 0) in w.transport.results
+    else:
+        # C is poisoned from its second op on (the prologue's A2E of stage 1): every E2A is behind it.
+        assert w.transport.results == {}
     assert_streams_idle(patch_layer=patch_layer)
     w.transport.fault_hook = None
     assert_same(bounded(lambda: run_step(w, nxt)), ref)
@@ -243,9 +274,12 @@ def test_model_error_surfaces_and_streams_join(patch_layer: PatchLayer) -> None:
     assert_same(bounded(lambda: run_step(w, nxt)), ref)
 
 
-def test_a_silent_peer_is_reported_as_a_stall_then_times_out(logs: PackageLogs, patch_layer: PatchLayer) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_silent_peer_is_reported_as_a_stall_then_times_out(
+    logs: PackageLogs, patch_layer: PatchLayer, layout: str
+) -> None:
     w = world(layers=3, stage_ids=(0, 1), op_timeout_s=1.0)
-    apply_cpu(patch_layer=patch_layer, watchdog_s=0.2)
+    apply_cpu(patch_layer=patch_layer, watchdog_s=0.2, layouts=(layout,))
 
     def hook(kind: str, layer: int, stage: int) -> None:
         if (kind, layer, stage) == ("a2e", 1, 1):
@@ -255,9 +289,13 @@ def test_a_silent_peer_is_reported_as_a_stall_then_times_out(logs: PackageLogs, 
     with pytest.raises(PeerTimeoutError, match=r"\(peer stopped\)"):
         bounded(lambda: run_step(w, Schedule(3, (0, 1), (8, 8), step=1)))
     (report,) = logs.texts("has not finished after 0.2 s", logging.WARNING)
-    # It names the op that waits for the silent peer, and its pending event.
-    assert "a2e(L1,s1) on K1" in report
+    # It names the op that waits for the silent peer, where it runs, and its pending event.
+    stream = "K1" if layout == "comm-side" else "C"
+    assert f"likely missing peer op: a2e(L1,s1) on {stream}" in report
     assert "event a L1 s1: pending" in report
+    if layout == "compute-side":
+        assert "compute stream C is blocked in a2e(L1,s1)" in report
+        assert "FFN stream: F waits for a2e(L1,s1) on C (event a L1 s1 pending)" in report
     assert_streams_idle(patch_layer=patch_layer)
 
 
@@ -300,7 +338,7 @@ class Runner:
         assert not out.hung, f"step {n} did not finish within {STEP_BOUND_S} s"
         return out
 
-    def check(self, run: FaultRun, *, serial_too: bool = True) -> None:
+    def check(self, run: FaultRun, layout: str, *, serial_too: bool = True) -> None:
         w = self.world(run)
         fault = run.fault
         n = next(_STEP_NUMBERS)
@@ -322,14 +360,12 @@ class Runner:
 
         before = set(threading.enumerate())
         assert not _stream_threads(), f"{run}: stream threads alive before apply: {_stream_threads()}"
-        a2e_side, e2a_side = run.directions
         cfg = OverlapConfig(
             enabled=True,
             backend="cpu",
             adaptive=False,
-            a2e_on_side_stream=a2e_side,
-            e2a_on_side_stream=e2a_side,
             mode=run.mode,  # type: ignore[arg-type]
+            **_layout_config(layout, run.directions),
         )
         report = self.patch_layer.engine.apply(config=cfg, strict=True)
         assert report.applied
@@ -397,40 +433,51 @@ def _run(action: str, **kw: Any) -> FaultRun:
     return FaultRun(fault=fault, **{**base, **kw})
 
 
-@SHARED
-@given(run=fault_runs("raise"))
-@example(run=_run("raise", fault=Fault("raise", "a2e", 1, 1)))
-@example(run=_run("raise", fault=Fault("raise", "ffn", 2, 0, exc_type=InjectedIOError)))
-@example(run=_run("raise", fault=Fault("raise", "e2a", 0, 2), directions=(True, False)))
-@example(run=_run("raise", fault=Fault("raise", "a2e", 2, 1), mode="reorder"))
-@example(run=_run("raise", fault=Fault("raise", "e2a", 1, 0), mode="parity"))
-def test_injected_exceptions_surface_with_their_type(runners: dict[float, Runner], run: FaultRun) -> None:
-    _runner(runners, ERROR_OP_TIMEOUT_S).check(run)
+CS, KS = "compute-side", "comm-side"
 
 
 @SHARED
-@given(run=fault_runs("delay"))
-@example(run=_run("delay", fault=Fault("delay", "a2e", 1, 1, delay_s=0.01)))
-@example(run=_run("delay", fault=Fault("delay", "ffn", 0, 2, delay_s=0.01)))
-@example(run=_run("delay", fault=Fault("delay", "e2a", 2, 0, delay_s=0.01), mode="reorder"))
-def test_injected_delays_keep_outputs_bitwise_equal(runners: dict[float, Runner], run: FaultRun) -> None:
-    _runner(runners, 10.0).check(run)
+@given(run=fault_runs("raise"), layout=st.sampled_from(LAYOUTS))
+@example(run=_run("raise", fault=Fault("raise", "a2e", 1, 1)), layout=CS)
+@example(run=_run("raise", fault=Fault("raise", "e2a", 0, 2)), layout=CS)
+@example(run=_run("raise", fault=Fault("raise", "a2e", 1, 1)), layout=KS)
+@example(run=_run("raise", fault=Fault("raise", "ffn", 2, 0, exc_type=InjectedIOError)), layout=KS)
+@example(run=_run("raise", fault=Fault("raise", "e2a", 0, 2), directions=(True, False)), layout=KS)
+@example(run=_run("raise", fault=Fault("raise", "a2e", 2, 1), mode="reorder"), layout=CS)
+@example(run=_run("raise", fault=Fault("raise", "e2a", 1, 0), mode="parity"), layout=CS)
+def test_injected_exceptions_surface_with_their_type(runners: dict[float, Runner], run: FaultRun, layout: str) -> None:
+    _runner(runners, ERROR_OP_TIMEOUT_S).check(run, layout)
+
+
+@SHARED
+@given(run=fault_runs("delay"), layout=st.sampled_from(LAYOUTS))
+@example(run=_run("delay", fault=Fault("delay", "a2e", 1, 1, delay_s=0.01)), layout=CS)
+@example(run=_run("delay", fault=Fault("delay", "a2e", 1, 1, delay_s=0.01)), layout=KS)
+@example(run=_run("delay", fault=Fault("delay", "ffn", 0, 2, delay_s=0.01)), layout=KS)
+@example(run=_run("delay", fault=Fault("delay", "e2a", 2, 0, delay_s=0.01), mode="reorder"), layout=CS)
+def test_injected_delays_keep_outputs_bitwise_equal(runners: dict[float, Runner], run: FaultRun, layout: str) -> None:
+    _runner(runners, 10.0).check(run, layout)
 
 
 @settings(SHARED, max_examples=max(settings().max_examples // 4, 4))
-@given(run=fault_runs("stop"))
-@example(run=_run("stop", fault=Fault("stop", "a2e", 1, 1)))
-@example(run=_run("stop", fault=Fault("stop", "e2a", 0, 2)))
-@example(run=_run("stop", fault=Fault("stop", "a2e", 1, 0), mode="reorder"))
-def test_stopped_peers_time_out_and_leave_nothing_behind(runners: dict[float, Runner], run: FaultRun) -> None:
-    _runner(runners, 0.3).check(run)
+@given(run=fault_runs("stop"), layout=st.sampled_from(LAYOUTS))
+@example(run=_run("stop", fault=Fault("stop", "a2e", 1, 1)), layout=CS)
+@example(run=_run("stop", fault=Fault("stop", "e2a", 0, 2)), layout=CS)
+@example(run=_run("stop", fault=Fault("stop", "a2e", 1, 1)), layout=KS)
+@example(run=_run("stop", fault=Fault("stop", "e2a", 0, 2)), layout=KS)
+@example(run=_run("stop", fault=Fault("stop", "a2e", 1, 0), mode="reorder"), layout=CS)
+def test_stopped_peers_time_out_and_leave_nothing_behind(
+    runners: dict[float, Runner], run: FaultRun, layout: str
+) -> None:
+    _runner(runners, 0.3).check(run, layout)
 
 
 @pytest.mark.slow
 @settings(SHARED, max_examples=settings().max_examples * 4)
-@given(run=st.sampled_from(["raise", "delay", "stop"]).flatmap(fault_runs))
-def test_fault_injection_many_examples(runners: dict[float, Runner], run: FaultRun) -> None:
-    _runner(runners, {"stop": 0.3, "raise": ERROR_OP_TIMEOUT_S}.get(run.fault.action, 10.0)).check(run)
+@given(run=st.sampled_from(["raise", "delay", "stop"]).flatmap(fault_runs), layout=st.sampled_from(LAYOUTS))
+def test_fault_injection_many_examples(runners: dict[float, Runner], run: FaultRun, layout: str) -> None:
+    timeout = {"stop": 0.3, "raise": ERROR_OP_TIMEOUT_S}.get(run.fault.action, 10.0)
+    _runner(runners, timeout).check(run, layout)
 
 
 def test_the_harness_catches_a_hang(patch_layer: PatchLayer) -> None:
@@ -456,8 +503,8 @@ def test_the_harness_catches_a_hang(patch_layer: PatchLayer) -> None:
 
 
 class LookaheadBeforeE2A(StepSession):
-    """Test-only broken schedule: queues the lookahead A2E of a stage on
-    K_s ahead of that stage's E2A."""
+    """Test-only broken schedule: queues the lookahead A2E of a stage on its
+    A2E stream (K_s, or C) ahead of that stage's E2A."""
 
     def send(self, call: Any, output: Any, context: Any, stage: int | None) -> Any:
         key = self.stage_layer_of(context)
@@ -473,16 +520,18 @@ class LookaheadBeforeE2A(StepSession):
         super().issue_a2e(layer, stage)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_lookahead_queued_before_its_e2a_deadlocks_until_the_op_timeout(
-    monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer
+    monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer, layout: str
 ) -> None:
-    """Both stages' lookahead A2Es deadlock, each on its own side stream.
-    The host no longer blocks in stage 0's receive, so the error the step
-    reports is the one of the A2E the device started first (a device
-    reports asynchronous errors in the order its kernels ran): either
-    group's."""
+    """The lookahead A2Es deadlock: in comm-side both stages', each on its
+    own side stream; in compute-side the first one on C, with the rest of
+    the step behind it. The host no longer blocks in stage 0's receive, so
+    the error the step reports is the one of the A2E the device started
+    first (a device reports asynchronous errors in the order its kernels
+    ran): either group's."""
     w = world(layers=3, stage_ids=(0, 1), op_timeout_s=0.5)
-    apply_cpu(patch_layer=patch_layer)
+    apply_cpu(patch_layer=patch_layer, layouts=(layout,))
     # Control: the real order completes with the same short timeout.
     run_step(w, Schedule(3, (0, 1), (8, 8), step=1))
     monkeypatch.setattr(patch_layer.runtime, "session_class", LookaheadBeforeE2A)

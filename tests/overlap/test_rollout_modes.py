@@ -1,10 +1,13 @@
-"""The rollout modes (VLLM_CAMP2P_MULTISTREAM_MODE) and the HCCL group
-check: ``parity`` makes upstream's calls in upstream's order, ``reorder``
-the overlap's issue order, both on the calling thread, both bitwise equal
-to serial; each engaged step counts under its mode; ``reorder`` against an
-attention side that couples the stages is caught by the watchdog and the
-op timeout while ``overlap`` completes; stages that share an HCCL group
-run serially in every mode."""
+"""The rollout modes (VLLM_CAMP2P_MULTISTREAM_MODE), the rungs of the
+ladder they and the layouts (VLLM_CAMP2P_MULTISTREAM_LAYOUT) set, and the
+HCCL group check: ``parity`` makes upstream's calls in upstream's order,
+``reorder`` the overlap's issue order, both on the calling thread, both
+bitwise equal to serial; each engaged step counts under its mode; against
+an attention side that couples the stages, ``reorder`` and the default
+``compute-side`` layout (every A2E/E2A on one stream in the overlap's
+order) are caught by the watchdog and the op timeout, never a silent hang,
+while ``comm-side`` completes; stages that share an HCCL group run serially
+in every mode."""
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import camp2p_overlap
 from camp2p_overlap.core import config, env_vars
 from camp2p_overlap.core.config import ConfigError, OverlapConfig, load_config
 from camp2p_overlap.core.env_vars import ENV_MODE
-from camp2p_overlap.core.overlap import camp2p
+from camp2p_overlap.core.overlap import camp2p, plan
 from camp2p_overlap.core.overlap.plan import rung
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.emulation.coupled import couple_stages
@@ -100,13 +103,39 @@ def test_bad_mode_makes_apply_refuse_not_raise(logs: PackageLogs, monkeypatch: p
 
 def test_rungs() -> None:
     on = OverlapConfig(enabled=True)
+    comm = on.with_overrides(layouts=("comm-side",))
     assert rung(OverlapConfig()) == "off"
-    assert rung(on) == "overlap"
+    assert rung(on) == "compute-side"  # the default layout
     assert rung(on.with_overrides(mode="parity")) == "parity"
     assert rung(on.with_overrides(mode="reorder", a2e_on_side_stream=False)) == "reorder"
-    assert rung(on.with_overrides(a2e_on_side_stream=False)) == "e2a-only"
-    assert rung(on.with_overrides(e2a_on_side_stream=False)) == "a2e-only"
-    assert rung(on.with_overrides(a2e_on_side_stream=False, e2a_on_side_stream=False)) == "none"
+    assert rung(comm.with_overrides(mode="reorder")) == "reorder"  # the layouts refine overlap only
+    assert rung(comm) == "comm-side"
+    assert rung(on.with_overrides(layouts=("compute-side", "comm-side"))) == "compute-side,comm-side"
+    assert rung(on.with_overrides(layouts=("comm-side", "compute-side"))) == "comm-side,compute-side"  # as listed
+    # The direction switches refine comm-side: one off is off the ladder, both off leave nothing to engage.
+    assert rung(comm.with_overrides(a2e_on_side_stream=False)) == "e2a-only"
+    assert rung(comm.with_overrides(e2a_on_side_stream=False)) == "a2e-only"
+    assert rung(comm.with_overrides(a2e_on_side_stream=False, e2a_on_side_stream=False)) == "none"
+    # compute-side ignores them (its A2E/E2A are on the caller's stream whatever they say).
+    refined = {(False, True): "e2a-only", (True, False): "a2e-only", (False, False): None}
+    for (a2e, e2a), comm_side in refined.items():
+        switched = {"a2e_on_side_stream": a2e, "e2a_on_side_stream": e2a}
+        assert rung(on.with_overrides(**switched)) == "compute-side", switched
+        both = on.with_overrides(layouts=("compute-side", "comm-side"), **switched)
+        assert rung(both) == ("compute-side" if comm_side is None else f"compute-side,{comm_side}"), switched
+
+
+def test_the_ladder_is_climbed_in_order_and_each_rung_is_a_setting() -> None:
+    assert plan.LADDER == ("parity", "reorder", "compute-side", "comm-side")
+    on = OverlapConfig(enabled=True)
+    settings = [
+        on.with_overrides(mode="parity"),
+        on.with_overrides(mode="reorder"),
+        on,
+        on.with_overrides(layouts=("comm-side",)),
+    ]
+    assert tuple(rung(cfg) for cfg in settings) == plan.LADDER
+    assert tuple(layout.name for cfg in settings for layout in plan.layouts_of(cfg)) == plan.LADDER
 
 
 # ---------------------------------------------------------------------------
@@ -133,17 +162,20 @@ def test_parity_calls_equal_the_unpatched_calls_on_the_calling_thread(monkeypatc
     assert after["overlap"] == before["overlap"] and after["serial"] == before["serial"]
 
 
-def test_reorder_calls_equal_the_overlap_issue_order_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("layout", ["compute-side", "comm-side"])
+def test_reorder_calls_equal_the_overlap_issue_order_on_the_calling_thread(
+    monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
     w = world(layers=4, stage_ids=(0, 1, 2))
     ref = serial_results(w, SCHEDS)
     calls = record_calls(w)
-    # The overlap's issue order, as its sessions issued it (on side streams).
-    _apply(mode="overlap")
+    # The overlap's issue order, as its sessions issued it in either layout (on C or on the side streams K_s).
+    _apply(mode="overlap", layouts=(layout,))
     spy = SessionSpy(monkeypatch, keep=True)
     for i, sched in enumerate(SCHEDS):
         assert_same(bounded(lambda sched=sched: run_step(w, sched)), ref[i], f"overlap step {sched.step}")
     overlap_issued = [s.issued_ops for s in spy.kept]
-    assert {c[3] for c in calls} != {threading.get_ident()}  # overlap: side-stream threads made calls
+    assert {c[3] for c in calls} != {threading.get_ident()}  # overlap: the device's stream workers made calls
     calls.clear()
     _apply(mode="reorder", a2e_on_side_stream=False)  # the direction switches apply to overlap only
     spy = SessionSpy(monkeypatch, keep=True)
@@ -185,29 +217,59 @@ def test_adaptive_engage_does_not_apply_to_parity_and_reorder(monkeypatch: pytes
 
 # ---------------------------------------------------------------------------
 # coupled stages: reorder deadlocks (caught), overlap completes
-def test_reorder_with_coupled_stages_is_caught_overlap_completes(logs: PackageLogs) -> None:
-    w = world(layers=3, stage_ids=(0, 1), tokens=8, op_timeout_s=1.5)
+#: With coupled stages: the config of each rung, and whether its step completes.
+COUPLED = {
+    "reorder": ({"mode": "reorder"}, False),
+    "compute-side": ({}, False),  # the default layout
+    "comm-side": ({"layouts": ("comm-side",)}, True),
+}
+COUPLED_OP_TIMEOUT_S = 1.5
+COUPLED_WATCHDOG_S = 0.3
+#: What a loaded machine may add to a step that ends at the op timeout (the step's own work, thread wake-ups).
+COUPLED_SLACK_S = 5.0
+
+
+@pytest.mark.parametrize("layout", list(COUPLED))
+def test_coupled_stages_are_caught_on_one_stream_and_comm_side_completes(logs: PackageLogs, layout: str) -> None:
+    """An attention side that sends A2E(L+1, s) only once it has the E2A(L) of every stage. On one stream in the
+    overlap's order (``reorder``; ``compute-side``, the default: A2E/E2A on C) A2E(L1, s0) blocks C while
+    E2A(L0, s1), which it waits for, is queued behind it: the step cannot complete. The watchdog reports C
+    blocked in that A2E, the op timeout ends the step with the attention's error, and the whole step takes at
+    most the op timeout plus the watchdog's time (and slack): never a silent hang. ``comm-side`` completes,
+    bitwise equal to serial: the lookahead A2E waits on its own stage's stream."""
+    overrides, completes = COUPLED[layout]
+    w = world(layers=3, stage_ids=(0, 1), tokens=8, op_timeout_s=COUPLED_OP_TIMEOUT_S)
     couple_stages(w)
     ref = run_step_bounded(w, 4, 30.0)  # serial: A2E(L+1) after every stage's E2A(L)
     assert ref.error is None and not ref.hung, ref
 
-    _apply(mode="reorder", watchdog_s=0.3)
-    out = run_step_bounded(w, 4, 30.0)
-    assert not out.hung
-    assert isinstance(out.error, PeerTimeoutError), out
-    assert "e2a(L0) of stage(s) [1]" in str(out.error)
+    _apply(watchdog_s=COUPLED_WATCHDOG_S if not completes else 20.0, **overrides)
+    bound = COUPLED_WATCHDOG_S + COUPLED_OP_TIMEOUT_S + COUPLED_SLACK_S
+    out = run_step_bounded(w, 4, bound)
+    assert not out.hung, f"{layout}: the step ran past {bound:.1f} s"
     reports = [m for m in logs.messages if "has not finished after" in m]
+    if completes:
+        assert out.error is None, out
+        assert_same(out.results, ref.results, f"{layout} with coupled stages")
+        assert reports == []
+        return
+    assert isinstance(out.error, PeerTimeoutError), out
+    assert "a2e(L1) of stage 0: attention waits for e2a(L0) of stage(s) [1]" in str(out.error)
+    assert COUPLED_OP_TIMEOUT_S <= out.seconds <= bound, out  # ended by the op timeout, not before
     assert len(reports) == 1, reports
     text = reports[0]
+    assert f"has not finished after {COUPLED_WATCHDOG_S} s" in text
     assert "compute stream C is blocked in a2e(L1,s0), issued on the compute stream" in text
     assert "a2e(L1,s0) on C: RUNNING for" in text
     assert "likely missing peer op: a2e(L1,s0) on C" in text
+    assert text.count("likely missing peer op") == 1
     assert "e2a(L0,s0) on C: done" in text
-
-    _apply(mode="overlap", watchdog_s=20.0)
-    out = run_step_bounded(w, 4, 30.0)
-    assert out.error is None and not out.hung, out
-    assert_same(out.results, ref.results, "overlap with coupled stages")
+    assert "e2a(L0,s1) on C: queued" in text  # what the attention waits for, behind the A2E on C
+    if layout == "compute-side":
+        # F ran the FFNs of layer 0 and waits for the A2E that blocks C.
+        assert "\n  FFN stream: F waits for a2e(L1,s0) on C (event a L1 s0 pending)\n" in text
+    else:
+        assert "FFN stream:" not in text  # reorder: no FFN stream
 
 
 # ---------------------------------------------------------------------------
@@ -250,6 +312,6 @@ def test_without_the_group_check_the_shared_group_is_driven_from_two_streams(
     hardware the step deadlocks)."""
     w = world(layers=3, stage_ids=(0, 1), num_ubatches=1, attn_s=0.05, op_timeout_s=2.0)
     monkeypatch.setattr(camp2p, "group_problem", lambda connector, stages: None)
-    _apply()
+    _apply(layouts=("comm-side",))  # the per-stage side streams (compute-side keeps both stages on C)
     with pytest.raises(ProtocolError, match="still running on afd"):
         bounded(lambda: run_step(w), 20.0)

@@ -15,7 +15,7 @@ from types import FrameType
 from typing import Any
 
 import pytest
-from support.overlap import apply_cpu, assert_same, run_step, serial_results, world
+from support.overlap import apply_cpu, assert_same, run_step, serial_results, world, wrap_model
 
 from camp2p_overlap.core.observe.trace import TraceRecorder
 from camp2p_overlap.core.overlap.routes import ConnectorRoutes, is_router
@@ -111,10 +111,19 @@ def test_a_step_that_raises_leaves_nothing_on_the_instance(applied: None) -> Non
     assert not any(name in vars(w.connector) for name in ROUTED)
 
 
-def test_a_users_instance_attribute_is_kept_and_called_where_the_loop_would(applied: None) -> None:
+#: Per layout: the stream each send's kernels go to (the E2A's), and the stream the loop's FFNs run on.
+SEND_AND_FFN_STREAMS = {
+    "comm-side": (["K0", "K0", "K1", "K1"], ["C"] * 4),
+    "compute-side": (["C"] * 4, ["F"] * 4),
+}
+
+
+@pytest.mark.parametrize("layout", list(SEND_AND_FFN_STREAMS))
+def test_a_users_instance_attribute_is_kept_and_called_where_the_loop_would(applied: None, layout: str) -> None:
     w = world(layers=2, stage_ids=(0, 1))
     (reference,) = serial_results(w, [None])
     calls: list[str] = []
+    ffns: list[str] = []
     bound = w.connector.send_ffn_output
 
     def users_send(*args: Any, **kwargs: Any) -> Any:
@@ -122,13 +131,19 @@ def test_a_users_instance_attribute_is_kept_and_called_where_the_loop_would(appl
         return bound(*args, **kwargs)
 
     w.connector.send_ffn_output = users_send
-    apply_cpu()
+    wrap_model(w, before=lambda layer: ffns.append(emulated_device.current_stream().name))
+    apply_cpu(layouts=(layout,))
+    before = PATCH_LAYER.runtime.counters.to_dict()["layout_steps"].get(layout, 0)
     w.steps_run = 0  # the reference's step again
     got = run_step(w)
     assert_same(got, reference)
-    assert PATCH_LAYER.runtime.counters.to_dict()["steps"]["overlap"] >= 1
+    assert PATCH_LAYER.runtime.counters.to_dict()["layout_steps"][layout] == before + 1  # the step engaged
     assert len(calls) == 2 * 2  # every send of the loop reached the user's attribute
-    assert sorted(calls) == ["K0", "K0", "K1", "K1"]  # issued on the side streams: the step engaged
+    sends, ffn = SEND_AND_FFN_STREAMS[layout]
+    # Issued on the E2A's stream of the layout (comm-side: the stage's side stream; compute-side: the caller's,
+    # in its scope, while the loop's own work runs on F).
+    assert sorted(calls) == sends
+    assert ffns == ffn
     assert vars(w.connector)["send_ffn_output"] is users_send  # the very same object is back
 
 

@@ -8,6 +8,12 @@ ahead, so by the time a stall is reported the host has usually issued and
 closed the whole step, and the report says where each *stream* of the
 device is (the op it runs, the event it waits for). The watchdog follows a
 closed step's device work until it has finished, or reports at the deadline.
+
+The per-stage side streams (K_s) are the ``comm-side`` layout's (and its
+e2a-only / a2e-only refinements): those tests list it. In the default
+``compute-side`` layout every A2E and E2A runs on C in the overlap's order
+and the FFNs on F: the report names C blocked in the stalled op and says
+where F is on its own "FFN stream:" line.
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ from support.overlap import assert_same
 
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, recording
+from camp2p_overlap.core.overlap.plan import layouts_of
 from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.emulation.faults import Fault, FaultPlan, run_step_bounded
 from camp2p_overlap.emulation.world import PeerTimeoutError
 from camp2p_overlap.verify.edges import check_step
 
 STEP_BOUND_S = 30.0  # a step that takes longer than this is a hang
+#: The layouts listed where a test is about the per-stage side streams K_s.
+COMM_SIDE = ("comm-side",)
 
 
 def stall_reports(cap: PackageLogs) -> list[str]:
@@ -63,7 +72,7 @@ def test_stopped_peer_a2e_is_reported_once_with_the_pending_op(make_world, logs,
     A2E's event, the ops behind it are queued, and the other stages' streams
     wait for C (they are not blamed)."""
     w = make_world(layers=3, stage_ids=(0, 1, 2), tokens=8, op_timeout_s=1.2)
-    _apply(patch_layer, watchdog_s=0.25)
+    _apply(patch_layer, watchdog_s=0.25, layouts=COMM_SIDE)
     with FaultPlan(w, [Fault("stop", "a2e", 1, 1)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 5, STEP_BOUND_S)
@@ -72,6 +81,7 @@ def test_stopped_peer_a2e_is_reported_once_with_the_pending_op(make_world, logs,
     reports = stall_reports(logs)
     assert len(reports) == 1, reports  # once per step, although the step outlived the watchdog 4x
     text = reports[0]
+    assert "FFN stream:" not in text  # comm-side: the FFN runs on C
     # The pending op, where it runs, and that it is the likely culprit.
     assert "a2e(L1,s1) on K1: RUNNING for" in text
     assert "likely missing peer op: a2e(L1,s1) on K1" in text
@@ -100,7 +110,7 @@ def test_stopped_peer_e2a_reports_it_and_the_a2e_queued_behind_it(make_world, lo
     """C waits on the device for the A2E queued behind the stalled E2A (the
     host issued the whole step: it is not blocked in that receive)."""
     w = make_world(layers=3, stage_ids=(0, 2), tokens=8, op_timeout_s=1.2)
-    _apply(patch_layer, watchdog_s=0.3)
+    _apply(patch_layer, watchdog_s=0.3, layouts=COMM_SIDE)
     with FaultPlan(w, [Fault("stop", "e2a", 0, 0)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 3, STEP_BOUND_S)
@@ -118,12 +128,66 @@ def test_stopped_peer_e2a_reports_it_and_the_a2e_queued_behind_it(make_world, lo
     assert "ops not finished: e2a(L0,s0) on K0, a2e(L1,s0) on K0, e2a(L1,s0) on K0, a2e(L2,s0) on K0" in text
 
 
+def test_compute_side_stopped_peer_a2e_blocks_c_and_the_ffn_stream_waits_for_it(
+    make_world, logs, patch_layer: PatchLayer
+) -> None:
+    """compute-side (the default): every A2E and E2A on C in the overlap's order, the FFNs on F. A stopped A2E
+    blocks C itself, with the rest of the step queued behind it on C (not blamed); F waits for that A2E's
+    a_done, and the report says so on its "FFN stream:" line."""
+    w = make_world(layers=3, stage_ids=(0, 1, 2), tokens=8, op_timeout_s=1.2)
+    _apply(patch_layer, watchdog_s=0.25)
+    assert patch_layer.engine.config.layouts == ("compute-side",)
+    with FaultPlan(w, [Fault("stop", "a2e", 1, 1)]) as plan:
+        plan.arm()
+        out = run_step_bounded(w, 5, STEP_BOUND_S)
+    assert not out.hung
+    assert isinstance(out.error, PeerTimeoutError), out
+    (text,) = stall_reports(logs)
+    lines = text.splitlines()
+    assert "  host: has issued the whole step and closed it; the streams below are where the device is" in lines
+    i = next(j for j, line in enumerate(lines) if line.startswith("  compute stream C"))
+    assert lines[i].startswith("  compute stream C is blocked in a2e(L1,s1), issued on the compute stream (RUNNING for")
+    # The FFN stream's line comes right after C's, and names what F waits for.
+    assert lines[i + 1] == "  FFN stream: F waits for a2e(L1,s1) on C (event a L1 s1 pending)"
+    assert text.count("FFN stream:") == 1
+    # Each stage's ops run on C: no side stream of a stage is named.
+    assert "  stage 1 (stream C, group afd1): 6 op(s) issued" in lines
+    assert "K0" not in text and "K1" not in text and "K2" not in text
+    assert "a2e(L1,s1) on C: RUNNING for" in text
+    assert "e2a(L1,s1) on C: queued" in text and "e2a(L0,s2) on C: queued" in text
+    assert "likely missing peer op: a2e(L1,s1) on C (RUNNING for" in text
+    assert "attention peer of stage 1 (group afd1) has not answered" in text
+    assert text.count("likely missing peer op") == 1
+    assert "event a L1 s1: pending" in text and "event join: pending" in text
+    assert not _wait_watchdogs_gone()
+
+
+def test_compute_side_stopped_peer_e2a_blocks_c_and_the_lookahead_behind_it(
+    make_world, logs, patch_layer: PatchLayer
+) -> None:
+    """compute-side: a stopped E2A blocks C; its stage's lookahead A2E is queued right behind it on C (the
+    overlap's order), and F waits for that A2E."""
+    w = make_world(layers=3, stage_ids=(0, 2), tokens=8, op_timeout_s=1.2)
+    _apply(patch_layer, watchdog_s=0.3)
+    with FaultPlan(w, [Fault("stop", "e2a", 0, 0)]) as plan:
+        plan.arm()
+        out = run_step_bounded(w, 3, STEP_BOUND_S)
+    assert isinstance(out.error, PeerTimeoutError), out
+    (text,) = stall_reports(logs)
+    assert "compute stream C is blocked in e2a(L0,s0), issued on the compute stream (RUNNING for" in text
+    assert "  FFN stream: F waits for a2e(L1,s0) on C (event a L1 s0 pending)" in text
+    assert "e2a(L0,s0) on C: RUNNING for" in text and "a2e(L1,s0) on C: queued" in text
+    assert "likely missing peer op: e2a(L0,s0) on C (RUNNING for" in text
+    assert "attention peer of stage 0 (group afd) has not acknowledged" in text
+    assert text.count("likely missing peer op") == 1
+
+
 def test_a2e_on_the_compute_stream_is_named_when_it_stalls(make_world, logs, patch_layer: PatchLayer) -> None:
     """C itself runs the stalled A2E on the device (the host is not in the
     receive: it has issued the rest of the step behind it); the next
     stage's A2E, queued behind it on C, is not blamed."""
     w = make_world(layers=2, stage_ids=(0, 1), tokens=8, op_timeout_s=1.0)
-    _apply(patch_layer, watchdog_s=0.25, a2e_on_side_stream=False)
+    _apply(patch_layer, watchdog_s=0.25, layouts=COMM_SIDE, a2e_on_side_stream=False)
     with FaultPlan(w, [Fault("stop", "a2e", 1, 0)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 2, STEP_BOUND_S)
@@ -146,7 +210,7 @@ def test_a2e_on_the_compute_stream_behind_a_stalled_e2a_blames_the_e2a(
     not blamed: the E2A the peer never acknowledged is, and C is named
     waiting on the device for it."""
     w = make_world(layers=2, stage_ids=(0, 1), tokens=8, op_timeout_s=1.0)
-    _apply(patch_layer, watchdog_s=0.25, a2e_on_side_stream=False)
+    _apply(patch_layer, watchdog_s=0.25, layouts=COMM_SIDE, a2e_on_side_stream=False)
     with FaultPlan(w, [Fault("stop", "e2a", 0, 0)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 2, STEP_BOUND_S)
@@ -166,7 +230,7 @@ def test_e2a_on_the_compute_stream_is_named_once_when_it_stalls(make_world, logs
     receive"): the side streams' lookahead A2Es wait for C's E2A of their
     stage, and only the stalled E2A is blamed."""
     w = make_world(layers=2, stage_ids=(0, 1), tokens=8, op_timeout_s=1.0)
-    _apply(patch_layer, watchdog_s=0.25, e2a_on_side_stream=False)
+    _apply(patch_layer, watchdog_s=0.25, layouts=COMM_SIDE, e2a_on_side_stream=False)
     with FaultPlan(w, [Fault("stop", "e2a", 0, 0)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 2, STEP_BOUND_S)
@@ -186,13 +250,17 @@ def test_e2a_on_the_compute_stream_is_named_once_when_it_stalls(make_world, logs
     )
 
 
-def test_a_host_held_in_the_ffn_is_reported_from_the_live_session(make_world, logs, patch_layer: PatchLayer) -> None:
+@pytest.mark.parametrize("layout", ["compute-side", "comm-side"])
+def test_a_host_held_in_the_ffn_is_reported_from_the_live_session(
+    make_world, logs, patch_layer: PatchLayer, layout: str
+) -> None:
     """The host's own part can stall too (here the model's host part sleeps):
-    the report then comes from the open session, says where the host is, and
-    blames no peer (every op issued so far has run on the device)."""
+    the report then comes from the open session, says where the host is and
+    the stream the FFN is on (C in comm-side, F in compute-side), and blames
+    no peer (every op issued so far has run on the device)."""
     w = make_world(layers=2, stage_ids=(0, 1), tokens=8)
     ref = _serial(patch_layer, w, 4)
-    _apply(patch_layer, watchdog_s=0.2)
+    _apply(patch_layer, watchdog_s=0.2, layouts=(layout,))
     with FaultPlan(w, [Fault("delay", "ffn", 1, 0, delay_s=0.6)]) as plan:
         plan.arm()
         out = run_step_bounded(w, 4, STEP_BOUND_S)
@@ -201,7 +269,12 @@ def test_a_host_held_in_the_ffn_is_reported_from_the_live_session(make_world, lo
     (text,) = stall_reports(logs)
     assert "step 0: 3/4 receives handed to the loop" in text
     assert "host: in the FFN of (L1,s0) (the model's host part); its send is not issued yet" in text
-    assert "compute stream C is at the FFN of (L1,s0), whose send the host has not issued yet" in text
+    if layout == "comm-side":
+        assert "compute stream C is at the FFN of (L1,s0), whose send the host has not issued yet" in text
+        assert "FFN stream:" not in text
+    else:
+        assert "  compute stream C has run everything issued so far\n" in text
+        assert "  FFN stream: F is at the FFN of (L1,s0), whose send the host has not issued yet\n" in text
     assert "every issued op has finished" in text and "likely missing peer op" not in text
     assert "ops not finished: none" in text
     assert not _wait_watchdogs_gone()
@@ -221,10 +294,15 @@ def test_fast_steps_log_no_stall(make_world, logs, patch_layer: PatchLayer) -> N
 
 
 def _expected(patch_layer: PatchLayer, world) -> ExpectedSchedule:
-    """The schedule a world's step should have under ``patch_layer``'s config."""
-    cfg = patch_layer.engine.config
+    """The schedule a world's step should have under ``patch_layer``'s config (its first listed layout)."""
+    (layout, *_) = layouts_of(patch_layer.engine.config)
     return ExpectedSchedule(
-        tuple(world.layer_list()), tuple(world.spec.stage_ids), cfg.a2e_on_side_stream, cfg.e2a_on_side_stream
+        tuple(world.layer_list()),
+        tuple(world.spec.stage_ids),
+        layout.a2e_side,
+        layout.e2a_side,
+        layout.ffn_side,
+        layout.prefetch,
     )
 
 
@@ -239,7 +317,10 @@ def _shape(ops) -> list[tuple]:
     [Fault("delay", "e2a", 1, 0, delay_s=1.0), Fault("delay", "a2e", 2, 1, delay_s=1.0)],
     ids=lambda f: f.describe(),
 )
-def test_watchdog_only_reads_a_slow_step_has_the_same_outcome(make_world, logs, fault, patch_layer: PatchLayer) -> None:
+@pytest.mark.parametrize("layout", ["compute-side", "comm-side"])
+def test_watchdog_only_reads_a_slow_step_has_the_same_outcome(
+    make_world, logs, fault, patch_layer: PatchLayer, layout: str
+) -> None:
     """A step slower than the watchdog: the report fires mid-step and the
     outputs, the ops and their streams are those of the same step without
     a watchdog (and of the serial path)."""
@@ -247,7 +328,7 @@ def test_watchdog_only_reads_a_slow_step_has_the_same_outcome(make_world, logs, 
     ref = _serial(patch_layer, w, 7)
     outcomes = {}
     for watchdog in (None, 0.3):
-        _apply(patch_layer, watchdog_s=watchdog)
+        _apply(patch_layer, watchdog_s=watchdog, layouts=(layout,))
         with FaultPlan(w, [fault]) as plan, recording() as rec:
             plan.arm()
             out = run_step_bounded(w, 7, STEP_BOUND_S)
@@ -255,7 +336,8 @@ def test_watchdog_only_reads_a_slow_step_has_the_same_outcome(make_world, logs, 
         assert out.error is None and not out.hung, out
         (step,) = rec.steps()
         ops = rec.ops(step)
-        assert check_step(ops, _expected(patch_layer, w)).ok
+        res = check_step(ops, _expected(patch_layer, w))
+        assert res.ok, str(res)
         outcomes[watchdog] = (out.results, _shape(ops), len(stall_reports(logs)))
     (res_off, shape_off, n_off), (res_on, shape_on, n_on) = outcomes[None], outcomes[0.3]
     assert n_off == 0 and n_on == 1
@@ -265,7 +347,8 @@ def test_watchdog_only_reads_a_slow_step_has_the_same_outcome(make_world, logs, 
     assert_same(res_off, ref)
     # The report of the slow step shows the delayed op running, not blamed on a peer.
     text = stall_reports(logs)[0]
-    assert f"{fault.op}(L{fault.layer},s{fault.stage}) on K{fault.stage}: RUNNING" in text
+    stream = "C" if layout == "compute-side" else f"K{fault.stage}"
+    assert f"{fault.op}(L{fault.layer},s{fault.stage}) on {stream}: RUNNING" in text
 
 
 def test_watchdog_only_reads_a_failing_step_fails_the_same_way(make_world, logs, patch_layer: PatchLayer) -> None:
@@ -336,17 +419,20 @@ def _fake_device():
         def scope(self, stream):
             return contextlib.nullcontext()
 
+        def set_stream(self, stream) -> None:
+            self.current = stream
+
         def synchronize(self, stream) -> None:
             raise AssertionError("the watchdog must not synchronize")
 
     return Device()
 
 
-def _fake_session(dev):
-    """A session of ``dev`` after its first receive (the prologue issued)."""
+def _fake_session(dev, layout=None):
+    """A session of ``dev`` in ``layout`` (None: comm-side) after its first receive (the prologue issued)."""
     from types import SimpleNamespace
 
-    from camp2p_overlap.core.overlap.plan import StepPlan
+    from camp2p_overlap.core.overlap.plan import COMM_SIDE, StepPlan
     from camp2p_overlap.core.overlap.session import StepSession
     from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 
@@ -354,6 +440,7 @@ def _fake_session(dev):
         connector=object(),
         plan=StepPlan((0, 1), (0, 2), {"max_num_tokens": 4}),
         streamset=StreamSet(dev, range(3)),
+        layout=layout or COMM_SIDE,
     )
 
     def recv(**kw):
@@ -404,6 +491,47 @@ def test_report_on_a_device_backend_reads_events_not_handles() -> None:
     text = stall_report(snap)
     assert "host: has issued the whole step and closed it" in text
     assert "compute stream C is waiting on the device for the last op of stage 0 on K0 (event join s0 pending)" in text
+
+
+def test_report_on_a_device_backend_in_compute_side_follows_c_and_f() -> None:
+    """compute-side on a device backend: C holds the prologue's receives and F waits for them; where each is
+    comes from the events alone (F's line first waits C's fork, then the first receive's a_done), the first
+    unfinished receive on C is the one blamed, and after close C waits F's join."""
+    from camp2p_overlap.core.overlap.plan import COMPUTE_SIDE
+    from camp2p_overlap.core.overlap.watch.stall_report import stall_report
+
+    dev = _fake_device()
+    session = _fake_session(dev, COMPUTE_SIDE)
+    assert dev.current.name == "F"  # the loop's work runs on F from the first receive
+    text = stall_report(session.snapshot())
+    assert "host: in the FFN of (L0,s0) (the model's host part)" in text
+    assert "  compute stream C has not reached its record of event fork yet\n" in text
+    assert "  FFN stream: F waits for the start of the step on C (event fork pending)\n" in text
+    assert "stage 0 (stream C, group afd): 1 op(s) issued\n" in text
+    assert "likely missing peer op" not in text
+    fork = dev.events[0]
+    fork.done = True
+    text = stall_report(session.snapshot())
+    assert (
+        "  compute stream C is blocked in a2e(L0,s0), issued on the compute stream (enqueued, not complete on the "
+        "device)\n  FFN stream: F waits for a2e(L0,s0) on C (event a L0 s0 pending)\n"
+    ) in text
+    assert "a2e(L0,s2) on C: enqueued, not complete on the device" in text
+    assert "likely missing peer op: a2e(L0,s0) on C (enqueued, not complete on the device)" in text
+    assert text.count("likely missing peer op") == 1  # a2e(L0,s2) waits behind it on C
+    for ev in dev.events:
+        ev.done = True
+    text = stall_report(session.snapshot())
+    assert "every issued op has finished" in text
+    assert "  FFN stream: F is at the FFN of (L0,s0), whose send the host has not issued yet" in text
+    session.close(raising=True)
+    assert dev.current.name == "C"  # the caller's stream is current again
+    text = stall_report(session.snapshot())
+    assert "host: has issued the whole step and closed it" in text
+    assert (
+        "compute stream C is waiting on the device for the last work of the FFN stream F (event join pending)" in text
+    )
+    assert "  FFN stream: F has not reached its record of event join yet" in text
 
 
 def test_after_the_host_closes_the_step_the_watchdog_follows_the_device(logs) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from camp2p_overlap.core.keys import A_DONE, F_DONE, EventKey, OpKey
 from camp2p_overlap.core.observe.trace import ExpectedSchedule
-from camp2p_overlap.core.overlap.plan import StepPlan
+from camp2p_overlap.core.overlap.plan import COMM_SIDE, COMPUTE_SIDE, Layout, StepPlan
 from camp2p_overlap.core.overlap.session import StepSession
 from camp2p_overlap.core.overlap.streams import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
@@ -32,6 +32,16 @@ from camp2p_overlap.verify.profiler_timeline import TimelineError, parse
 LAYERS = (0, 1, 2)
 STAGES = (0, 1)
 EXPECTED = ExpectedSchedule(LAYERS, STAGES, True, True)
+#: profiler_timeline._f_done_on_compute takes only a record of f_done on C for the end of an FFN window; compute-side
+#: records it on F, so the timeline finds no FFN (strict: the marks go once the parser reads f_done on F as well).
+FFN_ON_F_UNREAD = pytest.mark.xfail(
+    strict=True, reason="profiler_timeline ends an FFN window at a record of f_done on C only; compute-side's is on F"
+)
+#: By layout: the layout, what the checker expects, and the streams of the device timeline.
+LAYOUTS = {
+    "comm-side": (COMM_SIDE, EXPECTED, {"C", "F", "K0", "K1"}),
+    "compute-side": (COMPUTE_SIDE, ExpectedSchedule(LAYERS, STAGES, False, False, True), {"C", "F", "K0", "K1"}),
+}
 
 
 class SimDevice:
@@ -79,6 +89,9 @@ class SimDevice:
 
     def current_stream(self) -> Any:
         return self.current
+
+    def set_stream(self, s: Any) -> None:
+        self.current = s
 
     @contextlib.contextmanager
     def stream(self, s: Any) -> Iterator[None]:
@@ -147,7 +160,7 @@ def simulated(monkeypatch: pytest.MonkeyPatch) -> Any:
     device; return its parsed timeline."""
 
     def run(
-        session_class: type = StepSession, marker_kernels: int = 1, **sim_kw: Any
+        session_class: type = StepSession, marker_kernels: int = 1, layout: Layout = COMM_SIDE, **sim_kw: Any
     ) -> tuple[profiler_timeline.DeviceTimeline, SimDevice]:
         sim = SimDevice(**sim_kw)
 
@@ -162,7 +175,8 @@ def simulated(monkeypatch: pytest.MonkeyPatch) -> Any:
         sset = StreamSet(backend, STAGES)
 
         def step() -> None:
-            _loop(session_class(connector=object(), plan=StepPlan(LAYERS, STAGES), streamset=sset), sim)
+            plan = StepPlan(LAYERS, STAGES)
+            _loop(session_class(connector=object(), plan=plan, streamset=sset, layout=layout), sim)
 
         profile.profiled_step(step, mod=sim, streamset=sset, launch=marker)
         assert sset.backend is backend  # the annotating wrapper is off again
@@ -171,35 +185,45 @@ def simulated(monkeypatch: pytest.MonkeyPatch) -> Any:
     return run
 
 
+@pytest.mark.parametrize("layout", ["comm-side", pytest.param("compute-side", marks=FFN_ON_F_UNREAD)])
 @pytest.mark.parametrize("marker_kernels", [1, 2], ids=["one-kernel-marker", "two-kernel-marker"])
-def test_a_correct_step_holds_every_edge_on_device_times(simulated: Any, tmp_path: Any, marker_kernels: int) -> None:
-    timeline, _ = simulated(marker_kernels=marker_kernels)
-    assert set(timeline.names.values()) == {"C", "K0", "K1"}
+def test_a_correct_step_holds_every_edge_on_device_times(
+    simulated: Any, tmp_path: Any, marker_kernels: int, layout: str
+) -> None:
+    lay, expected, streams = LAYOUTS[layout]
+    timeline, _ = simulated(marker_kernels=marker_kernels, layout=lay)
+    assert set(timeline.names.values()) == streams  # every stream of the runner is marked, used or not
     per = timeline.per_stream()
     marker_names = {"marker", "marker_fill"} if marker_kernels == 2 else {"marker"}
-    assert {a.name for a in per["C"]} == {*marker_names, "moe_gemm", "silu_mul"}
-    assert {a.name for a in per["K0"]} == {*marker_names, "a2e_copy", "e2a_copy"}
+    ffn, comm = {"moe_gemm", "silu_mul"}, {"a2e_copy", "e2a_copy"}
+    if lay.ffn_side:  # compute-side: the FFN on F, A2E and E2A on C; K_s idle
+        want = {"C": comm, "F": ffn, "K0": set(), "K1": set()}
+    else:
+        want = {"C": ffn, "F": set(), "K0": comm, "K1": comm}
+    for name, kernels in want.items():
+        assert {a.name for a in per[name]} == {*marker_names, *kernels}, name
     ops = timeline.trace_ops(step=3)
     kinds = {(o.kind, o.layer, o.stage, o.stream) for o in ops}
     for L in LAYERS:
         for s in STAGES:
-            assert {("a2e", L, s, f"K{s}"), ("ffn", L, s, "C"), ("e2a", L, s, f"K{s}")} <= kinds
+            assert {(k, L, s, expected.stream_for(k, s)) for k in ("a2e", "ffn", "e2a")} <= kinds
     assert [o.kind for o in ops].count("step") == 1
-    res = check_step(ops, EXPECTED, source="device")
+    res = check_step(ops, expected, source="device")
     assert res.ok, str(res)
-    # The timing is real overlap: some FFN ran while a side stream worked.
-    ffn = [o for o in ops if o.kind == "ffn"]
-    comm = [o for o in ops if o.kind in ("a2e", "e2a")]
-    assert any(f.start_ns < c.end_ns and c.start_ns < f.end_ns for f in ffn for c in comm)
+    # The timing is real overlap: some FFN ran while a comm op worked on another stream.
+    ffns = [o for o in ops if o.kind == "ffn"]
+    comms = [o for o in ops if o.kind in ("a2e", "e2a")]
+    assert any(f.start_ns < c.end_ns and c.start_ns < f.end_ns for f in ffns for c in comms)
 
-    summary = profile.write_profile(timeline, str(tmp_path / "p.json"), layers=LAYERS, stages=STAGES)
+    summary = profile.write_profile(timeline, str(tmp_path / "p.json"), layers=LAYERS, stages=STAGES, layout=lay)
     assert summary["edges_ok"] and summary["ops"] == 3 * len(LAYERS) * len(STAGES)
-    # The two fences and the stream marker, each marker_kernels kernels, and two kernels per FFN.
+    # The two fences and the stream marker, each marker_kernels kernels, and two kernels per FFN (comm-side) or
+    # per A2E and E2A (compute-side).
     assert summary["streams"]["C"] == 3 * marker_kernels + 2 * len(LAYERS) * len(STAGES)
     assert summary["unnamed_streams"] == []
     events = json.loads((tmp_path / "p.json").read_text())["traceEvents"]
     tracks = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
-    assert tracks == {"C", "K0", "K1"}
+    assert tracks == streams
     assert any(e.get("cat") == "kernel" and e["name"] == "moe_gemm" for e in events)
 
 
@@ -238,16 +262,20 @@ def test_the_profilers_marker_is_one_op_that_allocates_nothing() -> None:
     assert "aten::ones" in names and "aten::mul_" in names, names
 
 
-class NoComputeWaitForA2E(StepSession):
+class NoFfnWaitForA2E(StepSession):
+    """The FFN's stream does not wait a_done (C in comm-side, F in compute-side)."""
+
     def wait_event(self, stream: Any, key: EventKey) -> None:
-        if stream is self.compute and key.kind == A_DONE:
+        if key.kind == A_DONE:
             return
         super().wait_event(stream, key)
 
 
-class NoStageWaitForFFN(StepSession):
+class NoE2AWaitForFFN(StepSession):
+    """The E2A's stream does not wait f_done (K_s in comm-side, C in compute-side)."""
+
     def wait_event(self, stream: Any, key: EventKey) -> None:
-        if stream is not self.compute and key.kind == F_DONE:
+        if key.kind == F_DONE:
             return
         super().wait_event(stream, key)
 
@@ -258,16 +286,28 @@ class NoJoin(StepSession):
 
 
 @pytest.mark.parametrize(
-    ("broken", "sim_kw", "message"),
+    ("broken", "sim_kw", "layout", "message"),
     [
-        (NoComputeWaitForA2E, {}, "ffn(L0,s0) started"),
-        (NoStageWaitForFFN, {"comm_ns": 10_000, "ffn_ns": 300_000}, "e2a(L0,s0) started"),
-        (NoJoin, {}, "ran outside the step (fork/join)"),
+        (NoFfnWaitForA2E, {}, "comm-side", "ffn(L0,s0) started"),
+        (NoE2AWaitForFFN, {"comm_ns": 10_000, "ffn_ns": 300_000}, "comm-side", "e2a(L0,s0) started"),
+        (NoJoin, {}, "comm-side", "ran outside the step (fork/join)"),
+        pytest.param(NoFfnWaitForA2E, {}, "compute-side", "ffn(L0,s0) started", marks=FFN_ON_F_UNREAD),
+        pytest.param(
+            NoE2AWaitForFFN,
+            {"comm_ns": 10_000, "ffn_ns": 300_000},
+            "compute-side",
+            "e2a(L0,s0) started",
+            marks=FFN_ON_F_UNREAD,
+        ),
     ],
 )
-def test_a_missing_wait_shows_in_device_times(simulated: Any, broken: type, sim_kw: dict, message: str) -> None:
-    timeline, _ = simulated(broken, **sim_kw)
-    res = check_step(timeline.trace_ops(), EXPECTED, source="device")
+def test_a_missing_wait_shows_in_device_times(
+    simulated: Any, broken: type, sim_kw: dict, layout: str, message: str
+) -> None:
+    lay, expected, _ = LAYOUTS[layout]
+    assert check_step(simulated(layout=lay, **sim_kw)[0].trace_ops(), expected, source="device").ok  # the control
+    timeline, _ = simulated(broken, layout=lay, **sim_kw)
+    res = check_step(timeline.trace_ops(), expected, source="device")
     assert not res.ok
     assert message in str(res)
 

@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 import pytest
+import torch
 from support.overlap import Schedule, apply_cpu, run_step, world
 
 from camp2p_overlap.core.keys import EventKey
@@ -20,23 +21,45 @@ LAYERS = (0, 1, 2)
 STAGES = (0, 1)
 
 
-def _record(a2e: bool = True, e2a: bool = True) -> tuple[list[TraceOp], ExpectedSchedule]:
-    """The trace of one engaged step, by a patch layer of its own."""
+#: Each layout of the overlap mode: (layout listed, A2E on K_s, E2A on K_s, FFN on F).
+LAYOUTS = {
+    "compute-side": ("compute-side", False, False, True),
+    "comm-side": ("comm-side", True, True, False),
+    "e2a-only": ("comm-side", False, True, False),
+    "a2e-only": ("comm-side", True, False, False),
+}
+
+
+def _record(layout: str = "comm-side") -> tuple[list[TraceOp], ExpectedSchedule]:
+    """The trace of one engaged step in ``layout``, by a patch layer of its own."""
+    # A module fixture runs before the per-test state of conftest's ``_clean_state``: set its torch thread count
+    # here, as the emulated device's process-wide default stream may start now and keeps the count it starts with
+    # (a serial reference on it would then differ from an FFN on F in the last bits, in a later test).
+    torch.set_num_threads(1)
+    listed, a2e, e2a, ffn = LAYOUTS[layout]
     w = world(layers=3, stage_ids=STAGES)
     patch_layer = build_patch_layer()
-    apply_cpu(patch_layer=patch_layer, a2e_on_side_stream=a2e, e2a_on_side_stream=e2a)
+    switches = {} if ffn else {"a2e_on_side_stream": a2e, "e2a_on_side_stream": e2a}
+    apply_cpu(patch_layer=patch_layer, layouts=(listed,), **switches)
     try:
         with trace.recording() as rec:
             run_step(w, Schedule(3, STAGES, (8, 8), step=1))
     finally:
         assert patch_layer.engine.unpatch(timeout=10)
     (step,) = rec.steps()
-    return rec.ops(step), ExpectedSchedule(LAYERS, STAGES, a2e, e2a)
+    return rec.ops(step), ExpectedSchedule(LAYERS, STAGES, a2e, e2a, ffn)
 
 
 @pytest.fixture(scope="module")
 def good() -> tuple[list[TraceOp], ExpectedSchedule]:
-    return _record()
+    """A comm-side step: A2E and E2A on K0, K1; the FFN on C."""
+    return _record("comm-side")
+
+
+@pytest.fixture(scope="module")
+def good_cs() -> tuple[list[TraceOp], ExpectedSchedule]:
+    """A compute-side step (the default layout): A2E and E2A on C in the overlap's order; the FFN on F."""
+    return _record("compute-side")
 
 
 def _idx(ops: list[TraceOp], kind: str, layer: int | None = None, stage: int | None = None, detail: str = "") -> int:
@@ -53,16 +76,16 @@ def _violations(ops: list[TraceOp], expected: ExpectedSchedule) -> str:
     return str(res)
 
 
-def test_real_traces_pass_for_every_direction_setting() -> None:
-    for a2e, e2a in [(True, True), (False, True), (True, False)]:
-        ops, expected = _record(a2e, e2a)
-        res = edges.check_step(ops, expected)
-        assert res.ok, str(res)
-        assert any(o.source == "backend" for o in ops)  # ... read from what the streams performed
-        session = edges.check_step(ops, expected, source="session")
-        assert session.ok, str(session)  # and the session's record agrees
-        # The same trace is not a serial trace: the checker tells them apart.
-        assert not edges.check_step(ops, ExpectedSchedule.serial(LAYERS, STAGES)).ok
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_real_traces_pass_for_every_layout(layout: str) -> None:
+    ops, expected = _record(layout)
+    res = edges.check_step(ops, expected)
+    assert res.ok, str(res)
+    assert any(o.source == "backend" for o in ops)  # ... read from what the streams performed
+    session = edges.check_step(ops, expected, source="session")
+    assert session.ok, str(session)  # and the session's record agrees
+    # The same trace is not a serial trace: the checker tells them apart.
+    assert not edges.check_step(ops, ExpectedSchedule.serial(LAYERS, STAGES)).ok
 
 
 def test_unknown_source_is_refused(good: Any) -> None:
@@ -122,7 +145,7 @@ def test_compute_stream_order_and_step_span(good: Any) -> None:
     fi, fj = broken[i], broken[j]
     broken[i] = dataclasses.replace(fi, start_ns=fj.start_ns, end_ns=fj.end_ns)
     broken[j] = dataclasses.replace(fj, start_ns=fi.start_ns, end_ns=fi.end_ns)
-    assert "compute stream order differs from the loop order" in _violations(broken, expected)
+    assert "stream C order differs from the step's issue order at position 1" in _violations(broken, expected)
 
     broken = list(ops)
     st = broken[_idx(broken, "step")]
@@ -232,3 +255,98 @@ def test_chrome_trace_has_one_track_per_stream(good: Any) -> None:
     assert names == {"C", "K0", "K1"}
     spans = [e for e in events if e["ph"] == "X" and e["cat"] in ("a2e", "ffn", "e2a")]
     assert len(spans) == 3 * len(LAYERS) * len(STAGES)
+
+
+# ---------------------------------------------------------------------------
+# compute-side (the default layout): A2E and E2A on C in the overlap's order, the FFN on F
+# ---------------------------------------------------------------------------
+
+
+def _swapped(ops: list[TraceOp], x: int, y: int) -> list[TraceOp]:
+    """``ops`` with ops ``x`` and ``y`` swapped in time and in every order (host issue, backend execution)."""
+    broken, a, b = list(ops), ops[x], ops[y]
+    when = ("start_ns", "end_ns", "seq", "order")
+    broken[x] = dataclasses.replace(a, **{k: getattr(b, k) for k in when})
+    broken[y] = dataclasses.replace(b, **{k: getattr(a, k) for k in when})
+    return broken
+
+
+def test_compute_side_ffn_on_the_wrong_stream(good_cs: Any) -> None:
+    ops, expected = good_cs
+    assert {o.stream for o in ops if o.kind == "ffn"} == {"F"}
+    assert {o.stream for o in ops if o.kind in ("a2e", "e2a")} == {"C"}
+    broken = list(ops)
+    i = _idx(broken, "ffn", 1, 0)
+    broken[i] = dataclasses.replace(broken[i], stream="C")
+    text = _violations(broken, expected)
+    assert "ffn(L1,s0) ran on C, expected F" in text
+    # ... and C's and F's programs are no longer the step's issue order.
+    assert "stream C order differs from the step's issue order" in text
+    assert "stream F order differs from the step's issue order at position 2" in text
+
+
+@pytest.mark.parametrize("timings", [True, False])
+def test_compute_side_c_order(good_cs: Any, timings: bool) -> None:
+    """C runs the overlap's order: the prologue's A2E(L0) of every stage, then per (layer, stage) the E2A and
+    at once the stage's lookahead A2E. A swap on C fails, in host times and in the issue order alike."""
+    ops, expected = good_cs
+    assert edges.check_step(ops, expected, timings=timings).ok
+
+    def violations(broken: list[TraceOp]) -> str:
+        res = edges.check_step(broken, expected, timings=timings)
+        assert not res.ok, "the checker accepted a broken trace"
+        return str(res)
+
+    # E2A(L0,s0) and its lookahead A2E(L1,s0) swapped: the lookahead ran first.
+    text = violations(_swapped(ops, _idx(ops, "e2a", 0, 0), _idx(ops, "a2e", 1, 0)))
+    assert (
+        "stream C order differs from the step's issue order at position 2: "
+        "ran [('a2e', 1, 0), ('e2a', 0, 0), ('e2a', 0, 1)], expected [('e2a', 0, 0), ('a2e', 1, 0), ('e2a', 0, 1)]"
+    ) in text
+    assert "edge 5/6 (lookahead A2E after its group's E2A): nothing orders e2a(L0,s0) on C before a2e(L1,s0)" in text
+
+    # The prologue's two receives swapped: no edge of one stage orders them, the issue order does.
+    text = violations(_swapped(ops, _idx(ops, "a2e", 0, 0), _idx(ops, "a2e", 0, 1)))
+    assert "stream C order differs from the step's issue order at position 0" in text
+
+    # A lookahead issued late: A2E(L1,s0) after E2A(L0,s1).
+    text = violations(_swapped(ops, _idx(ops, "a2e", 1, 0), _idx(ops, "e2a", 0, 1)))
+    assert "stream C order differs from the step's issue order at position 3" in text
+
+
+@pytest.mark.parametrize("source", ["session", "backend"])
+def test_compute_side_event_graph(good_cs: Any, source: str) -> None:
+    """The edges of compute-side on either record of the step's events: F forks from C, waits each a_done;
+    C waits each f_done before the E2A, and the join of F at close."""
+    ops, expected = good_cs
+    assert edges.check_step(ops, expected, source=source).ok
+
+    def violations(broken: list[TraceOp]) -> str:
+        res = edges.check_step(broken, expected, source=source)
+        assert not res.ok, "the checker accepted a broken trace"
+        return str(res)
+
+    # Fork: F does not wait C's fork (its first wait is an a_done of C, which is not the fork).
+    text = violations(_without(ops, source, "wait", EventKey.fork().label(), "F"))
+    assert "edge 1 (fork): F starts with wait a L0 s0, not a wait on the fork event of C" in text
+    # Join: C does not wait F's join; F does not record it.
+    text = violations(_without(ops, source, "wait", EventKey.join(None).label(), "C"))
+    assert "edge 7 (join): the work of F is not waited by C after the step's last op on C" in text
+    text = violations(_without(ops, source, "record", EventKey.join(None).label(), "F"))
+    assert "C waits on event join that was not recorded before in this step" in text
+    # Edge 3: F does not wait a_done; edge 4: C does not wait f_done.
+    text = violations(_without(ops, source, "wait", EventKey("a", 1, 0).label(), "F"))
+    assert "edge 3 (FFN waits its A2E): nothing orders a2e(L1,s0) on C before ffn(L1,s0) on F" in text
+    text = violations(_without(ops, source, "wait", EventKey("f", 0, 1).label(), "C"))
+    assert "edge 4 (E2A waits its FFN): nothing orders ffn(L0,s1) on F before e2a(L0,s1) on C" in text
+
+
+def test_chrome_trace_shows_the_ffn_stream(good_cs: Any) -> None:
+    ops, _ = good_cs
+    events = edges.to_chrome_trace(ops)
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert sorted(tracks.values()) == ["C", "F"]
+    spans = [e for e in events if e["ph"] == "X" and e["cat"] in ("a2e", "ffn", "e2a")]
+    assert len(spans) == 3 * len(LAYERS) * len(STAGES)
+    assert {tracks[e["tid"]] for e in spans if e["cat"] == "ffn"} == {"F"}
+    assert {tracks[e["tid"]] for e in spans if e["cat"] != "ffn"} == {"C"}

@@ -26,7 +26,7 @@ _FULL_EVENT_LIST = 32
 @dataclass(frozen=True, slots=True)
 class _Item:
     """One thing a stream was given, in its FIFO order: ``record`` or ``wait`` of an event, an ``op`` (a connector
-    op), or the ``ffn`` of a (layer, stage) (the model's kernels on the compute stream)."""
+    op), or the ``ffn`` of a (layer, stage) (the model's kernels on the FFN's stream: C, or F in ``compute-side``)."""
 
     kind: str
     key: EventKey | None = None
@@ -51,7 +51,8 @@ def _programs(snap: SessionSnapshot) -> dict[str, list[_Item]]:
 
 
 def _event_after(o: IssuedOp, events: Container[EventKey]) -> EventKey | None:
-    """The event the session recorded right after op ``o`` on its stream (None: none, as after an A2E on C)."""
+    """The event the session recorded right after op ``o`` on its stream (None: none, as after an A2E on the FFN's
+    own stream, which no other stream waits)."""
     if o.layer is None or o.stage is None:
         return None
     kinds = (A_DONE,) if o.kind == A2E else (E_DONE, E_DONE_ON_C) if o.kind == E2A else ()
@@ -240,8 +241,9 @@ def _stream_text(stream: str, head: _Item | None, snap: SessionSnapshot, st: _St
 
 
 def stall_report(snap: SessionSnapshot) -> str:
-    """Where the host and the compute stream are; per stage, where its stream is and every op issued with its
-    state; the likely missing peer ops; then the events (only the pending ones when many) and the unfinished ops."""
+    """Where the host and the compute stream are, and the FFN stream where the layout has one (``compute-side``'s
+    F, on its ``FFN stream:`` line); per stage, where its stream is and every op issued with its state; the likely
+    missing peer ops; then the events (only the pending ones when many) and the unfinished ops."""
     now = time.perf_counter_ns()
     st = _States(snap, now)
     order = snap.plan.sequence
