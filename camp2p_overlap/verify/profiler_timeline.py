@@ -44,7 +44,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from camp2p_overlap.core.keys import COMPUTE_STREAM, F_DONE, OpKey
+from camp2p_overlap.core.keys import COMPUTE_STREAM, F_DONE, FFN_STREAM, OpKey
 from camp2p_overlap.core.observe.trace import TraceOp
 from camp2p_overlap.verify.annotated_backend import RANGE_PREFIX, parse_event_range
 from camp2p_overlap.verify.edges import to_chrome_trace
@@ -298,12 +298,12 @@ def _innermost(ranges: Sequence[HostRange], starts: Sequence[int], t: int) -> Ho
 
 def _f_done_on_compute(name: str) -> tuple[int, int] | None:
     """(layer, stage) of a range around the record of ``f_done(L, s)`` on the
-    compute stream (what ends an FFN window), else None."""
+    FFN's stream (C, or F in ``compute-side``: what ends an FFN window), else None."""
     got = parse_event_range(name)
     if got is None:
         return None
     action, stream, key = got
-    if action != "record" or stream != COMPUTE_STREAM or key.kind != F_DONE:
+    if action != "record" or stream not in (COMPUTE_STREAM, FFN_STREAM) or key.kind != F_DONE:
         return None
     if key.layer is None or key.stage is None:
         return None

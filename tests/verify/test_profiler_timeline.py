@@ -32,11 +32,6 @@ from camp2p_overlap.verify.profiler_timeline import TimelineError, parse
 LAYERS = (0, 1, 2)
 STAGES = (0, 1)
 EXPECTED = ExpectedSchedule(LAYERS, STAGES, True, True)
-#: profiler_timeline._f_done_on_compute takes only a record of f_done on C for the end of an FFN window; compute-side
-#: records it on F, so the timeline finds no FFN (strict: the marks go once the parser reads f_done on F as well).
-FFN_ON_F_UNREAD = pytest.mark.xfail(
-    strict=True, reason="profiler_timeline ends an FFN window at a record of f_done on C only; compute-side's is on F"
-)
 #: By layout: the layout, what the checker expects, and the streams of the device timeline.
 LAYOUTS = {
     "comm-side": (COMM_SIDE, EXPECTED, {"C", "F", "K0", "K1"}),
@@ -185,7 +180,7 @@ def simulated(monkeypatch: pytest.MonkeyPatch) -> Any:
     return run
 
 
-@pytest.mark.parametrize("layout", ["comm-side", pytest.param("compute-side", marks=FFN_ON_F_UNREAD)])
+@pytest.mark.parametrize("layout", ["comm-side", "compute-side"])
 @pytest.mark.parametrize("marker_kernels", [1, 2], ids=["one-kernel-marker", "two-kernel-marker"])
 def test_a_correct_step_holds_every_edge_on_device_times(
     simulated: Any, tmp_path: Any, marker_kernels: int, layout: str
@@ -291,14 +286,8 @@ class NoJoin(StepSession):
         (NoFfnWaitForA2E, {}, "comm-side", "ffn(L0,s0) started"),
         (NoE2AWaitForFFN, {"comm_ns": 10_000, "ffn_ns": 300_000}, "comm-side", "e2a(L0,s0) started"),
         (NoJoin, {}, "comm-side", "ran outside the step (fork/join)"),
-        pytest.param(NoFfnWaitForA2E, {}, "compute-side", "ffn(L0,s0) started", marks=FFN_ON_F_UNREAD),
-        pytest.param(
-            NoE2AWaitForFFN,
-            {"comm_ns": 10_000, "ffn_ns": 300_000},
-            "compute-side",
-            "e2a(L0,s0) started",
-            marks=FFN_ON_F_UNREAD,
-        ),
+        (NoFfnWaitForA2E, {}, "compute-side", "ffn(L0,s0) started"),
+        (NoE2AWaitForFFN, {"comm_ns": 10_000, "ffn_ns": 300_000}, "compute-side", "e2a(L0,s0) started"),
     ],
 )
 def test_a_missing_wait_shows_in_device_times(
