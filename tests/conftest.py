@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 try:
     from hypothesis import HealthCheck, settings
@@ -36,6 +37,12 @@ from camp2p_overlap.tools.bench.runner import TOOL_SWITCH_INTERVAL_S
 # the test process runs with the emulation tools' interval, as they do
 # (docs/benchmark.md, "Thread switching"). The patch layer itself never sets it.
 sys.setswitchinterval(TOOL_SWITCH_INTERVAL_S)
+
+# One intra-op thread from the start, before any stream's worker thread
+# exists: a thread keeps the count it started with, and a serial reference
+# computed on two threads can differ in the last bit from the same FFN on a
+# one-thread side stream (every test also sets it, in _clean_state).
+torch.set_num_threads(1)
 
 # Hypothesis profiles (HYPOTHESIS_PROFILE, default "ci"). Every example runs
 # real emulated steps, so "ci" keeps the budget small and the draw fixed
