@@ -4,11 +4,13 @@ steps and what happens when the loop does not follow the plan."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -397,6 +399,20 @@ def test_session_releases_everything_at_close(
     assert not any(held.values()), held
 
 
+@contextlib.contextmanager
+def _stream_set(stages: list[int], *, host_ops: bool = False) -> Iterator[StreamSet]:
+    """A stream set of its own for sessions driven on this thread; closed at the end, and the thread's current
+    stream set back to the caller's (a compute-side session that a failing check left open keeps F current)."""
+    backend = noop_backend() if host_ops else make_backend("cpu")
+    caller = backend.compute_stream()
+    sset = StreamSet(backend, stages)
+    try:
+        yield sset
+    finally:
+        backend.set_stream(caller)
+        sset.close()
+
+
 class _Ctx:
     def __init__(self, layer: int, stage: int) -> None:
         self.layer, self.stage = layer, stage
@@ -438,10 +454,9 @@ def test_ownership_inside_the_step(direction: str) -> None:
     path's slots."""
     _, e2a, ffn, layout = DIRECTIONS[direction]
     recv, send, _ = _fake_connector()
-    sset = StreamSet(make_backend("cpu"), [0, 1])
     layers, stages = (0, 1, 2), (0, 1)
     plan = StepPlan(layers, stages, {"max_num_tokens": 4})
-    try:
+    with _stream_set([0, 1]) as sset:
         for _ in range(2):
             session = StepSession(
                 connector=object(),
@@ -471,8 +486,6 @@ def test_ownership_inside_the_step(direction: str) -> None:
             session.close()
             gc.collect()
             assert all(r() is None for r in held_out.values())
-    finally:
-        sset.close()
 
 
 # ---------------------------------------------------------------------------
@@ -625,8 +638,7 @@ def test_stage_order_change_mid_step_hands_over_the_prefetched_data(
     falls back after draining and hands each (layer, stage) its own data;
     also on a backend whose ops run in scope on the host."""
     recv, send, log = _fake_connector()
-    sset = StreamSet(noop_backend() if host_ops else make_backend("cpu"), [0, 1])
-    try:
+    with _stream_set([0, 1], host_ops=host_ops) as sset:
         session = StepSession(
             connector=object(),
             plan=StepPlan((0, 1, 2), (0, 1), {"max_num_tokens": 4}),
@@ -648,8 +660,6 @@ def test_stage_order_change_mid_step_hands_over_the_prefetched_data(
         for s in (0, 1):
             mine = [(k, L) for k, L, st in log if st == s]
             assert mine == [("a2e", 0), ("e2a", 0), ("a2e", 1), ("e2a", 1), ("a2e", 2), ("e2a", 2)]
-    finally:
-        sset.close()
 
 
 @pytest.mark.parametrize("host_ops", [False, True], ids=["cpu-backend", "host-ops-backend"])
@@ -660,9 +670,8 @@ def test_a_second_send_of_one_received_payload_falls_back(logs: PackageLogs, hos
     falls back (logged) and runs it on the compute stream, and the rest of
     the step still hands each (layer, stage) its own data."""
     recv, send, log = _fake_connector()
-    sset = StreamSet(noop_backend() if host_ops else make_backend("cpu"), [0])
     plan = StepPlan((0, 1), (0,), {"max_num_tokens": 4})
-    try:
+    with _stream_set([0], host_ops=host_ops) as sset:
         for step in range(2):
             session = StepSession(
                 connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of, layout=LAYOUTS[layout]
@@ -679,8 +688,6 @@ def test_a_second_send_of_one_received_payload_falls_back(logs: PackageLogs, hos
             assert session.fallen_back is (step == 1)
         assert logs.texts("send for a received", logging.WARNING)
         assert [entry for entry in log[4:] if entry[0] == "e2a"] == [("e2a", 0, 0), ("e2a", 0, 0), ("e2a", 1, 0)]
-    finally:
-        sset.close()
 
 
 @pytest.mark.parametrize("host_ops", [False, True], ids=["cpu-backend", "host-ops-backend"])
@@ -693,9 +700,8 @@ def test_a_step_that_ends_early_logs_what_was_prefetched_and_never_consumed(
     lookahead prefetched for the layer the loop never asked; a step that
     fell back, or one already raising, does not say it."""
     recv, send, _ = _fake_connector()
-    sset = StreamSet(noop_backend() if host_ops else make_backend("cpu"), [0])
     plan = StepPlan((0, 1), (0,), {"max_num_tokens": 4})
-    try:
+    with _stream_set([0], host_ops=host_ops) as sset:
         for _ in range(2):
             session = StepSession(
                 connector=object(), plan=plan, streamset=sset, context_of=camp2p.context_of, layout=LAYOUTS[layout]
@@ -712,5 +718,3 @@ def test_a_step_that_ends_early_logs_what_was_prefetched_and_never_consumed(
         session.recv(recv, {"ubatch_idx": 0, "layer_idx": 0, "max_num_tokens": 4})
         session.close(raising=True)
         assert len(logs.texts("planned receives", logging.WARNING)) == 2
-    finally:
-        sset.close()
