@@ -30,24 +30,37 @@
 # and its summary of failures), and SIGKILL KILL_GRACE_S later if it has not
 # stopped; END_RESERVE_S is for the summary. A part whose clipped limit is
 # below the smaller of its own limit and 15 s is skipped (out of time).
+# Both layouts run on the GPU: compute-side (the default: A2E/E2A on the
+# caller's stream, the FFN on the runner's side stream F) and comm-side (A2E/E2A
+# on per-stage side streams K_s), eagerly and captured with CUDA graphs.
 #   1. pytest -m gpu on the test files with gpu-marked tests (bitwise, device
 #      trace, the attention peer on the device, SMs held by comm kernels, the
 #      stream sanitizer, tensor ownership, CUDA graph capture incl.
 #      VLLM_CAMP2P_MULTISTREAM_GRAPH=1), -v -ra: each test's outcome is in the
-#      log as it ends, failures in full at the end          limit 190 s
+#      log as it ends, failures in full at the end          limit 170 s
 #      (each child process 40 s: four of them; each test 100 s with pytest-timeout)
-#   2. camp2p-overlap bench --device cuda --scenario gpu-ffn-bound --comm-cores 8  limit 40 s
+#   2. camp2p-overlap bench --device cuda --scenario gpu-ffn-bound --comm-cores-sweep 0,8
+#      (every policy, both layouts fixed, with the contention model off and on, side by side)  limit 40 s
 #   3. camp2p-overlap bench --device cuda --graph (the same world, every policy's step
 #      captured with torch.cuda.CUDAGraph in one pool and replayed, each replay
-#      compared bitwise with the eager serial step; capture memory)      limit 45 s
-#   4. camp2p-overlap sweep --device cuda (ratios, --comm-cores points)       limit 55 s
-#   5. camp2p-overlap overhead --ab-pairs 20 --json $OUT/overhead.json        limit 30 s
+#      compared bitwise with the eager serial step; capture memory; the bench
+#      captures comm-side with its config's graph_comm_side)             limit 40 s
+#   4. both layouts captured through the environment, as a vLLM worker reads it
+#      (tests/programs/gpu_overlap_child.py graph-env, once per layout: the
+#      capture replayed bitwise against the eager serial step). comm-side runs
+#      with VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE=1, set here for that run
+#      only: a decode graph captures A2E/E2A on side streams only when opted
+#      in (upstream's NPU graph code keeps HCCL/CAM comm on the capture's
+#      stream); compute-side needs no opt-in                            limit 35 s
+#   5. camp2p-overlap sweep --device cuda (ratios, --comm-cores points)       limit 45 s
+#   6. camp2p-overlap overhead --ab-pairs 20 --json $OUT/overhead.json        limit 30 s
 #      (host cost per (layer, stage) and per pass-through step; the decided-serial A/B
 #      and its A/A control in 20 pairs each, OVERHEAD_AB_PAIRS overrides)
 # The bench and sweep parts write their JSON as they go (bench: after the
 # captures, each policy and each repetition; sweep: after the calibration and
 # each point; "partial": true), so a part cut at its limit leaves what it measured.
-# Overrides: PYTEST_LIMIT BENCH_LIMIT GRAPH_LIMIT SWEEP_LIMIT OVERHEAD_LIMIT GPU_CHECK_KILL_GRACE_S (s);
+# Overrides: PYTEST_LIMIT BENCH_LIMIT GRAPH_LIMIT LAYOUTS_LIMIT SWEEP_LIMIT OVERHEAD_LIMIT GPU_CHECK_KILL_GRACE_S (s);
+# BENCH_COMM_CORES_SWEEP (part 2's --comm-cores-sweep), BENCH_COMM_CORES (part 3's --comm-cores);
 # GPU_CHECK_PARTS (the parts to run, e.g. "pytest bench"; the others are
 # reported as not selected); GPU_CHECK_TESTS (the test files of part 1,
 # instead of those found with gpu-marked tests).
@@ -63,7 +76,8 @@
 #                   8 files are taken)
 #   pytest_gpu.xml  JUnit XML of part 1;  pytest_gpu.log its output
 #   bench_cuda.json bench_graph_cuda.json sweep_cuda.json overhead.json   parts 2-5 (--json)
-#   tools.log       set-up output and the output of parts 2-5
+#   tools.log       set-up output and the output of parts 2-6 (part 4's: one
+#                   "LAYOUT layout rc=N" line per layout, read by the summary)
 # Exit status: 0 passed, or skipped where nvidia-smi sees no GPU; 1 failed,
 # including when nvidia-smi sees a GPU but torch cannot use it.
 # Python: $PYTHON, else the first of .venv/bin/python and python3 that imports torch.
@@ -80,12 +94,13 @@ SETUP_ALLOWANCE_S=60  # what the set-up may take before part 1 (not enforced: th
 KILL_GRACE_S=${GPU_CHECK_KILL_GRACE_S:-15}  # after SIGINT at its limit, a part has this long before SIGKILL
 END_RESERVE_S=10      # kept for the summary after the last part
 MIN_PART_S=15         # a part with less than min(its limit, this) left is skipped
-PARTS_ALL=(pytest bench graph sweep overhead)
+PARTS_ALL=(pytest bench graph layouts sweep overhead)
 declare -A LIMIT=(
-  [pytest]=${PYTEST_LIMIT:-190}
+  [pytest]=${PYTEST_LIMIT:-170}
   [bench]=${BENCH_LIMIT:-40}
-  [graph]=${GRAPH_LIMIT:-45}
-  [sweep]=${SWEEP_LIMIT:-55}
+  [graph]=${GRAPH_LIMIT:-40}
+  [layouts]=${LAYOUTS_LIMIT:-35}
+  [sweep]=${SWEEP_LIMIT:-45}
   [overhead]=${OVERHEAD_LIMIT:-30}
 )
 read -r -a PARTS <<<"${GPU_CHECK_PARTS:-${PARTS_ALL[*]}}"
@@ -125,7 +140,7 @@ def num(v):
 limits = {k: int(v) for k, v in (x.split("=") for x in os.environ["LIMITS"].split())}
 selected = os.environ["SELECTED"].split()
 files = {"pytest": "pytest_gpu.xml", "bench": "bench_cuda.json", "graph": "bench_graph_cuda.json",
-         "sweep": "sweep_cuda.json", "overhead": "overhead.json"}
+         "layouts": "tools.log", "sweep": "sweep_cuda.json", "overhead": "overhead.json"}
 def part(name):
     p = {k[len(name) + 1:]: num(v) for k, v in sorted(r.items()) if k.startswith(name + ".")}
     if "cut" in p:
@@ -189,6 +204,11 @@ def headline(b):
         "outputs_equal": b.get("outputs_equal"),
         "ffn_bound": (b.get("measured") or {}).get("ffn_bound"),
         "floor_per_layer_us": (b.get("measured") or {}).get("floor_per_layer_us"),
+        "floor_fill_drain_per_layer_us": (b.get("measured") or {}).get("floor_fill_drain_per_layer_us"),
+        "layouts_compared": b.get("layouts_compared"),
+        "skipped_policies": [p.get("policy") for p in b.get("skipped_policies") or [] if isinstance(p, dict)],
+        "contention": [{k: r.get(k) for k in ("comm_cores", "comm_model", "policies")}
+                       for r in (b.get("contention") or {}).get("runs") or []] or None,
         # Launch-bound or device-bound: host time to issue / device time (measured.launch).
         "launch": {k: ((b.get("measured") or {}).get("launch") or {}).get(k) for k in (
             "ffn_host_us", "ffn_device_us", "ffn_share", "launch_bound", "launch_bound_by")},
@@ -196,8 +216,10 @@ def headline(b):
         "policies": {
             p.get("policy"): {
                 "per_layer_us_median": (p.get("per_layer_us") or {}).get("median"),
+                "layouts": p.get("layouts"),
                 "speedup": p.get("speedup"),
                 "eta": p.get("eta"),
+                "eta_fill_drain": p.get("eta_fill_drain"),
                 "engaged": p.get("engaged"),
                 "outputs_equal": p.get("outputs_equal"),
                 "peer_cycle_ok": p.get("peer_cycle_ok"),
@@ -242,6 +264,14 @@ for name, file in (("bench", "bench_cuda.json"), ("graph", "bench_graph_cuda.jso
         s["parts"][name]["result"] = {k: v for k, v in data.items() if not isinstance(v, (list, dict)) or k in (
             "engaged_us_per_layer_stage", "passthrough_us_per_step", "passthrough_us_per_call")}
         s["parts"][name]["result"]["decided_serial_ab"] = data.get("decided_serial_ab")
+# Part 4: one "LAYOUT <layout> rc=<n>" line per layout, and what its child printed last.
+tools_log = out / "tools.log"
+if tools_log.exists():
+    text = tools_log.read_text(errors="replace")
+    seen = re.findall(r"^LAYOUT (\S+) rc=(\d+)$", text, re.M)
+    if seen:
+        s["parts"]["layouts"]["layouts"] = {name: int(rc) for name, rc in seen}
+        s["parts"]["layouts"]["graph_env_ok"] = re.findall(r"^GRAPH_ENV_OK .*$", text, re.M)
 env = pathlib.Path(os.environ.get("ENV_TXT") or "/nonexistent")
 if env.exists():
     s["env"] = env.read_text(errors="replace").strip().splitlines()[:80]
@@ -491,9 +521,29 @@ elif selected pytest; then
 fi
 CLI=("$PY" -m camp2p_overlap.tools.cli)
 run_part bench "$OUT/tools.log" "${CLI[@]}" bench --device cuda --scenario gpu-ffn-bound \
-  --comm-cores "${BENCH_COMM_CORES:-8}" --no-progress --json "$OUT/bench_cuda.json"
+  --comm-cores-sweep "${BENCH_COMM_CORES_SWEEP:-0,8}" --no-progress --json "$OUT/bench_cuda.json"
 run_part graph "$OUT/tools.log" "${CLI[@]}" bench --device cuda --scenario gpu-ffn-bound --graph \
   --comm-cores "${BENCH_COMM_CORES:-8}" --no-progress --json "$OUT/bench_graph_cuda.json"
+# Part 4: each layout captured from the environment's configuration. The comm-side run sets
+# VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE=1 explicitly: without it the layer refuses to capture A2E/E2A on
+# side streams (upstream's NPU graph code keeps HCCL on the capture's stream) and records the serial graph.
+graph_layouts() {  # graph_layouts PY: the child once per layout; fails when either fails
+  local py=$1 rc=0 one
+  local common=(VLLM_CAMP2P_MULTISTREAM=1 VLLM_CAMP2P_MULTISTREAM_GRAPH=1 VLLM_CAMP2P_MULTISTREAM_BACKEND=cuda
+    VLLM_CAMP2P_MULTISTREAM_ADAPTIVE=0)
+  env "${common[@]}" "$py" tests/programs/gpu_overlap_child.py graph-env
+  one=$?
+  echo "LAYOUT compute-side rc=$one"
+  ((one)) && rc=1
+  env "${common[@]}" VLLM_CAMP2P_MULTISTREAM_LAYOUT=comm-side VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE=1 \
+    "$py" tests/programs/gpu_overlap_child.py graph-env
+  one=$?
+  echo "LAYOUT comm-side rc=$one"
+  ((one)) && rc=1
+  return $rc
+}
+export -f graph_layouts
+run_part layouts "$OUT/tools.log" bash -c 'graph_layouts "$1"' graph_layouts "$PY"
 run_part sweep "$OUT/tools.log" "${CLI[@]}" sweep --device cuda --scenario gpu-ffn-bound \
   --layers 4 --steps 4 --warmup 1 --reps 2 --ratios 0.5,1.5 --stage-counts 2 --comm-core-points 0,8,32,96 \
   --work-tokens none --no-progress --json "$OUT/sweep_cuda.json"
@@ -517,4 +567,4 @@ fi
 if [[ -n $only ]]; then
   finish passed "the selected parts passed on cuda: ${PARTS[*]}"
 fi
-finish passed "gpu tests, bench, graph bench, sweep and overhead passed on cuda"
+finish passed "gpu tests, bench, graph bench, both layouts' graphs, sweep and overhead passed on cuda"

@@ -5,7 +5,9 @@ Runs many steps (default 10,000) of the emulated FFN forward with the
 overlap on, on a pool of worlds with randomized shapes, layer lists and
 stage sets (two and three stages, non-contiguous stage ids, a one-stage
 world that the gate sends down the serial path), random token counts per
-stage and step, and the three direction settings in turn (phases). On a
+stage and step, and the layouts in turn (phases: compute-side, the users'
+default; comm-side; and comm-side's direction switches, e2a-only and
+a2e-only). On a
 sample of steps it runs the same step on the serial path (the original,
 unwrapped ``_ffn_forward``) and requires bitwise-equal outputs, and checks
 every edge of the design in the overlap step's trace.
@@ -58,8 +60,24 @@ from camp2p_overlap.tools.bench.runner import use_tool_switch_interval  # noqa: 
 from camp2p_overlap.verify.edges import check_step  # noqa: E402
 
 FFN_TARGET = "AFDNPUFFNModelRunner._ffn_forward"
-#: (a2e on a side stream, e2a on a side stream) per phase, in turn.
-PHASES = [(True, True), (False, True), (True, False)]
+#: Per phase, in turn: (layouts listed, A2E on a side stream, E2A on a side
+#: stream; the switches refine comm-side only), and the schedule its
+#: overlap steps must follow: (A2E on K_s, E2A on K_s, FFN on F).
+PHASES = [
+    (("compute-side",), True, True),
+    (("comm-side",), True, True),
+    (("comm-side",), False, True),
+    (("comm-side",), True, False),
+]
+
+
+def phase_schedule(layouts: tuple[str, ...], a2e_side: bool, e2a_side: bool) -> tuple[bool, bool, bool]:
+    """Where a phase's overlap step runs A2E, E2A and the FFN (side streams or not)."""
+    if layouts[0] == "compute-side":
+        return (False, False, True)
+    return (a2e_side, e2a_side, False)
+
+
 NO_DELAY = LinkModel(latency_s=0.0, bandwidth_Bps=float("inf"))
 
 
@@ -242,11 +260,17 @@ def run(args: argparse.Namespace) -> Summary:
     t0 = time.perf_counter()
     step = 0
     stream_end = 0
-    for p, (a2e_side, e2a_side) in enumerate(PHASES):
+    for p, (layouts, a2e_side, e2a_side) in enumerate(PHASES):
         n_phase = phase_len if p < len(PHASES) - 1 else args.steps - phase_len * (len(PHASES) - 1)
         cfg = OverlapConfig(
-            enabled=True, backend="cpu", adaptive=False, a2e_on_side_stream=a2e_side, e2a_on_side_stream=e2a_side
+            enabled=True,
+            backend="cpu",
+            adaptive=False,
+            layouts=layouts,  # type: ignore[arg-type]
+            a2e_on_side_stream=a2e_side,
+            e2a_on_side_stream=e2a_side,
         )
+        on_a2e, on_e2a, on_ffn = phase_schedule(layouts, a2e_side, e2a_side)
         with patched(cfg, manifest) as (engine, engine_name):
             original = original_forward(engine)
             order = list(range(len(worlds)))
@@ -269,7 +293,7 @@ def run(args: argparse.Namespace) -> Summary:
                         mismatches.append(f"step {step} (world {worlds.index(w)}, tokens {tokens}) differs")
                     if multi:
                         (sid,) = rec.steps()
-                        exp = ExpectedSchedule(tuple(w.layer_list()), tuple(w.spec.stage_ids), a2e_side, e2a_side)
+                        exp = ExpectedSchedule(tuple(w.layer_list()), tuple(w.spec.stage_ids), on_a2e, on_e2a, on_ffn)
                         res = check_step(rec.ops(sid), exp)
                         if not res.ok:
                             violations.append(f"step {step}: {res}")

@@ -9,7 +9,14 @@ from collections.abc import Sequence
 from dataclasses import fields, replace
 from typing import Any
 
-from camp2p_overlap.tools.bench.runner import POLICIES, POLICY_HELP, SCENARIO_HELP, SCENARIOS, BenchParams
+from camp2p_overlap.tools.bench.runner import (
+    ATTENTION_CHOICES,
+    POLICY_HELP,
+    SCENARIO_HELP,
+    SCENARIOS,
+    BenchParams,
+    unknown_policies,
+)
 from camp2p_overlap.tools.docgen import help_listing, reading_rules
 from camp2p_overlap.tools.overhead import OverheadParams
 
@@ -19,10 +26,16 @@ afd-plugin's runner and connector (at the real dotted path afd_plugin unless a
 real afd-plugin is installed), attention peers with real data dependencies,
 a modeled link, and a MoE FFN doing real tensor work. Each policy runs
 through the same patch engine and wrappers users get; policies are
-interleaved over repetitions in one process.
+interleaved over repetitions in one process. The layouts: compute-side (the
+users' default: A2E/E2A on the caller's stream C in the overlap's order, the
+FFN on the runner's side stream F) and comm-side (A2E/E2A on per-stage side
+streams K_s, the FFN on C).
 
 policies:
-""" + "\n".join(f"  {name:<9} {text}" for name, text in POLICY_HELP.items())
+""" + "\n".join(
+    textwrap.fill(text, 79, initial_indent=f"  {name:<19}", subsequent_indent=" " * 21)
+    for name, text in POLICY_HELP.items()
+)
 
 BENCH_EPILOG = """\
 what is reported:
@@ -36,11 +49,15 @@ what is reported:
                   A2E (without the time it waited for its attention peer)
                   and E2A. attn is the modeled attention time (--attn-us)
   floor           per layer: max(S*f, max over stages of a_s + f + e_s + attn).
-                  S*f is the compute stream's work; a+f+e+attn is one stage
+                  S*f is the FFN stream's work; a+f+e+attn is one stage
                   group's dependency cycle (A2E, its FFN, E2A, then attention
                   before the next A2E), which no schedule can shorten
+  fill/drain      per layer: max((a_first + L*S*f + e_last) / L,
+  floor           max over stages of (L*(a_s+f+e_s) + (L-1)*attn) / L): also
+                  the step's first A2E and last E2A, which no layout can hide
   eta             (T_serial - T_policy) / (T_serial - T_floor): the share of the
-                  hideable time hidden (1.0 = all of it)
+                  hideable time hidden (1.0 = all of it); eta f/d the same
+                  against the fill/drain floor
   outputs         every timed and traced step of every policy compared bitwise
                   (torch.equal) with the serial run of the same step id
   edges           the trace checker (camp2p_overlap.verify.edges.check_step) on each
@@ -64,7 +81,10 @@ its modelled duration (docs/benchmark.md, "Timing model"). --device cuda|npu: bf
 device; on CUDA each A2E/E2A is an emulated CAM kernel that waits for the
 attention peer on the device, then spins the link time on the device clock
 (npu, or no NVRTC: calibrated device work, no peer). --comm-cores N: each
-communication op keeps N cores (cpu) or SMs (cuda) busy. Exit status: 0, or 1
+communication op keeps N cores (cpu) or SMs (cuda) busy; --comm-cores-sweep
+0,N runs the whole benchmark at each value and reports them side by side.
+--attention coupled: the peer couples the stages (host world; compute-side
+stalls there and is not run). Exit status: 0, or 1
 when outputs differ, an edge or the peer cycle is violated or an overlap
 policy did not engage (2+ stages).
 Absolute CPU times say nothing about an NPU; only the ratios carry over.
@@ -132,9 +152,9 @@ _WORLD_FLAGS: list[tuple[str, str, Any, str]] = [
 
 def _policies(text: str) -> tuple[str, ...]:
     names = tuple(p.strip() for p in text.split(",") if p.strip())
-    unknown = [p for p in names if p not in POLICIES]
+    unknown = unknown_policies(names)
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown policy {', '.join(unknown)} (choose from {', '.join(POLICIES)})")
+        raise argparse.ArgumentTypeError(unknown)
     return names
 
 
@@ -215,7 +235,16 @@ def _add_world_flags(p: argparse.ArgumentParser, defaults: dict[str, Any] | None
         "--policies",
         type=_policies,
         default=None,
-        help=f"comma-separated, must include serial (default {','.join(shown['policies'])})",
+        help=f"comma-separated, must include serial (default {','.join(shown['policies'])}; the comm-heavy "
+        "scenario's: every layout, fixed and adaptive, and both)",
+    )
+    p.add_argument(
+        "--attention",
+        choices=ATTENTION_CHOICES,
+        default=None,
+        help="the attention side: per-stage (default: a stage's next A2E waits for that stage's E2A alone, as "
+        "vLLM's DBO micro-batching) or coupled (it waits for every stage's E2A of the layer, "
+        "emulation/coupled.py; the host world only; compute-side stalls there and is not run, with the reason)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is shown only on a terminal)")
 
@@ -231,12 +260,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="serial vs e2a-only vs overlap on the emulated FFN rank",
+        help="serial vs e2a-only vs both overlap layouts on the emulated FFN rank",
         description=BENCH_DESCRIPTION,
         epilog=BENCH_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_world_flags(bench)
+    bench.add_argument(
+        "--comm-cores-sweep",
+        dest="comm_cores_sweep",
+        type=_ints_or_zero,
+        default=None,
+        metavar="N,M,...",
+        help="run the whole benchmark once per --comm-cores value (e.g. 0,2: the contention model off and on) and "
+        "report the runs side by side (the report's contention; the first value's run is the report's main "
+        "figures); every run on wall-clock kernels when a value is above 0 (unless --timing says otherwise)",
+    )
     bench.add_argument("--json", metavar="PATH", help="write the report as JSON (schema: docs/benchmark.md)")
     bench.add_argument(
         "--trace",
@@ -288,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the benchmark over a range of communication/FFN-compute ratios (set through the "
         "modeled link bandwidth, after measuring f once), over 1, 2 and 3 stages, over the cores each "
         "communication op keeps busy (--comm-cores), and over the tokens per "
-        "stage (serial, adaptive overlap and fixed overlap side by side, with the preset's link). Base world: the "
+        "stage (serial, adaptive overlap and both layouts fixed side by side, with the preset's link). Base "
+        "world: the "
         "ffn-bound scenario unless --scenario says otherwise, with "
         + ", ".join(f"--{k} {v}" for k, v in SWEEP_DEFAULTS.items())
         + "; explicit flags override. Each point sets the modeled link bandwidth itself (--link-gbps is "
@@ -342,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="work_graph",
         action="store_true",
         help="measure every work-size point in graph mode too (bench --graph: captured steps replayed; serial, "
-        "overlap with both variants and overlap-fixed), reported next to the eager one",
+        "overlap with both variants and each fixed layout; on --device cpu comm-side is not captured: the "
+        "emulated NPU refuses comm on side streams), reported next to the eager one",
     )
     sweep.add_argument("--md", metavar="PATH", help="write the tables as Markdown")
     sweep.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer time against ratio and stages")
@@ -546,6 +587,8 @@ def _sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
             replace(params, comm_cores=n).validate()
         if any(r <= 0 for r in args.ratios) or args.stage_ratio <= 0:
             raise ValueError("ratios must be positive")
+        if args.work_graph:
+            replace(params, graph=True).validate()  # what the graph work points will run
     except ValueError as exc:
         return _fail(str(exc))
     why = _preflight(params.device, args.plot)

@@ -190,7 +190,21 @@ def _policy(report: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
 def _speedup(p: Mapping[str, Any], *, ci: bool = False) -> str:
     interval = p.get("speedup_ci95") if ci else None
     text = f"{p['speedup']:.2f}x" + (f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "")
-    return text + ("" if p.get("eta") is None else f" (eta {p['eta']:.2f})")
+    if p.get("eta") is None:
+        return text
+    fd = p.get("eta_fill_drain")
+    return text + f" (eta {p['eta']:.2f}" + ("" if fd is None else f"; {fd:.2f} against the fill/drain floor") + ")"
+
+
+#: The bench policies the headline quotes, in order, with their labels (``overlap-fixed``: a report from before
+#: the layouts were named).
+HEADLINE_POLICIES = (
+    ("overlap", "`overlap` (compute-side, adaptive)"),
+    ("compute-side-fixed", "`compute-side-fixed`"),
+    ("comm-side-fixed", "`comm-side-fixed`"),
+    ("overlap-fixed", "`overlap-fixed`"),
+    ("e2a-only", "E2A-only"),
+)
 
 
 def headline_figures(res: Results) -> str:
@@ -199,7 +213,10 @@ def headline_figures(res: Results) -> str:
 
     bench = res.report("bench")
     parts = []
-    for name, label in (("overlap", "`overlap`"), ("overlap-fixed", "`overlap-fixed`"), ("e2a-only", "E2A-only")):
+    new = any("eta_fill_drain" in p for p in bench["policies"])  # a report with the layouts named
+    for name, label in HEADLINE_POLICIES:
+        if not new and name == "overlap":
+            label = "`overlap`"
         p = _policy(bench, name)
         if p is not None:
             steady = " at its steady state" if (p.get("learning") or {}).get("decision") else ""

@@ -52,7 +52,7 @@ except ImportError:  # Python 3.10
 
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 WHEELS_SCRIPT = REPO / "scripts" / "gpu_wheels.sh"
-PARTS = ("pytest", "bench", "graph", "sweep", "overhead")
+PARTS = ("pytest", "bench", "graph", "layouts", "sweep", "overhead")
 #: The most files the device tool hands back from $OUT (docs/validation.md).
 MAX_OUT_FILES = 8
 
@@ -282,6 +282,9 @@ def test_the_scripts_command_lines_pass_validation_and_stop_only_for_the_device(
     parts = _script_cli_parts()
     assert set(parts) == {"bench", "graph", "sweep", "overhead"}, parts
     assert parts["graph"][0] == "bench" and "--graph" in parts["graph"], parts["graph"]
+    # the bench part: the contention model off and on, side by side, every default policy (both layouts)
+    bench = parts["bench"]
+    assert bench[bench.index("--comm-cores-sweep") + 1] == "0,8" and "--policies" not in bench, bench
     assert parts["graph"][parts["graph"].index("--json") + 1] == "bench_graph_cuda.json"
     for name in ("bench", "graph", "sweep"):
         argv = parts[name]
@@ -333,8 +336,11 @@ def test_the_parts_run_within_the_budget_and_the_summary_reads_them(
     counts = parts["pytest"]["counts"]
     assert counts["tests"] >= 10 and counts["failures"] + counts["errors"] >= 1, counts
     assert parts["pytest"]["not_passed"], parts["pytest"]
-    for name in ("bench", "graph", "sweep"):
+    for name in ("bench", "graph", "layouts", "sweep"):
         assert parts[name]["rc"] not in (0, None), parts
+    # the layouts part ran its child once per layout (each failed: there is no CUDA), read from tools.log
+    layouts = parts["layouts"]["layouts"]
+    assert set(layouts) == {"compute-side", "comm-side"} and all(rc != 0 for rc in layouts.values()), layouts
     files = sorted(p.name for p in out.rglob("*") if p.is_file())
     assert len(files) <= MAX_OUT_FILES, f"$OUT holds {len(files)} files, more than the device tool hands back: {files}"
     assert parts["overhead"]["rc"] == 0, (out / "tools.log").read_text()[-3000:]
@@ -499,3 +505,51 @@ def test_the_carried_wheels_meet_pyproject() -> None:
         (req,) = [r for r in reqs if r.name == name]
         version = pins[name].removeprefix("==")
         assert req.specifier.contains(version), f"{name}{pins[name]} (gpu_wheels.sh) does not meet {req}"
+
+
+def _graph_layouts_function() -> str:
+    """The script's ``graph_layouts`` function, as written there."""
+    text = SCRIPT.read_text()
+    m = re.search(r"^graph_layouts\(\) \{.*?^\}$", text, re.M | re.S)
+    assert m, "scripts/gpu_check.sh has no graph_layouts function"
+    return m.group(0)
+
+
+@pytest.mark.parametrize("fail_comm_side", [False, True], ids=["both-pass", "comm-side-fails"])
+def test_the_layouts_part_captures_each_layout_and_opts_comm_side_in_alone(
+    tmp_path: Path, fail_comm_side: bool
+) -> None:
+    """Part 4 runs the graph child once per layout, configured from the environment as a vLLM worker is:
+    compute-side with the layout left to its default and no comm-side opt-in, comm-side with
+    VLLM_CAMP2P_MULTISTREAM_LAYOUT=comm-side and VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE=1 (which a decode graph
+    of comm-side needs); each run's exit code is on a LAYOUT line, and the part fails when either run fails.
+    Here a fake Python records each run's environment."""
+    fake = tmp_path / "python"
+    record = tmp_path / "runs.txt"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'echo "$* LAYOUT=${{VLLM_CAMP2P_MULTISTREAM_LAYOUT-unset}} '
+        f"OPT_IN=${{VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE-unset}} GRAPH=$VLLM_CAMP2P_MULTISTREAM_GRAPH "
+        f'ON=$VLLM_CAMP2P_MULTISTREAM ADAPTIVE=$VLLM_CAMP2P_MULTISTREAM_ADAPTIVE" >>{record}\n'
+        + ('[ "$VLLM_CAMP2P_MULTISTREAM_LAYOUT" = comm-side ] && exit 3\n' if fail_comm_side else "")
+        + "exit 0\n"
+    )
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CAMP2P")}
+    res = subprocess.run(
+        ["bash", "-c", _graph_layouts_function() + '\ngraph_layouts "$1"', "graph_layouts", str(fake)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(REPO),
+        timeout=30,
+    )
+    runs = record.read_text().splitlines()
+    child = "tests/programs/gpu_overlap_child.py graph-env"
+    assert runs == [
+        f"{child} LAYOUT=unset OPT_IN=unset GRAPH=1 ON=1 ADAPTIVE=0",
+        f"{child} LAYOUT=comm-side OPT_IN=1 GRAPH=1 ON=1 ADAPTIVE=0",
+    ], runs
+    assert (REPO / "tests" / "programs" / "gpu_overlap_child.py").exists()
+    assert res.stdout.splitlines() == ["LAYOUT compute-side rc=0", f"LAYOUT comm-side rc={3 if fail_comm_side else 0}"]
+    assert res.returncode == (1 if fail_comm_side else 0), res.stdout + res.stderr

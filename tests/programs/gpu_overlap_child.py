@@ -1,10 +1,17 @@
-"""Child of tests/hardware/test_gpu_validation.py (a fresh CUDA context each
-run): a 3-layer, 2-stage device world on CUDA, run in the mode of argv[1]:
-``ok`` three overlap steps; ``race`` the same with the compute stream's wait
-for its A2E dropped (the sanitizer must see the race); ``graph-ab`` capture
-with the join (works) and without it (must fail); ``graph-env`` the graph
-switch read from the environment, captured and replayed bitwise."""
+"""Child of tests/hardware/test_gpu_validation.py and scripts/gpu_check.sh (a
+fresh CUDA context each run): a 3-layer, 2-stage device world on CUDA, run in
+the mode of argv[1]: ``ok`` three overlap steps; ``race`` the same with the
+FFN stream's wait for its A2E dropped (the sanitizer must see the race);
+``graph-ab`` capture with the join (works) and without it (must fail);
+``graph-env`` the configuration read from the environment as a vLLM worker
+reads it (VLLM_CAMP2P_MULTISTREAM_GRAPH=1; the layout of
+VLLM_CAMP2P_MULTISTREAM_LAYOUT, compute-side by default; comm-side captures
+only with VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE=1), captured in that
+layout and replayed bitwise. The layout of ``ok``, ``race`` and ``graph-ab``
+is the default (compute-side) unless VLLM_CAMP2P_MULTISTREAM_LAYOUT names
+another."""
 
+import os
 import sys
 
 import torch
@@ -31,11 +38,13 @@ dw = build_device_world(spec, "cuda", root=site.root)
 tokens = {0: 64, 1: 48}
 
 if mode == "race":
-    # Drop edge 3 (FFN on C waits for its A2E): C reads what K_s writes.
+    # Drop the FFN's wait for its A2E (the FFN's stream waits a_done): the FFN
+    # reads what the A2E's stream writes (compute-side: F reads C's; comm-side:
+    # C reads K_s's).
     orig_wait = StepSession.wait_event
 
     def _wait(self, stream, key):
-        if stream is self.compute and key.kind == A_DONE:
+        if key.kind == A_DONE:
             return
         return orig_wait(self, stream, key)
 
@@ -43,8 +52,14 @@ if mode == "race":
 
 
 def no_join(self):
-    # Edge 7 dropped: K_s never rejoins C before the forward returns.
+    # The join dropped: the side streams (F, or K_s) never rejoin C before the forward returns; the caller's
+    # stream is made current again as the real join does.
+    if self._current is not None:
+        self._restore_caller()
     self.release_buffers()
+
+
+layouts = tuple(x for x in os.environ.get("VLLM_CAMP2P_MULTISTREAM_LAYOUT", "compute-side").split(",") if x)
 
 
 if mode == "graph-env":
@@ -61,12 +76,13 @@ if mode == "graph-env":
     class Counted(patch_layer.runtime.session_class):
         def __init__(self, **kw):
             super().__init__(**kw)
-            sessions.append(1)
+            sessions.append(kw["layout"].name)
 
     patch_layer.runtime.session_class = Counted
     report = patch_layer.engine.apply(manifest=site.manifest, strict=True)
     assert report.engaged, str(report)
     assert patch_layer.engine.config.graph, "VLLM_CAMP2P_MULTISTREAM_GRAPH=1 was not read"
+    assert patch_layer.engine.config.layouts == layouts, (patch_layer.engine.config.layouts, layouts)
     dw.world.steps_run = 0
     eager = dw.world.run_step(tokens)
     torch.cuda.synchronize()
@@ -83,7 +99,11 @@ if mode == "graph-env":
     before = len(sessions)
     with torch.cuda.graph(g):
         dw.world.run_step(tokens)
-    assert len(sessions) == before + 1, "the captured step did not run the overlap session"
+    assert len(sessions) == before + 1, (
+        "the captured step did not run the overlap session (comm-side captures only with "
+        "VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE=1)"
+    )
+    assert sessions[-1] == layouts[0], f"captured {sessions[-1]}, not {layouts[0]}"
     captured = dict(dw.world.transport.results)
     for _ in range(3):
         for t in captured.values():
@@ -95,13 +115,16 @@ if mode == "graph-env":
         assert not bad, f"graph replay differs from the eager serial step at {bad}"
     dw.synchronize()  # raises if an A2E gave up waiting for its peer
     assert patch_layer.engine.unpatch(timeout=30)
-    print("GRAPH_ENV_OK", len(sessions))
+    print("GRAPH_ENV_OK", len(sessions), sessions[-1])
     sys.exit(0)
 
 graph = mode == "graph-ab"
 with emulation_engine() as engine:
     report = engine.apply(
-        config=OverlapConfig(enabled=True, backend="cuda", graph=graph, adaptive=False),
+        # graph_comm_side: a comm-side capture is opted in (compute-side needs no opt-in)
+        config=OverlapConfig(
+            enabled=True, backend="cuda", graph=graph, graph_comm_side=graph, adaptive=False, layouts=layouts
+        ),
         manifest=site.manifest,
         strict=True,
     )

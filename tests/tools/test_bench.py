@@ -9,6 +9,7 @@ import json
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,9 @@ from camp2p_overlap.emulation.standin_patch_layer import emulated_patch_layer, e
 from camp2p_overlap.emulation.world import EmulatedModel, LinkModel, WorldSpec, build_world
 from camp2p_overlap.tools import cli
 from camp2p_overlap.tools.bench.runner import (
+    DEFAULT_POLICIES,
     ETA_MIN_HIDEABLE,
+    GRAPH_COMM_ON_THE_EMULATED_NPU,
     POLICIES,
     SCENARIOS,
     TOOL_SWITCH_INTERVAL_S,
@@ -83,6 +86,7 @@ TOP_KEYS = {
     "graph": bool,
     "graph_pool": (dict, type(None)),
     "skipped_policies": list,
+    "attention": str,
     "stand_in_root": str,
     "comm_model": str,
     "fallbacks": list,
@@ -93,6 +97,8 @@ TOP_KEYS = {
     "stages": list,
     "measured": dict,
     "policies": list,
+    "layouts_compared": (dict, type(None)),
+    "contention": (dict, type(None)),
     "outputs_equal": bool,
     "env": dict,
     "wall_s": float,
@@ -109,12 +115,18 @@ MEASURED_KEYS = {
     "ffn_bound": bool,
     "floor_per_layer_us": float,
     "floor_terms": dict,
+    "floor_fill_drain_per_layer_us": float,
+    "floor_fill_drain_terms": dict,
     "launch": (dict, type(None)),
 }
+FILL_DRAIN_KEYS = {"fill_us": float, "drain_us": float, "layers": int, "compute_us": float, "group_chain_us": float}
 POLICY_KEYS = {
     "policy": str,
+    "layouts": (list, type(None)),
     "a2e_side_stream": bool,
     "e2a_side_stream": bool,
+    "ffn_side_stream": bool,
+    "layout_steps": dict,
     "samples": int,
     "per_layer_us": dict,
     "adaptive": bool,
@@ -123,6 +135,8 @@ POLICY_KEYS = {
     "speedup_ci95": (list, type(None)),
     "eta": (float, type(None)),
     "eta_ci95": (list, type(None)),
+    "eta_fill_drain": (float, type(None)),
+    "eta_fill_drain_ci95": (list, type(None)),
     "noisy": bool,
     "noise": list,
     "outputs_equal": bool,
@@ -246,24 +260,53 @@ def test_bench_json_has_the_documented_schema(bench_files: dict[str, Any]) -> No
     assert r["partial"] is False and r["progress"] == "done"
     assert r["device"] == "cpu" and r["backend"] == "cpu" and r["world"] == "host"
     assert r["graph"] is False and r["skipped_policies"] == [] and r["graph_pool"] is None
+    assert r["attention"] == "per-stage" and r["contention"] is None
     assert r["stand_in_root"] == standins.REAL_ROOT
     assert set(r["params"]) == PARAM_KEYS
-    assert r["params"]["layers"] == 2 and r["params"]["reps"] == 2 and r["params"]["policies"] == list(POLICIES)
+    assert r["params"]["layers"] == 2 and r["params"]["reps"] == 2
+    assert r["params"]["policies"] == list(DEFAULT_POLICIES) and r["params"]["comm_cores_sweep"] == []
     assert r["ffn_layers"] == 2 and r["stages"] == [0, 1]
     _check_keys(r["measured"], MEASURED_KEYS, "measured")
     assert [s["stage"] for s in r["measured"]["stages"]] == [0, 1]
     for s in r["measured"]["stages"]:
         _check_keys(s, {"stage": int, "a_us": float, "e_us": float}, "measured.stages[]")
     _check_keys(r["measured"]["floor_terms"], {"stages_x_f_us": float, "group_cycle_us": float}, "floor_terms")
+    _check_keys(r["measured"]["floor_fill_drain_terms"], FILL_DRAIN_KEYS, "floor_fill_drain_terms")
     # The host world: nothing fell back, and no host/device split to measure (the FFN runs on the caller's thread).
     assert r["fallbacks"] == [] and r["measured"]["launch"] is None
     assert all(p["launch"] is None for p in r["policies"])
-    assert [p["policy"] for p in r["policies"]] == ["serial", "e2a-only", "overlap", "overlap-fixed"]
+    assert [p["policy"] for p in r["policies"]] == [
+        "serial",
+        "e2a-only",
+        "overlap",
+        "compute-side-fixed",
+        "comm-side-fixed",
+    ]
+    layouts = {p["policy"]: p["layouts"] for p in r["policies"]}
+    assert layouts == {
+        "serial": None,
+        "e2a-only": ["e2a-only"],
+        "overlap": ["compute-side"],
+        "compute-side-fixed": ["compute-side"],
+        "comm-side-fixed": ["comm-side"],
+    }
+    streams = {p["policy"]: (p["a2e_side_stream"], p["e2a_side_stream"], p["ffn_side_stream"]) for p in r["policies"]}
+    assert streams == {
+        "serial": (False, False, False),
+        "e2a-only": (False, True, False),
+        "overlap": (False, False, True),
+        "compute-side-fixed": (False, False, True),
+        "comm-side-fixed": (True, True, False),
+    }
     for p in r["policies"]:
         _check_keys(p, POLICY_KEYS, f"policies[{p['policy']}]")
         assert p["adaptive"] is (p["policy"] == "overlap")
+        # every timed step, by the path it ran: a fixed policy its layout, serial the serial path
+        assert sum(p["layout_steps"].values()) == p["samples"], p
+        if not p["adaptive"]:
+            assert p["layout_steps"] == {(p["layouts"] or ["serial"])[0]: p["samples"]}, p
         if p["policy"] == "serial":  # noisy only when its kernels overran the timing model
-            assert p["speedup_ci95"] is None and p["eta_ci95"] is None
+            assert p["speedup_ci95"] is None and p["eta_ci95"] is None and p["eta_fill_drain_ci95"] is None
             assert all("timing model's error" in n for n in p["noise"])
         else:
             lo, hi = p["speedup_ci95"]
@@ -294,7 +337,8 @@ def test_bench_json_has_the_documented_schema(bench_files: dict[str, Any]) -> No
     assert t["ffn"]["fixed"] is False
     (point,) = t["ffn"]["points"]
     _check_keys(point, FFN_POINT_KEYS, "timing.ffn.points[]")
-    assert point["tokens"] == 16 and set(point["in_run_quantile_us"]) == {"serial", "e2a-only", "overlap"}
+    assert point["tokens"] == 16
+    assert set(point["in_run_quantile_us"]) == {"serial", "e2a-only", "compute-side", "comm-side"}
     if point["calibrated_why"]:  # this machine could not hold the rating
         slowest = max(point["quantile_us"], *point["in_run_quantile_us"].values())
         assert point["model_us"] == pytest.approx(slowest * t["ffn"]["margin"], rel=1e-3)
@@ -324,16 +368,29 @@ def test_report_values_are_consistent(bench_files: dict[str, Any]) -> None:
     assert m["floor_terms"]["group_cycle_us"] == pytest.approx(cycle, abs=0.01)
     assert m["floor_per_layer_us"] == pytest.approx(max(S * m["f_us"], cycle), abs=0.01)
     assert m["comm_over_ffn"] == pytest.approx(max(s["a_us"] + s["e_us"] for s in m["stages"]) / m["f_us"], rel=1e-3)
+    # The fill/drain floor: the step's first A2E (stage 0's) and last E2A (the last stage's) around its L*S FFNs,
+    # and each stage's chain over the step without the attention after its last E2A; per layer.
+    L = r["ffn_layers"]
+    fd = m["floor_fill_drain_terms"]
+    first, last = m["stages"][0], m["stages"][-1]
+    assert (fd["layers"], fd["fill_us"], fd["drain_us"]) == (L, first["a_us"], last["e_us"])
+    compute = (first["a_us"] + L * S * m["f_us"] + last["e_us"]) / L
+    chain = max(L * (s["a_us"] + m["f_us"] + s["e_us"]) + (L - 1) * m["attn_us"] for s in m["stages"]) / L
+    assert fd["compute_us"] == pytest.approx(compute, abs=0.01) and fd["group_chain_us"] == pytest.approx(
+        chain, abs=0.01
+    )
+    assert m["floor_fill_drain_per_layer_us"] == pytest.approx(max(compute, chain), abs=0.01)
     serial = r["policies"][0]
     t_s = serial["per_layer_us"]["median"]
-    assert serial["speedup"] == 1.0 and serial["eta"] is None
+    assert serial["speedup"] == 1.0 and serial["eta"] is None and serial["eta_fill_drain"] is None
     for p in r["policies"][1:]:
         t_p = p["per_layer_us"]["median"]
         assert p["speedup"] == pytest.approx(t_s / t_p, rel=1e-3)
-        if t_s - m["floor_per_layer_us"] > ETA_MIN_HIDEABLE * t_s:
-            assert p["eta"] == pytest.approx((t_s - t_p) / (t_s - m["floor_per_layer_us"]), rel=1e-3, abs=1e-3)
-        else:
-            assert p["eta"] is None
+        for key, floor in (("eta", m["floor_per_layer_us"]), ("eta_fill_drain", m["floor_fill_drain_per_layer_us"])):
+            if t_s - floor > ETA_MIN_HIDEABLE * t_s:
+                assert p[key] == pytest.approx((t_s - t_p) / (t_s - floor), rel=1e-3, abs=1e-3), key
+            else:
+                assert p[key] is None, key
         assert p["per_layer_us"]["min"] <= p["per_layer_us"]["median"] <= p["per_layer_us"]["p90"]
 
 
@@ -342,15 +399,16 @@ def test_outputs_equal_and_overlap_engaged(bench_files: dict[str, Any]) -> None:
     assert r["outputs_equal"] is True
     by = {p["policy"]: p for p in r["policies"]}
     assert by["serial"]["engaged"] is False
-    assert by["e2a-only"]["engaged"] is True and by["overlap-fixed"]["engaged"] is True
+    assert by["e2a-only"]["engaged"] is True
+    assert by["compute-side-fixed"]["engaged"] is True and by["comm-side-fixed"]["engaged"] is True
     # adaptive engage is still learning in this tiny run: either path is right
     for p in r["policies"]:
         assert p["outputs_equal"] is True and p["mismatches"] == []
         assert p["edges_checked"] is True and p["edges_ok"] is True, p["edge_violations"]
     # serial: reps after the first and the traced steps; others: every timed and traced step
     assert by["serial"]["compared_steps"] == 2 + 2 * 2
-    assert by["overlap"]["compared_steps"] == 2 * (2 + 1)
-    assert by["overlap-fixed"]["compared_steps"] == 2 * (2 + 1)
+    for name in ("overlap", "compute-side-fixed", "comm-side-fixed"):
+        assert by[name]["compared_steps"] == 2 * (2 + 1), name
 
 
 def test_bench_leaves_the_process_as_it_found_it(bench_files: dict[str, Any]) -> None:
@@ -358,10 +416,10 @@ def test_bench_leaves_the_process_as_it_found_it(bench_files: dict[str, Any]) ->
     assert not PATCH_LAYER.engine.is_applied() and len(PATCH_LAYER.engine.installer.records) == 0
     # Each policy ran on an engine of its own (kept over the repetitions,
     # so adaptive engage learns once), and so did each patched schedule the
-    # FFN's timing model was refined on (e2a-only, overlap: built first),
-    # all unpatched with their streams closed.
+    # FFN's timing model was refined on (e2a-only, compute-side, comm-side:
+    # built first), all unpatched with their streams closed.
     patch_layers = bench_files["patch_layers"]
-    assert len(patch_layers) == len(POLICIES) + 2, (len(patch_layers), len(POLICIES))
+    assert len(patch_layers) == len(DEFAULT_POLICIES) + 3, (len(patch_layers), len(DEFAULT_POLICIES))
     assert len({id(p.engine) for p in patch_layers}) == len(patch_layers)
     assert all(not p.engine.is_applied() and not p.runtime.runners.stream_sets() for p in patch_layers)
 
@@ -371,14 +429,15 @@ def test_trace_is_chrome_trace_event_json_with_a_track_per_stream(bench_files: d
     events = data["traceEvents"]
     assert isinstance(events, list) and events
     processes = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
-    assert sorted(processes.values()) == sorted(POLICIES)
+    assert sorted(processes.values()) == sorted(DEFAULT_POLICIES)
     threads: dict[str, dict[int, str]] = {name: {} for name in processes.values()}
     for e in events:
         if e["ph"] == "M" and e["name"] == "thread_name":
             threads[processes[e["pid"]]][e["tid"]] = e["args"]["name"]
     assert sorted(threads["serial"].values()) == ["C"]
-    assert sorted(threads["overlap-fixed"].values()) == ["C", "K0", "K1"]
-    assert sorted(threads["overlap"].values()) in (["C"], ["C", "K0", "K1"])  # adaptive: either path
+    assert sorted(threads["comm-side-fixed"].values()) == ["C", "K0", "K1"]
+    assert sorted(threads["compute-side-fixed"].values()) == ["C", "F"]
+    assert sorted(threads["overlap"].values()) in (["C"], ["C", "F"])  # adaptive: either path
     assert sorted(threads["e2a-only"].values()) == ["C", "K0", "K1"]
     spans = [e for e in events if e["ph"] == "X"]
     assert spans
@@ -386,12 +445,17 @@ def test_trace_is_chrome_trace_event_json_with_a_track_per_stream(bench_files: d
         assert e["tid"] in threads[processes[e["pid"]]], "a span on an unnamed track"
         assert isinstance(e["ts"], (int, float)) and isinstance(e["dur"], (int, float)) and e["dur"] >= 0
         assert {"name", "cat", "pid", "tid"} <= set(e)
-    # one step per policy; overlap-fixed's A2E ran on the side streams
+    # one step per policy; comm-side-fixed's A2E ran on the side streams, compute-side-fixed's on C and its FFN on F
     for name, pid in ((n, p) for p, n in processes.items()):
         assert len([e for e in spans if e["pid"] == pid and e["cat"] == "step"]) == 1, name
-    fixed_pid = next(p for p, n in processes.items() if n == "overlap-fixed")
-    a2e_tracks = {threads["overlap-fixed"][e["tid"]] for e in spans if e["pid"] == fixed_pid and e["cat"] == "a2e"}
-    assert a2e_tracks == {"K0", "K1"}
+
+    def tracks(policy: str, cat: str) -> set[str]:
+        pid = next(p for p, n in processes.items() if n == policy)
+        return {threads[policy][e["tid"]] for e in spans if e["pid"] == pid and e["cat"] == cat}
+
+    assert tracks("comm-side-fixed", "a2e") == {"K0", "K1"} and tracks("comm-side-fixed", "ffn") == {"C"}
+    assert tracks("compute-side-fixed", "a2e") == {"C"} and tracks("compute-side-fixed", "e2a") == {"C"}
+    assert tracks("compute-side-fixed", "ffn") == {"F"}
 
 
 def test_plot_is_a_png(bench_files: dict[str, Any]) -> None:
@@ -446,9 +510,10 @@ def test_overlap_outputs_equal_serial_outputs_independently() -> None:
 
 
 def _perturb_the_ffn_under_a2e_side_sessions(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Add 1e-3 to the routed FFN output while a session with A2E on the
-    side streams is active (in the benchmark's own patch layers): on the device,
-    as a kernel after the FFN's, so it changes what the FFN wrote."""
+    """Add 1e-3 to the routed FFN output while a session with A2E or the FFN
+    on a side stream is active (comm-side or compute-side, not e2a-only; in
+    the benchmark's own patch layers): on the device, as a kernel after the
+    FFN's, so it changes what the FFN wrote."""
     original = EmulatedModel.compute_ffn_output
     patch_layers: list[PatchLayer] = []
     real_build = emulation.build_patch_layer
@@ -459,7 +524,7 @@ def _perturb_the_ffn_under_a2e_side_sessions(monkeypatch: pytest.MonkeyPatch) ->
     def perturbed(self: EmulatedModel, *, hidden_states: torch.Tensor, layer_idx: int) -> Any:
         out = original(self, hidden_states=hidden_states, layer_idx=layer_idx)
         sessions = [s for p in patch_layers if (s := p.runtime.active_session()) is not None]
-        if sessions and sessions[0].layout.a2e_side:
+        if sessions and (sessions[0].layout.a2e_side or sessions[0].layout.ffn_side):
             routed = out.routed_output
             emulated_device.launch(lambda: routed.add_(1e-3), writes=(routed,))
         return out
@@ -492,7 +557,8 @@ def test_with_a_real_afd_plugin_the_stand_ins_move_to_the_alias_root(monkeypatch
     assert r["stand_in_root"] == standins.ALIAS_ROOT
     assert not any(name == "afd_plugin" or name.startswith("afd_plugin.") for name in sys.modules)
     by = {p["policy"]: p for p in r["policies"]}
-    assert by["overlap-fixed"]["engaged"] is True and by["e2a-only"]["engaged"] is True
+    assert by["compute-side-fixed"]["engaged"] is True and by["e2a-only"]["engaged"] is True
+    assert by["comm-side-fixed"]["engaged"] is True
     assert r["outputs_equal"] is True
 
 
@@ -609,6 +675,10 @@ def test_help_documents_the_metrics(capsys: pytest.CaptureFixture[str]) -> None:
     text = capsys.readouterr().out
     for needle in ("eta", "floor", "serial run's trace", "--scenario", "ffn-bound", "only the ratios carry over"):
         assert needle in text
+    for needle in ("fill/drain", "--comm-cores-sweep", "--attention", "compute-side-fixed", "comm-side-fixed"):
+        assert needle in text, needle
+    for name in POLICIES:  # every policy's help, its name at the start of a line
+        assert re.search(rf"^  {re.escape(name)} ", text, re.M), name
 
 
 # ---------------------------------------------------------------------------
@@ -626,7 +696,15 @@ def test_sweep_writes_markdown_plot_and_json(tmp_path: Path) -> None:
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
     assert len(rows) == 3 + 2 + 2 + 2  # three headers, 2 ratio rows, 2 stage rows, 2 work rows
     assert [r.split(" | ")[0] for r in rows[-2:]] == ["| 16 / 1", "| 16 / 4"]
-    assert "overlap-fixed speedup / eta" in rows[-3] and "e2a-only" not in rows[-3]
+    # both layouts at every point, each with its speedup's spread and both etas
+    for header in (rows[0], rows[3], rows[-3]):
+        for name in ("compute-side-fixed", "comm-side-fixed", "overlap"):
+            assert f"{name} speedup [95% CI] / eta / eta f/d" in header, (name, header)
+        assert "| floor | fill/drain floor |" in header
+    assert "e2a-only" not in rows[-3] and "e2a-only speedup" in rows[0]
+    cells = re.compile(r"\d+\.\d\dx(?: \[[^\]]+\])? / (?:-?[\d.]+|-) / (?:-?[\d.]+|-)")
+    assert [len(cells.findall(row)) for row in rows[1:3]] == [4, 4], rows[1:3]  # each ratio point, 4 policies
+    assert all(row.count(" | ") == rows[0].count(" | ") for row in rows[1:3]), "a row's cells are not the header's"
     assert "Adaptive `overlap` at its slowest:" in text
     assert "only the ratios" in text.lower()
     assert png.read_bytes()[:8] == PNG_SIGNATURE
@@ -644,7 +722,7 @@ def test_sweep_writes_markdown_plot_and_json(tmp_path: Path) -> None:
     assert [(p["hidden"], p["tokens"]) for p in data["work_points"]] == [(16, 1), (16, 4)]
     for p in data["work_points"]:
         r = p["report"]
-        assert [q["policy"] for q in r["policies"]] == ["serial", "overlap", "overlap-fixed"]
+        assert [q["policy"] for q in r["policies"]] == ["serial", "overlap", "compute-side-fixed", "comm-side-fixed"]
         assert r["params"]["link_latency_us"] == 0 and r["params"]["attn_us"] == 0 and r["params"]["steps"] >= 8
         assert r["outputs_equal"] is True
     one_stage = data["stage_points"][0]["report"]
@@ -672,7 +750,7 @@ def test_bench_on_cuda(tmp_path: Path) -> None:
     r = json.loads(out.read_text())
     assert r["backend"] == "cuda"
     by = {p["policy"]: p for p in r["policies"]}
-    assert by["overlap-fixed"]["engaged"] is True
+    assert by["compute-side-fixed"]["engaged"] is True and by["comm-side-fixed"]["engaged"] is True
     assert r["outputs_equal"] is True
 
 
@@ -736,7 +814,10 @@ def test_work_points_run_short_interleaved_blocks(
 # ---------------------------------------------------------------------------
 # graph mode: World.capture, bench --graph, sweep --graph
 
-GRAPH_POLICIES = ["serial", "e2a-only", "overlap", "overlap-fixed"]
+#: A --graph run's policies on --device cpu (the default set less e2a-only and comm-side-fixed, whose comm on side
+#: streams the emulated device refuses to capture while it stands in for torch.npu).
+GRAPH_POLICIES = ["serial", "overlap", "compute-side-fixed"]
+GRAPH_SKIPPED = ["e2a-only", "comm-side-fixed"]
 GRAPH_CHOICE_KEYS = {
     "decision": (str, type(None)),
     "replays": dict,
@@ -773,8 +854,8 @@ def test_world_capture_replays_bitwise_equal_to_eager_serial(overlapped: bool) -
         if overlapped:
             apply_cpu(graph=True)
         graph = w.capture(warmups=1)
-        side = {name for name, _, _ in graph.nodes()} & {"K0", "K1"}
-        assert side == ({"K0", "K1"} if overlapped else set()), side
+        side = {name for name, _, _ in graph.nodes()} & {"K0", "K1", "F"}
+        assert side == ({"F"} if overlapped else set()), side  # compute-side: the FFN on the runner's side stream
         assert w.capture() is graph, "one graph per key: a second capture keeps the first"
         for n, sid in enumerate((4, 3), start=1):
             w.steps_run = sid
@@ -828,7 +909,7 @@ def _assert_replays_honour_the_model(r: dict[str, Any]) -> None:
         assert set(kinds) == {"ffn", "a2e", "e2a"}, p["policy"]
         ffn = kinds["ffn"]
         assert ffn["modelled_us"] == pytest.approx(ffn["kernels"] * point["model_us"], rel=1e-3)
-        if p["policy"] in ("e2a-only", "overlap-fixed"):
+        if p["policy"] in ("e2a-only", "compute-side-fixed", "comm-side-fixed"):
             assert ffn["kernels"] == kinds["a2e"]["kernels"] == kinds["e2a"]["kernels"] == 6 * 2 * 2, p["policy"]
 
 
@@ -838,9 +919,11 @@ def test_bench_graph_json_schema_and_bitwise_replays(graph_bench: dict[str, Any]
     _check_keys(r, TOP_KEYS, "report")
     _check_keys(r["env"], ENV_KEYS, "env")
     assert r["graph"] is True and r["params"]["graph"] is True and r["world"] == "host"
-    assert r["skipped_policies"] == [], "adaptive overlap runs in graph mode (both variants)"
+    # adaptive overlap runs in graph mode (both variants); comm on side streams is not captured on the emulated NPU
+    assert [s["policy"] for s in r["skipped_policies"]] == GRAPH_SKIPPED
+    assert all(s["why"] == GRAPH_COMM_ON_THE_EMULATED_NPU for s in r["skipped_policies"])
     _check_keys(r["graph_pool"], GRAPH_POOL_KEYS, "graph_pool")
-    assert r["graph_pool"]["one_pool"] is True and r["graph_pool"]["graphs"] == 5, r["graph_pool"]
+    assert r["graph_pool"]["one_pool"] is True and r["graph_pool"]["graphs"] == 4, r["graph_pool"]
     assert [p["policy"] for p in r["policies"]] == GRAPH_POLICIES
     assert r["outputs_equal"] is True
     for p in r["policies"]:
@@ -858,7 +941,7 @@ def test_bench_graph_json_schema_and_bitwise_replays(graph_bench: dict[str, Any]
     by = {p["policy"]: p for p in r["policies"]}
     # every replay (2 reps x (1 warm-up + 2 timed)) against the eager serial step;
     # serial also its 2 reps x 2 traced eager steps
-    for name in ("e2a-only", "overlap", "overlap-fixed"):
+    for name in ("overlap", "compute-side-fixed"):
         assert by[name]["compared_steps"] == 6, by[name]
         assert by[name]["edges_checked"] is False and by[name]["edges_ok"] is None, "replays leave no trace"
         assert by[name]["speedup_ci95"] is not None
@@ -905,7 +988,7 @@ def test_fixed_graphs_replay_unchanged_while_the_adaptive_graph_layer_is_applied
         finally:
             assert fixed_patch_layer.engine.unpatch(timeout=10)
         graphs.append(fixed)
-        assert {"K0", "K1"} <= {name for name, _, _ in fixed.nodes()}
+        assert "F" in {name for name, _, _ in fixed.nodes()}  # compute-side: the FFN on its side stream
         adaptive_patch_layer.engine.apply(
             strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=True, graph="adaptive")
         )
@@ -948,7 +1031,9 @@ def test_bench_graph_table_says_what_it_measured(graph_bench: dict[str, Any]) ->
     from camp2p_overlap.tools.bench.tables import bench_table
 
     text = bench_table(graph_bench["report"])
-    assert "graph mode (--graph)" in text and "not run in graph mode" not in text
+    assert "graph mode (--graph)" in text
+    for name in GRAPH_SKIPPED:
+        assert f"not run: {name}: its layout puts CAM comm (A2E/E2A) on side streams" in text
     choice = next(p for p in graph_bench["report"]["policies"] if p["policy"] == "overlap")["graph_choice"]
     assert f"overlap's graph (serial and overlap variants, chosen per replay): decision {choice['decision']}" in text
     assert "FAILED" not in text
@@ -966,13 +1051,13 @@ def test_bench_graph_fails_when_the_adaptive_graph_has_one_variant(graph_bench: 
 
 def test_bench_graph_outputs_flag_fails_when_a_captured_step_differs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Perturb the FFN only while a session with A2E on side streams is
-    active (overlap-fixed's warm-up and capture): its replays must differ
+    active (compute-side-fixed's warm-up and capture): its replays must differ
     from the eager serial steps, and the report must say so."""
     _perturb_the_ffn_under_a2e_side_sessions(monkeypatch)
     run = run_bench(resolve_params({**TINY_PARAMS, "reps": 1, "graph": True}))
     by = {p["policy"]: p for p in run.report["policies"]}
-    assert by["serial"]["outputs_equal"] is True and by["e2a-only"]["outputs_equal"] is True
-    assert by["overlap-fixed"]["outputs_equal"] is False and by["overlap-fixed"]["mismatches"]
+    assert by["serial"]["outputs_equal"] is True
+    assert by["compute-side-fixed"]["outputs_equal"] is False and by["compute-side-fixed"]["mismatches"]
     # adaptive overlap: its serial variant is upstream's capture (no session), its overlap variant differs
     replays = by["overlap"]["graph_choice"]["replays"]
     assert by["overlap"]["captured_variants"] == 2 and replays["overlap"] >= 1, replays
@@ -1029,14 +1114,16 @@ def test_sweep_graph_measures_work_points_in_graph_mode_too(tmp_path: Path) -> N
     (pt,) = data["work_points"]
     eager, graph = pt["report"], pt["graph_report"]
     assert eager["graph"] is False
-    assert [p["policy"] for p in eager["policies"]] == ["serial", "overlap", "overlap-fixed"]
-    assert graph["graph"] is True and [p["policy"] for p in graph["policies"]] == ["serial", "overlap", "overlap-fixed"]
+    assert [p["policy"] for p in eager["policies"]] == ["serial", "overlap", "compute-side-fixed", "comm-side-fixed"]
+    assert graph["graph"] is True
+    assert [p["policy"] for p in graph["policies"]] == ["serial", "overlap", "compute-side-fixed"]
     assert graph["params"]["steps"] == eager["params"]["steps"] and graph["params"]["reps"] == eager["params"]["reps"]
-    assert graph["outputs_equal"] is True and graph["skipped_policies"] == []
+    assert graph["outputs_equal"] is True
+    assert [s["policy"] for s in graph["skipped_policies"]] == ["comm-side-fixed"]
     assert {p["policy"]: p["captured_variants"] for p in graph["policies"]} == {
         "serial": 1,
         "overlap": 2,
-        "overlap-fixed": 1,
+        "compute-side-fixed": 1,
     }
     (adaptive,) = [p for p in graph["policies"] if p["policy"] == "overlap"]
     assert adaptive["graph_choice"]["decision"] in ("learning", "serial", "overlap")
@@ -1046,6 +1133,7 @@ def test_sweep_graph_measures_work_points_in_graph_mode_too(tmp_path: Path) -> N
     assert "Adaptive `overlap`'s graph at its slowest: " in text and "goal of at least 0.97x" in text
     rows = [line for line in text.splitlines() if line.startswith("| 16 / 2 ")]
     assert len(rows) == 2, "the work point in the eager table and in the graph table"
+    assert "Not run here: `comm-side-fixed`: its layout puts CAM comm (A2E/E2A) on side streams" in text
 
 
 # ---------------------------------------------------------------------------
@@ -1104,6 +1192,7 @@ def test_device_world_graph_replays_are_bitwise_the_eager_serial_steps(device_gr
     assert r["outputs_equal"] is True
     by = {p["policy"]: p for p in r["policies"]}
     assert list(by) == GRAPH_POLICIES
+    assert [s["policy"] for s in r["skipped_policies"]] == GRAPH_SKIPPED
     for name, p in by.items():
         # 2 reps x 2 timed replays; every replay (2 reps x (1 warm-up + 2 timed)) against the eager serial
         # step of its step id; serial's graph also its 2 reps x 2 eager traced steps
@@ -1124,7 +1213,7 @@ def test_device_world_graph_captures_each_policy_once_in_one_pool(device_graph_b
     r = device_graph_bench["report"]
     pool = r["graph_pool"]
     _check_keys(pool, GRAPH_POOL_KEYS, "graph_pool")
-    assert pool["one_pool"] is True and pool["pools_seen"] == [pool["pool"]] and pool["graphs"] == 5, pool
+    assert pool["one_pool"] is True and pool["pools_seen"] == [pool["pool"]] and pool["graphs"] == 4, pool
     assert pool["memory"].startswith("not measured: the emulated device keeps no memory pool")
     for p in r["policies"]:
         c = p["capture"]
@@ -1132,11 +1221,11 @@ def test_device_world_graph_captures_each_policy_once_in_one_pool(device_graph_b
         assert c["graphs"] == p["captured_variants"] == (2 if p["policy"] == "overlap" else 1), p
         assert c["pools"] == [pool["pool"]] and c["seconds"] > 0, c
         assert c["pool_bytes"] is None and c["device_free_bytes"] is None and c["allocated_bytes"] is None
-    # Independently, what the emulated device saw: 5 captures (serial, e2a-only and overlap-fixed once each,
+    # Independently, what the emulated device saw: 4 captures (serial and compute-side-fixed once each,
     # adaptive overlap's two variants), each ended (no violation), each into the same pool.
     caps = device_graph_bench["captures"]
-    assert len(caps) == 5 and all(c["ended"] for c in caps), caps
-    assert len({c["graph"] for c in caps}) == 5, "a graph captured twice"
+    assert len(caps) == 4 and all(c["ended"] for c in caps), caps
+    assert len({c["graph"] for c in caps}) == 4, "a graph captured twice"
     assert {repr(c["pool"]) for c in caps} == {pool["pool"]}, caps
 
 
@@ -1247,7 +1336,7 @@ def test_capture_memory_is_measured_around_the_capture_step(monkeypatch: pytest.
         return h
 
     monkeypatch.setattr(runner, "_device_handle", handle_with_a_meter)
-    r = run_bench(resolve_params({**DEVICE_GRAPH, "reps": 1, "policies": ["serial", "overlap-fixed"]})).report
+    r = run_bench(resolve_params({**DEVICE_GRAPH, "reps": 1, "policies": ["serial", "compute-side-fixed"]})).report
     assert len(reads) == 4 and len(set(reads)) == 1, reads  # before and after each of the two captures, one pool
     for p in r["policies"]:
         c = p["capture"]
@@ -1290,9 +1379,13 @@ def test_bench_graph_on_cuda(tmp_path: Path) -> None:
     assert cli.main(["bench", "--device", "cuda", "--graph", *TINY, "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["world"] == "device" and r["backend"] == "cuda" and r["partial"] is False
-    assert r["outputs_equal"] is True and r["graph_pool"]["one_pool"] is True and r["graph_pool"]["graphs"] == 5
+    # on cuda every policy is captured: comm on side streams too (graph_comm_side); 6 graphs with overlap's two
+    assert r["outputs_equal"] is True and r["graph_pool"]["one_pool"] is True and r["graph_pool"]["graphs"] == 6
+    assert r["skipped_policies"] == []
     by = {p["policy"]: p for p in r["policies"]}
-    assert by["overlap-fixed"]["engaged"] is True and by["serial"]["engaged"] is False
+    assert by["serial"]["engaged"] is False
+    for name in ("e2a-only", "compute-side-fixed", "comm-side-fixed"):
+        assert by[name]["engaged"] is True, name
     assert by["overlap"]["captured_variants"] == 2, by["overlap"]["graph_choice"]
     for p in r["policies"]:
         assert isinstance(p["capture"]["pool_bytes"], int) and p["capture"]["pool_bytes"] >= 0, p["capture"]
@@ -1307,9 +1400,10 @@ def test_adaptive_overlap_is_reported_at_its_steady_state_and_its_learning_apart
     run = run_bench(params)
     (p,) = [p for p in run.report["policies"] if p["policy"] == "overlap"]
     learn = p["learning"]
-    assert learn["decision"] in ("overlap", "serial"), learn
+    assert learn["decision"] in ("compute-side", "serial"), learn
     # both paths learned: min_samples (3) each, plus the dropped first overlap step
-    assert learn["paths"]["overlap"] >= 4 and learn["paths"]["serial"] >= 3
+    assert set(learn["paths"]) == {"compute-side", "serial"}
+    assert learn["paths"]["compute-side"] >= 4 and learn["paths"]["serial"] >= 3
     assert sum(learn["paths"].values()) == learn["steps"]
     timed_learning = learn["steps"] - params.warmup
     assert p["samples"] == params.steps - timed_learning > 0  # the steady state only
@@ -1317,3 +1411,328 @@ def test_adaptive_overlap_is_reported_at_its_steady_state_and_its_learning_apart
     assert not any("still learning" in n for n in p["noise"])
     table = bench_table(run.report)
     assert f"its row is its steady state, after it decided {learn['decision']}" in table
+
+
+# ---------------------------------------------------------------------------
+# the layouts side by side, the fill/drain floor, the contention model on and
+# off, coupled attention, the comm-heavy preset
+
+
+def test_each_policy_configures_its_layouts(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every policy's patch layer config: the layouts it lists (the rung they make), adaptive engage, and in
+    graph mode the comm-side opt-in exactly where comm runs on side streams."""
+    from camp2p_overlap.core.overlap.plan import rung
+
+    cfg = {name: p.config("cpu") for name, p in POLICIES.items()}
+    assert cfg.pop("serial") is None
+    rungs = {name: (rung(c), c.adaptive) for name, c in cfg.items()}
+    assert rungs == {
+        "e2a-only": ("e2a-only", False),
+        "overlap": ("compute-side", True),
+        "compute-side-fixed": ("compute-side", False),
+        "comm-side": ("comm-side", True),
+        "comm-side-fixed": ("comm-side", False),
+        "both": ("compute-side,comm-side", True),
+    }
+    graph = {name: p.config("cpu", graph=True) for name, p in POLICIES.items() if p.layouts is not None}
+    assert {name: c.graph_comm_side for name, c in graph.items()} == {
+        "e2a-only": True,
+        "overlap": False,
+        "compute-side-fixed": False,
+        "comm-side": True,
+        "comm-side-fixed": True,
+        "both": False,  # a decode graph captures the first listed layout: compute-side
+    }
+    assert {name: c.graph for name, c in graph.items()} == {
+        name: "adaptive" if POLICIES[name].adaptive else "1" for name in graph
+    }
+    assert all(not c.graph_comm_side and c.graph == "0" for c in cfg.values()), "eager configs capture nothing"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *TINY, "--policies", "serial,overlap-fixed"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "overlap-fixed is now compute-side-fixed" in err, err
+
+
+def test_what_a_run_leaves_out_and_why() -> None:
+    from dataclasses import replace
+
+    from camp2p_overlap.tools.bench.runner import COUPLED_COMPUTE_SIDE, GRAPH_ONE_ADAPTIVE, policy_skips
+
+    every = resolve_params({**TINY_PARAMS, "policies": list(POLICIES)})
+    assert policy_skips(every) == {}
+    npu = GRAPH_COMM_ON_THE_EMULATED_NPU
+    one = GRAPH_ONE_ADAPTIVE.format(held="overlap")
+    assert policy_skips(replace(every, graph=True)) == {
+        "e2a-only": npu,
+        "comm-side": npu,
+        "comm-side-fixed": npu,
+        "both": one,
+    }
+    # on cuda comm on side streams is captured (graph_comm_side); still one adaptive policy's layer held
+    assert policy_skips(replace(every, graph=True, device="cuda")) == {"comm-side": one, "both": one}
+    coupled = policy_skips(replace(every, attention="coupled"))
+    assert coupled == dict.fromkeys(("overlap", "compute-side-fixed", "both"), COUPLED_COMPUTE_SIDE)
+
+
+def test_the_fill_drain_floor_counts_the_steps_first_a2e_and_last_e2a() -> None:
+    """The issue's main job: f 50.02 ms, a 8.47 ms, e 16.33 ms, 6 layers x 2 stages, attention 0.5 ms. Today's
+    floor per layer is S*f = 100.04 ms, and adaptive overlap's 104.29 ms reads as eta 0.92; the floor that
+    counts the step's first A2E and last E2A is (a_0 + 12 f + e_1) / 6 = 104.17 ms, against which it is 1.00."""
+    from camp2p_overlap.tools.bench.runner import _eta, _fill_drain_terms, _floor_terms
+
+    f, a, e = 50.02e-3, {0: 8.47e-3, 1: 8.48e-3}, {0: 16.34e-3, 1: 16.33e-3}
+    today = max(_floor_terms(f, a, e, (0, 1), 0.5e-3))
+    compute, chain = _fill_drain_terms(f, a, e, (0, 1), 0.5e-3, 6)
+    assert today == pytest.approx(100.04e-3)
+    assert compute == pytest.approx((8.47 + 12 * 50.02 + 16.33) / 6 * 1e-3)  # stage 0's A2E, stage 1's E2A
+    assert chain == pytest.approx((6 * (8.47 + 50.02 + 16.34) + 5 * 0.5) / 6 * 1e-3)
+    assert _eta(150.09e-3, 104.29e-3, today) == pytest.approx(0.915, abs=1e-3)
+    assert _eta(150.09e-3, 104.29e-3, max(compute, chain)) == pytest.approx(0.997, abs=1e-3)
+    # a stage group's chain leaves out the attention after the step's last E2A: with one layer it is a+f+e
+    assert _fill_drain_terms(f, a, e, (0, 1), 0.5e-3, 1)[1] == pytest.approx(8.47e-3 + f + 16.34e-3)
+
+
+def test_layouts_compared_takes_the_better_layout_and_measures_the_adaptive_ones_against_it() -> None:
+    from camp2p_overlap.tools.bench.runner import layouts_compared
+
+    def p(name: str, us: float, adaptive: bool = False, layouts: list[str] | None = None) -> dict[str, Any]:
+        return {"policy": name, "per_layer_us": {"median": us}, "adaptive": adaptive, "layouts": layouts}
+
+    pols = [
+        p("serial", 400.0),
+        p("compute-side-fixed", 250.0),
+        p("comm-side-fixed", 225.0),
+        p("overlap", 252.0, True, ["compute-side"]),
+        p("both", 230.0, True, ["compute-side", "comm-side"]),
+    ]
+    lc = layouts_compared(pols)
+    assert lc is not None and lc["better"] == "comm-side" and lc["tolerance"] == 0.03
+    assert lc["layouts"] == {
+        "compute-side": {"policy": "compute-side-fixed", "per_layer_us": 250.0},
+        "comm-side": {"policy": "comm-side-fixed", "per_layer_us": 225.0},
+    }
+    by = {a["policy"]: a for a in lc["adaptive"]}
+    assert by["both"]["vs_better"] == pytest.approx(225 / 230, abs=1e-4) and by["both"]["within_tolerance"] is True
+    assert by["overlap"]["vs_better"] == pytest.approx(225 / 252, abs=1e-4)
+    assert by["overlap"]["within_tolerance"] is False
+    # no fixed comm-side: its adaptive policy stands for it; neither: nothing to compare
+    alt = layouts_compared([*pols[:2], p("comm-side", 240.0, True, ["comm-side"]), pols[3]])
+    assert alt is not None and alt["layouts"]["comm-side"]["policy"] == "comm-side" and alt["better"] == "comm-side"
+    assert layouts_compared(pols[:2]) is None
+
+
+@pytest.fixture(scope="module")
+def both_layouts_run() -> dict[str, Any]:
+    """A tiny run with both layouts fixed and listed together (``both``), long enough for ``both`` to decide."""
+    params = resolve_params(
+        {
+            **TINY_PARAMS,
+            "steps": 16,
+            "reps": 1,
+            "policies": ["serial", "compute-side-fixed", "comm-side-fixed", "both"],
+        }
+    )
+    return run_bench(params).report
+
+
+def test_both_layouts_listed_learns_each_and_says_what_it_ran(both_layouts_run: dict[str, Any]) -> None:
+    r = both_layouts_run
+    by = {p["policy"]: p for p in r["policies"]}
+    both = by["both"]
+    assert both["layouts"] == ["compute-side", "comm-side"] and both["adaptive"] is True
+    learn = both["learning"]
+    assert set(learn["paths"]) == {"compute-side", "comm-side", "serial"}
+    # each layout: min_samples (3) and its dropped first step; serial: min_samples
+    assert learn["paths"]["compute-side"] >= 4 and learn["paths"]["comm-side"] >= 4 and learn["paths"]["serial"] >= 3
+    assert learn["decision"] in ("compute-side", "comm-side", "serial"), learn
+    assert set(both["layout_steps"]) <= {"compute-side", "comm-side", "serial"}
+    assert sum(both["layout_steps"].values()) == both["samples"] > 0
+    assert by["compute-side-fixed"]["layout_steps"] == {"compute-side": 16}
+    assert by["comm-side-fixed"]["layout_steps"] == {"comm-side": 16}
+    # the traced step's edges were checked against the layout it ran
+    assert all(p["edges_ok"] is True for p in r["policies"]), [p["edge_violations"] for p in r["policies"]]
+    assert r["outputs_equal"] is True
+    lc = r["layouts_compared"]
+    fixed = {k: by[f"{k}-fixed"]["per_layer_us"]["median"] for k in ("compute-side", "comm-side")}
+    assert lc["better"] == min(fixed, key=fixed.__getitem__)
+    (entry,) = lc["adaptive"]
+    assert entry["policy"] == "both"
+    assert entry["vs_better"] == pytest.approx(min(fixed.values()) / both["per_layer_us"]["median"], abs=1e-3)
+    text = bench_table(r)
+    words = " ".join(text.split())
+    assert "layouts side by side: compute-side " in words and f"the better is {lc['better']}" in words
+    assert "both (compute-side, comm-side listed): its timed steps ran " in words
+    assert re.search(r"^comm-side-fixed +K_s/K_s/C ", text, re.M) and re.search(r"^both +C/C/F ", text, re.M)
+
+
+def test_an_adaptive_step_in_a_layout_it_does_not_list_is_an_edge_violation() -> None:
+    """The edge check of an adaptive policy's traced step follows the path it chose, one it lists or serial;
+    anything else is flagged (and a fixed policy's must be its own layout)."""
+    from camp2p_overlap.tools.bench.runner import _expected_layout
+
+    assert _expected_layout("both", "comm-side", True) == ("comm-side", None)
+    assert _expected_layout("overlap", "serial", True) == ("serial", None)
+    layout, wrong = _expected_layout("overlap", "comm-side", True)
+    assert layout == "comm-side" and wrong is not None and "which overlap does not list (compute-side)" in wrong
+    assert _expected_layout("comm-side-fixed", "compute-side", True) == ("comm-side", None)
+    assert _expected_layout("comm-side-fixed", "serial", False) == ("serial", None)  # the gate: one stage
+
+
+def test_comm_cores_sweep_reports_the_contention_model_off_and_on(tmp_path: Path) -> None:
+    out = tmp_path / "c.json"
+    policies = "serial,compute-side-fixed,comm-side-fixed"
+    argv = ["bench", *TINY, "--reps", "1", "--policies", policies, "--comm-cores-sweep", "0,1", "--json", str(out)]
+    assert cli.main(argv) == 0
+    r = json.loads(out.read_text())
+    _check_keys(r, TOP_KEYS, "report")
+    c = r["contention"]
+    assert set(c) == {"values", "timing", "runs", "reports"} and c["values"] == [0, 1]
+    assert r["params"]["comm_cores_sweep"] == [0, 1] and r["params"]["comm_cores"] == 0
+    assert [run["comm_cores"] for run in c["runs"]] == [0, 1]
+    assert [run["timing"] for run in c["runs"]] == ["wall", "wall"], "both runs on the same (wall-clock) timing"
+    assert c["runs"][0]["comm_model"].startswith("time.sleep") and c["runs"][1]["comm_model"].startswith("busy-wait")
+    assert r["timing"]["model"] == "wall" and c["timing"].startswith("every run on wall-clock kernels")
+    (other,) = c["reports"]
+    assert other["params"]["comm_cores"] == 1 and other["contention"] is None
+    for run, report in zip(c["runs"], (r, other), strict=True):
+        assert [p["policy"] for p in run["policies"]] == ["serial", "compute-side-fixed", "comm-side-fixed"]
+        assert run["policies"][1]["per_layer_us"] == report["policies"][1]["per_layer_us"]["median"]
+        assert run["floor_fill_drain_per_layer_us"] == report["measured"]["floor_fill_drain_per_layer_us"]
+    assert r["outputs_equal"] is True and all(p["engaged"] for p in other["policies"][1:])
+    text = bench_table(r)
+    assert "Contention model side by side (--comm-cores-sweep;" in text
+    assert "--comm-cores 0" in text and "--comm-cores 1" in text and "busy-wait on 1 core(s)" in text
+    # a problem of another run fails the whole report
+    from camp2p_overlap.tools.bench.tables import problems
+
+    other["policies"][2]["outputs_equal"] = False
+    other["policies"][2]["mismatches"] = ["rep 0 step 1: output of (layer 0, stage 0) differs"]
+    assert problems(r) == ["--comm-cores 1: comm-side-fixed: outputs differ from the serial run (rep 0 step 1: "
+                           "output of (layer 0, stage 0) differs)"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--comm-cores", "1", "--comm-cores-sweep", "0,1"], "give --comm-cores or --comm-cores-sweep, not both"),
+        (["--comm-cores-sweep", "0,0"], "--comm-cores-sweep names a value twice"),
+        (["--comm-cores-sweep", "0,99"], "--comm-cores-sweep 99 is out of range 0..64 on cpu"),
+        (["--timing", "model", "--comm-cores-sweep", "0,1"], "--timing model excludes --comm-cores"),
+        (["--attention", "coupled", "--graph"], "--attention coupled runs on the host world only"),
+        (["--attention", "coupled", "--device-world"], "--attention coupled runs on the host world only"),
+    ],
+)
+def test_contention_and_attention_flags_refuse_what_cannot_run(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["bench", *TINY, *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_coupled_attention_leaves_compute_side_out_and_says_why() -> None:
+    from camp2p_overlap.tools.bench.runner import COUPLED_COMPUTE_SIDE
+
+    params = resolve_params(
+        {**TINY_PARAMS, "reps": 1, "attention": "coupled", "policies": [*DEFAULT_POLICIES, "comm-side"]}
+    )
+    r = run_bench(params).report
+    assert r["attention"] == "coupled"
+    assert r["skipped_policies"] == [
+        {"policy": "overlap", "why": COUPLED_COMPUTE_SIDE},
+        {"policy": "compute-side-fixed", "why": COUPLED_COMPUTE_SIDE},
+    ]
+    by = {p["policy"]: p for p in r["policies"]}
+    assert list(by) == ["serial", "e2a-only", "comm-side-fixed", "comm-side"]
+    assert by["comm-side-fixed"]["engaged"] is True and by["e2a-only"]["engaged"] is True
+    assert r["outputs_equal"] is True and all(p["edges_ok"] is True for p in r["policies"])
+    assert all(p["peer_cycle_ok"] is True for p in r["policies"])
+    assert r["layouts_compared"] is None, "no compute-side policy ran"
+    text = bench_table(r)
+    assert "not run: compute-side-fixed: with coupled attention" in text and "attention coupled" in text
+
+
+def test_the_coupled_reason_holds_compute_side_stalls_until_the_op_timeout() -> None:
+    """What the coupled skip says, shown: under coupled attention compute-side's step fails at the op timeout
+    (A2E(L1, s0) on C waits for stage 1's E2A of L0, which C holds behind it), bounded, not hung; comm-side's
+    completes, bitwise equal to serial."""
+    from dataclasses import replace
+
+    from camp2p_overlap.emulation.coupled import couple_stages
+    from camp2p_overlap.emulation.world import PeerTimeoutError
+
+    world = build_world(replace(_tiny_spec(), op_timeout_s=1.0))
+    couple_stages(world)
+    world.steps_run = 3
+    serial = world.run_step()
+    for layout, stalls in (("compute-side", True), ("comm-side", False)):
+        patch_layer = emulated_patch_layer()
+        cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False, layouts=(layout,))
+        patch_layer.engine.apply(config=cfg, strict=True)
+        try:
+            world.steps_run = 3
+            t0 = time.perf_counter()
+            if stalls:
+                with pytest.raises(PeerTimeoutError, match=r"a2e\(L1\) of stage 0: attention waits for e2a\(L0\)"):
+                    world.run_step()
+                assert time.perf_counter() - t0 < 20.0
+            else:
+                assert_same(world.run_step(), serial, f"{layout} under coupled attention")
+        finally:
+            assert patch_layer.engine.unpatch(timeout=10)
+
+
+def test_the_comm_heavy_preset_puts_both_layouts_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    p = resolve_params({}, "comm-heavy")
+    assert p.comm_ratio is not None and p.comm_ratio >= 1.0, "communication at or above the FFN"
+    assert p.policies == ("serial", "overlap", "compute-side-fixed", "comm-side", "comm-side-fixed", "both")
+    assert p.stages == 2 and p.timing_mode()[0] == "model"
+    assert resolve_params({"policies": ["serial", "both"]}, "comm-heavy").policies == ("serial", "both")
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    text = capsys.readouterr().out
+    assert "comm-heavy" in text and "communication above the FFN" in text
+
+
+def test_a_report_from_before_the_layouts_renders(bench_files: dict[str, Any]) -> None:
+    """``camp2p-overlap docs`` renders the reports in docs/results/ until they are rerun: a report without the
+    layouts' fields (no ffn_side_stream, layout_steps, eta_fill_drain, fill/drain floor, layouts_compared,
+    contention, attention; the policy named overlap-fixed) renders as before, without the new columns."""
+    old = json.loads(json.dumps(bench_files["report"]))
+    for key in ("layouts_compared", "contention", "attention"):
+        del old[key]
+    for key in ("floor_fill_drain_per_layer_us", "floor_fill_drain_terms"):
+        del old["measured"][key]
+    for p in old["policies"]:
+        for key in ("layouts", "ffn_side_stream", "layout_steps", "eta_fill_drain", "eta_fill_drain_ci95"):
+            del p[key]
+        p["noise"] = [n for n in p["noise"] if "fill/drain" not in n]
+        if p["policy"] == "compute-side-fixed":
+            p["policy"] = "overlap-fixed"
+    text = bench_table(old)
+    assert "eta f/d" not in text and "fill/drain" not in text and "layouts side by side" not in text
+    assert re.search(r"^overlap-fixed +C/C/C ", text, re.M), "the FFN on C when the report does not say"
+    assert "overlap (adaptive) vs overlap-fixed:" in text and "FAILED" not in text
+
+
+def test_the_headline_names_the_layouts_and_both_etas(bench_files: dict[str, Any]) -> None:
+    """docs' headline quotes a report with the layouts named by their layout, each eta against both floors; a
+    report from before them as it was (docs/results/bench.json until it is rerun)."""
+    from dataclasses import replace
+
+    from support.child import REPO
+
+    from camp2p_overlap.tools import docgen
+
+    res = docgen.load_results(REPO)
+    old = docgen.headline_figures(res)
+    assert "`overlap` at its steady state" in old and "against the fill/drain floor" not in old
+    new = bench_files["report"]
+    res = replace(res, reports={**res.reports, "bench": new}, runs={**res.runs, "bench": new["run"]})
+    text = docgen.headline_figures(res)
+    assert "`overlap` (compute-side, adaptive)" in text
+    assert "`compute-side-fixed` " in text and "`comm-side-fixed` " in text and "`overlap-fixed`" not in text
+    with_eta = [p for p in new["policies"] if p["eta"] is not None and p["eta_fill_drain"] is not None]
+    assert with_eta, "the tiny run has something hideable"
+    p = with_eta[0]
+    assert f"(eta {p['eta']:.2f}; {p['eta_fill_drain']:.2f} against the fill/drain floor)" in text

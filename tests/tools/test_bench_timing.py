@@ -76,14 +76,14 @@ def test_the_default_on_the_cpu_holds_every_kernel_to_its_model(monkeypatch: pyt
         assert point["model_us"] != point["rated_us"]
         assert "timing model: modelled kernels (FFN calibrated " in text
         assert (
-            f"at 16 tokens, q0.5 of isolated runs and the run's e2a-only/overlap/serial steps x{t['ffn']['margin']:g}"
-            in text
+            f"at 16 tokens, q0.5 of isolated runs and the run's comm-side/compute-side/e2a-only/serial steps "
+            f"x{t['ffn']['margin']:g}" in text
         )
         assert point["calibrated_why"] in text
     else:
         assert point["model_us"] == point["rated_us"] and t["ffn"]["rated"] is True
         assert f"timing model: modelled kernels (FFN rated {point['model_us']:,.0f} us at 16 tokens" in text
-        assert "held in the run's e2a-only/overlap/serial steps" in text
+        assert "held in the run's comm-side/compute-side/e2a-only/serial steps" in text
     assert f"error {TIMING_ERROR * 100:g} %" in text
 
 
@@ -99,10 +99,27 @@ def test_timing_wall_runs_wall_clock_kernels(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_comm_cores_run_wall_clock_kernels_and_refuse_the_model(capsys: pytest.CaptureFixture[str]) -> None:
-    r = run_bench(replace(TINY, comm_cores=1, policies=("serial", "overlap-fixed"))).report
+    r = run_bench(replace(TINY, comm_cores=1, policies=("serial", "compute-side-fixed"))).report
     assert r["timing"]["model"] == "wall" and r["timing"]["why"].startswith("--comm-cores 1: wall-clock kernels")
     assert cli.main(["bench", *TINY_ARGS, "--timing", "model", "--comm-cores", "1"]) == 2
     assert MODEL_NEEDS_NO_COMM_CORES in capsys.readouterr().err
+
+
+def test_a_comm_cores_sweep_runs_every_value_on_the_same_timing(capsys: pytest.CaptureFixture[str]) -> None:
+    """--comm-cores-sweep: one run per value, every one on wall-clock kernels once a value is above 0 (the run
+    at 0 too, so the runs compare), the link the flags' (no FFN model to set it from); a preset's comm_ratio
+    goes; all values at 0 keep the model."""
+    sweep = replace(TINY, comm_cores_sweep=(0, 2))
+    assert sweep.timing_mode()[0] == "wall" and sweep.most_comm_cores() == 2
+    runs = runner.contention_runs(sweep)
+    assert [(p.comm_cores, p.comm_cores_sweep, p.timing) for p in runs] == [(0, (), "wall"), (2, (), "wall")]
+    assert all(p.timing_mode()[0] == "wall" for p in runs)
+    preset = runner.resolve_params({"comm_cores_sweep": [0, 1]}, "ffn-bound")
+    assert preset.comm_ratio is None and all(p.comm_ratio is None for p in runner.contention_runs(preset))
+    off = runner.contention_runs(replace(TINY, comm_cores_sweep=(0,)))
+    assert [(p.comm_cores, p.timing, p.timing_mode()[0]) for p in off] == [(0, "auto", "model")]
+    assert cli.main(["bench", *TINY_ARGS, "--comm-cores-sweep", "0,1", "--comm-ratio", "0.5"]) == 2
+    assert "--comm-ratio sets the link from the FFN's modelled duration" in capsys.readouterr().err
 
 
 def test_a_device_run_times_the_device_and_refuses_timing(capsys: pytest.CaptureFixture[str]) -> None:
@@ -127,7 +144,7 @@ def test_kernels_made_to_overrun_are_reported_and_flag_the_run(monkeypatch: pyte
         return model
 
     monkeypatch.setattr(runner, "refine_ffn_in_run", refine_then_slow_down)
-    r = run_bench(replace(TINY, policies=("serial", "overlap-fixed"))).report
+    r = run_bench(replace(TINY, policies=("serial", "compute-side-fixed"))).report
     t = r["timing"]
     assert t["noisy"] is True and t["counts"]["overrun_time_pct"] > TIMING_ERROR * 100
     ffn = t["counts"]["by_kind"]["ffn"]
@@ -146,7 +163,7 @@ def test_sweep_contention_points_run_wall_clock_kernels(tmp_path: Path) -> None:
     """The contention table's points (0 included) run wall-clock kernels;
     the ratio table's the model; the Markdown says which, under each table."""
     md, js = tmp_path / "s.md", tmp_path / "s.json"
-    args = ["sweep", *TINY_ARGS, "--policies", "serial,overlap-fixed", "--ratios", "1", "--stage-counts", ""]
+    args = ["sweep", *TINY_ARGS, "--policies", "serial,compute-side-fixed", "--ratios", "1", "--stage-counts", ""]
     rc = cli.main([*args, "--comm-core-points", "0,1", "--work-tokens", "none", "--md", str(md), "--json", str(js)])
     assert rc == 0
     data = json.loads(js.read_text())
@@ -166,7 +183,7 @@ def test_ffn_us_holds_the_ffn_to_a_given_duration(monkeypatch: pytest.MonkeyPatc
     real = runner.refine_ffn_in_run
     refined: list[Any] = []
     monkeypatch.setattr(runner, "refine_ffn_in_run", lambda *a, **k: refined.append(1) or real(*a, **k))
-    r = run_bench(replace(TINY, ffn_us=1500.0, policies=("serial", "overlap-fixed"))).report
+    r = run_bench(replace(TINY, ffn_us=1500.0, policies=("serial", "compute-side-fixed"))).report
     assert refined == []
     t = r["timing"]
     assert t["ffn"]["fixed"] is True and t["ffn_model"] == "FFN fixed: 1,500 us at 16 tokens (--ffn-us)"

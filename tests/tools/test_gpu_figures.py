@@ -54,7 +54,7 @@ from camp2p_overlap.tools.bench.tables import bench_table
 DEVICE_WORLD = BenchParams(
     device="cpu", device_world=True, layers=2, stages=2, tokens=8, hidden=32, ffn=64, experts=2, top_k=1,
     link_latency_us=50.0, link_gbps=8.0, attn_us=50.0, steps=2, warmup=1, reps=1,
-    policies=("serial", "overlap-fixed"),
+    policies=("serial", "compute-side-fixed"),
 )  # fmt: skip
 #: A delay that dwarfs everything else an FFN of DEVICE_WORLD does (s).
 DELAY_S = 0.015
@@ -125,8 +125,10 @@ def test_a_device_bound_run_is_reported_so(monkeypatch: pytest.MonkeyPatch) -> N
     assert m["ffn_device_us"] >= DELAY_S * 1e6 * 0.9, m
     assert m["ffn_share"] == pytest.approx(m["ffn_host_us"] / m["ffn_device_us"], rel=1e-3, abs=1e-4)
     assert m["ffn_share"] < 0.3 and m["launch_bound"] is False and m["launch_bound_by"] == [], m
+    # compute-side engaged on the device world (its timing trace names the FFN's stream after the op's stage)
+    assert {p["policy"]: p["engaged"] for p in r["policies"]} == {"serial": False, "compute-side-fixed": True}
     by = {p["policy"]: p["launch"] for p in r["policies"]}
-    assert by["serial"]["steps"] == 2 and by["overlap-fixed"]["steps"] == 1
+    assert by["serial"]["steps"] == 2 and by["compute-side-fixed"]["steps"] == 1
     for p in by.values():
         assert p["step_device_us"] >= 4 * DELAY_S * 1e6 * 0.9 and p["step_share"] < LAUNCH_BOUND_SHARE, p
         assert p["step_share"] == pytest.approx(p["step_host_us"] / p["step_device_us"], rel=1e-3, abs=1e-4)
@@ -350,7 +352,7 @@ def test_bench_writes_each_policy_as_it_ends(tmp_path: Path, monkeypatch: pytest
     data = json.loads(js.read_text())
     assert data == writes[-1] and data["partial"] is True
     samples = {p["policy"]: p["samples"] for p in data["policies"]}
-    assert samples == {"serial": 2, "e2a-only": 2, "overlap": 0, "overlap-fixed": 0}
+    assert samples == {"serial": 2, "e2a-only": 2, "overlap": 0, "compute-side-fixed": 0, "comm-side-fixed": 0}
     by = {p["policy"]: p for p in data["policies"]}
     assert by["e2a-only"]["speedup"] is not None and by["overlap"]["speedup"] is None
 
@@ -407,7 +409,7 @@ def test_a_comm_kernel_that_falls_back_says_why(monkeypatch: pytest.MonkeyPatch,
     params = BenchParams(
         device="cuda", layers=2, stages=2, tokens=8, hidden=32, ffn=64, experts=2, top_k=1,
         link_latency_us=50.0, link_gbps=8.0, attn_us=50.0, steps=1, warmup=1, reps=1,
-        policies=("serial", "overlap-fixed"),
+        policies=("serial", "compute-side-fixed"),
     )  # fmt: skip
     report = run_bench(params).report
     assert report["fallbacks"] == [fb] and report["attn_modeled"] is False

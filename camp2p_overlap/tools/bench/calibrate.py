@@ -2,8 +2,8 @@
 
 The world calibrates its FFN kernel from isolated runs when it is built
 (``emulation/ffn_timing.py``). Before the policies run, the benchmark runs
-a few steps of each schedule it is about to measure (serial, E2A on side
-streams, both directions on side streams) with the FFN kernel unheld, each
+a few steps of each schedule it is about to measure (serial, and each
+layout its policies list: e2a-only, compute-side, comm-side) with the FFN kernel unheld, each
 on a patch layer of its own (adaptive engage off, so no policy's learning
 sees them), reads each FFN kernel's work from the device's counts, and
 sets the model to the margin times the largest quantile of them all and of
@@ -15,7 +15,7 @@ kernels, whose threads compete with the FFN for the CPU.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from camp2p_overlap.core.config import OverlapConfig
@@ -27,22 +27,25 @@ from camp2p_overlap.emulation.standin_patch_layer import emulated_patch_layer
 IN_RUN_SAMPLES = 24
 
 
-def in_run_schedules(sides: Mapping[str, tuple[bool, bool] | None], backend: str) -> dict[str, OverlapConfig | None]:
-    """The distinct schedules of the policies (``policy -> (A2E on side
-    streams, E2A on side streams)``, None: unpatched), named ``serial``,
-    ``e2a-only``, ``a2e-only`` or ``overlap``, with adaptive engage off."""
-    names = {(False, True): "e2a-only", (True, False): "a2e-only", (True, True): "overlap"}
+def in_run_schedules(policies: Iterable[Any], backend: str) -> dict[str, OverlapConfig | None]:
+    """The distinct schedules of ``policies`` (``runner.Policy``: the layouts
+    each lists), named ``serial`` or by layout (``e2a-only``, ``a2e-only``,
+    ``compute-side``, ``comm-side``), each with adaptive engage off."""
     out: dict[str, OverlapConfig | None] = {"serial": None}
-    for pair in sides.values():
-        if pair is None or not any(pair):
+    for policy in policies:
+        cfg = policy.config(backend)
+        if cfg is None:
             continue
-        out[names[pair]] = OverlapConfig(
-            enabled=True,
-            backend=backend,  # type: ignore[arg-type]
-            a2e_on_side_stream=pair[0],
-            e2a_on_side_stream=pair[1],
-            adaptive=False,
-        )
+        for layout in policy.layout_objects():
+            if layout.name not in out:
+                out[layout.name] = OverlapConfig(
+                    enabled=True,
+                    backend=backend,  # type: ignore[arg-type]
+                    layouts=("compute-side",) if layout.ffn_side else ("comm-side",),
+                    a2e_on_side_stream=cfg.a2e_on_side_stream,
+                    e2a_on_side_stream=cfg.e2a_on_side_stream,
+                    adaptive=False,
+                )
     return out
 
 

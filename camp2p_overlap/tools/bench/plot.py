@@ -13,16 +13,29 @@ from camp2p_overlap.core.keys import COMPUTE_STREAM
 from camp2p_overlap.core.observe.trace import TraceOp
 
 KIND_COLORS = {"a2e": "#4C72B0", "ffn": "#DD8452", "e2a": "#55A868", "wait": "#C7C7C7"}
-POLICY_COLORS = {"serial": "#8C8C8C", "e2a-only": "#4C72B0", "overlap": "#DD8452", "overlap-fixed": "#55A868"}
+POLICY_COLORS = {
+    "serial": "#8C8C8C",
+    "e2a-only": "#4C72B0",
+    "overlap": "#DD8452",
+    "compute-side-fixed": "#55A868",
+    "comm-side": "#937860",
+    "comm-side-fixed": "#DA8BC3",
+    "both": "#CCB974",
+    "overlap-fixed": "#55A868",  # a report from before the layouts were named
+}
 #: The work panel's series of graph replays (sweep --graph): fixed overlap's,
 #: and adaptive overlap's (both variants, chosen per replay).
 GRAPH_COLOR = "#8172B3"
 GRAPH_ADAPTIVE_COLOR = "#C44E52"
 #: ``graph_report`` policy -> (label, marker, color) of its work-panel series.
 GRAPH_SERIES = {
+    "compute-side-fixed": ("compute-side-fixed, graph replays", "s", GRAPH_COLOR),
+    "comm-side-fixed": ("comm-side-fixed, graph replays", "D", "#64B5CD"),
     "overlap-fixed": ("overlap-fixed, graph replays", "s", GRAPH_COLOR),
     "overlap": ("overlap (adaptive), graph replays", "^", GRAPH_ADAPTIVE_COLOR),
 }
+#: The work panel's eager series.
+WORK_SERIES = ("overlap", "compute-side-fixed", "comm-side-fixed", "overlap-fixed")
 
 
 class PlotUnavailable(RuntimeError):
@@ -73,7 +86,7 @@ def bench_plot(timelines: Mapping[str, Sequence[TraceOp]], report: Mapping[str, 
         ylabels.append(f"{policy}  {stream}")
     top.set_yticks(range(len(ylabels)), ylabels)
     top.set_xlabel("time since the step started (ms)")
-    top.set_title("one traced step per policy (rows: streams; C = compute, K_s = stage s)")
+    top.set_title("one traced step per policy (rows: streams; C = caller's, F = FFN, K_s = stage s)")
     handles = [
         top.bar(0, 0, color=color, label=kind.upper() if kind != "ffn" else "FFN")
         for kind, color in KIND_COLORS.items()
@@ -102,6 +115,11 @@ def bench_plot(timelines: Mapping[str, Sequence[TraceOp]], report: Mapping[str, 
         )
     floor = report["measured"]["floor_per_layer_us"] / 1000
     bottom.axhline(floor, color="black", linestyle="--", linewidth=1, label=f"floor {floor:.2f} ms")
+    fd_us = report["measured"].get("floor_fill_drain_per_layer_us")
+    if fd_us is not None:
+        bottom.axhline(
+            fd_us / 1000, color="black", linestyle=":", linewidth=1, label=f"fill/drain floor {fd_us / 1000:.2f} ms"
+        )
     bottom.set_ylabel("per-layer time (ms), median; whisker p90")
     bottom.legend(loc="upper right", fontsize="small")
     bottom.set_ylim(0, max([*p90, floor]) * 1.3)
@@ -157,7 +175,7 @@ def _work_panel(ax: Any, points: Sequence[Mapping[str, Any]]) -> None:
     for hidden, style in zip(sorted({pt["hidden"] for pt in points}), ("-", "--", ":", "-."), strict=False):
         series = [pt for pt in points if pt["hidden"] == hidden]
         xs = [pt["tokens"] for pt in series]
-        for policy in ("overlap", "overlap-fixed"):
+        for policy in WORK_SERIES:
             ys = [
                 next((p["speedup"] for p in pt["report"]["policies"] if p["policy"] == policy), None) for pt in series
             ]

@@ -2,11 +2,12 @@
 step under the device profiler (``torch.profiler`` with Kineto on CUDA,
 ``torch_npu.profiler`` on an NPU), read back as per-stream kernel timelines
 (``verify/profiler_timeline.py``), checked by the edge checker on device times,
-and written as Chrome/Perfetto trace JSON (one track per stream: C, K0, K1,
-..., each op's span over its kernels).
+and written as Chrome/Perfetto trace JSON (one track per stream: C, F, K0,
+K1, ..., each op's span over its kernels).
 
-The step runs through a fresh emulated patch layer with both directions on
-side streams and adaptive engage off, after one warm-up step (which creates
+The step runs through a fresh emulated patch layer in the users' default
+layout (compute-side; ``layout`` names another) and adaptive engage off,
+after one warm-up step (which creates
 the side streams and their pooled events outside the profile), and its
 outputs are compared bitwise with the serial run of the same step id."""
 
@@ -24,6 +25,7 @@ import torch
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.keys import COMPUTE_STREAM
 from camp2p_overlap.core.observe.trace import ExpectedSchedule
+from camp2p_overlap.core.overlap.plan import Layout, layouts_of
 from camp2p_overlap.core.overlap.streams import device_module
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.emulation.standin_patch_layer import emulated_patch_layer
@@ -72,7 +74,7 @@ def profiled_step(
 ) -> Any:
     """The step between two fences, every stream marked, ops annotated (the
     runner's backend wrapped for the step: ``verify/annotated_backend.py``)."""
-    side = {k.name: k for k in streamset.streams.values()}
+    side = {k.name: k for k in (*streamset.streams.values(), streamset.ffn)}
     mark_streams(mod, {COMPUTE_STREAM: streamset.backend.compute_stream(), **side}, launch)
     with annotating(streamset):
         fence("step-begin", launch)
@@ -115,15 +117,16 @@ def profile_device_step(
     layers: Sequence[int],
     stages: Sequence[int],
     path: str,
+    layout: str = "compute-side",
 ) -> dict[str, Any]:
-    """Profile one overlapped step of ``world`` on device ``kind``; write
+    """Profile one overlapped step of ``world`` on device ``kind`` in ``layout``; write
     the timelines to ``path``; return what the report says of it."""
     mod = device_module(kind)
     world.steps_run = PROFILE_STEP_ID
     reference = world.run_step()  # the engine is unpatched here: the serial path
     mod.synchronize()
     patch_layer = emulated_patch_layer()
-    cfg = OverlapConfig(enabled=True, backend=kind, adaptive=False)  # type: ignore[arg-type]
+    cfg = OverlapConfig(enabled=True, backend=kind, adaptive=False, layouts=(layout,))  # type: ignore[arg-type]
     patch_layer.engine.apply(config=cfg, manifest=manifest, strict=True)
     try:
         world.steps_run = PROFILE_STEP_ID
@@ -140,7 +143,8 @@ def profile_device_step(
     finally:
         if not patch_layer.engine.unpatch(timeout=30.0):
             raise RuntimeError("the profiling patch engine could not unpatch; see the log")
-    return write_profile(parse(raw), path, layers=layers, stages=stages, out=out, reference=reference)
+    (lay,) = layouts_of(cfg)
+    return write_profile(parse(raw), path, layers=layers, stages=stages, out=out, reference=reference, layout=lay)
 
 
 def write_profile(
@@ -151,11 +155,18 @@ def write_profile(
     stages: Sequence[int],
     out: Mapping[Any, torch.Tensor] | None = None,
     reference: Mapping[Any, torch.Tensor] | None = None,
+    layout: Layout | None = None,
 ) -> dict[str, Any]:
-    """Check ``timeline`` against the overlap schedule, write it as Chrome
-    trace JSON, and say what was found (the report's ``profile`` entry)."""
+    """Check ``timeline`` against the schedule of ``layout`` (None: comm-side, A2E and E2A on the side
+    streams), write it as Chrome trace JSON, and say what was found (the report's ``profile`` entry)."""
     ops = timeline.trace_ops()
-    result = check_step(ops, ExpectedSchedule(tuple(layers), tuple(stages), True, True), source="device")
+    if layout is None:
+        expected = ExpectedSchedule(tuple(layers), tuple(stages), True, True)
+    else:
+        expected = ExpectedSchedule(
+            tuple(layers), tuple(stages), layout.a2e_side, layout.e2a_side, layout.ffn_side, layout.prefetch
+        )
+    result = check_step(ops, expected, source="device")
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"traceEvents": timeline.chrome_trace(), "displayTimeUnit": "ns"}, f)
     equal = None
@@ -164,6 +175,7 @@ def write_profile(
     per_stream = timeline.per_stream()
     return {
         "path": path,
+        "layout": "comm-side" if layout is None else layout.name,
         "streams": {name: len(acts) for name, acts in sorted(per_stream.items())},
         "unnamed_streams": sorted(n for n in per_stream if n.startswith("stream ")),
         "ops": sum(1 for o in ops if o.kind in ("a2e", "ffn", "e2a")),

@@ -1,5 +1,7 @@
 """The benchmark: serial vs upstream's E2A-only design vs this package's
-overlap, on the emulated CAMP2P FFN rank, through the very patch engine and
+overlap in each of its layouts (:data:`POLICIES`: ``compute-side``, the
+users' default, and ``comm-side``, each adaptive and fixed, and both
+listed), on the emulated CAMP2P FFN rank, through the very patch engine and
 wrappers users get.
 
 Per repetition, for each policy in turn (policies interleaved in one
@@ -21,10 +23,17 @@ step (for ``--trace``/``--plot`` and the edge checker).
   first term is the compute stream's work; the second is one stage group's
   dependency cycle per layer (A2E, its FFN, E2A, then the attention peer
   before the next A2E can arrive), which no schedule can shorten;
+* fill/drain floor per layer (:func:`_fill_drain_terms`): max((a_first +
+  L * S * f + e_last) / L, max over stages of (L * (a_s + f + e_s) + (L - 1)
+  * attn) / L): also the step's first A2E (the first stage's, before any
+  FFN can start) and last E2A (the last stage's, after the last FFN), which
+  no layout can hide; a stage's chain without the attention after the
+  step's last E2A;
 * eta = (T_serial - T_policy) / (T_serial - T_floor): the share of the
   hideable time a policy hid (1.0 = all of it); not given when the hideable
   time is under ETA_MIN_HIDEABLE of T_serial (one stage, say), where the
-  ratio would only measure noise;
+  ratio would only measure noise; ``eta_fill_drain`` the same against the
+  fill/drain floor;
 * outputs: every timed and traced step of every policy is compared bitwise
   (``torch.equal``) with the serial run of the same step id (the emulated
   attention inputs depend on the step id, which is set before each step).
@@ -78,9 +87,10 @@ import torch
 import camp2p_overlap
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.env_vars import MAX_STAGES
-from camp2p_overlap.core.keys import COMPUTE_STREAM, side_stream_name
+from camp2p_overlap.core.keys import COMPUTE_STREAM, FFN_STREAM, side_stream_name
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, TraceOp, TraceRecorder, recording
 from camp2p_overlap.core.overlap.graphs import VariantGraph
+from camp2p_overlap.core.overlap.plan import A2E_ONLY, COMM_SIDE, COMPUTE_SIDE, E2A_ONLY, Layout, layouts_of
 from camp2p_overlap.emulation import device as emulated_device
 from camp2p_overlap.emulation.device import TimingCounts
 from camp2p_overlap.emulation.ffn_timing import fixed as fixed_ffn
@@ -116,29 +126,156 @@ GRAPH_NOT_ON_NPU = (
     "--graph runs on --device cuda (CUDA graphs) and --device cpu (the emulated device) only: the device "
     "world's capture path has not been run on an NPU (torch_npu's ACL graphs, their stream budget)"
 )
-#: Why a policy is left out of a --graph run (none is now: adaptive
-#: ``overlap`` captures both variants, ``VLLM_CAMP2P_MULTISTREAM_GRAPH=adaptive``).
-GRAPH_SKIPS: dict[str, str] = {}
+#: Why a policy is left out of a run (:func:`policy_skips`).
+GRAPH_COMM_ON_THE_EMULATED_NPU = (
+    "its layout puts CAM comm (A2E/E2A) on side streams, which the emulated device refuses to capture while it "
+    "stands in for torch.npu, as upstream's NPU graph code keeps HCCL/CAM comm on the capture's stream "
+    '(--device cuda captures it, with graph_comm_side; docs/benchmark.md, "Graph mode")'
+)
+GRAPH_ONE_ADAPTIVE = (
+    "only one adaptive policy's patch layer can stay applied while the replays run (its graph chooses a variant "
+    "per replay through it); this run's is {held}"
+)
+COUPLED_COMPUTE_SIDE = (
+    "with coupled attention (--attention coupled: the peer sends a stage's A2E of layer L+1 only once every "
+    "stage's E2A of layer L has arrived) compute-side stalls: it issues A2E(L+1, s) on the caller's stream right "
+    "after E2A(L, s), ahead of E2A(L, s') of the other stages, and waits there until the op timeout; not run"
+)
 
-#: policy -> (A2E on side streams, E2A on side streams); None = engine unpatched.
-POLICIES: dict[str, tuple[bool, bool] | None] = {
-    "serial": None,
-    "e2a-only": (False, True),
-    "overlap": (True, True),
-    "overlap-fixed": (True, True),
+
+@dataclass(frozen=True)
+class Policy:
+    """One policy of the benchmark: the config its patch layer is applied with."""
+
+    name: str
+    #: The layouts its config lists (VLLM_CAMP2P_MULTISTREAM_LAYOUT), in order; None: the engine stays unpatched.
+    layouts: tuple[str, ...] | None
+    #: Adaptive engage on: the steps take the path (a listed layout, or serial) measured fastest per bucket.
+    adaptive: bool = False
+    #: ``comm-side``'s direction switches (A2E, E2A on the per-stage side streams); e2a-only: (False, True).
+    a2e_side: bool = True
+    e2a_side: bool = True
+    help: str = ""
+
+    def config(self, backend: str, *, graph: bool = False) -> OverlapConfig | None:
+        """Its patch layer's config (None: unpatched). ``graph``: decode graphs capture its first listed layout,
+        both variants (``"adaptive"``) for an adaptive policy; a layout with comm on side streams is captured
+        with ``graph_comm_side`` (VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE=1), which upstream's NPU graph code
+        needs opted in."""
+        if self.layouts is None:
+            return None
+        cfg = OverlapConfig(
+            enabled=True,
+            backend=backend,  # type: ignore[arg-type]
+            layouts=self.layouts,  # type: ignore[arg-type]
+            a2e_on_side_stream=self.a2e_side,
+            e2a_on_side_stream=self.e2a_side,
+            adaptive=self.adaptive,
+            graph=("adaptive" if self.adaptive else "1") if graph else "0",
+        )
+        if graph and self.comm_on_side():
+            cfg = replace(cfg, graph_comm_side=True)
+        return cfg
+
+    def layout_objects(self) -> tuple[Layout, ...]:
+        """The layouts its steps may run (``plan.layouts_of`` of its config); empty: unpatched."""
+        cfg = self.config("cpu")
+        return () if cfg is None else layouts_of(cfg)
+
+    def layout_names(self) -> tuple[str, ...]:
+        return tuple(layout.name for layout in self.layout_objects())
+
+    def comm_on_side(self) -> bool:
+        """Whether its first listed layout (what a decode graph captures) puts A2E or E2A on side streams."""
+        first = self.layout_objects()[:1]
+        return bool(first) and (first[0].a2e_side or first[0].e2a_side)
+
+    def streams(self) -> tuple[str, str, str]:
+        """Where its first listed layout runs A2E, E2A and the FFN: C, K_s or F."""
+        first = self.layout_objects()[:1]
+        if not first:
+            return (COMPUTE_STREAM, COMPUTE_STREAM, COMPUTE_STREAM)
+        lay = first[0]
+        return (
+            "K_s" if lay.a2e_side else COMPUTE_STREAM,
+            "K_s" if lay.e2a_side else COMPUTE_STREAM,
+            FFN_STREAM if lay.ffn_side else COMPUTE_STREAM,
+        )
+
+
+#: Every policy, by name. ``overlap`` is what users get by default (the
+#: compute-side layout, adaptive engage on); each layout also runs fixed
+#: (adaptive engage off: engaged on every step the gate allows).
+POLICIES: dict[str, Policy] = {
+    p.name: p
+    for p in (
+        Policy("serial", None, help="engine unpatched: upstream's loop, everything on the compute stream (today)"),
+        Policy(
+            "e2a-only",
+            ("comm-side",),
+            a2e_side=False,
+            help="E2A on per-stage side streams K_s, A2E and the FFN on the compute stream (upstream PR #161's "
+            "design; comm-side with A2E switched off)",
+        ),
+        Policy(
+            "overlap",
+            ("compute-side",),
+            adaptive=True,
+            help="this package as users get it: the compute-side layout (A2E/E2A on the caller's stream C in the "
+            "overlap's order, the FFN on the runner's side stream F), engaged only where it measured faster than "
+            "serial (adaptive engage on)",
+        ),
+        Policy(
+            "compute-side-fixed",
+            ("compute-side",),
+            help="the compute-side layout engaged on every step the gate allows (adaptive engage off)",
+        ),
+        Policy(
+            "comm-side",
+            ("comm-side",),
+            adaptive=True,
+            help="the comm-side layout (A2E and E2A on per-stage side streams K_s with the receive lookahead, the "
+            "FFN on C; VLLM_CAMP2P_MULTISTREAM_LAYOUT=comm-side), adaptive engage on",
+        ),
+        Policy(
+            "comm-side-fixed",
+            ("comm-side",),
+            help="the comm-side layout engaged on every step the gate allows (adaptive engage off)",
+        ),
+        Policy(
+            "both",
+            ("compute-side", "comm-side"),
+            adaptive=True,
+            help="both layouts listed (VLLM_CAMP2P_MULTISTREAM_LAYOUT=compute-side,comm-side): adaptive engage "
+            "measures each and serial per shape bucket and keeps the fastest",
+        ),
+    )
 }
-
-#: Policies that run with adaptive engage on (what users get by default);
-#: every other policy engages whenever the gate allows.
-ADAPTIVE_POLICIES = frozenset({"overlap"})
-
-POLICY_HELP = {
-    "serial": "engine unpatched: upstream's loop, everything on the compute stream (today)",
-    "e2a-only": "E2A on per-stage side streams, A2E on the compute stream (upstream PR #161's design)",
-    "overlap": "this package as users get it: A2E and E2A on per-stage side streams with the receive "
-    "lookahead, engaged only where it measured faster than serial (adaptive engage on)",
-    "overlap-fixed": "the same overlap engaged on every step the gate allows (adaptive engage off)",
+#: Names a policy had before, and what it is called now (a usage error says so).
+RENAMED = {
+    "overlap-fixed": "compute-side-fixed (the default layout fixed; the comm-side layout it ran before the "
+    "layouts were named is comm-side-fixed)"
 }
+#: The default set: both layouts side by side (fixed), the users' default and upstream's design.
+DEFAULT_POLICIES = ("serial", "e2a-only", "overlap", "compute-side-fixed", "comm-side-fixed")
+#: Policies that run with adaptive engage on; every other policy engages whenever the gate allows.
+ADAPTIVE_POLICIES = frozenset(name for name, p in POLICIES.items() if p.adaptive)
+POLICY_HELP = {name: p.help for name, p in POLICIES.items()}
+#: The adaptive policy's steady state against the better layout: the goal is within this share of it.
+LAYOUT_TOLERANCE = 0.03
+#: ``--attention``: the attention side's coupling of the stages.
+ATTENTION_CHOICES = ("per-stage", "coupled")
+
+
+def unknown_policies(names: Iterable[str]) -> str | None:
+    """What is wrong with policy names (None: nothing), naming a renamed one's new name."""
+    unknown = [p for p in names if p not in POLICIES]
+    if not unknown:
+        return None
+    renamed = [f"{p} is now {RENAMED[p]}" for p in unknown if p in RENAMED]
+    hint = f"; {', '.join(renamed)}" if renamed else ""
+    return f"unknown policy {', '.join(unknown)} (choose from {', '.join(POLICIES)}{hint})"
+
 
 #: Bootstrap resamples for the 95% intervals of speedup and eta.
 BOOTSTRAP_RESAMPLES = 400
@@ -167,8 +304,18 @@ class BenchParams:
     seed: int = 0
     threads: int = 1
     comm_cores: int = 0
-    policies: tuple[str, ...] = ("serial", "e2a-only", "overlap", "overlap-fixed")
+    #: ``--comm-cores-sweep``: run the whole benchmark once per value of
+    #: ``--comm-cores`` (the contention model off at 0, on above), every run
+    #: on the same timing (wall-clock kernels when a value is above 0), and
+    #: report them side by side (the report's ``contention``); empty: one run.
+    comm_cores_sweep: tuple[int, ...] = ()
+    policies: tuple[str, ...] = DEFAULT_POLICIES
     scenario: str | None = None
+    #: ``--attention``: ``per-stage`` (each stage's next A2E waits for that
+    #: stage's E2A alone, as vLLM's DBO micro-batching) or ``coupled`` (it
+    #: waits for every stage's E2A of the layer: ``emulation/coupled.py``;
+    #: the host world only; compute-side is not run, :data:`COUPLED_COMPUTE_SIDE`).
+    attention: str = "per-stage"
     #: Capture each policy's step once (upstream's decode graph path; adaptive
     #: ``overlap`` with both variants) in one graph pool and time replays
     #: (cuda: CUDA graphs; cpu: the emulated device's).
@@ -194,7 +341,12 @@ class BenchParams:
 
     def timing_mode(self) -> tuple[str, str]:
         """``(model, why)`` of this run: ``model``, ``wall`` or ``device``."""
-        return timing_mode(self.device, self.timing, self.comm_cores)
+        return timing_mode(self.device, self.timing, self.most_comm_cores())
+
+    def most_comm_cores(self) -> int:
+        """The most cores a comm op keeps busy in any run of this benchmark (``--comm-cores-sweep`` included):
+        above 0, every run takes wall-clock kernels (``tools/bench/timing.py``)."""
+        return max((self.comm_cores, *self.comm_cores_sweep))
 
     def link(self) -> LinkModel:
         return LinkModel(latency_s=self.link_latency_us * 1e-6, bandwidth_Bps=self.link_gbps * 1e9 / 8)
@@ -231,22 +383,35 @@ class BenchParams:
         most = MAX_COMM_CORES.get(self.device, 0)
         if not 0 <= self.comm_cores <= most:
             problems.append(f"--comm-cores {self.comm_cores} is out of range 0..{most} on {self.device}")
+        bad = [n for n in self.comm_cores_sweep if not 0 <= n <= most]
+        if bad:
+            problems.append(f"--comm-cores-sweep {bad[0]} is out of range 0..{most} on {self.device}")
+        if self.comm_cores_sweep and self.comm_cores:
+            problems.append("give --comm-cores or --comm-cores-sweep, not both (the sweep sets each run's)")
+        if len(set(self.comm_cores_sweep)) != len(self.comm_cores_sweep):
+            problems.append("--comm-cores-sweep names a value twice")
+        if self.attention not in ATTENTION_CHOICES:
+            problems.append(f"--attention {self.attention!r} is not one of {', '.join(ATTENTION_CHOICES)}")
+        elif self.attention == "coupled" and (self.device != "cpu" or self.device_world or self.graph):
+            problems.append(
+                "--attention coupled runs on the host world only (--device cpu, eager: no --device-world, no --graph)"
+            )
         if not (self.link_gbps > 0 and math.isfinite(self.link_gbps)):
             problems.append("--link-gbps must be a positive number")
         if not (self.link_latency_us >= 0 and math.isfinite(self.link_latency_us)):
             problems.append("--link-latency-us must not be negative")
         if not (self.attn_us >= 0 and math.isfinite(self.attn_us)):
             problems.append("--attn-us must not be negative")
-        unknown = [p for p in self.policies if p not in POLICIES]
+        unknown = unknown_policies(self.policies)
         if unknown:
-            problems.append(f"unknown policy {', '.join(unknown)} (choose from {', '.join(POLICIES)})")
+            problems.append(unknown)
         if "serial" not in self.policies:
             problems.append("--policies must include serial (the reference for speedup, eta and outputs)")
         if len(set(self.policies)) != len(self.policies):
             problems.append("--policies names a policy twice")
         if self.graph and self.device == "npu":
             problems.append(f"--device {self.device}: {GRAPH_NOT_ON_NPU}")
-        problems += timing_problems(self.device, self.timing, self.comm_cores)
+        problems += timing_problems(self.device, self.timing, self.most_comm_cores())
         if self.comm_ratio is not None and not (0 < self.comm_ratio < 10):
             problems.append("--comm-ratio must be above 0 and below 10")
         elif self.comm_ratio is not None and self.timing_mode()[0] != "model":
@@ -260,7 +425,7 @@ class BenchParams:
             problems.append(
                 f"--ffn-us sets the FFN's modelled duration: it needs modelled timing ({self.timing_mode()[1]})"
             )
-        if self.device_world and self.device == "cpu" and self.comm_cores:
+        if self.device_world and self.device == "cpu" and self.most_comm_cores():
             problems.append(
                 "--device-world runs the comm kernel's host reference on the emulated device, which holds no "
                 "cores: --comm-cores needs --device cuda (or the host world: leave out --device-world)"
@@ -323,8 +488,35 @@ SCENARIOS["gpu-ffn-bound"] = {
     "reps": 3,
 }
 
+SCENARIOS["comm-heavy"] = {
+    # Communication above the FFN: per (layer, stage) A2E + E2A take 1.25 f
+    # (the link set from the FFN's modelled duration, as ffn-bound's), so the
+    # layouts part: compute-side issues every stage's A2E and E2A on the one
+    # caller's stream (S (a+e) = 2.5 f per layer there), comm-side on a
+    # stream per stage (one stage group's cycle a+f+e+attn = 2.25 f + attn):
+    # the shape for "adaptive with both layouts listed is within 3 % of the
+    # better layout". Both layouts fixed and adaptive, and both listed.
+    "layers": 4,
+    "stages": 2,
+    "tokens": 128,
+    "hidden": 512,
+    "ffn": 1024,
+    "experts": 8,
+    "top_k": 2,
+    "link_latency_us": 500.0,
+    "link_gbps": 0.8,
+    "attn_us": 500.0,
+    "comm_ratio": 1.25,
+    "steps": 8,
+    "warmup": 2,
+    "reps": 3,
+    "policies": ("serial", "overlap", "compute-side-fixed", "comm-side", "comm-side-fixed", "both"),
+}
+
 SCENARIO_HELP = {
     "ffn-bound": "FFN compute-bound: f > a + e with communication about half of f, 2 stages, 6 layers",
+    "comm-heavy": "communication above the FFN (a + e = 1.25 f), 2 stages, 4 layers; both layouts fixed and "
+    "adaptive, and both listed (policy both), side by side",
     "gpu-ffn-bound": "the same sized for a datacenter GPU (--device cuda) by estimate, device-bound (4096 tokens "
     "per stage); the report's measured verdicts say whether it is FFN-bound and device-bound there",
 }
@@ -367,11 +559,13 @@ def resolve_params(explicit: Mapping[str, Any], scenario: str | None = None) -> 
         if key not in names:
             raise ValueError(f"unknown benchmark parameter {key!r}")
         if value is not None:
-            values[key] = tuple(value) if key == "policies" else value
+            values[key] = tuple(value) if key in ("policies", "comm_cores_sweep") else value
     link_given = any(explicit.get(k) is not None for k in ("link_latency_us", "link_gbps"))
     if link_given and explicit.get("comm_ratio") is None:
         values.pop("comm_ratio", None)  # a link given explicitly is the link
-    timing_given = explicit.get("timing") == "wall" or bool(values.get("comm_cores"))
+    timing_given = (
+        explicit.get("timing") == "wall" or bool(values.get("comm_cores")) or any(values.get("comm_cores_sweep") or ())
+    )
     if timing_given and explicit.get("comm_ratio") is None:
         values.pop("comm_ratio", None)  # wall-clock kernels: no model to set the link from
     values["scenario"] = scenario
@@ -452,6 +646,10 @@ def _graph_nodes_engaged(graph: Any, side_streams: set[str]) -> bool:
 
 def _cpu_handle(params: BenchParams, root: str) -> _Handle:
     world = build_world(params.world_spec(), root=root)
+    if params.attention == "coupled":
+        from camp2p_overlap.emulation.coupled import couple_stages
+
+        couple_stages(world)
 
     def traced() -> TracedStep:
         with recording(TraceRecorder()) as rec:
@@ -592,8 +790,10 @@ class PolicyStats:
     #: state only (timed steps after the decision), or, when it never
     #: decided, its timed learning steps (flagged noisy).
     learning: list[tuple[float, str, bool]] = field(default_factory=list)
-    #: The decision its learning ended with (None: still learning at the end).
+    #: The decision its learning ended with (a layout or serial; None: still learning at the end).
     decision: str | None = None
+    #: Its timed steps (eager) by the path each ran: a layout's name, or serial.
+    layout_steps: dict[str, int] = field(default_factory=dict)
     #: Every traced step's host and device times (device world; ``tools/bench/launch.py``).
     launch: list[dict[str, Any]] = field(default_factory=list)
     #: Its modelled kernels against their model (``--timing model``).
@@ -631,25 +831,47 @@ class _Progress:
 
 
 def _config_for(policy: str, backend: str, *, graph: bool = False) -> OverlapConfig | None:
-    """The policy's layer config (None: unpatched). ``graph``: decode graphs
-    capture the overlap, both variants (``"adaptive"``) for an adaptive policy."""
-    sides = POLICIES[policy]
-    if sides is None:
-        return None
-    adaptive = policy in ADAPTIVE_POLICIES
+    """The policy's patch layer config (None: unpatched): :meth:`Policy.config`."""
+    return POLICIES[policy].config(backend, graph=graph)
+
+
+def _passthrough(backend: str) -> OverlapConfig:
+    """The config of serial's traced pass-through steps: comm-side with both directions off, nothing left to
+    engage, so every step runs upstream's loop through the wrappers (traced, everything on C)."""
     return OverlapConfig(
         enabled=True,
         backend=backend,  # type: ignore[arg-type]
-        a2e_on_side_stream=sides[0],
-        e2a_on_side_stream=sides[1],
-        adaptive=adaptive,
-        graph=("adaptive" if adaptive else "1") if graph else "0",
+        layouts=("comm-side",),
+        a2e_on_side_stream=False,
+        e2a_on_side_stream=False,
+        adaptive=False,
     )
 
 
-def graph_policies(params: BenchParams) -> tuple[tuple[str, ...], dict[str, str]]:
-    """The policies a ``--graph`` run measures, and those it leaves out with why."""
-    skipped = {p: GRAPH_SKIPS[p] for p in params.policies if p in GRAPH_SKIPS}
+def policy_skips(params: BenchParams) -> dict[str, str]:
+    """The policies this run leaves out, each with why: compute-side under
+    coupled attention (it stalls); in graph mode, comm on side streams on
+    the emulated NPU (refused there), and every adaptive policy after the
+    first (one patch layer stays applied over the replays)."""
+    skipped: dict[str, str] = {}
+    held: str | None = None
+    for name in params.policies:
+        policy = POLICIES[name]
+        if params.attention == "coupled" and "compute-side" in (policy.layouts or ()):
+            skipped[name] = COUPLED_COMPUTE_SIDE
+        elif params.graph and params.device == "cpu" and policy.comm_on_side():
+            skipped[name] = GRAPH_COMM_ON_THE_EMULATED_NPU
+        elif params.graph and policy.adaptive:
+            if held is None:
+                held = name
+            else:
+                skipped[name] = GRAPH_ONE_ADAPTIVE.format(held=held)
+    return skipped
+
+
+def run_policies(params: BenchParams) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The policies this run measures, and those it leaves out with why (:func:`policy_skips`)."""
+    skipped = policy_skips(params)
     return tuple(p for p in params.policies if p not in skipped), skipped
 
 
@@ -677,10 +899,16 @@ def run_bench(
     and write its device timelines there (``tools/bench/profile.py``).
     ``on_report``: called with a partial report (``"partial": true``, what is
     done in ``"progress"``) after the captures (``--graph``) and after each
-    repetition, so that a run cut short leaves what it measured."""
+    repetition, so that a run cut short leaves what it measured.
+    ``params.comm_cores_sweep``: one run per value, side by side
+    (:func:`_run_comm_cores_sweep`)."""
     if profile_trace and params.device == "cpu":
         raise ValueError(PROFILE_NEEDS_DEVICE)
     params.validate()
+    if params.comm_cores_sweep:
+        return _run_comm_cores_sweep(
+            params, progress=progress, progress_desc=progress_desc, profile_trace=profile_trace, on_report=on_report
+        )
     wall0 = time.perf_counter()
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(params.threads)
@@ -691,7 +919,7 @@ def run_bench(
         if params.ffn_us is not None:  # given: every run with it holds the FFN to the same duration
             handle.world.runner.model.moe.timing = fixed_ffn(params.tokens, params.ffn_us * 1e-6)
         elif params.timing_mode()[0] == "model":  # the FFN's model, refined from the run's own schedules
-            schedules = in_run_schedules({p: POLICIES[p] for p in params.policies}, handle.backend)
+            schedules = in_run_schedules([POLICIES[p] for p in run_policies(params)[0]], handle.backend)
             refine_ffn_in_run(handle.world, schedules, manifest=site.manifest, sync=handle.sync)
         if params.comm_ratio is not None:  # the link from the FFN's model, which is now known
             params = linked_to_ffn(params, handle.world)
@@ -703,8 +931,8 @@ def run_bench(
                 elapsed = time.perf_counter() - wall0
                 on_report(_partial_report(params, handle, site.root, layers, stages, so_far, elapsed, what))
 
-        run_policies = _run_graph_policies if params.graph else _run_policies
-        stats = run_policies(params, handle, site.manifest, progress, progress_desc, emit)
+        run_all = _run_graph_policies if params.graph else _run_policies
+        stats = run_all(params, handle, site.manifest, progress, progress_desc, emit)
         profiled = None
         if profile_trace:
             from camp2p_overlap.tools.bench.profile import profile_device_step
@@ -729,6 +957,105 @@ def run_bench(
     return BenchRun(report, {name: s.timeline for name, s in stats.items() if s.timeline})
 
 
+#: Why every run of a --comm-cores-sweep takes wall-clock kernels (unless --timing says otherwise).
+CONTENTION_SWEEP_TIMING = (
+    "every run on wall-clock kernels: --comm-cores above 0 measures what the comm cores' busy-wait takes from "
+    "the FFN, which a modelled FFN would hide, and the run at 0 runs as the others do, so that they compare"
+)
+
+
+def contention_runs(params: BenchParams) -> list[BenchParams]:
+    """The runs of a ``--comm-cores-sweep``: each value's params, every run on the same timing (wall-clock
+    kernels when a value is above 0 and ``--timing`` was left to its default), its link the flags' (no
+    FFN model to set it from)."""
+    timing = params.timing
+    if params.most_comm_cores() and timing == "auto" and params.device == "cpu":
+        timing = "wall"
+    ratio = params.comm_ratio if timing != "wall" else None
+    return [
+        replace(params, comm_cores=n, comm_cores_sweep=(), timing=timing, comm_ratio=ratio)
+        for n in params.comm_cores_sweep
+    ]
+
+
+def contention_row(report: Mapping[str, Any]) -> dict[str, Any]:
+    """One run of a --comm-cores-sweep in brief (the report's ``contention.runs[]``)."""
+    m = report["measured"]
+    keys = ("speedup", "speedup_ci95", "eta", "eta_fill_drain", "outputs_equal", "engaged", "noisy")
+    return {
+        "comm_cores": report["params"]["comm_cores"],
+        "comm_model": report["comm_model"],
+        "timing": report["timing"]["model"],
+        "floor_per_layer_us": m["floor_per_layer_us"],
+        "floor_fill_drain_per_layer_us": m.get("floor_fill_drain_per_layer_us"),
+        "outputs_equal": report["outputs_equal"],
+        "policies": [
+            {"policy": p["policy"], "per_layer_us": p["per_layer_us"]["median"], **{k: p.get(k) for k in keys}}
+            for p in report["policies"]
+        ],
+    }
+
+
+def with_contention(first: dict[str, Any], others: Sequence[Mapping[str, Any]], values: Sequence[int]) -> dict:
+    """The report of a --comm-cores-sweep: the first value's run, with every run side by side in its
+    ``contention`` (``runs``: each in brief, the first included; ``reports``: the other runs' full reports)."""
+    reports = [first, *others]
+    out = dict(first)
+    out["contention"] = {
+        "values": list(values),
+        "timing": CONTENTION_SWEEP_TIMING if first["timing"]["model"] == "wall" else first["timing"]["why"],
+        "runs": [contention_row(r) for r in reports],
+        "reports": list(others),
+    }
+    out["outputs_equal"] = all(r["outputs_equal"] for r in reports)
+    out["params"] = {**first["params"], "comm_cores_sweep": list(values)}
+    out["wall_s"] = round(sum(r["wall_s"] for r in reports), 3)
+    return out
+
+
+def _run_comm_cores_sweep(
+    params: BenchParams,
+    *,
+    progress: bool,
+    progress_desc: str,
+    profile_trace: str | None,
+    on_report: Callable[[dict[str, Any]], None] | None,
+) -> BenchRun:
+    """The whole benchmark once per ``--comm-cores`` value of the sweep (:func:`contention_runs`), in one
+    process; the report is the first run's with every run side by side (:func:`with_contention`), and
+    ``on_report`` gets it after each run and each partial report of the current one."""
+    runs = contention_runs(params)
+    done: list[dict[str, Any]] = []
+    first: BenchRun | None = None
+    values = params.comm_cores_sweep
+    for i, sub in enumerate(runs):
+
+        def partial(report: dict[str, Any], i: int = i) -> None:
+            if on_report is None:
+                return
+            what = f"--comm-cores {values[i]} ({i + 1} of {len(values)}): {report['progress']}"
+            if i == 0:
+                on_report({**with_contention(report, [], values[:1]), "progress": what})
+            else:
+                merged = with_contention(done[0], [*done[1:], report], values[: i + 1])
+                on_report({**merged, "partial": True, "progress": what})
+
+        run = run_bench(
+            sub,
+            progress=progress,
+            progress_desc=f"{progress_desc} --comm-cores {values[i]}",
+            profile_trace=profile_trace if i == 0 else None,
+            on_report=partial,
+        )
+        first = first or run
+        done.append(run.report)
+        if on_report is not None and i + 1 < len(runs):
+            merged = with_contention(done[0], done[1:], values[: i + 1])
+            on_report({**merged, "partial": True, "progress": f"--comm-cores {values[i]} done"})
+    assert first is not None
+    return BenchRun(with_contention(done[0], done[1:], values), first.timelines)
+
+
 #: Called with the policies' statistics so far and what is done (partial reports).
 Emit = Callable[[dict[str, PolicyStats], str], None]
 
@@ -744,19 +1071,14 @@ def _run_policies(
     world = handle.world
     layers = tuple(world.layer_list())
     stages = tuple(world.spec.stage_ids)
-    stats = {p: PolicyStats(p) for p in params.policies}
+    policies, _ = run_policies(params)
+    stats = {p: PolicyStats(p) for p in policies}
     reference: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
     timed_ids = range(params.warmup, params.warmup + params.steps)
-    per_rep = len(params.policies) * (params.warmup + params.steps + 1) + params.steps - 1
+    per_rep = len(policies) * (params.warmup + params.steps + 1) + params.steps - 1
     bar = _Progress(params.reps * per_rep, progress, desc)
-    order = ["serial", *[p for p in params.policies if p != "serial"]]
-    passthrough = OverlapConfig(
-        enabled=True,
-        backend=handle.backend,  # type: ignore[arg-type]
-        a2e_on_side_stream=False,
-        e2a_on_side_stream=False,
-        adaptive=False,
-    )
+    order = ["serial", *[p for p in policies if p != "serial"]]
+    passthrough = _passthrough(handle.backend)
     # One engine per policy, kept over the repetitions (what adaptive engage
     # learned carries over, as in a serving process), applied per repetition.
     patch_layers = {p: emulated_patch_layer() for p in order}
@@ -770,25 +1092,27 @@ def _run_policies(
                 cfg = _config_for(policy, handle.backend)
                 if cfg is not None:
                     engine.apply(config=cfg, manifest=manifest, strict=True)
-                learner = patch_layers[policy].runtime if cfg is not None and cfg.adaptive else None
+                runtime = patch_layers[policy].runtime if cfg is not None else None
+                learner = runtime if cfg is not None and cfg.adaptive else None
                 try:
                     for sid in range(params.warmup + params.steps):
                         timed = sid >= params.warmup
                         # An adaptive policy's steps before its decision are
                         # its learning, reported apart from its steady state.
                         learning = learner is not None and _decision(learner) is None
-                        before = _overlap_steps(learner)
+                        before = _layout_counts(runtime)
                         world.steps_run = sid
                         t0 = time.perf_counter()
                         out = world.run_step()
                         handle.sync()
                         per_layer = (time.perf_counter() - t0) / len(layers)
                         handle.check()
+                        path = _path_taken(runtime, before)
                         if learning:
-                            path = "overlap" if _overlap_steps(learner) > before else "serial"
                             st.learning.append((per_layer, path, timed))
                         elif timed:
                             st.per_layer_s.append(per_layer)
+                            st.layout_steps[path] = st.layout_steps.get(path, 0) + 1
                         if timed:
                             _check_output(st, reference, sid, out, rep)
                         bar.tick(policy)
@@ -812,12 +1136,13 @@ def _run_policies(
                 finally:
                     if not engine.unpatch(timeout=30.0):
                         raise RuntimeError("the benchmark's patch engine could not unpatch; see the log")
-                engaged = any(o.kind in ("a2e", "e2a") and o.stream != COMPUTE_STREAM for o in ops)
+                ran = ran_layout(ops)
+                engaged = ran != "serial"
                 if handle.edges_checkable:
-                    sides = POLICIES[policy] or (False, False)
-                    if len(stages) < passthrough.min_stages or (policy in ADAPTIVE_POLICIES and not engaged):
-                        sides = (False, False)  # the serial path ran (the gate, or adaptive engage's choice)
-                    result = check_step(ops, ExpectedSchedule(layers, stages, sides[0], sides[1]))
+                    expected, wrong = _expected_layout(policy, ran, len(stages) >= passthrough.min_stages)
+                    if wrong:
+                        st.violations.append(f"rep {rep}: {wrong}")
+                    result = check_step(ops, expected_schedule(expected, layers, stages))
                     st.violations.extend(f"rep {rep}: {v}" for v in result.violations)
                 st.engaged.append(engaged)
                 st.timeline = ops
@@ -830,32 +1155,84 @@ def _run_policies(
     for st in stats.values():
         if st.learning and st.decision is None:  # no steady state: its timed learning steps stand in
             st.per_layer_s = [t for t, _, timed in st.learning if timed]
+            for _, path, timed in st.learning:
+                if timed:
+                    st.layout_steps[path] = st.layout_steps.get(path, 0) + 1
     return stats
 
 
+#: The layouts a traced step can run, by name (what :func:`ran_layout` tells apart).
+_LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (COMPUTE_SIDE, COMM_SIDE, E2A_ONLY, A2E_ONLY)}
+
+
+def ran_layout(ops: Iterable[TraceOp]) -> str:
+    """The layout a traced step ran, read from where its ops ran: ``compute-side`` (the FFN off C: on F; the
+    device world's timing trace names every stream but C after the op's stage), ``comm-side``, ``e2a-only`` or
+    ``a2e-only`` (A2E and/or E2A on K_s), else ``serial`` (all on C)."""
+    ops = list(ops)
+    if any(o.kind == "ffn" and o.stream != COMPUTE_STREAM for o in ops):
+        return COMPUTE_SIDE.name
+    a = any(o.kind == "a2e" and o.stream != COMPUTE_STREAM for o in ops)
+    e = any(o.kind == "e2a" and o.stream != COMPUTE_STREAM for o in ops)
+    return {(True, True): COMM_SIDE.name, (False, True): E2A_ONLY.name, (True, False): A2E_ONLY.name}.get(
+        (a, e), "serial"
+    )
+
+
+def expected_schedule(layout: str, layers: Sequence[int], stages: Sequence[int]) -> ExpectedSchedule:
+    """What a step of ``layout`` (a name of :data:`_LAYOUTS`, or ``serial``) was planned to do."""
+    lay = _LAYOUTS.get(layout)
+    if lay is None:
+        return ExpectedSchedule.serial(layers, stages)
+    return ExpectedSchedule(tuple(layers), tuple(stages), lay.a2e_side, lay.e2a_side, lay.ffn_side, lay.prefetch)
+
+
+def _expected_layout(policy: str, ran: str, gate_open: bool) -> tuple[str, str | None]:
+    """The layout ``policy``'s traced step must have run (the edge checker's schedule), and why the one it
+    ran is wrong (None: it is not): a fixed policy its layout while the gate lets it engage; an adaptive
+    policy the path it chose, one it lists or serial."""
+    listed = POLICIES[policy].layout_names()
+    if not listed or not gate_open:
+        return "serial", None
+    if not POLICIES[policy].adaptive:
+        return listed[0], None
+    if ran == "serial" or ran in listed:
+        return ran, None
+    return ran, f"ran the {ran} layout, which {policy} does not list ({', '.join(listed)})"
+
+
+def _layout_counts(runtime: Any) -> dict[str, int]:
+    """The patch layer's engaged steps per layout so far (none for serial's unpatched engine)."""
+    return {} if runtime is None else dict(runtime.counters.to_dict()["layout_steps"])
+
+
+def _path_taken(runtime: Any, before: Mapping[str, int]) -> str:
+    """The layout the step just run engaged in (its count moved), else ``serial``."""
+    after = _layout_counts(runtime)
+    return next((name for name, n in after.items() if n > before.get(name, 0)), "serial")
+
+
 def _decision(runtime: Any) -> str | None:
-    """The decision of the runtime's one eager bucket (None: learning, or no
+    """The decision of the runtime's one eager bucket (a layout name or ``serial``; None: learning, or no
     bucket yet)."""
     decisions = {b["decision"] for b in runtime.adaptive.snapshot()}
     return next(iter(decisions)) if len(decisions) == 1 and "learning" not in decisions else None
 
 
-def _overlap_steps(runtime: Any) -> int:
-    return 0 if runtime is None else int(runtime.counters.to_dict()["steps"]["overlap"])
-
-
 def _learning(st: PolicyStats, steady_median: float | None) -> dict[str, Any] | None:
     """An adaptive policy's learning: the steps it took before its decision
-    (warm-ups included), the paths they ran, their times per layer, and what
-    they cost against the steady state (the chosen path and its re-probes)."""
+    (warm-ups included), the paths they ran (each layout it lists, and
+    serial), their times per layer, and what they cost against the steady
+    state (the chosen path and its re-probes)."""
     if not st.learning and st.decision is None:
         return None
     times = [t for t, _, _ in st.learning]
     extra = None if steady_median is None or st.decision is None else sum(t - steady_median for t in times)
+    paths = [*POLICIES[st.name].layout_names(), "serial"] if st.name in POLICIES else ["serial"]
     return {
         "steps": len(st.learning),
         "decision": st.decision,
-        "paths": {path: sum(1 for _, p, _ in st.learning if p == path) for path in ("overlap", "serial")},
+        "paths": {path: sum(1 for _, p, _ in st.learning if p == path) for path in paths},
         "per_layer_us": _per_layer(times),
         "extra_us_per_layer": None if extra is None else round(_us(extra), 1),
     }
@@ -899,30 +1276,38 @@ def _run_graph_policies(
 ) -> dict[str, PolicyStats]:
     """``--graph``: the eager serial reference of every step id; each fixed
     policy's step captured once (its config applied, ``graph=True``, then
-    unpatched); adaptive ``overlap`` captured with both variants
-    (``graph="adaptive"``) and its patch layer kept applied while every policy's
-    warm-up and timed replays run round-robin, per repetition; serial's
-    traced pass-through steps (module docstring)."""
+    unpatched); the one adaptive policy (``overlap`` by default) captured
+    with both variants (``graph="adaptive"``) and its patch layer kept
+    applied while every policy's warm-up and timed replays run round-robin,
+    per repetition; serial's traced pass-through steps (module docstring)."""
     world = handle.world
     layers = tuple(world.layer_list())
     stages = tuple(world.spec.stage_ids)
-    policies, _ = graph_policies(params)
+    policies, _ = run_policies(params)
     order = ["serial", *[p for p in policies if p != "serial"]]
     # Replays leave no host trace for the edge checker; serial's traced steps are eager.
     stats = {p: PolicyStats(p, edges_checkable=p == "serial") for p in policies}
     warm_ids = range(params.warmup)
     timed_ids = range(params.warmup, params.warmup + params.steps)
-    passthrough = OverlapConfig(
-        enabled=True,
-        backend=handle.backend,  # type: ignore[arg-type]
-        a2e_on_side_stream=False,
-        e2a_on_side_stream=False,
-        adaptive=False,
-    )
+    passthrough = _passthrough(handle.backend)
     patch_layers = {p: emulated_patch_layer() for p in order}
     per_rep = len(order) * (params.warmup + params.steps) + params.steps
     bar = _Progress(len(warm_ids) + len(timed_ids) + len(order) + params.reps * per_rep, progress, desc)
-    side_streams = {side_stream_name(s) for s in stages}
+    # The streams a captured overlap variant runs work on: K_s (comm-side), F (compute-side).
+    side_streams = {side_stream_name(s) for s in stages} | {FFN_STREAM}
+
+    def engaged_in(policy: str, graph: Any, captures_before: int) -> bool:
+        """Whether the policy's captured graph (its patch layer's variant) runs the overlap: work captured on a
+        side stream; on the device world, which tells the comm ops' streams apart only, the FFN's F of
+        compute-side is read from its patch layer's count of overlap captures."""
+        if handle.captured_engaged(graph, side_streams):
+            return True
+        return (
+            handle.world_kind == "device"
+            and POLICIES[policy].streams()[2] == FFN_STREAM
+            and (_overlap_captures(patch_layers[policy]) > captures_before)
+        )
+
     # The reference: eager serial steps (engine unpatched) of every step id,
     # before anything is captured (a key with no graph runs eagerly).
     reference: dict[int, dict[tuple[int, int], torch.Tensor]] = {}
@@ -1021,7 +1406,7 @@ def _run_graph_policies(
             st.timing.merge(emulated_device.take_timing())
             unpatch("serial")
         if handle.edges_checkable:
-            result = check_step(ops, ExpectedSchedule(layers, stages, False, False))
+            result = check_step(ops, ExpectedSchedule.serial(layers, stages))
             st.violations.extend(f"rep {rep}: {v}" for v in result.violations)
         st.timeline = ops
 
@@ -1033,8 +1418,9 @@ def _run_graph_policies(
             if cfg is not None:
                 patch_layers[policy].engine.apply(config=cfg, manifest=manifest, strict=True)
             try:
+                before = _overlap_captures(patch_layers[policy])
                 graph = capture(policy)
-                engaged = handle.captured_engaged(graph, side_streams)
+                engaged = engaged_in(policy, graph, before)
             finally:
                 unpatch(policy)
             stats[policy].captured_variants += 1
@@ -1049,11 +1435,12 @@ def _run_graph_policies(
             assert cfg is not None
             patch_layers[policy].engine.apply(config=cfg, manifest=manifest, strict=True)
             held = policy
+            before = _overlap_captures(patch_layers[policy])
             graph = capture(policy)
             st = stats[policy]
             if isinstance(graph, VariantGraph):
                 st.captured_variants += 2
-                st.engaged.append(handle.captured_engaged(graph, side_streams))
+                st.engaged.append(engaged_in(policy, graph, before))
             else:  # the second capture failed: the key kept upstream's graph
                 st.captured_variants += 1
                 st.engaged.append(False)
@@ -1086,6 +1473,11 @@ def _run_graph_policies(
             entry["graph"].reset()  # closes the streams a graph made for itself
         bar.close()
     return stats
+
+
+def _overlap_captures(patch_layer: Any) -> int:
+    """How many captures of the patch layer took its overlap variant."""
+    return int(patch_layer.runtime.counters.to_dict()["graph_captures"].get("overlap", 0))
 
 
 def _graph_choice(runtime_stats: Mapping[str, Any], st: PolicyStats) -> dict[str, Any]:
@@ -1183,14 +1575,34 @@ def _floor_terms(
     return len(stages) * f, max(a[s] + f + e[s] + attn_s for s in stages)
 
 
+def _fill_drain_terms(
+    f: float, a: Mapping[int, float], e: Mapping[int, float], stages: Sequence[int], attn_s: float, layers: int
+) -> tuple[float, float]:
+    """Per layer, what no layout can hide over a step of ``layers`` layers: (S·f with the step's fill and
+    drain, (a_first + L·S·f + e_last) / L, and the longest stage group's chain over the step,
+    (L·(a_s + f + e_s) + (L-1)·attn) / L): the fill/drain floor is their max. The step's first FFN needs its
+    A2E (the first stage's, of the first layer) done, its last E2A (the last stage's, of the last layer)
+    follows its last FFN, and the FFNs run one at a time on one stream (C or F) in the loop's order; a stage's
+    chain has no attention after the step's last E2A."""
+    first, last = stages[0], stages[-1]
+    compute = (a[first] + layers * len(stages) * f + e[last]) / layers
+    chain = max(layers * (a[s] + f + e[s]) + (layers - 1) * attn_s for s in stages) / layers
+    return compute, chain
+
+
 def _floor_s(terms: Sequence[StepTerms], stages: Sequence[int], attn_s: float) -> float:
     return max(_floor_terms(*_medians(terms, stages), stages, attn_s))
 
 
-def _measure(terms: Sequence[StepTerms], stages: Sequence[int], attn_s: float) -> dict[str, Any]:
+def _fill_drain_floor_s(terms: Sequence[StepTerms], stages: Sequence[int], attn_s: float, layers: int) -> float:
+    return max(_fill_drain_terms(*_medians(terms, stages), stages, attn_s, layers))
+
+
+def _measure(terms: Sequence[StepTerms], stages: Sequence[int], attn_s: float, layers: int) -> dict[str, Any]:
     f, a_med, e_med = _medians(terms, stages)
     S = len(stages)
     compute, chain = _floor_terms(f, a_med, e_med, stages, attn_s)
+    fd_compute, fd_chain = _fill_drain_terms(f, a_med, e_med, stages, attn_s, layers)
     comm = max(a_med[s] + e_med[s] for s in stages)
     return {
         "source": "serial traced steps of every repetition (pass-through wrappers, both directions off: "
@@ -1203,6 +1615,14 @@ def _measure(terms: Sequence[StepTerms], stages: Sequence[int], attn_s: float) -
         "ffn_bound": bool(f > comm and compute >= chain and S >= 2),
         "floor_per_layer_us": _us(max(compute, chain)),
         "floor_terms": {"stages_x_f_us": _us(compute), "group_cycle_us": _us(chain)},
+        "floor_fill_drain_per_layer_us": _us(max(fd_compute, fd_chain)),
+        "floor_fill_drain_terms": {
+            "fill_us": _us(a_med[stages[0]]),
+            "drain_us": _us(e_med[stages[-1]]),
+            "layers": layers,
+            "compute_us": _us(fd_compute),
+            "group_chain_us": _us(fd_chain),
+        },
     }
 
 
@@ -1225,29 +1645,54 @@ def _bootstrap(
     stages: Sequence[int],
     attn_s: float,
     rng: random.Random,
-) -> tuple[list[float] | None, list[float] | None]:
-    """95% percentile intervals of speedup and eta: serial and policy step
-    times and the traced serial steps (for the floor) resampled with
-    replacement, each statistic recomputed per resample."""
+    layers: int = 1,
+) -> tuple[list[float] | None, list[float] | None, list[float] | None]:
+    """95% percentile intervals of speedup, eta and eta against the
+    fill/drain floor: serial and policy step times and the traced serial
+    steps (for the floors) resampled with replacement, each statistic
+    recomputed per resample."""
     speedups: list[float] = []
     etas: list[float] = []
+    etas_fd: list[float] = []
     for _ in range(BOOTSTRAP_RESAMPLES):
         ts = statistics.median(rng.choices(serial, k=len(serial)))
         tp = statistics.median(rng.choices(policy, k=len(policy)))
         speedups.append(ts / tp)
         if terms:
-            eta = _eta(ts, tp, _floor_s(rng.choices(terms, k=len(terms)), stages, attn_s))
+            sample = rng.choices(terms, k=len(terms))
+            eta = _eta(ts, tp, _floor_s(sample, stages, attn_s))
             if eta is not None:
                 etas.append(eta)
-    return _interval(speedups), (_interval(etas) if len(etas) >= BOOTSTRAP_RESAMPLES // 2 else None)
+            eta_fd = _eta(ts, tp, _fill_drain_floor_s(sample, stages, attn_s, layers))
+            if eta_fd is not None:
+                etas_fd.append(eta_fd)
+    enough = BOOTSTRAP_RESAMPLES // 2
+    return (
+        _interval(speedups),
+        _interval(etas) if len(etas) >= enough else None,
+        _interval(etas_fd) if len(etas_fd) >= enough else None,
+    )
 
 
-def _noise(speedup: float, ci: list[float] | None, eta: float | None, eta_ci: list[float] | None) -> list[str]:
+def _noise(
+    speedup: float,
+    ci: list[float] | None,
+    eta: float | None,
+    eta_ci: list[float] | None,
+    eta_fd: float | None = None,
+    eta_fd_ci: list[float] | None = None,
+) -> list[str]:
     """Why a policy's figures are noise rather than facts (empty: they are not)."""
     out = []
     if eta is not None and eta > 1:
         out.append(f"eta {eta:.2f} is above 1, which no schedule can reach")
-    for name, value, interval in (("speedup", speedup, ci), ("eta", eta, eta_ci)):
+    if eta_fd is not None and eta_fd > 1:
+        out.append(f"eta against the fill/drain floor {eta_fd:.2f} is above 1, which no schedule can reach")
+    for name, value, interval in (
+        ("speedup", speedup, ci),
+        ("eta", eta, eta_ci),
+        ("eta against the fill/drain floor", eta_fd, eta_fd_ci),
+    ):
         if value is not None and interval is not None and (interval[1] - interval[0]) / 2 > NOISY_HALF_WIDTH:
             out.append(f"the 95% interval of {name} is wider than +/-{NOISY_HALF_WIDTH:g}")
     return out
@@ -1282,27 +1727,35 @@ def _report(
     for st in stats.values():
         total.merge(st.timing)
     terms = _step_terms(stats["serial"].traced, stages)
-    measured = _measure(terms, stages, attn_s)
+    measured = _measure(terms, stages, attn_s, len(layers))
     serial_s = stats["serial"].per_layer_s
     t_serial = statistics.median(serial_s) if serial_s else None
     t_floor = measured["floor_per_layer_us"] / 1e6
+    t_floor_fd = measured["floor_fill_drain_per_layer_us"] / 1e6
     rng = random.Random(params.seed)
     policies = []
     for name in (n for n in params.policies if n in stats):
         st = stats[name]
-        sides = POLICIES[name] or (False, False)
+        policy = POLICIES[name]
+        streams = policy.streams()
         med = statistics.median(st.per_layer_s) if st.per_layer_s else None
-        speedup = eta = speedup_ci = eta_ci = None
+        speedup = eta = eta_fd = speedup_ci = eta_ci = eta_fd_ci = None
         noise: list[str] = []
         if t_serial is not None and med is not None:
             speedup = round(t_serial / med, 4)
             if name != "serial":
                 raw_eta = _eta(t_serial, med, t_floor)
                 eta = None if raw_eta is None else round(raw_eta, 4)
-                speedup_ci, eta_ci = _bootstrap(serial_s, st.per_layer_s, terms, stages, attn_s, rng)
+                raw_fd = _eta(t_serial, med, t_floor_fd)
+                eta_fd = None if raw_fd is None else round(raw_fd, 4)
+                speedup_ci, eta_ci, eta_fd_ci = _bootstrap(
+                    serial_s, st.per_layer_s, terms, stages, attn_s, rng, len(layers)
+                )
                 if eta is None:
                     eta_ci = None
-                noise = _noise(t_serial / med, speedup_ci, eta, eta_ci)
+                if eta_fd is None:
+                    eta_fd_ci = None
+                noise = _noise(t_serial / med, speedup_ci, eta, eta_ci, eta_fd, eta_fd_ci)
                 if st.learning and st.decision is None:
                     noise.append("adaptive engage was still learning at the end: not its steady state")
         policy_timing = st.timing.to_dict() if mode == "model" else None
@@ -1310,8 +1763,11 @@ def _report(
         policies.append(
             {
                 "policy": name,
-                "a2e_side_stream": sides[0],
-                "e2a_side_stream": sides[1],
+                "layouts": list(policy.layout_names()) if policy.layouts is not None else None,
+                "a2e_side_stream": streams[0] != COMPUTE_STREAM,
+                "e2a_side_stream": streams[1] != COMPUTE_STREAM,
+                "ffn_side_stream": streams[2] != COMPUTE_STREAM,
+                "layout_steps": dict(st.layout_steps),
                 "samples": len(st.per_layer_s),
                 "per_layer_us": _per_layer(st.per_layer_s),
                 "adaptive": name in ADAPTIVE_POLICIES,
@@ -1320,6 +1776,8 @@ def _report(
                 "speedup_ci95": speedup_ci,
                 "eta": eta,
                 "eta_ci95": eta_ci,
+                "eta_fill_drain": eta_fd,
+                "eta_fill_drain_ci95": eta_fd_ci,
                 "noisy": bool(noise),
                 "noise": noise,
                 "outputs_equal": not st.mismatches,
@@ -1354,9 +1812,8 @@ def _report(
         "scenario": params.scenario,
         "graph": params.graph,
         "graph_pool": _graph_pool(handle, stats) if params.graph else None,
-        "skipped_policies": [
-            {"policy": name, "why": why} for name, why in (graph_policies(params)[1] if params.graph else {}).items()
-        ],
+        "skipped_policies": [{"policy": name, "why": why} for name, why in run_policies(params)[1].items()],
+        "attention": params.attention,
         "stand_in_root": root,
         "params": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(params).items()},
         "comm_model": handle.comm_model,
@@ -1367,10 +1824,53 @@ def _report(
         "stages": list(stages),
         "measured": measured,
         "policies": policies,
+        "layouts_compared": layouts_compared(policies),
+        "contention": None,
         "outputs_equal": all(p["outputs_equal"] for p in policies),
         "env": report_env(params.threads),
         "wall_s": round(wall_s, 3),
     }
+
+
+#: The policies that stand for each layout in :func:`layouts_compared`, in the order preferred (fixed first).
+LAYOUT_POLICIES = {
+    "compute-side": ("compute-side-fixed", "overlap"),
+    "comm-side": ("comm-side-fixed", "comm-side"),
+}
+
+
+def layouts_compared(policies: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The two layouts side by side, where the run has a policy of each (None: it has not): each layout's
+    per-layer median (its fixed policy, else its adaptive one), the better of them, and each adaptive
+    policy's steady state against that better one (``vs_better``: T_better / T_policy; the goal is within
+    :data:`LAYOUT_TOLERANCE` of it, ``vs_better >= 1 - LAYOUT_TOLERANCE``)."""
+    by = {p["policy"]: p for p in policies}
+
+    def median(p: Mapping[str, Any]) -> float | None:
+        return (p.get("per_layer_us") or {}).get("median")
+
+    chosen = {}
+    for layout, names in LAYOUT_POLICIES.items():
+        name = next((n for n in names if n in by and median(by[n]) is not None), None)
+        if name is None:
+            return None
+        chosen[layout] = {"policy": name, "per_layer_us": median(by[name])}
+    better = min(chosen, key=lambda k: chosen[k]["per_layer_us"])
+    best_us = chosen[better]["per_layer_us"]
+    adaptive = []
+    for p in policies:
+        if p.get("adaptive") and median(p):
+            ratio = round(best_us / median(p), 4)
+            adaptive.append(
+                {
+                    "policy": p["policy"],
+                    "layouts": p.get("layouts"),
+                    "per_layer_us": median(p),
+                    "vs_better": ratio,
+                    "within_tolerance": ratio >= 1 - LAYOUT_TOLERANCE,
+                }
+            )
+    return {"layouts": chosen, "better": better, "tolerance": LAYOUT_TOLERANCE, "adaptive": adaptive}
 
 
 def _ffn_timing(handle: _Handle) -> Any:

@@ -7,7 +7,12 @@ and adaptive overlap run side by side so the crossover shows. With
 ``work_graph`` (``sweep --graph``) every work point is measured in graph mode
 too (``bench --graph``: each policy's step captured once, adaptive
 ``overlap``'s with both variants, replays timed), reported as its
-``graph_report`` next to the eager ``report``.
+``graph_report`` next to the eager ``report``. Every point runs both
+layouts (compute-side and comm-side) side by side: the base's policies at
+the ratio, stage and contention points (the bench's default set), and
+:data:`WORK_POLICIES` at the work points (on ``--device cpu`` a graph
+point leaves comm-side out: the emulated device, as ``torch.npu``, refuses
+comm captured on side streams; the table says so).
 
 Timing (``--timing``, docs/benchmark.md, "Timing model"): every point runs
 with the base's timing model, the ratio and stage points with the FFN held
@@ -56,7 +61,7 @@ DEFAULT_WORK_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_WORK_HIDDEN = (16, 512)
 #: What a work-size point sets on the base besides its tokens and hidden size.
 WORK_POINT_CHANGES: dict[str, Any] = {"link_latency_us": 0.0, "attn_us": 0.0}
-WORK_POLICIES = ("serial", "overlap", "overlap-fixed")
+WORK_POLICIES = ("serial", "overlap", "compute-side-fixed", "comm-side-fixed")
 #: The work-size points run at least the benchmark's own step counts: adaptive
 #: engage learns in a bucket's first 7 steps, which should not dominate.
 WORK_MIN_RUN = {"steps": 8, "warmup": 2, "reps": 3}
@@ -340,12 +345,14 @@ def _policy(report: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
     return next((p for p in report["policies"] if p["policy"] == name), None)
 
 
-def _cells(report: Mapping[str, Any], policies: Sequence[str]) -> list[str]:
+def _cells(report: Mapping[str, Any], policies: Sequence[str], fill_drain: bool = False) -> list[str]:
     cells = []
     for name in policies:
         p = _policy(report, name)
         cells.append(fmt_time(p["per_layer_us"]["median"]) if p else "-")
     cells.append(fmt_time(report["measured"]["floor_per_layer_us"]))
+    if fill_drain:
+        cells.append(fmt_time(report["measured"].get("floor_fill_drain_per_layer_us")))
     for name in policies:
         if name == "serial":
             continue
@@ -356,7 +363,10 @@ def _cells(report: Mapping[str, Any], policies: Sequence[str]) -> list[str]:
         eta = "-" if p["eta"] is None else f"{p['eta']:.2f}"
         ci = p.get("speedup_ci95")
         interval = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
-        cells.append(f"{p['speedup']:.2f}x{interval} / {eta}")
+        cell = f"{p['speedup']:.2f}x{interval} / {eta}"
+        if fill_drain:
+            cell += " / " + ("-" if p.get("eta_fill_drain") is None else f"{p['eta_fill_drain']:.2f}")
+        cells.append(cell)
     cells.append("yes" if report["outputs_equal"] else "NO")
     return cells
 
@@ -505,8 +515,9 @@ def sweep_markdown(sweep: Mapping[str, Any], command: str | None = None) -> str:
             "hidden / tokens per stage",
             lambda pt: f"{pt['hidden']} / {pt['tokens']}",
             lambda pts: (
-                f"Per-layer time against the work per (layer, stage), fixed and adaptive overlap side by side "
-                f"({pts[0]['stages']} stages; the preset's MoE and link bandwidth, no link latency, no attention time):"
+                f"Per-layer time against the work per (layer, stage), adaptive overlap and each layout fixed side "
+                f"by side ({pts[0]['stages']} stages; the preset's MoE and link bandwidth, no link latency, no "
+                "attention time):"
             ),
         ),
     )
@@ -531,7 +542,9 @@ def sweep_markdown(sweep: Mapping[str, Any], command: str | None = None) -> str:
             continue
         policies = [p["policy"] for p in pts[0][rkey]["policies"]]
         others = [p for p in policies if p != "serial"]
-        head = [f"{p} per layer" for p in policies] + ["floor"] + [f"{p} speedup / eta" for p in others]
+        fd = any("floor_fill_drain_per_layer_us" in pt[rkey]["measured"] for pt in pts)
+        head = [f"{p} per layer" for p in policies] + ["floor"] + (["fill/drain floor"] if fd else [])
+        head += [f"{p} speedup [95% CI] / eta" + (" / eta f/d" if fd else "") for p in others]
         head.append("outputs equal")
         lines += [
             "",
@@ -543,9 +556,15 @@ def sweep_markdown(sweep: Mapping[str, Any], command: str | None = None) -> str:
         for pt in pts:
             ratio = pt["measured_ratio"] if rkey == "report" else pt[rkey]["measured"]["comm_over_ffn"]
             measured = "-" if ratio is None else f"{ratio:.2f}"
-            row = [first_cell(pt), measured, *_cells(pt[rkey], policies)]
+            row = [first_cell(pt), measured, *_cells(pt[rkey], policies, fd)]
             lines.append("| " + " | ".join(row) + " |")
         lines += _timing_lines(pts, rkey, lambda pt, f=first_cell, c=first_col: f"{c} {f(pt)}", key)
+        skipped: dict[str, str] = {}
+        for pt in pts:
+            for skip in pt[rkey].get("skipped_policies") or []:
+                skipped.setdefault(skip["policy"], skip["why"])
+        if skipped:
+            lines += ["", "Not run here: " + "; ".join(f"`{name}`: {why}" for name, why in skipped.items()) + "."]
     lines += _notes(sweep)
     worst = adaptive_worst(sweep)
     lines.append("")

@@ -10,9 +10,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from camp2p_overlap.core.keys import COMPUTE_STREAM
+from camp2p_overlap.core.keys import COMPUTE_STREAM, FFN_STREAM
 from camp2p_overlap.core.observe.trace import TraceOp
-from camp2p_overlap.tools.bench.runner import POLICIES, BenchRun
+from camp2p_overlap.tools.bench.runner import BenchRun
 from camp2p_overlap.tools.bench.timing import timing_lines
 from camp2p_overlap.verify.edges import to_chrome_trace
 
@@ -30,9 +30,13 @@ def fmt_time(us: float | None) -> str:
     return f"{us:.0f} us"
 
 
-def _sides(policy: str) -> tuple[str, str]:
-    sides = POLICIES[policy] or (False, False)
-    return ("K_s" if sides[0] else COMPUTE_STREAM, "K_s" if sides[1] else COMPUTE_STREAM)
+def _streams(p: Mapping[str, Any]) -> str:
+    """Where the policy's (first listed) layout runs A2E, E2A and the FFN, as ``A2E/E2A/FFN`` (a report
+    from before the FFN's side stream: the FFN on C)."""
+    a2e = "K_s" if p.get("a2e_side_stream") else COMPUTE_STREAM
+    e2a = "K_s" if p.get("e2a_side_stream") else COMPUTE_STREAM
+    ffn = FFN_STREAM if p.get("ffn_side_stream") else COMPUTE_STREAM
+    return f"{a2e}/{e2a}/{ffn}"
 
 
 def _ci(interval: Sequence[float] | None) -> str:
@@ -70,6 +74,8 @@ def problems(report: Mapping[str, Any]) -> list[str]:
     pool = report.get("graph_pool")
     if report.get("graph") and pool is not None and not pool.get("one_pool", True):
         out.append(f"the graphs are not in the runner's one graph pool {pool['pool']}: {pool['pools_seen']}")
+    for sub in (report.get("contention") or {}).get("reports") or []:
+        out += [f"--comm-cores {sub['params']['comm_cores']}: {problem}" for problem in problems(sub)]
     prof = report.get("profile")
     if prof is not None:
         if not prof["edges_ok"]:
@@ -124,8 +130,16 @@ def graph_lines(report: Mapping[str, Any]) -> list[str]:
                 110,
                 subsequent_indent="  ",
             )
+    return lines
+
+
+def skipped_lines(report: Mapping[str, Any]) -> list[str]:
+    """The policies the run left out, each with why (none: no line)."""
+    lines: list[str] = []
     for skip in report.get("skipped_policies", []):
-        lines += textwrap.wrap(f"not run in graph mode: {skip['policy']}: {skip['why']}", 110, subsequent_indent="  ")
+        lines += textwrap.wrap(
+            f"not run: {skip['policy']}: {skip['why']}", 110, subsequent_indent="  ", break_on_hyphens=False
+        )
     return lines
 
 
@@ -187,15 +201,82 @@ def learning_lines(report: Mapping[str, Any]) -> list[str]:
                 "(its row has no figures); run more --steps"
             )
             continue
-        paths = learn["paths"]
+        paths = ", ".join(f"{n} {path}" for path, n in learn["paths"].items())
         extra = learn["extra_us_per_layer"]
         cost = "" if extra is None else f"; they cost {fmt_time(extra)} per layer in all over the steady state"
         out.append(
             f"{p['policy']}: its row is its steady state, after it decided {learn['decision']}: "
-            f"{learn['steps']} learning steps before it (warm-ups included: {paths['overlap']} overlap, "
-            f"{paths['serial']} serial; median {fmt_time(learn['per_layer_us']['median'])} per layer){cost}."
+            f"{learn['steps']} learning steps before it (warm-ups included: {paths}; "
+            f"median {fmt_time(learn['per_layer_us']['median'])} per layer){cost}."
         )
+    for p in report["policies"]:
+        ran = p.get("layout_steps") or {}
+        if p.get("adaptive") and len(p.get("layouts") or ()) > 1 and ran:
+            out.append(
+                f"{p['policy']} ({', '.join(p['layouts'])} listed): its timed steps ran "
+                + ", ".join(f"{path} {n}" for path, n in sorted(ran.items()))
+                + "."
+            )
     return out
+
+
+def layouts_lines(report: Mapping[str, Any]) -> list[str]:
+    """The two layouts side by side and each adaptive policy against the better one (``layouts_compared``;
+    none where the run lacks a policy of either layout)."""
+    lc = report.get("layouts_compared")
+    if not lc:
+        return []
+    parts = [f"{name} {fmt_time(v['per_layer_us'])} ({v['policy']})" for name, v in lc["layouts"].items()]
+    text = f"layouts side by side: {', '.join(parts)}; the better is {lc['better']}"
+    goal = f"{lc['tolerance'] * 100:g}% of it"
+    verdicts = []
+    for a in lc["adaptive"]:
+        listed = ",".join(a.get("layouts") or ()) or "-"
+        verdicts.append(
+            f"{a['policy']} ({listed}, adaptive) {a['vs_better']:.2f}x of it "
+            f"({'within' if a['within_tolerance'] else 'NOT within'} the goal of {goal})"
+        )
+    if verdicts:
+        text += "; " + "; ".join(verdicts)
+    return textwrap.wrap(text + ".", 110, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def contention_lines(report: Mapping[str, Any]) -> list[str]:
+    """``--comm-cores-sweep``: every run side by side, one row per policy (none for one run)."""
+    c = report.get("contention")
+    if not c:
+        return []
+    runs = c["runs"]
+    lines = ["", *textwrap.wrap(f"Contention model side by side (--comm-cores-sweep; {c['timing']}):", 110)]
+    head = f"{'policy':<18} " + " ".join(f"{'--comm-cores ' + str(r['comm_cores']):>40}" for r in runs)
+    sub = f"{'':<18} " + " ".join(f"{'per layer   speedup    eta  eta f/d':>40}" for _ in runs)
+    lines += [head, sub, "-" * len(head)]
+    names = [p["policy"] for p in runs[0]["policies"]]
+
+    def eta(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    for name in names:
+        cells = []
+        for r in runs:
+            p = next((q for q in r["policies"] if q["policy"] == name), None)
+            if p is None:
+                cells.append(f"{'-':>40}")
+                continue
+            speedup = "-" if p["speedup"] is None else f"{p['speedup']:.2f}x"
+            flag = "*" if p.get("noisy") else " "
+            cells.append(
+                f"{fmt_time(p['per_layer_us']):>12} {speedup:>9} {eta(p['eta']):>6} "
+                f"{eta(p['eta_fill_drain']):>7}{flag:>3}"
+            )
+        lines.append(f"{name:<18} " + " ".join(cells))
+    floors = ", ".join(
+        f"--comm-cores {r['comm_cores']}: {fmt_time(r['floor_per_layer_us'])} / "
+        f"{fmt_time(r['floor_fill_drain_per_layer_us'])} ({r['comm_model']})"
+        for r in runs
+    )
+    lines += textwrap.wrap(f"floors (today's / fill-drain) per run: {floors}. *: noisy.", 110, subsequent_indent="  ")
+    return lines
 
 
 def bench_table(report: Mapping[str, Any]) -> str:
@@ -214,7 +295,12 @@ def bench_table(report: Mapping[str, Any]) -> str:
         + f"; {prm['reps']} reps x {prm['steps']} timed steps per policy (+{prm['warmup']} warm-up), "
         f"torch threads {prm['threads']}",
         f"comm ops: {report.get('comm_model', '-')}"
-        + (f"; --comm-cores {prm.get('comm_cores', 0)}" if prm.get("comm_cores") else ""),
+        + (f"; --comm-cores {prm.get('comm_cores', 0)}" if prm.get("comm_cores") else "")
+        + (
+            "; attention coupled (a stage's next A2E waits for every stage's E2A of the layer)"
+            if report.get("attention") == "coupled"
+            else ""
+        ),
         *fallback_lines(report),
         *timing_lines(report),
         *graph_lines(report),
@@ -236,20 +322,38 @@ def bench_table(report: Mapping[str, Any]) -> str:
         f"  floor per layer = max(S*f = {fmt_time(ft['stages_x_f_us'])}, "
         f"max_s(a_s+f+e_s+attn) = {fmt_time(ft['group_cycle_us'])}) = {fmt_time(m['floor_per_layer_us'])}"
     )
+    fd = m.get("floor_fill_drain_terms")
+    if fd:
+        lines += textwrap.wrap(
+            f"  fill/drain floor per layer = max((a_first + L*S*f + e_last)/L = {fmt_time(fd['compute_us'])}, "
+            f"max_s(L*(a_s+f+e_s) + (L-1)*attn)/L = {fmt_time(fd['group_chain_us'])}) = "
+            f"{fmt_time(m['floor_fill_drain_per_layer_us'])} (L = {fd['layers']}; the step's first A2E "
+            f"{fmt_time(fd['fill_us'])} and last E2A {fmt_time(fd['drain_us'])}, which no layout can hide)",
+            110,
+            subsequent_indent="    ",
+        )
     lines += launch_lines(report)
     lines.append("")
+    with_fd = any("eta_fill_drain" in p for p in report["policies"])
     header = (
-        f"{'policy':<13} {'A2E':<4} {'E2A':<4} {'per-layer median':>16} {'p90':>10} "
-        f"{'speedup [95% CI]':>20} {'eta [95% CI]':>19}  {'outputs == serial':<20} {'engaged':<14} {'edges'}"
+        f"{'policy':<18} {'A2E/E2A/FFN':<11} {'per-layer median':>16} {'p90':>10} "
+        f"{'speedup [95% CI]':>20} {'eta [95% CI]':>19}"
+        + (f" {'eta f/d [95% CI]':>19}" if with_fd else "")
+        + f"  {'outputs == serial':<20} {'engaged':<14} {'edges'}"
     )
     lines += [header, "-" * len(header)]
     noisy = []
     for p in report["policies"]:
-        a2e, e2a = _sides(p["policy"])
-        speedup = f"{p['speedup']:.2f}x" + _ci(p.get("speedup_ci95"))
+        speedup = "-" if p["speedup"] is None else f"{p['speedup']:.2f}x" + _ci(p.get("speedup_ci95"))
         eta = "-" if p["eta"] is None else f"{p['eta']:.2f}" + _ci(p.get("eta_ci95"))
+        eta_fd = (
+            "-" if p.get("eta_fill_drain") is None else f"{p['eta_fill_drain']:.2f}" + _ci(p.get("eta_fill_drain_ci95"))
+        )
         if p.get("noisy"):
-            eta += "*"
+            if with_fd:
+                eta_fd += "*"
+            else:
+                eta += "*"
             noisy.append(p)
         if p["policy"] == "serial" and not report.get("graph"):
             outputs = "reference" + ("" if p["outputs_equal"] else " (reps DIFFER)")
@@ -261,16 +365,19 @@ def bench_table(report: Mapping[str, Any]) -> str:
             outputs = f"yes ({p['compared_steps']} steps)" if p["outputs_equal"] else "NO"
             engaged = ("yes" if p["engaged"] else "no") + (" (adaptive)" if p.get("adaptive") else "")
         lines.append(
-            f"{p['policy']:<13} {a2e:<4} {e2a:<4} {fmt_time(p['per_layer_us']['median']):>16} "
-            f"{fmt_time(p['per_layer_us']['p90']):>10} {speedup:>20} {eta:>19}  {outputs:<20} "
-            f"{engaged:<14} {_edges(p['edges_ok'])}"
+            f"{p['policy']:<18} {_streams(p):<11} {fmt_time(p['per_layer_us']['median']):>16} "
+            f"{fmt_time(p['per_layer_us']['p90']):>10} {speedup:>20} {eta:>19}"
+            + (f" {eta_fd:>19}" if with_fd else "")
+            + f"  {outputs:<20} {engaged:<14} {_edges(p['edges_ok'])}"
         )
     for p in noisy:
         lines.append(
             f"* {p['policy']}: noisy, not a result: {'; '.join(p['noise'])}. "
             "Run more --steps or --reps on an otherwise idle machine."
         )
+    lines += skipped_lines(report)
     lines += learning_lines(report)
+    lines += contention_lines(report)
     by = {p["policy"]: p for p in report["policies"]}
     lines.append("")
     checked = [p for p in report["policies"] if p.get("peer_cycle_checked_steps")]
@@ -283,16 +390,31 @@ def bench_table(report: Mapping[str, Any]) -> str:
         )
     else:
         lines.append("attention peer's cycle: not checked (the peer is not modeled here).")
-    if "overlap" in by and "e2a-only" in by:
-        ratio_oe = by["e2a-only"]["per_layer_us"]["median"] / by["overlap"]["per_layer_us"]["median"]
-        lines.append(f"overlap vs e2a-only: {ratio_oe:.2f}x per layer.")
-    if "overlap" in by and "overlap-fixed" in by:
-        ratio_af = by["overlap-fixed"]["per_layer_us"]["median"] / by["overlap"]["per_layer_us"]["median"]
-        lines.append(f"overlap (adaptive) vs overlap-fixed: {ratio_af:.2f}x per layer.")
+
+    def ratio(slow: str, fast: str) -> float | None:
+        a, b = by.get(slow), by.get(fast)
+        if a is None or b is None or not a["per_layer_us"]["median"] or not b["per_layer_us"]["median"]:
+            return None
+        return a["per_layer_us"]["median"] / b["per_layer_us"]["median"]
+
+    for slow, fast, label in (
+        ("e2a-only", "overlap", "overlap vs e2a-only"),
+        ("overlap-fixed", "overlap", "overlap (adaptive) vs overlap-fixed"),
+        ("compute-side-fixed", "overlap", "overlap (adaptive) vs compute-side-fixed"),
+        ("comm-side-fixed", "comm-side", "comm-side (adaptive) vs comm-side-fixed"),
+    ):
+        r = ratio(slow, fast)
+        if r is not None:
+            lines.append(f"{label}: {r:.2f}x per layer.")
+    lines += layouts_lines(report)
     lines.append(
         "eta = (T_serial - T_policy) / (T_serial - T_floor): the share of the hideable time a policy hid "
         "(1.0 = all of it)."
     )
+    if with_fd:
+        lines.append(
+            "eta f/d: the same against the fill/drain floor, which also counts the step's first A2E and last E2A."
+        )
     lines.append(CPU_CAVEAT)
     for problem in problems(report):
         lines.append(f"FAILED: {problem}")
