@@ -398,7 +398,10 @@ class DeviceTiming:
 
     def stream_name(self, stage: int | None) -> str:
         current = self.mod.current_stream()
-        return COMPUTE_STREAM if current == self.compute_stream else side_stream_name(stage)
+        if current == self.compute_stream:
+            return COMPUTE_STREAM
+        name = getattr(current, "name", None)  # the patch layer names its streams: F, or K_s
+        return name if isinstance(name, str) and name else side_stream_name(stage)
 
     def begin(self) -> Any:
         if not self.active:

@@ -78,14 +78,15 @@ def _traced(dw: Any, step: int) -> tuple[list[TraceOp], dict]:
 
 
 @contextlib.contextmanager
-def _overlap(site: Any) -> Iterator[None]:
+def _overlap(site: Any, layout: str = "compute-side") -> Iterator[None]:
     with emulation_engine() as engine:
-        cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False)
+        cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False, layouts=(layout,))
         assert engine.apply(config=cfg, manifest=site.manifest, strict=True).engaged
         yield
 
 
-def test_the_peer_cycle_holds_serial_and_overlapped(site: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("layout", ["compute-side", "comm-side"])
+def test_the_peer_cycle_holds_serial_and_overlapped(site: Any, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
     dev = HostDeviceModule()
     use_host_device_module(monkeypatch, dev)
     dw = _world(site, dev)
@@ -97,10 +98,11 @@ def test_the_peer_cycle_holds_serial_and_overlapped(site: Any, monkeypatch: pyte
     assert max(waits.values()) >= ATTN_S * 1e9 * 0.5
     res = check_peer_cycle(serial_ops, LAYERS, STAGES, int(ATTN_S * 1e9))
     assert res.ok, str(res)
-    with _overlap(site):
+    with _overlap(site, layout):
         ops, got = _traced(dw, 1)
     assert_same(got, serial)
-    assert {o.stream for o in ops if o.kind in ("a2e", "e2a")} == {"K0", "K1"}
+    comm_streams = {"C"} if layout == "compute-side" else {"K0", "K1"}
+    assert {o.stream for o in ops if o.kind in ("a2e", "e2a")} == comm_streams
     res = check_peer_cycle(ops, LAYERS, STAGES, int(ATTN_S * 1e9))
     assert res.ok, str(res)
     # The device kernels' own clock agrees: each A2E ended after its E2A + attn.
@@ -206,7 +208,7 @@ def test_the_device_bench_runs_the_peer_model_end_to_end(monkeypatch: pytest.Mon
     assert report["outputs_equal"] is True
     assert report["measured"]["attn_us"] == 1000.0
     by = {p["policy"]: p for p in report["policies"]}
-    assert by["overlap-fixed"]["engaged"] is True
+    assert by["compute-side-fixed"]["engaged"] is True
     for p in report["policies"]:
         assert p["peer_cycle_ok"] is True and p["peer_cycle_checked_steps"] >= 1, p
         assert p["edges_checked"] is False

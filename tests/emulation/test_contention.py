@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from support.overlap import SHAPE, Schedule, apply_cpu, assert_same, run_step, serial_results
 
-from camp2p_overlap.core.keys import A2E, E2A, side_stream_name
+from camp2p_overlap.core.keys import A2E, COMPUTE_STREAM, E2A, FFN_STREAM, side_stream_name
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.emulation.contention import CoreSpinner
@@ -89,7 +89,8 @@ def test_the_peer_wait_spins_too() -> None:
     assert cpu1 - cpu0 >= 0.25 * 0.2, f"peer waits took {cpu1 - cpu0:.3f} s more CPU with --comm-cores 1"
 
 
-def test_busy_comm_keeps_outputs_bitwise_and_the_overlap_engaged(patch_layer: PatchLayer) -> None:
+@pytest.mark.parametrize("layout", ["compute-side", "comm-side"])
+def test_busy_comm_keeps_outputs_bitwise_and_the_overlap_engaged(patch_layer: PatchLayer, layout: str) -> None:
     w = build_world(
         WorldSpec(
             layers=3,
@@ -105,15 +106,20 @@ def test_busy_comm_keeps_outputs_bitwise_and_the_overlap_engaged(patch_layer: Pa
     try:
         scheds = [Schedule(3, (0, 1), (8, 5), step=i + 1) for i in range(3)]
         refs = serial_results(w, scheds, patch_layer)
-        apply_cpu(patch_layer=patch_layer)
+        apply_cpu(patch_layer=patch_layer, layouts=(layout,))
         with trace.recording() as rec:
             for sched, ref in zip(scheds, refs, strict=True):
                 assert_same(run_step(w, sched), ref)
-        # Engaged: every step's A2E and E2A ran on its stage's side stream.
+        # Engaged: every step's A2E and E2A ran on its stage's side stream (comm-side), or on the compute stream
+        # with the FFN on F (compute-side).
         assert len(rec.steps()) == len(scheds)
+        comm_side = layout == "comm-side"
         for step in rec.steps():
-            comm = {(o.kind, o.stream) for o in rec.ops(step) if o.kind in (A2E, E2A)}
-            assert comm == {(k, side_stream_name(s)) for k in (A2E, E2A) for s in (0, 1)}, (step, comm)
+            ops = rec.ops(step)
+            comm = {(o.kind, o.stream) for o in ops if o.kind in (A2E, E2A)}
+            want = {(k, side_stream_name(s) if comm_side else COMPUTE_STREAM) for k in (A2E, E2A) for s in (0, 1)}
+            assert comm == want, (step, comm)
+            assert {o.stream for o in ops if o.kind == "ffn"} == ({COMPUTE_STREAM} if comm_side else {FFN_STREAM})
     finally:
         w.close()
 

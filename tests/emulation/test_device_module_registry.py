@@ -72,7 +72,9 @@ def test_a_cpu_step_with_nothing_registered_runs_serial_and_counts_why(
 def test_registration_refuses_what_is_not_a_device_module() -> None:
     with pytest.raises(ValueError, match="only cpu takes a registered device module"):
         register_device_module("cuda", emulated_device)
-    with pytest.raises(TypeError, match="'halfdev' is not a device module: it has no current_stream, synchronize"):
+    with pytest.raises(
+        TypeError, match="'halfdev' is not a device module: it has no current_stream, set_stream, synchronize"
+    ):
         register_device_module("cpu", SimpleNamespace(__name__="halfdev", Stream=object, Event=object, stream=None))
     assert registered_device_module("cpu") is emulated_device  # a refusal leaves the registry as it was
 
