@@ -162,9 +162,11 @@ CASES: dict[str, Case] = {
         after_apply=_cuda_device,
         skip_if=_no_cuda,
     ),
+    # The direction switches refine comm-side only: with comm-side the only layout listed, both off leaves
+    # nothing to engage (compute-side with both off still engages: test_both_directions_off_keep_compute_side).
     "both-directions-off": Case(
-        "both directions are switched off (A2E=0 and E2A=0)",
-        config={"a2e_on_side_stream": False, "e2a_on_side_stream": False},
+        "the comm-side layout with both directions switched off (A2E=0 and E2A=0)",
+        config={"layouts": ("comm-side",), "a2e_on_side_stream": False, "e2a_on_side_stream": False},
     ),
     "connector-module-refused": Case(
         f"{STACK_INCOMPLETE}.CAMP2pAFDConnector.recv_attn_output is refused",
@@ -276,19 +278,63 @@ def test_each_distinct_reason_is_logged_once(
     assert "1 stage(s), fewer than the minimum 3" in logged[1]
 
 
-def test_graph_capture_engages_with_the_graph_switch(monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer) -> None:
+@pytest.mark.parametrize("layout", ["compute-side", "comm-side"])
+def test_graph_capture_engages_with_the_graph_switch(
+    monkeypatch: pytest.MonkeyPatch, patch_layer: PatchLayer, layout: str
+) -> None:
+    """With the graph switch on, a capture engages the overlap in the layout listed (comm-side's capture, with
+    A2E/E2A on side streams, only with its own opt-in) and runs the layout's schedule."""
     w = world(layers=3, stage_ids=(0, 1))
     (ref,) = serial_results(w, [Schedule(3, (0, 1), (6, 6), 1)])
     calls = spy_forward(type(w.runner), patch_layer=patch_layer)
-    patch_layer.engine.apply(strict=True, config=OverlapConfig(enabled=True, backend="cpu", adaptive=False, graph=True))
-    sessions = SessionSpy(monkeypatch, patch_layer=patch_layer)
+    cfg = OverlapConfig(
+        enabled=True,
+        backend="cpu",
+        adaptive=False,
+        graph=True,
+        layouts=(layout,),
+        graph_comm_side=layout == "comm-side",
+    )
+    patch_layer.engine.apply(strict=True, config=cfg)
+    sessions = SessionSpy(monkeypatch, patch_layer=patch_layer, keep=True)
     with trace.recording() as rec:
         got, dp = _run(w, (0, 1), 1, {"is_graph_capturing": True})
     assert_same(got, ref)
     assert sessions.count == 1
+    (session,) = sessions.kept
+    assert session.layout.name == layout
     assert calls[0]["dp_metadata_list"] is dp and calls[0]["is_graph_capturing"] is True
-    res = edges.check_step(rec.ops(rec.steps()[0]), trace.ExpectedSchedule((0, 1, 2), (0, 1), True, True))
+    expected = session.expected_schedule()
+    assert expected == trace.ExpectedSchedule(
+        (0, 1, 2), (0, 1), layout == "comm-side", layout == "comm-side", layout == "compute-side"
+    )
+    res = edges.check_step(rec.ops(rec.steps()[0]), expected)
     assert res.ok, str(res)
+    side = {o.stream for o in rec.ops() if o.kind in ("a2e", "ffn", "e2a")} - {"C"}
+    assert side == ({"F"} if layout == "compute-side" else {"K0", "K1"})
+
+
+def test_both_directions_off_keep_compute_side(
+    monkeypatch: pytest.MonkeyPatch, logs: PackageLogs, patch_layer: PatchLayer
+) -> None:
+    """The direction switches refine comm-side only: with compute-side listed (the default), both off still
+    engages it (FFN on F, A2E/E2A on C) and no gate reason is logged."""
+    w = world(layers=3, stage_ids=(0, 1))
+    (ref,) = serial_results(w, [Schedule(3, (0, 1), (6, 6), 1)], patch_layer)
+    cfg = OverlapConfig(enabled=True, backend="cpu", adaptive=False, a2e_on_side_stream=False, e2a_on_side_stream=False)
+    assert cfg.layouts == ("compute-side",)
+    patch_layer.engine.apply(strict=True, config=cfg)
+    sessions = SessionSpy(monkeypatch, patch_layer=patch_layer, keep=True)
+    with trace.recording() as rec:
+        got, _ = bounded(lambda: _run(w, (0, 1), 1, {}))
+    assert_same(got, ref)
+    (session,) = sessions.kept
+    assert session.layout.name == "compute-side"
+    res = edges.check_step(rec.ops(rec.steps()[0]), session.expected_schedule())
+    assert res.ok, str(res)
+    ops = {(o.kind, o.stream) for o in rec.ops() if o.kind in ("a2e", "ffn", "e2a")}
+    assert ops == {("a2e", "C"), ("e2a", "C"), ("ffn", "F")}
+    assert not logs.texts(GATE)
 
 
 def test_reentrant_forward_runs_the_original(

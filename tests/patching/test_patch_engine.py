@@ -37,6 +37,7 @@ from support.patching import (
 )
 
 from camp2p_overlap.core.config import OverlapConfig
+from camp2p_overlap.core.observe.trace import recording
 from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.core.patching.lifecycle import PatchRefused
 from camp2p_overlap.core.patching.manifest import load_manifest
@@ -51,6 +52,30 @@ def engine_states(patch_layer: PatchLayer) -> dict[str, TargetState]:
 @pytest.fixture
 def world(make_world: Any) -> Any:
     return make_world(layers=2, tokens=8, stage_ids=(0, 1))
+
+
+#: Where an engaged step of each layout runs each op kind (stream names as the trace gives them): compute-side (the
+#: default) its A2E/E2A on the caller's stream C and its FFN on the runner's stream F; comm-side its A2E/E2A on the
+#: stages' K_s and its FFN on C.
+ENGAGED = {
+    "compute-side": {("a2e", "C"), ("ffn", "F"), ("e2a", "C")},
+    "comm-side": {("a2e", "K0"), ("a2e", "K1"), ("e2a", "K0"), ("e2a", "K1"), ("ffn", "C")},
+}
+each_layout = pytest.mark.parametrize("layout", list(ENGAGED))
+
+
+def layout_cfg(layout: str) -> OverlapConfig:
+    return CFG.with_overrides(layouts=(layout,))
+
+
+def run_engaged(world: Any) -> tuple[dict, set[tuple[str, str]]]:
+    """One step from a fixed seed (as ``support.patching.run_traced``); returns what attention received and
+    where each op of ours ran: ``(kind, stream)`` of every A2E, FFN and E2A the trace recorded (empty: no
+    wrapper of ours ran)."""
+    world.steps_run = 0
+    with recording() as rec:
+        out = world.run_step()
+    return out, {(o.kind, o.stream) for o in rec.ops() if o.kind in ("a2e", "ffn", "e2a")}
 
 
 # ---------------------------------------------------------------------------
@@ -203,19 +228,22 @@ def test_unpatch_twice_and_before_apply_are_noops(patch_layer: PatchLayer) -> No
         assert all(vars(c)[k] is v for k, v in snap[n].items())
 
 
-def test_instance_created_before_apply_follows_patch_unpatch_repatch(world: Any, patch_layer: PatchLayer) -> None:
+@each_layout
+def test_instance_created_before_apply_follows_patch_unpatch_repatch(
+    world: Any, patch_layer: PatchLayer, layout: str
+) -> None:
     conn_cls, runner_cls = type(world.connector), type(world.runner)
     original = vars(conn_cls)["recv_attn_output"]
     reference, streams = run_traced(world)
     assert streams == set()  # nothing of ours ran
     for _ in range(2):  # patch, unpatch, re-patch, unpatch
-        patch_layer.engine.apply(config=CFG)
+        patch_layer.engine.apply(config=layout_cfg(layout))
         assert vars(conn_cls)["recv_attn_output"] is original  # routed per step, never wrapped
         assert patch_layer.engine.is_ours(vars(runner_cls)["_ffn_forward"])
         assert "recv_attn_output" not in vars(world.connector)
-        out, streams = run_traced(world)
+        out, where = run_engaged(world)
         assert_same(out, reference)
-        assert {"K0", "K1"} <= streams  # the overlap engaged: side streams ran
+        assert where == ENGAGED[layout]  # the overlap engaged: each op on the layout's stream
         assert "recv_attn_output" not in vars(world.connector)  # the step's route is gone
         assert patch_layer.engine.unpatch() is True
         assert vars(conn_cls)["recv_attn_output"] is original
@@ -227,12 +255,13 @@ def test_instance_created_before_apply_follows_patch_unpatch_repatch(world: Any,
 
 # ---------------------------------------------------------------------------
 # foreign wrappers
+@each_layout
 def test_third_party_wrapt_wrapper_on_the_connector_while_applied_is_called_and_survives_unpatch(
-    world: Any, patch_layer: PatchLayer
+    world: Any, patch_layer: PatchLayer, layout: str
 ) -> None:
     conn_cls = type(world.connector)
     reference, _ = run_traced(world)
-    patch_layer.engine.apply(config=CFG)
+    patch_layer.engine.apply(config=layout_cfg(layout))
     original = vars(conn_cls)["send_ffn_output"]
     calls: list[Any] = []
 
@@ -242,9 +271,9 @@ def test_third_party_wrapt_wrapper_on_the_connector_while_applied_is_called_and_
 
     handle = wrapt.wrap_function_wrapper(conn_cls, "send_ffn_output", theirs)
     assert vars(conn_cls)["send_ffn_output"] is handle and handle.__wrapped__ is original
-    out, streams = run_traced(world)  # engaged: the route calls the class attribute, theirs included
+    out, where = run_engaged(world)  # engaged: the route calls the class attribute, theirs included
     assert_same(out, reference)
-    assert {"K0", "K1"} <= streams
+    assert where == ENGAGED[layout]
     assert len(calls) == 2 * 2 and all(c is world.connector for c in calls)  # layers x stages
     assert patch_layer.engine.unpatch() is True
     assert patch_layer.engine.installer.stuck == []
@@ -258,8 +287,9 @@ def test_third_party_wrapt_wrapper_on_the_connector_while_applied_is_called_and_
     assert vars(conn_cls)["send_ffn_output"] is original
 
 
+@each_layout
 def test_third_party_wrapt_wrapper_on_the_connector_before_apply_stays_in_the_chain(
-    world: Any, patch_layer: PatchLayer
+    world: Any, patch_layer: PatchLayer, layout: str
 ) -> None:
     cls = type(world.connector)
     reference, _ = run_traced(world)
@@ -272,28 +302,31 @@ def test_third_party_wrapt_wrapper_on_the_connector_before_apply_stays_in_the_ch
 
     handle = wrapt.wrap_function_wrapper(cls, "recv_attn_output", theirs)
     try:
-        patch_layer.engine.apply(config=CFG)
+        patch_layer.engine.apply(config=layout_cfg(layout))
         assert vars(cls)["recv_attn_output"] is handle and handle.__wrapped__ is original
-        out, streams = run_traced(world)
+        out, where = run_engaged(world)
         assert_same(out, reference)
-        assert {"K0", "K1"} <= streams and sorted(calls) == [0, 0, 1, 1]  # the prefetches went through theirs
+        assert where == ENGAGED[layout]
+        assert sorted(calls) == [0, 0, 1, 1]  # the prefetches went through theirs
         assert patch_layer.engine.unpatch() is True
         assert vars(cls)["recv_attn_output"] is handle and handle.__wrapped__ is original
     finally:
         wrapt.unwrap_object(cls, "recv_attn_output", handle, missing_ok=True)
 
 
+@each_layout
 @pytest.mark.parametrize("capture", ["handle", "class-attribute"])
 def test_non_wrapt_wrapper_on_top_is_a_clear_refusal_that_breaks_nothing(
     world: Any,
     logs: PackageLogs,
     capture: str,
     patch_layer: PatchLayer,
+    layout: str,
 ) -> None:
     runner_cls = type(world.runner)
     original = vars(runner_cls)["_ffn_forward"]
     reference, _ = run_traced(world)
-    patch_layer.engine.apply(config=CFG)
+    patch_layer.engine.apply(config=layout_cfg(layout))
     ours = vars(runner_cls)["_ffn_forward"]
     # Two ways a third party captures what it wraps: the raw __dict__ entry,
     # or ``Cls.method`` (a bound wrapt wrapper, not our handle itself).
@@ -322,13 +355,13 @@ def test_non_wrapt_wrapper_on_top_is_a_clear_refusal_that_breaks_nothing(
     assert not patch_layer.engine.is_ours(vars(type(world.connector))["recv_attn_output"])
 
     # Re-apply takes the stuck wrapper back instead of wrapping twice.
-    patch_layer.engine.apply(config=CFG)
+    patch_layer.engine.apply(config=layout_cfg(layout))
     assert count_our_wrappers(vars(runner_cls)["_ffn_forward"], patch_layer.engine) == 1
     assert patch_layer.engine.installer.stuck == []
     assert engine_states(patch_layer=patch_layer)["_ffn_forward"] is TargetState.WRAPPED
-    out, streams = run_traced(world)
+    out, where = run_engaged(world)
     assert_same(out, reference)
-    assert {"K0", "K1"} <= streams
+    assert where == ENGAGED[layout]
 
     # Once the foreign wrapper is gone, unpatch restores the original exactly.
     runner_cls._ffn_forward = ours

@@ -8,9 +8,13 @@ Applied means one wrapper of ours per target, unpatched the exact
 originals, and apply() imports no vLLM / torch / afd-plugin module.
 
 The per-step criterion: every step runs either fully wrapped (the overlap
-engaged: every A2E/E2A of a stage ran on that stage's side-stream thread)
-or fully original (every A2E/E2A ran on the thread that called the step),
-never a mix, and its outputs are bitwise those of the serial path.
+engaged in the layout configured: compute-side, the default, runs every
+FFN on the runner's side-stream thread F and every A2E/E2A on the caller's
+stream; comm-side runs every A2E/E2A of a stage on that stage's side-stream
+thread K_s and every FFN on the caller's stream) or fully original (every
+A2E/E2A and every FFN ran on the thread that called the step or on the
+caller's stream), never a mix, and its outputs are bitwise those of the
+serial path.
 
 Single-thread apply/unpatch semantics, foreign wrappers and refusals:
 test_patch_engine.py."""
@@ -42,10 +46,10 @@ from support.patching import (
     assert_wrapped_once,
     classes,
     raw_targets,
-    run_traced,
     synthetic_manifest,
 )
 
+from camp2p_overlap.core.observe.trace import recording
 from camp2p_overlap.core.overlap.routes import is_router
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.core.patching.status_report import TargetState
@@ -56,6 +60,29 @@ from camp2p_overlap.emulation.world import World
 
 pytestmark = pytest.mark.usefixtures("forget_stuck")
 STEP_BOUND_S = 30.0
+
+#: Where an engaged step of each layout runs each op kind (stream names as the trace gives them): compute-side (the
+#: default) its A2E/E2A on the caller's stream C and its FFN on the runner's stream F; comm-side its A2E/E2A on the
+#: stages' K_s and its FFN on C.
+ENGAGED = {
+    "compute-side": {("a2e", "C"), ("ffn", "F"), ("e2a", "C")},
+    "comm-side": {("a2e", "K0"), ("a2e", "K1"), ("e2a", "K0"), ("e2a", "K1"), ("ffn", "C")},
+}
+each_layout = pytest.mark.parametrize("layout", list(ENGAGED))
+
+
+def layout_cfg(layout: str) -> Any:
+    return CFG.with_overrides(layouts=(layout,))
+
+
+def run_engaged(world: Any) -> tuple[dict, set[tuple[str, str]]]:
+    """One step from a fixed seed (as ``support.patching.run_traced``); returns what attention received and
+    where each op of ours ran: ``(kind, stream)`` of every A2E, FFN and E2A the trace recorded (empty: no
+    wrapper of ours ran)."""
+    world.steps_run = 0
+    with recording() as rec:
+        out = world.run_step()
+    return out, {(o.kind, o.stream) for o in rec.ops() if o.kind in ("a2e", "ffn", "e2a")}
 
 
 # ---------------------------------------------------------------------------
@@ -178,7 +205,8 @@ def test_fork_child_inherits_exactly_one_wrapper() -> None:
 def _child(q: Any, env: dict[str, str], ref: dict, step: int) -> None:
     """Run in a child process: the entry point as vLLM calls it (twice: a
     second call must change nothing), then count our wrappers per target and
-    run one step on a fresh runner."""
+    run one step on a fresh runner, noting the threads its A2E/E2A and FFN
+    kernels ran on."""
     try:
         os.environ.update(env)
         torch.set_num_threads(1)
@@ -206,7 +234,15 @@ def _child(q: Any, env: dict[str, str], ref: dict, step: int) -> None:
             owner = getattr(importlib.import_module(mod), cls)
             counts[f"{cls}.{attr}"] = count_our_wrappers(vars(owner)[attr], engine)
         threads: set[str] = set()
+        ffn_threads: set[str] = set()
         w.transport.fault_hook = lambda kind, layer, stage: threads.add(threading.current_thread().name)
+        kernel = w.moe.kernel_body
+
+        def ffn_kernel(*args: Any, **kwargs: Any) -> Any:
+            ffn_threads.add(threading.current_thread().name)
+            return kernel(*args, **kwargs)
+
+        w.moe.kernel_body = ffn_kernel
         w.steps_run = step - 1
         got = w.run_step()
         try:
@@ -221,7 +257,10 @@ def _child(q: Any, env: dict[str, str], ref: dict, step: int) -> None:
                 "engaged": engine.status().engaged,
                 "counts": counts,
                 "equal": equal,
+                "layouts": list(engine.config.layouts),
                 "threads": sorted(threads),
+                "ffn_threads": sorted(ffn_threads),
+                "compute_thread": emulated_device.default_stream().thread.name,
                 "unpatched": engine.unpatch(timeout=10),
             }
         )
@@ -229,15 +268,20 @@ def _child(q: Any, env: dict[str, str], ref: dict, step: int) -> None:
         q.put({"error": traceback.format_exc()})
 
 
+@each_layout
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_entry_point_in_forked_and_spawned_children_patches_exactly_once(make_world, method: str) -> None:
+def test_entry_point_in_forked_and_spawned_children_patches_exactly_once(make_world, method: str, layout: str) -> None:
     if method not in mp.get_all_start_methods():
         pytest.skip(f"start method {method!r} is not available on this platform")
     w = make_world(layers=3, stage_ids=(0, 1), tokens=8)
     ref = _serial_refs(w, range(7, 8))[7]
     # The parent is patched and has imported the targets (fork children inherit it).
-    assert PATCH_LAYER.engine.apply(config=CFG, strict=True).engaged
-    env = {"VLLM_CAMP2P_MULTISTREAM": "1", "VLLM_CAMP2P_MULTISTREAM_BACKEND": "cpu"}
+    assert PATCH_LAYER.engine.apply(config=layout_cfg(layout), strict=True).engaged
+    env = {
+        "VLLM_CAMP2P_MULTISTREAM": "1",
+        "VLLM_CAMP2P_MULTISTREAM_BACKEND": "cpu",
+        "VLLM_CAMP2P_MULTISTREAM_LAYOUT": layout,
+    }
     ctx = mp.get_context(method)
     q = ctx.Queue()
     p = ctx.Process(target=_child, args=(q, env, ref, 7), name=f"camp2p-{method}-child")
@@ -255,7 +299,15 @@ def test_entry_point_in_forked_and_spawned_children_patches_exactly_once(make_wo
     assert res["engaged"] is True
     assert res["counts"] == {f"{c}.{a}": 1 for _, c, a in WRAPPED}, res["counts"]
     assert res["equal"] is True, res["equal"]
-    assert res["threads"] == ["camp2p-overlap-stream-K0", "camp2p-overlap-stream-K1"]
+    assert res["layouts"] == [layout]
+    # Engaged in the layout: comm-side's A2E/E2A on the stages' K_s and FFN on the caller's stream;
+    # compute-side's A2E/E2A on the caller's stream and FFN on the runner's F.
+    if layout == "comm-side":
+        assert res["threads"] == ["camp2p-overlap-stream-K0", "camp2p-overlap-stream-K1"]
+        assert res["ffn_threads"] == [res["compute_thread"]]
+    else:
+        assert res["threads"] == [res["compute_thread"]]
+        assert res["ffn_threads"] == ["camp2p-overlap-stream-F"]
     assert res["unpatched"] is True
     assert p.exitcode == 0
     # The parent is unaffected by what the child did.
@@ -265,20 +317,22 @@ def test_entry_point_in_forked_and_spawned_children_patches_exactly_once(make_wo
 
 # ---------------------------------------------------------------------------
 # threads: apply/unpatch from many threads, apply while a thread imports
-def test_concurrent_apply_and_unpatch_leave_a_consistent_state(make_world: Any) -> None:
+@each_layout
+def test_concurrent_apply_and_unpatch_leave_a_consistent_state(make_world: Any, layout: str) -> None:
     world = make_world(layers=2, tokens=8, stage_ids=(0, 1))
     cls = classes()
     originals = {(c, a): vars(cls[c])[a] for _, c, a in WRAPPED}
     snap = {n: dict(vars(c)) for n, c in cls.items()}
     errors: list[BaseException] = []
     barrier = threading.Barrier(6)
+    cfg = layout_cfg(layout)
 
     def worker(i: int) -> None:
         try:
             barrier.wait(timeout=10)
             for j in range(30):
                 if (i + j) % 3:
-                    PATCH_LAYER.engine.apply(config=CFG)
+                    PATCH_LAYER.engine.apply(config=cfg)
                 else:
                     PATCH_LAYER.engine.unpatch(timeout=10)
                 PATCH_LAYER.engine.status()
@@ -294,14 +348,14 @@ def test_concurrent_apply_and_unpatch_leave_a_consistent_state(make_world: Any) 
         assert not any(t.is_alive() for t in threads), "apply/unpatch threads hung"
         assert errors == []
         if final == "applied":
-            PATCH_LAYER.engine.apply(config=CFG)
+            PATCH_LAYER.engine.apply(config=cfg)
         else:
             PATCH_LAYER.engine.unpatch()
         if PATCH_LAYER.engine.is_applied():
             assert_wrapped_once()
             assert PATCH_LAYER.engine.status().engaged
-            _, streams = run_traced(world)
-            assert {"K0", "K1"} <= streams
+            _, where = run_engaged(world)
+            assert where == ENGAGED[layout]  # the overlap engaged in the layout applied
         else:
             for (c, a), original in originals.items():
                 assert vars(cls[c])[a] is original
@@ -366,15 +420,28 @@ def test_apply_while_another_thread_is_importing_the_target(tmp_path: Any, monke
 # steps running while apply/unpatch: storms, unpatch during and inside a step
 class CommThreads:
     """Records, per step number, on which thread (stream) each A2E/E2A ran (through
-    the transport's fault hook, which every emulated op calls first)."""
+    the transport's fault hook, which every emulated op calls first) and each
+    FFN kernel ran (through the FFN block's kernel body), to tell a wrapped step
+    of ``layout`` from an original one."""
 
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: World, layout: str = "compute-side") -> None:
         self.world = world
-        self.by_step: dict[int, list[tuple[str, int, str]]] = {}
+        self.layout = layout
+        self.by_step: dict[int, list[tuple[str, int | None, str]]] = {}
         self._lock = threading.Lock()
         world.transport.fault_hook = self._hook
+        kernel = world.moe.kernel_body
+
+        def ffn_kernel(*args: Any, **kwargs: Any) -> Any:
+            self._note("ffn", None)
+            return kernel(*args, **kwargs)
+
+        world.moe.kernel_body = ffn_kernel
 
     def _hook(self, kind: str, layer: int, stage: int) -> None:
+        self._note(kind, stage)
+
+    def _note(self, kind: str, stage: int | None) -> None:
         with self._lock:
             self.by_step.setdefault(self.world.transport.step, []).append(
                 (kind, stage, threading.current_thread().name)
@@ -384,15 +451,22 @@ class CommThreads:
         ops = self.by_step.get(step, [])
         if not ops:
             return "none"
+        comm = [(s, t) for k, s, t in ops if k != "ffn"]
+        ffn = [t for k, _, t in ops if k == "ffn"]
+        if not comm or not ffn:
+            return f"INCOMPLETE: {ops}"
         # The original loop's ops run on the compute stream (the emulated
         # device's default stream: its own worker thread), or on the caller
         # for a transport that works on the host.
         compute = emulated_device.default_stream().thread.name
-        if all(t in (caller, compute) for _, _, t in ops):
+        host = (caller, compute)
+        if all(t in host for _, t in comm) and all(t in host for t in ffn):
             return "original"
-        if all(t == f"camp2p-overlap-stream-K{s}" for _, s, t in ops):
-            return "wrapped"
-        return f"MIX: {ops}"
+        if self.layout == "comm-side":  # A2E/E2A on the stage's K_s, the FFN on the caller's stream
+            engaged = all(t == f"camp2p-overlap-stream-K{s}" for s, t in comm) and all(t in host for t in ffn)
+        else:  # compute-side: A2E/E2A on the caller's stream, every FFN on the runner's F
+            engaged = all(t in host for _, t in comm) and all(t == "camp2p-overlap-stream-F" for t in ffn)
+        return "wrapped" if engaged else f"MIX: {ops}"
 
 
 def _serial_refs(world: World, steps: range) -> dict[int, dict]:
@@ -428,14 +502,17 @@ class Gate:
         setattr(transport, kind, held)
 
 
-def test_apply_unpatch_storm_while_steps_run(make_world) -> None:
+@each_layout
+def test_apply_unpatch_storm_while_steps_run(make_world, layout: str) -> None:
     """Four threads apply and unpatch at random while a fifth runs steps:
-    each step is fully wrapped or fully original, and bitwise correct."""
+    each step is fully wrapped (in the layout applied) or fully original, and
+    bitwise correct."""
     w = make_world(layers=3, stage_ids=(0, 2), tokens=8)
     originals = raw_targets()
     n_refs = 40
     refs = _serial_refs(w, range(1, n_refs + 1))
-    comm = CommThreads(w)
+    comm = CommThreads(w, layout)
+    cfg = layout_cfg(layout)
     stop = threading.Event()
     unpatch_results: list[bool] = []
     errors: list[str] = []
@@ -446,7 +523,7 @@ def test_apply_unpatch_storm_while_steps_run(make_world) -> None:
         try:
             while not stop.is_set():
                 if rng.random() < 0.5:
-                    PATCH_LAYER.engine.apply(config=CFG)
+                    PATCH_LAYER.engine.apply(config=cfg)
                 else:
                     unpatch_results.append(PATCH_LAYER.engine.unpatch(timeout=10))
                 time.sleep(rng.uniform(0, 0.004))
@@ -463,7 +540,7 @@ def test_apply_unpatch_storm_while_steps_run(make_world) -> None:
                 mode = comm.mode(n, threading.current_thread().name)
                 comm.by_step.pop(n, None)
                 modes[mode] = modes.get(mode, 0) + 1
-                if mode.startswith("MIX") or mode == "none":
+                if mode not in ("wrapped", "original"):
                     errors.append(f"step {n}: {mode}")
                 try:
                     assert_same(got, refs[n])
@@ -553,10 +630,11 @@ def test_unpatch_waits_for_the_active_step_and_new_steps_run_original(make_world
     assert_same(box["step"].results, ref)
 
 
-def test_unpatch_timeout_refuses_cleanly_and_leaves_the_layer_working(make_world, logs) -> None:
+@each_layout
+def test_unpatch_timeout_refuses_cleanly_and_leaves_the_layer_working(make_world, logs, layout: str) -> None:
     w = make_world(layers=3, stage_ids=(0, 1), tokens=8)
     refs = _serial_refs(w, range(2, 4))
-    assert PATCH_LAYER.engine.apply(config=CFG, strict=True).engaged
+    assert PATCH_LAYER.engine.apply(config=layout_cfg(layout), strict=True).engaged
     wrapped_before = raw_targets()
     gate = Gate(w, layer=0, stage=1)
     box: dict[str, Any] = {}
@@ -573,7 +651,7 @@ def test_unpatch_timeout_refuses_cleanly_and_leaves_the_layer_working(make_world
     assert box["out"].error is None
     assert_same(box["out"].results, refs[2])
     # The patch layer still engages on the next step.
-    comm = CommThreads(w)
+    comm = CommThreads(w, layout)
     nxt = run_step_bounded(w, 3, STEP_BOUND_S)
     assert nxt.error is None
     assert_same(nxt.results, refs[3])
@@ -615,11 +693,13 @@ def test_unpatch_refuses_while_a_step_waits_in_the_connectors_receive(make_world
     assert not set(routed) & set(vars(w.connector)), "a route of ours is left on the connector instance"
 
 
+@each_layout
 @pytest.mark.parametrize("stages", [(0, 1), (1,)], ids=["overlap-step", "serial-gate-step"])
-def test_unpatch_from_inside_a_step_on_the_same_thread_refuses(make_world, logs, stages) -> None:
+def test_unpatch_from_inside_a_step_on_the_same_thread_refuses(make_world, logs, stages, layout: str) -> None:
     w = make_world(layers=3, stage_ids=stages, tokens=8)
     ref = _serial_refs(w, range(5, 6))[5]
-    assert PATCH_LAYER.engine.apply(config=CFG, strict=True).engaged
+    assert PATCH_LAYER.engine.apply(config=layout_cfg(layout), strict=True).engaged
+    comm = CommThreads(w, layout)  # before the model is replaced: it hooks the FFN block's kernel
     inner = w.runner.model
     calls: list[bool] = []
 
@@ -630,7 +710,6 @@ def test_unpatch_from_inside_a_step_on_the_same_thread_refuses(make_world, logs,
             return inner.compute_ffn_output(hidden_states=hidden_states, layer_idx=layer_idx)
 
     w.runner.model = Model()
-    comm = CommThreads(w)
     out = run_step_bounded(w, 5, STEP_BOUND_S)
     assert calls == [False]
     assert any("called from inside a running FFN step on this thread; refused" in m for m in logs.messages)
@@ -643,7 +722,8 @@ def test_unpatch_from_inside_a_step_on_the_same_thread_refuses(make_world, logs,
 
 # ---------------------------------------------------------------------------
 # module reloads and re-imports
-def test_reload_of_the_runner_module(make_world) -> None:
+@each_layout
+def test_reload_of_the_runner_module(make_world, layout: str) -> None:
     """``importlib.reload`` makes a new runner class, and wrapt's post-import
     hooks do not fire on a reload; the re-execution watch does, as the
     module's body ends: the new class is wrapped at once and the old class
@@ -656,7 +736,7 @@ def test_reload_of_the_runner_module(make_world) -> None:
     runner_mod = w_old.modules[0]
     old_cls = runner_mod.AFDNPUFFNModelRunner
     old_raw = vars(old_cls)["_ffn_forward"]
-    assert PATCH_LAYER.engine.apply(config=CFG, strict=True).engaged
+    assert PATCH_LAYER.engine.apply(config=layout_cfg(layout), strict=True).engaged
     assert count_our_wrappers(vars(old_cls)["_ffn_forward"]) == 1
     assert PATCH_LAYER.engine.unready is None
 
@@ -670,14 +750,14 @@ def test_reload_of_the_runner_module(make_world) -> None:
 
     w_new = make_world(layers=2, stage_ids=(0, 1), tokens=8)
     assert type(w_new.runner) is new_cls
-    comm = CommThreads(w_new)
+    comm = CommThreads(w_new, layout)
     for step in (1, 2):
         out = run_step_bounded(w_new, step, STEP_BOUND_S)
         assert out.error is None
         assert_same(out.results, refs[step])
         assert comm.mode(step, f"camp2p-test-step-{step}") == "wrapped"
     # An instance of the old class now runs the original code, correctly.
-    comm_old = CommThreads(w_old)
+    comm_old = CommThreads(w_old, layout)
     out = run_step_bounded(w_old, 3, STEP_BOUND_S)
     assert out.error is None
     assert_same(out.results, refs[3])
@@ -710,7 +790,8 @@ def test_a_reload_no_hook_saw_is_reported_and_refresh_wraps_it(make_world, monke
     assert count_our_wrappers(vars(new_cls)["_ffn_forward"]) == 1
 
 
-def test_reimport_of_the_target_modules(make_world) -> None:
+@each_layout
+def test_reimport_of_the_target_modules(make_world, layout: str) -> None:
     """The stand-ins dropped from ``sys.modules`` and imported again: fresh
     module and class objects. wrapt's post-import hooks have fired already
     (wrapt pops them); the re-execution watch sees the new import, so the
@@ -720,7 +801,8 @@ def test_reimport_of_the_target_modules(make_world) -> None:
     refs = _serial_refs(w1, range(1, 3))
     first_raw = raw_targets()
     first_owners = {(cls, attr): getattr(importlib.import_module(mod), cls) for mod, cls, attr in WRAPPED}
-    assert PATCH_LAYER.engine.apply(config=CFG, strict=True).engaged
+    cfg = layout_cfg(layout)
+    assert PATCH_LAYER.engine.apply(config=cfg, strict=True).engaged
     assert all(count_our_wrappers(v) == 1 for v in raw_targets().values())
     standins.uninstall(standins.REAL_ROOT)
     w2 = make_world(layers=2, stage_ids=(0, 2), tokens=8)  # imports the stand-ins again
@@ -728,11 +810,11 @@ def test_reimport_of_the_target_modules(make_world) -> None:
     assert all(count_our_wrappers(v) == 1 for v in raw_targets().values())  # wrapped at the re-import
     fresh = {k: v.__wrapped__ for k, v in raw_targets().items()}
     assert PATCH_LAYER.engine.status().engaged and PATCH_LAYER.engine.unready is None
-    assert PATCH_LAYER.engine.apply(config=CFG, strict=True).engaged  # apply() again changes nothing
+    assert PATCH_LAYER.engine.apply(config=cfg, strict=True).engaged  # apply() again changes nothing
     assert all(count_our_wrappers(v) == 1 for v in raw_targets().values())
     # The first import's classes got their exact originals back.
     assert all(vars(first_owners[k])[k[1]] is first_raw[k] for k in first_raw)
-    comm = CommThreads(w2)
+    comm = CommThreads(w2, layout)
     out = run_step_bounded(w2, 1, STEP_BOUND_S)
     assert out.error is None
     assert_same(out.results, refs[1])
@@ -742,20 +824,21 @@ def test_reimport_of_the_target_modules(make_world) -> None:
     assert all(after[k] is fresh[k] for k in fresh)
 
 
-def test_a_ready_step_reads_the_ready_flag_and_walks_no_target(make_world, monkeypatch) -> None:
+@each_layout
+def test_a_ready_step_reads_the_ready_flag_and_walks_no_target(make_world, monkeypatch, layout: str) -> None:
     """The lifecycle is off the hot path: while every target is ready, a
     wrapped step looks at no manifest module (the engine's ``unready`` flag
     is all it reads); once the flag says why it is not ready, the step
     refreshes (and so wraps what a hook missed)."""
     w = make_world(layers=2, stage_ids=(0, 1), tokens=8)
     refs = _serial_refs(w, range(1, 4))
-    assert PATCH_LAYER.engine.apply(config=CFG, strict=True).engaged
+    assert PATCH_LAYER.engine.apply(config=layout_cfg(layout), strict=True).engaged
     walks: list[int] = []
     real = PATCH_LAYER.engine.installer.needing_install
     monkeypatch.setattr(
         PATCH_LAYER.engine.installer, "needing_install", lambda *a, **k: walks.append(1) or real(*a, **k)
     )
-    comm = CommThreads(w)
+    comm = CommThreads(w, layout)
     out = run_step_bounded(w, 1, STEP_BOUND_S)
     assert out.error is None and comm.mode(1, "camp2p-test-step-1") == "wrapped"
     assert_same(out.results, refs[1])

@@ -24,6 +24,7 @@ from camp2p_overlap.core.patching.manifest import (
 )
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.emulation.standin_patch_layer import release_site, standin_site
+from camp2p_overlap.verify import edges
 
 RUNNER = "afd_plugin.v1.worker.npu.ffn_model_runner"
 
@@ -97,14 +98,17 @@ def _contexts_seen(w: Any) -> list[tuple[int, int, int, Any]]:
     return seen
 
 
+@pytest.mark.parametrize("layout", ["compute-side", "comm-side"])
 @pytest.mark.parametrize("stack", sorted(standins.STACKS))
 def test_forward_context_per_step_or_per_layer_and_stage_and_the_overlap_keeps_it(
-    stack: str, patch_layer: PatchLayer
+    stack: str, layout: str, patch_layer: PatchLayer
 ) -> None:
     """release/v0.19.1rc1 opens one context for the step (sized by the first
     stage's tokens); main opens one per (layer, stage), sized by that stage.
-    With the overlap engaged each compute still runs in the context the loop
-    opened for it, and the outputs are bitwise the serial ones."""
+    With the overlap engaged in either layout (compute-side: every FFN on the
+    runner's stream F, A2E/E2A on the caller's; comm-side: A2E/E2A on the
+    stages' K_s) each compute still runs in the context the loop opened for
+    it, and the outputs are bitwise the serial ones."""
     tokens = (7, 3)
     scheds = [Schedule(3, (0, 1), tokens, step) for step in (1, 2)]
     with use_stack(stack):
@@ -113,15 +117,25 @@ def test_forward_context_per_step_or_per_layer_and_stage_and_the_overlap_keeps_i
         (ref, _) = serial_results(w, scheds, patch_layer=patch_layer)
         serial_seen = list(seen)
         seen.clear()
-        apply_cpu(patch_layer=patch_layer)
+        apply_cpu(patch_layer=patch_layer, layouts=(layout,))
         with trace.recording() as rec:
             got = run_step(w, scheds[0])
         assert_same(got, ref)
         (step,) = rec.steps()
-        side = {(o.kind, o.stream) for o in rec.ops(step) if o.kind in ("a2e", "e2a")}
-        assert {k for k, _ in side} == {"a2e", "e2a"} and all(s != "C" for _, s in side), side
+        # Engaged in the layout: its streams, in its schedule.
+        comm_side = layout == "comm-side"
+        expected = trace.ExpectedSchedule((0, 1, 2), (0, 1), comm_side, comm_side, not comm_side)
+        res = edges.check_step(rec.ops(step), expected)
+        assert res.ok, str(res)
+        where = {(o.kind, o.stream) for o in rec.ops(step) if o.kind in ("a2e", "ffn", "e2a")}
+        if comm_side:
+            assert where == {(k, f"K{s}") for k in ("a2e", "e2a") for s in (0, 1)} | {("ffn", "C")}, where
+        else:
+            assert where == {("a2e", "C"), ("e2a", "C"), ("ffn", "F")}, where
         patch_layer.engine.unpatch(timeout=10)
     pairs = [(layer, stage) for layer in range(3) for stage in (0, 1)]
+    # Each FFN of the overlap saw a context sized as the serial loop's for the same (layer, stage).
+    assert [c[:3] for c in seen] == [c[:3] for c in serial_seen[: len(pairs)]]
     for calls in (serial_seen[: len(pairs)], seen):
         assert [(layer, stage) for layer, stage, _, _ in calls] == pairs
         if stack == "vllm-0.26.0":
