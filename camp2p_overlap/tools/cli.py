@@ -109,7 +109,8 @@ exit status: 0 when nothing would refuse, else 1.
                 status: ok | import-error | missing | signature-mismatch | stand-in
   device        "npu" | "cuda" | null;  device_detail: str
   backend       {configured, resolved (npu|cuda|cpu|null), reason}
-  config        {ok, error (str|null), enabled, mode, rung, switches: [{name, raw, field, value, description}]}
+  config        {ok, error (str|null), enabled, mode, rung, ladder, layouts_listed, layouts, graph_comm_side,
+                switches: [{name, raw, field, value, description}]}
   decode_graphs {status (ok|refused|off), reason}: a refusal is also a problem
   deployment    null without --config; else {source, connector, role, num_ubatches, num_ubatches_from,
                 stages: [{stage, group, in_use, error, shares_group_with}], aliased: {group: [stage]},
