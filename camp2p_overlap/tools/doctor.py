@@ -48,7 +48,7 @@ from camp2p_overlap.core import config as cfgmod
 from camp2p_overlap.core import env_vars
 from camp2p_overlap.core.env_vars import TABLE as ENV_TABLE
 from camp2p_overlap.core.observe.decode_graphs import UPSTREAM_GRAPH, rung_hint
-from camp2p_overlap.core.overlap.plan import CALLER, LADDER, Layout, layouts_of, rung
+from camp2p_overlap.core.overlap.plan import CALLER, LADDER, Layout, graph_needs_opt_in, layouts_of, rung
 from camp2p_overlap.core.patching.manifest import (
     ManifestError,
     StackManifest,
@@ -254,10 +254,6 @@ def _config(env: Any = None) -> tuple[dict[str, Any], cfgmod.OverlapConfig | Non
     return section, cfg, problems
 
 
-def _comm_on_side(layout: Layout) -> bool:
-    return layout.a2e_side or layout.e2a_side
-
-
 def describe_layout(layout: Layout) -> str:
     """Where ``layout`` runs each op kind, and in which order it issues the receives, in words."""
 
@@ -286,13 +282,13 @@ def layout_rows(cfg: cfgmod.OverlapConfig) -> list[dict[str, Any]]:
             listed_as = layout.name if layout.name in cfgmod.LAYOUTS else "comm-side"
         if i > 0:
             graph, detail = EAGER_ONLY, "a decode graph captures the first listed layout"
-        elif _comm_on_side(layout) and not cfg.graph_comm_side:
+        elif layout.comm_on_side and not cfg.graph_comm_side:
             graph = NEEDS_OPT_IN
             detail = (
                 f"A2E/E2A on side streams: captured only with {env_vars.ENV_GRAPH_COMM_SIDE}=1, else upstream's "
                 "serial graph; eager steps still run it"
             )
-        elif _comm_on_side(layout):
+        elif layout.comm_on_side:
             graph, detail = OPTED_IN, f"A2E/E2A on side streams, captured: {env_vars.ENV_GRAPH_COMM_SIDE}=1"
         else:
             graph, detail = CAPTURED, "every CAM op on the capture's stream"
@@ -321,7 +317,7 @@ def graph_comm_side(cfg: cfgmod.OverlapConfig, raw: str | None) -> dict[str, Any
         "name": env_vars.ENV_GRAPH_COMM_SIDE,
         "set": cfg.graph_comm_side,
         "raw": raw,
-        "needed": first is not None and _comm_on_side(first),
+        "needed": first is not None and first.comm_on_side,
         "why": COMM_SIDE_GRAPH_WHY,
     }
 
@@ -393,7 +389,7 @@ def decode_graph_line(
     asked = f"{env_vars.ENV_GRAPH}={cfg.graph}"
     refusals = [r for r in (extra_refusal,) if r is not None]
     first = next(iter(layouts_of(cfg)), None)
-    if first is not None and _comm_on_side(first) and not cfg.graph_comm_side:
+    if graph_needs_opt_in(cfg):
         refusals.append(
             f"the first layout, {first.name}, puts A2E/E2A on side streams, which a decode graph captures only with "
             f"{env_vars.ENV_GRAPH_COMM_SIDE}=1 (every key keeps upstream's serial graph; the eager overlap applies)"

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from camp2p_overlap.core.log import log_once, logger
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, BucketKey, StepTimings
-from camp2p_overlap.core.overlap.plan import layouts_of
+from camp2p_overlap.core.overlap.plan import graph_needs_opt_in
 from camp2p_overlap.core.overlap.runner_state import RunnerState, VariantCapture
 from camp2p_overlap.core.overlap.streams.backend import GUARD, StreamBackend
 from camp2p_overlap.core.overlap.watch.watchdog import REPLAY_WATCH, stop_watchdogs
@@ -327,8 +327,7 @@ class GraphCapture:
     ) -> None:
         """The patch layer's variant of the step upstream just captured for ``key``."""
         runtime, cfg = self.runtime, self.engine.config
-        layouts = layouts_of(cfg)
-        if layouts and (layouts[0].a2e_side or layouts[0].e2a_side) and not cfg.graph_comm_side:
+        if graph_needs_opt_in(cfg):
             return self.failed(GRAPH_COMM_SIDE_OPT_IN)  # its capture would take the serial path: not captured twice
         sset = state.streamset
         if sset is None:

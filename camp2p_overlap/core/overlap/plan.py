@@ -146,6 +146,11 @@ class Layout:
     def ffn_side(self) -> bool:
         return self.ffn == SIDE
 
+    @property
+    def comm_on_side(self) -> bool:
+        """Whether A2E or E2A runs on a side stream (K_s): a decode graph captures that only with the opt-in."""
+        return SIDE in (self.a2e, self.e2a)
+
 
 #: The rollout rungs' layouts (``layout_of``).
 PARITY = Layout("parity", CALLER, CALLER, prefetch=False)
@@ -174,6 +179,13 @@ def layouts_of(cfg: OverlapConfig) -> tuple[Layout, ...]:
 
 
 _SWITCHED = {(True, True): COMM_SIDE, (False, True): E2A_ONLY, (True, False): A2E_ONLY, (False, False): None}
+
+
+def graph_needs_opt_in(cfg: OverlapConfig) -> bool:
+    """Whether a decode graph of ``cfg``'s first listed layout would put A2E/E2A on side streams without
+    VLLM_CAMP2P_MULTISTREAM_GRAPH_COMM_SIDE: its capture then records upstream's serial graph."""
+    layouts = layouts_of(cfg)
+    return bool(layouts) and layouts[0].comm_on_side and not cfg.graph_comm_side
 
 
 def rung(cfg: OverlapConfig) -> str:

@@ -30,7 +30,14 @@ from camp2p_overlap.core.observe.trace import TraceOp, TraceRecorder
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.adaptive import SERIAL, BucketKey, pow2_ceil
 from camp2p_overlap.core.overlap.graphs import GRAPH_COMM_SIDE_OPT_IN, GraphCapture, graph_variants_refusal
-from camp2p_overlap.core.overlap.plan import COMPUTE_SIDE, Layout, StepPlan, layouts_of, step_plan
+from camp2p_overlap.core.overlap.plan import (
+    COMPUTE_SIDE,
+    Layout,
+    StepPlan,
+    graph_needs_opt_in,
+    layouts_of,
+    step_plan,
+)
 from camp2p_overlap.core.overlap.routes import SESSION_ROUTERS, ConnectorRoutes, route_problem, session_router
 from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, RunnerState
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
@@ -329,8 +336,7 @@ class FfnStep:
             return refused  # upstream's graph only
         if cfg.graph == "adaptive" and (self.state is None or self.state.variant_capture is None):
             return GRAPH_SERIAL_VARIANT  # upstream's own graph: the serial variant
-        layout = decision.layout
-        if (layout.a2e_side or layout.e2a_side) and not cfg.graph_comm_side:
+        if graph_needs_opt_in(cfg):
             return GRAPH_COMM_SIDE_OPT_IN
         return None
 

@@ -188,7 +188,7 @@ class Policy:
     def comm_on_side(self) -> bool:
         """Whether its first listed layout (what a decode graph captures) puts A2E or E2A on side streams."""
         first = self.layout_objects()[:1]
-        return bool(first) and (first[0].a2e_side or first[0].e2a_side)
+        return bool(first) and first[0].comm_on_side
 
     def streams(self) -> tuple[str, str, str]:
         """Where its first listed layout runs A2E, E2A and the FFN: C, K_s or F."""
@@ -1184,7 +1184,7 @@ def expected_schedule(layout: str, layers: Sequence[int], stages: Sequence[int])
     lay = _LAYOUTS.get(layout)
     if lay is None:
         return ExpectedSchedule.serial(layers, stages)
-    return ExpectedSchedule(tuple(layers), tuple(stages), lay.a2e_side, lay.e2a_side, lay.ffn_side, lay.prefetch)
+    return ExpectedSchedule.of_layout(layers, stages, lay)
 
 
 def _expected_layout(policy: str, ran: str, gate_open: bool) -> tuple[str, str | None]:
