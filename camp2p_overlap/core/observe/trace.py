@@ -296,5 +296,10 @@ class ExpectedSchedule:
         return out
 
     @classmethod
+    def of_layout(cls, layers: Sequence[int], stages: Sequence[int], layout: Any) -> ExpectedSchedule:
+        """The schedule of a step of ``layers`` x ``stages`` in ``layout`` (a ``plan.Layout``)."""
+        return cls(tuple(layers), tuple(stages), layout.a2e_side, layout.e2a_side, layout.ffn_side, layout.prefetch)
+
+    @classmethod
     def serial(cls, layers: Sequence[int], stages: Sequence[int]) -> ExpectedSchedule:
         return cls(tuple(layers), tuple(stages), False, False)

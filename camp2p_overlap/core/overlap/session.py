@@ -484,10 +484,7 @@ class StepSession:
     # ------------------------------------------------------------------
     # what the step's log says
     def expected_schedule(self) -> ExpectedSchedule:
-        layout = self.layout
-        return ExpectedSchedule(
-            self.plan.layers, self.plan.stages, layout.a2e_side, layout.e2a_side, layout.ffn_side, layout.prefetch
-        )
+        return ExpectedSchedule.of_layout(self.plan.layers, self.plan.stages, self.layout)
 
     def stage_layer_of(self, context: Any) -> StageLayer | None:
         """The ``(layer, stage)`` whose payload carried ``context`` (what the loop hands back to the send), or None."""

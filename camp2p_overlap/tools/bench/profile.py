@@ -163,9 +163,7 @@ def write_profile(
     if layout is None:
         expected = ExpectedSchedule(tuple(layers), tuple(stages), True, True)
     else:
-        expected = ExpectedSchedule(
-            tuple(layers), tuple(stages), layout.a2e_side, layout.e2a_side, layout.ffn_side, layout.prefetch
-        )
+        expected = ExpectedSchedule.of_layout(layers, stages, layout)
     result = check_step(ops, expected, source="device")
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"traceEvents": timeline.chrome_trace(), "displayTimeUnit": "ns"}, f)
