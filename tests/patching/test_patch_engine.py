@@ -25,19 +25,22 @@ from support.overlap import assert_same, count_our_wrappers
 from support.patching import (
     CFG,
     CONNECTOR,
+    ENGAGED,
     ROUTED,
     RUNNER,
     WRAPPED,
     assert_wrapped_once,
+    each_layout,
     import_targets,
+    layout_cfg,
     raw_targets,
+    run_engaged,
     run_traced,
     synthetic_manifest,
     variant_module,
 )
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.observe.trace import recording
 from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.core.patching.lifecycle import PatchRefused
 from camp2p_overlap.core.patching.manifest import load_manifest
@@ -52,30 +55,6 @@ def engine_states(patch_layer: PatchLayer) -> dict[str, TargetState]:
 @pytest.fixture
 def world(make_world: Any) -> Any:
     return make_world(layers=2, tokens=8, stage_ids=(0, 1))
-
-
-#: Where an engaged step of each layout runs each op kind (stream names as the trace gives them): compute-side (the
-#: default) its A2E/E2A on the caller's stream C and its FFN on the runner's stream F; comm-side its A2E/E2A on the
-#: stages' K_s and its FFN on C.
-ENGAGED = {
-    "compute-side": {("a2e", "C"), ("ffn", "F"), ("e2a", "C")},
-    "comm-side": {("a2e", "K0"), ("a2e", "K1"), ("e2a", "K0"), ("e2a", "K1"), ("ffn", "C")},
-}
-each_layout = pytest.mark.parametrize("layout", list(ENGAGED))
-
-
-def layout_cfg(layout: str) -> OverlapConfig:
-    return CFG.with_overrides(layouts=(layout,))
-
-
-def run_engaged(world: Any) -> tuple[dict, set[tuple[str, str]]]:
-    """One step from a fixed seed (as ``support.patching.run_traced``); returns what attention received and
-    where each op of ours ran: ``(kind, stream)`` of every A2E, FFN and E2A the trace recorded (empty: no
-    wrapper of ours ran)."""
-    world.steps_run = 0
-    with recording() as rec:
-        out = world.run_step()
-    return out, {(o.kind, o.stream) for o in rec.ops() if o.kind in ("a2e", "ffn", "e2a")}
 
 
 # ---------------------------------------------------------------------------

@@ -41,15 +41,18 @@ from support.child import SUPPORT, run_program
 from support.overlap import assert_same, count_our_wrappers
 from support.patching import (
     CFG,
+    ENGAGED,
     ROUTED,
     WRAPPED,
     assert_wrapped_once,
     classes,
+    each_layout,
+    layout_cfg,
     raw_targets,
+    run_engaged,
     synthetic_manifest,
 )
 
-from camp2p_overlap.core.observe.trace import recording
 from camp2p_overlap.core.overlap.routes import is_router
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.core.patching.status_report import TargetState
@@ -60,29 +63,6 @@ from camp2p_overlap.emulation.world import World
 
 pytestmark = pytest.mark.usefixtures("forget_stuck")
 STEP_BOUND_S = 30.0
-
-#: Where an engaged step of each layout runs each op kind (stream names as the trace gives them): compute-side (the
-#: default) its A2E/E2A on the caller's stream C and its FFN on the runner's stream F; comm-side its A2E/E2A on the
-#: stages' K_s and its FFN on C.
-ENGAGED = {
-    "compute-side": {("a2e", "C"), ("ffn", "F"), ("e2a", "C")},
-    "comm-side": {("a2e", "K0"), ("a2e", "K1"), ("e2a", "K0"), ("e2a", "K1"), ("ffn", "C")},
-}
-each_layout = pytest.mark.parametrize("layout", list(ENGAGED))
-
-
-def layout_cfg(layout: str) -> Any:
-    return CFG.with_overrides(layouts=(layout,))
-
-
-def run_engaged(world: Any) -> tuple[dict, set[tuple[str, str]]]:
-    """One step from a fixed seed (as ``support.patching.run_traced``); returns what attention received and
-    where each op of ours ran: ``(kind, stream)`` of every A2E, FFN and E2A the trace recorded (empty: no
-    wrapper of ours ran)."""
-    world.steps_run = 0
-    with recording() as rec:
-        out = world.run_step()
-    return out, {(o.kind, o.stream) for o in rec.ops() if o.kind in ("a2e", "ffn", "e2a")}
 
 
 # ---------------------------------------------------------------------------
