@@ -7,6 +7,7 @@ observe room may not import (the rooms contract in ``pyproject.toml``).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict
 from collections.abc import Container
@@ -69,14 +70,9 @@ class _States:
     def __init__(self, snap: SessionSnapshot, now: int) -> None:
         self.events = dict(snap.events)
         self.now = now
-        self._event_states: dict[EventKey, bool | str | None] = {}
         self._op_states: dict[int, tuple[bool, str]] = {}
-
-    def event(self, key: EventKey) -> bool | str | None:
-        """True: completed; False: pending; None: not recorded this step; a string: unknown (why)."""
-        if key not in self._event_states:
-            self._event_states[key] = self._query(key)
-        return self._event_states[key]
+        #: Per event: True: completed; False: pending; None: not recorded this step; a string: unknown (why).
+        self.event = functools.cache(self._query)
 
     def _query(self, key: EventKey) -> bool | str | None:
         ev = self.events.get(key)
@@ -198,44 +194,26 @@ def _host_line(snap: SessionSnapshot, st: _States) -> str:
     return f"  host: between the send of (L{L},s{s}) and the receive of (L{nL},s{ns})"
 
 
-def _compute_line(snap: SessionSnapshot, st: _States, head: _Item | None) -> str:
-    C = COMPUTE_STREAM
+def _stream_text(stream: str, head: _Item | None, snap: SessionSnapshot, st: _States, compute: bool = False) -> str:
+    """Where ``stream`` is: at ``head``, its first item not complete (None: it ran all). The ``compute`` stream's
+    words say what holds the step up."""
     if head is None:
-        return f"  compute stream {C} has run " + ("the whole step" if snap.closed else "everything issued so far")
-    if head.kind == "op":
-        o = head.op
-        assert o is not None
-        return f"  compute stream {C} is blocked in {_op_name(o)}, issued on the compute stream ({st.op(o)[1]})"
+        ran = ("the whole step" if snap.closed else "everything issued so far") if compute else "everything issued"
+        return f"{stream} has run {ran}"
     if head.kind == "wait":
         assert head.key is not None
-        return (
-            f"  compute stream {C} is waiting on the device for {_describe(head.key, snap)} "
-            f"({_event_text(st, head.key)})"
-        )
-    if head.kind == "ffn":
-        assert head.at is not None
-        L, s = head.at
-        if head.at in snap.sent:
-            return f"  compute stream {C} is running the FFN of (L{L},s{s})"
-        return f"  compute stream {C} is at the FFN of (L{L},s{s}), whose send the host has not issued yet"
-    assert head.key is not None
-    return f"  compute stream {C} has not reached its record of event {head.key.label()} yet"
-
-
-def _stream_text(stream: str, head: _Item | None, snap: SessionSnapshot, st: _States) -> str:
-    if head is None:
-        return f"{stream} has run everything issued"
-    if head.kind == "wait":
-        assert head.key is not None
-        return f"{stream} waits for {_describe(head.key, snap)} ({_event_text(st, head.key)})"
+        waits = "is waiting on the device for" if compute else "waits for"
+        return f"{stream} {waits} {_describe(head.key, snap)} ({_event_text(st, head.key)})"
     if head.kind == "op":
         assert head.op is not None
-        return f"{stream} is at {_op_name(head.op)} ({st.op(head.op)[1]})"
+        at = ("is blocked in {}, issued on the compute stream" if compute else "is at {}").format(_op_name(head.op))
+        return f"{stream} {at} ({st.op(head.op)[1]})"
     if head.kind == "ffn":
         assert head.at is not None
         L, s = head.at
-        sent = "" if head.at in snap.sent else ", whose send the host has not issued yet"
-        return f"{stream} is at the FFN of (L{L},s{s}){sent}"
+        if head.at not in snap.sent:
+            return f"{stream} is at the FFN of (L{L},s{s}), whose send the host has not issued yet"
+        return f"{stream} {'is running' if compute else 'is at'} the FFN of (L{L},s{s})"
     assert head.key is not None
     return f"{stream} has not reached its record of event {head.key.label()} yet"
 
@@ -254,7 +232,7 @@ def stall_report(snap: SessionSnapshot) -> str:
         f"  open for {(now - snap.opened_ns) / 1e9:.2f} s; plan: layers {list(snap.plan.layers)}, "
         f"stages {list(snap.plan.stages)}",
         _host_line(snap, st),
-        _compute_line(snap, st, heads.get(COMPUTE_STREAM)),
+        f"  compute stream {_stream_text(COMPUTE_STREAM, heads.get(COMPUTE_STREAM), snap, st, compute=True)}",
     ]
     ffn_stream = snap.side_streams.get(None)
     if ffn_stream is not None:
