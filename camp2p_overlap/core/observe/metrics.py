@@ -195,15 +195,18 @@ class _SyncFirst:
         return []
 
 
-def _count(counts: Mapping[str, Any], before: Mapping[str, Any] | None, key: str, sep: str) -> str:
-    """``<key><sep><n>``, with ``(+<grown>)`` since ``before`` when it grew."""
-    n = int(counts.get(key, 0))
-    grew = n - int((before or {}).get(key, 0))
-    return f"{key}{sep}{n}" + (f" (+{grew})" if before is not None and grew else "")
-
-
-def _before(previous: Mapping[str, Any] | None, key: str) -> Mapping[str, Any] | None:
-    return None if previous is None else previous.get(key, {})
+def _counts(
+    snap: Mapping[str, Any], previous: Mapping[str, Any] | None, key: str, names: Sequence[str], sep: str
+) -> str:
+    """``<name><sep><n>`` of each of ``names`` in ``snap[key]``, with ``(+<grown>)`` since ``previous`` when it grew;
+    joined by blanks (``sep`` ``=``) or commas."""
+    counts, before = snap.get(key, {}), None if previous is None else previous.get(key, {})
+    out = []
+    for name in names:
+        n = int(counts.get(name, 0))
+        grew = n - int((before or {}).get(name, 0))
+        out.append(f"{name}{sep}{n}" + (f" (+{grew})" if before is not None and grew else ""))
+    return (" " if sep == "=" else ", ").join(out)
 
 
 def summary_line(snap: Mapping[str, Any], previous: Mapping[str, Any] | None = None, graph: str | None = None) -> str:
@@ -216,20 +219,16 @@ def summary_line(snap: Mapping[str, Any], previous: Mapping[str, Any] | None = N
     graph once captures say so (``graph``: the VLLM_CAMP2P_MULTISTREAM_GRAPH
     setting; ``decode_graphs.summary_note``), and the most frequent serial
     reason."""
-    steps = snap.get("steps", {})
-    text = "camp2p-overlap steps: " + " ".join(_count(steps, _before(previous, "steps"), p, "=") for p in PATHS)
-    layouts = {k: v for k, v in snap.get("layout_steps", {}).items() if k not in PATHS}
+    text = "camp2p-overlap steps: " + _counts(snap, previous, "steps", PATHS, "=")
+    layouts = sorted(k for k in snap.get("layout_steps", {}) if k not in PATHS)
     if layouts:
-        before = _before(previous, "layout_steps")
-        text += "; by layout: " + " ".join(_count(layouts, before, name, "=") for name in sorted(layouts))
+        text += "; by layout: " + _counts(snap, previous, "layout_steps", layouts, "=")
     replays = snap.get("graph_replays", {})
     if any(int(replays.get(v, 0)) for v in GRAPH_CAPTURE_VARIANTS):
-        before = _before(previous, "graph_replays")
-        text += "; graph replays: " + ", ".join(_count(replays, before, v, " ") for v in GRAPH_CAPTURE_VARIANTS)
-        captured = snap.get("graph_replay_layouts", {})
+        text += "; graph replays: " + _counts(snap, previous, "graph_replays", GRAPH_CAPTURE_VARIANTS, " ")
+        captured = sorted(snap.get("graph_replay_layouts", {}))
         if captured:
-            before = _before(previous, "graph_replay_layouts")
-            text += " (by layout: " + ", ".join(_count(captured, before, name, " ") for name in sorted(captured)) + ")"
+            text += f" (by layout: {_counts(snap, previous, 'graph_replay_layouts', captured, ' ')})"
     reasons = snap.get("serial_reasons", {})
     note = summary_note(snap, graph)
     if note is not None:
@@ -243,7 +242,10 @@ def summary_line(snap: Mapping[str, Any], previous: Mapping[str, Any] | None = N
 class Reporter:
     """The per-process reporting: the metrics, the opt-in endpoint and the
     daemon thread that syncs them into the multi-process directory and logs
-    the one-line summary when the counts changed."""
+    the one-line summary when the counts changed. Its endpoint (``port`` not
+    None) listens on ``addr``; ``graph``: the VLLM_CAMP2P_MULTISTREAM_GRAPH
+    setting (for the summary); ``layouts``: those an engaged step runs (the
+    mode gauge's label)."""
 
     def __init__(
         self,
@@ -331,41 +333,21 @@ _reporter: Reporter | None = None
 _metrics: StepMetrics | None = None
 
 
-def start_reporting(
-    stats: StatsFn,
-    *,
-    port: int | None,
-    summary_s: float,
-    mode: str,
-    rung: str,
-    addr: str = DEFAULT_METRICS_ADDR,
-    graph: str | None = None,
-    layouts: Sequence[str] = DEFAULT_LAYOUTS,
-) -> Reporter | None:
+def start_reporting(stats: StatsFn, **options: Any) -> Reporter | None:
     """The process's reporter, started once (later calls return it until
-    :func:`stop_reporting`); its endpoint (``port`` not None) listens on
-    ``addr``; its summary knows the VLLM_CAMP2P_MULTISTREAM_GRAPH setting
-    ``graph``; ``layouts``: the layouts an engaged step runs (the mode
-    gauge's ``layouts`` label). Never raises: a reporter that cannot start
-    is logged and skipped."""
+    :func:`stop_reporting`) with :class:`Reporter`'s ``options`` (``port``,
+    ``summary_s``, ``mode`` and ``rung`` required; ``addr``, ``graph``,
+    ``layouts``). Never raises: a reporter that cannot start is logged and
+    skipped."""
     global _reporter, _metrics
     with _lock:
         if _reporter is not None:
             return _reporter
         try:
             if _metrics is None:
-                _metrics = StepMetrics(stats, mode=mode, rung=rung, layouts=layouts)
-            _reporter = Reporter(
-                stats,
-                port=port,
-                summary_s=summary_s,
-                mode=mode,
-                rung=rung,
-                addr=addr,
-                metrics=_metrics,
-                graph=graph,
-                layouts=layouts,
-            )
+                modes = {"layouts": DEFAULT_LAYOUTS, **options}
+                _metrics = StepMetrics(stats, mode=modes["mode"], rung=modes["rung"], layouts=modes["layouts"])
+            _reporter = Reporter(stats, metrics=_metrics, **options)
         except Exception:  # noqa: BLE001 - never break a step
             logger.exception("camp2p-overlap: step metrics not started")
             return None

@@ -79,10 +79,6 @@ class TraceRecorder:
         with self._lock:
             self._ops.append(op)
 
-    def extend(self, ops: Iterable[TraceOp]) -> None:
-        with self._lock:
-            self._ops.extend(ops)
-
     def defer(self, resolve: Callable[[], list[TraceOp]]) -> None:
         """Add a step's ops when they are read: a device backend's streams
         perform the step after the host has returned from it, so its trace
@@ -110,11 +106,6 @@ class TraceRecorder:
         self._resolve()
         with self._lock:
             return sorted({o.step for o in self._ops})
-
-    def clear(self) -> None:
-        with self._lock:
-            self._ops.clear()
-            self._pending.clear()
 
     # -- serial (not engaged) path --------------------------------------
     def serial_state(self) -> dict[str, object]:
