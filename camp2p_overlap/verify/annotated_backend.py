@@ -1,25 +1,30 @@
-"""A stream backend whose every op, record and wait is issued inside a
-``camp2p:`` profiler range, around the patch layer's own backend: the bench's
-``--profile-trace`` step uses it, and ``profiler_timeline.py`` reads the
-ranges back from the profiler's trace (:func:`parse_event_range`).
+"""Profiler ranges around what a step session issues: every connector op,
+event record and wait of a step goes inside a ``camp2p:`` profiler range. The
+bench's ``--profile-trace`` step uses it, and ``profiler_timeline.py`` reads
+the ranges back from the profiler's trace (:func:`parse_event_range`).
+
+The ranges are opened by a subclass of the step session, on its own seams
+(``_submit``, ``_record``, ``wait_event``), not by the stream backend: the
+session drives streams and events through the device module's API.
+:func:`annotating` puts such a subclass, of whatever session class a runtime
+holds, on that runtime for the steps run inside it, and the previous class
+back after.
 
 It lives outside core, which never imports it (an import contract in
-``pyproject.toml``): the patch layer's backend carries no annotation and no op
-timing, so a step pays nothing for them. :func:`annotating` puts the
-wrapper on a runner's :class:`~camp2p_overlap.core.overlap.streams.streamset.StreamSet`
-for the steps run inside it, and takes it off again.
+``pyproject.toml``): the patch layer's session carries no annotation, so a
+step pays nothing for it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from camp2p_overlap.core.keys import EventKey
-from camp2p_overlap.core.overlap.streams.backend import StreamBackend
+from camp2p_overlap.core.overlap.session import StepSession
 from camp2p_overlap.core.overlap.streams.base import OpHandle
-from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 
 #: The prefix of every profiler range the patch layer's tools open.
 RANGE_PREFIX = "camp2p:"
@@ -59,50 +64,53 @@ def profiler_range(name: str) -> Iterator[None]:
         yield
 
 
-class AnnotatedBackend:
-    """``inner`` (a :class:`StreamBackend`), with :meth:`submit`,
-    :meth:`record` and :meth:`wait` each inside its profiler range;
-    everything else is ``inner``'s own."""
+class AnnotatingSession(StepSession):
+    """A step session whose every op (:meth:`_submit`), record (:meth:`_record`)
+    and wait (:meth:`wait_event`) runs inside its profiler range; everything
+    else is the session's own. :func:`annotated_session_class` puts it in
+    front of any session class."""
 
-    def __init__(self, inner: StreamBackend) -> None:
-        self.inner = inner
-        #: id(event) -> the key it was recorded under (a wait names it).
-        self._keys: dict[int, EventKey] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def submit(self, stream: Any, fn: Callable[[], Any], label: str = "op") -> OpHandle:
+    def _submit(
+        self, stream: Any, kind: str, layer: int | None, stage: int | None, fn: Callable[[], Any], label: str
+    ) -> OpHandle:
         with profiler_range(op_range_name(label)):
-            return self.inner.submit(stream, fn, label)
+            return super()._submit(stream, kind, layer, stage, fn, label)
 
-    def submit_here(self, stream: Any, fn: Callable[[], Any], label: str = "op") -> OpHandle:
-        with profiler_range(op_range_name(label)):
-            return self.inner.submit_here(stream, fn, label)
+    def _record(self, stream: Any, key: EventKey) -> None:
+        with profiler_range(event_range_name("record", stream.name, key)):
+            super()._record(stream, key)
 
-    def record(self, stream: Any, key: EventKey) -> Any:
-        with profiler_range(event_range_name("record", _stream_name(stream), key)):
-            event = self.inner.record(stream, key)
-        self._keys[id(event)] = key
-        return event
+    def wait_event(self, stream: Any, key: EventKey) -> None:
+        with profiler_range(event_range_name("wait", stream.name, key)):
+            super().wait_event(stream, key)
 
-    def wait(self, stream: Any, event: Any) -> None:
-        with profiler_range(event_range_name("wait", _stream_name(stream), self._keys.get(id(event)))):
-            self.inner.wait(stream, event)
+
+@functools.cache
+def annotated_session_class(base: type[StepSession]) -> type[StepSession]:
+    """``base`` with :class:`AnnotatingSession`'s ranges around its ops,
+    records and waits (whatever ``base`` overrides runs inside them); ``base``
+    itself where it annotates already. One class per ``base``."""
+    if issubclass(base, AnnotatingSession):
+        return base
+    return type(f"Annotating{base.__name__}", (AnnotatingSession, base), {"__module__": __name__})
+
+
+class SessionClassHolder(Protocol):
+    """What holds the session class steps make their sessions of (the patch
+    layer's :class:`~camp2p_overlap.core.overlap.runtime.OverlapRuntime`)."""
+
+    session_class: type[StepSession]
 
 
 @contextlib.contextmanager
-def annotating(streamset: StreamSet) -> Iterator[AnnotatedBackend]:
-    """Steps on ``streamset`` run on an :class:`AnnotatedBackend` around its
-    backend while inside; its own backend is back on every exit."""
-    inner = streamset.backend
-    wrapper = AnnotatedBackend(inner)
-    streamset.backend = wrapper  # type: ignore[assignment]
+def annotating(runtime: SessionClassHolder) -> Iterator[type[StepSession]]:
+    """Steps of ``runtime`` that start inside make annotating sessions (an
+    :func:`annotated_session_class` of the session class it holds, which the
+    block gets); its previous session class is back on every exit. Every
+    thread's steps of ``runtime`` are annotated while inside."""
+    previous = runtime.session_class
+    runtime.session_class = cls = annotated_session_class(previous)
     try:
-        yield wrapper
+        yield cls
     finally:
-        streamset.backend = inner
-
-
-def _stream_name(stream: Any) -> str:
-    return str(getattr(stream, "name", "?"))
+        runtime.session_class = previous

@@ -5,15 +5,15 @@ trace-event JSON from ``torch.profiler`` on CUDA), turned into the
 device tasks carry a ``Stream Id`` and are tied to their launch by a
 host-to-device flow event; that reading has not yet met a real NPU trace.
 
-What the trace must hold (the annotating wrapper around the device
-backend writes it, see ``annotated_backend.py``; the profiling tool adds
-the stream markers and the step fences):
+What the trace must hold (the annotating step session writes it, see
+``annotated_backend.py``; the profiling tool adds the stream markers and
+the step fences):
 
 * host ranges named ``camp2p:<kind> L<layer> s<stage>`` around each op the
   session issued (``a2e``, ``e2a``: the op's ``OpKey.label()``),
   ``camp2p:record <stream> <key>`` and ``camp2p:wait <stream> <key>``
   around each event record and wait (the event's ``EventKey.label()``,
-  ``streams/backend.py``'s ``event_range_name``);
+  ``annotated_backend.py``'s ``event_range_name``);
 * ``camp2p:stream <name>`` around a marker launched on each stream
   (``C``, ``K0``, ...): its kernels name the device stream ids;
 * ``camp2p:step-begin`` / ``camp2p:step-end`` around a marker on C right

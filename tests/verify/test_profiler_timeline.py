@@ -1,10 +1,10 @@
 """Device timelines from a profiler trace: the parser (Kineto-style Chrome
 trace JSON -> per-stream kernel timelines -> the checker's TraceOps), the
-device backend's ``camp2p:`` annotations, and ``bench --profile-trace``.
+annotating session's ``camp2p:`` ranges, and ``bench --profile-trace``.
 
 On CPU the trace comes from a simulated device (streams with a device clock
-that honours event waits) driven by the real session through the real
-device backend, written in Kineto's shape; torch.profiler on CPU checks the
+that honours event waits) driven by the real (annotating) session through
+the real device backend, written in Kineto's shape; torch.profiler on CPU checks the
 host side (ranges). The GPU run is the ``gpu``-marked test at the end."""
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ import torch
 from camp2p_overlap.core.keys import A_DONE, F_DONE, EventKey, OpKey
 from camp2p_overlap.core.observe.trace import ExpectedSchedule
 from camp2p_overlap.core.overlap.plan import COMM_SIDE, COMPUTE_SIDE, Layout, StepPlan
+from camp2p_overlap.core.overlap.runtime import OverlapRuntime
 from camp2p_overlap.core.overlap.session import StepSession
 from camp2p_overlap.core.overlap.streams import StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.tools.bench import profile
 from camp2p_overlap.verify import annotated_backend, profiler_timeline
+from camp2p_overlap.verify.annotated_backend import AnnotatingSession
 from camp2p_overlap.verify.edges import check_step
 from camp2p_overlap.verify.profiler_timeline import TimelineError, parse
 
@@ -166,15 +168,18 @@ def simulated(monkeypatch: pytest.MonkeyPatch) -> Any:
 
         monkeypatch.setattr(annotated_backend, "profiler_range", sim.range)
         monkeypatch.setattr(profile, "profiler_range", sim.range)
-        backend = StreamBackend("cuda", sim)  # type: ignore[arg-type]
-        sset = StreamSet(backend, STAGES)
+        sset = StreamSet(StreamBackend("cuda", sim), STAGES)  # type: ignore[arg-type]
+        runtime = OverlapRuntime()  # the steps make their sessions of its session class, as a runner's do
+        runtime.session_class = session_class
 
         def step() -> None:
             plan = StepPlan(LAYERS, STAGES)
-            _loop(session_class(connector=object(), plan=plan, streamset=sset, layout=layout), sim)
+            session = runtime.session_class(connector=object(), plan=plan, streamset=sset, layout=layout)
+            assert isinstance(session, AnnotatingSession) and isinstance(session, session_class)
+            _loop(session, sim)
 
-        profile.profiled_step(step, mod=sim, streamset=sset, launch=marker)
-        assert sset.backend is backend  # the annotating wrapper is off again
+        profile.profiled_step(step, mod=sim, runtime=runtime, streamset=sset, launch=marker)
+        assert runtime.session_class is session_class  # the annotating class is off again
         return parse(json.loads(json.dumps(sim.trace()))), sim
 
     return run
@@ -360,7 +365,7 @@ def test_parser_refuses_what_is_not_a_trace() -> None:
 
 
 def test_host_ranges_from_torch_profiler_on_cpu(tmp_path: Any) -> None:
-    """What the annotating backend writes, read back from a real torch.profiler
+    """What the annotating session writes, read back from a real torch.profiler
     trace: the ranges (names, one host thread, µs -> ns); CPU ops are not
     taken for device kernels."""
     from torch.profiler import ProfilerActivity

@@ -29,7 +29,7 @@ from camp2p_overlap.core.overlap.plan import Layout, layouts_of
 from camp2p_overlap.core.overlap.streams import device_module
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.emulation.standin_patch_layer import emulated_patch_layer
-from camp2p_overlap.verify.annotated_backend import RANGE_PREFIX, annotating, profiler_range
+from camp2p_overlap.verify.annotated_backend import RANGE_PREFIX, SessionClassHolder, annotating, profiler_range
 from camp2p_overlap.verify.edges import check_step
 from camp2p_overlap.verify.profiler_timeline import DeviceTimeline, parse
 
@@ -69,14 +69,16 @@ def profiled_step(
     run_step: Callable[[], Any],
     *,
     mod: Any,
+    runtime: SessionClassHolder,
     streamset: StreamSet,
     launch: Callable[[], None],
 ) -> Any:
-    """The step between two fences, every stream marked, ops annotated (the
-    runner's backend wrapped for the step: ``verify/annotated_backend.py``)."""
+    """The step between two fences, every stream of ``streamset`` marked, its
+    ops, records and waits annotated (``runtime``'s steps make annotating
+    sessions for the step: ``verify/annotated_backend.py``)."""
     side = {k.name: k for k in (*streamset.streams.values(), streamset.ffn)}
     mark_streams(mod, {COMPUTE_STREAM: streamset.backend.compute_stream(), **side}, launch)
-    with annotating(streamset):
+    with annotating(runtime):
         fence("step-begin", launch)
         out = run_step()
         fence("step-end", launch)
@@ -139,7 +141,9 @@ def profile_device_step(
             world.steps_run = PROFILE_STEP_ID
             return world.run_step()
 
-        out, raw = capture(kind, lambda: profiled_step(step, mod=mod, streamset=sset, launch=launch))
+        out, raw = capture(
+            kind, lambda: profiled_step(step, mod=mod, runtime=patch_layer.runtime, streamset=sset, launch=launch)
+        )
     finally:
         if not patch_layer.engine.unpatch(timeout=30.0):
             raise RuntimeError("the profiling patch engine could not unpatch; see the log")
