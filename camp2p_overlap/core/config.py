@@ -129,9 +129,7 @@ def load_config(env: Mapping[str, str] | None = None) -> OverlapConfig:
             problems.append(str(exc))
     if problems:
         raise ConfigError(problems)
-    cfg = OverlapConfig(**values, raw={k: env[k] for k in ENV_VARS if k in env})
-    _check_ranges(cfg)
-    return cfg
+    return OverlapConfig(**values, raw={k: env[k] for k in ENV_VARS if k in env})  # each value checked above
 
 
 def strict_requested(env: Mapping[str, str] | None = None) -> bool:

@@ -112,11 +112,6 @@ class EnvVar:
         """The accepted values of a ``choice`` or ``choice-list``, in order."""
         return tuple(v for v, _ in self.choices)
 
-    @property
-    def example_list(self) -> str:
-        """``choice-list``: a comma list of every value, in order (as an example)."""
-        return ",".join(self.values)
-
     def _list_rule(self) -> str:
         return f"(accepted: one of {', '.join(self.values)}, or a comma list of them, each at most once)"
 
@@ -162,8 +157,7 @@ class EnvVar:
             seconds = float(text)
         except ValueError:
             raise BadValue(f"{self.name}={raw!r} is not a number of seconds") from None
-        if not self._seconds_ok(seconds):
-            raise BadValue(f"{self.name}={raw!r} {self._seconds_rule()}")
+        self._check_seconds(raw, seconds)
         return seconds
 
     def _parse_list(self, raw: str) -> tuple[str, ...]:
@@ -192,8 +186,8 @@ class EnvVar:
             raise BadValue(f"{self.name}={value!r} is not one of {', '.join(self.values)}")
         if self.kind == "choice-list":
             self._check_list(value)
-        if self.kind == "seconds" and not self._seconds_ok(value):
-            raise BadValue(f"{self.name}={value!r} {self._seconds_rule()}")
+        if self.kind == "seconds":
+            self._check_seconds(value, value)
         if self.kind == "address" and not (isinstance(value, str) and is_address(value)):
             raise BadValue(f"{self.name}={value!r} {_ADDRESS_RULE}")
 
@@ -208,13 +202,10 @@ class EnvVar:
             if item in value[:i]:
                 raise BadValue(f"{self.name}={value!r} lists {item!r} twice {self._list_rule()}")
 
-    def _seconds_ok(self, seconds: float) -> bool:
-        return math.isfinite(seconds) and (seconds >= 0 if self.low == 0 else seconds > 0)
-
-    def _seconds_rule(self) -> str:
-        if self.low == 0:
-            return "must be 0 (off) or a positive, finite number of seconds"
-        return "must be a positive, finite number of seconds"
+    def _check_seconds(self, shown: Any, seconds: float) -> None:
+        if not (math.isfinite(seconds) and (seconds >= 0 if self.low == 0 else seconds > 0)):
+            rule = "0 (off) or a positive" if self.low == 0 else "a positive"
+            raise BadValue(f"{self.name}={shown!r} must be {rule}, finite number of seconds")
 
     # -- describing (Markdown; plain text for the CLI) ----------------------
     def default_text(self, markdown: bool = True) -> str:
@@ -236,11 +227,10 @@ class EnvVar:
         """The accepted values: the choices with their meanings, or the range."""
         if self.kind == "switch":
             text = "on/off"
-        elif self.kind == "choice":
+        elif self.kind in ("choice", "choice-list"):
             text = ", ".join(f"`{v}`" + (f" ({m})" if m else "") for v, m in self.choices)
-        elif self.kind == "choice-list":
-            text = ", ".join(f"`{v}`" + (f" ({m})" if m else "") for v, m in self.choices)
-            text += f"; or a comma list of them, each once (`{self.example_list}`)"
+            if self.kind == "choice-list":
+                text += f"; or a comma list of them, each once (`{','.join(self.values)}`)"
         elif self.kind == "integer":
             text = f"{self.noun.split(' ', 1)[1]}, {self.low}–{self.high}"
         elif self.kind == "address":
@@ -252,9 +242,7 @@ class EnvVar:
     def meaning(self, markdown: bool = True) -> str:
         """The whole help: what it does, then the accepted values and what
         unset and 0 mean."""
-        if self.kind == "choice":
-            text = f"{self.help}: {self.accepted()}"
-        elif self.kind == "choice-list":
+        if self.kind in ("choice", "choice-list"):
             text = f"{self.help}: {self.accepted()}" + (f": {self.listed}" if self.listed else "")
         else:
             notes = [] if self.kind == "switch" else [self.accepted()]

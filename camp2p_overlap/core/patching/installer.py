@@ -215,9 +215,7 @@ class Installer:
             done = self._wrap_all(mspec, resolved, adopted, wrappers)
         except ModuleRefused as refusal:
             return refusal.statuses(mspec)
-        for rec in adopted:
-            if rec in self.stuck:
-                self.stuck.remove(rec)
+        self.stuck = [rec for rec in self.stuck if rec not in adopted]
         self.records[mspec.name] = done
         if left_out:
             self.optional_refused[mspec.name] = left_out

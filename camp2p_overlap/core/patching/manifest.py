@@ -116,10 +116,7 @@ class StackManifest:
         return tuple(t for m in self.modules for t in m.targets)
 
     def module(self, name: str) -> ModuleSpec:
-        for m in self.modules:
-            if m.name == name:
-                return m
-        raise KeyError(name)
+        return {m.name: m for m in self.modules}[name]
 
     def rebased(self, old_root: str, new_root: str) -> StackManifest:
         """The same manifest with module names moved from package ``old_root``

@@ -124,17 +124,12 @@ def _line_text(line: tuple[int, int]) -> str:
     return f"{line[0]}.{line[1]}"
 
 
-def _first_fixed() -> dict[tuple[int, int], Build]:
-    """The first build with the fix of each line in the table."""
-    first: dict[tuple[int, int], Build] = {}
-    for b in BUILDS:
-        v = Version(b.version)
-        if b.fixed and (_line(v) not in first or v < Version(first[_line(v)].version)):
-            first[_line(v)] = b
-    return first
-
-
-FIRST_FIXED = _first_fixed()
+_FIXED = [b for b in BUILDS if b.fixed]
+#: The first build with the fix of each line in the table (the earliest listed among equal versions).
+FIRST_FIXED: dict[tuple[int, int], Build] = {
+    line: min((b for b in _FIXED if _line(Version(b.version)) == line), key=lambda b: Version(b.version))
+    for line in {_line(Version(b.version)) for b in _FIXED}
+}
 #: Versions that both a fixed and an unfixed release tag read.
 SHARED_VERSIONS = frozenset(
     Version(b.version) for b in BUILDS if b.fixed and any(not o.fixed and o.version == b.version for o in BUILDS)
