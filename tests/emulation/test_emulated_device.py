@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from camp2p_overlap.core.keys import A_DONE, E_DONE, F_DONE, EventKey
+from camp2p_overlap.core.overlap.adaptive import BucketKey, StepTimings
 from camp2p_overlap.core.overlap.streams import (
     BackendUnavailable,
     StreamBackend,
@@ -82,6 +83,13 @@ def gate_on(s: Any) -> threading.Event:
     return gate
 
 
+def record(backend: StreamBackend, stream: Any, k: EventKey) -> Any:
+    """Record the pooled event of ``k`` on ``stream``, as the session does."""
+    ev = backend.event(k)
+    ev.record(stream)
+    return ev
+
+
 def key(kind: str, layer: int = 0, stage: int = 0) -> EventKey:
     return EventKey(kind, layer, stage)
 
@@ -117,7 +125,7 @@ def test_the_compute_stream_is_a_worker_too(backend: StreamBackend) -> None:
         h = backend.submit(
             c, lambda: dev.launch(lambda: ran.append(threading.current_thread())) or "value", label="ffn"
         )
-        ev = backend.record(c, key(F_DONE))
+        ev = record(backend, c, key(F_DONE))
         assert h.result() == "value"  # the host returned at once ...
         assert not h.done() and ran == []  # ... the kernel runs later, on C
         assert not ev.query()
@@ -135,14 +143,14 @@ def test_a_host_error_in_an_op_is_its_result_and_poisons_nothing(backend: Stream
     with pytest.raises(ZeroDivisionError):
         bad.result()
     assert isinstance(bad.exception(), ZeroDivisionError)
-    assert backend.step_errors([c]) == [] and c.poisoned is None
+    assert backend.peek_errors([c]) == [] and c.poisoned is None
 
 
 def test_an_event_completes_when_its_stream_reaches_it(backend: StreamBackend) -> None:
     k = backend.new_stream("K0")
     gate = gate_on(k)
     h = backend.submit(k, lambda: dev.launch(lambda: None) or "ran")
-    ev = backend.record(k, key(A_DONE))
+    ev = record(backend, k, key(A_DONE))
     try:
         assert not ev.query() and not h.done()
     finally:
@@ -160,8 +168,8 @@ def test_a_wait_holds_its_stream_until_the_record_fires(backend: StreamBackend) 
     gate = gate_on(k0)
     ran: list[str] = []
     try:
-        ev = backend.record(k0, key(F_DONE))
-        backend.wait(k1, ev)  # the host does not block
+        ev = record(backend, k0, key(F_DONE))
+        k1.wait_event(ev)  # the host does not block
         backend.submit(k1, lambda: dev.launch(lambda: ran.append("after")))
         assert not k1.drain(timeout=0.05)  # stuck behind the wait
         assert until(lambda: k1.current == "wait")  # what the stream is doing
@@ -257,9 +265,9 @@ def test_a_failed_kernel_poisons_its_stream_until_the_next_step(backend: StreamB
 
     bad = backend.submit(k, lambda: dev.launch(fail) or "value", label="a2e L0 s0")
     later = backend.submit(k, lambda: dev.launch(lambda: ran.append("never")), label="e2a L0 s0")
-    backend.wait(k, backend.record(other, key(F_DONE)))  # waits on the poisoned stream still fire
-    ev = backend.record(k, key(E_DONE))  # and so do its records
-    backend.wait(other, ev)
+    k.wait_event(record(backend, other, key(F_DONE)))  # waits on the poisoned stream still fire
+    ev = record(backend, k, key(E_DONE))  # and so do its records
+    other.wait_event(ev)
     backend.submit(other, lambda: dev.launch(lambda: ran.append("other")))
     assert k.drain(timeout=BOUND_S) and other.drain(timeout=BOUND_S)  # nothing hangs
     assert ev.query()
@@ -269,10 +277,10 @@ def test_a_failed_kernel_poisons_its_stream_until_the_next_step(backend: StreamB
     assert str(later.exception()).startswith("e2a L0 s0 skipped on stream K0: an earlier kernel failed (KeyError")
     assert ran == ["other"]
     assert k.poisoned is boom and k.errors == [boom]
-    assert backend.step_errors([k]) == [boom] and backend.step_errors([other]) == []
-    assert backend.step_errors([k]) == [boom]  # peeking does not take
-    backend.begin_step([k])
-    assert backend.step_errors([k]) == [] and k.poisoned is None
+    assert backend.peek_errors([k]) == [boom] and backend.peek_errors([other]) == []
+    assert backend.peek_errors([k]) == [boom]  # peeking does not take
+    backend.take_errors([k])
+    assert backend.peek_errors([k]) == [] and k.poisoned is None
     h = backend.submit(k, lambda: dev.launch(lambda: ran.append("ok")))
     assert k.drain(timeout=BOUND_S)
     assert ran == ["other", "ok"] and h.exception() is None
@@ -678,24 +686,23 @@ def test_step_timing_reads_the_events_by_query_only(backend: StreamBackend, monk
     monkeypatch.setattr(dev, "synchronize", no_sync)
     monkeypatch.setattr(dev.Event, "query", counted)
     c = backend.compute_stream()
+    seen: list[float] = []
+    adaptive = SimpleNamespace(record=lambda key, path, seconds: seen.append(seconds))
+    timings = StepTimings(SimpleNamespace(adaptive=adaptive))
+    bucket = BucketKey("timing-test", 2, 2, 8)
     gate = gate_on(c)
     try:
-        token = backend.step_timer_start()
-        backend.submit(c, lambda: dev.launch(lambda: time.sleep(0.01)))
-        backend.step_timer_stop(token)
-        assert backend.step_timer_elapsed_s(token) is None  # C has not reached the end event
-        assert queries == [False]
+        launch = lambda: dev.launch(lambda: time.sleep(0.01))  # noqa: E731
+        timings.timed(bucket, "overlap", backend, lambda: backend.submit(c, launch))
+        assert seen == [] and queries == [False]  # C has not reached the end event: read later
+        (pair,) = [entry[3] for entry in timings._pending]
     finally:
         gate.set()
     assert c.drain(timeout=BOUND_S)
-    seconds = backend.step_timer_elapsed_s(token)
-    assert seconds is not None and 0.009 <= seconds < 60.0
-    again = backend.step_timer_start()  # the events went back to the pool
-    assert again[0] is token[0] and again[1] is token[1]
-    backend.step_timer_stop(again)
-    assert c.drain(timeout=BOUND_S)
-    assert backend.step_timer_elapsed_s(again) is not None
-    assert queries == [False, True, True]
+    timings.read_ready()
+    assert len(seen) == 1 and 0.009 <= seen[0] < 60.0 and queries == [False, True]
+    assert backend.timing_events == [pair]  # the events went back to the pool
+    assert backend.timing_pair() is pair
 
 
 # ---------------------------------------------------------------------------
@@ -706,16 +713,16 @@ def test_the_stream_log_holds_what_each_stream_performed(backend: StreamBackend)
     k0, k1 = backend.new_stream("K0"), backend.new_stream("K1")
     c = backend.compute_stream()
     assert backend.start_log()
-    fork = backend.record(c, EventKey.fork())
-    backend.wait(k0, fork)
+    fork = record(backend, c, EventKey.fork())
+    k0.wait_event(fork)
     backend.submit(k0, lambda: dev.launch(lambda: None), label="a2e L0 s0")
-    a = backend.record(k0, key(A_DONE))
+    a = record(backend, k0, key(A_DONE))
     a_record = a.last
-    backend.wait(c, a)
-    backend.wait(k1, a)  # queued; performed once K0 reached the record
+    c.wait_event(a)
+    k1.wait_event(a)  # queued; performed once K0 reached the record
     backend.submit(k1, lambda: dev.launch(lambda: None), label="e2a L0 s1")
-    j = backend.record(k1, EventKey.join(1))
-    backend.wait(c, j)
+    j = record(backend, k1, EventKey.join(1))
+    c.wait_event(j)
     log = backend.stop_log()
     dev.synchronize()
     entries = log.entries()
@@ -735,7 +742,7 @@ def test_the_stream_log_holds_what_each_stream_performed(backend: StreamBackend)
     for e in entries:
         if e.kind == "kernel":
             assert 0 <= e.launched_ns <= e.start_ns <= e.end_ns
-    backend.wait(c, backend.record(k0, key(E_DONE)))  # after the log was stopped
+    c.wait_event(record(backend, k0, key(E_DONE)))  # after the log was stopped
     dev.synchronize()
     assert len(log.entries()) == 9
     assert backend.stop_log() == []  # none open

@@ -533,11 +533,8 @@ def test_the_scrape_and_the_summary_touch_no_device_event(
 
     for owner, names in (
         (PATCH_LAYER.runtime, ("stats",)),
-        (StepTimings, ("read_ready", "record")),
-        (
-            backend.StreamBackend,
-            ("step_timer_elapsed_s", "step_timer_start", "step_timer_stop", "synchronize", "record", "wait"),
-        ),
+        (StepTimings, ("read_ready", "timed")),
+        (backend.StreamBackend, ("timing_pair", "synchronize", "event")),
         (worker.Event, ("query", "synchronize", "elapsed_time", "record", "wait")),
         (worker.Stream, ("query", "synchronize", "record_event", "wait_event")),
     ):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -601,16 +602,23 @@ class _FakeDevice:
 def test_device_step_timing_reads_events_later_and_never_synchronizes() -> None:
     dev = _FakeDevice()
     backend = StreamBackend("fake", dev)  # type: ignore[arg-type]
-    token = backend.step_timer_start()
-    dev.clock[0] = 0.025
-    backend.step_timer_stop(token)
-    assert backend.step_timer_elapsed_s(token) is None  # not complete yet: ask again later
+    seen: list[tuple[str, float]] = []
+    adaptive = SimpleNamespace(record=lambda k, m, s: seen.append((m, round(s, 3))))
+    timings = StepTimings(SimpleNamespace(adaptive=adaptive))
+
+    def step() -> str:
+        dev.clock[0] += 0.025
+        return "out"
+
+    assert timings.timed(KEY, "overlap", backend, step) == "out"  # type: ignore[arg-type]
+    assert seen == []  # not complete yet: read later
     for ev in dev.events:
         ev.done = True
-    assert backend.step_timer_elapsed_s(token) == pytest.approx(0.025)
+    timings.read_ready()
+    assert seen == [("overlap", 0.025)]
     assert "query" in dev.log and len(dev.events) == 2
-    again = backend.step_timer_start()  # the pair went back to the pool
-    assert len(dev.events) == 2 and again == token
+    timings.timed(KEY, "overlap", backend, step)  # type: ignore[arg-type]
+    assert len(dev.events) == 2  # the pair went back to the pool
 
 
 def test_runtime_collect_reads_only_completed_timings_in_order() -> None:
@@ -623,13 +631,9 @@ def test_runtime_collect_reads_only_completed_timings_in_order() -> None:
     a.record = lambda k, m, s: recorded.append((m, round(s, 3))) if k == key else real(k, m, s)  # type: ignore[method-assign]
     timings = StepTimings(PATCH_LAYER.runtime)  # one runner's
     try:
-        tokens = []
         for i, mode in enumerate(("overlap", "serial")):
-            t = backend.step_timer_start()
-            dev.clock[0] += 0.010 * (i + 1)
-            backend.step_timer_stop(t)
-            tokens.append(t)
-            timings.record(key, mode, backend, t)  # type: ignore[arg-type]
+            timings.timed(key, mode, backend, lambda i=i: dev.clock.__setitem__(0, dev.clock[0] + 0.010 * (i + 1)))  # type: ignore[arg-type]
+        tokens = [dev.events[0:2], dev.events[2:4]]
         assert recorded == []  # nothing completed: nothing read, nothing waited for
         tokens[1][1].done = tokens[1][0].done = True
         timings.read_ready()

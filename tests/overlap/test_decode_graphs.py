@@ -271,16 +271,17 @@ def test_comm_side_with_the_opt_in_as_torch_npu_fails_its_capture_and_the_key_ke
 class InjectedTimes:
     """Every timing a runner records (steps and replays) replaced by a time
     ``seconds(choice, path)`` gives (``choice``: the key's own adaptive
-    state for a replay, None for an eager step); its event pair goes back."""
+    state for a replay, None for an eager step); no event is recorded."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, seconds: Any) -> None:
         self.seconds = seconds
 
-        def record(timings: StepTimings, key: Any, path: str, backend: Any, token: Any, into: Any = None) -> None:
-            backend.step_timer_discard(token)
+        def timed(timings: StepTimings, key: Any, path: str, backend: Any, run: Any, into: Any = None) -> Any:
+            result = run()
             (into or timings._owner.adaptive).record(key, path, self.seconds(into, path))
+            return result
 
-        monkeypatch.setattr(StepTimings, "record", record)
+        monkeypatch.setattr(StepTimings, "timed", timed)
 
 
 def replayed_graph(chooser: VariantGraph, w: World, n: int, ref: dict) -> str:
@@ -694,8 +695,14 @@ def test_a_replay_that_raises_gives_its_timing_pair_back(patch_layer: PatchLayer
             replay(w, n)
         backend = chooser.captured.backend
         made: list[Any] = []
-        real_pair = backend._new_step_timer_pair
-        backend._new_step_timer_pair = lambda: made.append(1) or real_pair()
+        real_pair = backend.timing_pair
+
+        def counted() -> Any:
+            if not backend.timing_events:  # a new pair: none free in the pool
+                made.append(1)
+            return real_pair()
+
+        backend.timing_pair = counted
 
         def broken() -> None:
             raise RuntimeError("replay failed")

@@ -566,10 +566,10 @@ def test_wrong_order_on_one_stream_deadlocks_driving_the_backend_directly() -> N
         assert isinstance(a1.exception(), PeerTimeoutError)
         assert "waiting for this stage's e2a" in str(a1.exception())
         assert isinstance(e0.exception(), StreamPoisonedError) and "e2a L0 skipped" in str(e0.exception())
-        assert backend.step_errors([k]) == [a1.exception()]
+        assert backend.peek_errors([k]) == [a1.exception()]
         # The right order on the same stream completes.
         t.begin_step(2, [0, 1], [0])
-        backend.begin_step([k])
+        backend.take_errors([k])
         a0 = backend.submit(k, lambda: t.a2e(group="afd", stage=0, layer=0, num_tokens=4))
         hidden, bs = a0.result()
         backend.submit(k, lambda: t.e2a(group="afd", stage=0, layer=0, routed=hidden, shared=None, atten_batch_size=bs))

@@ -10,8 +10,8 @@ stream included, so a missing wait of either kind changes outputs: the
 FFN reading an A2E buffer not yet filled (edge 3), and an E2A sending an
 FFN output not yet computed (edge 4). Holds make the stale read certain,
 not likely. The waits are removed in two places: in the session (a
-subclass that skips the wait) and in the backend (its ``wait`` drops it
-while the session still records that it asked for it). The fork and the
+subclass that skips the wait) and on the device (a stream's ``wait_event``
+drops it while the session still records that it asked for it). The fork and the
 join (edges 1 and 7) order no output of a step the test reads (the next
 step starts after the world synchronizes the device): the edge checker
 alone catches their loss.
@@ -38,7 +38,6 @@ from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.observe.trace import ExpectedSchedule
 from camp2p_overlap.core.overlap.session import StepSession
 from camp2p_overlap.core.overlap.streams import make_backend
-from camp2p_overlap.core.overlap.streams.backend import StreamBackend
 from camp2p_overlap.core.patch_layer import PatchLayer, build_patch_layer
 from camp2p_overlap.emulation import device
 from camp2p_overlap.verify import edges
@@ -112,19 +111,18 @@ class SessionJoinsNoSideStream(StepSession):
             self.forked = forked
 
 
-def _backend_dropping(kind: str) -> Callable[..., None]:
-    """A backend ``wait`` that silently drops every wait on an event of
-    ``kind`` (the session believes it waited): in each layout one stream
-    waits each kind (a_done: the FFN's; f_done: the E2A's; fork: each side
-    stream; join: C)."""
-    original = StreamBackend.wait
+def _device_dropping(kind: str) -> Callable[..., None]:
+    """A device stream ``wait_event`` that silently drops every wait on an event of ``kind`` (the session issued
+    the wait and logged it): in each layout one stream waits each kind (a_done: the FFN's; f_done: the E2A's;
+    fork: each side stream; join: C)."""
+    original = device.Stream.wait_event
 
-    def wait(self: StreamBackend, stream: Any, event: Any) -> None:
-        if event.key.kind == kind:
+    def wait_event(self: Any, event: Any) -> None:
+        if getattr(event, "key", None) is not None and event.key.kind == kind:
             return
-        original(self, stream, event)
+        original(self, event)
 
-    return wait
+    return wait_event
 
 
 class _Flags:
@@ -218,7 +216,7 @@ def _run_broken(
     if session is not None:
         monkeypatch.setattr(patch_layer.runtime, "session_class", session)
     if wait is not None:
-        monkeypatch.setattr(StreamBackend, "wait", wait)
+        monkeypatch.setattr(device.Stream, "wait_event", wait)
     if hold is not None:
         hold(w)
     device.take_timing()
@@ -289,9 +287,9 @@ def test_session_without_ffn_wait_for_a2e(
 
 @LAYOUTS
 @TIMINGS
-def test_backend_dropping_ffn_wait_for_a2e(monkeypatch: pytest.MonkeyPatch, timing: str, layout: str) -> None:
+def test_device_dropping_ffn_wait_for_a2e(monkeypatch: pytest.MonkeyPatch, timing: str, layout: str) -> None:
     got, ref, ops = _run_broken(
-        monkeypatch, timing, layout, wait=_backend_dropping(A_DONE), hold=_hold_a2e_fill_until_its_ffn_ran
+        monkeypatch, timing, layout, wait=_device_dropping(A_DONE), hold=_hold_a2e_fill_until_its_ffn_ran
     )
     assert _differs(got, ref) == sorted(ref)
     performed = _checked(ops, layout)
@@ -329,9 +327,9 @@ def test_session_without_e2a_wait_for_ffn(monkeypatch: pytest.MonkeyPatch, timin
 
 @LAYOUTS
 @TIMINGS
-def test_backend_dropping_e2a_wait_for_ffn(monkeypatch: pytest.MonkeyPatch, timing: str, layout: str) -> None:
+def test_device_dropping_e2a_wait_for_ffn(monkeypatch: pytest.MonkeyPatch, timing: str, layout: str) -> None:
     got, ref, ops = _run_broken(
-        monkeypatch, timing, layout, wait=_backend_dropping(F_DONE), hold=_hold_ffn_until_its_e2a_ran
+        monkeypatch, timing, layout, wait=_device_dropping(F_DONE), hold=_hold_ffn_until_its_e2a_ran
     )
     assert _differs(got, ref) == sorted(ref)
     performed = _checked(ops, layout)
@@ -362,9 +360,9 @@ def _compute_side_step(monkeypatch: pytest.MonkeyPatch, **broken: Any) -> tuple[
     return ops, marks
 
 
-@pytest.mark.parametrize("where", ["session", "backend"])
+@pytest.mark.parametrize("where", ["session", "device"])
 def test_a_missing_join_of_f_is_caught_by_the_checker(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
-    broken = {"session": SessionSkipsJoinOfF} if where == "session" else {"wait": _backend_dropping(JOIN)}
+    broken = {"session": SessionSkipsJoinOfF} if where == "session" else {"wait": _device_dropping(JOIN)}
     ops, _ = _compute_side_step(monkeypatch, **broken)
     performed = _checked(ops, "compute-side")
     assert f"{EDGE7}: the work of F is not waited by C after the step's last op on C" in performed
@@ -385,12 +383,12 @@ def test_a_join_with_no_edge_is_caught_by_the_checker(monkeypatch: pytest.Monkey
         assert f"{EDGE7}: the work of F is not waited by C" in _checked(ops, "compute-side", source), source
 
 
-@pytest.mark.parametrize("where", ["session", "backend"])
+@pytest.mark.parametrize("where", ["session", "device"])
 def test_a_missing_fork_wait_of_f_is_caught_by_the_checker(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
-    broken = {"session": SessionSkipsForkWaitOfF} if where == "session" else {"wait": _backend_dropping(FORK)}
+    broken = {"session": SessionSkipsForkWaitOfF} if where == "session" else {"wait": _device_dropping(FORK)}
     ops, f_marks = _compute_side_step(monkeypatch, **broken)
     # F's first wait is a_done(first layer, first stage), an event of C: only the fork names what it orders.
-    assert f_marks[0].detail == (EventKey.fork() if where == "backend" else EventKey(A_DONE, 0, 0)).label()
+    assert f_marks[0].detail == (EventKey.fork() if where == "device" else EventKey(A_DONE, 0, 0)).label()
     performed = _checked(ops, "compute-side")
     assert f"{EDGE1}: F starts with" in performed, performed
     asked = _checked(ops, "compute-side", "session")
@@ -422,11 +420,12 @@ def test_a_host_that_reads_without_waiting_reads_stale_data() -> None:
             return out
 
         h = b.submit(k, op, label="a2e L0 s0")
-        ev = b.record(k, EventKey(A_DONE, 0, 0))
+        ev = b.event(EventKey(A_DONE, 0, 0))
+        ev.record(k)
         early = h.result()  # no wait: the value, unfilled
         assert torch.isnan(early).all() and not h.done() and not ev.query()
         c = b.compute_stream()
-        b.wait(c, ev)
+        c.wait_event(ev)
         assert torch.isnan(early).all()  # the wait is queued on C: the host did not block
         gate.set()
         b.synchronize(c)

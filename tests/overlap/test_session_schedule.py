@@ -409,7 +409,7 @@ def _stream_set(stages: list[int], *, host_ops: bool = False) -> Iterator[Stream
     try:
         yield sset
     finally:
-        backend.set_stream(caller)
+        backend.mod.set_stream(caller)
         sset.close()
 
 

@@ -136,7 +136,7 @@ def test_device_backend_schedule_equals_serial_and_reuses_events(
         res = edges.check_step(rec.ops(rec.steps()[0]), expected)
         assert res.ok, str(res)
         (sset,) = stream_sets(patch_layer)
-        made = (len(sset.backend._events), tuple(id(k) for k in (*sset.streams.values(), sset.ffn)))
+        made = (len(sset.backend.events), tuple(id(k) for k in (*sset.streams.values(), sset.ffn)))
         if i == 0:
             made_after_first = made
     # Streams (K0, K1, K2 and F, made once) and events (pooled by key) are reused across steps.

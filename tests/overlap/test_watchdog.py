@@ -370,17 +370,19 @@ def test_watchdog_only_reads_a_failing_step_fails_the_same_way(make_world, logs,
 
 
 def _fake_device():
-    """A device backend whose ops return at once (DoneHandles) and whose
-    events complete when a test says so; a synchronize fails the test."""
-    from types import SimpleNamespace
+    """A stream backend over a device module whose ops return at once (DoneHandles) and whose events complete when
+    a test says so (``dev.mod.made``: every event made, in order); a synchronize fails the test."""
+    import contextlib
 
     from camp2p_overlap.core.overlap.streams.backend import StreamBackend
-    from camp2p_overlap.core.overlap.streams.base import NO_CAPABILITIES, DoneHandle
 
     class Event:
-        def __init__(self) -> None:
+        def __init__(self, **_: object) -> None:
             self.done = False
             self.queries = 0
+
+        def record(self, stream: object = None) -> None:
+            pass
 
         def query(self) -> bool:
             self.queries += 1
@@ -389,43 +391,39 @@ def _fake_device():
         def synchronize(self) -> None:
             raise AssertionError("the stall report must not synchronize")
 
-    class Device(StreamBackend):
-        name = "fake-device"
+    class FakeStream:
+        def __init__(self, device: object = None, name: str = "?") -> None:
+            self.name = name
 
-        def __init__(self) -> None:
-            self.events: list[Event] = []
-            self.capabilities, self._tracked = NO_CAPABILITIES, None
-
-        def compute_stream(self) -> object:
-            return SimpleNamespace(name="C")
-
-        def new_stream(self, name: str) -> object:
-            return SimpleNamespace(name=name)
-
-        def submit(self, stream, fn, label="op"):
-            return DoneHandle(fn(), start_ns=0, end_ns=0)
-
-        def record(self, stream, key) -> Event:
-            ev = Event()
-            self.events.append(ev)
-            return ev
-
-        def wait(self, stream, event) -> None:
+        def wait_event(self, event: Event) -> None:
             pass
 
-        def is_capturing(self) -> bool:
-            return False
-
-        def scope(self, stream):
-            return contextlib.nullcontext()
-
-        def set_stream(self, stream) -> None:
-            self.current = stream
-
-        def synchronize(self, stream) -> None:
+        def synchronize(self) -> None:
             raise AssertionError("the watchdog must not synchronize")
 
-    return Device()
+    class Module:
+        __name__ = "fake-device"
+        Stream = FakeStream
+
+        def __init__(self) -> None:
+            self.made: list[Event] = []
+            self.caller = self.current = FakeStream(name="C")
+
+        def Event(self, **kw: object) -> Event:
+            ev = Event(**kw)
+            self.made.append(ev)
+            return ev
+
+        def stream(self, stream: object) -> contextlib.AbstractContextManager[object]:
+            return contextlib.nullcontext(stream)
+
+        def current_stream(self) -> FakeStream:
+            return self.caller
+
+        def set_stream(self, stream: FakeStream) -> None:
+            self.current = stream
+
+    return StreamBackend("fake-device", Module())  # type: ignore[arg-type]
 
 
 def _fake_session(dev, layout=None):
@@ -468,8 +466,8 @@ def test_report_on_a_device_backend_reads_events_not_handles() -> None:
     assert "likely missing peer op" not in text
     # One report queries each event once, although each op's state is read
     # for its stage line, its stream's position, the culprit and the list.
-    assert dev.events and [ev.queries for ev in dev.events] == [1] * len(dev.events)
-    fork = dev.events[0]
+    assert dev.mod.made and [ev.queries for ev in dev.mod.made] == [1] * len(dev.mod.made)
+    fork = dev.mod.made[0]
     fork.done = True
     text = stall_report(session.snapshot())
     assert "compute stream C is waiting on the device for a2e(L0,s0) on K0 (event a L0 s0 pending)" in text
@@ -478,8 +476,8 @@ def test_report_on_a_device_backend_reads_events_not_handles() -> None:
     assert "likely missing peer op: a2e(L0,s0) on K0 (enqueued, not complete on the device)" in text
     assert "likely missing peer op: a2e(L0,s2) on K2 (enqueued, not complete on the device)" in text
     assert "ops not finished: a2e(L0,s0) on K0, a2e(L0,s2) on K2" in text
-    assert [ev.queries for ev in dev.events] == [2] * len(dev.events)
-    for ev in dev.events:
+    assert [ev.queries for ev in dev.mod.made] == [2] * len(dev.mod.made)
+    for ev in dev.mod.made:
         ev.done = True
     text = stall_report(session.snapshot())
     assert "a2e(L0,s0) on K0: done" in text and "a2e(L0,s2) on K2: done" in text
@@ -502,14 +500,14 @@ def test_report_on_a_device_backend_in_compute_side_follows_c_and_f() -> None:
 
     dev = _fake_device()
     session = _fake_session(dev, COMPUTE_SIDE)
-    assert dev.current.name == "F"  # the loop's work runs on F from the first receive
+    assert dev.mod.current.name == "F"  # the loop's work runs on F from the first receive
     text = stall_report(session.snapshot())
     assert "host: in the FFN of (L0,s0) (the model's host part)" in text
     assert "  compute stream C has not reached its record of event fork yet\n" in text
     assert "  FFN stream: F waits for the start of the step on C (event fork pending)\n" in text
     assert "stage 0 (stream C, group afd): 1 op(s) issued\n" in text
     assert "likely missing peer op" not in text
-    fork = dev.events[0]
+    fork = dev.mod.made[0]
     fork.done = True
     text = stall_report(session.snapshot())
     assert (
@@ -519,13 +517,13 @@ def test_report_on_a_device_backend_in_compute_side_follows_c_and_f() -> None:
     assert "a2e(L0,s2) on C: enqueued, not complete on the device" in text
     assert "likely missing peer op: a2e(L0,s0) on C (enqueued, not complete on the device)" in text
     assert text.count("likely missing peer op") == 1  # a2e(L0,s2) waits behind it on C
-    for ev in dev.events:
+    for ev in dev.mod.made:
         ev.done = True
     text = stall_report(session.snapshot())
     assert "every issued op has finished" in text
     assert "  FFN stream: F is at the FFN of (L0,s0), whose send the host has not issued yet" in text
     session.close(raising=True)
-    assert dev.current.name == "C"  # the caller's stream is current again
+    assert dev.mod.current.name == "C"  # the caller's stream is current again
     text = stall_report(session.snapshot())
     assert "host: has issued the whole step and closed it" in text
     assert (
@@ -548,7 +546,7 @@ def test_after_the_host_closes_the_step_the_watchdog_follows_the_device(logs) ->
     watchdog.cancel()
     watchdog.join(0.1)
     assert watchdog.is_alive()  # the device has not run the step yet
-    for ev in dev.events:
+    for ev in dev.mod.made:
         ev.done = True
     watchdog.join(5.0)
     assert not watchdog.is_alive() and not watchdog.reported
@@ -581,14 +579,14 @@ def test_stopped_watchdogs_end_without_a_report_or_a_query(logs) -> None:
     assert watchdog is not None
     watchdog.cancel()
     deadline = time.perf_counter() + 5.0
-    while not any(ev.queries for ev in dev.events) and time.perf_counter() < deadline:
+    while not any(ev.queries for ev in dev.mod.made) and time.perf_counter() < deadline:
         time.sleep(0.001)  # until it follows the step
     assert stop_watchdogs()
     assert not watchdog.is_alive()
-    queried = [ev.queries for ev in dev.events]
+    queried = [ev.queries for ev in dev.mod.made]
     time.sleep(0.6)  # past its deadline
     assert not watchdog.is_alive() and not watchdog.reported
-    assert [ev.queries for ev in dev.events] == queried
+    assert [ev.queries for ev in dev.mod.made] == queried
     assert stall_reports(logs) == []
 
 

@@ -17,7 +17,7 @@ import sys
 import torch
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.keys import A_DONE
+from camp2p_overlap.core.keys import A_DONE, JOIN
 from camp2p_overlap.core.overlap.session import StepSession
 from camp2p_overlap.emulation.kernel_world import build_device_world
 from camp2p_overlap.emulation.moe import MoEShape
@@ -36,12 +36,12 @@ spec = WorldSpec(
 )
 dw = build_device_world(spec, "cuda", root=site.root)
 tokens = {0: 64, 1: 48}
+orig_wait = StepSession.wait_event
 
 if mode == "race":
     # Drop the FFN's wait for its A2E (the FFN's stream waits a_done): the FFN
     # reads what the A2E's stream writes (compute-side: F reads C's; comm-side:
     # C reads K_s's).
-    orig_wait = StepSession.wait_event
 
     def _wait(self, stream, key):
         if key.kind == A_DONE:
@@ -51,12 +51,12 @@ if mode == "race":
     StepSession.wait_event = _wait
 
 
-def no_join(self):
-    # The join dropped: the side streams (F, or K_s) never rejoin C before the forward returns; the caller's
+def no_join(self, stream, key):
+    # The join's waits dropped: the side streams (F, or K_s) never rejoin C before the forward returns; the caller's
     # stream is made current again as the real join does.
-    if self._current is not None:
-        self._restore_caller()
-    self.release_buffers()
+    if key.kind == JOIN:
+        return
+    return orig_wait(self, stream, key)
 
 
 layouts = tuple(x for x in os.environ.get("VLLM_CAMP2P_MULTISTREAM_LAYOUT", "compute-side").split(",") if x)
@@ -138,7 +138,7 @@ with emulation_engine() as engine:
             dw.world.run_step(tokens)
         torch.cuda.synchronize()
         print("CAPTURE_WITH_JOIN_OK")
-        StepSession.join = no_join
+        StepSession.wait_event = no_join
         g2 = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(g2):  # B: without it, capture must fail

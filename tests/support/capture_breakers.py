@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from camp2p_overlap.core.overlap.session import JOIN_KEYS, StepSession
+from camp2p_overlap.core.keys import JOIN, EventKey
+from camp2p_overlap.core.overlap.session import StepSession
 
 
 class SyncsInCapture(StepSession):
@@ -27,13 +28,9 @@ class ForgetsToJoin(StepSession):
     current again, as after a join): in every layout a side stream ends with work the capture's stream does not
     depend on."""
 
-    def join(self) -> None:
-        if self._current is not None:
-            self._restore_caller()
-        if self.forked:
-            for s, k in self.side_streams.items():
-                self._record(k, JOIN_KEYS[s])  # no wait of the caller's stream
-        self.release_buffers()
+    def wait_event(self, stream: Any, key: EventKey) -> None:
+        if key.kind != JOIN:  # the join's record stays, its wait goes
+            super().wait_event(stream, key)
 
 
 class ReadsOnTheHost(StepSession):

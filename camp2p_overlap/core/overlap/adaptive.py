@@ -291,8 +291,13 @@ def _ms(seconds: float | None) -> str:
 #: Timings waiting for their device events, at most (older ones are dropped).
 MAX_PENDING_TIMINGS = 64
 
-#: A timing not read yet: bucket, path, backend, token, the adaptive engage it feeds.
+#: A timing not read yet: bucket, path, backend, its (start, end) events, the adaptive engage it feeds.
 Pending = tuple[BucketKey, Path, StreamBackend, Any, "AdaptiveEngage | None"]
+
+
+def elapsed_s(start: Any, end: Any) -> float | None:
+    """Seconds from ``start`` to ``end`` once ``end`` has completed (``query()``, never a synchronize), else None."""
+    return start.elapsed_time(end) / 1e3 if end.query() else None
 
 
 class StepTimings:
@@ -311,17 +316,6 @@ class StepTimings:
         self._lock = threading.Lock()
         self._pending = deque()
 
-    def record(
-        self, key: BucketKey, path: Path, backend: StreamBackend, token: Any, into: AdaptiveEngage | None = None
-    ) -> None:
-        """Queue a timing and read what is ready. ``into``: the adaptive engage it feeds (None: the runtime's)."""
-        with self._lock:
-            self._pending.append((key, path, backend, token, into))
-            while len(self._pending) > MAX_PENDING_TIMINGS:
-                dropped = self._pending.popleft()
-                dropped[2].step_timer_discard(dropped[3])
-        self.read_ready()
-
     def timed(
         self,
         key: BucketKey,
@@ -330,19 +324,26 @@ class StepTimings:
         run: Callable[[], Any],
         into: AdaptiveEngage | None = None,
     ) -> Any:
-        """``run()`` timed on the compute stream and recorded for ``key``; a run that raised is not recorded. Not
+        """``run()`` timed on the compute stream (a pair of the backend's pooled timing events) and queued for
+        ``key``; a run that raised is not recorded. ``into``: the adaptive engage it feeds (None: the runtime's). Not
         timed while a capture is in progress on any thread: the timing could not be read before the capture ends,
-        and a pair the pool lacks would be an event made during a capture."""
-        token = None if GUARD.capturing() else backend.step_timer_start()
+        and a pair the pool lacks would be events made during a capture."""
+        if GUARD.captures:
+            return run()
+        pair = backend.timing_pair()
+        pair[0].record(backend.mod.current_stream())
         try:
             result = run()
         except BaseException:
-            if token is not None:
-                backend.step_timer_discard(token)
+            backend.timing_events.append(pair)  # unread: a pair not yet completed may be recorded again
             raise
-        if token is not None:
-            backend.step_timer_stop(token)
-            self.record(key, path, backend, token, into)
+        pair[1].record(backend.mod.current_stream())
+        with self._lock:
+            self._pending.append((key, path, backend, pair, into))
+            while len(self._pending) > MAX_PENDING_TIMINGS:
+                dropped = self._pending.popleft()
+                dropped[2].timing_events.append(dropped[3])
+        self.read_ready()
         return result
 
     def read_ready(self) -> None:
@@ -352,9 +353,10 @@ class StepTimings:
             with self._lock:
                 if not self._pending:
                     return
-                key, path, backend, token, into = self._pending[0]
-                seconds = GUARD.read(partial(backend.step_timer_elapsed_s, token))
+                key, path, backend, pair, into = self._pending[0]
+                seconds = GUARD.read(partial(elapsed_s, *pair))
                 if seconds is None:
                     return
                 self._pending.popleft()
+                backend.timing_events.append(pair)
             (into or self._owner.adaptive).record(key, path, seconds)

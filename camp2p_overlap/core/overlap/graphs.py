@@ -428,5 +428,5 @@ class GraphCapture:
             c.replays[variant] += 1
         self.runtime.counters.graph_replay(variant, c.layout if variant == OVERLAP else "")
         seconds = self.engine.config.watchdog_s
-        if seconds and not GUARD.capturing():
+        if seconds and not GUARD.captures:
             REPLAY_WATCH.watch(seconds, c.backend, f"decode graph {c.key_text} ({variant} variant)")

@@ -114,6 +114,10 @@ class StepSession:
         if not plan.layers or not plan.stages:
             raise SessionError("a step plan needs at least one layer and one stage")
         self.backend = backend = streamset.backend
+        #: The device module: the session drives its streams and events through the module's own API.
+        self.mod = backend.mod
+        self._pool = backend.events
+        self._run_op = backend.run_op
         #: The compute stream (the caller's current stream).
         self.compute = compute = backend.compute_stream()
         #: The side streams the step forks and joins: by stage, K_s; under None, the FFN stream F.
@@ -147,7 +151,8 @@ class StepSession:
         self._keys = plan.keys
         self._context_of = context_of
         self._trace = StepTrace(recorder, step_id, backend) if recorder is not None else None
-        backend.begin_step(list(self.side_streams.values()))
+        if backend.take_errors is not None:  # the side streams' asynchronous errors of an earlier step go
+            backend.take_errors(list(self.side_streams.values()))
         #: The index in ``self.order`` of the next expected receive.
         self.next_recv = 0
         self.forked = self.fallen_back = self.closed = self._closing = False
@@ -187,7 +192,8 @@ class StepSession:
     # ------------------------------------------------------------------
     # events and ops
     def _record(self, stream: Stream, key: EventKey) -> None:
-        self._events[key] = self.backend.record(stream, key)
+        ev = self._events[key] = self._pool.get(key) or self.backend.event(key)
+        ev.record(stream)
         self._marks.append(("record", key, stream.name, clock(), next(self._seq)))
 
     def wait_event(self, stream: Stream, key: EventKey) -> None:
@@ -196,7 +202,7 @@ class StepSession:
         if ev is None:
             raise SessionError(f"wait on event {key.label()!r} that was not recorded in this step")
         self._marks.append(("wait", key, stream.name, clock(), next(self._seq)))
-        self.backend.wait(stream, ev)
+        stream.wait_event(ev)
 
     def _edge(self, after: Stream, key: EventKey, before: Stream) -> None:
         """``before`` waits what ``after`` has queued so far (nothing when they are one stream: its order holds)."""
@@ -212,10 +218,10 @@ class StepSession:
         op = self._issuing = (kind, layer, stage, stream.name, clock(), next(self._seq))
         try:
             if self._in_scope is stream:
-                h = self.backend.submit_here(stream, fn, label)
+                h = self._run_op(fn, label)
             else:
-                with self.backend.scope(stream):
-                    h = self.backend.submit_here(stream, fn, label)
+                with self.mod.stream(stream):
+                    h = self._run_op(fn, label)
         except BaseException as exc:
             self._ops.append((kind, layer, stage, op[3], DoneHandle(exc=exc, start_ns=op[4], end_ns=clock()), op[5]))
             raise
@@ -232,14 +238,7 @@ class StepSession:
             h.release()
 
     # ------------------------------------------------------------------
-    # fork and the receives issued ahead
-    def _fork(self) -> None:
-        self.forked = True
-        if self.side_streams:
-            self._record(self.compute, FORK_KEY)
-            for k in self.side_streams.values():
-                self.wait_event(k, FORK_KEY)
-
+    # the receives issued ahead
     def issue_a2e(self, layer: int, stage: int) -> None:
         """Queue the receive (A2E) of ``(layer, stage)`` on the stage's A2E stream and record its ``a_done``: every
         receive the session issues ahead goes through here."""
@@ -269,9 +268,13 @@ class StepSession:
             return self._recv_after_fallback(dict(kw), got, call or partial(fn, **kw))
         L, s = expected
         prefetch = self.layout.prefetch
-        if self.next_recv == 0:
+        if self.next_recv == 0:  # the fork: every side stream waits what the caller's stream has queued
             self._recv_fn = fn
-            self._fork()
+            self.forked = True
+            if self.side_streams:
+                self._record(self.compute, FORK_KEY)
+                for k in self.side_streams.values():
+                    self.wait_event(k, FORK_KEY)
             if prefetch:
                 for stage in self.plan.stages:  # the prologue
                     self.issue_a2e(self.plan.layers[0], stage)
@@ -298,7 +301,7 @@ class StepSession:
             # The loop's own work runs on the FFN's side stream from here to the step's close: its FFNs, and what
             # it issues between a send and the next receive (on afd-plugin main, the next (layer, stage)'s forward
             # context, whose mc2_mask fill the next FFN reads). Each connector call runs in its stream's scope.
-            self.backend.set_stream(f)
+            self.mod.set_stream(f)
             self._current = f
         self._ffn_start[expected] = (clock(), next(self._seq))
         return payload
@@ -309,7 +312,8 @@ class StepSession:
         try:
             return h.result()
         except StreamPoisonedError:
-            first = self.backend.step_errors([self.a2e_on[s]])
+            peek = self.backend.peek_errors
+            first = peek([self.a2e_on[s]]) if peek is not None else []
             if first:
                 raise first[0] from None
             raise
@@ -320,6 +324,10 @@ class StepSession:
         """A send of the loop: ``call()`` is the loop's call as it was made, ``output`` and ``context`` what it
         sends, ``stage`` its ``ubatch_idx``."""
         key = self._contexts.get(id(context))
+        if key is not None:  # the FFN of (layer, stage) ends here: its host window
+            now = clock()
+            t0, seq = self._ffn_start.pop(key, None) or (now, -1)
+            self._ffns.append((key[0], key[1], t0, now, seq))
         if self.fallen_back:
             return self._send_on_c(call, key)
         if key is None or key in self._sent or stage != key[1]:
@@ -328,12 +336,11 @@ class StepSession:
         L, s = key
         keys = self._keys[key]
         self._sent.add(key)
-        self._ffn_ended(key)
         C, f, k, ahead = self.compute, self.ffn_on[s], self.e2a_on[s], self.a2e_on[s]
         self._edge(f, keys.f_done, k)
         self._in_scope = k
         try:
-            with self.backend.scope(k):
+            with self.mod.stream(k):
                 h = self._submit(k, E2A, L, s, call, keys.e2a_label)
                 if ahead is k or ahead is f:
                     # The A2E output's stream has waited f_done(L, s) (or is the FFN's): it may go.
@@ -353,11 +360,6 @@ class StepSession:
         finally:
             self._in_scope = None
         return None
-
-    def _ffn_ended(self, key: StageLayer) -> None:
-        now = clock()
-        t0, seq = self._ffn_start.pop(key, None) or (now, -1)
-        self._ffns.append((key[0], key[1], t0, now, seq))
 
     # ------------------------------------------------------------------
     # when the loop does something unplanned
@@ -395,21 +397,17 @@ class StepSession:
         if key is not None:
             self._sent.add(key)
             self._inflight.pop(key, None)
-            self._ffn_ended(key)
         L, s = key if key is not None else (None, None)
         return self._run_on_c(E2A, L, s, call, OpKey(E2A, L, s).label())
 
     # ------------------------------------------------------------------
     # join and close
-    def _restore_caller(self) -> None:
-        self._current = None
-        self.backend.set_stream(self.compute)
-
     def join(self) -> None:
         """Make the caller's stream current again and wait the last work of every side stream, then release the
         buffers."""
         if self._current is not None:
-            self._restore_caller()
+            self._current = None
+            self.mod.set_stream(self.compute)
         if self.forked:
             for s, k in self.side_streams.items():
                 self._edge(k, JOIN_KEYS[s], self.compute)
@@ -476,8 +474,11 @@ class StepSession:
         """The asynchronous error of ``streams`` the host raises: the first (in the order kernels ran) of theirs and
         the compute stream's, unless that one is the compute stream's: the device synchronize reports it (a side
         stream's error may be its consequence)."""
-        errors = self.backend.step_errors([self.compute, *streams])
-        if not errors or any(errors[0] is e for e in self.backend.step_errors([self.compute])):
+        peek = self.backend.peek_errors
+        if peek is None:
+            return None
+        errors = peek([self.compute, *streams])
+        if not errors or any(errors[0] is e for e in peek([self.compute])):
             return None
         return errors[0]
 

@@ -255,7 +255,7 @@ class FfnStep:
         if self._capture is None:
             capture = bool(self.kwargs.get("is_graph_capturing"))
             if not capture:
-                if backend is None and GUARD.capturing():
+                if backend is None and GUARD.captures:
                     state = self.runtime.runners.of(self.runner)
                     backend = state.streamset.backend if state is not None and state.streamset else None
                 capture = backend is not None and backend.is_capturing()

@@ -1,10 +1,10 @@
-"""The stream backend: one class over a torch-shaped device module
-(``torch.npu``, ``torch.cuda``, or the module registered for ``cpu``), through
-which the session issues its ops (in a stream's scope), event records and
-waits. Events are pooled by :class:`~camp2p_overlap.core.keys.EventKey` and
-reused across steps: a wait captures the most recent record at the time it
-is enqueued, and a graph capture creates no event. Profiler annotation is a
-wrapper outside core (``verify/annotated_backend.py``).
+"""The stream backend: one small class over a torch-shaped device module
+(``torch.npu``, ``torch.cuda``, or the module registered for ``cpu``). The
+session drives streams and events through the module's own API (``with
+mod.stream(s)``, ``mod.set_stream``, ``event.record(s)``, ``s.wait_event(e)``);
+the backend makes the streams, pools the events by
+:class:`~camp2p_overlap.core.keys.EventKey` (reused across steps, so a graph
+capture creates none) and binds what the module offers beyond that API.
 
 :data:`GUARD` counts the graph captures in progress, process-wide, and is the
 one lock under which the patch layer's threads (step timings, step
@@ -29,8 +29,9 @@ from camp2p_overlap.core.overlap.streams.base import BackendUnavailable, DeviceC
 
 
 class StreamBackend:
-    """The streams, events and ops of one device module (``name``: ``npu``,
-    ``cuda`` or ``cpu``)."""
+    """The streams and pooled events of one device module (``name``: ``npu``, ``cuda`` or ``cpu``). What the module
+    offers beyond the stream API is bound once here, as attributes a step calls directly (None where the module
+    lacks it): ``run_op``, ``peek_errors``, ``take_errors``, ``is_capturing``."""
 
     def __init__(self, name: str, device_module: ModuleType, device: Any = None) -> None:
         for attr in ("Stream", "Event", "stream", "current_stream", "set_stream"):
@@ -39,16 +40,23 @@ class StreamBackend:
         self.name = name
         self.mod = device_module
         self.device = device
-        self._events: dict[EventKey, Any] = {}
-        #: Free (start, end) timing-event pairs for the step timer.
-        self._step_events: list[tuple[Any, Any]] = []
+        #: The pooled events, by key: a wait captures the most recent record at the time it is enqueued.
+        self.events: dict[EventKey, Any] = {}
+        #: Free (start, end) timing-event pairs of adaptive engage's step timer.
+        self.timing_events: list[tuple[Any, Any]] = []
         #: Free replay-end markers (the replay watch).
         self._markers: list[Any] = []
         #: Streams this backend made (closed with it where they can be).
         self._made: list[Any] = []
-        #: What the module offers beyond the stream API (the emulated device only).
-        self.capabilities = DeviceCapabilities.of(device_module)
-        self._tracked = self.capabilities.tracked
+        caps = self.capabilities = DeviceCapabilities.of(device_module)
+        #: ``run_op(fn, label) -> OpHandle``: run a connector op as work of the current stream.
+        self.run_op: Callable[[Callable[[], Any], str], OpHandle] = caps.tracked or _run_on_host
+        #: The asynchronous errors kernels of the given streams hit, read (``peek_errors``) or taken (emulated
+        #: device; a real device reports them at its next synchronize).
+        self.peek_errors = caps.peek_errors
+        self.take_errors = caps.take_errors
+        #: Whether the current stream is capturing a graph.
+        self.is_capturing: Callable[[], bool] = getattr(device_module, "is_current_stream_capturing", _never)
         self._log_saved: list[Any] = []
 
     def compute_stream(self) -> Any:
@@ -66,70 +74,33 @@ class StreamBackend:
         return stream
 
     def submit(self, stream: Any, fn: Callable[[], Any], label: str = "op") -> OpHandle:
+        """Run ``fn`` as an op of ``stream`` (in its scope)."""
         with self.mod.stream(stream):
-            return self.submit_here(stream, fn, label)
+            return self.run_op(fn, label)
 
-    def scope(self, stream: Any) -> Any:
-        return self.mod.stream(stream)
-
-    def set_stream(self, stream: Any) -> None:
-        """Make ``stream`` the current stream of this thread (the FFN's side stream from a receive to its send)."""
-        self.mod.set_stream(stream)
-
-    def submit_here(self, stream: Any, fn: Callable[[], Any], label: str = "op") -> OpHandle:
-        """:meth:`submit` inside ``self.mod.stream(stream)`` already entered
-        (:meth:`scope`)."""
-        if self._tracked is not None:
-            return self._tracked(fn, label)
-        clock = time.perf_counter_ns
-        t0 = clock()
-        try:
-            value = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed back
-            return DoneHandle(None, exc, t0, clock())
-        return DoneHandle(value, None, t0, clock())
-
-    def record(self, stream: Any, key: EventKey) -> Any:
-        event = self._events.get(key)
+    def event(self, key: EventKey) -> Any:
+        """The pooled event of ``key``, made on first use (a graph capture makes none: :meth:`reserve` first)."""
+        event = self.events.get(key)
         if event is None:
-            event = self._new_event(key)
-        event.record(stream)
+            event = self.events[key] = self.mod.Event()
+            _name(event, key, "key")
         return event
-
-    def wait(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
 
     def reserve(self, keys: Any) -> None:
         """Make the pooled events of ``keys`` now (before a graph capture, inside which none is made)."""
         for key in keys:
-            if key not in self._events:
-                self._new_event(key)
+            self.event(key)
 
-    def _new_event(self, key: EventKey) -> Any:
-        event = self._events[key] = self.mod.Event()
-        _name(event, key, "key")
-        return event
-
-    def is_capturing(self) -> bool:
-        fn = getattr(self.mod, "is_current_stream_capturing", None)
-        return bool(fn()) if fn is not None else False
+    def timing_pair(self) -> tuple[Any, Any]:
+        """A free (start, end) pair of timing events (from the pool, else new)."""
+        if self.timing_events:
+            return self.timing_events.pop()
+        return self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True)
 
     def synchronize(self, stream: Any) -> None:
         stream.synchronize()
 
-    # -- asynchronous errors and the stream log (the emulated device) ----
-    def begin_step(self, streams: list[Any]) -> None:
-        """Clear the side streams' asynchronous errors of an earlier step."""
-        take = self.capabilities.take_errors
-        if take is not None:
-            take(streams)
-
-    def step_errors(self, streams: list[Any]) -> list[BaseException]:
-        """The asynchronous errors kernels of ``streams`` hit (emulated
-        device; a real device reports them at its next synchronize)."""
-        peek = self.capabilities.peek_errors
-        return peek(streams) if peek is not None else []
-
+    # -- the stream log (the emulated device) ------------------------------
     def start_log(self) -> bool:
         """Log what the streams perform for work this thread enqueues
         (emulated device only): the edge checker's evidence."""
@@ -155,26 +126,7 @@ class StreamBackend:
             if callable(close):
                 close()
 
-    # -- the step timer of adaptive engage -------------------------------
-    def step_timer_start(self) -> Any:
-        """Record a timing event on the compute stream (pooled events)."""
-        start, end = self._step_events.pop() if self._step_events else self._new_step_timer_pair()
-        start.record(self.mod.current_stream())
-        return (start, end)
-
-    def step_timer_stop(self, token: Any) -> None:
-        token[1].record(self.mod.current_stream())
-
-    def step_timer_elapsed_s(self, token: Any) -> float | None:
-        """Read a step's events once the end event has completed (``query()``,
-        never a synchronize); the events go back to the pool."""
-        start, end = token
-        if not end.query():
-            return None
-        seconds = start.elapsed_time(end) / 1e3
-        self._step_events.append((start, end))
-        return seconds
-
+    # -- the replay watch's markers ----------------------------------------
     def end_marker(self) -> Any:
         marker = self._markers.pop() if self._markers else self.mod.Event()
         marker.record(self.mod.current_stream())
@@ -183,13 +135,19 @@ class StreamBackend:
     def release_marker(self, marker: Any) -> None:
         self._markers.append(marker)
 
-    def step_timer_discard(self, token: Any) -> None:
-        """A step timer's event pair back in the pool unread (an event not yet
-        completed may be re-recorded: it then stands for its new record)."""
-        self._step_events.append(token)
 
-    def _new_step_timer_pair(self) -> tuple[Any, Any]:
-        return self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True)
+def _run_on_host(fn: Callable[[], Any], label: str) -> OpHandle:
+    """Run an op on the host now (a device backend's op only enqueues kernels: its handle is done at once)."""
+    t0 = time.perf_counter_ns()
+    try:
+        value = fn()
+    except BaseException as exc:  # noqa: BLE001 - handed back
+        return DoneHandle(None, exc, t0, time.perf_counter_ns())
+    return DoneHandle(value, None, t0, time.perf_counter_ns())
+
+
+def _never() -> bool:
+    return False
 
 
 def _name(obj: Any, name: Any, attr: str = "name") -> None:
@@ -212,31 +170,28 @@ class CaptureGuard:
     def _reset(self) -> None:
         """None in progress (at creation, and in a forked child: no capturing thread)."""
         self._lock = threading.Lock()
-        self._captures = 0
-
-    def capturing(self) -> bool:
-        """Whether a capture is in progress (one attribute read)."""
-        return self._captures > 0
+        #: How many captures are in progress (read without the lock: a capture in progress is truthy).
+        self.captures = 0
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
         """The block is a capture: reads in progress finish first, and none
         starts until the block has ended."""
         with self._lock:
-            self._captures += 1
+            self.captures += 1
         try:
             yield
         finally:
             with self._lock:
-                self._captures -= 1
+                self.captures -= 1
 
     def read(self, fn: Callable[[], T]) -> T | None:
         """``fn()`` (an event query, or a read built on one), unless a
         capture is in progress: then None, at once."""
-        if self._captures:
+        if self.captures:
             return None
         with self._lock:
-            if self._captures:
+            if self.captures:
                 return None
             return fn()
 

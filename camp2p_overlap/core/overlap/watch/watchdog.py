@@ -139,7 +139,7 @@ def _no_snapshot() -> SessionSnapshot:
 
 def start_watchdog(seconds: float | None, snapshot: Callable[[], SessionSnapshot], step_id: int) -> StepWatchdog | None:
     """The watchdog of a step that just opened, or None when none is configured."""
-    if not seconds or GUARD.capturing():  # a capture on another thread: no new thread that reads events
+    if not seconds or GUARD.captures:  # a capture on another thread: no new thread that reads events
         return None
     watchdog = StepWatchdog(seconds, snapshot, step_id)
     with _watching_lock:  # started before it is listed: stop_watchdogs() joins only started threads
