@@ -82,7 +82,7 @@ class StepMetrics:
         #: The reasons that have a label of their own (at most MAX_REASONS, for good).
         self._exported: set[str] = set()
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_SyncFirst(self))  # registered first: collected first
+        self.registry.register(self)  # registered first: collected first (see collect)
         self.steps = Counter(
             STEPS,
             "FFN steps by the path they took: overlap, parity, reorder (engaged, by rollout mode) or serial.",
@@ -135,9 +135,8 @@ class StepMetrics:
         self._build(mode, rung, self._layouts)
 
     def set_mode(self, mode: str, rung: str, layouts: Sequence[str] = DEFAULT_LAYOUTS) -> None:
-        """The mode gauge: 1 for ``(mode, rung, layouts)`` (``layouts``: the layouts an engaged step runs, their
-        label comma-joined, ``none`` when there are none); the one before is set to 0 (what a multi-process directory
-        keeps) and removed. Each layout is exported by the per-layout counters, 0 until counted."""
+        """The mode gauge: 1 for ``(mode, rung, layouts)`` (comma-joined, ``none`` when empty); the one before is set
+        to 0 (what a multi-process directory keeps) and removed. Each layout is exported by the per-layout counters."""
         layouts = tuple(layouts)
         for layout in layouts:
             self.layout_steps.labels(layout=layout)
@@ -176,17 +175,11 @@ class StepMetrics:
                     exported.add(reason)
                 self.serial_steps.labels(reason=label).inc(delta)
 
-
-class _SyncFirst:
-    """A collector with no metrics of its own: syncs the counters when a
-    scrape starts, so the endpoint serves what ``stats()`` says now."""
-
-    def __init__(self, metrics: StepMetrics) -> None:
-        self._metrics = metrics
-
     def collect(self) -> list[Any]:
+        """As the registry's first collector, with no metrics of its own: sync when a scrape starts, so the
+        endpoint serves what ``stats()`` says now."""
         try:
-            self._metrics.sync()
+            self.sync()
         except Exception:  # noqa: BLE001 - a scrape must not fail on our account
             logger.exception("camp2p-overlap: could not sync the step metrics")
         return []
@@ -210,15 +203,10 @@ def _counts(
 
 
 def summary_line(snap: Mapping[str, Any], previous: Mapping[str, Any] | None = None, graph: str | None = None) -> str:
-    """One line: steps per path, then the overlap's steps per layout once
-    there are any (``layout_steps``; a layout named as its path, ``parity``
-    or ``reorder``, would repeat it and is left out), graph replays per
-    variant once there are any, with the layer's variant's per captured
-    layout (``graph_replay_layouts``) (each count with the change since
-    ``previous``, an earlier snapshot), whether decode replays upstream's
-    graph once captures say so (``graph``: the VLLM_CAMP2P_MULTISTREAM_GRAPH
-    setting; ``decode_graphs.summary_note``), and the most frequent serial
-    reason."""
+    """One line of counts (each with its change since ``previous``): steps per path; once there are any, steps
+    per layout (a layout named as its path, ``parity`` or ``reorder``, is left out) and graph replays per variant
+    and captured layout; whether decode replays upstream's graph (``decode_graphs.summary_note``; ``graph``: the
+    VLLM_CAMP2P_MULTISTREAM_GRAPH setting); the most frequent serial reason."""
     text = "camp2p-overlap steps: " + _counts(snap, previous, "steps", PATHS, "=")
     layouts = sorted(k for k in snap.get("layout_steps", {}) if k not in PATHS)
     if layouts:

@@ -1,13 +1,7 @@
-"""A trace of what ran where and when; the edge checker that reads it, for
-every edge of the design (``docs/design.md``, "Edges of one step"), is
-``verify/edges.py``.
-
-A recorder is opt-in (:func:`recording`); with none active, a step pays one
-read of the active recorder and nothing more for tracing. Times are
-``time.perf_counter_ns()`` on the host (CPU backend: real op times), or
-device times resolved from timing events when a device backend was asked
-for them, the emulated device's own log of what its streams ran, or kernel
-times from a profiler trace (``verify/profiler_timeline.py``).
+"""A trace of what ran where and when, read by the edge checker ``verify/edges.py`` (``docs/design.md``, "Edges
+of one step"). A recorder is opt-in (:func:`recording`); with none active, a step pays one read of the active
+recorder. Times are host ``perf_counter_ns`` (CPU backend), device times from timing events, the emulated device's
+log of what its streams ran, or kernel times from a profiler trace (``verify/profiler_timeline.py``).
 
 Two records of a step's events can be in a trace: the session's (what it
 asked for: ``source="session"``, in host issue order ``seq``) and the
@@ -135,13 +129,10 @@ def recording(recorder: TraceRecorder | None = None) -> Iterator[TraceRecorder]:
 
 
 class StepTrace:
-    """One engaged step's trace bookkeeping, kept apart from the schedule:
-    the session calls it only when a recorder is active. With a ``backend``
-    that keeps a stream log (the emulated device), what its streams
-    performed goes into the trace too: every record and wait, and each op's
-    and each FFN's kernels, in execution order. The trace is built when the
-    recorder is read (:meth:`TraceRecorder.defer`), after the reader has
-    synchronized the device."""
+    """One engaged step's trace bookkeeping (the session calls it only while a recorder is active). With a
+    ``backend`` that keeps a stream log (the emulated device), what its streams performed goes in too: every record
+    and wait, each op's and each FFN's kernels, in execution order; built when the recorder is read, after the
+    reader synchronized the device (:meth:`TraceRecorder.defer`)."""
 
     def __init__(self, recorder: TraceRecorder, step_id: int, backend: Any = None, log: Any = None) -> None:
         self.recorder = recorder

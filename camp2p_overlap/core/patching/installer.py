@@ -402,12 +402,11 @@ Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 
 
 def method_wrapper(original: Any, wrapper: Wrapper, *, on_class: bool = True) -> Any:
-    """What wraps ``original`` (the raw ``__dict__`` entry of a class, or with ``on_class`` false a module's function,
-    which has no ``self`` to bind): a ``wrapt.FunctionWrapper``, except for a plain function in a class, which gets
-    a plain function calling ``wrapper(bound original, self, args, kwargs)`` as wrapt would: a ``FunctionWrapper``
-    builds a bound proxy at every lookup through an instance, at several times the cost (docs/benchmark.md, history,
-    as of 5f75083). Its ``__wrapped__`` is the original, so wrapt's chain search, ``unwrap_object`` and
-    ``inspect.signature`` see through it."""
+    """What wraps ``original`` (a class's raw ``__dict__`` entry, or with ``on_class`` false a module's function): a
+    ``wrapt.FunctionWrapper``, except that a plain function in a class gets a plain function calling ``wrapper(bound
+    original, self, args, kwargs)`` as wrapt would, since a ``FunctionWrapper`` builds a bound proxy at every instance
+    lookup, at several times the cost (docs/benchmark.md, history, as of 5f75083). Its ``__wrapped__`` is the
+    original, so wrapt's chain search, ``unwrap_object`` and ``inspect.signature`` see through it."""
     if not (on_class and isinstance(original, FunctionType)):
         return wrapt.FunctionWrapper(original, wrapper)
 

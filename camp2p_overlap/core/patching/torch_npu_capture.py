@@ -1,15 +1,10 @@
 """Which torch_npu builds capture a multi-stream ACL graph correctly, and
 whether the installed one does (read from its distribution: neither
-torch_npu nor torch is imported). Why the overlap variant of a decode
-graph needs the fix, and the verdict's rules in words: docs/design.md
-"Decode graphs".
-
-**The fix.** Ascend/pytorch MR !32803, "fix task queue aclgraph bug"
-(master; the same change is !32564 on branch v2.9.0, !32804 v2.7.1, !32805
-v2.8.0, !32806 v2.10.0, !32807 v2.11.0, !32808-!32811 the ``-26.0.0``
-branches): ``NPUEvent::block()`` (``torch_npu/csrc/core/npu/NPUEvent.cpp``)
-flushes the task queue after launching the event wait while an ACL graph
-capture is under way (the new ``hasCapturesUnderway`` check).
+torch_npu nor torch is imported). The fix (Ascend/pytorch !32803 on master;
+!32564 on v2.9.0, !32804 v2.7.1, !32805 v2.8.0, !32806 v2.10.0, !32807
+v2.11.0, !32808-!32811 the ``-26.0.0`` branches), why the overlap variant of
+a decode graph needs it, and how a build is judged (:func:`judge_capture_fix`):
+docs/design.md "Decode graphs".
 
 **The table** (:data:`BUILDS`): every release tag of lines 2.7 to 2.13
 from ``v7.3.0`` on, each with the version its ``version.txt`` reads, the
@@ -18,14 +13,6 @@ commit the tag names and whether that commit's ``NPUEvent.cpp`` has
 tag ``v26.2.0-beta.1-pytorch2.13.0`` is left out: its ``version.txt`` lists
 several versions, and its line has the fix anyway. The commits known are
 the tags' only (a wheel built from a tag reports it as ``git_version``).
-
-**How a build is judged** (:func:`judge_capture_fix`): a tag's commit
-(``git_version``, else a source build's ``+git<sha>`` label) decides;
-lines before 2.7 lack the fix, lines after 2.13 have it; below its line's
-first fixed version a build lacks it, above it has it; a version both a
-fixed and an unfixed release read (2.10.0), or a source build at a version
-its release branch read before the fix landed (:data:`PRE_FIX_VERSIONS`),
-is decided by its commit only, and refused when that names no tag.
 """
 
 from __future__ import annotations
@@ -168,8 +155,8 @@ def _known(commit: str | None, public: Version) -> Build | None:
 
 def judge_capture_fix(version: str, git_version: str | None) -> CaptureFixVerdict:
     """Whether the torch_npu build with distribution ``version`` and
-    ``git_version`` (None when unread) has :data:`FIX` (rules: the module
-    docstring)."""
+    ``git_version`` (None when unread) has :data:`FIX` (rules: docs/design.md,
+    "torch_npu's verdict")."""
     try:
         v = Version(version)
     except InvalidVersion:
