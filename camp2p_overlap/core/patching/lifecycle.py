@@ -1,13 +1,8 @@
-"""The patch engine: the one lifecycle object of a process's patch layer,
-shaped like OpenTelemetry's ``BaseInstrumentor``. ``apply()`` reads the
-configuration, picks the stack whose pinned versions are installed, binds
-the wrappers to this engine and installs them (now, or from a post-import
-hook when the module is imported); ``unpatch()`` mirrors it: drain the
-running steps, remove exactly what was installed, call the on-unpatch hook.
-
-The jobs themselves live beside it: :mod:`~camp2p_overlap.core.patching.installer`
-(resolve, check, wrap all-or-nothing, unwrap), :mod:`~camp2p_overlap.core.patching.gate`
-(steps in and out, draining, fork reset) and :mod:`~camp2p_overlap.core.patching.status_report`.
+"""The patch engine, the one lifecycle object of a process's patch layer (shaped like OpenTelemetry's
+``BaseInstrumentor``): ``apply()`` reads the configuration, picks the stack whose pinned versions are installed,
+binds the wrappers to this engine and installs them (now, or from a post-import hook); ``unpatch()`` drains the
+running steps, removes exactly what was installed and calls the on-unpatch hook. The jobs live beside it: the
+installer, the step gate and the status report (``core/patching/``).
 """
 
 from __future__ import annotations
@@ -83,13 +78,10 @@ class PatchEngine:
         #: ``feature -> reason`` of every optional feature refused now; a new
         #: dict on each change, so a step reads it without the lock.
         self._feature_refusals: dict[str, str] = {}
-        #: Why a step may not engage now (None: every target of the stack is
-        #: ready). What a step reads, and all it reads of the lifecycle: set
-        #: by apply(), unpatch(), refresh(), the post-import hook and the
-        #: re-execution watch (a reload), never computed by a step while None.
+        #: Why a step may not engage now (None: every target is ready): all a step reads of the lifecycle, set by
+        #: apply(), unpatch(), refresh(), the post-import hook and the re-execution watch (a reload).
         self.unready: str | None = NOT_APPLIED
-        #: Moves on every apply, unpatch, install and refresh: what a runner's
-        #: steps keep of the targets and configuration is read again then.
+        #: Moves on every apply, unpatch, install and refresh: a runner's steps then read targets and config again.
         self.generation = 0
         after_fork_in_child(self._new_lock)  # a lock held by a thread that is gone would stay held
 

@@ -80,7 +80,12 @@ def _not_installed(vllm_check: VersionCheck) -> VersionCheck:
     )
 
 
-def _afd_refused(vllm_check: VersionCheck, found: str, supports: str, note: str = "") -> VersionCheck:
+def _afd_judged(
+    vllm_check: VersionCheck, found: str, ok: bool, is_it: str, supports: str, note: str = ""
+) -> VersionCheck:
+    """The installed afd-plugin ``found``, which is (``ok``) or is not what the stack pins."""
+    if ok:
+        return replace(vllm_check, reason=f"{vllm_check.reason}; afd-plugin {found} is {is_it}")
     installed = f"afd-plugin ({AFD_PLUGIN_DIST}) {found}{note} is installed next to vLLM {vllm_check.found}"
     return VersionCheck(
         False,
@@ -95,9 +100,9 @@ def _afd_refused(vllm_check: VersionCheck, found: str, supports: str, note: str 
 def judge_afd_plugin_version(vllm_check: VersionCheck, found: str | None, supported: str) -> VersionCheck:
     if found is None:
         return _not_installed(vllm_check)
-    if same_release(found, supported):
-        return replace(vllm_check, reason=f"{vllm_check.reason}; afd-plugin {found} is release {supported}")
-    return _afd_refused(vllm_check, found, f"afd-plugin {supported}")
+    return _afd_judged(
+        vllm_check, found, same_release(found, supported), f"release {supported}", f"afd-plugin {supported}"
+    )
 
 
 #: setuptools-scm's local label of an untagged build: ``g<hash>``, then
@@ -133,11 +138,8 @@ def judge_afd_plugin_commit(vllm_check: VersionCheck, found: str | None, commit:
     if found is None:
         return _not_installed(vllm_check)
     ok, node = built_from(found, commit)
-    shown = commit[:COMMIT_SHOWN]
-    if ok:
-        return replace(vllm_check, reason=f"{vllm_check.reason}; afd-plugin {found} is built from commit {shown}")
-    note = f" (commit {node})" if node else " (its version names no commit)"
-    return _afd_refused(vllm_check, found, f"afd-plugin commit {shown}", note)
+    shown, note = commit[:COMMIT_SHOWN], f" (commit {node})" if node else " (its version names no commit)"
+    return _afd_judged(vllm_check, found, ok, f"built from commit {shown}", f"afd-plugin commit {shown}", note)
 
 
 def judge_vllm_version(found: str | None, supported: str) -> VersionCheck:
