@@ -1,12 +1,8 @@
-"""The step watchdog: when an engaged step has not finished
-``VLLM_CAMP2P_MULTISTREAM_WATCHDOG_S`` after it opened, log a stall report
-(``stall_report.py``) naming the peer op that most likely never came; and
-the replay watch, which reports a decode graph replay that has not ended.
-
-On a device the host only enqueues and runs ahead, so the watchdog outlives
-the host's part: once the session is closed it follows the step's op
-handles and events (queries, backing off) until all have completed, and
-ends then without a report, or reports once at the deadline.
+"""The step watchdog: when an engaged step has not finished ``VLLM_CAMP2P_MULTISTREAM_WATCHDOG_S`` after it opened,
+log a stall report (``stall_report.py``) naming the peer op that most likely never came; and the replay watch, which
+reports a decode graph replay that has not ended. On a device the host runs ahead, so the watchdog outlives the host's
+part: it follows a closed step's op handles and events (queries, backing off) until all completed, or reports once at
+the deadline.
 
 Limits of reading a device without a sync: events are pooled per key across
 steps, so once a later step has re-recorded one its query speaks for that
@@ -23,6 +19,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.log import logger
@@ -84,10 +81,11 @@ class StepWatchdog(threading.Thread):
             return
         if not snap.closed:
             return  # not a session that keeps its closed step: nothing to follow
-        pending = _Pending(snap)
+        handles, events = [o.handle for o in snap.ops], [ev for _, ev in snap.events]
         pause = _FIRST_POLL_S
         while not self._stopped.is_set():
-            if pending.finished():
+            handles = [h for h in handles if not h.done()]
+            if not handles and _all_complete(events):
                 return
             left = self._deadline - time.perf_counter()
             if left <= 0:
@@ -112,25 +110,16 @@ class StepWatchdog(threading.Thread):
         )
 
 
-class _Pending:
-    """A closed step's events and op handles not seen complete on the device."""
-
-    def __init__(self, snap: SessionSnapshot) -> None:
-        self.events = [ev for _, ev in snap.events]
-        self.handles = [o.handle for o in snap.ops]
-
-    def finished(self) -> bool:
-        self.handles = [h for h in self.handles if not h.done()]
-        if self.handles:
-            return False
-        while self.events:
-            try:
-                if not GUARD.read(self.events[-1].query):  # the latest first: it completes last (None: capturing)
-                    return False
-            except Exception:  # noqa: BLE001 - unknown: keep it, report at the deadline
+def _all_complete(events: list[Any]) -> bool:
+    """Whether a closed step's events have completed on the device, dropping those seen complete."""
+    while events:
+        try:
+            if not GUARD.read(events[-1].query):  # the latest first: it completes last (None: capturing)
                 return False
-            self.events.pop()
-        return True
+        except Exception:  # noqa: BLE001 - unknown: keep it, report at the deadline
+            return False
+        events.pop()
+    return True
 
 
 def _no_snapshot() -> SessionSnapshot:
