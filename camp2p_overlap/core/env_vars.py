@@ -1,13 +1,8 @@
-"""The table of every ``VLLM_CAMP2P_*`` environment variable: its name, how
-it is parsed, its default, its range or choices, its help for users and the
-:class:`~camp2p_overlap.core.config.OverlapConfig` field it fills.
-
-Everything else is produced from :data:`TABLE`: ``load_config`` and the
-``OverlapConfig`` defaults (config.py), the names given to vLLM's
-environment registry (plugin.py), ``doctor``'s switches, and, rendered by
-the docs tool (``tools/docgen.py``: ``markdown_table``, ``help_listing``),
-the README's configuration table and the CLI help. Imports only the
-standard library.
+"""The table of every ``VLLM_CAMP2P_*`` environment variable: its name, parsing, default, range or choices, help and
+the :class:`~camp2p_overlap.core.config.OverlapConfig` field it fills. Everything else is produced from :data:`TABLE`:
+``load_config`` and the config's defaults, the names given to vLLM's environment registry (plugin.py), ``doctor``'s
+switches, and (``tools/docgen.py``) the README's configuration table and the CLI help. Imports only the standard
+library.
 """
 
 from __future__ import annotations

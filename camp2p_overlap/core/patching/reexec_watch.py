@@ -1,14 +1,7 @@
-"""One import hook that sees every execution of a watched module's body, a
-reload's included.
-
-wrapt's post-import hooks fire once, on a module's first import; a reload
-(``importlib.reload``) runs the module's body again, which makes new class
-objects that no hook wraps. This finder sits in ``sys.meta_path`` and, for a
-watched name, hands the import system the spec the other finders return
-with its loader wrapped, so that after the body ran the watch's callbacks
-are called with the module. So the engine learns of a reload when it
-happens, and a step need not look for one: it reads the engine's ready
-flag (``PatchEngine.unready``).
+"""One import hook that sees every execution of a watched module's body, a reload's included: wrapt's post-import
+hooks fire once, but a reload runs the body again and makes new class objects no hook wraps. For a watched name this
+``sys.meta_path`` finder returns the other finders' spec with its loader wrapped, which calls the watch's callbacks
+after the body ran; so the engine learns of a reload when it happens and a step only reads ``PatchEngine.unready``.
 
 The finder is added once per process and never removed (a finder other
 code holds could not be taken back safely); a name is watched while an

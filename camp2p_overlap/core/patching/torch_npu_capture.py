@@ -156,7 +156,7 @@ def _known(commit: str | None, public: Version) -> Build | None:
 def judge_capture_fix(version: str, git_version: str | None) -> CaptureFixVerdict:
     """Whether the torch_npu build with distribution ``version`` and
     ``git_version`` (None when unread) has :data:`FIX` (rules: docs/design.md,
-    "torch_npu's verdict")."""
+    "Decode graphs")."""
     try:
         v = Version(version)
     except InvalidVersion:
