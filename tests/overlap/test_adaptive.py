@@ -18,7 +18,7 @@ from support.overlap import Schedule, SessionSpy, apply_cpu, assert_same, bounde
 import camp2p_overlap
 from camp2p_overlap.core.config import ConfigError, load_config
 from camp2p_overlap.core.env_vars import ENV_ADAPTIVE, ENV_REPROBE
-from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey, StepTimings, pow2_ceil
+from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey, StepTimings
 from camp2p_overlap.core.overlap.streams.backend import StreamBackend
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
 
@@ -414,8 +414,15 @@ def test_a_layout_path_switches_in_on_confirmed_faster_probes(logs: PackageLogs)
     assert all(f"{m} median" in changes[2] for m in (CS, COMM, "serial"))
 
 
-def test_pow2_bucket_rounding() -> None:
-    assert [pow2_ceil(n) for n in (0, 1, 2, 3, 5, 8, 9, 128, 129)] == [0, 1, 2, 4, 8, 8, 16, 128, 256]
+def test_a_bucket_rounds_the_largest_stage_tokens_up_to_a_power_of_two() -> None:
+    from camp2p_overlap.core.overlap.step import bucket_of
+
+    def tokens(*counts: int) -> int:
+        meta = {s: SimpleNamespace(num_tokens=n) for s, n in enumerate(counts)}
+        return bucket_of("r", len(counts), 2, meta).tokens
+
+    assert [tokens(n) for n in (0, 1, 2, 3, 5, 8, 9, 128, 129)] == [0, 1, 2, 4, 8, 8, 16, 128, 256]
+    assert tokens(3, 9, 2) == 16 and tokens() == 0  # the largest stage; 0: unknown
 
 
 # ---------------------------------------------------------------------------

@@ -696,13 +696,7 @@ def test_a_replay_that_raises_gives_its_timing_pair_back(patch_layer: PatchLayer
         backend = chooser.captured.backend
         made: list[Any] = []
         real_pair = backend.timing_pair
-
-        def counted() -> Any:
-            if not backend.timing_events:  # a new pair: none free in the pool
-                made.append(1)
-            return real_pair()
-
-        backend.timing_pair = counted
+        backend.timing_pair = lambda: made.append(1) or real_pair()  # a new pair: none free in the pool
 
         def broken() -> None:
             raise RuntimeError("replay failed")

@@ -64,10 +64,11 @@ class StepCounters:
         self._graph_replay_layouts: dict[str, int] = {}
 
     def _first(self) -> None:
-        if self.on_first_step is not None:  # steps after the first only read it, never write it
-            hook, self.on_first_step = self.on_first_step, None
-            if hook is not None:
-                hook()
+        """Run the first-step hook once (callers read ``on_first_step`` first: steps after the first never call
+        this, and never write it)."""
+        hook, self.on_first_step = self.on_first_step, None
+        if hook is not None:
+            hook()
 
     def engaged(self, mode: str, layout: str) -> None:
         """An engaged step of rollout ``mode``, run in ``layout``."""
@@ -76,13 +77,15 @@ class StepCounters:
         here = self._here  # this thread's own counts: no lock
         here.steps[mode] += 1
         here.layouts[layout] = here.layouts.get(layout, 0) + 1
-        self._first()
+        if self.on_first_step is not None:
+            self._first()
 
     def serial(self, reason: str) -> None:
         # this thread's own counts, no lock; to_dict adds its reasons up into steps["serial"]
         reasons = self._here.reasons
         reasons[reason] = reasons.get(reason, 0) + 1
-        self._first()
+        if self.on_first_step is not None:
+            self._first()
 
     def graph_replay(self, variant: str, layout: str = "") -> None:
         """A replay of a decode graph's ``variant`` (not an eager step: ``steps`` is not counted); the patch
@@ -91,7 +94,8 @@ class StepCounters:
         if layout:
             with self._lock:
                 self._graph_replay_layouts[layout] = self._graph_replay_layouts.get(layout, 0) + 1
-        self._first()
+        if self.on_first_step is not None:
+            self._first()
 
     def graph_capture(self, variant: str) -> None:
         """A call of ``_ffn_forward`` inside a graph capture, which captured

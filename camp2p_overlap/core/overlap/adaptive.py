@@ -46,11 +46,6 @@ SERIAL: Path = "serial"
 OVERLAP: Path = "overlap"
 
 
-def pow2_ceil(n: int) -> int:
-    """``n`` rounded up to a power of two (0 for 0: unknown)."""
-    return 0 if n <= 0 else 1 << (n - 1).bit_length()
-
-
 class BucketKey(NamedTuple):
     """A runner and a step shape, whose steps take comparable time. ``tokens``: the largest stage token count rounded
     up to a power of two (0: unknown). A tuple, so that the per-step dict lookups hash and compare it in C."""
@@ -330,7 +325,7 @@ class StepTimings:
         and a pair the pool lacks would be events made during a capture."""
         if GUARD.captures:
             return run()
-        pair = backend.timing_pair()
+        pair = backend.timing_events.pop() if backend.timing_events else backend.timing_pair()
         pair[0].record(backend.mod.current_stream())
         try:
             result = run()

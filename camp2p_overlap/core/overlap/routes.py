@@ -73,25 +73,16 @@ def _class_attribute(cls: type, attribute: str) -> Any:
     return None
 
 
-def _own_attribute(instance: Any, attribute: str, found: Any) -> Any:
-    """What ``instance`` holds of its own under ``attribute`` (``found``, what
-    the name resolves to now), or :data:`_MISSING` when ``found`` equals its
-    class's attribute bound to it: the route then deletes it, and the name
-    resolves the same."""
-    cls = type(instance)
-    held = _class_attribute(cls, attribute)
-    if held is None:
-        return found
-    if found is held or (type(found) is MethodType and found.__self__ is instance and found.__func__ is held):
-        return _MISSING  # the class's attribute itself, or its function bound to the instance (the common case)
+def _binds_equal(held: Any, instance: Any, found: Any) -> bool:
+    """Whether ``found`` equals the class attribute ``held`` as bound to ``instance`` (False when ``held`` binds to
+    nothing, or an odd ``__eq__`` or ``__get__`` raises: the value is then kept as the instance's)."""
     get = getattr(type(held), "__get__", None)
     if get is None:
-        return found
+        return False
     try:
-        same = found == get(held, instance, cls)
-    except Exception:  # noqa: BLE001 - an odd __eq__ or __get__: the value is kept as the instance's
-        return found
-    return _MISSING if same is True else found
+        return (found == get(held, instance, type(instance))) is True
+    except Exception:  # noqa: BLE001 - an odd __eq__ or __get__
+        return False
 
 
 def _held_by_instance(instance: Any, attribute: str) -> Any:
@@ -129,7 +120,18 @@ class ConnectorRoutes:
             if is_router(callee):
                 self.remove()
                 return ROUTED_ELSEWHERE
-            before = _own_attribute(instance, attribute, callee)
+            # What the instance holds of its own (put back by remove), or _MISSING when the name resolves to its
+            # class's attribute: the class's function bound to the instance (the common case), the class's attribute
+            # itself, or a value equal to it as the class would bind it (remove then deletes, and the name resolves
+            # the same).
+            before = callee
+            if type(callee) is MethodType and callee.__self__ is instance:
+                if callee.__func__ is getattr(cls, attribute, None):
+                    before = _MISSING
+            if before is not _MISSING:  # a monkeypatch, a foreign wrapper, a descriptor: the class's raw attribute
+                held = _class_attribute(cls, attribute)
+                if held is not None and (callee is held or _binds_equal(held, instance, callee)):
+                    before = _MISSING
             router = make(callee, thread)
             setattr(router, ROUTER_MARK, True)
             self._set.append((attribute, router, before))
@@ -162,27 +164,19 @@ class ConnectorRoutes:
                 _set_on_instance(instance, attribute, before)
 
 
-def session_router(session: Any, key: str, callee: Wrapped, thread: int) -> Wrapped:
-    """The router of ``key`` for ``session``: it hands the call to the session
-    on the step's thread while the session is open (else calls ``callee``)."""
-
-    def recv_attn_output(*args: Any, **kwargs: Any) -> Any:
-        if get_ident() != thread or session.closed:
-            return callee(*args, **kwargs)
+def route(session: Any, key: str, callee: Wrapped, thread: int, *args: Any, **kwargs: Any) -> Any:
+    """An engaged step's router of ``key`` (one of :data:`SESSION_ROUTERS`), bound with ``partial``: on the step's
+    thread while the session is open, the call goes to the session; else to ``callee``."""
+    if get_ident() != thread or session.closed:
+        return callee(*args, **kwargs)
+    if key == "recv_attn_output":
         # the session calls callee(**kw): the same call (ubatch_idx by name)
         kw = kwargs if not args and "ubatch_idx" in kwargs else camp2p.recv_kwargs(args, kwargs)
         return session.recv(callee, kw)
-
-    def send_ffn_output(*args: Any, **kwargs: Any) -> Any:
-        if get_ident() != thread or session.closed:
-            return callee(*args, **kwargs)
-        output, context, stage = camp2p.send_call(args, kwargs)
-        return session.send(partial(callee, *args, **kwargs), output, context, stage)
-
-    return recv_attn_output if key == "recv_attn_output" else send_ffn_output
+    output, context, stage = camp2p.send_call(args, kwargs)
+    return session.send(partial(callee, *args, **kwargs), output, context, stage)
 
 
-#: The router keys a ``route`` target may name; an engaged step installs
-#: ``partial(session_router, session, key)`` for each (``serial_trace.TRACE_ROUTERS``:
-#: a serial step's trace).
+#: The router keys a ``route`` target may name; an engaged step installs ``partial(route, session, key, callee,
+#: thread)`` for each (``serial_trace.TRACE_ROUTERS``: a serial step's trace).
 SESSION_ROUTERS = ("recv_attn_output", "send_ffn_output")

@@ -117,10 +117,7 @@ class RunnerStates:
         when they would be made inside a graph capture (Ascend graphs have a small
         stream budget). Raises ``BackendUnavailable``, :class:`NotWeaklyReferenceable`."""
         state = self.get(runner)
-        sset = state.streamset
-        if sset is not None and state.backend_name == backend_name:
-            return sset
-        with state.lock:
+        with state.lock:  # a step reads state.streamset first, and calls this only when it lacks the one it needs
             if state.streamset is not None and state.backend_name == backend_name:
                 return state.streamset
             make = self.make_backend if self.make_backend is not None else make_backend

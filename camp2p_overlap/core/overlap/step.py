@@ -28,7 +28,7 @@ from camp2p_overlap.core.log import log_once
 from camp2p_overlap.core.observe import trace
 from camp2p_overlap.core.observe.trace import TraceOp, TraceRecorder
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.adaptive import SERIAL, BucketKey, pow2_ceil
+from camp2p_overlap.core.overlap.adaptive import SERIAL, BucketKey
 from camp2p_overlap.core.overlap.graphs import GRAPH_COMM_SIDE_OPT_IN, GraphCapture, graph_variants_refusal
 from camp2p_overlap.core.overlap.plan import (
     COMPUTE_SIDE,
@@ -38,7 +38,7 @@ from camp2p_overlap.core.overlap.plan import (
     layouts_of,
     step_plan,
 )
-from camp2p_overlap.core.overlap.routes import SESSION_ROUTERS, ConnectorRoutes, route_problem, session_router
+from camp2p_overlap.core.overlap.routes import SESSION_ROUTERS, ConnectorRoutes, route, route_problem
 from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, RunnerState
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
 from camp2p_overlap.core.overlap.serial_trace import run_traced_serial
@@ -220,13 +220,14 @@ def make_wrappers(engine: PatchEngine, *, runtime: OverlapRuntime) -> dict[str, 
     setattr(capture_graphs, MARK, True)
     wrapper: Wrapper = ffn_forward
     graphs: Wrapper = capture_graphs
-    return {"ffn_forward": wrapper, "capture_graphs": graphs, **dict.fromkeys(SESSION_ROUTERS, session_router)}
+    return {"ffn_forward": wrapper, "capture_graphs": graphs, **dict.fromkeys(SESSION_ROUTERS, route)}
 
 
 def bucket_of(runner: str, stages: int, layers: int, dp_metadata_list: Any) -> BucketKey:
     """The adaptive bucket of a step of runner ``runner`` (its name) with ``stages`` stages and ``layers`` FFN
-    layers: and its largest stage's tokens rounded up to a power of two."""
-    return BucketKey(runner, stages, layers, pow2_ceil(camp2p.max_stage_tokens(dp_metadata_list)))
+    layers: and its largest stage's tokens rounded up to a power of two (0: unknown)."""
+    tokens = camp2p.max_stage_tokens(dp_metadata_list)
+    return BucketKey(runner, stages, layers, 1 << (tokens - 1).bit_length() if tokens > 0 else 0)
 
 
 class FfnStep:
@@ -315,7 +316,9 @@ class FfnStep:
         if refused is not None:
             return serial(refused), None
         try:
-            streamset = runtime.runners.streams(self.runner, decision.backend)  # type: ignore[arg-type]
+            streamset = state.streamset
+            if streamset is None or state.backend_name != decision.backend:
+                streamset = runtime.runners.streams(self.runner, decision.backend)  # type: ignore[arg-type]
         except BackendUnavailable as exc:
             return serial(str(exc)), None
         if streamset is None:
@@ -380,9 +383,9 @@ class FfnStep:
                 context_of=camp2p.context_of,
             )
             routes = ConnectorRoutes(connector)
-            routers = []
+            routers = []  # (attribute, make): make(callee, thread) is partial(route, session, key, callee, thread)
             for attribute, key in self.state.facts.routes:  # type: ignore[union-attr]
-                routers.append((attribute, partial(session_router, session, key)))
+                routers.append((attribute, partial(partial, route, session, key)))
             refused = routes.install(routers, checked=True)
             if refused is not None:  # another thread's step routed it since the decision, say
                 session.close(raising=True)  # nothing was issued: closing only releases it

@@ -60,8 +60,11 @@ class StreamBackend:
         self._log_saved: list[Any] = []
 
     def compute_stream(self) -> Any:
+        """The caller's current stream, named C (torch.cuda's is a new object at each call; the emulated device's is
+        named once)."""
         stream = self.mod.current_stream()
-        _name(stream, COMPUTE_STREAM)
+        if getattr(stream, "name", None) != COMPUTE_STREAM:
+            _name(stream, COMPUTE_STREAM)
         return stream
 
     def new_stream(self, name: str) -> Any:
@@ -92,9 +95,7 @@ class StreamBackend:
             self.event(key)
 
     def timing_pair(self) -> tuple[Any, Any]:
-        """A free (start, end) pair of timing events (from the pool, else new)."""
-        if self.timing_events:
-            return self.timing_events.pop()
+        """A new (start, end) pair of timing events (the pool, :attr:`timing_events`, holds the free ones)."""
         return self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True)
 
     def synchronize(self, stream: Any) -> None:
