@@ -11,6 +11,7 @@ import gc
 import sys
 import threading
 from collections.abc import Iterator
+from functools import partial
 from types import FrameType
 from typing import Any
 
@@ -18,8 +19,8 @@ import pytest
 from support.overlap import apply_cpu, assert_same, run_step, serial_results, world, wrap_model
 
 from camp2p_overlap.core.observe.trace import TraceRecorder
-from camp2p_overlap.core.overlap.routes import ConnectorRoutes, is_router
-from camp2p_overlap.core.overlap.serial_trace import TRACE_ROUTERS
+from camp2p_overlap.core.overlap.routes import ROUTER_MARK, install_routes, remove_routes, route
+from camp2p_overlap.core.overlap.serial_trace import SerialTrace
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.emulation import device as emulated_device
 
@@ -52,6 +53,11 @@ def applied() -> Iterator[None]:
     assert PATCH_LAYER.engine.unpatch() is True
 
 
+def _is_router(obj: Any) -> bool:
+    """Whether ``obj`` is a router a step installed (install_routes marks each)."""
+    return getattr(obj, ROUTER_MARK, False) is True
+
+
 def test_between_steps_a_connector_call_runs_no_frame_of_ours(applied: None) -> None:
     w = world(layers=2, stage_ids=(0, 1))
     originals = {name: vars(type(w.connector))[name] for name in ROUTED}
@@ -72,13 +78,13 @@ def test_the_profile_check_sees_a_frame_of_ours(applied: None) -> None:
     w = world(layers=2, stage_ids=(0, 1))
     apply_cpu()
     w.connector.recv_attn_output = lambda *a, **k: "payload"  # the callee: no transport needed
-    routes = ConnectorRoutes(w.connector)
-    router = TRACE_ROUTERS["recv_attn_output"](TraceRecorder())
-    assert routes.install([("recv_attn_output", router)]) is None
+    routes: list[Any] = []
+    router = partial(partial, route, SerialTrace(TraceRecorder()), "recv_attn_output")
+    assert install_routes(w.connector, [("recv_attn_output", router)], routes) is None
     try:
         assert _our_frames(lambda: w.connector.recv_attn_output(0, layer_idx=0)) != []
     finally:
-        routes.remove()
+        remove_routes(w.connector, routes)
     assert vars(w.connector)["recv_attn_output"]() == "payload"  # the user's attribute is back
 
 
@@ -89,7 +95,9 @@ def test_during_an_engaged_step_only_this_instance_is_routed(applied: None) -> N
     compute = w.runner.model.compute_ffn_output
 
     def spying_compute(**kw: Any) -> Any:  # runs on the loop thread, inside the step
-        seen.append((is_router(vars(w.connector).get("recv_attn_output")), "recv_attn_output" in vars(other.connector)))
+        seen.append(
+            (_is_router(vars(w.connector).get("recv_attn_output")), "recv_attn_output" in vars(other.connector))
+        )
         return compute(**kw)
 
     w.runner.model.compute_ffn_output = spying_compute
@@ -160,14 +168,14 @@ def test_another_thread_calling_the_routed_instance_gets_the_callee() -> None:
 
         return routed
 
-    routes = ConnectorRoutes(conn)
-    assert routes.install([("recv", make)]) is None
+    routes: list[Any] = []
+    assert install_routes(conn, [("recv", make)], routes) is None
     out: list[Any] = []
     t = threading.Thread(target=lambda: out.append(conn.recv(2)))
     t.start()
     t.join(10)
     assert conn.recv(1) == ("session", 1) and out == [("upstream", 2)]
-    routes.remove()
+    remove_routes(conn, routes)
     assert "recv" not in vars(conn) and conn.recv(3) == ("upstream", 3)
 
 
@@ -178,13 +186,13 @@ def test_routes_refuse_a_slotted_instance_a_data_descriptor_and_a_second_route()
         def recv(self) -> str:
             return "upstream"
 
-    assert "no instance __dict__" in str(ConnectorRoutes(Slotted()).install([("recv", lambda c, t: c)]))
+    assert "no instance __dict__" in str(install_routes(Slotted(), [("recv", lambda c, t: c)], []))
 
     class Described:
         recv = property(lambda self: lambda: "upstream")
 
     obj = Described()
-    reason = ConnectorRoutes(obj).install([("recv", lambda c, t: c)])
+    reason = install_routes(obj, [("recv", lambda c, t: c)], [])
     assert reason is not None and "descriptor" in reason and "recv" not in vars(obj)
 
     class Plain:
@@ -192,10 +200,10 @@ def test_routes_refuse_a_slotted_instance_a_data_descriptor_and_a_second_route()
             return "upstream"
 
     plain = Plain()
-    first = ConnectorRoutes(plain)
-    assert first.install([("recv", lambda c, t: lambda: "first")]) is None
-    assert "another thread" in str(ConnectorRoutes(plain).install([("recv", lambda c, t: c)]))
-    first.remove()
+    first: list[Any] = []
+    assert install_routes(plain, [("recv", lambda c, t: lambda: "first")], first) is None
+    assert "another thread" in str(install_routes(plain, [("recv", lambda c, t: c)], []))
+    remove_routes(plain, first)
     assert vars(plain) == {} and plain.recv() == "upstream"
 
 
@@ -205,11 +213,11 @@ def test_a_route_replaced_during_the_step_is_left_as_it_was_set() -> None:
             return "upstream"
 
     plain = Plain()
-    routes = ConnectorRoutes(plain)
-    assert routes.install([("recv", lambda c, t: lambda: "routed")]) is None
+    routes: list[Any] = []
+    assert install_routes(plain, [("recv", lambda c, t: lambda: "routed")], routes) is None
     replacement = lambda: "theirs"  # noqa: E731
     plain.recv = replacement  # type: ignore[method-assign]
-    routes.remove()
+    remove_routes(plain, routes)
     assert vars(plain)["recv"] is replacement
 
 
@@ -234,12 +242,43 @@ def test_a_connector_that_cannot_be_routed_is_a_serial_reason_and_a_plain_one_en
     assert PATCH_LAYER.runtime.counters.to_dict()["steps"]["overlap"] == before + 1
 
 
-def test_a_serial_trace_routes_the_same_keys_as_an_engaged_step() -> None:
-    """A manifest's ``route`` target names one router key; the session's and
-    the serial trace's routers are kept apart and must serve the same keys."""
+def test_route_hands_each_key_to_its_session_on_the_steps_thread_while_it_is_open() -> None:
+    """One router function serves both keys a ``route`` target may name, for an engaged step's session and a serial
+    trace alike: on the step's thread while the session is open it hands the call to ``recv``/``send``; else the
+    callee runs the call as it was made."""
     from camp2p_overlap.core.overlap.routes import SESSION_ROUTERS
 
-    assert set(SESSION_ROUTERS) == set(TRACE_ROUTERS) == {"recv_attn_output", "send_ffn_output"}
+    assert set(SESSION_ROUTERS) == {"recv_attn_output", "send_ffn_output"}
+    calls: list[Any] = []
+
+    class Session:
+        closed = False
+
+        def recv(self, fn: Any, kw: Any) -> Any:
+            calls.append(("recv", kw))
+            return "payload"
+
+        def send(self, call: Any, output: Any, context: Any, stage: Any) -> Any:
+            calls.append(("send", output, context, stage, call()))
+
+    session = Session()
+    here = threading.get_ident()
+    recv = partial(route, session, "recv_attn_output", lambda *a, **k: ("callee", a, k), here)
+    send = partial(route, session, "send_ffn_output", lambda *a, **k: ("callee", a, k), here)
+    assert recv(1, layer_idx=2) == "payload"
+    send("out", "ctx", ubatch_idx=1)
+    assert calls == [
+        ("recv", {"layer_idx": 2, "ubatch_idx": 1}),
+        ("send", "out", "ctx", 1, ("callee", ("out", "ctx"), {"ubatch_idx": 1})),
+    ]
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(recv(0, layer_idx=3)))
+    t.start()
+    t.join(10)
+    assert out == [("callee", (0,), {"layer_idx": 3})]  # another thread: the callee
+    session.closed = True
+    assert send("o", "c") == ("callee", ("o", "c"), {})  # a closed session: the callee
+    assert len(calls) == 2
 
 
 def _holds_a_dict(obj: Any, attribute: str) -> bool:
@@ -263,7 +302,7 @@ def test_routing_leaves_the_instance_attributes_inline(applied: None) -> None:
         run_step(w)
     assert PATCH_LAYER.runtime.counters.to_dict()["steps"]["overlap"] >= 1
     assert not _holds_a_dict(w.connector, "transport")
-    assert not [name for name in ROUTED if is_router(getattr(w.connector, name))]
+    assert not [name for name in ROUTED if _is_router(getattr(w.connector, name))]
 
 
 def test_an_install_refuses_an_instance_another_step_routed_and_leaves_nothing_set() -> None:
@@ -278,11 +317,11 @@ def test_an_install_refuses_an_instance_another_step_routed_and_leaves_nothing_s
             return "sent"
 
     plain = Plain()
-    first = ConnectorRoutes(plain)
-    assert first.install([("send", lambda c, t: lambda: "first")]) is None
-    second = ConnectorRoutes(plain)
-    reason = second.install([("recv", lambda c, t: lambda: "second"), ("send", lambda c, t: c)])
+    first: list[Any] = []
+    assert install_routes(plain, [("send", lambda c, t: lambda: "first")], first) is None
+    second: list[Any] = []
+    reason = install_routes(plain, [("recv", lambda c, t: lambda: "second"), ("send", lambda c, t: c)], second)
     assert reason is not None and "another thread" in reason
     assert "recv" not in vars(plain) and plain.send() == "first"  # the second step's recv route was taken back
-    first.remove()
+    remove_routes(plain, first)
     assert vars(plain) == {} and plain.recv() == "upstream" and plain.send() == "sent"

@@ -1,10 +1,10 @@
 """Connector routes (docs/design.md, "Connectors left alone outside a step"): the connector instance's calls,
 routed to one step for that step's duration and on that step's thread only. The manifest's ``route`` targets are
 signature-checked at import; nothing of ours is installed on their class. An engaged step (or a serial step while a
-trace recorder is active) sets one router per route target on the connector *instance* (:class:`ConnectorRoutes`)
-and removes it in a ``finally``. The callee is what the instance resolved to when the step began: its own attribute
-if it carried one (a monkeypatch, put back as the very same object), else the class's attribute bound to it, so a
-foreign wrapper on the class stays in the call chain.
+trace recorder is active) sets one router per route target on the connector *instance* (:func:`install_routes`)
+and removes it in a ``finally`` (:func:`remove_routes`). The callee is what the instance resolved to when the step
+began: its own attribute if it carried one (a monkeypatch, put back as the very same object), else the class's
+attribute bound to it, so a foreign wrapper on the class stays in the call chain.
 
 Limit: a bound method taken from the instance before the step began bypasses the route; the step then sees no
 receive, runs the loop's order on the compute stream and logs it.
@@ -40,10 +40,6 @@ _MISSING = object()
 _set_on_instance = object.__setattr__
 _delete_on_instance = object.__delattr__
 _get_on_instance = object.__getattribute__
-
-
-def is_router(obj: Any) -> bool:
-    return getattr(obj, ROUTER_MARK, False) is True
 
 
 def route_problem(instance: Any, attributes: Iterable[str]) -> str | None:
@@ -93,80 +89,73 @@ def _held_by_instance(instance: Any, attribute: str) -> Any:
         return None
 
 
-class ConnectorRoutes:
-    """The routers of one step on one connector instance. :meth:`install`
-    sets them (all or none), :meth:`remove` takes them away exactly."""
+#: What :func:`install_routes` set on an instance, for :func:`remove_routes`: (attribute, our router, what the instance
+#: held of its own before, or ``_MISSING``).
+Installed = list[tuple[str, Any, Any]]
 
-    __slots__ = ("_instance", "_set")
 
-    def __init__(self, instance: Any) -> None:
-        self._instance = instance
-        #: (attribute, our router, what the instance held of its own before, or _MISSING)
-        self._set: list[tuple[str, Any, Any]] = []
+def install_routes(
+    instance: Any, routers: Sequence[tuple[str, MakeRouter]], installed: Installed, *, checked: bool = False
+) -> str | None:
+    """Route each ``(attribute, make)`` of ``instance``, listing each route set in ``installed``; None when every
+    route is in place, else why none is (nothing left set). ``checked``: the caller found :func:`route_problem` None
+    for this class (an engaged step's runner facts)."""
+    if not checked:
+        problem = route_problem(instance, [attribute for attribute, _ in routers])
+        if problem is not None:
+            return problem
+    thread = get_ident()
+    cls = type(instance)
+    for attribute, make in routers:
+        callee = getattr(instance, attribute)
+        if getattr(callee, ROUTER_MARK, False) is True:  # a router of another thread's step
+            remove_routes(instance, installed)
+            return ROUTED_ELSEWHERE
+        # What the instance holds of its own (put back by remove_routes), or _MISSING when the name resolves to its
+        # class's attribute: the class's function bound to the instance (the common case), the class's attribute
+        # itself, or a value equal to it as the class would bind it (the route is then deleted, and the name
+        # resolves the same).
+        before = callee
+        if type(callee) is MethodType and callee.__self__ is instance:
+            if callee.__func__ is getattr(cls, attribute, None):
+                before = _MISSING
+        if before is not _MISSING:  # a monkeypatch, a foreign wrapper, a descriptor: the class's raw attribute
+            held = _class_attribute(cls, attribute)
+            if held is not None and (callee is held or _binds_equal(held, instance, callee)):
+                before = _MISSING
+        router = make(callee, thread)
+        setattr(router, ROUTER_MARK, True)
+        installed.append((attribute, router, before))
+        _set_on_instance(instance, attribute, router)
+        if getattr(instance, attribute) is not router:  # e.g. a __getattribute__ of its own
+            remove_routes(instance, installed)
+            return f"connector {cls.__name__}.{attribute} cannot be routed per instance"
+    return None
 
-    def install(self, routers: Sequence[tuple[str, MakeRouter]], *, checked: bool = False) -> str | None:
-        """Route each ``(attribute, make)``; None when every route is in place,
-        else why none is (nothing left set). ``checked``: the caller found
-        :func:`route_problem` None for this class (an engaged step's runner facts)."""
-        instance = self._instance
-        if not checked:
-            problem = route_problem(instance, [attribute for attribute, _ in routers])
-            if problem is not None:
-                return problem
-        thread = get_ident()
-        cls = type(instance)
-        for attribute, make in routers:
-            callee = getattr(instance, attribute)
-            if is_router(callee):
-                self.remove()
-                return ROUTED_ELSEWHERE
-            # What the instance holds of its own (put back by remove), or _MISSING when the name resolves to its
-            # class's attribute: the class's function bound to the instance (the common case), the class's attribute
-            # itself, or a value equal to it as the class would bind it (remove then deletes, and the name resolves
-            # the same).
-            before = callee
-            if type(callee) is MethodType and callee.__self__ is instance:
-                if callee.__func__ is getattr(cls, attribute, None):
-                    before = _MISSING
-            if before is not _MISSING:  # a monkeypatch, a foreign wrapper, a descriptor: the class's raw attribute
-                held = _class_attribute(cls, attribute)
-                if held is not None and (callee is held or _binds_equal(held, instance, callee)):
-                    before = _MISSING
-            router = make(callee, thread)
-            setattr(router, ROUTER_MARK, True)
-            self._set.append((attribute, router, before))
-            _set_on_instance(instance, attribute, router)
-            if getattr(instance, attribute) is not router:  # e.g. a __getattribute__ of its own
-                self.remove()
-                return f"connector {cls.__name__}.{attribute} cannot be routed per instance"
-        return None
 
-    def remove(self) -> None:
-        """Put back what the instance held, newest first. A route that
-        someone replaced during the step is left as they set it (logged once)."""
-        instance = self._instance
-        while self._set:
-            attribute, router, before = self._set.pop()
-            if (
-                getattr(instance, attribute, None) is not router
-                and _held_by_instance(instance, attribute) is not router
-            ):
-                log_once(
-                    logging.WARNING,
-                    f"route-replaced:{attribute}",
-                    "camp2p-overlap: connector attribute %s was replaced during a step; left as it was set",
-                    attribute,
-                )
-                continue
-            if before is _MISSING:
-                _delete_on_instance(instance, attribute)
-            else:
-                _set_on_instance(instance, attribute, before)
+def remove_routes(instance: Any, installed: Installed) -> None:
+    """Put back what ``instance`` held, newest first, emptying ``installed``. A route that someone replaced during
+    the step is left as they set it (logged once)."""
+    while installed:
+        attribute, router, before = installed.pop()
+        if getattr(instance, attribute, None) is not router and _held_by_instance(instance, attribute) is not router:
+            log_once(
+                logging.WARNING,
+                f"route-replaced:{attribute}",
+                "camp2p-overlap: connector attribute %s was replaced during a step; left as it was set",
+                attribute,
+            )
+            continue
+        if before is _MISSING:
+            _delete_on_instance(instance, attribute)
+        else:
+            _set_on_instance(instance, attribute, before)
 
 
 def route(session: Any, key: str, callee: Wrapped, thread: int, *args: Any, **kwargs: Any) -> Any:
-    """An engaged step's router of ``key`` (one of :data:`SESSION_ROUTERS`), bound with ``partial``: on the step's
-    thread while the session is open, the call goes to the session; else to ``callee``."""
+    """A step's router of ``key`` (one of :data:`SESSION_ROUTERS`), bound with ``partial``: on the step's thread while
+    ``session`` is open, the call goes to it (``recv(callee, kwargs)``, ``send(call, output, context, stage)``); else
+    to ``callee``."""
     if get_ident() != thread or session.closed:
         return callee(*args, **kwargs)
     if key == "recv_attn_output":
@@ -177,6 +166,6 @@ def route(session: Any, key: str, callee: Wrapped, thread: int, *args: Any, **kw
     return session.send(partial(callee, *args, **kwargs), output, context, stage)
 
 
-#: The router keys a ``route`` target may name; an engaged step installs ``partial(route, session, key, callee,
-#: thread)`` for each (``serial_trace.TRACE_ROUTERS``: a serial step's trace).
+#: The router keys a ``route`` target may name; a step installs ``partial(route, session, key, callee, thread)`` for
+#: each (an engaged step's session, or a traced serial step's ``serial_trace.SerialTrace``).
 SESSION_ROUTERS = ("recv_attn_output", "send_ffn_output")

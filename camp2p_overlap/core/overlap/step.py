@@ -38,7 +38,7 @@ from camp2p_overlap.core.overlap.plan import (
     layouts_of,
     step_plan,
 )
-from camp2p_overlap.core.overlap.routes import SESSION_ROUTERS, ConnectorRoutes, route, route_problem
+from camp2p_overlap.core.overlap.routes import SESSION_ROUTERS, install_routes, remove_routes, route, route_problem
 from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, RunnerState
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
 from camp2p_overlap.core.overlap.serial_trace import run_traced_serial
@@ -382,11 +382,11 @@ class FfnStep:
                 step_id=step_id,
                 context_of=camp2p.context_of,
             )
-            routes = ConnectorRoutes(connector)
-            routers = []  # (attribute, make): make(callee, thread) is partial(route, session, key, callee, thread)
+            routers, installed = [], []  # type: ignore[var-annotated]
             for attribute, key in self.state.facts.routes:  # type: ignore[union-attr]
+                # make(callee, thread) is partial(route, session, key, callee, thread)
                 routers.append((attribute, partial(partial, route, session, key)))
-            refused = routes.install(routers, checked=True)
+            refused = install_routes(connector, routers, installed, checked=True)
             if refused is not None:  # another thread's step routed it since the decision, say
                 session.close(raising=True)  # nothing was issued: closing only releases it
                 self.count_serial(refused)
@@ -417,7 +417,7 @@ class FfnStep:
                 session.close()
                 return result
             finally:
-                routes.remove()  # on every exit path: nothing of ours stays on the instance
+                remove_routes(connector, installed)  # on every exit path: nothing of ours stays on the instance
                 local.session = None
                 if watchdog is not None:
                     watchdog.cancel()

@@ -50,7 +50,7 @@ class StreamBackend:
         self._made: list[Any] = []
         caps = self.capabilities = DeviceCapabilities.of(device_module)
         #: ``run_op(fn, label) -> OpHandle``: run a connector op as work of the current stream.
-        self.run_op: Callable[[Callable[[], Any], str], OpHandle] = caps.tracked or _run_on_host
+        self.run_op: Callable[[Callable[[], Any], str], OpHandle] = caps.tracked or run_on_host
         #: The asynchronous errors kernels of the given streams hit, read (``peek_errors``) or taken (emulated
         #: device; a real device reports them at its next synchronize).
         self.peek_errors = caps.peek_errors
@@ -137,7 +137,7 @@ class StreamBackend:
         self._markers.append(marker)
 
 
-def _run_on_host(fn: Callable[[], Any], label: str) -> OpHandle:
+def run_on_host(fn: Callable[[], Any], label: str) -> OpHandle:
     """Run an op on the host now (a device backend's op only enqueues kernels: its handle is done at once)."""
     t0 = time.perf_counter_ns()
     try:
