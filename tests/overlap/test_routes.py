@@ -19,7 +19,8 @@ import pytest
 from support.overlap import apply_cpu, assert_same, run_step, serial_results, world, wrap_model
 
 from camp2p_overlap.core.observe.trace import TraceRecorder
-from camp2p_overlap.core.overlap.routes import ROUTER_MARK, install_routes, remove_routes, route
+from camp2p_overlap.core.overlap.camp2p import route
+from camp2p_overlap.core.overlap.routes import ROUTER_MARK, install_routes, remove_routes
 from camp2p_overlap.core.overlap.serial_trace import SerialTrace
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
 from camp2p_overlap.emulation import device as emulated_device
@@ -246,7 +247,7 @@ def test_route_hands_each_key_to_its_session_on_the_steps_thread_while_it_is_ope
     """One router function serves both keys a ``route`` target may name, for an engaged step's session and a serial
     trace alike: on the step's thread while the session is open it hands the call to ``recv``/``send``; else the
     callee runs the call as it was made."""
-    from camp2p_overlap.core.overlap.routes import SESSION_ROUTERS
+    from camp2p_overlap.core.overlap.camp2p import SESSION_ROUTERS
 
     assert set(SESSION_ROUTERS) == {"recv_attn_output", "send_ffn_output"}
     calls: list[Any] = []

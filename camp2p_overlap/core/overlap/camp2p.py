@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Mapping
+from functools import partial
+from threading import get_ident
 from typing import Any
 
 #: The runner's layer list, read (never wrapped) to plan the lookahead.
@@ -163,26 +165,34 @@ def _tokens_across_dp(meta: Any) -> Any:
         return 0
 
 
-def recv_kwargs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """``recv_attn_output(self, ubatch_idx=0, **kwargs)`` call -> its kwargs."""
-    out = dict(kwargs)
-    if args:
-        out["ubatch_idx"] = args[0]
-    out.setdefault("ubatch_idx", 0)
-    return out
+#: The connector calls a ``route`` target may name, each handed by :func:`route` to the step's session.
+SESSION_ROUTERS = ("recv_attn_output", "send_ffn_output")
 
 
-def send_call(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, Any, int | None]:
-    """``send_ffn_output(self, ffn_output, context, **kwargs)`` -> (output,
-    context, the stage it is for: its ``ubatch_idx``, else its context's
-    ``stage_idx``)."""
+def route(session: Any, key: str, callee: Any, thread: int, *args: Any, **kwargs: Any) -> Any:
+    """A step's router of the connector call ``key`` (one of :data:`SESSION_ROUTERS`), bound with ``partial`` and set
+    on the connector instance for the step (``routes.install_routes``): on the step's thread while ``session`` is open,
+    the call goes to it; else ``callee`` runs it as it was made.
+
+    - ``recv_attn_output(ubatch_idx=0, **kwargs)``: ``session.recv(callee, kw)``, ``kw`` the call's keywords with
+      ``ubatch_idx`` by name (the session calls ``callee(**kw)``: the same call).
+    - ``send_ffn_output(ffn_output, context, **kwargs)``: ``session.send(call, output, context, stage)``, ``call`` the
+      call as it was made, ``stage`` its ``ubatch_idx``, else its context's ``metadata.stage_idx``."""
+    if get_ident() != thread or session.closed:
+        return callee(*args, **kwargs)
+    if key == "recv_attn_output":
+        if args or "ubatch_idx" not in kwargs:
+            kwargs = {**kwargs, "ubatch_idx": args[0] if args else kwargs.get("ubatch_idx", 0)}
+        return session.recv(callee, kwargs)
     n = len(args)
     output = args[0] if n else kwargs.get("ffn_output")
     context = args[1] if n >= 2 else kwargs.get("context")
     if "ubatch_idx" in kwargs:
-        return output, context, int(kwargs["ubatch_idx"])
-    stage = getattr(getattr(context, "metadata", None), "stage_idx", None)
-    return output, context, None if stage is None else int(stage)
+        stage = int(kwargs["ubatch_idx"])
+    else:
+        stage = getattr(getattr(context, "metadata", None), "stage_idx", None)
+        stage = None if stage is None else int(stage)
+    return session.send(partial(callee, *args, **kwargs), output, context, stage)
 
 
 def context_layer(ctx: Any) -> int | None:

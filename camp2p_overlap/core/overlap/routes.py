@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from functools import partial
 from threading import get_ident
 from types import MethodType
 from typing import Any
 
 from camp2p_overlap.core.log import log_once
-from camp2p_overlap.core.overlap import camp2p
 
 #: Set on every router function, so a step recognises an instance that
 #: another step (on another thread) has routed.
@@ -150,22 +148,3 @@ def remove_routes(instance: Any, installed: Installed) -> None:
             _delete_on_instance(instance, attribute)
         else:
             _set_on_instance(instance, attribute, before)
-
-
-def route(session: Any, key: str, callee: Wrapped, thread: int, *args: Any, **kwargs: Any) -> Any:
-    """A step's router of ``key`` (one of :data:`SESSION_ROUTERS`), bound with ``partial``: on the step's thread while
-    ``session`` is open, the call goes to it (``recv(callee, kwargs)``, ``send(call, output, context, stage)``); else
-    to ``callee``."""
-    if get_ident() != thread or session.closed:
-        return callee(*args, **kwargs)
-    if key == "recv_attn_output":
-        # the session calls callee(**kw): the same call (ubatch_idx by name)
-        kw = kwargs if not args and "ubatch_idx" in kwargs else camp2p.recv_kwargs(args, kwargs)
-        return session.recv(callee, kw)
-    output, context, stage = camp2p.send_call(args, kwargs)
-    return session.send(partial(callee, *args, **kwargs), output, context, stage)
-
-
-#: The router keys a ``route`` target may name; a step installs ``partial(route, session, key, callee, thread)`` for
-#: each (an engaged step's session, or a traced serial step's ``serial_trace.SerialTrace``).
-SESSION_ROUTERS = ("recv_attn_output", "send_ffn_output")

@@ -22,7 +22,7 @@ from typing import Any
 from camp2p_overlap.core.keys import A2E, COMPUTE_STREAM, E2A, OpKey
 from camp2p_overlap.core.observe.trace import StepTrace, TraceOp, TraceRecorder
 from camp2p_overlap.core.overlap import camp2p
-from camp2p_overlap.core.overlap.routes import Installed, install_routes, remove_routes, route
+from camp2p_overlap.core.overlap.routes import Installed, install_routes, remove_routes
 from camp2p_overlap.core.overlap.streams import registered_capabilities
 from camp2p_overlap.core.overlap.streams.backend import run_on_host
 
@@ -60,7 +60,7 @@ def traced_routes(recorder: TraceRecorder, engine: Any, runner: Any) -> tuple[An
     if not targets:
         return None
     trace, installed = SerialTrace(recorder), []  # type: ignore[var-annotated]
-    routers = [(spec.attribute, partial(partial, route, trace, spec.router)) for spec in targets]
+    routers = [(spec.attribute, partial(partial, camp2p.route, trace, spec.router)) for spec in targets]
     if install_routes(connector, routers, installed) is not None:
         return None
     return connector, installed

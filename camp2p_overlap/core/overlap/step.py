@@ -38,7 +38,7 @@ from camp2p_overlap.core.overlap.plan import (
     layouts_of,
     step_plan,
 )
-from camp2p_overlap.core.overlap.routes import SESSION_ROUTERS, install_routes, remove_routes, route, route_problem
+from camp2p_overlap.core.overlap.routes import install_routes, remove_routes, route_problem
 from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, RunnerState
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
 from camp2p_overlap.core.overlap.serial_trace import run_traced_serial
@@ -206,7 +206,7 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], state: A
 
 def make_wrappers(engine: PatchEngine, *, runtime: OverlapRuntime) -> dict[str, Any]:
     """What ``engine`` installs, by manifest key: the ``ffn_forward`` and ``capture_graphs`` wrappers, and the
-    routers that ``route`` targets name (``routes.SESSION_ROUTERS``; nothing of them is installed on a class)."""
+    routers that ``route`` targets name (``camp2p.SESSION_ROUTERS``; nothing of them is installed on a class)."""
 
     capture = GraphCapture(engine, runtime, bucket_of, decide)
 
@@ -220,7 +220,7 @@ def make_wrappers(engine: PatchEngine, *, runtime: OverlapRuntime) -> dict[str, 
     setattr(capture_graphs, MARK, True)
     wrapper: Wrapper = ffn_forward
     graphs: Wrapper = capture_graphs
-    return {"ffn_forward": wrapper, "capture_graphs": graphs, **dict.fromkeys(SESSION_ROUTERS, route)}
+    return {"ffn_forward": wrapper, "capture_graphs": graphs, **dict.fromkeys(camp2p.SESSION_ROUTERS, camp2p.route)}
 
 
 def bucket_of(runner: str, stages: int, layers: int, dp_metadata_list: Any) -> BucketKey:
@@ -385,7 +385,7 @@ class FfnStep:
             routers, installed = [], []  # type: ignore[var-annotated]
             for attribute, key in self.state.facts.routes:  # type: ignore[union-attr]
                 # make(callee, thread) is partial(route, session, key, callee, thread)
-                routers.append((attribute, partial(partial, route, session, key)))
+                routers.append((attribute, partial(partial, camp2p.route, session, key)))
             refused = install_routes(connector, routers, installed, checked=True)
             if refused is not None:  # another thread's step routed it since the decision, say
                 session.close(raising=True)  # nothing was issued: closing only releases it
