@@ -290,11 +290,6 @@ MAX_PENDING_TIMINGS = 64
 Pending = tuple[BucketKey, Path, StreamBackend, Any, "AdaptiveEngage | None"]
 
 
-def elapsed_s(start: Any, end: Any) -> float | None:
-    """Seconds from ``start`` to ``end`` once ``end`` has completed (``query()``, never a synchronize), else None."""
-    return start.elapsed_time(end) / 1e3 if end.query() else None
-
-
 class StepTimings:
     """One runner's step and replay timings not read yet, in issue order: each is read once its end event has
     completed (``query()``, never a synchronize), oldest first, and never while a graph capture is in progress."""
@@ -348,10 +343,13 @@ class StepTimings:
             with self._lock:
                 if not self._pending:
                     return
-                key, path, backend, pair, into = self._pending[0]
-                seconds = GUARD.read(partial(elapsed_s, *pair))
-                if seconds is None:
+                key, path, backend, (start, end), into = self._pending[0]
+                # Two guarded device reads: the end event's query(), then the time between the events (a capture
+                # that begins between them: read again later).
+                ms = GUARD.read(partial(start.elapsed_time, end)) if GUARD.read(end.query) else None
+                if ms is None:
                     return
+                seconds = ms / 1e3
                 self._pending.popleft()
-                backend.timing_events.append(pair)
+                backend.timing_events.append((start, end))
             (into or self._owner.adaptive).record(key, path, seconds)

@@ -270,7 +270,7 @@ class FfnStep:
         else:
             self.runtime.counters.serial(reason)
 
-    # -- 1. the gate ---------------------------------------------------------
+    # -- 1. the gate, 3. the choice ------------------------------------------
     def run(self) -> Any:
         self.recorder = trace.active
         gate = self.engine.gate
@@ -283,10 +283,26 @@ class FfnStep:
                 self.count_serial(decision.reason)
                 log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", decision.reason)
                 return self.run_original()
-            # 3.: the static setting for a capture (a graph replays what it captured), parity/reorder, adaptive off.
+            # 3. the choice: the static setting for a capture (a graph replays what it captured), parity/reorder,
+            # adaptive off; else the bucket's path (a listed layout, or the original as decided or as a probe), timed
+            # without blocking the host.
             if not self.engine.config.adaptive or decision.mode != "overlap" or self.is_capture(streamset.backend):
                 return self.run_engaged(decision, streamset, decision.layout)
-            return self.run_adaptive(decision, streamset)
+            plan, backend, state = decision.plan, streamset.backend, self.state
+            assert plan is not None and state is not None
+            key = bucket_of(state.name, len(plan.stages), len(plan.layers), self.kwargs.get("dp_metadata_list"))
+            state.timings.read_ready()
+            adaptive, every = self.runtime.adaptive, self.engine.config.reprobe_every
+            if adaptive.settings.reprobe_every != every:  # the engine's re-probe interval
+                adaptive.settings = replace(adaptive.settings, reprobe_every=every)
+            path, probe, timed = adaptive.choose(key, decision.names)
+            if path == SERIAL:
+                self.runtime.counters.serial(SERIAL_PROBE if probe else SERIAL_FASTER)
+                if not timed:
+                    return self.run_original()
+                return state.timings.timed(key, SERIAL, backend, self.run_original)
+            layout = decision.layouts[decision.names.index(path)]
+            return state.timings.timed(key, path, backend, partial(self.run_engaged, decision, streamset, layout))
         finally:
             gate.exit()
 
@@ -342,26 +358,6 @@ class FfnStep:
         if graph_needs_opt_in(cfg):
             return GRAPH_COMM_SIDE_OPT_IN
         return None
-
-    # -- 3. the choice -------------------------------------------------------
-    def run_adaptive(self, decision: Decision, streamset: StreamSet) -> Any:
-        """An engageable eager step: the bucket's path (a listed layout, or the original as decided or as a probe),
-        timed without blocking the host."""
-        plan, backend, state = decision.plan, streamset.backend, self.state
-        assert plan is not None and state is not None
-        key = bucket_of(state.name, len(plan.stages), len(plan.layers), self.kwargs.get("dp_metadata_list"))
-        state.timings.read_ready()
-        adaptive, every = self.runtime.adaptive, self.engine.config.reprobe_every
-        if adaptive.settings.reprobe_every != every:  # the engine's re-probe interval
-            adaptive.settings = replace(adaptive.settings, reprobe_every=every)
-        path, probe, timed = adaptive.choose(key, decision.names)
-        if path == SERIAL:
-            self.runtime.counters.serial(SERIAL_PROBE if probe else SERIAL_FASTER)
-            if not timed:
-                return self.run_original()
-            return state.timings.timed(key, SERIAL, backend, self.run_original)
-        layout = decision.layouts[decision.names.index(path)]
-        return state.timings.timed(key, path, backend, partial(self.run_engaged, decision, streamset, layout))
 
     # -- 4. the engaged step -------------------------------------------------
     def run_engaged(self, decision: Decision, streamset: StreamSet, layout: Layout) -> Any:
