@@ -66,14 +66,12 @@ class SessionSnapshot:
     plan: StepPlan
     layout: Layout
     received: int
-    consumed: frozenset[StageLayer]
     sent: frozenset[StageLayer]
     ops: tuple[IssuedOp, ...]
     events: tuple[tuple[EventKey, Any], ...]
-    #: Each stage's A2E, FFN and E2A stream, and the side streams the step forks (by stage; None: F), by name.
+    #: Each stage's A2E and FFN stream, and the side streams the step forks (by stage; None: F), by name.
     a2e_streams: Mapping[int, str]
     ffn_streams: Mapping[int, str]
-    e2a_streams: Mapping[int, str]
     side_streams: Mapping[int | None, str]
     opened_ns: int
     #: The step's records and waits, ``(kind, key, stream, seq)``, and FFNs, ``(layer, stage, seq)``, in issue order.
@@ -549,13 +547,11 @@ class StepSession:
             plan=self.plan,
             layout=self.layout,
             received=self.next_recv,
-            consumed=frozenset(self._consumed),
             sent=frozenset(self._sent),
             ops=self._issued_ops(),
             events=tuple(self._events.items()),
             a2e_streams={s: k.name for s, k in self.a2e_on.items()},
             ffn_streams={s: k.name for s, k in self.ffn_on.items()},
-            e2a_streams={s: k.name for s, k in self.e2a_on.items()},
             side_streams={s: k.name for s, k in self.side_streams.items()},
             marks=tuple((kind, key, stream, seq) for kind, key, stream, _, seq in list(self._marks)),
             ffns=self._ffn_log(),

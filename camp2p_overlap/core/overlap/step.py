@@ -46,7 +46,7 @@ from camp2p_overlap.core.overlap.streams import BackendUnavailable, resolve_back
 from camp2p_overlap.core.overlap.streams.backend import GUARD, StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.core.overlap.watch.watchdog import start_watchdog
-from camp2p_overlap.core.patching.installer import MARK, Wrapper, live_attribute, target_named
+from camp2p_overlap.core.patching.installer import MARK, live_attribute, target_named
 
 if TYPE_CHECKING:
     from camp2p_overlap.core.patching.lifecycle import PatchEngine
@@ -208,19 +208,18 @@ def make_wrappers(engine: PatchEngine, *, runtime: OverlapRuntime) -> dict[str, 
     """What ``engine`` installs, by manifest key: the ``ffn_forward`` and ``capture_graphs`` wrappers, and the
     routers that ``route`` targets name (``camp2p.SESSION_ROUTERS``; nothing of them is installed on a class)."""
 
-    capture = GraphCapture(engine, runtime, bucket_of, decide)
-
-    def capture_graphs(wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
-        return capture(wrapped, instance, args, kwargs)
+    capture_graphs = GraphCapture(engine, runtime, bucket_of, decide)
 
     def ffn_forward(wrapped: Wrapped, instance: Any, args: Args, kwargs: Kwargs) -> Any:
         return FfnStep(engine, runtime, wrapped, instance, args, kwargs).run()
 
     setattr(ffn_forward, MARK, True)
     setattr(capture_graphs, MARK, True)
-    wrapper: Wrapper = ffn_forward
-    graphs: Wrapper = capture_graphs
-    return {"ffn_forward": wrapper, "capture_graphs": graphs, **dict.fromkeys(camp2p.SESSION_ROUTERS, camp2p.route)}
+    return {
+        "ffn_forward": ffn_forward,
+        "capture_graphs": capture_graphs,
+        **dict.fromkeys(camp2p.SESSION_ROUTERS, camp2p.route),
+    }
 
 
 def bucket_of(runner: str, stages: int, layers: int, dp_metadata_list: Any) -> BucketKey:
