@@ -171,7 +171,6 @@ class StepSession:
         self._last_e2a: dict[int, EventKey] = {}
         # The step's log, always kept: what the watchdog and a trace read.
         self._events: dict[EventKey, Any] = {}
-        self._consumed: set[StageLayer] = set()
         self._sent: set[StageLayer] = set()
         #: Every op issued, in issue order.
         self._ops: list[tuple[str, int | None, int | None, str, OpHandle, int]] = []
@@ -292,7 +291,6 @@ class StepSession:
         # The FFN's stream has waited an event recorded after every earlier E2A of this stage: their FFN outputs
         # may go.
         self._f_refs[s].clear()
-        self._consumed.add(expected)
         self._inflight[expected] = payload
         self._contexts[id(self._context_of(payload))] = expected
         if f is not self._current and f is not self.compute:
@@ -430,7 +428,7 @@ class StepSession:
         finally:
             error = self._side_error(list(self.side_streams.values()))
             short = not raising and not self.fallen_back and self.next_recv < len(self.order)
-            unconsumed = [k for k in self._a_handle if k not in self._consumed] if short else []
+            unconsumed = list(self._a_handle) if short else []  # a receive taken leaves _a_handle
             if self._trace is not None:
                 self._replay(self._trace)
             for held in (self._a_handle, self._a_kwargs, self._contexts):
