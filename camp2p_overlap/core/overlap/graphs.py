@@ -1,19 +1,15 @@
 """Decode graphs with both variants (``VLLM_CAMP2P_MULTISTREAM_GRAPH=adaptive``; docs/design.md, "Decode graphs").
 
 Upstream's ``_capture_graphs`` captures one graph per key into ``runner._acl_graphs[key]["graph"]``, which
-``execute_model`` replays for every later step of that key. The wrapped ``_capture_graphs`` (:class:`GraphCapture`)
-runs every capture inside the capture guard (``streams.backend.GUARD``: no thread of the patch layer reads an event
-meanwhile); captures upstream's serial graph only where the stack cannot replay the variants (logged once and
-counted); makes the runner's side streams, the variant's capture stream and the plan's pooled events before
-upstream captures, so a capture creates none; lets upstream capture its own graph (the serial path), measuring its
-memory and time; and, under ``adaptive`` and above the free-memory margin, captures the patch layer's variant of
-the same step in the runner's pool on its own capture stream and puts a :class:`VariantGraph` in the entry.
+``execute_model`` replays. The wrapped ``_capture_graphs`` (:class:`GraphCapture`) runs every capture inside the
+capture guard (``streams.backend.GUARD``), makes the side streams, capture stream and pooled events first (a capture
+creates none), lets upstream capture its serial graph (measuring its memory and time) and, under ``adaptive`` and
+above the free-memory margin, captures the patch layer's variant on its own capture stream into a
+:class:`VariantGraph`. Where the stack cannot replay the variants it captures upstream's graph only (logged once).
 
-A :class:`VariantGraph` replays the variant the key's own adaptive state chose, timed with pooled events read at
-a later replay (``query()``, never a synchronize). A replay is a step of the gate: ``unpatch()`` waits for the
-replays in flight, then puts upstream's graph objects back (identity); a ``VariantGraph`` still held afterwards
-replays upstream's graph. Both variants keep CAMP2P's per-group op order, so the attention side cannot tell which
-one replays.
+A :class:`VariantGraph` replays the variant the key's adaptive state chose, timed with pooled events read at a later
+replay. A replay is a step of the gate: ``unpatch()`` waits for those in flight, then puts upstream's graph objects
+back; a ``VariantGraph`` held afterwards replays upstream's graph. Both variants keep CAMP2P's per-group op order.
 """
 
 from __future__ import annotations

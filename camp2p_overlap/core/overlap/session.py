@@ -1,12 +1,11 @@
 """One FFN step's schedule: the edges of docs/design.md ("Edges of one step") driven from the connector calls the
-upstream loop makes, each op on the stream its layout names (``plan.Layout``). The session knows nothing of
-afd-plugin: the routers hand it each receive as a function and its kwargs, and each send as a call with its output,
-context and stage.
+upstream loop makes, each op on the stream its layout names (``plan.Layout``), through the device module's own
+stream API. The session knows nothing of afd-plugin: the router (``camp2p.route``) hands it each receive as a
+function and its kwargs, and each send as a call with its output, context and stage.
 
-One path: production, a trace, the watchdog and a capture run the same code, and the session always keeps the
-step's log (ops, records and waits in issue order), which stall reports and traces read. Every wait goes through
-:meth:`wait_event`, every receive issued ahead through :meth:`issue_a2e`, the join through :meth:`join`: a test's
-broken schedule overrides one of them.
+One path: production, a trace, the watchdog and a capture run the same code; the session always keeps the step's
+log (ops, records and waits in issue order) that stall reports and traces read. A test's broken schedule overrides
+one seam: :meth:`wait_event` (every wait), :meth:`issue_a2e` (every receive issued ahead) or :meth:`join`.
 
 Tensor ownership (no ``record_stream``): an A2E output read on another stream than its own stays referenced until
 its stream has waited an event recorded after its FFN; an FFN output read by an E2A on another stream, until the

@@ -1,16 +1,9 @@
 """One FFN step: what a call of the wrapped ``_ffn_forward`` does, as one object (:class:`FfnStep`) whose methods
-read in the order a step runs (docs/design.md, "One step, one object"). Every step takes one path:
-
-1. the gate: a step of an engine being removed runs the original;
-2. the decision (:func:`decide`) and the runner's side streams; what does not change between a runner's steps is
-   kept in :class:`RunnerFacts` until the engine's ``generation`` moves or the runner holds another connector;
-3. the choice: the static setting (capture, adaptive off, parity/reorder), or adaptive engage's path;
-4. the engaged step: a session, the connector routed to it (``routes``), the watchdog, the join on every exit;
-5. the step's time, for adaptive engage.
-
-:func:`make_wrappers` builds the wrappers the manifest names, bound to an engine and its runtime. The module
-globals a step reads are the active trace recorder (``core.observe.trace.active``) and the capture guard
-(``streams.backend.GUARD``, while it has no backend to ask).
+read in the order a step runs (docs/design.md, "One step, one object"). Every step takes one path: 1. the gate;
+2. the decision (:func:`decide`; what a runner's steps share is kept in :class:`RunnerFacts` until the engine's
+``generation`` moves or the runner holds another connector) and the runner's side streams; 3. the choice (the static
+setting, or adaptive engage's path); 4. the engaged step (a session, the connector routed to it, the watchdog, the
+join on every exit), timed for adaptive engage. :func:`make_wrappers` builds the wrappers the manifest names.
 """
 
 from __future__ import annotations
