@@ -718,3 +718,27 @@ def test_a_step_that_ends_early_logs_what_was_prefetched_and_never_consumed(
         session.recv(recv, {"ubatch_idx": 0, "layer_idx": 0, "max_num_tokens": 4})
         session.close(raising=True)
         assert len(logs.texts("planned receives", logging.WARNING)) == 2
+
+
+@pytest.mark.parametrize("layout", ["compute-side", "comm-side"])
+def test_a_session_takes_its_side_streams_errors_of_an_earlier_step_when_it_opens(layout: str) -> None:
+    """A side stream's asynchronous error that no synchronize took (an earlier step's kernel) is not the new step's:
+    the session takes its side streams' errors when it opens, so its close raises nothing."""
+    boom = RuntimeError("an earlier step's kernel failed")
+
+    def fail() -> None:
+        raise boom
+
+    with _stream_set([0, 1]) as sset:
+        side = sset.ffn if layout == "compute-side" else sset.streams[1]
+        sset.backend.submit(side, lambda: emulated_device.launch(fail))
+        assert side.drain(timeout=10)
+        assert sset.backend.peek_errors([side]) == [boom]
+        session = StepSession(
+            connector=object(),
+            plan=StepPlan((0,), (0, 1), {"max_num_tokens": 4}),
+            streamset=sset,
+            layout=LAYOUTS[layout],
+        )
+        assert sset.backend.peek_errors([side]) == []
+        session.close()  # nothing of this step failed: nothing raised
