@@ -133,3 +133,27 @@ def test_a_route_of_another_threads_step_is_asked_every_step(facts_read: list[in
     assert_same(run_step(w), ref)
     assert PATCH_LAYER.runtime.counters.to_dict()["steps"]["overlap"] == steps["overlap"] + 1
     assert facts_read == [1]
+
+
+def test_a_step_runs_on_the_streams_of_the_backend_its_decision_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner keeps the side streams of one backend: a step whose decision names another (the facts read
+    again, say after the runner's device moved) gets that backend's streams, and the old ones are closed."""
+    from camp2p_overlap.core.overlap.streams import registered_device_module
+    from camp2p_overlap.core.overlap.streams.backend import StreamBackend
+
+    w = world(layers=2, stage_ids=(0, 1))
+    (ref,) = serial_results(w, [None])
+    apply_cpu()
+    w.steps_run = 0
+    assert_same(run_step(w), ref)
+    state = PATCH_LAYER.runtime.runners.get(w.runner)
+    first = state.streamset
+    assert first is not None and first.backend.name == "cpu"
+    module = registered_device_module("cpu")
+    monkeypatch.setattr(PATCH_LAYER.runtime.runners, "make_backend", lambda name, device: StreamBackend(name, module))
+    monkeypatch.setattr(decision_module, "resolve_backend_name", lambda requested, device: "moved")
+    state.facts = None  # the facts are read again on the next decision
+    w.steps_run = 0
+    assert_same(run_step(w), ref)
+    assert state.streamset is not first and state.streamset.backend.name == "moved"
+    assert first.streams[0]._w.stopped  # the first backend's streams were closed
