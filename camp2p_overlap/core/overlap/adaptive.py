@@ -314,10 +314,9 @@ class StepTimings:
         run: Callable[[], Any],
         into: AdaptiveEngage | None = None,
     ) -> Any:
-        """``run()`` timed on the compute stream (a pair of the backend's pooled timing events) and queued for
-        ``key``; a run that raised is not recorded. ``into``: the adaptive engage it feeds (None: the runtime's). Not
-        timed while a capture is in progress on any thread: the timing could not be read before the capture ends,
-        and a pair the pool lacks would be events made during a capture."""
+        """``run()`` timed on the compute stream (a pooled pair of timing events), queued for ``key`` and the adaptive
+        engage ``into`` (None: the runtime's); a run that raised is not recorded. Not timed during a capture on any
+        thread (the timing could not be read before it ends, and a pair the pool lacks would be made in it)."""
         if GUARD.captures:
             return run()
         pair = backend.timing_events.pop() if backend.timing_events else backend.timing_pair()

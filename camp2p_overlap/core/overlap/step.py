@@ -39,7 +39,7 @@ from camp2p_overlap.core.overlap.streams import BackendUnavailable, resolve_back
 from camp2p_overlap.core.overlap.streams.backend import GUARD, StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.core.overlap.watch.watchdog import start_watchdog
-from camp2p_overlap.core.patching.installer import MARK, live_attribute, target_named
+from camp2p_overlap.core.patching.installer import MARK, live_namespace, target_named
 
 if TYPE_CHECKING:
     from camp2p_overlap.core.patching.lifecycle import PatchEngine
@@ -101,12 +101,14 @@ class RunnerFacts:
     layouts: tuple[Layout, ...] = ()
     #: (attribute, router key) of each routed connector method.
     routes: tuple[tuple[str, str], ...] = ()
-    #: The manifest's ``_ffn_layer_indices`` target (read live every step).
-    layer_target: Any = None
+    #: The namespace holding the manifest's ``_ffn_layer_indices`` target (its module's globals, which upstream's loop
+    #: reads it from; a new module object comes with a new generation), and the name; the function is read every step.
+    layer_namespace: Any = None
+    layer_attribute: str = ""
     #: Per stage ids: the HCCL group check's answer (group names are a fact of the connector).
     groups: dict[tuple[int, ...], str | None] = field(default_factory=dict)
-    #: Per step shape (layers, stages, ``max_num_tokens``): its engaging decision, with the shape's plan.
-    engaging: dict[Any, Decision] = field(default_factory=dict)
+    #: Per (stages, ``max_num_tokens``): the layer list it last engaged with, and that decision, with its plan.
+    engaging: dict[Any, tuple[list[Any], Decision]] = field(default_factory=dict)
 
 
 def runner_facts(engine: PatchEngine, runner: Any, connector: Any) -> RunnerFacts:
@@ -128,7 +130,9 @@ def runner_facts(engine: PatchEngine, runner: Any, connector: Any) -> RunnerFact
         facts.problem = f"AFD role is {role!r}, not 'ffn'"
         return facts
     facts.layouts = layouts_of(cfg)
-    facts.layer_target = target_named(engine.manifest, camp2p.LAYER_INDICES_TARGET) if engine.manifest else None
+    target = target_named(engine.manifest, camp2p.LAYER_INDICES_TARGET) if engine.manifest else None
+    if target is not None:
+        facts.layer_namespace, facts.layer_attribute = live_namespace(target), target.attribute
     try:
         facts.backend = resolve_backend_name(cfg.backend, getattr(runner, "device", None))
     except BackendUnavailable:
@@ -171,18 +175,18 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], state: A
             facts.backend = resolve_backend_name(cfg.backend, getattr(runner, "device", None))
         except BackendUnavailable as exc:
             return serial(str(exc))
-    layer_fn = live_attribute(facts.layer_target) if facts.layer_target is not None else None
+    layer_fn = facts.layer_namespace.get(facts.layer_attribute) if facts.layer_namespace is not None else None
     if layer_fn is None:
         return serial("_ffn_layer_indices is not available")
-    listed = tuple(layer_fn(runner))
+    listed = list(layer_fn(runner))  # our own copy: a list the runner changes in place is read again
     max_num_tokens = getattr(runner, "max_num_tokens", None)
-    shape = (listed, stages, max_num_tokens)
+    shape = (stages, max_num_tokens)
     try:
-        made = facts.engaging.get(shape)
-    except TypeError:  # an unhashable entry: not kept
-        shape, made = None, None
-    if made is not None:  # a shape this runner engaged before: its list was checked then
-        return made
+        kept = facts.engaging.get(shape)
+    except TypeError:  # an unhashable max_num_tokens: not kept
+        shape, kept = None, None
+    if kept is not None and kept[0] == listed:  # the layer list this shape engaged with before, checked then
+        return kept[1]
     layers = tuple(map(int, listed))
     if not layers:
         return serial("the step has no FFN layers")
@@ -193,7 +197,7 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], state: A
     if shape is not None:
         if len(facts.engaging) >= 64:
             facts.engaging.clear()
-        facts.engaging[shape] = made
+        facts.engaging[shape] = (listed, made)
     return made
 
 

@@ -94,12 +94,12 @@ def target_named(manifest: StackManifest, qualname: str) -> TargetSpec | None:
     return next((t for t in manifest.targets() if t.qualname == qualname), None)
 
 
-def live_attribute(t: TargetSpec) -> Any:
-    """Target ``t``'s live object (a class attribute or a module function),
-    or None while its module is not imported (or its owner is gone)."""
+def live_namespace(t: TargetSpec) -> Any:
+    """The namespace that holds target ``t`` now (its class's or module's ``__dict__``, a live view: what it holds
+    is read at each lookup), or None while its module is not imported (or its owner is gone)."""
     module = sys.modules.get(t.module)
     owner = None if module is None else live_owner(module, t)
-    return None if owner is None else vars(owner).get(t.attribute)
+    return None if owner is None else vars(owner)
 
 
 def _resolve(t: TargetSpec, module: ModuleType) -> tuple[Any, Any]:

@@ -1,17 +1,13 @@
-"""The stream backend: one small class over a torch-shaped device module
-(``torch.npu``, ``torch.cuda``, or the module registered for ``cpu``). The
-session drives streams and events through the module's own API (``with
-mod.stream(s)``, ``mod.set_stream``, ``event.record(s)``, ``s.wait_event(e)``);
-the backend makes the streams, pools the events by
-:class:`~camp2p_overlap.core.keys.EventKey` (reused across steps, so a graph
-capture creates none) and binds what the module offers beyond that API.
+"""The stream backend: one small class over a torch-shaped device module (``torch.npu``, ``torch.cuda``, or the module
+registered for ``cpu``). The session drives streams and events through the module's own API (``with mod.stream(s)``,
+``mod.set_stream``, ``event.record(s)``, ``s.wait_event(e)``); the backend makes the streams, pools the events by
+:class:`~camp2p_overlap.core.keys.EventKey` (reused across steps, so a graph capture creates none) and binds what the
+module offers beyond that API.
 
-:data:`GUARD` counts the graph captures in progress, process-wide, and is the
-one lock under which the patch layer's threads (step timings, step
-watchdogs, the replay watch) read events: CUDA's default (*global*) capture
-mode, and ACL's, fail an event query from any thread during a capture and
-invalidate the capture. A capture begins only once no read is in progress;
-a read that would overlap a capture returns None at once (ask again later).
+:data:`GUARD` counts the graph captures in progress, process-wide, and is the one lock under which the patch layer's
+threads (step timings, step watchdogs, the replay watch) read events: CUDA's default (*global*) capture mode, and
+ACL's, fail an event query from any thread during a capture and invalidate the capture. A capture begins only once no
+read is in progress; a read that would overlap a capture returns None at once (ask again later).
 """
 
 from __future__ import annotations
@@ -103,8 +99,8 @@ class StreamBackend:
 
     # -- the stream log (the emulated device) ------------------------------
     def start_log(self) -> bool:
-        """Log what the streams perform for work this thread enqueues
-        (emulated device only): the edge checker's evidence."""
+        """Log what the streams perform for work this thread enqueues (emulated device only): the edge checker's
+        evidence."""
         caps = self.capabilities
         if caps.new_log is None or caps.set_log is None:
             return False
@@ -112,8 +108,8 @@ class StreamBackend:
         return True
 
     def stop_log(self) -> Any:
-        """Stop logging; returns the log, which the streams go on filling
-        with the work already queued (read it after a synchronize)."""
+        """Stop logging; returns the log, which the streams go on filling with the work already queued (read it after
+        a synchronize)."""
         set_log = self.capabilities.set_log
         if set_log is None or not self._log_saved:
             return []
@@ -176,8 +172,7 @@ class CaptureGuard:
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
-        """The block is a capture: reads in progress finish first, and none
-        starts until the block has ended."""
+        """The block is a capture: reads in progress finish first, and none starts until the block has ended."""
         with self._lock:
             self.captures += 1
         try:
@@ -187,8 +182,7 @@ class CaptureGuard:
                 self.captures -= 1
 
     def read(self, fn: Callable[[], T]) -> T | None:
-        """``fn()`` (an event query, or a read built on one), unless a
-        capture is in progress: then None, at once."""
+        """``fn()`` (an event query, or a read built on one), unless a capture is in progress: then None, at once."""
         if self.captures:
             return None
         with self._lock:

@@ -1,10 +1,9 @@
-"""What the stream backend shares with the devices it drives: the device
-module protocol and its optional capabilities, op handles, and the errors.
+"""What the stream backend shares with the devices it drives: the device module protocol and its optional
+capabilities, op handles, and the errors.
 
-A *stream* runs work in the order it was submitted. An *event* is recorded
-on a stream and completes when the stream reaches it; another stream can be
-made to wait on it. The compute stream (:data:`~camp2p_overlap.core.keys.COMPUTE_STREAM`)
-is the caller's current stream.
+A *stream* runs work in the order it was submitted. An *event* is recorded on a stream and completes when the stream
+reaches it; another stream can be made to wait on it. The compute stream
+(:data:`~camp2p_overlap.core.keys.COMPUTE_STREAM`) is the caller's current stream.
 """
 
 from __future__ import annotations
@@ -18,15 +17,13 @@ from typing import Any, Protocol
 
 
 class BackendUnavailable(RuntimeError):
-    """No stream backend can serve this runner (a device module missing, no
-    device, a backend asked for that does not fit the runner's device); the
-    message says why. Every backend raises this one type."""
+    """No stream backend can serve this runner (a device module missing, no device, a backend asked for that does not
+    fit the runner's device); the message says why. Every backend raises this one type."""
 
 
 class StreamPoisonedError(RuntimeError):
-    """An op skipped because an earlier op on the same side stream failed
-    (the stream stays poisoned until the next step begins). Every backend
-    reports skipped work with this one type."""
+    """An op skipped because an earlier op on the same side stream failed (the stream stays poisoned until the next
+    step begins). Every backend reports skipped work with this one type."""
 
 
 class Stream(Protocol):
@@ -34,9 +31,8 @@ class Stream(Protocol):
 
 
 class DeviceModule(Protocol):
-    """What the backend needs of a device module: ``torch.npu``, ``torch.cuda``,
-    or the module registered for ``cpu``. Streams have ``wait_event`` and
-    ``synchronize``; events ``record``, ``query``, ``synchronize`` and
+    """What the backend needs of a device module: ``torch.npu``, ``torch.cuda``, or the module registered for ``cpu``.
+    Streams have ``wait_event`` and ``synchronize``; events ``record``, ``query``, ``synchronize`` and
     ``elapsed_time``, as torch's do."""
 
     __name__: str
@@ -54,17 +50,15 @@ class DeviceModule(Protocol):
 
 @dataclass(frozen=True)
 class DeviceCapabilities:
-    """What a device module may offer beyond :class:`DeviceModule` (only the
-    emulated device does; on torch.npu/cuda every field is None), read here,
-    never from the module itself.
+    """What a device module may offer beyond :class:`DeviceModule` (only the emulated device does; on torch.npu/cuda
+    every field is None), read here, never from the module itself.
 
-    - ``tracked(fn, label) -> OpHandle``: run ``fn`` as work of the current
-      stream, with a handle that follows the kernels it queues.
-    - ``peek_errors(streams) -> list``, ``take_errors(streams) -> list``:
-      the asynchronous errors kernels of ``streams`` hit, read or taken.
-    - ``new_log() -> log``, ``set_log(log) -> previous``: the stream log, a
-      record of what the streams perform for work this thread enqueues
-      (the edge checker's evidence).
+    - ``tracked(fn, label) -> OpHandle``: run ``fn`` as work of the current stream, with a handle that follows the
+      kernels it queues.
+    - ``peek_errors(streams) -> list``, ``take_errors(streams) -> list``: the asynchronous errors kernels of
+      ``streams`` hit, read or taken.
+    - ``new_log() -> log``, ``set_log(log) -> previous``: the stream log, a record of what the streams perform for
+      work this thread enqueues (the edge checker's evidence).
     """
 
     tracked: Callable[[Callable[[], Any], str], OpHandle] | None = None
@@ -92,8 +86,8 @@ NO_CAPABILITIES = DeviceCapabilities()
 
 
 class OpHandle(abc.ABC):
-    """What ``StreamBackend.submit`` returns: the op's Python result once it has
-    run (on device backends at once: tensors the stream fills later), or its exception."""
+    """What an op returns (``StreamBackend.run_op``): the op's Python result once it has run (on device backends at
+    once: tensors the stream fills later), or its exception."""
 
     start_ns: int | None = None
     end_ns: int | None = None
@@ -107,14 +101,12 @@ class OpHandle(abc.ABC):
     def done(self) -> bool: ...
 
     def release(self) -> None:  # noqa: B027 - optional hook
-        """Drop the op's result (keep its timing and done state): called once
-        the session has handed the result on, so a handle kept for traces and
-        stall reports does not keep the op's tensors alive."""
+        """Drop the op's result (keep its timing and done state): called once the session has handed the result on, so
+        a handle kept for traces and stall reports does not keep the op's tensors alive."""
 
 
 class DoneHandle(OpHandle):
-    """A handle for work that already ran on the host: its ``value`` (None
-    once released) or ``exception``."""
+    """A handle for work that already ran on the host: its ``value`` (None once released) or ``exception``."""
 
     __slots__ = ("end_ns", "exception", "order", "start_ns", "value")
 
