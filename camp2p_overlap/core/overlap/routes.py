@@ -105,18 +105,17 @@ def install_routes(
     thread = get_ident()
     cls = type(instance)
     for attribute, make in routers:
-        callee = getattr(instance, attribute)
-        if getattr(callee, ROUTER_MARK, False) is True:  # a router of another thread's step
-            remove_routes(instance, installed)
-            return ROUTED_ELSEWHERE
+        callee = before = getattr(instance, attribute)
         # What the instance holds of its own (put back by remove_routes), or _MISSING when the name resolves to its
         # class's attribute: the class's function bound to the instance (the common case), the class's attribute
         # itself, or a value equal to it as the class would bind it (the route is then deleted, and the name
-        # resolves the same).
-        before = callee
-        if type(callee) is MethodType and callee.__self__ is instance:
-            if callee.__func__ is getattr(cls, attribute, None):
+        # resolves the same). A bound method is never a router (a router is an instance attribute).
+        if type(callee) is MethodType:
+            if callee.__self__ is instance and callee.__func__ is getattr(cls, attribute, None):
                 before = _MISSING
+        elif getattr(callee, ROUTER_MARK, False) is True:  # a router of another thread's step
+            remove_routes(instance, installed)
+            return ROUTED_ELSEWHERE
         if before is not _MISSING:  # a monkeypatch, a foreign wrapper, a descriptor: the class's raw attribute
             held = _class_attribute(cls, attribute)
             if held is not None and (callee is held or _binds_equal(held, instance, callee)):
