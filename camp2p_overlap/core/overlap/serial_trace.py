@@ -6,10 +6,9 @@ observe room may not import (the rooms contract in ``pyproject.toml``).
 
 While it runs, the connector's ``route`` targets are routed, as an engaged
 step's are to its session, to the step's trace (:class:`SerialTrace`): each
-A2E and E2A becomes a tracked op of the
-device registered for the ``cpu`` backend (host-timed where none is), the
-FFN the span from a receive to its send; that device's stream log, where it
-keeps one, is the trace's evidence.
+A2E and E2A becomes a tracked op of the device registered for the ``cpu``
+backend (host-timed where none is), the FFN the span from a receive to its
+send; that device's stream log, where it keeps one, is the trace's evidence.
 """
 
 from __future__ import annotations
@@ -87,11 +86,12 @@ class SerialTrace:
 
     def __init__(self, recorder: TraceRecorder) -> None:
         self.recorder = recorder
+        #: Runs a connector call as a tracked op of the registered device, else on the host.
+        self.run_op = registered_capabilities("cpu").tracked or run_on_host
 
     def recv(self, fn: Callable[..., Any], kw: dict[str, Any]) -> Any:
         layer, stage = kw.get("layer_idx"), kw.get("ubatch_idx")
-        run_op = registered_capabilities("cpu").tracked or run_on_host
-        h = run_op(partial(fn, **kw), OpKey(A2E, layer, stage).label())
+        h = self.run_op(partial(fn, **kw), OpKey(A2E, layer, stage).label())
         state = self.recorder.serial_state()
         _trace_op(self.recorder, state, A2E, layer, stage, h)
         payload = h.result()
@@ -106,7 +106,6 @@ class SerialTrace:
         trace = state.get("trace")
         if started and trace is not None:
             trace.ffn(layer, stage, started[2], t0, -1)  # type: ignore[union-attr]
-        run_op = registered_capabilities("cpu").tracked or run_on_host
-        h = run_op(call, OpKey(E2A, layer, stage).label())
+        h = self.run_op(call, OpKey(E2A, layer, stage).label())
         _trace_op(self.recorder, state, E2A, layer, stage, h)
         return h.result()
