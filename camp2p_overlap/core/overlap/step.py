@@ -178,7 +178,9 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], state: A
     layer_fn = facts.layer_namespace.get(facts.layer_attribute) if facts.layer_namespace is not None else None
     if layer_fn is None:
         return serial("_ffn_layer_indices is not available")
-    listed = list(layer_fn(runner))  # our own copy: a list the runner changes in place is read again
+    listed = layer_fn(runner)  # upstream's: a range (every layer), or a list (its MoE layers)
+    if type(listed) is not range:  # our own copy: a list the runner changes in place is read again
+        listed = list(listed)
     max_num_tokens = getattr(runner, "max_num_tokens", None)
     shape = (stages, max_num_tokens)
     try:
