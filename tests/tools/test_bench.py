@@ -1694,11 +1694,11 @@ def test_the_comm_heavy_preset_puts_both_layouts_side_by_side(capsys: pytest.Cap
     assert "comm-heavy" in text and "communication above the FFN" in text
 
 
-def test_a_report_from_before_the_layouts_renders(bench_files: dict[str, Any]) -> None:
-    """``camp2p-overlap docs`` renders the reports in docs/results/ until they are rerun: a report without the
-    layouts' fields (no ffn_side_stream, layout_steps, eta_fill_drain, fill/drain floor, layouts_compared,
-    contention, attention; the policy named overlap-fixed) renders as before, without the new columns."""
-    old = json.loads(json.dumps(bench_files["report"]))
+def _report_before_layouts(report: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``report`` as a run from before the layouts wrote it: no layouts' fields (ffn_side_stream,
+    layout_steps, eta_fill_drain, the fill/drain floor and its noise notes, layouts_compared, contention,
+    attention), and the fixed overlap policy named overlap-fixed."""
+    old = json.loads(json.dumps(report))
     for key in ("layouts_compared", "contention", "attention"):
         del old[key]
     for key in ("floor_fill_drain_per_layer_us", "floor_fill_drain_terms"):
@@ -1709,6 +1709,14 @@ def test_a_report_from_before_the_layouts_renders(bench_files: dict[str, Any]) -
         p["noise"] = [n for n in p["noise"] if "fill/drain" not in n]
         if p["policy"] == "compute-side-fixed":
             p["policy"] = "overlap-fixed"
+    return old
+
+
+def test_a_report_from_before_the_layouts_renders(bench_files: dict[str, Any]) -> None:
+    """``camp2p-overlap docs`` renders the reports in docs/results/ until they are rerun: a report without the
+    layouts' fields (no ffn_side_stream, layout_steps, eta_fill_drain, fill/drain floor, layouts_compared,
+    contention, attention; the policy named overlap-fixed) renders as before, without the new columns."""
+    old = _report_before_layouts(bench_files["report"])
     text = bench_table(old)
     assert "eta f/d" not in text and "fill/drain" not in text and "layouts side by side" not in text
     assert re.search(r"^overlap-fixed +C/C/C ", text, re.M), "the FFN on C when the report does not say"
@@ -1726,16 +1734,7 @@ def test_the_headline_names_the_layouts_and_both_etas(bench_files: dict[str, Any
 
     res = docgen.load_results(REPO)
     new = bench_files["report"]
-    before = json.loads(json.dumps(new))  # a report from before the layouts: no layouts, no fill/drain floor
-    for key in ("layouts_compared", "contention", "attention"):
-        del before[key]
-    for key in ("floor_fill_drain_per_layer_us", "floor_fill_drain_terms"):
-        del before["measured"][key]
-    for p in before["policies"]:
-        for key in ("layouts", "ffn_side_stream", "layout_steps", "eta_fill_drain", "eta_fill_drain_ci95"):
-            del p[key]
-        if p["policy"] == "compute-side-fixed":
-            p["policy"] = "overlap-fixed"
+    before = _report_before_layouts(new)
     res_before = replace(res, reports={**res.reports, "bench": before}, runs={**res.runs, "bench": before["run"]})
     old = docgen.headline_figures(res_before)
     assert "`overlap` " in old and "(compute-side, adaptive)" not in old and "against the fill/drain floor" not in old
