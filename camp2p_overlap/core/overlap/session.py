@@ -113,7 +113,6 @@ class StepSession:
         self.backend = backend = streamset.backend
         #: The device module: the session drives its streams and events through the module's own API.
         self.mod = backend.mod
-        self._pool = backend.events
         self._run_op = backend.run_op
         #: The compute stream (the caller's current stream).
         self.compute = compute = backend.compute_stream()
@@ -188,7 +187,7 @@ class StepSession:
     # ------------------------------------------------------------------
     # events and ops
     def _record(self, stream: Stream, key: EventKey) -> None:
-        ev = self._events[key] = self._pool.get(key) or self.backend.event(key)
+        ev = self._events[key] = self.backend.event(key)
         ev.record(stream)
         self._marks.append(("record", key, stream.name, clock(), next(self._seq)))
 
