@@ -73,6 +73,7 @@ class OverlapConfig:
     backend: Backend = DEFAULTS["backend"]
     strict: bool = DEFAULTS["strict"]
     watchdog_s: float | None = DEFAULTS["watchdog_s"]
+    group_timeout_s: float = DEFAULTS["group_timeout_s"]
     adaptive: bool = DEFAULTS["adaptive"]
     reprobe_every: int = DEFAULTS["reprobe_every"]
     mode: Mode = DEFAULTS["mode"]

@@ -30,11 +30,14 @@ ENV_LAYOUT = "VLLM_CAMP2P_MULTISTREAM_LAYOUT"
 ENV_METRICS_PORT = "VLLM_CAMP2P_MULTISTREAM_METRICS_PORT"
 ENV_METRICS_ADDR = "VLLM_CAMP2P_MULTISTREAM_METRICS_ADDR"
 ENV_SUMMARY = "VLLM_CAMP2P_MULTISTREAM_SUMMARY_S"
+ENV_GROUP_TIMEOUT = "VLLM_CAMP2P_MULTISTREAM_GROUP_TIMEOUT_S"
 
 #: CAMP2P has one HCCL group per stage: afd, afd1, afd2.
 MAX_STAGES = 3
 #: Bounds of the re-probe interval (steps of one shape bucket).
 MIN_REPROBE, MAX_REPROBE = 2, 1_000_000
+#: Default seconds an FFN rank waits for the others at an exchange (docs/design.md, "Many FFN ranks").
+DEFAULT_GROUP_TIMEOUT_S = 30.0
 #: Default seconds between the periodic one-line summaries.
 DEFAULT_SUMMARY_S = 60.0
 #: Where the opt-in metrics endpoint listens unless told: loopback only.
@@ -343,6 +346,14 @@ TABLE: tuple[EnvVar, ...] = (
         "log a stall report (the ops issued, the events completed, the peer op most likely missing) when an"
         " engaged step, or a decode graph replay (its key and variant), runs longer than this many seconds",
         unset="no watchdog",
+    ),
+    EnvVar(
+        ENV_GROUP_TIMEOUT,
+        "group_timeout_s",
+        "seconds",
+        DEFAULT_GROUP_TIMEOUT_S,
+        "with several FFN ranks: how long a rank waits for the others at an exchange (the configuration at the"
+        " first engaged step, the adaptive times at a decision point) before every step runs upstream's path",
     ),
     EnvVar(
         ENV_ADAPTIVE,

@@ -240,7 +240,7 @@ def decide_serial(patch_layer: PatchLayer, world: World) -> None:
     for _ in range(4 * runtime.adaptive.settings.min_samples + 4):
         if runtime.adaptive.decision(key) is not None:
             break
-        path, _, _ = runtime.adaptive.choose(key, overlaps)
+        path = runtime.adaptive.choose(key, overlaps).path
         runtime.adaptive.record(key, path, 0.5 if path == SERIAL else 1.0)
     if runtime.adaptive.decision(key) != "serial":
         raise RuntimeError("the overhead harness could not set the pass-through decision")

@@ -18,7 +18,7 @@ from support.overlap import Schedule, SessionSpy, apply_cpu, assert_same, bounde
 import camp2p_overlap
 from camp2p_overlap.core.config import ConfigError, load_config
 from camp2p_overlap.core.env_vars import ENV_ADAPTIVE, ENV_REPROBE
-from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey, StepTimings
+from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage, AdaptiveSettings, BucketKey, Choice, StepTimings
 from camp2p_overlap.core.overlap.streams.backend import StreamBackend
 from camp2p_overlap.core.patch_layer import PATCH_LAYER
 
@@ -31,7 +31,7 @@ def drive(engine: AdaptiveEngage, key: BucketKey, times: dict[str, float], steps
     returns the (path, probe) sequence."""
     seq = []
     for _ in range(steps):
-        mode, probe, _ = engine.choose(key)
+        mode, probe, _, _ = engine.choose(key)
         seq.append((mode, probe))
         engine.record(key, mode, times[mode])
     return seq
@@ -67,7 +67,7 @@ def test_first_decision_with_times_read_one_step_late_comes_by_the_eighth_step()
         if a.decision(KEY) is not None:
             decided_at = step
             break
-        mode, _, _ = a.choose(KEY)
+        mode, _, _, _ = a.choose(KEY)
         last = (KEY, mode)
     assert a.decision(KEY) == "overlap" and decided_at == 8  # steps 1-7 learn, step 8 runs the decision
 
@@ -212,7 +212,7 @@ def test_a_single_lucky_probe_does_not_switch() -> None:
     drive(a, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
     probes = 0
     for _ in range(16):
-        mode, probe, _ = a.choose(KEY)
+        mode, probe, _, _ = a.choose(KEY)
         probes += probe
         lucky = probe and probes == 2  # the first measured probe is very fast, the next ones are not
         a.record(KEY, mode, 0.005 if lucky else (0.010 if mode == "overlap" else 0.015))
@@ -228,7 +228,7 @@ def test_a_probe_rounds_warm_up_step_is_not_judged() -> None:
     assert a.decision(KEY) == "serial"
     previous = "serial"
     for _ in range(24):
-        mode, _, _ = a.choose(KEY)
+        mode, _, _, _ = a.choose(KEY)
         cold = mode == "overlap" and previous == "serial"
         a.record(KEY, mode, 0.030 if cold else (0.010 if mode == "overlap" else 0.015))
         previous = mode
@@ -242,17 +242,17 @@ def test_a_decided_serial_step_is_timed_one_in_serial_time_every_and_probes_alwa
     drive(a, KEY, {"overlap": 0.020, "serial": 0.015}, 7)
     assert a.decision(KEY) == "serial"
     chosen = [a.choose(KEY) for _ in range(12)]
-    assert chosen == [("serial", False, t) for t in (True, False, False, False) * 3]
+    assert [c[:3] for c in chosen] == [("serial", False, t) for t in (True, False, False, False) * 3]
     every = AdaptiveEngage(AdaptiveSettings(reprobe_every=1000, serial_time_every=1))
     drive(every, KEY, {"overlap": 0.020, "serial": 0.015}, 7)
     assert [every.choose(KEY)[2] for _ in range(5)] == [True] * 5
     probing = AdaptiveEngage(AdaptiveSettings(reprobe_every=4, serial_time_every=1000))
     drive(probing, KEY, {"overlap": 0.020, "serial": 0.015}, 7)
     paths = [probing.choose(KEY) for _ in range(4)]
-    assert paths[-1] == ("overlap", True, True)  # the probe round's warm-up: timed
+    assert paths[-1][:3] == ("overlap", True, True)  # the probe round's warm-up: timed
     b = AdaptiveEngage()
     drive(b, KEY, {"overlap": 0.010, "serial": 0.015}, 7)
-    assert b.decision(KEY) == "overlap" and b.choose(KEY) == ("overlap", False, True)
+    assert b.decision(KEY) == "overlap" and b.choose(KEY)[:3] == ("overlap", False, True)
 
 
 def test_buckets_are_isolated() -> None:
@@ -276,7 +276,7 @@ def drive_list(
     """:func:`drive` with ``overlaps`` as the bucket's overlap paths."""
     seq = []
     for _ in range(steps):
-        path, probe, _ = engine.choose(key, overlaps)
+        path, probe, _, _ = engine.choose(key, overlaps)
         seq.append((path, probe))
         engine.record(key, path, times[path])
     return seq
@@ -315,7 +315,7 @@ def test_with_a_list_learning_visits_each_listed_path_then_serial_and_decides_fo
     def learn(steps: int) -> list[tuple[str, bool]]:
         seq = []
         for _ in range(steps):
-            path, probe, timed = a.choose(KEY, overlaps)
+            path, probe, timed, _ = a.choose(KEY, overlaps)
             assert timed
             seq.append((path, probe))
             # each overlap path's first step is slow (first-use costs): dropped, it cannot sway the medians
@@ -537,7 +537,9 @@ def test_graph_capture_uses_the_static_setting() -> None:
     apply_cpu(adaptive=True, graph=True)
     key_calls: list[Any] = []
     real_choose = PATCH_LAYER.runtime.adaptive.choose
-    PATCH_LAYER.runtime.adaptive.choose = lambda key, overlaps=(): key_calls.append(key) or ("serial", False, True)  # type: ignore[method-assign]
+    PATCH_LAYER.runtime.adaptive.choose = lambda key, overlaps=(), settle=None: (
+        key_calls.append(key) or Choice("serial", False, True, 0)
+    )  # type: ignore[method-assign]
     try:
         before = camp2p_overlap.stats()
         run_step(w, Schedule(2, (0, 1), (8, 8), step=1), is_graph_capturing=True)
@@ -610,7 +612,7 @@ def test_device_step_timing_reads_events_later_and_never_synchronizes() -> None:
     dev = _FakeDevice()
     backend = StreamBackend("fake", dev)  # type: ignore[arg-type]
     seen: list[tuple[str, float]] = []
-    adaptive = SimpleNamespace(record=lambda k, m, s: seen.append((m, round(s, 3))))
+    adaptive = SimpleNamespace(record=lambda k, m, s, n=0: seen.append((m, round(s, 3))))
     timings = StepTimings(SimpleNamespace(adaptive=adaptive))
 
     def step() -> str:
@@ -635,7 +637,7 @@ def test_runtime_collect_reads_only_completed_timings_in_order() -> None:
     key = BucketKey("collect-test", 2, 2, 8)
     recorded: list[tuple[str, float]] = []
     real = a.record
-    a.record = lambda k, m, s: recorded.append((m, round(s, 3))) if k == key else real(k, m, s)  # type: ignore[method-assign]
+    a.record = lambda k, m, s, n=0: recorded.append((m, round(s, 3))) if k == key else real(k, m, s, n)  # type: ignore[method-assign]
     timings = StepTimings(PATCH_LAYER.runtime)  # one runner's
     try:
         for i, mode in enumerate(("overlap", "serial")):

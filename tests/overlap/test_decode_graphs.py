@@ -276,9 +276,11 @@ class InjectedTimes:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, seconds: Any) -> None:
         self.seconds = seconds
 
-        def timed(timings: StepTimings, key: Any, path: str, backend: Any, run: Any, into: Any = None) -> Any:
+        def timed(
+            timings: StepTimings, key: Any, path: str, backend: Any, run: Any, into: Any = None, step: int = 0
+        ) -> Any:
             result = run()
-            (into or timings._owner.adaptive).record(key, path, self.seconds(into, path))
+            (into or timings._owner.adaptive).record(key, path, self.seconds(into, path), step)
             return result
 
         monkeypatch.setattr(StepTimings, "timed", timed)

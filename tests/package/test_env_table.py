@@ -212,14 +212,14 @@ def _probe_round(serial_probes: list[float]) -> list[str | None]:
     engage = AdaptiveEngage(AdaptiveSettings(reprobe_every=4))
     key = BucketKey("runner", 2, 4, 64)
     while engage.decision(key) is None:
-        path, _, _ = engage.choose(key)
+        path, _, _, _ = engage.choose(key)
         engage.record(key, path, 1.0 if path == "overlap" else 2.0)
     while (path := engage.choose(key)[0]) == "overlap":
         engage.record(key, path, 1.0)
     engage.record(key, path, 9.0)  # the round's warm-up step: its time is dropped
     decisions = []
     for seconds in serial_probes:
-        path, probe, _ = engage.choose(key)
+        path, probe, _, _ = engage.choose(key)
         if path == "overlap":
             break  # the round has ended
         assert probe

@@ -36,6 +36,7 @@ from functools import partial
 from typing import Any, NamedTuple
 
 from camp2p_overlap.core.log import logger
+from camp2p_overlap.core.overlap.rank_group import ExchangeFailed, RankGroup, merge_times
 from camp2p_overlap.core.overlap.streams.backend import GUARD, StreamBackend
 
 #: A path a step of a bucket can take (not the rollout modes of ``config.Mode``): upstream's serial step, or an
@@ -44,6 +45,16 @@ Path = str
 SERIAL: Path = "serial"
 #: The one overlap path where a bucket has no other (a decode graph key's overlap variant).
 OVERLAP: Path = "overlap"
+
+
+class Choice(NamedTuple):
+    """What :meth:`AdaptiveEngage.choose` gives a step: its path, whether it is a probe, whether it is timed, and its
+    index among the bucket's steps (its time is recorded under it)."""
+
+    path: Path
+    probe: bool
+    timed: bool
+    step: int
 
 
 class BucketKey(NamedTuple):
@@ -100,9 +111,21 @@ class _Bucket:
     changes: int = 0
     #: The first decision was a close call: its recheck switches on ``close_switch_margin``.
     close_recheck: bool = False
+    # -- in a group of ranks (docs/design.md, "Many FFN ranks"): times by step, decided at decision points
+    #: This rank's times by path, as (step, seconds).
+    stamped: dict[str, deque[tuple[int, float]]] = field(default_factory=dict)
+    #: Steps whose times are dropped: each overlap path's first, and each probe round's warm-up.
+    drop: set[int] = field(default_factory=set)
+    #: The step at which the next decision is taken (every rank derives it alike), and decisions taken so far.
+    decide_at: int = 0
+    points: int = 0
+    #: The measured probe steps of the round in progress, and the step its warm-up ran.
+    round_steps: list[int] = field(default_factory=list)
+    round_start: int = 0
 
     def __post_init__(self) -> None:
         self.times = {m: deque(maxlen=self.window) for m in self.paths}
+        self.stamped = {m: deque(maxlen=4 * self.window) for m in self.paths}
         self.issued = dict.fromkeys(self.paths, 0)
         self.recorded = dict.fromkeys(self.paths, 0)
 
@@ -117,23 +140,35 @@ class _Bucket:
 
 
 class AdaptiveEngage:
-    """Per-bucket overlap-or-serial decisions of one runtime. Thread-safe."""
+    """Per-bucket overlap-or-serial decisions of one runtime. Thread-safe. With a ``group`` of ranks (more than one
+    FFN rank sharing the MoE's collectives), every rank takes the same path at every step: see :meth:`choose`."""
 
-    def __init__(self, settings: AdaptiveSettings | None = None) -> None:
+    def __init__(self, settings: AdaptiveSettings | None = None, group: RankGroup | None = None) -> None:
         #: Read at every call; replace it to change the settings.
         self.settings = settings or AdaptiveSettings()
+        #: The FFN ranks this rank decides with (None: it decides alone).
+        self.group = group
         self._lock = threading.Lock()
         self._buckets: dict[BucketKey, _Bucket] = {}
 
-    def choose(self, key: BucketKey, overlaps: tuple[Path, ...] = (OVERLAP,)) -> tuple[Path, bool, bool]:
+    def _bucket(self, key: BucketKey, overlaps: tuple[Path, ...]) -> _Bucket:
+        b = self._buckets.get(key)
+        if b is None or b.paths[:-1] != overlaps:
+            b = self._buckets[key] = _Bucket(key, self.settings.window, (*overlaps, SERIAL))
+        return b
+
+    def choose(
+        self, key: BucketKey, overlaps: tuple[Path, ...] = (OVERLAP,), settle: Callable[[], object] | None = None
+    ) -> Choice:
         """The path this step of ``key`` takes, among ``overlaps`` (the overlap paths, in the order listed) and
-        serial; whether it is a probe (run to measure, not the decision); and whether it is timed (a decided-serial
-        step only one in ``serial_time_every``). A bucket whose paths change starts learning again."""
+        serial; whether it is a probe (run to measure, not the decision); whether it is timed (a decided-serial
+        step only one in ``serial_time_every``); and its step index in the bucket. A bucket whose paths change
+        starts learning again. In a group, ``settle`` (reads every time still pending) runs before a decision."""
+        if self.group is not None:
+            return self._choose_in_group(key, overlaps, settle, self.group)
         cfg = self.settings
         with self._lock:
-            b = self._buckets.get(key)
-            if b is None or b.paths[:-1] != overlaps:
-                b = self._buckets[key] = _Bucket(key, cfg.window, (*overlaps, SERIAL))
+            b = self._bucket(key, overlaps)
             b.steps += 1
             if b.decision is None:
                 path: Path = _learning_path(b, cfg)
@@ -150,18 +185,21 @@ class AdaptiveEngage:
             else:
                 b.since_probe += 1
                 path, probe = b.decision, False
-            b.issued[path] += 1
-            every = cfg.serial_time_every
-            timed = probe or path != SERIAL or b.since_probe % every == 1 % every
-            return path, probe, timed
+            return _issued(b, path, probe, cfg)
 
-    def record(self, key: BucketKey, path: Path, seconds: float) -> None:
-        """The measured time of one step of ``key`` that ran ``path``."""
+    def record(self, key: BucketKey, path: Path, seconds: float, step: int = 0) -> None:
+        """The measured time of one step of ``key`` that ran ``path`` (``step``: its :attr:`Choice.step`)."""
         cfg = self.settings
         with self._lock:
             b = self._buckets.get(key)
             if b is None or path not in b.recorded:
                 return  # a bucket started again since (its paths changed)
+            if self.group is not None:
+                if step in b.drop:
+                    b.drop.discard(step)
+                else:
+                    b.stamped[path].append((step, seconds))
+                return
             b.recorded[path] += 1
             if path != SERIAL and b.recorded[path] == 1:
                 return  # an overlap path's first step pays first-use costs
@@ -218,6 +256,106 @@ class AdaptiveEngage:
         b.close_recheck = False
         self._set_decision(b, path, f"{cfg.confirm} probes beat it by more than {margin:.0%}")
 
+    # -- in a group of ranks -----------------------------------------------------------
+    def _choose_in_group(
+        self, key: BucketKey, overlaps: tuple[Path, ...], settle: Callable[[], object] | None, group: RankGroup
+    ) -> Choice:
+        """The path of a step when the ranks decide together. Which path a step takes is a function of the bucket's
+        step index and of decisions only, and a decision is taken only at a step index that every rank derives
+        alike (the step after learning, the step after a probe round), from the group's times: every rank posts
+        what it measured (after ``settle``, so no decision depends on whether an event has completed yet), and
+        every rank merges the same posts (:func:`rank_group.merge_times`: the slowest rank's time per step). A
+        probe round runs its warm-up and ``confirm`` probes, then is judged. A failed exchange breaks the group:
+        the step runs serially (the caller gives the reason)."""
+        cfg = self.settings
+        with self._lock:
+            b = self._bucket(key, overlaps)
+            b.steps += 1
+            point = b.decide_at == b.steps
+        if point:
+            if settle is not None:
+                settle()  # outside the lock: it records
+            self._decide_in_group(b, group, cfg)
+        with self._lock:
+            if group.broken is not None:
+                return Choice(SERIAL, False, False, b.steps)
+            step = b.steps
+            if b.decision is None:
+                path: Path = _learning_path(b, cfg)
+                if path != SERIAL and b.issued[path] == 0:
+                    b.drop.add(step)  # first-use costs
+                probe = True
+                if all(b.issued[m] + (m == path) >= cfg.min_samples + (m != SERIAL) for m in b.paths):
+                    b.decide_at = step + 1
+            elif b.probes_left > 0:
+                b.probes_left -= 1
+                b.round_steps.append(step)
+                path, probe = b.probing, True  # type: ignore[assignment]
+                if b.probes_left == 0:
+                    b.decide_at = step + 1
+            elif b.since_probe + 1 >= cfg.reprobe_every * b.backoff:  # a probe round starts: its warm-up
+                b.since_probe = 0
+                path = b.probing = b.next_probe()
+                b.drop.add(step)
+                b.round_start, b.round_steps, b.probes_left = step, [], cfg.confirm
+                probe = True
+            else:
+                b.since_probe += 1
+                path, probe = b.decision, False
+            return _issued(b, path, probe, cfg)
+
+    def _decide_in_group(self, b: _Bucket, group: RankGroup, cfg: AdaptiveSettings) -> None:
+        """One decision point of ``b``: exchange, merge, decide (the same on every rank)."""
+        with self._lock:
+            label = b.key.label()
+            post = {"bucket": label, "point": b.points, "times": {m: list(b.stamped[m]) for m in b.paths}}
+        try:
+            posts = group.exchange(f"adaptive/{b.points}", post)
+        except ExchangeFailed:
+            return  # the group is broken: every step runs serially from now on
+        labels = sorted({p["bucket"] for p in posts})
+        if labels != [label]:
+            group.fail(f"the FFN ranks' buckets differ at a decision point: {labels}")
+            return
+        merged = merge_times([p["times"] for p in posts])
+        with self._lock:
+            b.points += 1
+            b.decide_at = 0
+            if b.decision is None:
+                self._first_in_group(b, merged, cfg)
+            else:
+                self._round_in_group(b, merged, cfg)
+
+    def _first_in_group(self, b: _Bucket, merged: dict[str, list[tuple[int, float]]], cfg: AdaptiveSettings) -> None:
+        for m in b.paths:
+            b.times[m].clear()
+            b.times[m].extend(t for _, t in merged[m])
+        short = [m for m in b.paths if len(b.times[m]) < cfg.min_samples]
+        if short:  # some rank could not time them: the safe choice, probed again in time
+            self._set_decision(b, SERIAL, f"too few times every FFN rank measured for {', '.join(short)}")
+            return
+        self._first_decision(b, cfg)
+
+    def _round_in_group(self, b: _Bucket, merged: dict[str, list[tuple[int, float]]], cfg: AdaptiveSettings) -> None:
+        path, decided = b.probing, b.decision
+        assert path is not None and decided is not None
+        probes = [t for s, t in merged[path] if s in b.round_steps]
+        b.times[decided].clear()
+        b.times[decided].extend(t for s, t in merged[decided] if s < b.round_start)
+        b.probing, b.round_steps = None, []
+        current = b.median(decided)
+        margin = cfg.close_switch_margin if b.close_recheck else cfg.switch_margin
+        b.close_recheck = False
+        if not probes or current is None:
+            return
+        probe = statistics.median(probes)
+        if len(probes) >= cfg.confirm and probe <= current * (1 - margin):
+            b.times[path].clear()
+            b.times[path].extend(probes)
+            self._set_decision(b, path, f"{len(probes)} probes of the FFN group beat it by more than {margin:.0%}")
+            return
+        b.backoff = min(b.backoff * 2, cfg.max_backoff) if probe > current * (1 + cfg.backoff_above) else 1
+
     def _set_decision(self, b: _Bucket, path: Path, why: str) -> None:
         if path == b.decision:
             return
@@ -269,6 +407,12 @@ class AdaptiveEngage:
             return out
 
 
+def _issued(b: _Bucket, path: Path, probe: bool, cfg: AdaptiveSettings) -> Choice:
+    b.issued[path] += 1
+    every = cfg.serial_time_every
+    return Choice(path, probe, probe or path != SERIAL or b.since_probe % every == 1 % every, b.steps)
+
+
 def _learning_path(b: _Bucket, cfg: AdaptiveSettings) -> Path:
     """The path of a learning step: each overlap path in turn until it has issued its dropped first step and
     ``min_samples`` more, then serial for ``min_samples``; then (times still to come, as on a device) the path with
@@ -286,8 +430,8 @@ def _ms(seconds: float | None) -> str:
 #: Timings waiting for their device events, at most (older ones are dropped).
 MAX_PENDING_TIMINGS = 64
 
-#: A timing not read yet: bucket, path, backend, its (start, end) events, the adaptive engage it feeds.
-Pending = tuple[BucketKey, Path, StreamBackend, Any, "AdaptiveEngage | None"]
+#: A timing not read yet: bucket, path, backend, its (start, end) events, the adaptive engage it feeds, the step index.
+Pending = tuple[BucketKey, Path, StreamBackend, Any, "AdaptiveEngage | None", int]
 
 
 class StepTimings:
@@ -313,10 +457,12 @@ class StepTimings:
         backend: StreamBackend,
         run: Callable[[], Any],
         into: AdaptiveEngage | None = None,
+        step: int = 0,
     ) -> Any:
-        """``run()`` timed on the compute stream (a pooled pair of timing events), queued for ``key`` and the adaptive
-        engage ``into`` (None: the runtime's); a run that raised is not recorded. Not timed during a capture on any
-        thread (the timing could not be read before it ends, and a pair the pool lacks would be made in it)."""
+        """``run()`` timed on the compute stream (a pooled pair of timing events), queued for ``key``, its ``step``
+        index and the adaptive engage ``into`` (None: the runtime's); a run that raised is not recorded. Not timed
+        during a capture on any thread (the timing could not be read before it ends, and a pair the pool lacks would
+        be made in it)."""
         if GUARD.captures:
             return run()
         pair = backend.timing_events.pop() if backend.timing_events else backend.timing_pair()
@@ -328,21 +474,24 @@ class StepTimings:
             raise
         pair[1].record(backend.mod.current_stream())
         with self._lock:
-            self._pending.append((key, path, backend, pair, into))
+            self._pending.append((key, path, backend, pair, into, step))
             while len(self._pending) > MAX_PENDING_TIMINGS:
                 dropped = self._pending.popleft()
                 dropped[2].timing_events.append(dropped[3])
         self.read_ready()
         return result
 
-    def read_ready(self) -> None:
-        """Read every ready timing into its adaptive engage, oldest first (never waits); stop at the first not
-        ready, and at once during a capture."""
+    def read_ready(self, wait: bool = False) -> None:
+        """Read every ready timing into its adaptive engage, oldest first; stop at the first not ready, and at once
+        during a capture. ``wait`` (a decision point of a group of ranks, never inside a capture): wait for each
+        end event first (``synchronize()``), so every timing is read."""
         while self._pending:
             with self._lock:
                 if not self._pending:
                     return
-                key, path, backend, (start, end), into = self._pending[0]
+                key, path, backend, (start, end), into, step = self._pending[0]
+                if wait and GUARD.read(end.synchronize) is None:
+                    return  # a capture began: read later
                 # Two guarded device reads: the end event's query(), then the time between the events (a capture
                 # that begins between them: read again later).
                 ms = GUARD.read(partial(start.elapsed_time, end)) if GUARD.read(end.query) else None
@@ -351,4 +500,8 @@ class StepTimings:
                 seconds = ms / 1e3
                 self._pending.popleft()
                 backend.timing_events.append((start, end))
-            (into or self._owner.adaptive).record(key, path, seconds)
+            (into or self._owner.adaptive).record(key, path, seconds, step)
+
+    def settle(self) -> None:
+        """Read every timing still pending, waiting for each (a group's decision point)."""
+        self.read_ready(wait=True)

@@ -123,14 +123,15 @@ def stage_ids(dp_metadata_list: Any) -> tuple[list[int], int]:
     return sorted(map(int, dp_metadata_list)), len(dp_metadata_list)  # stage_count(), inline: not empty here
 
 
-def max_stage_tokens(dp_metadata_list: Any) -> int:
+def max_stage_tokens(dp_metadata_list: Any, alike: bool = False) -> int:
     """The largest token count of the step's stages: ``num_tokens`` (the
     emulation), or the sum of vLLM's ``num_tokens_across_dp_cpu`` (every
     attention rank's tokens, proportional to what this FFN rank receives); 0
-    when the metadata carries neither."""
+    when the metadata carries neither. ``alike``: the across-DP sum only (what
+    every FFN rank receives alike), never this rank's own ``num_tokens``."""
     best = 0
     for meta in (dp_metadata_list or {}).values():
-        count = getattr(meta, "num_tokens", None)
+        count = None if alike else getattr(meta, "num_tokens", None)
         if count is None:
             count = _tokens_across_dp(meta)
         if type(count) is int:  # the common case, without int()'s checks

@@ -367,8 +367,8 @@ class GraphCapture:
             backend=sset.backend,
             gate=self.engine.gate,
             timings=state.timings,
-            adaptive=bool(cfg.adaptive and cfg.mode == "overlap"),
-            choice=AdaptiveEngage(runtime.adaptive.settings),
+            adaptive=bool(cfg.adaptive and cfg.mode == "overlap" and runtime.adaptive_off is None),
+            choice=AdaptiveEngage(runtime.adaptive.settings, group=runtime.group),
             layout=mark.layout,
             upstream_bytes=upstream.bytes,
             upstream_ms=round(upstream.ms, 3),
@@ -402,22 +402,28 @@ class GraphCapture:
 
     # -- a replay (inside the gate) ----------------------------------------
     def replay(self, c: CapturedKey) -> None:
-        variant = self.choose(c)
-        graph = c.ours if variant == OVERLAP else c.upstream
-        if c.adaptive:
-            c.timings.timed(c.bucket, variant, c.backend, graph.replay, into=c.choice)  # type: ignore[arg-type]
+        group = self.runtime.group
+        if group is not None and group.broken is not None:  # the FFN rank group broke: upstream's graph on every rank
+            variant = SERIAL
+            c.upstream.replay()
+        elif c.adaptive:
+            variant, step = self.choose(c)
+            graph = c.ours if variant == OVERLAP else c.upstream
+            c.timings.timed(c.bucket, variant, c.backend, graph.replay, into=c.choice, step=step)
         else:
-            graph.replay()
+            variant = OVERLAP
+            c.ours.replay()
         self.replayed(c, variant)
 
-    def choose(self, c: CapturedKey) -> str:
-        if not c.adaptive:
-            return OVERLAP
+    def choose(self, c: CapturedKey) -> tuple[str, int]:
+        """The variant this replay of ``c`` runs, and its step index (the key's adaptive choice; with a group of
+        FFN ranks, the group's)."""
         c.timings.read_ready()
         every = self.engine.config.reprobe_every
         if c.choice.settings.reprobe_every != every:
             c.choice.settings = replace(c.choice.settings, reprobe_every=every)
-        return c.choice.choose(c.bucket)[0]
+        chosen = c.choice.choose(c.bucket, settle=c.timings.settle)
+        return chosen.path, chosen.step
 
     def replayed(self, c: CapturedKey, variant: str) -> None:
         with c.lock:

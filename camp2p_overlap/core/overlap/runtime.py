@@ -5,13 +5,18 @@ counters. What was learned and counted survives an unpatch."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
+from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.env_vars import MAX_STAGES
+from camp2p_overlap.core.fork import after_fork_in_child
+from camp2p_overlap.core.log import log_once, logger
 from camp2p_overlap.core.observe.counters import StepCounters
 from camp2p_overlap.core.overlap import graphs
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage
+from camp2p_overlap.core.overlap.rank_group import ExchangeFailed, RankGroup, configuration, disagreement, discover
 from camp2p_overlap.core.overlap.runner_state import RunnerStates
 from camp2p_overlap.core.overlap.session import StepSession
 
@@ -36,6 +41,57 @@ class OverlapRuntime:
         self._capture_failures: dict[str, int] = {}
         #: Captures that took upstream's graph only (graph variants refused), by reason.
         self._refusals: dict[str, int] = {}
+        self._leave_group()
+        after_fork_in_child(self._leave_group)
+
+    # -- the FFN ranks this rank decides with (docs/design.md, "Many FFN ranks") ---------------
+    def _leave_group(self) -> None:
+        """Not joined (at creation, and in a forked child: the group is the parent's)."""
+        #: The group (None: one FFN rank, or not joined yet: ``group_joined``).
+        self.group: RankGroup | None = None
+        self.group_joined = False
+        #: Why adaptive engage is off on this rank (its ranks cannot be told apart or reached), or None.
+        self.adaptive_off: str | None = None
+        self.adaptive.group = None
+
+    def join_group(self, config: OverlapConfig, stack: str | None) -> None:
+        """At the first engaged step: find the FFN ranks that share the MoE's collectives (one: nothing changes),
+        compare the configuration with them (a difference, or no answer in time, breaks the group: every rank runs
+        upstream's path), then decide with them and start the heartbeat."""
+        self.group_joined = True
+        found = discover()
+        if found.problem is not None:
+            self.adaptive_off = f"the FFN ranks cannot be told apart or reached: {found.problem}"
+            log_once(logging.WARNING, "group", "camp2p-overlap: adaptive engage is off: %s", self.adaptive_off)
+            return
+        if found.size == 1:
+            return
+        group = self.group = RankGroup(found, timeout_s=config.group_timeout_s)
+        self.adaptive.group = group
+        try:
+            posts = group.exchange("configuration", configuration(config, stack))
+        except ExchangeFailed:
+            return  # broken (logged): upstream's path on every step
+        differs = disagreement(posts)
+        if differs is not None:
+            group.fail(f"the FFN ranks' configurations differ ({differs})")
+            return
+        group.start_heartbeat()
+        logger.info(
+            "camp2p-overlap: FFN rank %d of a group of %d (%s %s), deciding together over the %s",
+            group.rank,
+            group.size,
+            group.source,
+            list(group.members),
+            group.channel,
+        )
+
+    def group_stats(self) -> dict[str, Any]:
+        """The group as ``stats()["group"]`` shows it."""
+        if self.group is not None:
+            return self.group.describe()
+        state = "not joined yet" if not self.group_joined else (self.adaptive_off or "one FFN rank")
+        return {"size": 1, "rank": 0, "members": [0], "source": None, "channel": None, "state": state}
 
     def runner_name(self, runner: Any) -> str:
         """A short, stable name for a runner in bucket keys and stats."""
@@ -63,6 +119,7 @@ class OverlapRuntime:
             "graphs": graphs.snapshot(states),
             "graph_capture_failures": failures,
             "graph_variants_refused": refusals,
+            "group": self.group_stats(),
         }
 
     def active_session(self) -> StepSession | None:
@@ -74,3 +131,5 @@ class OverlapRuntime:
         back, then every runner's side streams closed and all but its name dropped."""
         graphs.restore_all(self.runners.states())
         self.runners.close_all()
+        if self.group is not None:
+            self.group.stop()

@@ -221,10 +221,11 @@ def make_wrappers(engine: PatchEngine, *, runtime: OverlapRuntime) -> dict[str, 
     }
 
 
-def bucket_of(runner: str, stages: int, layers: int, dp_metadata_list: Any) -> BucketKey:
+def bucket_of(runner: str, stages: int, layers: int, dp_metadata_list: Any, alike: bool = False) -> BucketKey:
     """The adaptive bucket of a step of runner ``runner`` (its name) with ``stages`` stages and ``layers`` FFN
-    layers: and its largest stage's tokens rounded up to a power of two (0: unknown)."""
-    tokens = camp2p.max_stage_tokens(dp_metadata_list)
+    layers: and its largest stage's tokens rounded up to a power of two (0: unknown). ``alike`` (a group of FFN
+    ranks): only the token counts every FFN rank receives alike (vLLM's across-DP counts), never this rank's own."""
+    tokens = camp2p.max_stage_tokens(dp_metadata_list, alike=alike)
     return BucketKey(runner, stages, layers, 1 << (tokens - 1).bit_length() if tokens > 0 else 0)
 
 
@@ -281,26 +282,48 @@ class FfnStep:
                 self.count_serial(decision.reason)
                 log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", decision.reason)
                 return self.run_original()
+            runtime = self.runtime
+            if not runtime.group_joined:  # the first engaged step: the FFN ranks compare their configuration
+                runtime.join_group(self.engine.config, self.engine.manifest.name if self.engine.manifest else None)
+            group = runtime.group
+            if group is not None:
+                group.steps += 1
+                if group.broken is not None:  # every rank runs upstream's path
+                    reason = f"FFN rank group: {group.broken}"
+                    self.count_serial(reason)
+                    log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", reason)
+                    return self.run_original()
             # 3. the choice: the static setting for a capture (a graph replays what it captured), parity/reorder,
             # adaptive off; else the bucket's path (a listed layout, or the original as decided or as a probe), timed
             # without blocking the host.
-            if not self.engine.config.adaptive or decision.mode != "overlap" or self.is_capture(streamset.backend):
+            cfg = self.engine.config
+            if (
+                not cfg.adaptive
+                or runtime.adaptive_off is not None
+                or decision.mode != "overlap"
+                or self.is_capture(streamset.backend)
+            ):
                 return self.run_engaged(decision, streamset, decision.layout)
             plan, backend, state = decision.plan, streamset.backend, self.state
             assert plan is not None and state is not None
-            key = bucket_of(state.name, len(plan.stages), len(plan.layers), self.kwargs.get("dp_metadata_list"))
+            dp = self.kwargs.get("dp_metadata_list")
+            key = bucket_of(state.name, len(plan.stages), len(plan.layers), dp, alike=group is not None)
             state.timings.read_ready()
-            adaptive, every = self.runtime.adaptive, self.engine.config.reprobe_every
+            adaptive, every = runtime.adaptive, cfg.reprobe_every
             if adaptive.settings.reprobe_every != every:  # the engine's re-probe interval
                 adaptive.settings = replace(adaptive.settings, reprobe_every=every)
-            path, probe, timed = adaptive.choose(key, decision.names)
+            path, probe, timed, n = adaptive.choose(key, decision.names, state.timings.settle)
             if path == SERIAL:
-                self.runtime.counters.serial(SERIAL_PROBE if probe else SERIAL_FASTER)
+                reason = SERIAL_PROBE if probe else SERIAL_FASTER
+                if group is not None and group.broken is not None:  # this step's decision point broke it
+                    reason = f"FFN rank group: {group.broken}"
+                runtime.counters.serial(reason)
                 if not timed:
                     return self.run_original()
-                return state.timings.timed(key, SERIAL, backend, self.run_original)
+                return state.timings.timed(key, SERIAL, backend, self.run_original, step=n)
             layout = decision.layouts[decision.names.index(path)]
-            return state.timings.timed(key, path, backend, partial(self.run_engaged, decision, streamset, layout))
+            run = partial(self.run_engaged, decision, streamset, layout)
+            return state.timings.timed(key, path, backend, run, step=n)
         finally:
             gate.exit()
 
