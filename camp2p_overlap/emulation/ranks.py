@@ -99,6 +99,9 @@ class RanksSpec:
     noise_s: dict[int, float] = field(default_factory=dict)
     #: FFN rank -> extra environment of that process.
     extra_env: dict[int, dict[str, str]] = field(default_factory=dict)
+    #: FFN rank -> its MoE weights' seed (default: ``seed``; to show that
+    #: every attention rank's outputs depend on every FFN rank).
+    ffn_seed: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.mapping not in MAPPINGS:
@@ -177,7 +180,7 @@ class RanksSpec:
     @classmethod
     def from_json(cls, text: str) -> RanksSpec:
         kw = json.loads(text)
-        for name in ("straggler", "noise_s", "extra_env"):
+        for name in ("straggler", "noise_s", "extra_env", "ffn_seed"):
             kw[name] = {int(k): v for k, v in kw.get(name, {}).items()}
         return cls(**kw)
 
@@ -383,6 +386,7 @@ def parse_spec(argv: list[str] | None = None) -> tuple[RanksSpec, Path, float | 
     ap.add_argument("--straggler", action="append", default=[], metavar="RANK=FACTOR")
     ap.add_argument("--noise-s", action="append", default=[], metavar="RANK=SECONDS")
     ap.add_argument("--env", action="append", default=[], metavar="RANK=NAME=VALUE")
+    ap.add_argument("--ffn-seed", action="append", default=[], metavar="RANK=SEED")
     ap.add_argument("--world-timeout-s", type=float, default=None)
     a = ap.parse_args(argv)
     extra: dict[int, dict[str, str]] = {}
@@ -415,6 +419,7 @@ def parse_spec(argv: list[str] | None = None) -> tuple[RanksSpec, Path, float | 
         straggler=_rank_map(a.straggler, float),
         noise_s=_rank_map(a.noise_s, float),
         extra_env=extra,
+        ffn_seed=_rank_map(a.ffn_seed, int),
     )
     return spec, a.out, a.world_timeout_s
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import random
@@ -165,8 +166,22 @@ class AttentionRank:
             "mismatched": mismatched[:20],
             "mismatches": len(mismatched),
             "equal": not self.errors and ov.keys() == se.keys() and bool(ov) and not mismatched,
+            "digest": digest(ov),
+            #: Per layer: layer 0's outputs depend on the other FFN ranks only through the MoE all-to-all.
+            "layer_digests": [
+                digest({k: v for k, v in ov.items() if k[1] == layer}) for layer in range(self.spec.layers)
+            ],
             "seconds": seconds,
         }
+
+
+def digest(got: dict[tuple[int, int, int], torch.Tensor]) -> str:
+    """A hash of what one phase received, in key order (bit for bit)."""
+    h = hashlib.sha256()
+    for key in sorted(got):
+        h.update(repr(key).encode())
+        h.update(got[key].contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def attention_main(spec: RanksSpec, rank: int, ports: Ports, out: Path) -> int:
@@ -375,7 +390,8 @@ class FfnRank:
         self.ctrl, groups = afd_groups(spec, self.store, rank, 0)
         self.transport = RanksTransport(spec, groups)
         shape = MoEShape(hidden=spec.hidden, ffn=2 * spec.hidden, experts=4, top_k=2, shared_expert=True)
-        self.model = CollectiveFFN(MoEFFN(shape, seed=spec.seed), meta_mod.AFDF2ATransferPayload, spec, rank)
+        moe = MoEFFN(shape, seed=spec.ffn_seed.get(rank, spec.seed))
+        self.model = CollectiveFFN(moe, meta_mod.AFDF2ATransferPayload, spec, rank)
         self.runner = runner_mod.AFDNPUFFNModelRunner(
             connector=conn_mod.CAMP2pAFDConnector(self.transport, hidden_size=spec.hidden),
             model=self.model,
