@@ -352,8 +352,8 @@ TABLE: tuple[EnvVar, ...] = (
         "group_timeout_s",
         "seconds",
         DEFAULT_GROUP_TIMEOUT_S,
-        "with several FFN ranks: how long a rank waits for the others at an exchange (the configuration at the"
-        " first engaged step, the adaptive times at a decision point) before every step runs upstream's path",
+        "with several FFN ranks: how long a rank waits for the others at an exchange before every step runs"
+        " upstream's path",
     ),
     EnvVar(
         ENV_ADAPTIVE,
