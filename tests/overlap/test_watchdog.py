@@ -19,8 +19,10 @@ where F is on its own "FFN stream:" line.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
+from typing import Any
 
 import pytest
 from support.logs import PackageLogs
@@ -29,6 +31,8 @@ from support.overlap import assert_same
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.observe.trace import ExpectedSchedule, recording
 from camp2p_overlap.core.overlap.plan import layouts_of
+from camp2p_overlap.core.overlap.rank_group import Membership, RankGroup
+from camp2p_overlap.core.overlap.watch.stall_report import peer_lines
 from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.emulation.faults import Fault, FaultPlan, run_step_bounded
 from camp2p_overlap.emulation.world import PeerTimeoutError
@@ -99,6 +103,7 @@ def test_stopped_peer_a2e_is_reported_once_with_the_pending_op(make_world, logs,
     assert "stage 0 (stream K0, group afd): 6 op(s) issued; K0 waits for the FFN of (L2,s0) on C" in text
     assert "stage 2 (stream K2, group afd2): 6 op(s) issued; K2 waits for the FFN of (L1,s2) on C" in text
     assert text.count("likely missing peer op") == 1
+    assert "FFN rank group" not in text and "FFN peers" not in text  # one FFN rank: no group block
     assert text.rstrip().endswith(
         "ops not finished: a2e(L1,s1) on K1, e2a(L1,s1) on K1, a2e(L2,s1) on K1, e2a(L1,s2) on K2, "
         "a2e(L2,s2) on K2, e2a(L2,s0) on K0, e2a(L2,s1) on K1, e2a(L2,s2) on K2"
@@ -620,3 +625,98 @@ def test_a_stop_racing_a_start_joins_only_started_watchdogs(monkeypatch: pytest.
         t.join(5)
     dog.join(5)
     assert errors == [] and not dog.is_alive()
+
+
+def _groups(size: int) -> list[RankGroup]:
+    """``size`` FFN ranks over one in-process store (as tests/overlap/test_rank_group.py's ``groups``)."""
+    import torch.distributed as dist
+
+    store, members = dist.HashStore(), tuple(range(size))
+    return [RankGroup(Membership(size, r, members, "test group", store), timeout_s=5.0) for r in range(size)]
+
+
+def test_a_stall_in_an_ffn_rank_group_names_this_rank_and_each_peers_heartbeat(
+    make_world, logs, patch_layer: PatchLayer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the runtime's FFN rank group (four ranks here): the report says which FFN rank this is and the op it is
+    blocked in; per peer its last heartbeat (step count, age) and which peers stopped answering (rank 2's heartbeat
+    is old, rank 3 never beat); rank 1 beats on."""
+    gs = _groups(4)
+    gs[1].steps = 7
+    gs[1].start_heartbeat(interval_s=0.05)
+    gs[2].store.set("hb/2", json.dumps({"t": time.time() - 30.0, "steps": 4}))
+    try:
+        deadline = time.monotonic() + 5
+        while not gs[0].store.check(["hb/1"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        w = make_world(layers=3, stage_ids=(0, 1, 2), tokens=8, op_timeout_s=1.2)
+        _apply(patch_layer, watchdog_s=0.25, layouts=COMM_SIDE)
+        monkeypatch.setattr(patch_layer.runtime, "group_joined", True)
+        monkeypatch.setattr(patch_layer.runtime, "group", gs[0])
+        with FaultPlan(w, [Fault("stop", "a2e", 1, 1)]) as plan:
+            plan.arm()
+            out = run_step_bounded(w, 5, STEP_BOUND_S)
+    finally:
+        gs[1].stop()
+    assert isinstance(out.error, PeerTimeoutError), out
+    (text,) = stall_reports(logs)
+    lines = text.splitlines()
+    i = next(j for j, line in enumerate(lines) if line.startswith("  FFN rank group:"))
+    assert lines[i].startswith(
+        "  FFN rank group: this is FFN rank 0 of 4 (global rank 0; test group); "
+        "this rank is blocked in a2e(L1,s1) on K1 (RUNNING for"
+    )
+    assert lines[i + 1].startswith("    peer FFN rank 1 (global rank 1): last heartbeat 0.")
+    assert lines[i + 1].endswith(" s ago, at 7 step(s)")
+    assert lines[i + 2].startswith("    peer FFN rank 2 (global rank 2): last heartbeat 3")
+    assert lines[i + 2].endswith(" s ago, at 4 step(s): stopped answering")
+    assert lines[i + 3] == "    peer FFN rank 3 (global rank 3): no heartbeat: stopped answering"
+    assert lines[i + 4] == "  FFN peers that stopped answering: rank(s) 2, 3"
+    assert "likely missing peer op: a2e(L1,s1) on K1" in text  # the rest of the report as without a group
+    assert text.rstrip().splitlines()[-1].startswith("  ops not finished: a2e(L1,s1) on K1")
+    assert not _wait_watchdogs_gone()
+
+
+class _Peers:
+    """A group whose ``peers()`` blocks until released (a store that does not answer), or raises."""
+
+    size, rank, members, source, broken = 2, 1, (4, 5), "stand-in", None
+
+    def __init__(self, raises: bool = False) -> None:
+        self.raises = raises
+        self.release = threading.Event()
+
+    def peers(self) -> list[dict[str, Any]]:
+        if self.raises:
+            raise ConnectionError("store gone")
+        self.release.wait(10.0)
+        return [{"rank": 0, "member": 4, "steps": 1, "age_s": 0.1, "stopped": False}]
+
+
+def test_reading_the_peers_never_raises_and_waits_a_bounded_time() -> None:
+    """The peers' heartbeats are store reads: a store that does not answer costs the report ``timeout_s`` at most,
+    one that fails is named; neither raises into the watchdog."""
+    blocked = _Peers()
+    t0 = time.monotonic()
+    lines = peer_lines(blocked, "e2a(L0,s0) on C (RUNNING for 1.00 s)", timeout_s=0.2)  # type: ignore[arg-type]
+    took = time.monotonic() - t0
+    blocked.release.set()
+    assert took < 2.0, took
+    assert lines == [
+        "  FFN rank group: this is FFN rank 1 of 2 (global rank 5; stand-in); "
+        "this rank is blocked in e2a(L0,s0) on C (RUNNING for 1.00 s)",
+        "    peers' heartbeats: not read: the store did not answer within 0.2 s",
+    ]
+    failing = peer_lines(_Peers(raises=True), "x", timeout_s=5.0)  # type: ignore[arg-type]
+    assert failing[1] == "    peers' heartbeats: not read (ConnectionError: store gone)"
+    broken = _Peers()
+    broken.broken = "exchange x/3/times: no answer from rank(s) [0]"  # type: ignore[assignment]
+    broken.release.set()
+    text = peer_lines(broken, "x")  # type: ignore[arg-type]
+    assert text[0].startswith(
+        "  FFN rank group: this is FFN rank 1 of 2 (global rank 5; stand-in); the group is broken"
+    )
+    assert text[1:] == [
+        "    peer FFN rank 0 (global rank 4): last heartbeat 0.10 s ago, at 1 step(s)",
+        "  FFN peers that stopped answering: none (every peer's heartbeat is recent)",
+    ]

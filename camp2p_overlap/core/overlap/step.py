@@ -419,7 +419,7 @@ class FfnStep:
                 runtime.counters.engaged(decision.mode, layout.name)
             # No watchdog inside a capture: its timer thread would query events while the capture runs (global
             # capture mode forbids it), and a captured step only records work, it cannot stall.
-            watchdog = None if capturing or not seconds else start_watchdog(seconds, session.snapshot, step_id)
+            watchdog = None if capturing else start_watchdog(seconds, session.snapshot, step_id, runtime.group)
             t0 = time.perf_counter_ns()
             local = runtime.local
             local.session = session

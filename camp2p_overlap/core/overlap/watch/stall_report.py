@@ -8,10 +8,12 @@ observe room may not import (the rooms contract in ``pyproject.toml``).
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections import defaultdict
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from camp2p_overlap.core.keys import A2E, A_DONE, COMPUTE_STREAM, E2A, E_DONE, E_DONE_ON_C, F_DONE, FORK, JOIN, EventKey
 from camp2p_overlap.core.overlap.camp2p import group_of
@@ -22,6 +24,25 @@ from camp2p_overlap.core.overlap.streams.base import StreamPoisonedError
 
 #: Events listed in full up to this many; past it only the pending ones.
 _FULL_EVENT_LIST = 32
+#: Seconds the report waits for the FFN peers' heartbeats (store reads) before it goes on without them.
+PEERS_READ_S = 2.0
+
+
+class PeerGroup(Protocol):
+    """What the report reads of this rank's FFN rank group (``overlap.rank_group.RankGroup``)."""
+
+    @property
+    def size(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def members(self) -> Sequence[int]: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def broken(self) -> str | None: ...
+
+    def peers(self) -> list[dict[str, Any]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,10 +239,12 @@ def _stream_text(stream: str, head: _Item | None, snap: SessionSnapshot, st: _St
     return f"{stream} has not reached its record of event {head.key.label()} yet"
 
 
-def stall_report(snap: SessionSnapshot) -> str:
+def stall_report(snap: SessionSnapshot, group: PeerGroup | None = None) -> str:
     """Where the host and the compute stream are, and the FFN stream where the layout has one (``compute-side``'s
     F, on its ``FFN stream:`` line); per stage, where its stream is and every op issued with its state; the likely
-    missing peer ops; then the events (only the pending ones when many) and the unfinished ops."""
+    missing peer ops; with ``group`` (this rank's FFN rank group, of more than one rank) this rank's place in it,
+    each peer's last heartbeat and the peers that stopped answering (:func:`peer_lines`); then the events (only the
+    pending ones when many) and the unfinished ops."""
     now = time.perf_counter_ns()
     st = _States(snap, now)
     order = snap.plan.sequence
@@ -246,6 +269,8 @@ def stall_report(snap: SessionSnapshot) -> str:
         lines.append("  every issued op has finished")
     else:
         lines.append("  no connector op is running: the unfinished ones are queued behind other work of the device")
+    if group is not None and group.size > 1:
+        lines += peer_lines(group, _blocked_in(snap, st, heads))
     events = list(snap.events)
     shown = events if len(events) <= _FULL_EVENT_LIST else [(k, e) for k, e in events if st.event(k) is not True]
     if len(shown) < len(events):
@@ -256,6 +281,71 @@ def stall_report(snap: SessionSnapshot) -> str:
     pending = [f"{_op_name(o)} on {o.stream}" for o in snap.ops if not st.op(o)[0]]
     lines.append("  ops not finished: " + (", ".join(pending) or "none"))
     return "\n".join(lines)
+
+
+def _blocked_in(snap: SessionSnapshot, st: _States, heads: dict[str, _Item | None]) -> str:
+    """The op this rank is blocked in: the first unfinished op its stream is at, else the first unfinished one."""
+    pending = [o for o in snap.ops if not st.op(o)[0]]
+    at_head = [o for o in pending if (h := heads.get(o.stream)) is not None and h.op is o]
+    o = (at_head or pending or [None])[0]
+    if o is None:
+        return "no connector op (every issued op has finished)"
+    return f"{_op_name(o)} on {o.stream} ({st.op(o)[1]})"
+
+
+def read_peers(group: PeerGroup, timeout_s: float = PEERS_READ_S) -> list[dict[str, Any]] | str:
+    """``group.peers()``, read on a daemon thread waited for at most ``timeout_s`` (a store that does not answer
+    never holds the report up); the peers, or why they could not be read. Never raises."""
+    box: dict[str, Any] = {}
+
+    def read() -> None:
+        try:
+            box["peers"] = group.peers()
+        except Exception as exc:  # noqa: BLE001 - diagnostics only
+            box["error"] = f"not read ({type(exc).__name__}: {_short(exc)})"
+
+    try:
+        reader = threading.Thread(target=read, name="camp2p-overlap-peers", daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+    except Exception as exc:  # noqa: BLE001 - no thread: no peers
+        return f"not read ({type(exc).__name__}: {_short(exc)})"
+    if "peers" in box:
+        return box["peers"]
+    return box.get("error", f"not read: the store did not answer within {timeout_s:g} s")
+
+
+def peer_lines(group: PeerGroup, blocked: str, timeout_s: float = PEERS_READ_S) -> list[str]:
+    """This rank's place in its FFN rank group and the op it is blocked in; each peer rank's last heartbeat (its
+    step count and age) and whether it stopped answering; then the peers that stopped answering."""
+    try:
+        me = f"FFN rank {group.rank} of {group.size} (global rank {group.members[group.rank]}; {group.source})"
+        broken = f"; the group is broken: {group.broken}" if group.broken else ""
+    except Exception as exc:  # noqa: BLE001 - diagnostics only
+        me, broken = f"an FFN rank of a group that cannot be described ({type(exc).__name__})", ""
+    lines = [f"  FFN rank group: this is {me}{broken}; this rank is blocked in {blocked}"]
+    peers = read_peers(group, timeout_s)
+    if isinstance(peers, str):
+        return [*lines, f"    peers' heartbeats: {peers}"]
+    stopped = []
+    for p in peers:
+        try:
+            who = f"peer FFN rank {p['rank']} (global rank {p['member']})"
+            if p["steps"] is None:
+                beat = "no heartbeat"
+            else:
+                beat = f"last heartbeat {float(p['age_s']):.2f} s ago, at {p['steps']} step(s)"
+            if p["stopped"]:
+                stopped.append(str(p["rank"]))
+                beat += ": stopped answering"
+        except Exception as exc:  # noqa: BLE001 - a heartbeat of another shape: shown as it is
+            who, beat = "peer", f"unreadable heartbeat {p!r} ({type(exc).__name__})"
+        lines.append(f"    {who}: {beat}")
+    lines.append(
+        "  FFN peers that stopped answering: "
+        + (f"rank(s) {', '.join(stopped)}" if stopped else "none (every peer's heartbeat is recent)")
+    )
+    return lines
 
 
 def _stage_lines(

@@ -25,7 +25,7 @@ from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.log import logger
 from camp2p_overlap.core.overlap.session import SessionSnapshot
 from camp2p_overlap.core.overlap.streams.backend import GUARD, StreamBackend
-from camp2p_overlap.core.overlap.watch.stall_report import stall_report
+from camp2p_overlap.core.overlap.watch.stall_report import PeerGroup, stall_report
 
 #: The first and the longest pause between two looks at a closed step's
 #: device work (seconds); the pause doubles from one to the other.
@@ -39,13 +39,21 @@ _watching_lock = threading.Lock()
 
 class StepWatchdog(threading.Thread):
     """The watchdog of one step (a daemon thread): after :meth:`cancel` (the
-    host's part is over) it follows the step on the device."""
+    host's part is over) it follows the step on the device. ``group``: this rank's FFN rank group (None: one rank),
+    whose peers the report names."""
 
-    def __init__(self, seconds: float, snapshot: Callable[[], SessionSnapshot], step_id: int) -> None:
+    def __init__(
+        self,
+        seconds: float,
+        snapshot: Callable[[], SessionSnapshot],
+        step_id: int,
+        group: PeerGroup | None = None,
+    ) -> None:
         super().__init__(name="camp2p-overlap-watchdog", daemon=True)
         self.seconds = seconds
         self.step_id = step_id
         self._snapshot = snapshot
+        self._group = group
         self._deadline = time.perf_counter() + seconds
         self._host_done = threading.Event()
         self._stopped = threading.Event()
@@ -68,6 +76,7 @@ class StepWatchdog(threading.Thread):
             with _watching_lock:
                 _watching.discard(self)
             self._snapshot = _no_snapshot  # drop the session
+            self._group = None
 
     def _watch(self) -> None:
         if not self._host_done.wait(max(self._deadline - time.perf_counter(), 0.0)):
@@ -98,7 +107,7 @@ class StepWatchdog(threading.Thread):
         if self._stopped.is_set():
             return
         try:
-            text = stall_report(snapshot())
+            text = stall_report(snapshot(), self._group)
         except Exception as exc:  # noqa: BLE001 - diagnostics must not raise
             text = f"stall report failed: {exc!r}"
         self.reported = True
@@ -126,11 +135,17 @@ def _no_snapshot() -> SessionSnapshot:
     raise RuntimeError("the watchdog has ended")
 
 
-def start_watchdog(seconds: float | None, snapshot: Callable[[], SessionSnapshot], step_id: int) -> StepWatchdog | None:
-    """The watchdog of a step that just opened, or None when none is configured."""
+def start_watchdog(
+    seconds: float | None,
+    snapshot: Callable[[], SessionSnapshot],
+    step_id: int,
+    group: PeerGroup | None = None,
+) -> StepWatchdog | None:
+    """The watchdog of a step that just opened, or None when none is configured; ``group``: this rank's FFN rank
+    group (``OverlapRuntime.group``), whose peers' heartbeats its stall report names."""
     if not seconds or GUARD.captures:  # a capture on another thread: no new thread that reads events
         return None
-    watchdog = StepWatchdog(seconds, snapshot, step_id)
+    watchdog = StepWatchdog(seconds, snapshot, step_id, group)
     with _watching_lock:  # started before it is listed: stop_watchdogs() joins only started threads
         watchdog.start()
         _watching.add(watchdog)
