@@ -110,12 +110,12 @@ def check(res: WorldResult, *, adaptive_off: bool = True) -> None:
 # ---------------------------------------------------------------------------
 # the plain tier
 def test_two_attention_ranks_one_ffn_rank_many_to_one(tmp_path: Path) -> None:
-    check(_run(tmp_path, attn_ranks=2, ffn_ranks=1, layers=3, steps=5))
+    check(_run(tmp_path, attn_ranks=2, ffn_ranks=1, layers=2, steps=5))
 
 
 def test_equal_mapping_two_ffn_ranks_comm_side_three_stages(tmp_path: Path) -> None:
     """A == F: attention a <-> FFN a; the MoE all-to-all spans both FFN ranks."""
-    check(_run(tmp_path, attn_ranks=2, ffn_ranks=2, mapping="equal", layout="comm-side", stages=3, steps=5))
+    check(_run(tmp_path, attn_ranks=2, ffn_ranks=2, mapping="equal", layout="comm-side", stages=3, steps=5, layers=2))
 
 
 def test_graphs_captured_and_replayed_with_attention_ranks_sending_different_counts(tmp_path: Path) -> None:
@@ -140,7 +140,7 @@ def test_model_timing_a_straggler_slows_every_ffn_rank_through_the_all_to_all(tm
         ffn_ranks=2,
         mapping="equal",
         layers=layers,
-        steps=4,
+        steps=3,
         timing="model",
         ffn_model_s=ffn_s,
         straggler={1: slow},
@@ -180,6 +180,17 @@ def test_the_spec_maps_ranks_as_camp2p_does_and_refuses_what_does_not_map() -> N
     assert RanksSpec.from_json(v.to_json()) == v
     g = RanksSpec(graphs=True, graph_keys=1, steps=3)
     assert g.plan() == [(WARMUP, 0), (CAPTURE, 0), (STEP, 0), (STEP, 1), (STEP, 2)]
+
+
+def test_a_world_past_its_timeout_is_killed_process_by_process(tmp_path: Path) -> None:
+    """The launcher's bound: past ``timeout_s`` every process still running is
+    killed by its own pid and waited for; the result says it timed out."""
+    _gloo()
+    res = run_world(RanksSpec(attn_ranks=2, ffn_ranks=1, steps=200, timeout_s=60), tmp_path, timeout_s=2.0)
+    assert res.timed_out
+    assert set(res.returncodes) == {"attn0", "attn1", "ffn0"}
+    assert all(rc is not None and rc != 0 for rc in res.returncodes.values()), res.returncodes
+    assert not res.ok
 
 
 def test_step_path_reads_the_stats_deltas() -> None:
