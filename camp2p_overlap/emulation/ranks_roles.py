@@ -211,13 +211,14 @@ def attention_main(spec: RanksSpec, rank: int, ports: Ports, out: Path) -> int:
 # ---------------------------------------------------------------------------
 # FFN
 class PeerStageMeta:
-    """A stage's DP metadata on an FFN rank: its tokens in all, and per
-    attention peer (``num_tokens_across_dp_cpu``: the stand-in runner's graph
-    key then tells apart two splits of the same total)."""
+    """A stage's DP metadata on an FFN rank: its own tokens in all (its peers'), and every attention DP rank's count
+    (``num_tokens_across_dp_cpu``), as upstream's attention side gives it once it has synchronised the counts across
+    its DP group (it does whenever it micro-batches): the same on every FFN rank, while ``num_tokens`` is this
+    rank's own (docs/design.md, "Many FFN ranks")."""
 
-    def __init__(self, counts: tuple[int, ...]) -> None:
+    def __init__(self, counts: tuple[int, ...], across_dp: tuple[int, ...]) -> None:
         self.num_tokens = sum(counts)
-        self.num_tokens_across_dp_cpu = counts
+        self.num_tokens_across_dp_cpu = across_dp
 
     def __repr__(self) -> str:
         return f"PeerStageMeta({self.num_tokens_across_dp_cpu})"
@@ -426,7 +427,10 @@ class FfnRank:
         entry, step, kind = int(hs[0][1]), int(hs[0][2]), KINDS[int(hs[0][3])]
         stages = [int(s) for s in hs[0][4 : 4 + MAX_STAGES] if int(s) >= 0]
         counts = {s: tuple(int(h[4 + MAX_STAGES + i]) for h in hs) for i, s in enumerate(stages)}
-        dp = {s: PeerStageMeta(c) for s, c in counts.items()}
+        # What the attention side's DP sync gives every FFN rank alike: each attention rank's count (the schedule is
+        # a function of the spec, so the FFN rank reads it there instead of an all-reduce of the attention ranks').
+        across = {s: tuple(self.spec.schedule(step, a)[s] for a in range(self.spec.attn_ranks)) for s in counts}
+        dp = {s: PeerStageMeta(c, across[s]) for s, c in counts.items()}
         self.transport.counts = counts
         self.model.begin_step()
         flags = {WARMUP: {"is_warmup": True}, CAPTURE: {"is_graph_capturing": True}}.get(kind, {})
