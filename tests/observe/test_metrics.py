@@ -157,6 +157,7 @@ def test_names_follow_vllms_conventions() -> None:
         metrics.LAYOUT_STEPS,
         metrics.LAYOUT_GRAPH_REPLAYS,
         metrics.MODE_INFO,
+        metrics.GROUP_INFO,
     }
     for f in fams:
         assert f.name.startswith("vllm:") and f.name == f.name.lower() and " " not in f.name
@@ -401,6 +402,42 @@ def test_the_graph_replays_metric_follows_the_counters() -> None:
     m.sync()  # idempotent
     c.graph_replay("overlap")
     assert samples(families(m)[metrics.GRAPH_REPLAYS], "variant") == {"serial": 3.0, "overlap": 2.0}
+
+
+def _group_info(m: metrics.StepMetrics) -> dict[tuple[str, str, str, str], float]:
+    fam = families(m)[metrics.GROUP_INFO]
+    return {(s.labels["size"], s.labels["rank"], s.labels["channel"], s.labels["state"]): s.value for s in fam.samples}
+
+
+def test_the_group_gauge_follows_the_runtimes_group() -> None:
+    """``group_info{size,rank,channel,state}`` is 1 for ``stats()["group"]`` as it is now: one FFN rank before the
+    group is joined, this rank's place and the store channel once it joined a group, ``broken`` once it broke; the
+    label set before is removed (as ``mode_info``'s)."""
+    import torch.distributed as dist
+
+    from camp2p_overlap.core.overlap.rank_group import Membership, RankGroup
+    from camp2p_overlap.core.overlap.runtime import OverlapRuntime
+
+    runtime = OverlapRuntime()
+    m = metrics.StepMetrics(runtime.stats)
+    assert _group_info(m) == {("1", "0", "none", "not joined yet"): 1.0}
+    group = RankGroup(Membership(2, 1, (6, 7), "test", dist.HashStore()), timeout_s=1.0)
+    runtime.group, runtime.group_joined = group, True
+    joined = ("2", "1", group.channel, "ok")
+    assert group.channel.startswith("c10d store of the default process group, keys under camp2p_overlap/")
+    assert _group_info(m) == {joined: 1.0}
+    group.broken = "exchange x/0/configuration: no answer from rank(s) [0]"
+    assert _group_info(m) == {("2", "1", group.channel, "broken"): 1.0}
+    m.sync()  # idempotent
+    assert _group_info(m) == {("2", "1", group.channel, "broken"): 1.0}
+
+
+def test_the_group_gauge_is_left_as_it_is_by_stats_without_a_group() -> None:
+    snap: dict[str, Any] = {"group": {"size": 1, "rank": 0, "members": [0], "channel": None, "state": "one FFN rank"}}
+    m = metrics.StepMetrics(lambda: snap)
+    assert _group_info(m) == {("1", "0", "none", "one FFN rank"): 1.0}
+    del snap["group"]
+    assert _group_info(m) == {("1", "0", "none", "one FFN rank"): 1.0}
 
 
 # ---------------------------------------------------------------------------

@@ -29,6 +29,8 @@ LAYOUT_STEPS = PREFIX + "layout_steps"
 #: Replays of the patch layer's graph variant by the layout it captured (``stats()["graph_replay_layouts"]``).
 LAYOUT_GRAPH_REPLAYS = PREFIX + "layout_graph_replays"
 MODE_INFO = PREFIX + "mode_info"
+#: The FFN rank group (``stats()["group"]``): its size, this rank's place, the channel, the state.
+GROUP_INFO = PREFIX + "group_info"
 #: The layouts an engaged step runs by default (VLLM_CAMP2P_MULTISTREAM_LAYOUT's default under ``overlap``).
 DEFAULT_LAYOUTS: tuple[str, ...] = tuple(DEFAULTS["layouts"])
 DEFAULT_RUNG = ",".join(DEFAULT_LAYOUTS)
@@ -121,6 +123,15 @@ class StepMetrics:
             registry=self.registry,
             multiprocess_mode="livemax",
         )
+        self.group_info = Gauge(
+            GROUP_INFO,
+            "1 for the FFN rank group this process is in (stats()['group']): its size, this rank's place in it, the"
+            " channel its exchanges take ('none': one FFN rank) and its state (ok, broken, one FFN rank, ...).",
+            labelnames=["size", "rank", "channel", "state"],
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
+        self._group: tuple[str, str, str, str] | None = None
         self._mode: tuple[str, str, str] | None = None
         self._layouts: tuple[str, ...] = ()
         self.set_mode(mode, rung, layouts)
@@ -151,10 +162,30 @@ class StepMetrics:
         self.mode_info.labels(*labels).set(1)
         self._mode = labels
 
+    def set_group(self, group: Mapping[str, Any]) -> None:
+        """The group gauge: 1 for ``group``'s (size, rank, channel, state) (``stats()["group"]``; a missing channel
+        is ``none``); the label set before is set to 0 and removed when it changes."""
+        labels = (
+            str(group.get("size", 1)),
+            str(group.get("rank", 0)),
+            str(group.get("channel") or "none"),
+            str(group.get("state") or "none"),
+        )
+        if self._group == labels:
+            return
+        if self._group is not None:
+            self.group_info.labels(*self._group).set(0)
+            self.group_info.remove(*self._group)
+        self.group_info.labels(*labels).set(1)
+        self._group = labels
+
     def sync(self) -> None:
-        """Add to each counter what the runtime counted since the last sync."""
+        """Add to each counter what the runtime counted since the last sync, and show the group it is in now."""
         snap = self._stats()
         with self._lock:
+            group = snap.get("group")
+            if isinstance(group, Mapping):
+                self.set_group(group)
             for key, attr in SYNCED.items():
                 counter, seen = getattr(self, attr), self._seen[key]
                 for label, count in snap.get(key, {}).items():
