@@ -95,7 +95,7 @@ class RanksSpec:
     coll_model_s: float = 2e-4
     #: FFN rank -> FFN slowdown factor (a straggler, e.g. 1.3).
     straggler: dict[int, float] = field(default_factory=dict)
-    #: FFN rank -> most seconds of a random sleep at the end of each step (seeded per rank).
+    #: FFN rank -> most seconds each of its FFN kernels takes more, at random (seeded per rank): its own noise.
     noise_s: dict[int, float] = field(default_factory=dict)
     #: FFN rank -> extra environment of that process.
     extra_env: dict[int, dict[str, str]] = field(default_factory=dict)

@@ -302,6 +302,9 @@ class CollectiveFFN:
         self.slowdown = float(spec.straggler.get(rank, 1.0))
         self.modelled = spec.timing == "model"
         self.calls = 0
+        #: This rank's own timing noise: up to ``noise_s`` more on each FFN kernel, seeded per rank.
+        self.noise_s = float(spec.noise_s.get(rank, 0.0))
+        self.noise = random.Random(spec.seed * 7919 + rank + 1)
 
     def begin_step(self) -> None:
         self.calls = 0
@@ -310,17 +313,23 @@ class CollectiveFFN:
         x, call = hidden_states, self.calls
         self.calls += 1
         routed, shared, out = (torch.full_like(x, float("nan")) for _ in range(3))
-        ffn_s = self.spec.ffn_model_s * self.slowdown if self.modelled else None
-        launch(lambda: self._ffn(x, layer_idx, routed, shared), writes=(routed, shared), model_s=ffn_s, kind="ffn")
+        extra_s = self.noise.uniform(0.0, self.noise_s) if self.noise_s else 0.0
+        ffn_s = self.spec.ffn_model_s * self.slowdown + extra_s if self.modelled else None
+        launch(
+            lambda: self._ffn(x, layer_idx, routed, shared, extra_s),
+            writes=(routed, shared),
+            model_s=ffn_s,
+            kind="ffn",
+        )
         coll_s = self.spec.coll_model_s if self.modelled else None
         launch(lambda: self._all_to_all(layer_idx, call, routed, out), writes=(out,), model_s=coll_s, kind="moe-a2a")
         return self.payload_cls(routed_output=out, shared_output=shared)
 
-    def _ffn(self, x: torch.Tensor, layer: int, routed: torch.Tensor, shared: torch.Tensor) -> None:
+    def _ffn(self, x: torch.Tensor, layer: int, routed: torch.Tensor, shared: torch.Tensor, extra_s: float) -> None:
         t0 = time.perf_counter()
         r, sh = self.moe.compute(x, layer)
-        if not self.modelled and self.slowdown > 1.0:
-            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t0))
+        if not self.modelled:
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t0) + extra_s)
         hold()  # a modelled kernel publishes at its modelled end
         routed.copy_(r)
         shared.copy_(sh)
@@ -403,7 +412,6 @@ class FfnRank:
             model_config=ModelConfig(HFConfig()),
             use_aclgraph=spec.graphs,
         )
-        self.noise = random.Random(spec.seed * 7919 + rank + 1)
         self.steps: list[dict[str, Any]] = []
         #: Graph key -> the variant(s) its capture recorded (the overlap phase's).
         self.captured: dict[Any, str] = {}
@@ -439,9 +447,6 @@ class FfnRank:
         before = camp2p_overlap.stats()
         t0 = time.perf_counter()
         self.runner.execute_ffn_step(dp_metadata_list=dp, **flags)
-        most = self.spec.noise_s.get(self.rank, 0.0)
-        if most > 0:
-            time.sleep(self.noise.uniform(0.0, most))
         emulated_device.synchronize()  # the step's kernels ran (a kernel's error raises here)
         seconds = time.perf_counter() - t0
         self.steps.append(
