@@ -29,6 +29,10 @@ Reports, without raising:
   variants asked for, and the installed torch_npu lacks the multi-stream
   capture fix, the first listed layout is ``comm-side`` without its graph
   opt-in, or another refusal), or ``ok``;
+* the FFN rank group (:func:`group_section`, the ``FFN rank group:`` line):
+  outside a worker (no ``torch.distributed`` process group) how the FFN
+  ranks of a worker decide together; in a process with one, what
+  ``rank_group.discover()`` finds;
 * with ``--config``: the deployment's connector settings as the CAMP2P
   connector will see them (``tools/deployment.py``).
 
@@ -48,6 +52,7 @@ from camp2p_overlap.core import config as cfgmod
 from camp2p_overlap.core import env_vars
 from camp2p_overlap.core.env_vars import TABLE as ENV_TABLE
 from camp2p_overlap.core.observe.decode_graphs import UPSTREAM_GRAPH, rung_hint
+from camp2p_overlap.core.overlap import rank_group
 from camp2p_overlap.core.overlap.plan import CALLER, LADDER, Layout, graph_needs_opt_in, layouts_of, rung
 from camp2p_overlap.core.patching.manifest import (
     ManifestError,
@@ -252,6 +257,72 @@ def _config(env: Any = None) -> tuple[dict[str, Any], cfgmod.OverlapConfig | Non
         "switches": switches,
     }
     return section, cfg, problems
+
+
+#: The channel the FFN ranks' exchanges take (``rank_group.RankGroup.channel``, without its key prefix).
+GROUP_CHANNEL = "the default process group's c10d store"
+#: Who the FFN ranks of a group are (``rank_group.discover``).
+GROUP_MEMBERS = (
+    "the ranks sharing the MoE's collectives (vLLM's expert-parallel group, else the torch.distributed world)"
+)
+
+
+def _dist_initialized() -> bool:
+    dist = sys.modules.get("torch.distributed")  # nothing imported: a worker's process already has it
+    try:
+        return dist is not None and bool(dist.is_available()) and bool(dist.is_initialized())
+    except Exception:  # noqa: BLE001 - a torch without it: not initialized
+        return False
+
+
+def group_section(cfg: cfgmod.OverlapConfig | None) -> dict[str, Any]:
+    """The FFN rank group as this process would see it: ``initialized`` (whether torch.distributed has a process
+    group here; doctor normally runs outside the worker, where it has none: this process is one FFN rank), and
+    where it has one, what ``rank_group.discover()`` finds (``size``, ``rank``, ``members``, ``source``, or its
+    ``problem``); ``channel``; ``timeout_s`` (VLLM_CAMP2P_MULTISTREAM_GROUP_TIMEOUT_S as configured; None: the
+    configuration is refused)."""
+    section: dict[str, Any] = {
+        "initialized": _dist_initialized(),
+        "size": 1,
+        "rank": 0,
+        "members": [0],
+        "source": None,
+        "problem": None,
+        "channel": GROUP_CHANNEL,
+        "timeout_variable": env_vars.ENV_GROUP_TIMEOUT,
+        "timeout_s": cfg.group_timeout_s if cfg is not None else None,
+    }
+    if not section["initialized"]:
+        return section
+    try:
+        found = rank_group.discover()
+    except Exception as exc:  # noqa: BLE001 - reported
+        section["problem"] = f"discovery failed ({type(exc).__name__}: {exc})"
+        return section
+    section.update(
+        size=found.size, rank=found.rank, members=list(found.members), source=found.source, problem=found.problem
+    )
+    return section
+
+
+def group_line(g: dict[str, Any]) -> str:
+    """The ``FFN rank group:`` line of :func:`group_section`'s ``g``."""
+    timeout = "(the configuration is refused)" if g["timeout_s"] is None else f"{g['timeout_s']:g} s"
+    waits = f"each exchange waiting up to {g['timeout_variable']}={timeout}"
+    if not g["initialized"]:
+        return (
+            "FFN rank group: this process is one FFN rank (torch.distributed is not initialized here); in a worker "
+            f"with several FFN ranks, {GROUP_MEMBERS} decide together over {g['channel']}, {waits}; "
+            'stats()["group"] shows it there'
+        )
+    if g["problem"] is not None:
+        return f"FFN rank group: the FFN ranks cannot decide together here: {g['problem']} (adaptive engage is off)"
+    if g["size"] == 1:
+        return f"FFN rank group: this process is one FFN rank ({g['source']})"
+    return (
+        f"FFN rank group: FFN rank {g['rank']} of {g['size']} ({g['source']} {g['members']}), deciding together "
+        f'over {g["channel"]}, {waits}; stats()["group"] shows it once a step engaged'
+    )
 
 
 def describe_layout(layout: Layout) -> str:
@@ -473,6 +544,7 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
             "backend": None,
             "config": config_section,
             "decode_graphs": {"status": graphs.status, "reason": graphs.reason},
+            "group": group_section(cfg),
             "deployment": read_deployment(deployment, cfg) if deployment else None,
         }
     if not vc.ok:
@@ -510,6 +582,9 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
     graphs = _decode_graphs(cfg, "; ".join(feature_refusals) or None)
     if graphs.status == "refused":
         problems.append(graphs.line)
+    group = group_section(cfg)
+    if group["problem"] is not None:
+        notes.append(f"FFN rank group: {group['problem']}: every FFN rank decides alone (adaptive engage is off)")
     deploy = None
     if deployment:
         deploy = read_deployment(deployment, cfg)
@@ -531,6 +606,7 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
         "backend": backend,
         "config": config_section,
         "decode_graphs": {"status": graphs.status, "reason": graphs.reason},
+        "group": group,
         "deployment": deploy,
     }
 
@@ -607,6 +683,8 @@ def doctor_text(d: dict[str, Any]) -> str:
     g = d.get("decode_graphs")
     if g is not None:
         lines += ["", DecodeGraphs(**g).line]
+    if d.get("group") is not None:
+        lines += ["", group_line(d["group"])]
     if d.get("deployment") is not None:
         lines += deployment_text(d["deployment"])
     lines.append("")

@@ -18,12 +18,13 @@ from support.child import VLLM_PYTHONS, run_cli
 
 from camp2p_overlap.core import config as cfgmod
 from camp2p_overlap.core import env_vars
+from camp2p_overlap.core.overlap import rank_group
 from camp2p_overlap.core.patching import versions
 from camp2p_overlap.core.patching.manifest import load_manifest
 from camp2p_overlap.core.patching.versions import installed_version
 from camp2p_overlap.emulation import standins
 from camp2p_overlap.tools import cli
-from camp2p_overlap.tools.doctor import check_target, diagnose, vllm_ascend_check
+from camp2p_overlap.tools.doctor import check_target, diagnose, doctor_text, group_section, vllm_ascend_check
 
 STATUSES = {"ok", "import-error", "missing", "signature-mismatch", "stand-in"}
 
@@ -82,6 +83,7 @@ def test_doctor_json_lists_every_manifest_target_with_its_status() -> None:
         "backend",
         "config",
         "decode_graphs",
+        "group",
         "deployment",
     }
     assert d["ok"] is False and d["problems"]
@@ -147,6 +149,78 @@ def test_doctor_shows_parsed_switches_and_the_cpu_backend(monkeypatch: pytest.Mo
         "reason": "cpu: worker-thread streams (emulation and tests only)",
     }
     assert any("cpu backend is for the emulation" in n for n in d["notes"])
+
+
+def test_doctor_outside_a_worker_says_how_the_ffn_ranks_decide_together() -> None:
+    """doctor runs outside the worker (no torch.distributed process group): this process is one FFN rank, and the
+    line says who decides together in a worker, over which channel, with the configured timeout."""
+    res = run_cli("doctor", "--json", env={env_vars.ENV_GROUP_TIMEOUT: "7.5"}, timeout=120)
+    assert "Traceback" not in res.stderr
+    d = json.loads(res.stdout)
+    assert d["group"] == {
+        "initialized": False,
+        "size": 1,
+        "rank": 0,
+        "members": [0],
+        "source": None,
+        "problem": None,
+        "channel": "the default process group's c10d store",
+        "timeout_variable": "VLLM_CAMP2P_MULTISTREAM_GROUP_TIMEOUT_S",
+        "timeout_s": 7.5,
+    }
+    text = run_cli("doctor", env={env_vars.ENV_GROUP_TIMEOUT: "7.5"}, timeout=120).stdout
+    (line,) = [line for line in text.splitlines() if line.startswith("FFN rank group:")]
+    assert line == (
+        "FFN rank group: this process is one FFN rank (torch.distributed is not initialized here); in a worker with "
+        "several FFN ranks, the ranks sharing the MoE's collectives (vLLM's expert-parallel group, else the "
+        "torch.distributed world) decide together over the default process group's c10d store, each exchange "
+        'waiting up to VLLM_CAMP2P_MULTISTREAM_GROUP_TIMEOUT_S=7.5 s; stats()["group"] shows it there'
+    )
+
+
+@pytest.fixture
+def one_rank_world() -> Iterator[None]:
+    """torch.distributed initialized in this process: a gloo world of one rank over an in-process store."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized here")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_doctor_in_a_process_group_shows_what_discovery_finds(
+    one_rank_world: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = cfgmod.OverlapConfig(group_timeout_s=12.0)
+    g = group_section(cfg)
+    assert g["initialized"] is True and g["problem"] is None
+    assert (g["size"], g["rank"], g["members"], g["source"]) == (1, 0, [0], "torch.distributed world of one rank")
+    d = diagnose()
+    assert d["group"]["initialized"] is True and d["group"]["source"] == "torch.distributed world of one rank"
+    assert "FFN rank group: this process is one FFN rank (torch.distributed world of one rank)" in doctor_text(d)
+    # Several FFN ranks: this rank's place, the members and where they were read.
+    found = rank_group.Membership(4, 2, (4, 5, 6, 7), "vLLM expert-parallel group", store=object())
+    monkeypatch.setattr(rank_group, "discover", lambda: found)
+    g = group_section(cfg)
+    assert (g["size"], g["rank"], g["members"], g["source"]) == (4, 2, [4, 5, 6, 7], "vLLM expert-parallel group")
+    d = diagnose()
+    (line,) = [line for line in doctor_text({**d, "group": g}).splitlines() if line.startswith("FFN rank group:")]
+    assert line == (
+        "FFN rank group: FFN rank 2 of 4 (vLLM expert-parallel group [4, 5, 6, 7]), deciding together over the "
+        "default process group's c10d store, each exchange waiting up to "
+        'VLLM_CAMP2P_MULTISTREAM_GROUP_TIMEOUT_S=12 s; stats()["group"] shows it once a step engaged'
+    )
+    # Its problem: named, a note (not a problem: the ranks decide alone).
+    problem = "this rank (3) is not in the vLLM expert-parallel group [0, 1]"
+    monkeypatch.setattr(rank_group, "discover", lambda: rank_group.Membership(problem=problem))
+    d = diagnose()
+    assert d["group"]["problem"] == problem and d["group"]["size"] == 1
+    assert any(problem in n for n in d["notes"]) and not any(problem in p for p in d["problems"])
+    assert f"FFN rank group: the FFN ranks cannot decide together here: {problem}" in doctor_text(d)
 
 
 def test_doctor_does_not_mistake_the_stand_ins_for_afd_plugin() -> None:
