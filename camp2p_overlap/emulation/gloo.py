@@ -250,6 +250,21 @@ def load_plugins_like_vllm() -> str:
     return "vllm.plugins.load_general_plugins()"
 
 
+def declare_ffn_ep_group(ranks: list[int]) -> None:
+    """Set vLLM's expert-parallel group of this FFN process to ``ranks`` (global ranks), as vLLM's parallel state
+    holds it on an FFN server. Here the default world is the attention rank and the FFN rank together (one pair),
+    which no AFD deployment has: the FFN side's world is its own. The layer reads the FFN ranks from this group
+    (docs/design.md, "Many FFN ranks"), so it sees one FFN rank, as it is."""
+    import types
+
+    try:
+        import vllm.distributed.parallel_state as parallel_state
+    except Exception:  # noqa: BLE001 - no usable vLLM here: the name the layer reads, and only it
+        parallel_state = types.ModuleType("vllm.distributed.parallel_state")
+        sys.modules["vllm.distributed.parallel_state"] = parallel_state
+    parallel_state._EP = types.SimpleNamespace(ranks=list(ranks))  # type: ignore[attr-defined]
+
+
 def ffn_main(spec: PairSpec, out: Path) -> int:
     import torch.distributed as dist
 
@@ -266,6 +281,7 @@ def ffn_main(spec: PairSpec, out: Path) -> int:
     runner_mod, conn_mod, meta_mod = standins.import_standins(standins.REAL_ROOT)
     report = camp2p_overlap.status()
     groups = _init(spec, 1)
+    declare_ffn_ep_group([1])
     transport = GlooTransport(groups, spec.hidden)
     shape = MoEShape(hidden=spec.hidden, ffn=2 * spec.hidden, experts=4, top_k=2, shared_expert=spec.shared_expert)
     connector = conn_mod.CAMP2pAFDConnector(transport, hidden_size=spec.hidden)
