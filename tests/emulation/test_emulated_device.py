@@ -687,7 +687,7 @@ def test_step_timing_reads_the_events_by_query_only(backend: StreamBackend, monk
     monkeypatch.setattr(dev.Event, "query", counted)
     c = backend.compute_stream()
     seen: list[float] = []
-    adaptive = SimpleNamespace(record=lambda key, path, seconds: seen.append(seconds))
+    adaptive = SimpleNamespace(record=lambda key, path, seconds, step=0: seen.append(seconds))
     timings = StepTimings(SimpleNamespace(adaptive=adaptive))
     bucket = BucketKey("timing-test", 2, 2, 8)
     gate = gate_on(c)

@@ -673,7 +673,7 @@ def test_logs_at_info_name_the_bucket(logs: PackageLogs) -> None:
 class _SerialWins(AdaptiveEngage):
     """Adaptive engage fed fixed times: serial always the faster path."""
 
-    def record(self, key: BucketKey, mode: Any, seconds: float) -> None:
+    def record(self, key: BucketKey, mode: Any, seconds: float, step: int = 0) -> None:
         super().record(key, mode, 0.010 if mode == "overlap" else 0.005)
 
 
