@@ -106,8 +106,9 @@ class RanksSpec:
     def __post_init__(self) -> None:
         if self.mapping not in MAPPINGS:
             raise ValueError(f"mapping {self.mapping!r} is not one of {', '.join(MAPPINGS)}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
+        listed = self.layout.split(",")
+        if not listed or any(name not in LAYOUTS for name in listed) or len(set(listed)) != len(listed):
+            raise ValueError(f"layout {self.layout!r} is not one or a comma list of {', '.join(LAYOUTS)}")
         if self.timing not in TIMINGS:
             raise ValueError(f"timing {self.timing!r} is not one of {', '.join(TIMINGS)}")
         if self.graph_mode not in GRAPH_MODES:
@@ -377,7 +378,7 @@ def parse_spec(argv: list[str] | None = None) -> tuple[RanksSpec, Path, float | 
     ap.add_argument("--timeout-s", type=float, default=d.timeout_s)
     ap.add_argument("--graphs", action="store_true")
     ap.add_argument("--graph-mode", choices=GRAPH_MODES, default=d.graph_mode)
-    ap.add_argument("--layout", choices=LAYOUTS, default=d.layout)
+    ap.add_argument("--layout", default=d.layout, help=f"one of {', '.join(LAYOUTS)}, or a comma list of them")
     ap.add_argument("--adaptive", action="store_true")
     ap.add_argument("--reprobe-every", type=int, default=None)
     ap.add_argument("--timing", choices=TIMINGS, default=d.timing)
