@@ -279,6 +279,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--json", metavar="PATH", help="write the report as JSON (schema: docs/benchmark.md)")
     bench.add_argument(
+        "--ffn-ranks",
+        dest="ffn_ranks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the multi-rank main job instead: N FFN ranks and --attn-ranks attention ranks as processes over gloo "
+        "(loopback), a MoE all-to-all among the FFN ranks in each FFN, adaptive engage deciding as one group; "
+        "reports the group's speedup, eta against the fill/drain floor, a straggler world, and the steps on which "
+        "the FFN ranks ran different paths (docs/benchmark.md, 'The multi-rank main job')",
+    )
+    bench.add_argument("--attn-ranks", dest="attn_ranks", type=int, default=None, metavar="M", help="default: N")
+    bench.add_argument(
+        "--rank-steps", dest="rank_steps", type=int, default=None, metavar="K", help="steps per world (200)"
+    )
+    bench.add_argument(
+        "--rank-reps", dest="rank_reps", type=int, default=None, metavar="R", help="repetitions of the worlds (3)"
+    )
+    bench.add_argument(
         "--trace",
         metavar="PATH",
         help="write one traced step per policy as Chrome trace-event JSON (Perfetto, chrome://tracing): "
@@ -518,7 +536,39 @@ def _preflight(device: str, plot: str | None) -> str | None:
     return None
 
 
+def _rank_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from camp2p_overlap.tools.bench.ranks import RankBenchParams, rank_bench_table, run_rank_bench
+    from camp2p_overlap.tools.bench.tables import write_json
+    from camp2p_overlap.tools.provenance import run_record
+
+    chosen = {
+        "ffn_ranks": args.ffn_ranks,
+        "attn_ranks": args.attn_ranks if args.attn_ranks is not None else args.ffn_ranks,
+        "steps": args.rank_steps,
+        "reps": args.rank_reps,
+    }
+    try:
+        params = RankBenchParams(**{k: v for k, v in chosen.items() if v is not None})
+        params.spec(0, straggler=True)  # the world's own checks (the mapping, the rank counts)
+    except (TypeError, ValueError) as exc:
+        return _fail(str(exc))
+    if params.steps < 2 * params.warmup or params.reps < 1:
+        return _fail(f"--rank-steps must be at least {2 * params.warmup} and --rank-reps at least 1")
+    say = None if args.no_progress else (lambda line: print(line, file=sys.stderr, flush=True))
+    try:
+        report = run_rank_bench(params, progress=say)
+    except RuntimeError as exc:
+        return _fail(str(exc))
+    report["run"] = run_record(argv)
+    print(rank_bench_table(report))
+    if args.json:
+        write_json(args.json, report)
+    return 0 if all(s["outputs_equal"] and s["parted_steps"] == 0 for s in report["summary"].values()) else 1
+
+
 def _bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.ffn_ranks is not None:
+        return _rank_bench(args, argv)
     from camp2p_overlap.tools.bench.runner import resolve_params, run_bench
     from camp2p_overlap.tools.bench.tables import bench_table, problems, write_json, write_outputs
     from camp2p_overlap.tools.provenance import run_record
