@@ -539,7 +539,7 @@ def _preflight(device: str, plot: str | None) -> str | None:
 def _rank_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from camp2p_overlap.tools.bench.ranks import RankBenchParams, rank_bench_table, run_rank_bench
     from camp2p_overlap.tools.bench.tables import write_json
-    from camp2p_overlap.tools.provenance import run_record
+    from camp2p_overlap.tools.provenance import report_env, run_record
 
     chosen = {
         "ffn_ranks": args.ffn_ranks,
@@ -560,6 +560,7 @@ def _rank_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     except RuntimeError as exc:
         return _fail(str(exc))
     report["run"] = run_record(argv)
+    report["env"] = report_env()
     print(rank_bench_table(report))
     if args.json:
         write_json(args.json, report)

@@ -43,7 +43,17 @@ REPORTS = {
     "bench": ("bench.json", "camp2p-overlap/bench/v1"),
     "sweep": ("sweep.json", "camp2p-overlap/sweep/v1"),
     "overhead": ("overhead.json", "camp2p-overlap/overhead/v1"),
+    "ranks": ("ranks.json", "camp2p-overlap/bench-ranks/v1"),
 }
+#: How each report's command begins, where that is not ``camp2p-overlap <name> ``.
+COMMANDS = {"ranks": "camp2p-overlap bench --ffn-ranks "}
+
+
+def report_command(name: str) -> str:
+    """How the command that writes report ``name`` begins."""
+    return COMMANDS.get(name, f"camp2p-overlap {name} ")
+
+
 #: The files with generated blocks, and the blocks each must hold.
 DOC_BLOCKS: dict[str, tuple[str, ...]] = {
     "README.md": ("configuration table",),
@@ -52,6 +62,7 @@ DOC_BLOCKS: dict[str, tuple[str, ...]] = {
         "bench table",
         "sweep tables",
         "overhead table",
+        "ranks table",
     ),
 }
 
@@ -80,10 +91,11 @@ MACHINE_KEYS: tuple[tuple[str, Callable[[Any], str], str], ...] = (
 #: The blocks that quote figures, and the reports each quotes: each body
 #: must hold the run line of every one of them.
 FIGURE_BLOCKS: dict[str, tuple[str, ...]] = {
-    "headline figures": ("bench", "sweep", "overhead"),
+    "headline figures": ("bench", "ranks", "sweep", "overhead"),
     "bench table": ("bench",),
     "sweep tables": ("sweep",),
     "overhead table": ("overhead",),
+    "ranks table": ("ranks",),
 }
 
 
@@ -223,6 +235,18 @@ def headline_figures(res: Results) -> str:
             parts.append(f"{label}{steady} {_speedup(p, ci=name == 'overlap')}")
     equal = "bitwise equal" if bench["outputs_equal"] else "NOT all equal to serial"
     items = [(f"`bench --scenario ffn-bound`, per layer over serial: {', '.join(parts)}; outputs {equal}.", "bench")]
+    ranks = res.report("ranks")
+    adaptive, straggler = ranks["summary"]["adaptive"], ranks["summary"]["straggler"]
+    items.append(
+        (
+            f"The multi-rank main job (`bench --ffn-ranks {ranks['params']['ffn_ranks']}`): adaptive `overlap` "
+            f"{adaptive['speedup']['median']:.2f}x of serial, {straggler['speedup']['median']:.2f}x with a "
+            f"straggler FFN rank; the FFN ranks ran different paths at "
+            f"{adaptive['parted_steps'] + straggler['parted_steps']} of {adaptive['steps'] + straggler['steps']} "
+            "steps.",
+            "ranks",
+        )
+    )
     worst = adaptive_worst(res.report("sweep"))
     if worst is not None:
         slowest = f"Adaptive `overlap` at its slowest in `sweep`: {worst[0]:.2f}x of serial ({worst[1]})."
@@ -280,6 +304,12 @@ def bench_block(res: Results) -> str:
     from camp2p_overlap.tools.bench.tables import bench_table
 
     return f"{res.run_line('bench')}\n\n```text\n{bench_table(res.report('bench'))}\n```\n"
+
+
+def ranks_block(res: Results) -> str:
+    from camp2p_overlap.tools.bench.ranks import rank_bench_table
+
+    return f"{res.run_line('ranks')}\n\n```text\n{rank_bench_table(res.report('ranks'))}\n```\n"
 
 
 def sweep_block(res: Results) -> str:
@@ -357,6 +387,7 @@ GENERATORS: dict[str, Callable[[Results], str]] = {
     "bench table": bench_block,
     "sweep tables": sweep_block,
     "overhead table": overhead_block,
+    "ranks table": ranks_block,
 }
 
 

@@ -241,7 +241,7 @@ def test_every_report_of_the_docs_says_how_it_was_made() -> None:
     for name, (file, _) in REPORTS.items():
         report = json.loads((REPO / RESULTS_DIR / file).read_text(encoding="utf-8"))
         run = report.get("run") or runs[name]
-        assert set(docgen.RUN_KEYS) <= set(run) and run["command"].startswith(f"camp2p-overlap {name} ")
+        assert set(docgen.RUN_KEYS) <= set(run) and run["command"].startswith(docgen.report_command(name))
         env = report["env"]
         filled = env.get("filled", {"keys": []})
         assert set(filled["keys"]) <= set(env) and (not filled["keys"] or filled["source"])

@@ -156,7 +156,8 @@ def run_rank_bench(
             "outputs_equal": all(r["outputs_equal"] for r in runs),
             "most_changes_per_bucket": max((c for r in runs for c in r["bucket_changes"].values()), default=0),
         }
-    return {"schema": SCHEMA, "params": asdict(params), "summary": summary, "worlds": worlds}
+    wall = round(sum(r["wall_s"] for runs in worlds.values() for r in runs), 1)
+    return {"schema": SCHEMA, "params": asdict(params), "summary": summary, "worlds": worlds, "wall_s": wall}
 
 
 def rank_bench_table(report: dict[str, Any]) -> str:
