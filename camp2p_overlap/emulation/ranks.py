@@ -60,6 +60,8 @@ STAGE_CYCLES: dict[int, tuple[tuple[int, ...], ...]] = {
 #: Plan entry kinds: an eager step (a replay when its key is captured), a
 #: graph warm-up (eager), a graph capture (no data exchanged).
 STEP, WARMUP, CAPTURE = "step", "warmup", "capture"
+#: What a faulty FFN rank does (``RanksSpec.fault``).
+FAULTS = ("exit", "stop")
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,9 @@ class RanksSpec:
     #: FFN rank -> its MoE weights' seed (default: ``seed``; to show that
     #: every attention rank's outputs depend on every FFN rank).
     ffn_seed: dict[int, int] = field(default_factory=dict)
+    #: FFN rank -> (fault, step): inside its first FFN kernel of that step the process exits (``"exit"``, as a
+    #: crashed rank) or stops whole, its heartbeat too (``"stop"``, SIGSTOP, as a hung host); the launcher kills it.
+    fault: dict[int, tuple[str, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.mapping not in MAPPINGS:
@@ -113,6 +118,8 @@ class RanksSpec:
             raise ValueError(f"timing {self.timing!r} is not one of {', '.join(TIMINGS)}")
         if self.graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode {self.graph_mode!r} is not one of {', '.join(GRAPH_MODES)}")
+        if any(kind not in FAULTS for kind, _ in self.fault.values()):
+            raise ValueError(f"a fault is one of {', '.join(FAULTS)}")
         if self.stages not in STAGE_CYCLES:
             raise ValueError(f"stages must be one of {sorted(STAGE_CYCLES)}")
         if self.attn_ranks < 2 or self.ffn_ranks < 1:
@@ -181,8 +188,9 @@ class RanksSpec:
     @classmethod
     def from_json(cls, text: str) -> RanksSpec:
         kw = json.loads(text)
-        for name in ("straggler", "noise_s", "extra_env", "ffn_seed"):
+        for name in ("straggler", "noise_s", "extra_env", "ffn_seed", "fault"):
             kw[name] = {int(k): v for k, v in kw.get(name, {}).items()}
+        kw["fault"] = {k: (str(v[0]), int(v[1])) for k, v in kw["fault"].items()}
         return cls(**kw)
 
 

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -305,9 +306,15 @@ class CollectiveFFN:
         #: This rank's own timing noise: up to ``noise_s`` more on each FFN kernel, seeded per rank.
         self.noise_s = float(spec.noise_s.get(rank, 0.0))
         self.noise = random.Random(spec.seed * 7919 + rank + 1)
+        self.fault_now: str | None = None
+        self.faulted = False
 
-    def begin_step(self) -> None:
+    def begin_step(self, step: int) -> None:
         self.calls = 0
+        fault = self.spec.fault.get(self.rank)
+        #: The fault this step's first FFN kernel runs into, once.
+        self.fault_now = fault[0] if fault is not None and fault[1] == step and not self.faulted else None
+        self.faulted = self.faulted or self.fault_now is not None
 
     def compute_ffn_output(self, *, hidden_states: torch.Tensor, layer_idx: int) -> Any:
         x, call = hidden_states, self.calls
@@ -326,6 +333,11 @@ class CollectiveFFN:
         return self.payload_cls(routed_output=out, shared_output=shared)
 
     def _ffn(self, x: torch.Tensor, layer: int, routed: torch.Tensor, shared: torch.Tensor, extra_s: float) -> None:
+        if self.fault_now is not None:
+            fault, self.fault_now = self.fault_now, None
+            if fault == "exit":
+                os._exit(17)  # a crashed FFN rank: no clean-up, no goodbye to its peers
+            os.kill(os.getpid(), signal.SIGSTOP)  # a hung FFN rank: every thread stops, its heartbeat too
         t0 = time.perf_counter()
         r, sh = self.moe.compute(x, layer)
         if not self.modelled:
@@ -440,7 +452,7 @@ class FfnRank:
         across = {s: tuple(self.spec.schedule(step, a)[s] for a in range(self.spec.attn_ranks)) for s in counts}
         dp = {s: PeerStageMeta(c, across[s]) for s, c in counts.items()}
         self.transport.counts = counts
-        self.model.begin_step()
+        self.model.begin_step(step)
         flags = {WARMUP: {"is_warmup": True}, CAPTURE: {"is_graph_capturing": True}}.get(kind, {})
         key = self.runner._make_graph_key(dp) if self.spec.graphs else None
         replays = kind == STEP and key in self.runner._acl_graphs

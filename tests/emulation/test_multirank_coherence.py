@@ -19,13 +19,13 @@ OP_TIMEOUT_S = 40.0
 GROUP_TIMEOUT = {"VLLM_CAMP2P_MULTISTREAM_GROUP_TIMEOUT_S": "3"}
 
 
-def _run(tmp_path: Path, **kw) -> WorldResult:
+def _run(tmp_path: Path, grace_s: float = 10.0, **kw) -> WorldResult:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch build")
-    spec = RanksSpec(timeout_s=OP_TIMEOUT_S, **kw)
-    return run_world(spec, tmp_path, timeout_s=WORLD_TIMEOUT_S)
+    spec = RanksSpec(**{"timeout_s": OP_TIMEOUT_S, **kw})
+    return run_world(spec, tmp_path, timeout_s=WORLD_TIMEOUT_S, grace_s=grace_s)
 
 
 def _assert_ran(res: WorldResult) -> None:
@@ -122,3 +122,53 @@ def test_a_rank_without_the_layer_neither_hangs_nor_corrupts_the_others(tmp_path
     assert set(res.paths()[0]) == {"serial"}
     assert "no answer from rank(s) [1]" in (patched["group"]["broken"] or "")
     assert not res.ffn[1]["stats"]["steps"].get("overlap")  # rank 1 ran upstream's code throughout
+
+
+WATCHDOG = {"VLLM_CAMP2P_MULTISTREAM_WATCHDOG_S": "4"}
+
+
+@pytest.mark.parametrize("patched", [True, False], ids=["with-the-layer", "without-the-layer"])
+def test_an_ffn_rank_that_dies_mid_step_ends_every_process_as_without_the_layer(tmp_path: Path, patched: bool) -> None:
+    """FFN rank 1 exits inside its FFN of step 3: its peers' MoE collective fails (at the latest at gloo's 15 s
+    timeout), and every FFN process ends with an error of its own, with the layer as without it: none hangs, none
+    needs the launcher's kill."""
+    off = {} if patched else {"VLLM_CAMP2P_MULTISTREAM": "0"}
+    res = _run(
+        tmp_path,
+        attn_ranks=2,
+        ffn_ranks=2,
+        mapping="equal",
+        steps=8,
+        adaptive=True,
+        timeout_s=15.0,
+        fault={1: ("exit", 3)},
+        grace_s=60.0,  # the survivors end by themselves
+        extra_env={0: {**GROUP_TIMEOUT, **off}, 1: {**GROUP_TIMEOUT, **off}},
+    )
+    assert not res.timed_out, res.diagnostics()
+    assert res.returncodes["ffn1"] == 17
+    assert res.returncodes["ffn0"] not in (0, None, -9), res.diagnostics()
+    steps = res.ffn[0]["steps"] if res.ffn.get(0) else []
+    assert len([s for s in steps if s["phase"] == "overlap"]) <= 4  # it stopped at the dead rank's step
+
+
+def test_a_hung_ffn_rank_is_named_in_the_others_stall_report(tmp_path: Path) -> None:
+    """FFN rank 1 stops whole (SIGSTOP: its heartbeat too) inside its FFN of step 3: rank 0's watchdog reports
+    the stall, naming rank 1 as the peer that stopped answering and the op rank 0 is blocked in; the world ends
+    bounded (the launcher kills the stopped rank by its pid)."""
+    res = _run(
+        tmp_path,
+        attn_ranks=2,
+        ffn_ranks=2,
+        mapping="equal",
+        steps=8,
+        adaptive=True,
+        timeout_s=25.0,
+        fault={1: ("stop", 3)},
+        extra_env={0: {**GROUP_TIMEOUT, **WATCHDOG}, 1: {**GROUP_TIMEOUT, **WATCHDOG}},
+    )
+    log = res.logs["ffn0"]
+    assert "has not finished after" in log, res.diagnostics()
+    assert "FFN rank group: this is FFN rank 0 of 2" in log and "this rank is blocked in" in log
+    assert "FFN peers that stopped answering: rank(s) 1" in log, log[-3000:]
+    assert res.returncodes["ffn0"] not in (0, None) or res.timed_out
