@@ -23,6 +23,10 @@ fastest (docs/design.md, "Adaptive engage"). Pure logic, fed step times (``recor
 * a decided-serial step that is not a probe is timed one in ``serial_time_every``.
 
 Each decision is logged once, when it changes, with its figures. The times come from :class:`StepTimings`.
+
+With a group of FFN ranks (``AdaptiveEngage.group``: the ranks that share the MoE's collectives) the same rules run
+on the group's times, at decision points every rank derives alike (:meth:`AdaptiveEngage._choose_in_group`;
+docs/design.md, "Many FFN ranks"), so every rank takes the same path at every step.
 """
 
 from __future__ import annotations

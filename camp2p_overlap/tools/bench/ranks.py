@@ -32,7 +32,9 @@ class RankBenchParams:
     steps: int = 200
     reps: int = 3
     #: Modelled FFN time per (layer, stage); A2E and E2A take ``comm_ratio`` of it together (the ffn-bound preset).
-    ffn_ms: float = 6.0
+    #: Long enough for the host of a 2-CPU machine to keep up with 8 processes: at 6 ms the attention ranks' real
+    #: turnaround (their TP all-reduce over loopback) outgrows the slack of a stage's chain (docs/benchmark.md).
+    ffn_ms: float = 12.0
     comm_ratio: float = 0.5
     collective_ms: float = 0.2
     reprobe_every: int = 32
