@@ -225,3 +225,44 @@ def test_a_rank_that_never_reaches_a_decision_point_sends_the_others_down_upstre
         a.record(KEY, c.path, 0.01, c.step)
     assert g0.broken is not None and "rank(s) [1]" in g0.broken
     assert paths[-3:] == [SERIAL] * 3
+
+
+# -- the runtime's join ---------------------------------------------------------------------------
+def test_a_rank_that_cannot_find_its_group_turns_adaptive_off_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from camp2p_overlap.core.log import reset_log_once
+    from camp2p_overlap.core.overlap import runtime as runtime_module
+    from camp2p_overlap.core.overlap.runtime import OverlapRuntime
+
+    reset_log_once()
+    monkeypatch.setattr(runtime_module, "discover", lambda: Membership(problem="this rank (5) is not in the group"))
+    rt = OverlapRuntime()
+    with caplog.at_level("WARNING"):
+        rt.join_group(OverlapConfig(enabled=True), "vllm-0.19.1")
+    assert rt.group is None and rt.adaptive.group is None
+    assert rt.adaptive_off is not None and "this rank (5) is not in the group" in rt.adaptive_off
+    assert "adaptive engage is off" in caplog.text
+    assert rt.stats()["group"]["state"] == rt.adaptive_off
+
+
+def test_two_runtimes_that_agree_decide_together_and_one_that_differs_breaks_both() -> None:
+    from camp2p_overlap.core.overlap.runtime import OverlapRuntime
+
+    def join(configs: list[OverlapConfig]) -> list[OverlapRuntime]:
+        store = dist.HashStore()
+        runtimes = [OverlapRuntime() for _ in configs]
+        found = [Membership(2, r, (0, 1), "test", store) for r in range(2)]
+        on_threads(2, lambda r: runtimes[r].join_group(configs[r], "vllm-0.19.1", found[r]))
+        for rt in runtimes:
+            if rt.group is not None:
+                rt.group.stop()
+        return runtimes
+
+    agreed = join([OverlapConfig(enabled=True)] * 2)
+    assert all(rt.group is not None and rt.group.broken is None for rt in agreed)
+    assert all(rt.adaptive.group is rt.group for rt in agreed)
+    differ = join([OverlapConfig(enabled=True), OverlapConfig(enabled=True, layouts=("comm-side",))])
+    for rt in differ:
+        assert rt.group is not None and rt.group.broken is not None
+        assert "layouts" in rt.group.broken and rt.stats()["group"]["state"] == "broken"

@@ -16,7 +16,14 @@ from camp2p_overlap.core.log import log_once, logger
 from camp2p_overlap.core.observe.counters import StepCounters
 from camp2p_overlap.core.overlap import graphs
 from camp2p_overlap.core.overlap.adaptive import AdaptiveEngage
-from camp2p_overlap.core.overlap.rank_group import ExchangeFailed, RankGroup, configuration, disagreement, discover
+from camp2p_overlap.core.overlap.rank_group import (
+    ExchangeFailed,
+    Membership,
+    RankGroup,
+    configuration,
+    disagreement,
+    discover,
+)
 from camp2p_overlap.core.overlap.runner_state import RunnerStates
 from camp2p_overlap.core.overlap.session import StepSession
 
@@ -54,12 +61,13 @@ class OverlapRuntime:
         self.adaptive_off: str | None = None
         self.adaptive.group = None
 
-    def join_group(self, config: OverlapConfig, stack: str | None) -> None:
-        """At the first engaged step: find the FFN ranks that share the MoE's collectives (one: nothing changes),
-        compare the configuration with them (a difference, or no answer in time, breaks the group: every rank runs
-        upstream's path), then decide with them and start the heartbeat."""
+    def join_group(self, config: OverlapConfig, stack: str | None, found: Membership | None = None) -> None:
+        """At the first engaged step: find the FFN ranks that share the MoE's collectives (``found``, else
+        :func:`discover`; one: nothing changes), compare the configuration with them (a difference, or no answer in
+        time, breaks the group: every rank runs upstream's path), then decide with them and start the heartbeat."""
         self.group_joined = True
-        found = discover()
+        if found is None:
+            found = discover()
         if found.problem is not None:
             self.adaptive_off = f"the FFN ranks cannot be told apart or reached: {found.problem}"
             log_once(logging.WARNING, "group", "camp2p-overlap: adaptive engage is off: %s", self.adaptive_off)
