@@ -297,6 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--rank-reps", dest="rank_reps", type=int, default=None, metavar="R", help="repetitions of the worlds (3)"
     )
     bench.add_argument(
+        "--rank-ffn-ms",
+        dest="rank_ffn_ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="the modelled FFN per (layer, stage), ms (12; shorter ones leave a 2-CPU host behind)",
+    )
+    bench.add_argument(
         "--trace",
         metavar="PATH",
         help="write one traced step per policy as Chrome trace-event JSON (Perfetto, chrome://tracing): "
@@ -546,14 +554,15 @@ def _rank_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         "attn_ranks": args.attn_ranks if args.attn_ranks is not None else args.ffn_ranks,
         "steps": args.rank_steps,
         "reps": args.rank_reps,
+        "ffn_ms": args.rank_ffn_ms,
     }
     try:
         params = RankBenchParams(**{k: v for k, v in chosen.items() if v is not None})
         params.spec(0, straggler=True)  # the world's own checks (the mapping, the rank counts)
     except (TypeError, ValueError) as exc:
         return _fail(str(exc))
-    if params.steps < 2 * params.warmup or params.reps < 1:
-        return _fail(f"--rank-steps must be at least {2 * params.warmup} and --rank-reps at least 1")
+    if params.steps < 2 * params.warmup or params.reps < 1 or not params.ffn_ms > 0:
+        return _fail(f"--rank-steps must be at least {2 * params.warmup}, --rank-reps at least 1, --rank-ffn-ms > 0")
     say = None if args.no_progress else (lambda line: print(line, file=sys.stderr, flush=True))
     try:
         report = run_rank_bench(params, progress=say)

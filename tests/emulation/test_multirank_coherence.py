@@ -75,7 +75,7 @@ def test_four_ffn_ranks_a_straggler_and_noise_run_the_same_path_at_every_step(tm
         ffn_ranks=4,
         mapping="equal",
         layers=3,
-        steps=96,
+        steps=64,
         adaptive=True,
         reprobe_every=8,
         timing="model",

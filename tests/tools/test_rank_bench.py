@@ -78,7 +78,9 @@ def test_the_multi_rank_main_job_runs_end_to_end(tmp_path: Path) -> None:
             "--ffn-ranks",
             "2",
             "--rank-steps",
-            "44",
+            "40",
+            "--rank-ffn-ms",
+            "4",
             "--rank-reps",
             "1",
             "--no-progress",
@@ -95,6 +97,6 @@ def test_the_multi_rank_main_job_runs_end_to_end(tmp_path: Path) -> None:
     assert report["schema"] == "camp2p-overlap/bench-ranks/v1" and report["run"]["command"].startswith("camp2p")
     for name in ("adaptive", "straggler"):
         s = report["summary"][name]
-        assert s["outputs_equal"] and s["parted_steps"] == 0 and s["steps"] == 44
+        assert s["outputs_equal"] and s["parted_steps"] == 0 and s["steps"] == 40
         assert s["speedup"]["median"] > 1.0  # FFN-bound: the overlap gains
-    assert "multi-rank main job: 2 FFN ranks" in out.stdout
+    assert "multi-rank main job: 2 FFN ranks" in out.stdout and "FFN 4.0 ms" in out.stdout
