@@ -244,6 +244,8 @@ def test_a_rank_that_cannot_find_its_group_turns_adaptive_off_and_says_why(
     assert rt.adaptive_off is not None and "this rank (5) is not in the group" in rt.adaptive_off
     assert "adaptive engage is off" in caplog.text
     assert rt.stats()["group"]["state"] == rt.adaptive_off
+    # the same keys as a joined group's (stats() keeps one shape)
+    assert set(rt.stats()["group"]) == set(groups(2)[0].describe())
 
 
 def test_two_runtimes_that_agree_decide_together_and_one_that_differs_breaks_both() -> None:

@@ -99,7 +99,17 @@ class OverlapRuntime:
         if self.group is not None:
             return self.group.describe()
         state = "not joined yet" if not self.group_joined else (self.adaptive_off or "one FFN rank")
-        return {"size": 1, "rank": 0, "members": [0], "source": None, "channel": None, "state": state}
+        return {
+            "size": 1,
+            "rank": 0,
+            "members": [0],
+            "source": None,
+            "channel": None,
+            "timeout_s": None,
+            "exchanges": 0,
+            "state": state,
+            "broken": None,
+        }
 
     def runner_name(self, runner: Any) -> str:
         """A short, stable name for a runner in bucket keys and stats."""
