@@ -99,6 +99,11 @@ class RankGroup:
         self._heartbeat: threading.Thread | None = None
         self._stop = threading.Event()
 
+    @property
+    def refusal(self) -> str | None:
+        """Why every step runs upstream's path (the serial reason a step counts), or None while the group holds."""
+        return None if self.broken is None else f"FFN rank group: {self.broken}"
+
     def describe(self) -> dict[str, Any]:
         return {
             "size": self.size,

@@ -288,10 +288,10 @@ class FfnStep:
             group = runtime.group
             if group is not None:
                 group.steps += 1
-                if group.broken is not None:  # every rank runs upstream's path
-                    reason = f"FFN rank group: {group.broken}"
-                    self.count_serial(reason)
-                    log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", reason)
+                refusal = group.refusal
+                if refusal is not None:  # every rank runs upstream's path
+                    self.count_serial(refusal)
+                    log_once(logging.INFO, "gate", "camp2p-overlap: running the serial FFN path: %s", refusal)
                     return self.run_original()
             # 3. the choice: the static setting for a capture (a graph replays what it captured), parity/reorder,
             # adaptive off; else the bucket's path (a listed layout, or the original as decided or as a probe), timed
@@ -314,10 +314,9 @@ class FfnStep:
                 adaptive.settings = replace(adaptive.settings, reprobe_every=every)
             path, probe, timed, n = adaptive.choose(key, decision.names, state.timings.settle)
             if path == SERIAL:
-                reason = SERIAL_PROBE if probe else SERIAL_FASTER
-                if group is not None and group.broken is not None:  # this step's decision point broke it
-                    reason = f"FFN rank group: {group.broken}"
-                runtime.counters.serial(reason)
+                # a decision point that broke the group: its reason
+                refusal = group.refusal if group is not None else None
+                runtime.counters.serial(refusal or (SERIAL_PROBE if probe else SERIAL_FASTER))
                 if not timed:
                     return self.run_original()
                 return state.timings.timed(key, SERIAL, backend, self.run_original, step=n)
