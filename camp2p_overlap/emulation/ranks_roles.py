@@ -53,6 +53,15 @@ def _timeout(spec: RanksSpec) -> datetime.timedelta:
     return datetime.timedelta(seconds=spec.timeout_s)
 
 
+def _init_world(spec: RanksSpec, port: int, rank: int, size: int) -> None:
+    """This process's default world (gloo on loopback): its side's ranks only, as each side of AFD has its own."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size, timeout=_timeout(spec)
+    )
+
+
 def _store(spec: RanksSpec, ports: Ports, *, host: bool) -> Any:
     import torch.distributed as dist
 
@@ -92,13 +101,7 @@ class AttentionRank:
         from camp2p_overlap.emulation.world import AttentionInputs
 
         self.spec, self.rank = spec, rank
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{ports.attn}",
-            rank=rank,
-            world_size=spec.attn_ranks,
-            timeout=_timeout(spec),
-        )
+        _init_world(spec, ports.attn, rank, spec.attn_ranks)  # the attention instance's own world
         ranks = list(range(spec.attn_ranks))
         self.tp = [dist.new_group(ranks, backend="gloo", timeout=_timeout(spec)) for _ in range(spec.stages)]
         self.store = _store(spec, ports, host=rank == 0)
@@ -387,7 +390,6 @@ def step_path(before: dict[str, Any], after: dict[str, Any]) -> str:
 
 class FfnRank:
     def __init__(self, spec: RanksSpec, rank: int, ports: Ports, loaded_by: str) -> None:
-        import torch.distributed as dist
 
         import camp2p_overlap
         from camp2p_overlap.emulation import standins
@@ -401,13 +403,7 @@ class FfnRank:
         standins.install(standins.REAL_ROOT)
         runner_mod, conn_mod, meta_mod = standins.import_standins(standins.REAL_ROOT)
         self.report = camp2p_overlap.status().to_dict()
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{ports.ffn}",
-            rank=rank,
-            world_size=spec.ffn_ranks,
-            timeout=_timeout(spec),
-        )
+        _init_world(spec, ports.ffn, rank, spec.ffn_ranks)  # the FFN server's own world: FFN ranks only
         self.store = _store(spec, ports, host=False)
         self.ctrl, groups = afd_groups(spec, self.store, rank, 0)
         self.transport = RanksTransport(spec, groups)
