@@ -74,6 +74,10 @@ class OverlapConfig:
     strict: bool = DEFAULTS["strict"]
     watchdog_s: float | None = DEFAULTS["watchdog_s"]
     group_timeout_s: float = DEFAULTS["group_timeout_s"]
+    #: The device's vector cores where its properties give none (None: read from the device).
+    vector_cores: int | None = DEFAULTS["vector_cores"]
+    #: The vector cores one MoE collective kernel takes (None: every core of the device, the strictest reading).
+    moe_cores: int | None = DEFAULTS["moe_cores"]
     adaptive: bool = DEFAULTS["adaptive"]
     reprobe_every: int = DEFAULTS["reprobe_every"]
     mode: Mode = DEFAULTS["mode"]

@@ -31,6 +31,8 @@ ENV_METRICS_PORT = "VLLM_CAMP2P_MULTISTREAM_METRICS_PORT"
 ENV_METRICS_ADDR = "VLLM_CAMP2P_MULTISTREAM_METRICS_ADDR"
 ENV_SUMMARY = "VLLM_CAMP2P_MULTISTREAM_SUMMARY_S"
 ENV_GROUP_TIMEOUT = "VLLM_CAMP2P_MULTISTREAM_GROUP_TIMEOUT_S"
+ENV_VECTOR_CORES = "VLLM_CAMP2P_MULTISTREAM_VECTOR_CORES"
+ENV_MOE_CORES = "VLLM_CAMP2P_MULTISTREAM_MOE_CORES"
 
 #: CAMP2P has one HCCL group per stage: afd, afd1, afd2.
 MAX_STAGES = 3
@@ -354,6 +356,31 @@ TABLE: tuple[EnvVar, ...] = (
         DEFAULT_GROUP_TIMEOUT_S,
         "with several FFN ranks: how long a rank waits for the others at an exchange before every step runs"
         " upstream's path",
+    ),
+    EnvVar(
+        ENV_VECTOR_CORES,
+        "vector_cores",
+        "integer",
+        None,
+        "the device's vector (AIV) core count, for the core budget rule (docs/design.md, \"Cores beside"
+        " collectives\"); read only where the device's properties give none",
+        low=1,
+        high=4096,
+        noun="a core count",
+        unset="the device's `vector_core_num`",
+    ),
+    EnvVar(
+        ENV_MOE_CORES,
+        "moe_cores",
+        "integer",
+        None,
+        "the vector cores one of the MoE's collective kernels (MC2 dispatch or combine) takes: its `Block Dim`"
+        " in a profiler's kernel list; an overlap layout engages only where its CAM kernels that can spin at once"
+        " and this fit the device's vector cores",
+        low=1,
+        high=4096,
+        noun="a core count",
+        unset="every vector core of the device (the strictest reading)",
     ),
     EnvVar(
         ENV_ADAPTIVE,

@@ -107,6 +107,20 @@ class RanksSpec:
     #: FFN rank -> (fault, step): inside its first FFN kernel of that step the process exits (``"exit"``, as a
     #: crashed rank) or stops whole, its heartbeat too (``"stop"``, SIGSTOP, as a hung host); the launcher kills it.
     fault: dict[int, tuple[str, int]] = field(default_factory=dict)
+    #: Each FFN rank's emulated device gets this many vector cores (None: no core model, nothing waits for cores).
+    vector_cores: int | None = None
+    #: Whether the device reports them (``get_device_properties().vector_core_num``); False hides them from the
+    #: layer, whose core budget rule then has nothing to fit: a deployment with the rule off.
+    report_cores: bool = True
+    #: What the kernels take: CAM's A2E/E2A (``aiv_num``, resident), the MoE collective (MC2's dispatch/combine,
+    #: resident), the experts (in waves). The MoE's count is also the layer's ``VLLM_CAMP2P_MULTISTREAM_MOE_CORES``.
+    cam_cores: int = 8
+    moe_cores: int = 8
+    ffn_cores: int = 8
+    #: FFN rank -> seconds its A2E's modelled link takes more (a rank whose attention peers are farther away).
+    link_extra_s: dict[int, float] = field(default_factory=dict)
+    #: Which waiting kernel free cores go to first (``cores.HAND_OUT_ORDERS``).
+    core_order: str = "oldest"
 
     def __post_init__(self) -> None:
         if self.mapping not in MAPPINGS:
@@ -122,6 +136,10 @@ class RanksSpec:
             raise ValueError(f"a fault is one of {', '.join(FAULTS)}")
         if self.stages not in STAGE_CYCLES:
             raise ValueError(f"stages must be one of {sorted(STAGE_CYCLES)}")
+        if any(n < 1 for n in (self.cam_cores, self.moe_cores, self.ffn_cores)) or (
+            self.vector_cores is not None and self.vector_cores < 1
+        ):
+            raise ValueError("core counts are positive")
         if self.attn_ranks < 2 or self.ffn_ranks < 1:
             raise ValueError("a world needs at least 2 attention ranks and 1 FFN rank")
         if self.mapping == "equal" and self.attn_ranks != self.ffn_ranks:
@@ -178,6 +196,8 @@ class RanksSpec:
         }
         if self.reprobe_every is not None:
             env["VLLM_CAMP2P_MULTISTREAM_REPROBE_EVERY"] = str(self.reprobe_every)
+        if self.vector_cores is not None:
+            env["VLLM_CAMP2P_MULTISTREAM_MOE_CORES"] = str(self.moe_cores)
         env.update(self.extra_env.get(ffn_rank, {}))
         return env
 
@@ -188,7 +208,7 @@ class RanksSpec:
     @classmethod
     def from_json(cls, text: str) -> RanksSpec:
         kw = json.loads(text)
-        for name in ("straggler", "noise_s", "extra_env", "ffn_seed", "fault"):
+        for name in ("straggler", "noise_s", "extra_env", "ffn_seed", "fault", "link_extra_s"):
             kw[name] = {int(k): v for k, v in kw.get(name, {}).items()}
         kw["fault"] = {k: (str(v[0]), int(v[1])) for k, v in kw["fault"].items()}
         return cls(**kw)

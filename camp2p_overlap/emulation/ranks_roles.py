@@ -234,12 +234,14 @@ class RanksTransport:
     order), E2A sends each peer its slice; both are kernels of the emulated
     device's current stream."""
 
-    def __init__(self, spec: RanksSpec, groups: list[Any]) -> None:
+    def __init__(self, spec: RanksSpec, groups: list[Any], rank: int) -> None:
         self.spec = spec
         self.groups = groups
         #: Stage -> the current step's token counts per peer (set per step).
         self.counts: dict[int, tuple[int, ...]] = {}
         self.link_ns = round(spec.link_model_s * 1e9) if spec.timing == "model" else None
+        #: This rank's A2E link takes this much more (``link_extra_s``).
+        self.a2e_extra_ns = round(spec.link_extra_s.get(rank, 0.0) * 1e9) if self.link_ns is not None else 0
 
     def _hold(self, start_ns: int, kind: str) -> None:
         if self.link_ns is not None:
@@ -261,9 +263,9 @@ class RanksTransport:
             for i, c in enumerate(counts):
                 pg.recv([hidden[off : off + c]], 1 + i, t).wait()
                 off += c
-            self._hold(start, "a2e")
+            self._hold(start + self.a2e_extra_ns, "a2e")
 
-        launch(kernel, writes=(hidden,), kind="a2e")
+        launch(kernel, writes=(hidden,), kind="a2e", cores=self.spec.cam_cores, resident=True)
         return hidden, torch.tensor([n])
 
     def e2a(
@@ -291,7 +293,7 @@ class RanksTransport:
                 off += c
             self._hold(start, "e2a")
 
-        launch(kernel, kind="e2a")
+        launch(kernel, kind="e2a", cores=self.spec.cam_cores, resident=True)
 
 
 class CollectiveFFN:
@@ -325,14 +327,30 @@ class CollectiveFFN:
         routed, shared, out = (torch.full_like(x, float("nan")) for _ in range(3))
         extra_s = self.noise.uniform(0.0, self.noise_s) if self.noise_s else 0.0
         ffn_s = self.spec.ffn_model_s * self.slowdown + extra_s if self.modelled else None
+        coll_s = self.spec.coll_model_s if self.modelled else None
+        if self.spec.vector_cores is not None:  # with cores, MC2's dispatch opens the MoE block as its combine ends it
+            launch(
+                lambda: self._pairing(layer_idx, call, "dispatch"),
+                model_s=coll_s,
+                kind="moe-dispatch",
+                cores=self.spec.moe_cores,
+                resident=True,
+            )
         launch(
             lambda: self._ffn(x, layer_idx, routed, shared, extra_s),
             writes=(routed, shared),
             model_s=ffn_s,
             kind="ffn",
+            cores=self.spec.ffn_cores,
         )
-        coll_s = self.spec.coll_model_s if self.modelled else None
-        launch(lambda: self._all_to_all(layer_idx, call, routed, out), writes=(out,), model_s=coll_s, kind="moe-a2a")
+        launch(
+            lambda: self._all_to_all(layer_idx, call, routed, out),
+            writes=(out,),
+            model_s=coll_s,
+            kind="moe-a2a",
+            cores=self.spec.moe_cores,
+            resident=True,
+        )
         return self.payload_cls(routed_output=out, shared_output=shared)
 
     def _ffn(self, x: torch.Tensor, layer: int, routed: torch.Tensor, shared: torch.Tensor, extra_s: float) -> None:
@@ -348,6 +366,18 @@ class CollectiveFFN:
         hold()  # a modelled kernel publishes at its modelled end
         routed.copy_(r)
         shared.copy_(sh)
+
+    def _pairing(self, layer: int, call: int, what: str) -> None:
+        """A collective of every FFN rank that carries only (layer, call), checked on arrival (MC2's dispatch)."""
+        import torch.distributed as dist
+
+        tags = torch.tensor([[float(layer), float(call)]]).expand(self.spec.ffn_ranks, 2).contiguous()
+        recv = torch.empty_like(tags)
+        dist.all_to_all_single(recv, tags)
+        if not torch.equal(recv, tags):
+            raise RuntimeError(
+                f"FFN rank {self.rank}: MoE {what} of (layer, call) ({layer}, {call}) paired with {recv}"
+            )
 
     def _all_to_all(self, layer: int, call: int, routed: torch.Tensor, out: torch.Tensor) -> None:
         import torch.distributed as dist
@@ -397,6 +427,7 @@ class FfnRank:
         from camp2p_overlap.emulation.world import AfdConfig, HFConfig, ModelConfig
 
         self.spec, self.rank, self.loaded_by = spec, rank, loaded_by
+        emulated_device.set_core_budget(spec.vector_cores, reported=spec.report_cores, order=spec.core_order)
         self.applied_at_start = camp2p_overlap.is_applied()
         if spec.graphs:
             emulated_device.as_torch_npu()  # before the runner: it takes its graph pool from torch.npu
@@ -406,12 +437,12 @@ class FfnRank:
         _init_world(spec, ports.ffn, rank, spec.ffn_ranks)  # the FFN server's own world: FFN ranks only
         self.store = _store(spec, ports, host=False)
         self.ctrl, groups = afd_groups(spec, self.store, rank, 0)
-        self.transport = RanksTransport(spec, groups)
+        self.transport = RanksTransport(spec, groups, rank)
         shape = MoEShape(hidden=spec.hidden, ffn=2 * spec.hidden, experts=4, top_k=2, shared_expert=True)
         moe = MoEFFN(shape, seed=spec.ffn_seed.get(rank, spec.seed))
         self.model = CollectiveFFN(moe, meta_mod.AFDF2ATransferPayload, spec, rank)
         self.runner = runner_mod.AFDNPUFFNModelRunner(
-            connector=conn_mod.CAMP2pAFDConnector(self.transport, hidden_size=spec.hidden),
+            connector=conn_mod.CAMP2pAFDConnector(self.transport, hidden_size=spec.hidden, aiv_num=spec.cam_cores),
             model=self.model,
             num_layers=spec.layers,
             max_num_tokens=spec.tokens * spec.peers_per_ffn,
@@ -498,6 +529,14 @@ class FfnRank:
             self.run_entry(phase, hs)
 
 
+def _core_counts() -> dict[str, int] | None:
+    """The core pool's counts: kernels that waited for cores, kernels that ran short of them."""
+    from camp2p_overlap.emulation.device.cores import core_pool
+
+    pool = core_pool()
+    return None if pool is None else {"total": pool.total, "waits": pool.waits, "short": pool.short}
+
+
 def ffn_main(spec: RanksSpec, rank: int, ports: Ports, out: Path) -> int:
     import torch.distributed as dist
 
@@ -525,6 +564,7 @@ def ffn_main(spec: RanksSpec, rank: int, ports: Ports, out: Path) -> int:
         "stats": camp2p_overlap.stats(),
         "timing": emulated_device.take_timing().to_dict() if spec.timing == "model" else None,
         "unpatched": unpatched,
+        "cores": _core_counts(),
         "error": error,
     }
     (out / f"ffn{rank}.json").write_text(json.dumps(summary, indent=1))

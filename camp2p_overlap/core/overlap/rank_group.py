@@ -248,6 +248,8 @@ AGREED_FIELDS = (
     "min_stages",
     "a2e_on_side_stream",
     "e2a_on_side_stream",
+    "vector_cores",
+    "moe_cores",
 )
 
 

@@ -78,6 +78,8 @@ class SessionSnapshot:
     ffns: tuple[tuple[int, int, int], ...] = ()
     #: The host has issued the whole step (the device may still be running it).
     closed: bool = False
+    #: The device's vector cores now, as report lines: who holds them, who waits (None: the device cannot say).
+    core_state: Callable[[], list[str]] | None = None
 
 
 class RunningOp(OpHandle):
@@ -553,4 +555,5 @@ class StepSession:
             ffns=self._ffn_log(),
             opened_ns=self.t_open_ns,
             closed=closed,
+            core_state=self.backend.capabilities.core_state,
         )

@@ -35,7 +35,7 @@ from camp2p_overlap.core.overlap.routes import install_routes, remove_routes, ro
 from camp2p_overlap.core.overlap.runner_state import NotWeaklyReferenceable, RunnerState
 from camp2p_overlap.core.overlap.runtime import OverlapRuntime
 from camp2p_overlap.core.overlap.serial_trace import run_traced_serial
-from camp2p_overlap.core.overlap.streams import BackendUnavailable, resolve_backend_name
+from camp2p_overlap.core.overlap.streams import BackendUnavailable, core_budget, device_module_of, resolve_backend_name
 from camp2p_overlap.core.overlap.streams.backend import GUARD, StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.core.overlap.watch.watchdog import start_watchdog
@@ -107,6 +107,8 @@ class RunnerFacts:
     layer_attribute: str = ""
     #: Per stage ids: the HCCL group check's answer (group names are a fact of the connector).
     groups: dict[tuple[int, ...], str | None] = field(default_factory=dict)
+    #: Per stage count: the listed layouts that fit the device's vector cores, and the verdicts (``core_budget``).
+    fits: dict[int, tuple[tuple[Layout, ...], tuple[core_budget.Fit, ...]]] = field(default_factory=dict)
     #: Per (stages, ``max_num_tokens``): the layer list it last engaged with, and that decision, with its plan.
     engaging: dict[Any, tuple[list[Any], Decision]] = field(default_factory=dict)
 
@@ -175,6 +177,11 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], state: A
             facts.backend = resolve_backend_name(cfg.backend, getattr(runner, "device", None))
         except BackendUnavailable as exc:
             return serial(str(exc))
+    if num_stages not in facts.fits:
+        facts.fits[num_stages] = layouts_that_fit(engine, runner, connector, facts, num_stages)
+    layouts, verdicts = facts.fits[num_stages]
+    if not layouts:
+        return serial(core_budget.refusal(verdicts))
     layer_fn = facts.layer_namespace.get(facts.layer_attribute) if facts.layer_namespace is not None else None
     if layer_fn is None:
         return serial("_ffn_layer_indices is not available")
@@ -195,12 +202,31 @@ def decide(engine: PatchEngine, runner: Any, kwargs: Mapping[str, Any], state: A
     if len(set(layers)) != len(layers):
         return serial(f"layer list repeats a layer: {list(layers)}")
     plan = step_plan(layers, stages, max_num_tokens)
-    made = Decision(engages=True, plan=plan, backend=facts.backend, layouts=facts.layouts, mode=cfg.mode)
+    made = Decision(engages=True, plan=plan, backend=facts.backend, layouts=layouts, mode=cfg.mode)
     if shape is not None:
         if len(facts.engaging) >= 64:
             facts.engaging.clear()
         facts.engaging[shape] = (listed, made)
     return made
+
+
+def layouts_that_fit(
+    engine: PatchEngine, runner: Any, connector: Any, facts: RunnerFacts, stages: int
+) -> tuple[tuple[Layout, ...], tuple[core_budget.Fit, ...]]:
+    """The runner's listed layouts whose kernels fit the device's vector cores with ``stages`` stages, and the
+    verdicts; a layout left out is logged once with its numbers."""
+    device = getattr(runner, "device", None)
+    try:
+        mod = device_module_of(facts.backend, device)  # type: ignore[arg-type]
+    except BackendUnavailable as exc:
+        mod = None
+        log_once(logging.INFO, "core-budget-device", "camp2p-overlap: core budget: no device module (%s)", exc)
+    budget = core_budget.read_budget(facts.backend or "", mod, device, connector, engine.config)  # type: ignore[arg-type]
+    layouts, verdicts = core_budget.fit(facts.layouts, stages, budget)
+    for v in verdicts:
+        if not v.fits and layouts:
+            log_once(logging.WARNING, f"core-budget-{v.layout}-{stages}", "camp2p-overlap: core budget: %s", v.text)
+    return layouts, verdicts
 
 
 def make_wrappers(engine: PatchEngine, *, runtime: OverlapRuntime) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from camp2p_overlap.emulation.device.capture import (
     host_read,
     is_current_stream_capturing,
 )
+from camp2p_overlap.emulation.device.cores import CoreDemand, core_budget, core_state, set_core_budget
 from camp2p_overlap.emulation.device.timing import (
     Model,
     TimingCounts,
@@ -93,6 +94,25 @@ def empty_cache() -> None:
     return None
 
 
+class DeviceProperties:
+    """What :func:`get_device_properties` gives: torch_npu's field names; ``vector_core_num`` only with a core
+    model (``cores.set_core_budget``)."""
+
+    def __init__(self, vector_core_num: int | None) -> None:
+        self.name = "camp2p emulated device"
+        self.total_memory = mem_get_info()[1]
+        if vector_core_num is not None:
+            self.vector_core_num = vector_core_num
+
+    def __repr__(self) -> str:
+        return f"DeviceProperties(vector_core_num={getattr(self, 'vector_core_num', None)})"
+
+
+def get_device_properties(device: Any = None) -> DeviceProperties:
+    """The device's properties (its vector cores where it reports them)."""
+    return DeviceProperties(core_budget())
+
+
 def mem_get_info(device: Any = None) -> tuple[int, int]:
     """``(free, total)`` bytes: the host's memory (the emulation keeps no pool)."""
     try:
@@ -137,6 +157,7 @@ def register() -> None:
 __all__ = [
     "CUDAGraph",
     "CaptureViolation",
+    "CoreDemand",
     "DefaultStream",
     "Event",
     "Graph",
@@ -149,6 +170,8 @@ __all__ = [
     "TrackedOp",
     "as_torch_npu",
     "capture_in_progress",
+    "core_budget",
+    "core_state",
     "current_device",
     "current_log",
     "current_stream",
@@ -157,6 +180,7 @@ __all__ = [
     "drain_all",
     "empty_cache",
     "executing_stream",
+    "get_device_properties",
     "graph",
     "graph_pool_handle",
     "hold",
@@ -172,6 +196,7 @@ __all__ = [
     "peek_timing",
     "register",
     "remove_torch_npu",
+    "set_core_budget",
     "set_device",
     "set_log",
     "set_stream",

@@ -86,6 +86,8 @@ class Node:
     deps: list[int] = field(default_factory=list)
     #: kernel: its modelled duration, honoured at every replay (None: wall clock).
     model: Model | None = None
+    #: kernel: the vector cores it takes (``cores.CoreDemand``; None: none).
+    demand: Any = None
 
 
 class CapturedRecord:
@@ -170,10 +172,13 @@ class Capture:
         writes: Iterable[Any],
         model: Model | None = None,
         comm: str | None = None,
+        demand: Any = None,
     ) -> None:
-        """A kernel node; ``comm``: the kernel is a CAM comm kernel of that kind (``worker.comm_kind``)."""
+        """A kernel node; ``comm``: the kernel is a CAM comm kernel of that kind (``worker.comm_kind``); ``demand``:
+        the vector cores it takes at every replay."""
         self.check_comm_on_origin(stream, comm)
-        self.nodes[self._add(stream, "kernel", fn)].model = model
+        node = self.nodes[self._add(stream, "kernel", fn)]
+        node.model, node.demand = model, demand
         for t in writes:
             ptr = _storage(t)
             if ptr is not None:
@@ -363,7 +368,7 @@ class Graph:
                 target.enqueue_wait(start)
                 begun.add(target)
             if node.kind == "kernel":
-                target.enqueue_kernel(node.payload, node.model)
+                target.enqueue_kernel(node.payload, node.model, node.demand)
             elif node.kind == "record":
                 rec = fresh[node.id] = Record(node.payload)
                 if node.payload.external:  # an external record node; any other is an edge inside the graph

@@ -48,7 +48,8 @@ from typing import Any
 from camp2p_overlap.core.fork import after_fork_in_child
 from camp2p_overlap.core.keys import CONNECTOR_OP_KINDS
 from camp2p_overlap.core.overlap.streams.base import OpHandle, StreamPoisonedError
-from camp2p_overlap.emulation.device import timing
+from camp2p_overlap.emulation.device import cores, timing
+from camp2p_overlap.emulation.device.cores import CoreDemand
 from camp2p_overlap.emulation.device.timing import KernelClock, Model
 
 #: Execution order across every stream: taken when a stream starts an item.
@@ -521,22 +522,45 @@ class _Worker:
                     self.done_count += 1
 
     def _kernel(
-        self, fn: Callable[[], None], op: TrackedOp | None, log: StreamLog | None, launched: int, model: Model | None
+        self,
+        fn: Callable[[], None],
+        op: TrackedOp | None,
+        log: StreamLog | None,
+        launched: int,
+        model: Model | None,
+        demand: CoreDemand | None = None,
     ) -> None:
+        label = op.label if op is not None else demand.kind if demand is not None else "kernel"
+        pool = cores.core_pool() if demand is not None and self.poisoned is None else None
+        claim: cores.Claim | None = None
+        exc: BaseException | None = None
+        if pool is not None:  # the kernel holds its stream while it waits for its cores
+            self.doing = f"{label}: waiting for {demand.cores} vector cores"  # type: ignore[union-attr]
+            try:
+                claim = pool.claim(demand, self.name, label, lambda: self.halted)  # type: ignore[arg-type]
+            except cores.CoreBudgetError as e:
+                exc = e
+            else:
+                if claim is None:
+                    return  # the device stops
+                if claim.waves > 1 and model is not None:  # fewer cores than blocks: its blocks run in waves
+                    model = Model(model.ns * claim.waves, model.kind)
         order, t0 = next(_order), time.perf_counter_ns()
         if op is not None:
             op.started(t0, order)
-        exc: BaseException | None = None
         clock = self.kclock
-        clock.reset(max(self.clock_ns, launched), model)
+        clock.reset(max(self.clock_ns, launched, t0 if pool is not None else 0), model)
         deadline: int | None = None
-        if self.poisoned is not None:
+        if exc is not None:
+            self.poisoned = exc
+            self.errors.append((order, exc))
+        elif self.poisoned is not None:
             exc = StreamPoisonedError(
-                f"{op.label if op is not None else 'kernel'} skipped on stream {self.name}: an earlier kernel "
+                f"{label} skipped on stream {self.name}: an earlier kernel "
                 f"failed ({type(self.poisoned).__name__}: {self.poisoned})"
             )
         else:
-            self.doing = op.label if op is not None else "kernel"
+            self.doing = label
             try:
                 fn()
                 deadline = clock.finish()  # a modelled kernel holds the stream until its modelled end
@@ -544,6 +568,9 @@ class _Worker:
                 exc = e
                 self.poisoned = e
                 self.errors.append((order, e))
+            finally:
+                if claim is not None:
+                    pool.release(claim)  # type: ignore[union-attr]
         t1 = time.perf_counter_ns()
         if deadline is None:
             self.clock_ns = t1
@@ -626,18 +653,24 @@ class Stream:
 
     # -- what a stream is asked to do ----------------------------------
     def launch(
-        self, fn: Callable[[], None], writes: Iterable[Any] = (), model: Model | None = None, kind: str | None = None
+        self,
+        fn: Callable[[], None],
+        writes: Iterable[Any] = (),
+        model: Model | None = None,
+        kind: str | None = None,
+        demand: CoreDemand | None = None,
     ) -> None:
-        """Queue ``fn``; ``kind`` (default: its model's) names what it is (``ffn``, ``a2e``, ...)."""
+        """Queue ``fn``; ``kind`` (default: its model's) names what it is (``ffn``, ``a2e``, ...); ``demand``: the
+        vector cores it takes (``cores.py``; None: none)."""
         cap = hooks.capture
         if cap is not None and cap.owns(self):
-            cap.add_kernel(self, fn, writes, model, comm_kind(kind or (model.kind if model else "kernel")))
+            cap.add_kernel(self, fn, writes, model, comm_kind(kind or (model.kind if model else "kernel")), demand)
             return
         op = getattr(_tls, "op", None)
         log = getattr(_tls, "log", None)
         if op is not None:
             op.queued()
-        self._w.put(("kernel", fn, op, log, time.perf_counter_ns(), model))
+        self._w.put(("kernel", fn, op, log, time.perf_counter_ns(), model, demand))
 
     def record_event(self, event: Event | None = None) -> Event:
         event = event if event is not None else _unchecked_event()
@@ -681,9 +714,11 @@ class Stream:
     def enqueue_wait(self, rec: Record) -> None:
         self._w.put(("wait", rec, getattr(_tls, "log", None)))
 
-    def enqueue_kernel(self, fn: Callable[[], None], model: Model | None = None) -> None:
+    def enqueue_kernel(
+        self, fn: Callable[[], None], model: Model | None = None, demand: CoreDemand | None = None
+    ) -> None:
         log = getattr(_tls, "log", None)
-        self._w.put(("kernel", fn, None, log, time.perf_counter_ns(), model))
+        self._w.put(("kernel", fn, None, log, time.perf_counter_ns(), model, demand))
 
     # -- host side -----------------------------------------------------
     def query(self) -> bool:
@@ -810,7 +845,13 @@ class stream:  # lower case: the device modules' name
 
 
 def launch(
-    kernel: Callable[[], None], *, writes: Iterable[Any] = (), model_s: float | None = None, kind: str = "kernel"
+    kernel: Callable[[], None],
+    *,
+    writes: Iterable[Any] = (),
+    model_s: float | None = None,
+    kind: str = "kernel",
+    cores: int | None = None,
+    resident: bool = False,
 ) -> None:
     """Enqueue ``kernel`` on this thread's current stream: it runs on the
     stream's worker after everything queued there before, and the host
@@ -820,8 +861,10 @@ def launch(
     stream until the modelled end after running it (a capture keeps it with
     the kernel, for every replay); ``kind`` names it in the counts, and
     ``a2e``/``e2a`` marks a CAM comm kernel (:func:`comm_kind`: a capture
-    rule, ``capture.py``)."""
-    current_stream().launch(kernel, writes, timing.model_of(model_s, kind), kind)
+    rule, ``capture.py``). ``cores``: the vector cores its blocks take, ``resident``: all at once (``cores.py``;
+    they count only once the device has a core budget)."""
+    demand = CoreDemand(cores, resident, kind) if cores is not None else None
+    current_stream().launch(kernel, writes, timing.model_of(model_s, kind), kind, demand)
 
 
 def comm_kind(kind: str) -> str | None:

@@ -24,6 +24,7 @@ __all__ = [
     "StreamBackend",
     "StreamPoisonedError",
     "device_module",
+    "device_module_of",
     "make_backend",
     "register_device_module",
     "registered_capabilities",
@@ -98,6 +99,17 @@ def device_module(kind: str) -> Any:
             raise BackendUnavailable("torch.npu reports no NPU device (torch.npu.is_available() is False)")
         return npu
     raise BackendUnavailable(f"no device module for {kind!r} (cuda or npu)")
+
+
+def device_module_of(backend: str, device: Any = None) -> Any:
+    """The device module a runner on ``backend`` drives: the registered one (``cpu``), else ``torch.cuda`` or
+    ``torch.npu`` (:func:`device_module`); raises :class:`BackendUnavailable`."""
+    if backend in REGISTRABLE:
+        registered = _REGISTERED.get(backend)
+        if registered is None:
+            raise BackendUnavailable(f"backend {backend!r}: no device module is registered for it")
+        return registered
+    return device_module(backend)
 
 
 def resolve_backend_name(requested: str, device: Any) -> str:

@@ -59,6 +59,8 @@ class DeviceCapabilities:
       ``streams`` hit, read or taken.
     - ``new_log() -> log``, ``set_log(log) -> previous``: the stream log, a record of what the streams perform for
       work this thread enqueues (the edge checker's evidence).
+    - ``core_state() -> list[str]``: the device's vector cores now, as report lines (which kernels hold them, which
+      wait for them); the stall report gives them.
     """
 
     tracked: Callable[[Callable[[], Any], str], OpHandle] | None = None
@@ -66,6 +68,7 @@ class DeviceCapabilities:
     take_errors: Callable[..., Any] | None = None
     new_log: Callable[[], Any] | None = None
     set_log: Callable[[Any], Any] | None = None
+    core_state: Callable[[], list[str]] | None = None
 
     @classmethod
     def of(cls, module: ModuleType | Any) -> DeviceCapabilities:
@@ -78,6 +81,7 @@ class DeviceCapabilities:
             take_errors=getattr(module, "take_errors", None),
             new_log=new_log if logs else None,
             set_log=set_log if logs else None,
+            core_state=getattr(module, "core_state", None),
         )
 
 

@@ -271,6 +271,7 @@ def stall_report(snap: SessionSnapshot, group: PeerGroup | None = None) -> str:
         lines.append("  no connector op is running: the unfinished ones are queued behind other work of the device")
     if group is not None and group.size > 1:
         lines += peer_lines(group, _blocked_in(snap, st, heads))
+    lines += _core_lines(snap)
     events = list(snap.events)
     shown = events if len(events) <= _FULL_EVENT_LIST else [(k, e) for k, e in events if st.event(k) is not True]
     if len(shown) < len(events):
@@ -281,6 +282,16 @@ def stall_report(snap: SessionSnapshot, group: PeerGroup | None = None) -> str:
     pending = [f"{_op_name(o)} on {o.stream}" for o in snap.ops if not st.op(o)[0]]
     lines.append("  ops not finished: " + (", ".join(pending) or "none"))
     return "\n".join(lines)
+
+
+def _core_lines(snap: SessionSnapshot) -> list[str]:
+    """The device's vector cores: which kernels hold them and which wait (only where the device can say)."""
+    if snap.core_state is None:
+        return []
+    try:
+        return [f"  {line}" for line in snap.core_state()]
+    except Exception as exc:  # noqa: BLE001 - diagnostics must not raise
+        return [f"  vector cores: could not be read ({type(exc).__name__}: {exc})"]
 
 
 def _blocked_in(snap: SessionSnapshot, st: _States, heads: dict[str, _Item | None]) -> str:

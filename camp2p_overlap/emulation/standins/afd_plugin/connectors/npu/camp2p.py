@@ -48,8 +48,10 @@ def _get_group_ep(ubatch_idx: int, name1: str, name2: str, name3: str) -> str:
 
 
 class CAMP2pAFDConnector(AFDConnectorBase):
-    def __init__(self, transport: Any = None, *, hidden_size: int = 0, num_ubatches: int = 3) -> None:
+    def __init__(self, transport: Any = None, *, hidden_size: int = 0, num_ubatches: int = 3, aiv_num: int = 8) -> None:
         self.transport = transport
+        #: The vector cores each A2E/E2A runs on (the real connector's, from ``core_num``/``ffn_core_num``).
+        self.aiv_num = aiv_num
         # One HCCL group per micro-batch, named as the real connector's
         # process groups are (the real fields hold HCCL communicator names).
         n = max(1, int(num_ubatches))
