@@ -119,6 +119,11 @@ class RanksSpec:
     ffn_cores: int = 8
     #: FFN rank -> seconds its A2E's modelled link takes more (a rank whose attention peers are farther away).
     link_extra_s: dict[int, float] = field(default_factory=dict)
+    #: The one stage whose A2E takes ``link_extra_s`` (None: every stage's).
+    link_extra_stage: int | None = None
+    #: FFN rank -> modelled seconds of its MoE gate (the router's matmul, on cube cores: it takes no vector cores)
+    #: before MC2's dispatch, with a core model.
+    gate_s: dict[int, float] = field(default_factory=dict)
     #: Which waiting kernel free cores go to first (``cores.HAND_OUT_ORDERS``).
     core_order: str = "oldest"
 
@@ -208,7 +213,7 @@ class RanksSpec:
     @classmethod
     def from_json(cls, text: str) -> RanksSpec:
         kw = json.loads(text)
-        for name in ("straggler", "noise_s", "extra_env", "ffn_seed", "fault", "link_extra_s"):
+        for name in ("straggler", "noise_s", "extra_env", "ffn_seed", "fault", "link_extra_s", "gate_s"):
             kw[name] = {int(k): v for k, v in kw.get(name, {}).items()}
         kw["fault"] = {k: (str(v[0]), int(v[1])) for k, v in kw["fault"].items()}
         return cls(**kw)

@@ -263,7 +263,8 @@ class RanksTransport:
             for i, c in enumerate(counts):
                 pg.recv([hidden[off : off + c]], 1 + i, t).wait()
                 off += c
-            self._hold(start + self.a2e_extra_ns, "a2e")
+            slow = self.spec.link_extra_stage in (None, stage)
+            self._hold(start + (self.a2e_extra_ns if slow else 0), "a2e")
 
         launch(kernel, writes=(hidden,), kind="a2e", cores=self.spec.cam_cores, resident=True)
         return hidden, torch.tensor([n])
@@ -329,6 +330,9 @@ class CollectiveFFN:
         ffn_s = self.spec.ffn_model_s * self.slowdown + extra_s if self.modelled else None
         coll_s = self.spec.coll_model_s if self.modelled else None
         if self.spec.vector_cores is not None:  # with cores, MC2's dispatch opens the MoE block as its combine ends it
+            gate_s = self.spec.gate_s.get(self.rank)
+            if gate_s and self.modelled:
+                launch(lambda: None, model_s=gate_s, kind="moe-gate")
             launch(
                 lambda: self._pairing(layer_idx, call, "dispatch"),
                 model_s=coll_s,

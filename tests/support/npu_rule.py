@@ -31,9 +31,11 @@ class CapturedKernels:
         self.kernels: list[tuple[str, str, str | None]] = []
         real = capture.Capture.add_kernel
 
-        def add_kernel(cap: Any, stream: Any, fn: Any, writes: Any, model: Any = None, comm: Any = None) -> None:
+        def add_kernel(
+            cap: Any, stream: Any, fn: Any, writes: Any, model: Any = None, comm: Any = None, demand: Any = None
+        ) -> None:
             self.kernels.append((stream.name, cap.origin.name, comm))
-            real(cap, stream, fn, writes, model, comm)
+            real(cap, stream, fn, writes, model, comm, demand)
 
         monkeypatch.setattr(capture.Capture, "add_kernel", add_kernel)
 
