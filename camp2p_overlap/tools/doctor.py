@@ -44,8 +44,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from camp2p_overlap.core import config as cfgmod
@@ -54,6 +55,7 @@ from camp2p_overlap.core.env_vars import TABLE as ENV_TABLE
 from camp2p_overlap.core.observe.decode_graphs import UPSTREAM_GRAPH, rung_hint
 from camp2p_overlap.core.overlap import rank_group
 from camp2p_overlap.core.overlap.plan import CALLER, LADDER, Layout, graph_needs_opt_in, layouts_of, rung
+from camp2p_overlap.core.overlap.streams import core_budget
 from camp2p_overlap.core.patching.manifest import (
     ManifestError,
     StackManifest,
@@ -325,6 +327,58 @@ def group_line(g: dict[str, Any]) -> str:
     )
 
 
+#: The stage count the core verdicts assume without a deployment: CAMP2P with DBO runs two micro-batches.
+DEFAULT_STAGES = 2
+
+
+def core_section(
+    cfg: cfgmod.OverlapConfig | None, device: str | None, deploy: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The core budget rule as this box would apply it (docs/design.md, "Cores beside collectives"): the numbers it
+    reads, where from, and the verdict for each listed layout; None when the configuration is refused. The device's
+    count is read from ``torch.npu`` where this box has an NPU; CAM's from the deployment (``--config``), else
+    CAMP2P's default; the stage count from the deployment's ``num_ubatches``, else two."""
+    if cfg is None:
+        return None
+    mod = None
+    if device == "npu":
+        import torch
+
+        mod = getattr(torch, "npu", None)
+    extra = (deploy or {}).get("extra") or {}
+    aiv = extra.get("aiv_num")
+    connector = SimpleNamespace(aiv_num=aiv) if aiv is not None else SimpleNamespace()
+    # Judged as for an NPU: the FFN ranks doctor speaks for run on one, whatever this box has.
+    budget = core_budget.read_budget("npu", mod, None, connector, cfg)
+    if aiv is not None:
+        budget = replace(budget, cam_from=f"aiv_num of {deploy['source']}")  # type: ignore[index]
+    else:
+        cam_from = (
+            f"CAMP2P's default core_num {core_budget.DEFAULT_CAM_CORES}; doctor --config FILE reads the deployment's"
+        )
+        budget = replace(budget, cam_from=cam_from)
+    used = [r for r in (deploy or {}).get("stages", []) if r.get("in_use")]
+    stages = len(used) or DEFAULT_STAGES
+    _, verdicts = core_budget.fit(layouts_of(cfg), stages, budget)
+    return {
+        "vector": budget.vector,
+        "vector_from": budget.vector_from,
+        "cam": budget.cam,
+        "cam_from": budget.cam_from,
+        "moe": budget.moe,
+        "moe_from": budget.moe_from,
+        "stages": stages,
+        "verdicts": [{"layout": v.layout, "needed": v.needed, "fits": v.fits, "text": v.text} for v in verdicts],
+    }
+
+
+def core_lines(c: dict[str, Any]) -> list[str]:
+    """The ``core budget:`` lines of :func:`core_section`'s ``c``."""
+    lines = [f"core budget ({c['stages']} stage(s)): an overlap layout engages only where its kernels fit"]
+    lines += [f"  [{'fits' if v['fits'] else 'SERIAL'}] {v['text']}" for v in c["verdicts"]]
+    return lines
+
+
 def describe_layout(layout: Layout) -> str:
     """Where ``layout`` runs each op kind, and in which order it issues the receives, in words."""
 
@@ -545,6 +599,7 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
             "config": config_section,
             "decode_graphs": {"status": graphs.status, "reason": graphs.reason},
             "group": group_section(cfg),
+            "cores": None,
             "deployment": read_deployment(deployment, cfg) if deployment else None,
         }
     if not vc.ok:
@@ -591,6 +646,12 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
         problems += [f"deployment: {p}" for p in deploy["problems"]]
         if versions["afd-plugin"] is None:
             notes.append("afd-plugin is not installed: the deployment was read from the config alone")
+    cores = core_section(cfg, device, deploy) if cfg is not None and cfg.mode == "overlap" else None
+    if cores is not None and cores["verdicts"] and not any(v["fits"] for v in cores["verdicts"]):
+        notes.append(
+            "core budget: no listed layout fits the device's vector cores: every step would run upstream's path "
+            '(docs/design.md, "Cores beside collectives"; docs/validation.md says how to settle the numbers on a box)'
+        )
     return {
         "schema": SCHEMA,
         "ok": not problems,
@@ -607,6 +668,7 @@ def diagnose(stack: str | None = None, deployment: str | None = None) -> dict[st
         "config": config_section,
         "decode_graphs": {"status": graphs.status, "reason": graphs.reason},
         "group": group,
+        "cores": cores,
         "deployment": deploy,
     }
 
@@ -685,6 +747,8 @@ def doctor_text(d: dict[str, Any]) -> str:
         lines += ["", DecodeGraphs(**g).line]
     if d.get("group") is not None:
         lines += ["", group_line(d["group"])]
+    if d.get("cores") is not None:
+        lines += ["", *core_lines(d["cores"])]
     if d.get("deployment") is not None:
         lines += deployment_text(d["deployment"])
     lines.append("")

@@ -84,6 +84,7 @@ def test_doctor_json_lists_every_manifest_target_with_its_status() -> None:
         "config",
         "decode_graphs",
         "group",
+        "cores",
         "deployment",
     }
     assert d["ok"] is False and d["problems"]

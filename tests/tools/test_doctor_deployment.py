@@ -116,3 +116,36 @@ def test_doctor_json_grows_with_the_deployment_and_the_rung(tmp_path: Path) -> N
     assert "mode reorder, rung reorder" in res.stdout
     res = run_cli("doctor", "--json", env=env, timeout=120)
     assert json.loads(res.stdout)["deployment"] is None
+
+
+def test_doctor_gives_the_core_budget_and_each_layouts_verdict(tmp_path: Path) -> None:
+    """``doctor --config``: the core rule with the deployment's aiv_num (24) and stage count (3): the device's count
+    from the variable here (no NPU); with the MoE collective's unset, the whole device (the strictest reading)."""
+    path = tmp_path / "serve.yaml"
+    path.write_text(YAML_CONFIG)
+    env = {
+        "VLLM_CAMP2P_MULTISTREAM": "1",
+        "VLLM_CAMP2P_MULTISTREAM_VECTOR_CORES": "48",
+        "VLLM_CAMP2P_MULTISTREAM_LAYOUT": "compute-side,comm-side",
+    }
+    d = json.loads(run_cli("doctor", "--json", "--config", str(path), env=env).stdout)
+    c = d["cores"]
+    assert (c["vector"], c["cam"], c["moe"], c["stages"]) == (48, 24, None, 3)
+    assert c["cam_from"] == f"aiv_num of {path}"
+    assert [(v["layout"], v["needed"], v["fits"]) for v in c["verdicts"]] == [
+        ("compute-side", 24 + 48, False),
+        ("comm-side", 3 * 24 + 48, False),
+    ]
+    assert any(n.startswith("core budget: no listed layout fits") for n in d["notes"])
+    env["VLLM_CAMP2P_MULTISTREAM_MOE_CORES"] = "24"
+    text = run_cli("doctor", "--config", str(path), env=env).stdout
+    assert "core budget (3 stage(s)): an overlap layout engages only where its kernels fit" in text
+    assert "[fits] compute-side with 3 stage(s): CAM 24 on C + MoE collective 24 on F = 48 vector cores at once" in text
+    assert "[SERIAL] comm-side with 3 stage(s)" in text
+
+
+def test_doctor_without_the_count_says_the_rule_engages_nothing() -> None:
+    d = json.loads(run_cli("doctor", "--json", env={"VLLM_CAMP2P_MULTISTREAM": "1"}).stdout)
+    c = d["cores"]
+    assert c["vector"] is None and c["vector_from"] == "no NPU here to read it from"
+    assert c["verdicts"][0]["fits"] is False and "VLLM_CAMP2P_MULTISTREAM_VECTOR_CORES" in c["verdicts"][0]["text"]

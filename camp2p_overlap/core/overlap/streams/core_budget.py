@@ -121,6 +121,8 @@ def _positive_int(value: Any) -> int | None:
 
 def device_vector_cores(mod: Any, device: Any = None) -> tuple[int | None, str]:
     """The vector core count the device module reports for ``device`` (its index), and where it was read."""
+    if mod is None:
+        return None, "no NPU here to read it from"
     props_of = getattr(mod, "get_device_properties", None)
     name = getattr(mod, "__name__", "device module")
     if props_of is None:
