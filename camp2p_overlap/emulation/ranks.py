@@ -124,6 +124,8 @@ class RanksSpec:
     #: FFN rank -> modelled seconds of its MoE gate (the router's matmul, on cube cores: it takes no vector cores)
     #: before MC2's dispatch, with a core model.
     gate_s: dict[int, float] = field(default_factory=dict)
+    #: With a core model, the MoE block opens with MC2's dispatch (a second collective) as well as its combine.
+    moe_dispatch: bool = True
     #: Which waiting kernel free cores go to first (``cores.HAND_OUT_ORDERS``).
     core_order: str = "oldest"
 

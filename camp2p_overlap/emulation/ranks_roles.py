@@ -329,7 +329,7 @@ class CollectiveFFN:
         extra_s = self.noise.uniform(0.0, self.noise_s) if self.noise_s else 0.0
         ffn_s = self.spec.ffn_model_s * self.slowdown + extra_s if self.modelled else None
         coll_s = self.spec.coll_model_s if self.modelled else None
-        if self.spec.vector_cores is not None:  # with cores, MC2's dispatch opens the MoE block as its combine ends it
+        if self.spec.vector_cores is not None and self.spec.moe_dispatch:  # MC2's dispatch opens the MoE block
             gate_s = self.spec.gate_s.get(self.rank)
             if gate_s and self.modelled:
                 launch(lambda: None, model_s=gate_s, kind="moe-gate")

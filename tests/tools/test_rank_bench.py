@@ -100,3 +100,12 @@ def test_the_multi_rank_main_job_runs_end_to_end(tmp_path: Path) -> None:
         assert s["outputs_equal"] and s["parted_steps"] == 0 and s["steps"] == 40
         assert s["speedup"]["median"] > 1.0  # FFN-bound: the overlap gains
     assert "multi-rank main job: 2 FFN ranks" in out.stdout and "FFN 4.0 ms" in out.stdout
+
+
+def test_rank_cores_give_each_ffn_rank_a_budget_compute_side_fits_exactly() -> None:
+    spec = RankBenchParams(vector_cores=24).spec(0, straggler=False)
+    assert (spec.vector_cores, spec.cam_cores, spec.moe_cores, spec.ffn_cores) == (24, 8, 16, 16)
+    assert spec.report_cores and not spec.moe_dispatch  # the rule sees the count; one collective, as without cores
+    assert RankBenchParams().spec(0, straggler=False).vector_cores is None
+    with pytest.raises(ValueError, match="more than CAM's 8 cores"):
+        RankBenchParams(vector_cores=8).spec(0, straggler=False)

@@ -45,6 +45,12 @@ class RankBenchParams:
     layout: str = "compute-side"
     #: Steps at the start of each phase left out of the figures (learning).
     warmup: int = 20
+    #: Each FFN rank's emulated device gets this many vector cores (None: no core model). CAM takes ``cam_cores``,
+    #: the MoE's collective and the experts (in waves) the rest: ``compute-side`` fits exactly, and the layer's core
+    #: rule sees the count (docs/design.md, "Cores beside collectives"). The MoE block keeps its one collective (no
+    #: dispatch), so the figures compare with those of the world without cores.
+    vector_cores: int | None = None
+    cam_cores: int = 8
 
     def spec(self, seed: int, straggler: bool) -> RanksSpec:
         link_s = self.ffn_ms * self.comm_ratio / 2 * 1e-3
@@ -68,7 +74,22 @@ class RankBenchParams:
             straggler={1: self.straggler} if straggler and self.ffn_ranks > 1 else {},
             noise_s={r: self.noise_ms * 1e-3 for r in range(self.ffn_ranks)},
             timeout_s=60.0,
+            **self._cores(),
         )
+
+    def _cores(self) -> dict[str, Any]:
+        if self.vector_cores is None:
+            return {}
+        if self.vector_cores <= self.cam_cores:
+            raise ValueError(f"--rank-cores must be more than CAM's {self.cam_cores} cores")
+        moe = self.vector_cores - self.cam_cores
+        return {
+            "vector_cores": self.vector_cores,
+            "cam_cores": self.cam_cores,
+            "moe_cores": moe,
+            "ffn_cores": moe,
+            "moe_dispatch": False,
+        }
 
     def floor_s(self, slowdown: float) -> float:
         """The fill/drain floor of a step (``runner._fill_drain_terms``), from the modelled times: the FFN with its
