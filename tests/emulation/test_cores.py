@@ -48,6 +48,14 @@ def _wait_for(cond, what: str) -> None:
         time.sleep(0.005)
 
 
+def _spinning(n: int, kind: str = "a2e") -> threading.Event:
+    """A spinning kernel on a stream of its own, holding ``n`` resident cores until the returned gate is set."""
+    gate, spinning = threading.Event(), threading.Event()
+    _launch(dev.Stream(), _holder(gate, spinning), cores=n, resident=True, kind=kind)
+    assert spinning.wait(WAIT_S)
+    return gate
+
+
 def test_a_resident_kernel_waits_for_all_its_cores_and_holds_what_it_got() -> None:
     cores.set_core_budget(8)
     spin, mc2 = dev.Stream(), dev.Stream()
@@ -70,10 +78,8 @@ def test_a_resident_kernel_waits_for_all_its_cores_and_holds_what_it_got() -> No
 
 def test_a_kernel_in_waves_starts_on_what_is_free_and_lasts_longer() -> None:
     cores.set_core_budget(8)
-    spin, ffn = dev.Stream(), dev.Stream()
-    gate, spinning = threading.Event(), threading.Event()
-    _launch(spin, _holder(gate, spinning), cores=6, resident=True, kind="a2e")
-    assert spinning.wait(WAIT_S)
+    ffn = dev.Stream()
+    gate = _spinning(6)
     dev.take_timing()
     t0 = time.perf_counter()
     _launch(ffn, lambda: None, cores=8, model_s=0.02, kind="ffn")  # 8 blocks on 2 cores: 4 waves
@@ -87,10 +93,8 @@ def test_a_kernel_in_waves_starts_on_what_is_free_and_lasts_longer() -> None:
 
 def test_a_spinning_kernel_keeps_its_cores_until_it_ends() -> None:
     cores.set_core_budget(8)
-    spin, other = dev.Stream(), dev.Stream()
-    gate, spinning, ran = threading.Event(), threading.Event(), threading.Event()
-    _launch(spin, _holder(gate, spinning), cores=8, resident=True, kind="a2e")
-    assert spinning.wait(WAIT_S)
+    other, ran = dev.Stream(), threading.Event()
+    gate = _spinning(8)
     _launch(other, ran.set, cores=1, kind="ffn")
     time.sleep(0.15)
     assert not ran.is_set(), "a kernel took a core a spinning kernel holds"
@@ -113,11 +117,9 @@ def test_a_resident_kernel_larger_than_the_device_fails_on_its_stream() -> None:
 @pytest.mark.parametrize(("order", "first"), [("oldest", "a"), ("newest", "b")])
 def test_free_cores_go_to_the_waiting_kernels_in_order(order: str, first: str) -> None:
     cores.set_core_budget(4, order=order)
-    spin, sa, sb = dev.Stream(), dev.Stream(), dev.Stream()
-    gate, spinning = threading.Event(), threading.Event()
+    sa, sb = dev.Stream(), dev.Stream()
     seen: list[str] = []
-    _launch(spin, _holder(gate, spinning), cores=4, resident=True)
-    assert spinning.wait(WAIT_S)
+    gate = _spinning(4)
     _launch(sa, lambda: seen.append("a"), cores=4, resident=True)
     _wait_for(lambda: len(cores.core_pool().state().waiting) == 1, "a never waited")  # type: ignore[union-attr]
     _launch(sb, lambda: seen.append("b"), cores=4, resident=True)
@@ -150,14 +152,12 @@ def test_the_device_reports_its_budget_only_where_asked() -> None:
 
 def test_a_captured_kernel_takes_its_cores_at_every_replay() -> None:
     cores.set_core_budget(8)
-    cap_stream, spin = dev.Stream(), dev.Stream()
+    cap_stream = dev.Stream()
     ran: list[int] = []
     g = dev.Graph()
     with dev.graph(g, stream=cap_stream):
         dev.launch(lambda: ran.append(1), cores=8, resident=True, kind="moe-a2a")
-    gate, spinning = threading.Event(), threading.Event()
-    _launch(spin, _holder(gate, spinning), cores=1, resident=True)
-    assert spinning.wait(WAIT_S)
+    gate = _spinning(1)
     with dev.stream(cap_stream):
         g.replay()
     time.sleep(0.15)
