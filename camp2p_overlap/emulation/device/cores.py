@@ -65,6 +65,8 @@ class Claim:
     held: int = 0
     #: It holds what it needs to run (all its cores, or, not resident, at least one).
     ready: bool = False
+    #: When it got its cores after waiting for them (0: it did not wait): the earliest its modelled start can be.
+    waited_until_ns: int = 0
 
     @property
     def waves(self) -> int:
@@ -114,6 +116,7 @@ class CorePool:
                     self._give_back(claim)
                     return None
                 self._cond.wait(_WAIT_POLL_S)
+                claim.waited_until_ns = time.perf_counter_ns()
         return claim
 
     def release(self, claim: Claim) -> None:

@@ -549,7 +549,8 @@ class _Worker:
         if op is not None:
             op.started(t0, order)
         clock = self.kclock
-        clock.reset(max(self.clock_ns, launched, t0 if pool is not None else 0), model)
+        # A kernel that waited for cores starts, on the modelled clock, no earlier than it got them.
+        clock.reset(max(self.clock_ns, launched, claim.waited_until_ns if claim is not None else 0), model)
         deadline: int | None = None
         if exc is not None:
             self.poisoned = exc
