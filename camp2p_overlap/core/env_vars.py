@@ -40,6 +40,9 @@ MAX_STAGES = 3
 MIN_REPROBE, MAX_REPROBE = 2, 1_000_000
 #: Default seconds an FFN rank waits for the others at an exchange (docs/design.md, "Many FFN ranks").
 DEFAULT_GROUP_TIMEOUT_S = 30.0
+#: Default seconds after which an engaged step not finished logs a stall report: above any engaged step, below
+#: vLLM's execute-model timeout (300 s) and HCCL's (1836 s); docs/design.md, "The watchdog's default".
+DEFAULT_WATCHDOG_S = 60.0
 #: Default seconds between the periodic one-line summaries.
 DEFAULT_SUMMARY_S = 60.0
 #: Where the opt-in metrics endpoint listens unless told: loopback only.
@@ -102,7 +105,7 @@ class EnvVar:
     zero: str = ""
     #: What unset means when the default is None.
     unset: str = ""
-    #: ``choice``: other spellings accepted for a value (word, value).
+    #: ``choice``, ``seconds``: other spellings accepted for a value (word, value).
     aliases: tuple[tuple[str, str], ...] = ()
     #: ``choice-list``: what a comma list of several values means.
     listed: str = ""
@@ -154,7 +157,7 @@ class EnvVar:
                 raise BadValue(f"{self.name}={raw!r} {_ADDRESS_RULE}")
             return text
         try:
-            seconds = float(text)
+            seconds = float(dict(self.aliases).get(text.lower(), text))
         except ValueError:
             raise BadValue(f"{self.name}={raw!r} is not a number of seconds") from None
         self._check_seconds(raw, seconds)
@@ -247,7 +250,8 @@ class EnvVar:
         else:
             notes = [] if self.kind == "switch" else [self.accepted()]
             notes += [f"unset: {self.unset}"] if self.unset else []
-            notes += [f"`0`: {self.zero}"] if self.zero else []
+            zero = " or ".join(["`0`", *(f"`{word}`" for word, value in self.aliases if value == "0")])
+            notes += [f"{zero}: {self.zero}"] if self.zero else []
             text = f"{self.help} ({'; '.join(notes)})" if notes else self.help
         return text if markdown else plain(text)
 
@@ -344,10 +348,12 @@ TABLE: tuple[EnvVar, ...] = (
         ENV_WATCHDOG,
         "watchdog_s",
         "seconds",
-        None,
+        DEFAULT_WATCHDOG_S,
         "log a stall report (the ops issued, the events completed, the peer op most likely missing) when an"
         " engaged step, or a decode graph replay (its key and variant), runs longer than this many seconds",
-        unset="no watchdog",
+        low=0,
+        zero="no watchdog",
+        aliases=(("off", "0"),),
     ),
     EnvVar(
         ENV_GROUP_TIMEOUT,

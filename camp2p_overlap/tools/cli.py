@@ -434,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
         "two identical copies of the stand-ins, one unpatched and one applied and decided serial, timed in pairs "
         "of one step each, alternating which runs first; each pair gives the extra step time in %. An A/A "
         "control of the same pairs with both copies unpatched, run first, measures the method's own bias. "
+        "Per shape, the watchdog's cost: pairs of blocks of engaged steps with it at its default and off. "
         "Prints medians and p90s; --json schema: docs/benchmark.md.",
     )
     overhead.add_argument("--layers", type=_ints, default=OverheadParams.layers, help="layer counts (default 4,16,61)")
@@ -464,6 +465,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="timed pairs per shape of the paired pass-through figure (a wrapped step and upstream's own "
         "function on the same runner, alternating which runs first) and of its A/A control; 0 skips it "
         "(default %(default)s)",
+    )
+    overhead.add_argument(
+        "--wd-pairs",
+        type=int,
+        default=OverheadParams.wd_pairs,
+        help="timed pairs per shape of the watchdog's figure (a block of engaged steps with the watchdog at its "
+        "default and one with it off, alternating which runs first); 0 skips it (default %(default)s)",
     )
     overhead.add_argument("--json", metavar="PATH", help="write the result as JSON")
 
@@ -697,6 +705,7 @@ def _overhead(args: argparse.Namespace, argv: Sequence[str]) -> int:
         delay_us=args.delay_us,
         ab_pairs=args.ab_pairs,
         pt_pairs=args.pt_pairs,
+        wd_pairs=args.wd_pairs,
     )
     try:
         params.validate()

@@ -23,6 +23,17 @@ something other than upstream's attribute. Figures are medians and 90th
 percentiles of the samples; the garbage collector stays on, so its pauses
 count where our allocations cause them.
 
+The engaged blocks run the watchdog at its default, as a user's steps do.
+Per shape, the watchdog's own cost is paired too (``wd_pairs``): with one
+engine applied, each pair runs a block of engaged steps with the watchdog at
+its default and a block with it off (``watchdog_s`` 0), back to back,
+alternating which runs first; a block lasts about :data:`WD_BLOCK_S`, so
+that the watcher thread's looks (one each :data:`MAX_POLL_S` at most while
+it follows steps) fall inside the block whose steps they follow. Each pair
+gives the extra host time per engaged step, in µs and in % of the block with
+the watchdog off; reported are the median over the pairs, a bootstrap 95 %
+interval of it, and its min and max.
+
 The decided-serial A/B runs on the emulated world of the sweep's smallest
 work point (``camp2p-overlap sweep``: the ``ffn-bound`` preset with the
 sweep's defaults, the smallest hidden size and tokens per stage), not on
@@ -62,11 +73,12 @@ from typing import Any
 import torch
 
 from camp2p_overlap.core.config import OverlapConfig
-from camp2p_overlap.core.env_vars import MAX_REPROBE, MAX_STAGES
+from camp2p_overlap.core.env_vars import DEFAULT_WATCHDOG_S, MAX_REPROBE, MAX_STAGES
 from camp2p_overlap.core.overlap import camp2p
 from camp2p_overlap.core.overlap.adaptive import SERIAL
 from camp2p_overlap.core.overlap.plan import layouts_of
 from camp2p_overlap.core.overlap.step import bucket_of, make_wrappers
+from camp2p_overlap.core.overlap.watch.watchdog import MAX_POLL_S, WATCHER
 from camp2p_overlap.core.patch_layer import PatchLayer
 from camp2p_overlap.core.patching.installer import method_wrapper
 from camp2p_overlap.emulation import standins
@@ -139,6 +151,9 @@ class OverheadParams:
     #: The paired pass-through figure, per shape: timed pairs of one wrapped
     #: and one original step (0 skips it), and as many A/A pairs.
     pt_pairs: int = 1000
+    #: The watchdog's paired figure, per shape: timed pairs of two blocks of
+    #: engaged steps, the watchdog at its default and off (0 skips it).
+    wd_pairs: int = 30
 
     def validate(self) -> None:
         if not self.layers or any(n < 1 for n in self.layers):
@@ -153,6 +168,8 @@ class OverheadParams:
             raise ValueError(f"the decided-serial A/B needs ab_pairs 0 (skip) or >= {AB_MIN_PAIRS}, ab_warmup >= 0")
         if self.pt_pairs != 0 and self.pt_pairs < AB_MIN_PAIRS:
             raise ValueError(f"the paired pass-through figure needs pt_pairs 0 (skip) or >= {AB_MIN_PAIRS}")
+        if self.wd_pairs != 0 and self.wd_pairs < AB_MIN_PAIRS:
+            raise ValueError(f"the watchdog's paired figure needs wd_pairs 0 (skip) or >= {AB_MIN_PAIRS}")
 
 
 def _figure(samples: Sequence[float]) -> dict[str, float]:
@@ -358,6 +375,7 @@ def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, 
         if not engines["pass-through"].engine.unpatch(timeout=30.0):
             raise RuntimeError("the overhead harness could not unpatch its engine")
     order = ["unpatched", *PATHS]
+    engaged_ns: list[int] = []
     for r in range(params.rounds):
         times: dict[str, list[int]] = {}
         for name in order[r % 3 :] + order[: r % 3]:
@@ -371,6 +389,7 @@ def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, 
                     raise RuntimeError("the overhead harness could not unpatch its engine")
         base = statistics.median(times["unpatched"])
         base_medians.append(base)
+        engaged_ns += times["engaged"]
         samples["engaged"] += [(t - base) / 1e3 / pairs for t in times["engaged"]]
         samples["pass-through-step"] += [(t - base) / 1e3 for t in times["pass-through"]]
         samples["pass-through"] += [(t - base) / 1e3 / calls for t in times["pass-through"]]
@@ -393,6 +412,7 @@ def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, 
         counted = sum(n for r, n in counts["serial_reasons"].items() if reason in r)
         if counted != paired_steps or counts["steps"]["overlap"]:
             raise RuntimeError(f"the {kind!r} pass-through steps were not taken as planned: {counts}")
+    watchdog = watchdog_pairs(params, step, manifest, statistics.median(engaged_ns))
     counters = engines["engaged"].runtime.counters.to_dict()["steps"]
     passed = engines["pass-through"].runtime.counters.to_dict()["steps"]
     expected = params.rounds * (params.warmup + params.steps)
@@ -409,8 +429,78 @@ def _measure_shape(params: OverheadParams, layers: int, stages: int, root: str, 
         "passthrough_paired_us_per_step": paired,
         "static_serial_paired_us_per_step": static,
         "passthrough_frames_us_per_step": own,
+        "watchdog_paired_us_per_step": watchdog,
         "_samples": samples,
     }
+
+
+#: About how long one block of the watchdog's paired figure lasts (s): two of the watcher's longest pauses, so that
+#: its looks at a block's steps mostly fall inside that block.
+WD_BLOCK_S = 2 * MAX_POLL_S
+#: The fewest and the most engaged steps in one block of the watchdog's paired figure.
+WD_MIN_BLOCK, WD_MAX_BLOCK = 5, 5000
+
+
+def watchdog_pairs(params: OverheadParams, step: Callable[[], Any], manifest: Any, step_ns: float) -> dict[str, Any]:
+    """The watchdog's added host cost per engaged step (see the module docstring): one engine, engaged on every step,
+    applied to the shape's world; each pair runs one block of steps with the engine's configuration at the
+    watchdog's default and one with ``watchdog_s`` 0 (the two configurations differ in nothing else; the engine's
+    ``config`` is swapped before each block, a step reads it as it starts), back to back, alternating which runs
+    first (:func:`time_pairs`). ``step_ns``: the shape's engaged step time, which sizes a block."""
+    if not params.wd_pairs:
+        return {"median": None, "why": "skipped (wd_pairs 0)"}
+    on = engaged_config()
+    off = replace(on, watchdog_s=0.0)
+    if on.watchdog_s != DEFAULT_WATCHDOG_S:
+        raise RuntimeError(f"the overhead harness's engaged steps run the watchdog at {on.watchdog_s}, not its default")
+    block = max(WD_MIN_BLOCK, min(WD_MAX_BLOCK, round(WD_BLOCK_S * 1e9 / max(step_ns, 1.0))))
+    patch_layer = emulated_patch_layer()
+    patch_layer.runtime.runners.make_backend = noop_backend
+    engine = patch_layer.engine
+
+    def blocks(cfg: OverlapConfig) -> Callable[[], None]:
+        def run() -> None:
+            engine.config = cfg
+            for _ in range(block):
+                step()
+
+        return run
+
+    watched, unwatched = blocks(on), blocks(off)
+    _settle_watcher()
+    handed = WATCHER.handed
+    engine.apply(config=on, manifest=manifest, strict=True)
+    try:
+        watched()
+        unwatched()
+        on_ns, off_ns = time_pairs(watched, unwatched, params.wd_pairs)
+    finally:
+        engine.config = on
+        _unpatch(patch_layer)
+    counted = patch_layer.runtime.counters.to_dict()["steps"]
+    steps = 2 * (params.wd_pairs + 1) * block
+    if counted["overlap"] != steps or WATCHER.handed - handed != steps // 2:
+        raise RuntimeError(
+            f"the watchdog's arms did not run as planned: {counted['overlap']} engaged steps of {steps}, "
+            f"{WATCHER.handed - handed} handed to the watcher of {steps // 2}"
+        )
+    extra = [(a - b) / 1e3 / block for a, b in zip(on_ns, off_ns, strict=True)]
+    pct = [100.0 * (a / b - 1.0) for a, b in zip(on_ns, off_ns, strict=True)]
+    return {
+        **_extra_figure(extra),
+        "pct": _extra_figure(pct),
+        "pairs": params.wd_pairs,
+        "block_steps": block,
+        "off_us_per_step": round(statistics.median(off_ns) / 1e3 / block, 3),
+        "watchdog_s": on.watchdog_s,
+    }
+
+
+def _settle_watcher(timeout: float = 5.0) -> None:
+    """Wait until the step watcher follows no step (it has taken every step handed)."""
+    deadline = time.perf_counter() + timeout
+    while WATCHER.following() and time.perf_counter() < deadline:
+        time.sleep(0.005)
 
 
 #: Steps of each kind run before the paired pass-through figure's pairs.
@@ -676,12 +766,68 @@ def measure_overhead(params: OverheadParams) -> dict[str, Any]:
         "engaged_us_per_layer_stage": _figure(pooled["engaged"]),
         "passthrough_us_per_step": _figure(pooled["pass-through-step"]),
         "passthrough_us_per_call": _figure(pooled["pass-through"]),
+        "watchdog": _watchdog_summary(shapes),
         "shapes": shapes,
         "decided_serial_ab": ab,
         "params": asdict(params),
         "env": report_env(),
         "wall_s": round(time.perf_counter() - wall0, 2),
     }
+
+
+#: The goal for the watchdog's added host cost, in % of an engaged step's (docs/design.md, "The watchdog's default").
+WD_GOAL_PCT = 2.0
+
+
+def _watchdog_summary(shapes: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The shape whose watchdog figure has the largest median (in % of its engaged step), against the goal."""
+    taken = [s for s in shapes if (s.get("watchdog_paired_us_per_step") or {}).get("median") is not None]
+    if not taken:
+        return None
+    worst = max(taken, key=lambda s: s["watchdog_paired_us_per_step"]["pct"]["median"])
+    pct = worst["watchdog_paired_us_per_step"]["pct"]
+    return {
+        "watchdog_s": worst["watchdog_paired_us_per_step"]["watchdog_s"],
+        "largest_median_pct": pct["median"],
+        "ci95": pct["ci95"],
+        "layers": worst["layers"],
+        "stages": worst["stages"],
+        "goal_pct": WD_GOAL_PCT,
+    }
+
+
+def _interval_cell(figure: dict[str, Any]) -> str:
+    return f"{figure['median']:+.2f} [{figure['ci95'][0]:+.2f},{figure['ci95'][1]:+.2f}]"
+
+
+def _watchdog_table(result: dict[str, Any]) -> list[str]:
+    """Per shape, the watchdog's paired figure: µs per engaged step and % of it, median [95 % interval], min, max."""
+    shapes = [s for s in result["shapes"] if (s.get("watchdog_paired_us_per_step") or {}).get("median") is not None]
+    if not shapes:
+        return []
+    first = shapes[0]["watchdog_paired_us_per_step"]
+    lines = [
+        "",
+        f"watchdog at its default ({first['watchdog_s']:g} s) vs off, engaged steps: {first['pairs']} pairs of blocks "
+        "per shape, alternating which runs first",
+        f"{'layers':>6} {'stages':>6} {'block':>6} {'off us/step':>12} {'extra us/step':>22} {'extra %':>22} "
+        f"{'min %':>7} {'max %':>7}",
+    ]
+    for s in shapes:
+        w = s["watchdog_paired_us_per_step"]
+        pct = w["pct"]
+        lines.append(
+            f"{s['layers']:>6} {s['stages']:>6} {w['block_steps']:>6} {w['off_us_per_step']:>12.2f} "
+            f"{_interval_cell(w):>22} {_interval_cell(pct):>22} {pct['min']:>+7.2f} {pct['max']:>+7.2f}"
+        )
+    summary = result.get("watchdog")
+    if summary:
+        lines.append(
+            f"  largest median: {summary['largest_median_pct']:+.2f} % of the engaged step "
+            f"(95 % interval [{summary['ci95'][0]:+.2f}, {summary['ci95'][1]:+.2f}], {summary['layers']} x "
+            f"{summary['stages']}); goal: at most {summary['goal_pct']:g} %"
+        )
+    return lines
 
 
 def _paired_cell(shape: dict[str, Any]) -> str:
@@ -745,6 +891,7 @@ def format_overhead(result: dict[str, Any]) -> str:
             f"{s['wrapped_calls_per_step']:>6} {sp['median']:>8.2f} {sp['p90']:>8.2f} {_paired_cell(s)}"
         )
     lines += _passthrough_kinds_table(result["shapes"])
+    lines += _watchdog_table(result)
     ab = result.get("decided_serial_ab")
     if ab:
         w, x = ab["world"], ab["extra_pct"]

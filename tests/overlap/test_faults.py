@@ -75,6 +75,7 @@ from support.strategies import DIRECTIONS, FAULT_SITES, FaultRun, fault_runs, sc
 from camp2p_overlap.core.config import OverlapConfig
 from camp2p_overlap.core.overlap.session import StepSession
 from camp2p_overlap.core.overlap.streams import StreamPoisonedError, make_backend
+from camp2p_overlap.core.overlap.watch.watchdog import WATCHER_THREAD
 from camp2p_overlap.core.patch_layer import PatchLayer, build_patch_layer
 from camp2p_overlap.emulation.device import Stream
 from camp2p_overlap.emulation.faults import Fault, FaultPlan, InjectedIOError, run_step_bounded
@@ -306,7 +307,13 @@ STEP_BOUND_S = 20.0
 
 
 def _camp2p_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("camp2p-overlap-")]
+    """The patch layer's threads a step leaves behind (not the process's step watcher: it outlives its steps)."""
+    return [t for t in threading.enumerate() if t.name.startswith("camp2p-overlap-") and t.name != WATCHER_THREAD]
+
+
+def _threads() -> set[threading.Thread]:
+    """Every thread but the step watcher (it ends and starts again on its own, between steps)."""
+    return {t for t in threading.enumerate() if t.name != WATCHER_THREAD}
 
 
 def _stream_threads() -> list[threading.Thread]:
@@ -358,7 +365,7 @@ class Runner:
             want = fault.expected_error()
             assert (type(ser.error) if ser.error else None) is want, f"{run}: serial path gave {ser.error!r}"
 
-        before = set(threading.enumerate())
+        before = _threads()
         assert not _stream_threads(), f"{run}: stream threads alive before apply: {_stream_threads()}"
         cfg = OverlapConfig(
             enabled=True,
@@ -396,9 +403,9 @@ class Runner:
         finally:
             assert self.patch_layer.engine.unpatch(timeout=10)
         assert not _stream_threads(), f"{run}: stream threads left after unpatch: {_stream_threads()}"
-        for t in _camp2p_threads():  # cancelled watchdog timers end on their own
+        for t in _camp2p_threads():
             t.join(5.0)
-        after = set(threading.enumerate())
+        after = _threads()
         assert after == before, f"{run}: threads differ: new {after - before}, gone {before - after}"
 
 

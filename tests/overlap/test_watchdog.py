@@ -1,7 +1,8 @@
-"""The stall watchdog (VLLM_CAMP2P_MULTISTREAM_WATCHDOG_S): a step whose
-attention peer stops answering is reported, once, naming the (layer, stage)
-ops issued, the ones finished and the one pending; the watchdog only reads
-(the step's outcome is the same with it on or off).
+"""The stall watchdog (VLLM_CAMP2P_MULTISTREAM_WATCHDOG_S, on by default): a
+step whose attention peer stops answering is reported, once, naming the
+(layer, stage) ops issued, the ones finished and the one pending; the
+watchdog only reads (the step's outcome is the same with it on or off). One
+watcher thread per process follows every step handed to it.
 
 The CPU backend is the emulated device: the host enqueues every op and runs
 ahead, so by the time a stall is reported the host has usually issued and
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 from typing import Any
@@ -47,11 +49,14 @@ def stall_reports(cap: PackageLogs) -> list[str]:
     return [m for m in cap.messages if "has not finished after" in m]
 
 
-def _wait_watchdogs_gone(timeout: float = 5.0) -> list[threading.Thread]:
-    for t in threading.enumerate():
-        if t.name == "camp2p-overlap-watchdog":
-            t.join(timeout)
-    return [t for t in threading.enumerate() if t.name == "camp2p-overlap-watchdog"]
+def _still_followed(timeout: float = 5.0) -> int:
+    """How many steps the watcher still follows once they could all have ended (within ``timeout``)."""
+    from camp2p_overlap.core.overlap.watch.watchdog import WATCHER
+
+    deadline = time.perf_counter() + timeout
+    while WATCHER.following() and time.perf_counter() < deadline:
+        time.sleep(0.005)
+    return WATCHER.following()
 
 
 def _serial(patch_layer: PatchLayer, world, step: int) -> dict:
@@ -108,7 +113,7 @@ def test_stopped_peer_a2e_is_reported_once_with_the_pending_op(make_world, logs,
         "ops not finished: a2e(L1,s1) on K1, e2a(L1,s1) on K1, a2e(L2,s1) on K1, e2a(L1,s2) on K2, "
         "a2e(L2,s2) on K2, e2a(L2,s0) on K0, e2a(L2,s1) on K1, e2a(L2,s2) on K2"
     )
-    assert not _wait_watchdogs_gone()
+    assert not _still_followed()
 
 
 def test_stopped_peer_e2a_reports_it_and_the_a2e_queued_behind_it(make_world, logs, patch_layer: PatchLayer) -> None:
@@ -164,7 +169,7 @@ def test_compute_side_stopped_peer_a2e_blocks_c_and_the_ffn_stream_waits_for_it(
     assert "attention peer of stage 1 (group afd1) has not answered" in text
     assert text.count("likely missing peer op") == 1
     assert "event a L1 s1: pending" in text and "event join: pending" in text
-    assert not _wait_watchdogs_gone()
+    assert not _still_followed()
 
 
 def test_compute_side_stopped_peer_e2a_blocks_c_and_the_lookahead_behind_it(
@@ -282,7 +287,7 @@ def test_a_host_held_in_the_ffn_is_reported_from_the_live_session(
         assert "  FFN stream: F is at the FFN of (L1,s0), whose send the host has not issued yet\n" in text
     assert "every issued op has finished" in text and "likely missing peer op" not in text
     assert "ops not finished: none" in text
-    assert not _wait_watchdogs_gone()
+    assert not _still_followed()
 
 
 def test_fast_steps_log_no_stall(make_world, logs, patch_layer: PatchLayer) -> None:
@@ -294,8 +299,8 @@ def test_fast_steps_log_no_stall(make_world, logs, patch_layer: PatchLayer) -> N
         assert out.error is None and not out.hung
         assert_same(out.results, ref[n - 1])
     assert stall_reports(logs) == []
-    # Cancelled timers leave no thread behind.
-    assert not _wait_watchdogs_gone()
+    # Every step the watcher followed has ended.
+    assert not _still_followed()
 
 
 def _expected(patch_layer: PatchLayer, world) -> ExpectedSchedule:
@@ -332,7 +337,7 @@ def test_watchdog_only_reads_a_slow_step_has_the_same_outcome(
     w = make_world(layers=3, stage_ids=(0, 1), tokens=8)
     ref = _serial(patch_layer, w, 7)
     outcomes = {}
-    for watchdog in (None, 0.3):
+    for watchdog in (0.0, 0.3):
         _apply(patch_layer, watchdog_s=watchdog, layouts=(layout,))
         with FaultPlan(w, [fault]) as plan, recording() as rec:
             plan.arm()
@@ -344,7 +349,7 @@ def test_watchdog_only_reads_a_slow_step_has_the_same_outcome(
         res = check_step(ops, _expected(patch_layer, w))
         assert res.ok, str(res)
         outcomes[watchdog] = (out.results, _shape(ops), len(stall_reports(logs)))
-    (res_off, shape_off, n_off), (res_on, shape_on, n_on) = outcomes[None], outcomes[0.3]
+    (res_off, shape_off, n_off), (res_on, shape_on, n_on) = outcomes[0.0], outcomes[0.3]
     assert n_off == 0 and n_on == 1
     assert shape_on == shape_off
     assert res_on.keys() == res_off.keys() == ref.keys()
@@ -360,7 +365,7 @@ def test_watchdog_only_reads_a_failing_step_fails_the_same_way(make_world, logs,
     w = make_world(layers=2, stage_ids=(0, 1), tokens=8, op_timeout_s=0.6)
     ref_next = _serial(patch_layer, w, 9)
     errors = {}
-    for watchdog in (None, 0.1):
+    for watchdog in (0.0, 0.1):
         _apply(patch_layer, watchdog_s=watchdog)
         with FaultPlan(w, [Fault("stop", "a2e", 1, 1)]) as plan:
             plan.arm()
@@ -369,8 +374,8 @@ def test_watchdog_only_reads_a_failing_step_fails_the_same_way(make_world, logs,
         nxt = run_step_bounded(w, 9, STEP_BOUND_S)
         assert nxt.error is None
         assert_same(nxt.results, ref_next)
-    assert type(errors[None]) is type(errors[0.1]) is PeerTimeoutError
-    assert str(errors[None]) == str(errors[0.1])
+    assert type(errors[0.0]) is type(errors[0.1]) is PeerTimeoutError
+    assert str(errors[0.0]) == str(errors[0.1])
     assert len(stall_reports(logs)) == 1
 
 
@@ -568,14 +573,15 @@ def test_after_the_host_closes_the_step_the_watchdog_follows_the_device(logs) ->
     (text,) = stall_reports(logs)
     assert "FFN step 2 has not finished after 0.2 s" in text
     assert "event join s2: pending" in text
-    assert not _wait_watchdogs_gone()
+    assert not _still_followed()
 
 
 def test_stopped_watchdogs_end_without_a_report_or_a_query(logs) -> None:
-    """Before a graph capture the watchdogs following earlier steps are
-    stopped (no event may be queried while a capture is in progress): they
-    have ended when the call returns, query nothing more and report nothing."""
-    from camp2p_overlap.core.overlap.watch.watchdog import start_watchdog, stop_watchdogs
+    """Before a graph capture the watcher following earlier steps is
+    stopped (no event may be queried while a capture is in progress): its
+    thread and the steps it followed have ended when the call returns, query
+    nothing more and report nothing; the next step starts a new thread."""
+    from camp2p_overlap.core.overlap.watch.watchdog import WATCHER, start_watchdog, stop_watchdogs
 
     dev = _fake_device()
     session = _fake_session(dev)
@@ -586,45 +592,273 @@ def test_stopped_watchdogs_end_without_a_report_or_a_query(logs) -> None:
     deadline = time.perf_counter() + 5.0
     while not any(ev.queries for ev in dev.mod.made) and time.perf_counter() < deadline:
         time.sleep(0.001)  # until it follows the step
+    thread = WATCHER.thread()
+    assert thread is not None and thread.is_alive()
     assert stop_watchdogs()
+    assert not thread.is_alive() and WATCHER.thread() is None
     assert not watchdog.is_alive()
     queried = [ev.queries for ev in dev.mod.made]
     time.sleep(0.6)  # past its deadline
     assert not watchdog.is_alive() and not watchdog.reported
     assert [ev.queries for ev in dev.mod.made] == queried
     assert stall_reports(logs) == []
+    started = WATCHER.started
+    again = start_watchdog(30.0, session.snapshot, 4)
+    assert again is not None and WATCHER.started == started + 1
+    assert WATCHER.thread() is not None and WATCHER.thread() is not thread
+    assert stop_watchdogs() and not again.is_alive()
 
 
-def test_a_stop_racing_a_start_joins_only_started_watchdogs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``stop_watchdogs()`` on another thread while ``start_watchdog`` is
-    between listing its thread and starting it (before a capture) must not
-    ``join()`` an unstarted thread (which raises)."""
+def test_a_stop_racing_the_watchers_start_joins_only_a_started_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stop_watchdogs()`` on another thread while a step is starting the
+    watcher thread (before a capture) must not ``join()`` an unstarted
+    thread (which raises): it waits for the start, then ends the thread."""
     from camp2p_overlap.core.overlap.watch import watchdog as wd
 
+    assert wd.stop_watchdogs()
     errors: list[BaseException] = []
     stoppers: list[threading.Thread] = []
-    real_start = wd.StepWatchdog.start
+    real_thread = threading.Thread
 
-    def start_late(self: wd.StepWatchdog) -> None:
-        def stop() -> None:
-            try:
-                wd.stop_watchdogs(timeout=2)
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
+    def stop() -> None:
+        try:
+            wd.stop_watchdogs(timeout=2)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
 
-        stopper = threading.Thread(target=stop)
-        stoppers.append(stopper)
-        stopper.start()
-        stopper.join(0.3)  # the stop runs now, if nothing keeps it out
-        real_start(self)
+    class StartsLate(real_thread):
+        def start(self) -> None:
+            if self.name == wd.WATCHER_THREAD:
+                stopper = real_thread(target=stop)
+                stoppers.append(stopper)
+                stopper.start()
+                stopper.join(0.3)  # the stop runs now, if nothing keeps it out
+            super().start()
 
-    monkeypatch.setattr(wd.StepWatchdog, "start", start_late)
+    monkeypatch.setattr(wd.threading, "Thread", StartsLate)
     dog = wd.start_watchdog(60.0, lambda: None, 1)  # type: ignore[arg-type, return-value]
-    assert dog is not None
+    assert dog is not None and stoppers
     for t in stoppers:
         t.join(5)
     dog.join(5)
-    assert errors == [] and not dog.is_alive()
+    assert errors == [] and not dog.is_alive() and wd.WATCHER.thread() is None
+
+
+def _closed_fake_step(seconds: float, step_id: int, dev=None):
+    """A closed step of a fake device (its events pending until the test completes them), handed to the watcher."""
+    from camp2p_overlap.core.overlap.watch.watchdog import start_watchdog
+
+    dev = dev or _fake_device()
+    session = _fake_session(dev)
+    session.close(raising=True)
+    watch = start_watchdog(seconds, session.snapshot, step_id)
+    assert watch is not None
+    watch.cancel()
+    return dev, watch
+
+
+def _watcher_threads() -> list[threading.Thread]:
+    from camp2p_overlap.core.overlap.watch.watchdog import WATCHER_THREAD
+
+    return [t for t in threading.enumerate() if t.name == WATCHER_THREAD and t.is_alive()]
+
+
+def test_one_watcher_follows_two_steps_in_flight_on_two_devices(logs) -> None:
+    """Two steps in flight at once, on two runners' devices: one watcher
+    thread follows both; the one whose device completes ends unreported, the
+    other is reported once at its deadline."""
+    from camp2p_overlap.core.overlap.watch.watchdog import WATCHER
+
+    _, stalled = _closed_fake_step(0.3, 1)
+    done_dev, done = _closed_fake_step(30.0, 2)
+    time.sleep(0.05)
+    assert stalled.is_alive() and done.is_alive()
+    assert _watcher_threads() == [WATCHER.thread()]  # one thread follows both
+    for ev in done_dev.mod.made:
+        ev.done = True
+    done.join(5.0)
+    assert not done.is_alive() and not done.reported
+    stalled.join(5.0)
+    assert not stalled.is_alive() and stalled.reported
+    (text,) = stall_reports(logs)
+    assert "FFN step 1 has not finished after 0.3 s" in text
+    assert not _still_followed()
+
+
+def test_two_steps_in_flight_on_one_device_end_with_the_later_one(logs) -> None:
+    """The host ran ahead: two closed steps of one runner are in flight on
+    its device (the second re-recorded the first's pooled events). One
+    watcher follows both through the later one: once its events complete,
+    both end unreported; if they never do, the older is reported once and
+    the later one, which cannot finish before it, ends unreported."""
+    dev, first = _closed_fake_step(30.0, 1)
+    _, second = _closed_fake_step(30.0, 2, dev)
+    time.sleep(0.05)
+    assert first.is_alive() and second.is_alive()
+    assert len(_watcher_threads()) == 1
+    for ev in dev.mod.made:
+        ev.done = True
+    first.join(5.0)
+    second.join(5.0)
+    assert not first.is_alive() and not second.is_alive()
+    assert not first.reported and not second.reported
+    assert stall_reports(logs) == []
+
+    dev, first = _closed_fake_step(0.2, 3)
+    _, second = _closed_fake_step(0.25, 4, dev)
+    first.join(5.0)
+    second.join(5.0)
+    assert first.reported and not second.reported and not second.is_alive()
+    (text,) = stall_reports(logs)
+    assert "FFN step 3 has not finished after 0.2 s" in text
+    assert not _still_followed()
+
+
+def test_a_step_not_to_follow_on_the_device_ends_with_the_hosts_part(logs) -> None:
+    """``follow=False`` (upstream's capture runs unguarded: its target is
+    refused): once the host has left the step the watcher ends it without a
+    query; a step the host has not left by its deadline is still reported."""
+    from camp2p_overlap.core.overlap.watch.watchdog import start_watchdog
+
+    dev = _fake_device()
+    session = _fake_session(dev)
+    session.close(raising=True)
+    watch = start_watchdog(30.0, session.snapshot, 1, follow=False)
+    assert watch is not None
+    watch.cancel()
+    watch.join(5.0)
+    assert not watch.is_alive() and not watch.reported
+    assert [ev.queries for ev in dev.mod.made] == [0] * len(dev.mod.made)
+
+    dev = _fake_device()
+    live = _fake_session(dev)  # the host is still in it
+    watch = start_watchdog(0.2, live.snapshot, 2, follow=False)
+    assert watch is not None
+    watch.join(5.0)
+    assert watch.reported
+    (text,) = stall_reports(logs)
+    assert "FFN step 2 has not finished after 0.2 s" in text and "host: in the FFN of (L0,s0)" in text
+    live.close(raising=True)
+    assert not _still_followed()
+
+
+def test_a_runners_completed_step_is_dropped_when_its_next_step_opens() -> None:
+    """When a runner's next step opens, its thread reads the previous step's
+    tail on the device: complete, the step is dropped there and its session
+    dies as young as without the watchdog (kept longer, sessions reach the
+    collector's oldest generation); not complete, the watcher keeps it."""
+    import gc
+    import weakref
+
+    from camp2p_overlap.core.overlap.watch.watchdog import start_watchdog
+
+    dev = _fake_device()
+    first = _fake_session(dev)
+    first.close(raising=True)
+    start_watchdog(30.0, first.snapshot, 1).cancel()  # type: ignore[union-attr]
+    for ev in dev.mod.made:
+        ev.done = True
+    gone = weakref.ref(first)
+    del first
+    second = _fake_session(dev)  # the runner's next step opens
+    later = start_watchdog(30.0, second.snapshot, 2)
+    assert later is not None
+    gc.collect()
+    assert gone() is None  # dropped by the step's thread as the next step opened
+    second.close(raising=True)
+    later.cancel()
+    for ev in dev.mod.made:
+        ev.done = False  # its device work has not run yet
+    kept = weakref.ref(second)
+    del second
+    third = _fake_session(dev)
+    last = start_watchdog(30.0, third.snapshot, 3)
+    assert last is not None
+    gc.collect()
+    assert kept() is not None and later.is_alive()  # not complete: still followed
+    third.close(raising=True)
+    last.cancel()
+    for ev in dev.mod.made:
+        ev.done = True
+    later.join(5.0)
+    last.join(5.0)
+    assert not later.is_alive() and not last.is_alive() and not later.reported
+    assert not _still_followed()
+
+
+def _in_forked_child() -> int:
+    """The child's checks (an exit code: 0 passed)."""
+    from camp2p_overlap.core.overlap.watch.watchdog import WATCHER
+
+    if WATCHER.thread() is not None or WATCHER.following():
+        return 10
+    if WATCHER.started:
+        return 11
+    _, watch = _closed_fake_step(0.2, 7)
+    thread = WATCHER.thread()
+    if thread is None or not thread.is_alive() or WATCHER.started != 1:
+        return 12
+    watch.join(5.0)
+    return 0 if watch.reported else 13
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_starts_a_watcher_of_its_own() -> None:
+    """A forked child has no watcher thread and follows none of its parent's
+    steps; its first step starts a watcher of its own, which reports."""
+    from camp2p_overlap.core.overlap.watch.watchdog import WATCHER
+
+    dev, parent = _closed_fake_step(30.0, 1)
+    deadline = time.perf_counter() + 5.0
+    while WATCHER.following() and not any(ev.queries for ev in dev.mod.made) and time.perf_counter() < deadline:
+        time.sleep(0.001)  # until the parent's watcher follows it
+    assert WATCHER.thread() is not None and parent.is_alive()
+    pid = os.fork()
+    if pid == 0:  # the child: only os._exit leaves it (no pytest machinery here)
+        code = 1
+        try:
+            code = _in_forked_child()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    assert code == 0, {
+        10: "the child inherited its parent's watcher or steps",
+        11: "the child inherited its parent's thread count",
+        12: "the child's first step started no watcher of its own",
+        13: "the child's stalled step was not reported",
+    }.get(code, f"the child failed (exit {code})")
+    assert parent.is_alive()  # the parent's watcher still follows its step
+    for ev in dev.mod.made:
+        ev.done = True
+    parent.join(5.0)
+    assert not parent.is_alive() and not parent.reported
+
+
+def test_the_watchdog_is_on_by_default_and_0_turns_it_off(make_world, logs, patch_layer: PatchLayer) -> None:
+    """With no watchdog setting an engaged step is handed to the watcher (at
+    the default 60 s); a stalled step with ``watchdog_s=0`` hands none and
+    is not reported, and ``start_watchdog`` refuses 0."""
+    from camp2p_overlap.core.env_vars import DEFAULT_WATCHDOG_S
+    from camp2p_overlap.core.overlap.watch.watchdog import WATCHER, start_watchdog
+
+    w = make_world(layers=2, stage_ids=(0, 1), tokens=8, op_timeout_s=0.6)
+    _apply(patch_layer)
+    assert patch_layer.engine.config.watchdog_s == DEFAULT_WATCHDOG_S == 60.0
+    handed = WATCHER.handed
+    out = run_step_bounded(w, 1, STEP_BOUND_S)
+    assert out.error is None and not out.hung
+    assert WATCHER.handed == handed + 1
+    assert not _still_followed() and stall_reports(logs) == []
+
+    _apply(patch_layer, watchdog_s=0)
+    handed = WATCHER.handed
+    with FaultPlan(w, [Fault("stop", "a2e", 1, 1)]) as plan:
+        plan.arm()
+        out = run_step_bounded(w, 2, STEP_BOUND_S)
+    assert isinstance(out.error, PeerTimeoutError), out
+    assert WATCHER.handed == handed and stall_reports(logs) == []
+    assert start_watchdog(0.0, lambda: None, 3) is None  # type: ignore[arg-type]
 
 
 def _groups(size: int) -> list[RankGroup]:
@@ -674,7 +908,7 @@ def test_a_stall_in_an_ffn_rank_group_names_this_rank_and_each_peers_heartbeat(
     assert lines[i + 4] == "  FFN peers that stopped answering: rank(s) 2, 3"
     assert "likely missing peer op: a2e(L1,s1) on K1" in text  # the rest of the report as without a group
     assert text.rstrip().splitlines()[-1].startswith("  ops not finished: a2e(L1,s1) on K1")
-    assert not _wait_watchdogs_gone()
+    assert not _still_followed()
 
 
 class _Peers:

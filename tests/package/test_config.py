@@ -15,6 +15,7 @@ import camp2p_overlap
 from camp2p_overlap.core import config
 from camp2p_overlap.core.config import ENV_VARS, ConfigError, OverlapConfig, load_config
 from camp2p_overlap.core.env_vars import (
+    DEFAULT_WATCHDOG_S,
     ENV_A2E,
     ENV_ADAPTIVE,
     ENV_BACKEND,
@@ -45,8 +46,15 @@ def test_defaults_from_an_empty_environment() -> None:
     assert cfg == OverlapConfig()
     assert cfg.enabled is False and cfg.a2e_on_side_stream and cfg.e2a_on_side_stream
     assert cfg.min_stages == 2 and cfg.graph == "0" and cfg.backend == "auto"
-    assert cfg.strict is False and cfg.watchdog_s is None and dict(cfg.raw) == {}
+    assert cfg.strict is False and cfg.watchdog_s == DEFAULT_WATCHDOG_S == 60.0 and dict(cfg.raw) == {}
     assert cfg.layouts == ("compute-side",) and cfg.graph_comm_side is False
+
+
+@pytest.mark.parametrize("raw", ["0", "0.0", "off", " OFF ", "Off"])
+def test_the_watchdog_is_on_by_default_and_0_or_off_turns_it_off(raw: str) -> None:
+    assert load_config({}).watchdog_s == DEFAULT_WATCHDOG_S
+    assert load_config({ENV_WATCHDOG: raw}).watchdog_s == 0.0
+    assert load_config({ENV_WATCHDOG: "2.5"}).watchdog_s == 2.5
 
 
 def test_unrelated_variables_are_ignored() -> None:
@@ -124,7 +132,7 @@ BAD = [
     (ENV_BACKEND, "npu0"),
     (ENV_STRICT, "sure"),
     (ENV_WATCHDOG, "abc"),
-    (ENV_WATCHDOG, "0"),
+    (ENV_WATCHDOG, "no"),
     (ENV_WATCHDOG, "-1"),
     (ENV_WATCHDOG, "nan"),
     (ENV_WATCHDOG, "inf"),

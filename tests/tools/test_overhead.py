@@ -3,7 +3,8 @@ it cancels out, a known cost inside it shows, every step takes the path
 the harness says it measures, the wrapped calls of a pass-through step are
 counted as installed, and the decided-serial A/B really pairs an unpatched
 and an applied copy of the stand-ins on the sweep's emulated world, after an
-A/A control of both copies unpatched. Behaviour only:
+A/A control of both copies unpatched, and the watchdog's figure pairs blocks
+of engaged steps with it at its default and off. Behaviour only:
 no timing goal here (the figures belong to the command's own output)."""
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ FIGURE = {"median", "p90", "samples"}
 
 def _small(**changes: Any) -> OverheadParams:
     values: dict[str, Any] = {"layers": (4,), "stages": (2,), "steps": 20, "warmup": 2, "rounds": 3}
-    values.update(ab_pairs=20, ab_warmup=1, pt_pairs=20)
+    values.update(ab_pairs=20, ab_warmup=1, pt_pairs=20, wd_pairs=0)
     values.update(changes)
     return OverheadParams(**values)
 
@@ -424,9 +425,12 @@ def test_a_report_of_the_block_design_still_prints() -> None:
     assert "over 3000 pairs" in out and "A/A control (both copies unpatched): +0.50 % median" in out
 
 
-def test_cli_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_writes_the_documented_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(overhead, "WD_BLOCK_S", 0.004)  # short blocks: the keys are what is checked here
     path = tmp_path / "overhead.json"
-    argv = ["overhead", "--layers", "2,3", "--stages", "1,2", "--steps", "6", "--rounds", "1"]
+    argv = ["overhead", "--layers", "2,3", "--stages", "1,2", "--steps", "6", "--rounds", "1", "--wd-pairs", "20"]
     assert main([*argv, "--ab-pairs", "20", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
     assert data["schema"] == "camp2p-overlap/overhead/v1"
@@ -447,6 +451,23 @@ def test_cli_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFi
         frames = s["passthrough_frames_us_per_step"]
         assert set(frames) == {overhead.PASSTHROUGH_KIND, *overhead.STATIC_SERIAL_KINDS}
         assert {f["pairs"] for f in frames.values()} == {overhead.FRAMES_PAIRS_PER_PAIR * data["params"]["pt_pairs"]}
+        wd = s["watchdog_paired_us_per_step"]
+        assert set(wd) == {
+            "median",
+            "ci95",
+            "min",
+            "max",
+            "pct",
+            "pairs",
+            "block_steps",
+            "off_us_per_step",
+            "watchdog_s",
+        }
+        assert set(wd["pct"]) == {"median", "ci95", "min", "max"}
+        assert (wd["pairs"], wd["watchdog_s"]) == (20, 60.0) and wd["block_steps"] >= overhead.WD_MIN_BLOCK
+    assert data["params"]["wd_pairs"] == 20
+    assert set(data["watchdog"]) == {"watchdog_s", "largest_median_pct", "ci95", "layers", "stages", "goal_pct"}
+    assert data["watchdog"]["goal_pct"] == 2.0
     assert data["engaged_us_per_layer_stage"]["samples"] == data["passthrough_us_per_step"]["samples"] == 4 * 6
     ab = data["decided_serial_ab"]
     assert set(ab) == {
@@ -470,15 +491,73 @@ def test_cli_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert "us per (layer, stage)" in out and "us per step" in out and "decided serial vs not applied" in out
     assert "over 20 pairs" in out and "A/A control (both copies unpatched)" in out
+    assert "watchdog at its default (60 s) vs off, engaged steps: 20 pairs of blocks" in out
+    assert "largest median:" in out and "goal: at most 2 %" in out
     assert "JSON:" in out
+
+
+def test_the_watchdog_figure_pairs_its_default_against_off_and_finds_a_cost_in_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each pair times one block of engaged steps with the engine's watchdog at its default and one with it off
+    (the first of each pair alternating); a cost put into the watchdog's hand-off shows in the figure, per engaged
+    step, and nothing of it in the blocks with the watchdog off."""
+    from camp2p_overlap.core.overlap.watch.watchdog import WATCHER
+
+    monkeypatch.setattr(overhead, "WD_BLOCK_S", 0.005)
+    arms: list[float | None] = []
+    time_pairs = overhead.time_pairs
+
+    def spy(first: Callable[[], Any], second: Callable[[], Any], pairs: int) -> Any:
+        def arm(block: Callable[[], Any]) -> Callable[[], Any]:
+            def run() -> None:
+                block()
+                arms.append(engine_config().watchdog_s)
+
+            return run
+
+        return time_pairs(arm(first), arm(second), pairs)
+
+    engines: list[PatchEngine] = []
+    real_apply = PatchEngine.apply
+
+    def apply(self: PatchEngine, **kwargs: Any) -> Any:
+        engines.append(self)
+        return real_apply(self, **kwargs)
+
+    def engine_config() -> Any:
+        return engines[-1].config
+
+    monkeypatch.setattr(overhead, "time_pairs", spy)
+    monkeypatch.setattr(PatchEngine, "apply", apply)
+    real_hand = WATCHER.hand
+
+    def slow_hand(watch: Any) -> None:
+        busy_wait(DELAY_US / 1e6)
+        real_hand(watch)
+
+    monkeypatch.setattr(WATCHER, "hand", slow_hand)
+    result = measure_overhead(_small(ab_pairs=0, pt_pairs=0, rounds=1, wd_pairs=20))
+    (shape,) = result["shapes"]
+    wd = shape["watchdog_paired_us_per_step"]
+    assert wd["pairs"] == 20 and wd["watchdog_s"] == 60.0
+    assert arms == [60.0, 0.0, 0.0, 60.0] * 10  # even pairs: the watchdog's block first
+    assert 0.8 * DELAY_US <= wd["median"] <= 3 * DELAY_US  # per engaged step
+    assert wd["ci95"][0] <= wd["median"] <= wd["ci95"][1] and wd["pct"]["median"] > 50
+    assert result["watchdog"]["largest_median_pct"] == wd["pct"]["median"]
+    out = overhead.format_overhead(result)
+    assert "watchdog at its default (60 s) vs off, engaged steps: 20 pairs of blocks per shape" in out
 
 
 def test_cli_skips_the_ab_when_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "overhead.json"
     argv = ["overhead", "--layers", "2", "--stages", "2", "--steps", "5", "--rounds", "1", "--ab-pairs", "0"]
-    assert main([*argv, "--json", str(path)]) == 0
-    assert json.loads(path.read_text())["decided_serial_ab"] is None
-    assert "decided serial vs not applied" not in capsys.readouterr().out
+    assert main([*argv, "--wd-pairs", "0", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["decided_serial_ab"] is None and data["watchdog"] is None
+    assert data["shapes"][0]["watchdog_paired_us_per_step"] == {"median": None, "why": "skipped (wd_pairs 0)"}
+    out = capsys.readouterr().out
+    assert "decided serial vs not applied" not in out and "watchdog at its default" not in out
 
 
 @pytest.mark.parametrize(
@@ -490,6 +569,7 @@ def test_cli_skips_the_ab_when_asked(tmp_path: Path, capsys: pytest.CaptureFixtu
         (["--delay-us", "-1"], "delay_us must be >= 0"),
         (["--ab-pairs", "19"], "the decided-serial A/B needs ab_pairs 0 (skip) or >= 20, ab_warmup >= 0"),
         (["--ab-pairs", "-1"], "the decided-serial A/B needs ab_pairs 0 (skip) or >= 20"),
+        (["--wd-pairs", "19"], "the watchdog's paired figure needs wd_pairs 0 (skip) or >= 20"),
     ],
 )
 def test_cli_refuses_bad_values(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

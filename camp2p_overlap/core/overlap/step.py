@@ -39,6 +39,7 @@ from camp2p_overlap.core.overlap.streams import BackendUnavailable, core_budget,
 from camp2p_overlap.core.overlap.streams.backend import GUARD, StreamBackend
 from camp2p_overlap.core.overlap.streams.streamset import StreamSet
 from camp2p_overlap.core.overlap.watch.watchdog import start_watchdog
+from camp2p_overlap.core.patching.features import GRAPH_VARIANTS
 from camp2p_overlap.core.patching.installer import MARK, live_namespace, target_named
 
 if TYPE_CHECKING:
@@ -442,9 +443,11 @@ class FfnStep:
                     mark.layout = layout.name
             else:
                 runtime.counters.engaged(decision.mode, layout.name)
-            # No watchdog inside a capture: its timer thread would query events while the capture runs (global
-            # capture mode forbids it), and a captured step only records work, it cannot stall.
-            watchdog = None if capturing else start_watchdog(seconds, session.snapshot, step_id, runtime.group)
+            # No watchdog inside a capture: the watcher would query events while the capture runs (global capture
+            # mode forbids it), and a captured step only records work, it cannot stall. Where upstream's capture is
+            # not wrapped (its target refused), no guard keeps the watcher out of it: it follows no step past the host.
+            follow = self.engine.feature_refusal(GRAPH_VARIANTS) is None
+            watchdog = None if capturing else start_watchdog(seconds, session.snapshot, step_id, runtime.group, follow)
             t0 = time.perf_counter_ns()
             local = runtime.local
             local.session = session
