@@ -273,23 +273,21 @@ TABLE: tuple[EnvVar, ...] = (
         "enabled",
         "switch",
         False,
-        "master switch: while it is off, `apply()` (which the vLLM plugin runs in each process) patches nothing",
+        "master switch: while it is off, `apply()` (the vLLM plugin runs it in each process) patches nothing",
     ),
     EnvVar(
         ENV_A2E,
         "a2e_on_side_stream",
         "switch",
         True,
-        "`comm-side` layout only: A2E (the receive from attention) on the per-stage side streams (off: on the"
-        " compute stream)",
+        "`comm-side` layout only: A2E (the receive from attention) on the per-stage side streams (off: on C)",
     ),
     EnvVar(
         ENV_E2A,
         "e2a_on_side_stream",
         "switch",
         True,
-        "`comm-side` layout only: E2A (the send to attention) on the per-stage side streams (off: on the compute"
-        " stream)",
+        "`comm-side` layout only: E2A (the send to attention) on the per-stage side streams (off: on C)",
     ),
     EnvVar(
         ENV_MIN_STAGES,
@@ -319,9 +317,8 @@ TABLE: tuple[EnvVar, ...] = (
         "graph_comm_side",
         "switch",
         False,
-        "opt-in: a decode graph's overlap variant may capture the `comm-side` layout (HCCL ops on side streams"
-        " inside a graph; upstream's NPU graph code keeps them on the capture's stream, see docs/design.md"
-        ' "Decode graphs")',
+        "opt-in: a decode graph's overlap variant may capture `comm-side` (HCCL on side streams in a graph, which"
+        ' upstream avoids: docs/design.md "Decode graphs")',
     ),
     EnvVar(
         ENV_BACKEND,
@@ -341,16 +338,15 @@ TABLE: tuple[EnvVar, ...] = (
         "strict",
         "switch",
         False,
-        "raise instead of logging when a value is malformed or the layer refuses: `apply()`, and so the vLLM"
-        " process starting it, fails",
+        "raise instead of logging when a value is malformed or the layer refuses: `apply()`, and so vLLM, fails",
     ),
     EnvVar(
         ENV_WATCHDOG,
         "watchdog_s",
         "seconds",
         DEFAULT_WATCHDOG_S,
-        "log a stall report (the ops issued, the events completed, the peer op most likely missing) when an"
-        " engaged step, or a decode graph replay (its key and variant), runs longer than this many seconds",
+        "log a stall report (ops issued, events completed, the likely missing peer op, the cores) when an"
+        " engaged step or a decode graph replay runs longer than this",
         low=0,
         zero="no watchdog",
         aliases=(("off", "0"),),
@@ -368,25 +364,23 @@ TABLE: tuple[EnvVar, ...] = (
         "vector_cores",
         "integer",
         None,
-        "the device's vector (AIV) core count, for the core budget rule (docs/design.md, \"Cores beside"
-        " collectives\"); read only where the device's properties give none",
+        "the device's vector core count where its properties give none (the core budget rule)",
         low=1,
         high=4096,
         noun="a core count",
-        unset="the device's `vector_core_num`",
+        unset="`vector_core_num`",
     ),
     EnvVar(
         ENV_MOE_CORES,
         "moe_cores",
         "integer",
         None,
-        "the vector cores one of the MoE's collective kernels (MC2 dispatch or combine) takes: its `Block Dim`"
-        " in a profiler's kernel list; an overlap layout engages only where its CAM kernels that can spin at once"
-        " and this fit the device's vector cores",
+        "vector cores one MoE collective (MC2) kernel takes, its profiler `Block Dim`: a layout engages only where"
+        " its CAM kernels and this fit",
         low=1,
         high=4096,
         noun="a core count",
-        unset="every vector core of the device (the strictest reading)",
+        unset="the whole device",
     ),
     EnvVar(
         ENV_ADAPTIVE,
@@ -415,8 +409,8 @@ TABLE: tuple[EnvVar, ...] = (
         "rollout mode, a rung of the ladder `parity` → `reorder` → `overlap`",
         choices=(
             ("overlap", f"the layout(s) of `{ENV_LAYOUT}`"),
-            ("reorder", "the overlap's issue order, every op on the compute stream"),
-            ("parity", "the layer engaged, every CAMP2P op on the compute stream in upstream's order"),
+            ("reorder", "the overlap's order, every op on the compute stream"),
+            ("parity", "the layer engaged, upstream's order on the compute stream"),
         ),
     ),
     EnvVar(
@@ -428,8 +422,7 @@ TABLE: tuple[EnvVar, ...] = (
         choices=(
             (
                 "compute-side",
-                "A2E/E2A on the caller's stream in the overlap's order, the FFN compute on one side stream per"
-                " runner: the layout NPU measurements favour; the default",
+                "A2E/E2A on the caller's stream in the overlap's order, the FFN on a side stream: the default",
             ),
             (
                 "comm-side",

@@ -305,6 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="the modelled FFN per (layer, stage), ms (12; shorter ones leave a 2-CPU host behind)",
     )
     bench.add_argument(
+        "--rank-cores",
+        dest="rank_cores",
+        type=int,
+        default=None,
+        metavar="N",
+        help="give each FFN rank's emulated device N vector cores: CAM 8, MC2's dispatch and combine the rest "
+        "(compute-side fits exactly; the layer's core rule sees the count)",
+    )
+    bench.add_argument(
         "--trace",
         metavar="PATH",
         help="write one traced step per policy as Chrome trace-event JSON (Perfetto, chrome://tracing): "
@@ -563,6 +572,7 @@ def _rank_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         "steps": args.rank_steps,
         "reps": args.rank_reps,
         "ffn_ms": args.rank_ffn_ms,
+        "vector_cores": args.rank_cores,
     }
     try:
         params = RankBenchParams(**{k: v for k, v in chosen.items() if v is not None})

@@ -28,10 +28,12 @@ from camp2p_overlap.core.env_vars import (
     ENV_METRICS_PORT,
     ENV_MIN_STAGES,
     ENV_MODE,
+    ENV_MOE_CORES,
     ENV_REPROBE,
     ENV_STRICT,
     ENV_SUMMARY,
     ENV_SWITCH,
+    ENV_VECTOR_CORES,
     ENV_WATCHDOG,
 )
 from camp2p_overlap.core.log import logger
@@ -139,6 +141,10 @@ BAD = [
     (ENV_GROUP_TIMEOUT, "soon"),
     (ENV_GROUP_TIMEOUT, "0"),
     (ENV_GROUP_TIMEOUT, "-5"),
+    (ENV_VECTOR_CORES, "forty-eight"),
+    (ENV_VECTOR_CORES, "0"),
+    (ENV_MOE_CORES, "4097"),
+    (ENV_MOE_CORES, "-8"),
     (ENV_ADAPTIVE, "auto"),
     (ENV_REPROBE, "sixty-four"),
     (ENV_REPROBE, "1"),
