@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.child import run_program
+from support.child import run_forked, run_program
 from support.logs import PackageLogs
 from support.overlap import Schedule, bounded, run_step, world
 
@@ -484,23 +484,17 @@ def test_a_forked_child_starts_its_counters_and_metrics_from_zero() -> None:
     c.serial("why")
     m.sync()
     parent = c.to_dict()
-    pid = os.fork()
-    if pid == 0:  # the child: only os._exit leaves it (no pytest machinery here)
-        code = 1
-        try:
-            code = _in_forked_child(c, m)
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    code = os.waitstatus_to_exitcode(status)
-    assert code == 0, {
-        10: "the child's counters kept the parent's counts",
-        11: "the child's metrics kept the parent's counts",
-        12: "the child's own step was not exported alone",
-        13: "the child's own replay was not exported alone",
-        14: "the child lost the mode gauge",
-        15: "the child's own step was not exported alone under its layout",
-    }.get(code, f"the child failed (exit {code})")
+    run_forked(
+        lambda: _in_forked_child(c, m),
+        {
+            10: "the child's counters kept the parent's counts",
+            11: "the child's metrics kept the parent's counts",
+            12: "the child's own step was not exported alone",
+            13: "the child's own replay was not exported alone",
+            14: "the child lost the mode gauge",
+            15: "the child's own step was not exported alone under its layout",
+        },
+    )
     # The parent's counts and metrics are untouched by the fork.
     assert c.to_dict() == parent
     assert samples(families(m)[metrics.STEPS], "path")["overlap"] == 3.0

@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import pytest
+from support.child import run_forked
 from support.logs import PackageLogs
 from support.overlap import assert_same
 
@@ -813,21 +814,15 @@ def test_a_forked_child_starts_a_watcher_of_its_own() -> None:
     while WATCHER.following() and not any(ev.queries for ev in dev.mod.made) and time.perf_counter() < deadline:
         time.sleep(0.001)  # until the parent's watcher follows it
     assert WATCHER.thread() is not None and parent.is_alive()
-    pid = os.fork()
-    if pid == 0:  # the child: only os._exit leaves it (no pytest machinery here)
-        code = 1
-        try:
-            code = _in_forked_child()
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    code = os.waitstatus_to_exitcode(status)
-    assert code == 0, {
-        10: "the child inherited its parent's watcher or steps",
-        11: "the child inherited its parent's thread count",
-        12: "the child's first step started no watcher of its own",
-        13: "the child's stalled step was not reported",
-    }.get(code, f"the child failed (exit {code})")
+    run_forked(
+        _in_forked_child,
+        {
+            10: "the child inherited its parent's watcher or steps",
+            11: "the child inherited its parent's thread count",
+            12: "the child's first step started no watcher of its own",
+            13: "the child's stalled step was not reported",
+        },
+    )
     assert parent.is_alive()  # the parent's watcher still follows its step
     for ev in dev.mod.made:
         ev.done = True

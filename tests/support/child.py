@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 #: The repository root (the checkout the tests run from).
@@ -68,3 +69,18 @@ def run_cli(
         timeout=timeout,
         cwd=str(REPO),
     )
+
+
+def run_forked(child: Callable[[], int], meanings: Mapping[int, str]) -> None:
+    """Run ``child`` in a forked child (left only by ``os._exit``: no pytest machinery there) and assert it exited 0;
+    a non-zero code fails with its meaning in ``meanings``."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = child()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    assert code == 0, meanings.get(code, f"the child failed (exit {code})")
